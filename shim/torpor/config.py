@@ -1,0 +1,87 @@
+"""Settings: built-in defaults < /etc/torpor/config.toml (or $TORPOR_CONFIG) < environment.
+
+The TOML file is optional. Every key is documented in packaging/config.toml, which is also
+what ./install.sh puts in /etc/torpor/. Environment variables exist for tests and one-off
+runs: TORPOR_STATE_DIR, TORPOR_RUN_DIR, TORPOR_LIBCUDA, TORPOR_CRIU, TORPOR_LOCK_TIMEOUT.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+try:
+    import tomllib  # Python >= 3.11: this *is* tomli, merged into the standard library
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+from .errors import UsageError
+
+DEFAULT_CONFIG_PATH = Path("/etc/torpor/config.toml")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    state_dir: Path = Path("/var/lib/torpor")   # journal and per-process locks (0700)
+    run_dir: Path = Path("/run/torpor")         # torpord's socket
+    libcuda: str = "libcuda.so.1"               # driver library holding cuCheckpointProcess*
+    criu: str = ""                              # CRIU binary; empty: search PATH and /usr/local/sbin
+    lock_timeout_s: float = 10.0                # how long a driver lock may wait for CUDA calls in flight
+    checksums: bool = True                      # sha256 of every image file in torpor.json
+    socket_owner_uid: int = 0                   # besides root, the one uid torpord answers
+
+    @property
+    def journal_dir(self) -> Path:
+        return self.state_dir / "journal"
+
+    @property
+    def locks_dir(self) -> Path:
+        return self.state_dir / "locks"
+
+    @property
+    def socket_path(self) -> Path:
+        return self.run_dir / "torpord.sock"
+
+
+_ENV = {
+    "TORPOR_STATE_DIR": ("state_dir", Path),
+    "TORPOR_RUN_DIR": ("run_dir", Path),
+    "TORPOR_LIBCUDA": ("libcuda", str),
+    "TORPOR_CRIU": ("criu", str),
+    "TORPOR_LOCK_TIMEOUT": ("lock_timeout_s", float),
+}
+
+
+def load(path: Path | None = None, env: dict[str, str] | None = None) -> Config:
+    """Read the config file (if any) and the environment; bad values are one UsageError."""
+    env = os.environ if env is None else env
+    path = path or Path(env.get("TORPOR_CONFIG", DEFAULT_CONFIG_PATH))
+    values: dict[str, object] = {}
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    if path.exists():
+        try:
+            with open(path, "rb") as f:
+                raw = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise UsageError(f"cannot read config {path}: {e}") from e
+        for key, value in raw.items():
+            if key not in fields:
+                raise UsageError(f"config {path}: unknown key '{key}' (known: {', '.join(fields)})")
+            values[key] = value
+    for var, (key, conv) in _ENV.items():
+        if var in env and env[var] != "":
+            values[key] = env[var]
+    try:
+        for key, value in list(values.items()):
+            default = getattr(Config, key)
+            kind = type(default)
+            if kind is bool and not isinstance(value, bool):
+                raise ValueError(f"{key} must be true or false")
+            values[key] = Path(value) if kind.__name__.endswith("Path") else kind(value)
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"bad setting: {e}") from e
+    cfg = Config(**values)  # type: ignore[arg-type]
+    if cfg.lock_timeout_s <= 0:
+        raise UsageError("lock_timeout_s must be positive")
+    return cfg

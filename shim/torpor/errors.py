@@ -1,0 +1,79 @@
+"""One error family and the exit codes, in one place.
+
+Every error torpor raises on purpose is a TorporError; `main()` prints its message as one
+line on stderr and exits with its exit code. Tracebacks go to the log (or the terminal with
+--debug), never to the operator by default.
+"""
+
+from __future__ import annotations
+
+
+class ExitCode:
+    """Documented exit codes of the `torpor` command (README, "Exit codes")."""
+
+    OK = 0
+    ERROR = 1            # anything not covered below
+    USAGE = 2            # bad arguments or bad input (argparse uses 2 too)
+    NOT_FOUND = 3        # no such process, directory, archive or GPU
+    NO_DRIVER = 4        # no NVIDIA driver / no checkpoint API where one is needed
+    CRIU = 5             # CRIU missing, too old, or its dump/restore failed
+    BUSY = 6             # another torpor operation holds these processes
+    PREFLIGHT = 7        # restore refused before starting (GPU model, memory, driver)
+    ROLLED_BACK = 8      # a phase failed and the program was rolled back to RUNNING
+    CORRUPT = 9          # a checkpoint failed verification (manifest, checksums)
+    SIDECAR = 10         # torpord unreachable or refused the request
+    INTERRUPTED = 130    # Ctrl-C; the program was rolled back first
+
+
+class TorporError(Exception):
+    """An error with a message fit for an operator, and an exit code."""
+
+    exit_code = ExitCode.ERROR
+
+    def __init__(self, message: str, *, exit_code: int | None = None, hint: str | None = None):
+        super().__init__(message)
+        if exit_code is not None:
+            self.exit_code = exit_code
+        self.hint = hint
+
+    def line(self) -> str:
+        msg = str(self)
+        return f"{msg} ({self.hint})" if self.hint else msg
+
+
+class UsageError(TorporError):
+    exit_code = ExitCode.USAGE
+
+
+class NotFoundError(TorporError):
+    exit_code = ExitCode.NOT_FOUND
+
+
+class NoDriverError(TorporError):
+    exit_code = ExitCode.NO_DRIVER
+
+
+class CriuError(TorporError):
+    exit_code = ExitCode.CRIU
+
+
+class BusyError(TorporError):
+    exit_code = ExitCode.BUSY
+
+
+class PreflightError(TorporError):
+    exit_code = ExitCode.PREFLIGHT
+
+
+class RolledBackError(TorporError):
+    """A phase failed; every process was brought back to RUNNING before this was raised."""
+
+    exit_code = ExitCode.ROLLED_BACK
+
+
+class CorruptCheckpointError(TorporError):
+    exit_code = ExitCode.CORRUPT
+
+
+class SidecarError(TorporError):
+    exit_code = ExitCode.SIDECAR
