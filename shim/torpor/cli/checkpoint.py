@@ -1,0 +1,38 @@
+"""torpor checkpoint PID -D DIR [--leave-running]: checkpoint a process tree, GPU state included."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from .. import procs
+from ..process import checkpoint
+from ..progress import human_bytes
+from .context import Context, timing_lines
+
+NEEDS_RECOVERY = True
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("checkpoint", help=__doc__.split(":")[1].strip(), description=__doc__)
+    p.add_argument("pid", help="root of the process tree to checkpoint")
+    p.add_argument("-D", "--images-dir", required=True, type=Path,
+                   help="new or empty directory for the checkpoint (created 0700)")
+    p.add_argument("--leave-running", action="store_true",
+                   help="the program keeps running after the dump")
+    p.add_argument("--shell-job", action=argparse.BooleanOptionalAction, default=None,
+                   help="CRIU --shell-job (default: when the tree's session or tty lies outside it)")
+
+
+def run(args: argparse.Namespace, ctx: Context) -> int:
+    pid = procs.parse_pid(args.pid)
+    m = checkpoint(ctx.engine, pid, args.images_dir, leave_running=args.leave_running,
+                   shell_job=args.shell_job)
+    cuda = [p for p in m["processes"] if p["cuda"]]
+    ctx.emit({"images_dir": str(args.images_dir), "manifest": m},
+             f"checkpointed PID {pid} ({len(m['processes'])} process(es), {len(cuda)} with CUDA "
+             f"state, {human_bytes(m['sizes']['gpu_memory'])} GPU memory) into {args.images_dir}: "
+             f"{human_bytes(m['sizes']['total'])}\n"
+             + ("the program is still running\n" if args.leave_running else "")
+             + timing_lines(m["timings"]))
+    return 0

@@ -1,0 +1,44 @@
+"""What every subcommand gets: config, engine, progress and the output format."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from typing import Any
+
+from ..config import Config
+from ..engine import Engine
+from ..progress import Progress
+
+
+@dataclasses.dataclass
+class Context:
+    cfg: Config
+    json: bool
+    progress: Progress
+    _engine: Engine | None = None
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            self._engine = Engine(self.cfg, self.progress)
+        return self._engine
+
+    def emit(self, obj: Any, human: str) -> None:
+        """Print the result: JSON with --json, else the human text."""
+        if self.json:
+            json.dump(obj, sys.stdout, indent=2, sort_keys=True, default=str)
+            sys.stdout.write("\n")
+        else:
+            sys.stdout.write(human.rstrip("\n") + "\n")
+        sys.stdout.flush()
+
+
+def timing_lines(timings: dict[str, float]) -> str:
+    if not timings:
+        return ""
+    width = max(len(k) for k in timings)
+    rows = [f"  {k:<{width}}  {v:8.2f} s" for k, v in timings.items()]
+    rows.append(f"  {'total':<{width}}  {sum(timings.values()):8.2f} s")
+    return "\n".join(rows)

@@ -1,0 +1,46 @@
+"""torpor inspect DIR|ARCHIVE: what a checkpoint holds (GPUs, processes, timings, sizes)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from .. import manifest
+from ..archive import read_any
+from ..progress import human_bytes
+from .context import Context, timing_lines
+
+NEEDS_RECOVERY = False
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("inspect", help=__doc__.split(":")[1].strip(), description=__doc__)
+    p.add_argument("path", type=Path, help="checkpoint directory or archive (.tar, .tar.zst, ...)")
+    p.add_argument("--verify", action="store_true",
+                   help="also check every file's size and checksum (directories only)")
+
+
+def run(args: argparse.Namespace, ctx: Context) -> int:
+    m = read_any(args.path)
+    verified = None
+    if args.verify and args.path.is_dir():
+        manifest.verify(args.path, m, checksums=True)
+        verified = True
+    lines = [f"torpor checkpoint (schema {m['schema']}) made {m['created']} on {m['host']}",
+             f"  torpor {m['torpor_version']}, CRIU {m['criu_version']}, kernel {m['kernel']}, "
+             f"driver {m['driver'].get('version') or '-'}",
+             f"  size {human_bytes(m['sizes']['total'])} in {len(m['files'])} files, "
+             f"GPU memory {human_bytes(m['sizes'].get('gpu_memory', 0))}"]
+    for g in m["gpus"]:
+        lines.append(f"  GPU {g.get('index', '?')}: {g['name']} {g['uuid']} "
+                     f"({human_bytes(g.get('memory_total', 0))})")
+    for p in m["processes"]:
+        lines.append(f"  PID {p['pid']:>7} {p.get('comm', ''):<16} "
+                     + (f"CUDA on {', '.join(p['gpus']) or '?'}, {human_bytes(p['gpu_memory'])}"
+                        if p.get("cuda") else "no CUDA state"))
+    if m["timings"]:
+        lines.append("  timings:\n" + timing_lines(m["timings"]))
+    if verified:
+        lines.append("  verified: every file present with the right size and checksum")
+    ctx.emit({"manifest": m, "verified": verified}, "\n".join(lines))
+    return 0

@@ -1,0 +1,98 @@
+"""`torpor`: parse arguments, run one subcommand, turn every TorporError into one line.
+
+Exit codes are listed in torpor.errors.ExitCode (and the README). Tracebacks go to
+<state_dir>/torpor.log, or to the terminal with --debug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import traceback
+from pathlib import Path
+from types import ModuleType
+
+from .. import __version__, config
+from ..errors import ExitCode, TorporError
+from ..progress import Progress
+from . import checkpoint, demo, doctor, inspect, ps, restore, suspend
+from .context import Context
+
+COMMANDS: dict[str, ModuleType] = {
+    "doctor": doctor, "ps": ps, "checkpoint": checkpoint, "restore": restore,
+    "suspend": suspend, "resume": suspend, "inspect": inspect, "demo": demo,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="torpor", description="GPU-aware checkpoint/restore for containers and processes.")
+    parser.add_argument("--version", action="version", version=f"torpor {__version__}")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    parser.add_argument("--debug", action="store_true", help="tracebacks and debug logs on stderr")
+    parser.add_argument("--config", type=Path, help="config file (default /etc/torpor/config.toml)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module in dict.fromkeys(COMMANDS.values()):
+        module.add_parser(sub)
+    return parser
+
+
+def _setup_logging(cfg: config.Config, debug: bool) -> None:
+    root = logging.getLogger()
+    root.setLevel(logging.DEBUG)
+    if debug:
+        h = logging.StreamHandler(sys.stderr)
+        h.setLevel(logging.DEBUG)
+        root.addHandler(h)
+    try:
+        from ..files import private_dir
+        private_dir(cfg.state_dir)
+        fh = logging.FileHandler(cfg.state_dir / "torpor.log")
+        fh.setFormatter(logging.Formatter("%(asctime)s %(process)d %(name)s %(levelname)s %(message)s"))
+        fh.setLevel(logging.INFO)
+        root.addHandler(fh)
+    except OSError:
+        pass
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    debug = args.debug
+    try:
+        cfg = config.load(args.config)
+        _setup_logging(cfg, debug)
+        signal.signal(signal.SIGTERM, _interrupt)
+        signal.signal(signal.SIGHUP, _interrupt)
+        ctx = Context(cfg=cfg, json=args.json, progress=Progress(None if args.quiet else sys.stderr))
+        module = COMMANDS[args.command]
+        if getattr(module, "NEEDS_RECOVERY", False):
+            for msg in ctx.engine.recover():
+                ctx.progress.say(msg)
+        logging.getLogger("torpor").info("torpor %s", " ".join(sys.argv[1:]))
+        return int(module.run(args, ctx) or 0)
+    except TorporError as e:
+        logging.getLogger("torpor").error("%s", e, exc_info=True)
+        if debug:
+            traceback.print_exc()
+        print(f"torpor: error: {e.line()}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("torpor: interrupted", file=sys.stderr)
+        return ExitCode.INTERRUPTED
+    except Exception as e:  # a bug: still one line, the traceback in the log
+        logging.getLogger("torpor").critical("unexpected error", exc_info=True)
+        if debug:
+            traceback.print_exc()
+        print(f"torpor: internal error: {type(e).__name__}: {e} (see --debug)", file=sys.stderr)
+        return ExitCode.ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""torpor ps: GPU processes and their checkpoint state."""
+
+from __future__ import annotations
+
+import argparse
+
+from .. import gpus, procs
+from ..errors import NoDriverError
+from ..progress import human_bytes
+from .context import Context
+
+NEEDS_RECOVERY = True
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    sub.add_parser("ps", help=__doc__.split(":")[1].strip(), description=__doc__)
+
+
+def run(args: argparse.Namespace, ctx: Context) -> int:
+    engine = ctx.engine
+    inv = gpus.discover()  # NoDriverError: no NVIDIA driver, nothing to list
+    suspended = engine.journal.suspended()
+    pids = sorted({p.pid for p in inv.processes} | {p for p in suspended if procs.alive(p)})
+    try:
+        states = engine.cuda_states(pids)
+    except NoDriverError:
+        states = {}
+    rows = []
+    for pid in pids:
+        info = suspended.get(pid, {})
+        rows.append({"pid": pid, "comm": procs.comm(pid),
+                     "state": states[pid].name if pid in states else "?",
+                     "gpus": inv.gpus_of(pid) or info.get("gpus", []),
+                     "gpu_memory": inv.memory_of(pid) or 0,
+                     "suspended": pid in suspended})
+    index = {g.uuid: g.index for g in inv.gpus}
+    lines = [f"{'PID':>8}  {'STATE':<13} {'GPU':<5} {'MEMORY':>11}  COMMAND"]
+    for r in rows:
+        gpu = ",".join(str(index.get(u, "?")) for u in r["gpus"]) or "-"
+        lines.append(f"{r['pid']:>8}  {r['state']:<13} {gpu:<5} {human_bytes(r['gpu_memory']):>11}"
+                     f"  {r['comm']}")
+    if not rows:
+        lines.append("(no GPU processes)")
+    ctx.emit({"driver_version": inv.driver_version, "processes": rows}, "\n".join(lines))
+    return 0

@@ -1,0 +1,35 @@
+"""torpor suspend PID / torpor resume PID: release a program's GPU in place, and give it back."""
+
+from __future__ import annotations
+
+import argparse
+
+from .. import procs
+from ..process import resume, suspend
+from ..progress import human_bytes
+from .context import Context, timing_lines
+
+NEEDS_RECOVERY = True
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("suspend", help="move a program's GPU state to host memory and "
+                       "release the GPU; the program stays, paused in its CUDA calls")
+    p.add_argument("pid")
+    p.set_defaults(action="suspend")
+    p = sub.add_parser("resume", help="give a suspended program its GPU state back")
+    p.add_argument("pid")
+    p.set_defaults(action="resume")
+
+
+def run(args: argparse.Namespace, ctx: Context) -> int:
+    pid = procs.parse_pid(args.pid)
+    if args.action == "suspend":
+        r = suspend(ctx.engine, pid)
+        ctx.emit(r, f"suspended {', '.join(map(str, r['pids']))}: "
+                 f"{human_bytes(r['gpu_memory_released'])} of GPU memory released\n"
+                 + timing_lines(r["timings"]))
+    else:
+        r = resume(ctx.engine, pid)
+        ctx.emit(r, f"resumed {', '.join(map(str, r['pids']))}\n" + timing_lines(r["timings"]))
+    return 0

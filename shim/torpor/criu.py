@@ -1,0 +1,165 @@
+"""One door to CRIU: every CRIU call goes through run_criu().
+
+Explicit argv, a cleaned environment, the command logged, CRIU's own log kept (dump.log in
+the image directory, restore logs in the operation's work directory) and quoted only on
+failure. CRIU's plugin directory is pointed at an empty one: CRIU >= 4 ships a cuda plugin
+that would lock and checkpoint GPU state on its own, which is torpor's job here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable
+
+from .config import Config
+from .errors import CriuError
+from .files import private_dir
+
+log = logging.getLogger(__name__)
+
+MIN_VERSION = (4, 0)
+SEARCH = ("/usr/local/sbin/criu", "/usr/sbin/criu", "/usr/local/bin/criu", "/usr/bin/criu")
+CLEAN_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C"}
+
+DUMP_LOG = "dump.log"       # in the image directory, travels with the checkpoint
+RESTORE_LOG = "restore.log"  # in the restore's work directory
+
+
+@dataclasses.dataclass(frozen=True)
+class Criu:
+    path: str
+    version: tuple[int, ...]
+
+    @property
+    def version_text(self) -> str:
+        return ".".join(map(str, self.version))
+
+
+def _parse_version(text: str) -> tuple[int, ...]:
+    m = re.search(r"Version:\s*([0-9][0-9.]*)", text)
+    if not m:
+        return ()
+    return tuple(int(x) for x in m.group(1).strip(".").split("."))
+
+
+@functools.lru_cache(maxsize=4)
+def _probe(path: str) -> Criu:
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True,
+                             env=CLEAN_ENV, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise CriuError(f"cannot run CRIU at {path}: {e}") from e
+    version = _parse_version(out)
+    if not version:
+        raise CriuError(f"{path} does not look like CRIU ('--version' said: {out.strip()[:80]})")
+    return Criu(path, version)
+
+
+def find(cfg: Config) -> Criu:
+    """The configured CRIU, else the first on the search path; CriuError if none is >= 4.0."""
+    candidates = [cfg.criu] if cfg.criu else [p for p in SEARCH if os.access(p, os.X_OK)]
+    if not cfg.criu and shutil.which("criu"):
+        candidates.append(shutil.which("criu"))  # type: ignore[arg-type]
+    if not candidates:
+        raise CriuError("CRIU is not installed", hint="run ./install.sh")
+    found = [_probe(c) for c in candidates]
+    good = [c for c in found if c.version >= MIN_VERSION]
+    if not good:
+        raise CriuError(f"CRIU {found[0].version_text} at {found[0].path} is too old: "
+                        f"torpor needs 4.0 or newer",
+                        hint="3.x fails on current kernels; run ./install.sh to build 4.x")
+    return good[0]
+
+
+def _empty_plugin_dir(cfg: Config) -> Path:
+    return private_dir(cfg.state_dir / "criu-plugins-none")
+
+
+def log_errors(log_path: Path, n: int = 3) -> str:
+    """The last few error lines of a CRIU log, for a one-line message."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return f"(no log at {log_path})"
+    errs = [ln.split(": ", 1)[-1].strip() for ln in lines if "Error" in ln or "error" in ln]
+    picked = errs[-n:] if errs else lines[-n:]
+    return " | ".join(picked)
+
+
+def run_criu(criu: Criu, cfg: Config, action: str, args: list[str], log_path: Path,
+             *, timeout: float | None = None, watch: Callable[[], None] | None = None) -> None:
+    """Run `criu ACTION ARGS` with its log at log_path; CriuError quoting the log on failure."""
+    argv = [criu.path, action, *args, "--log-file", str(log_path), "-v4",
+            "--libdir", str(_empty_plugin_dir(cfg))]
+    log.info("running %s", " ".join(argv))
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(argv, env=CLEAN_ENV, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        raise CriuError(f"criu {action} did not finish in {timeout:.0f} s (log: {log_path})") from e
+    log.info("criu %s exited %d after %.2f s", action, proc.returncode, time.monotonic() - start)
+    if proc.returncode != 0:
+        said = proc.stdout.decode(errors="replace").strip().splitlines()
+        detail = log_errors(log_path) if log_path.exists() else (said[-1] if said else "")
+        raise CriuError(f"criu {action} failed: {detail} (log: {log_path})")
+
+
+def dump(criu: Criu, cfg: Config, pid: int, images_dir: Path, *, leave_running: bool,
+         shell_job: bool, extra: list[str] | None = None) -> None:
+    args = ["--tree", str(pid), "--images-dir", str(images_dir)]
+    if leave_running:
+        args.append("--leave-running")
+    if shell_job:
+        args.append("--shell-job")
+    run_criu(criu, cfg, "dump", args + list(extra or []), images_dir / DUMP_LOG)
+
+
+def restore(criu: Criu, cfg: Config, images_dir: Path, work_dir: Path, *, shell_job: bool,
+            extra: list[str] | None = None) -> int:
+    """Restore detached; returns the root PID CRIU reports."""
+    pidfile = work_dir / "restore.pid"
+    args = ["--images-dir", str(images_dir), "--work-dir", str(work_dir),
+            "--restore-detached", "--pidfile", str(pidfile)]
+    if shell_job:
+        args.append("--shell-job")
+    run_criu(criu, cfg, "restore", args + list(extra or []), work_dir / RESTORE_LOG)
+    try:
+        return int(pidfile.read_text().strip())
+    except (OSError, ValueError) as e:
+        raise CriuError(f"criu restore gave no PID (pidfile {pidfile}): {e}") from e
+
+
+def check(criu: Criu) -> tuple[bool, str]:
+    """`criu check`: (ok, what it said)."""
+    proc = subprocess.run([criu.path, "check"], env=CLEAN_ENV, capture_output=True, text=True,
+                          timeout=60)
+    said = (proc.stdout + proc.stderr).strip()
+    return proc.returncode == 0, said.splitlines()[-1] if said else ""
+
+
+def pstree(images_dir: Path) -> list[dict]:
+    """Entries of pstree.img (pid, ppid, pgid, sid, threads), read with CRIU's own pycriu."""
+    try:
+        import pycriu  # noqa: F401
+        from pycriu import images
+    except ImportError as e:
+        raise CriuError("pycriu is not installed (it comes with CRIU)",
+                        hint="run ./install.sh") from e
+    path = images_dir / "pstree.img"
+    try:
+        with open(path, "rb") as f:
+            img = images.load(f)
+    except FileNotFoundError:
+        raise CriuError(f"{images_dir} holds no CRIU image (no pstree.img)") from None
+    except Exception as e:  # pycriu raises its own and protobuf errors
+        raise CriuError(f"cannot read {path}: {e}") from e
+    return list(img["entries"])

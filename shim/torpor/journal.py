@@ -1,0 +1,177 @@
+"""The on-disk journal: no program is left locked or checkpointed by a torpor that died.
+
+Every operation that changes driver state writes `journal/<id>.json` before its first driver
+call and holds an flock on `journal/<id>.lock` for its whole life. The kernel drops that lock
+when the owner dies, however it dies (SIGKILL included), so the next torpor command (or
+torpord at start) finds entries whose lock it can take, and rolls their processes back
+to RUNNING: CHECKPOINTED -> restore + unlock, LOCKED -> unlock.
+
+Each process is also claimed with an flock on `locks/<pid>.lock` for the operation's life, so
+a second operation on the same PIDs is refused (BusyError) instead of racing the first.
+
+A suspended process (`torpor suspend`) is not an operation in flight: it is recorded in
+`suspended/<pid>.json` and left alone by recovery until `torpor resume`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+from .config import Config
+from .errors import BusyError
+from .files import private_dir, write_json
+
+
+def _try_flock(path: Path) -> int | None:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+@dataclasses.dataclass
+class Entry:
+    """One operation in flight."""
+
+    id: str
+    kind: str                      # checkpoint | restore | suspend | resume | ...
+    pids: list[int]
+    phase: str = "start"
+    gpu_map: dict[str, str] = dataclasses.field(default_factory=dict)
+    owner: int = dataclasses.field(default_factory=os.getpid)
+    started: float = dataclasses.field(default_factory=time.time)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Entry":
+        return cls(id=str(d["id"]), kind=str(d["kind"]), pids=[int(p) for p in d["pids"]],
+                   phase=str(d.get("phase", "?")), gpu_map=dict(d.get("gpu_map", {})),
+                   owner=int(d.get("owner", 0)), started=float(d.get("started", 0)))
+
+
+class Operation:
+    """An Entry plus the locks that make it ours. Use as a context manager."""
+
+    def __init__(self, journal: "Journal", entry: Entry, fds: list[int]):
+        self.journal, self.entry, self._fds = journal, entry, fds
+
+    def phase(self, name: str, *, pids: list[int] | None = None,
+              gpu_map: dict[str, str] | None = None) -> None:
+        """Record the phase about to start (and new PIDs, e.g. after CRIU restore)."""
+        self.entry.phase = name
+        if pids is not None:
+            self.journal._claim_more(self, pids)
+            self.entry.pids = list(pids)
+        if gpu_map is not None:
+            self.entry.gpu_map = dict(gpu_map)
+        self.journal._save(self.entry)
+
+    def close(self) -> None:
+        """The operation ended cleanly (or was rolled back): forget it."""
+        self.journal._entry_path(self.entry.id).unlink(missing_ok=True)
+        self.journal._entry_path(self.entry.id, ".lock").unlink(missing_ok=True)
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+    def __enter__(self) -> "Operation":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is None:
+            self.close()
+        # On an exception the entry stays on disk with our locks released when the
+        # process exits; the caller has rolled back (and calls close()) or died.
+
+
+class Journal:
+    def __init__(self, cfg: Config):
+        self.dir = private_dir(cfg.journal_dir)
+        self.locks = private_dir(cfg.locks_dir)
+        self.suspended_dir = private_dir(cfg.state_dir / "suspended")
+
+    def _entry_path(self, op_id: str, suffix: str = ".json") -> Path:
+        return self.dir / f"{op_id}{suffix}"
+
+    def _save(self, entry: Entry) -> None:
+        write_json(self._entry_path(entry.id), entry.to_json())
+
+    def _claim(self, pids: list[int]) -> list[int]:
+        fds: list[int] = []
+        for pid in pids:
+            fd = _try_flock(self.locks / f"{pid}.lock")
+            if fd is None:
+                for f in fds:
+                    os.close(f)
+                raise BusyError(f"PID {pid} is busy: another torpor operation is working on it")
+            fds.append(fd)
+        return fds
+
+    def _claim_more(self, op: Operation, pids: list[int]) -> None:
+        new = [p for p in pids if p not in op.entry.pids]
+        op._fds += self._claim(new)
+
+    def begin(self, kind: str, pids: list[int]) -> Operation:
+        """Claim pids and record the operation; BusyError if any pid is claimed already."""
+        op_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{kind}-{uuid.uuid4().hex[:8]}"
+        lock_fd = _try_flock(self._entry_path(op_id, ".lock"))
+        assert lock_fd is not None
+        try:
+            fds = [lock_fd] + self._claim(pids)
+        except BusyError:
+            os.close(lock_fd)
+            self._entry_path(op_id, ".lock").unlink(missing_ok=True)
+            raise
+        entry = Entry(op_id, kind, list(pids))
+        self._save(entry)
+        return Operation(self, entry, fds)
+
+    def orphans(self) -> Iterator[tuple[Entry, int]]:
+        """Entries whose owner is gone: yields (entry, lock fd); close the fd when handled."""
+        for path in sorted(self.dir.glob("*.json")):
+            fd = _try_flock(path.with_suffix(".lock"))
+            if fd is None:
+                continue  # its owner is alive and working
+            try:
+                entry = Entry.from_json(json.loads(path.read_text()))
+            except FileNotFoundError:
+                os.close(fd)  # its owner finished between our glob and our lock
+                continue
+            except (OSError, ValueError, KeyError, TypeError):
+                path.rename(path.with_suffix(".unreadable"))
+                os.close(fd)
+                continue
+            yield entry, fd
+
+    def forget(self, entry: Entry, fd: int) -> None:
+        self._entry_path(entry.id).unlink(missing_ok=True)
+        self._entry_path(entry.id, ".lock").unlink(missing_ok=True)
+        os.close(fd)
+
+    # -- suspended processes ------------------------------------------------------------
+    def mark_suspended(self, pid: int, info: dict) -> None:
+        write_json(self.suspended_dir / f"{pid}.json", info)
+
+    def suspended(self) -> dict[int, dict]:
+        out = {}
+        for path in self.suspended_dir.glob("*.json"):
+            try:
+                out[int(path.stem)] = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+        return out
+
+    def clear_suspended(self, pid: int) -> None:
+        (self.suspended_dir / f"{pid}.json").unlink(missing_ok=True)

@@ -1,0 +1,165 @@
+"""torpor.json: the GPU manifest written into every checkpoint directory.
+
+Schema (version 1), all keys always present:
+  schema            1
+  kind              "torpor-checkpoint"
+  created           ISO 8601 UTC
+  torpor_version, criu_version, host, kernel
+  driver            {"version": NVML driver version or null, "cuda": e.g. 13000 or null}
+  root_pid          the PID given to `torpor checkpoint` (the tree's root)
+  shell_job         whether CRIU needed --shell-job
+  leave_running     whether the program kept running after the dump
+  gpus              [{"uuid", "name", "memory_total", "index"}]  (those the processes used)
+  processes         [{"pid", "comm", "cuda", "gpus": [uuid], "gpu_memory", "state"}]
+  timings           {phase: seconds}
+  sizes             {"total": bytes, "gpu_memory": bytes}
+  files             {relative path: {"size": bytes, "sha256": hex or null}}
+
+Paths in `files` are never trusted: each must be a plain relative path that stays inside the
+checkpoint directory, or reading fails with CorruptCheckpointError.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import os
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from .errors import CorruptCheckpointError, NotFoundError
+from .files import write_json
+
+MANIFEST = "torpor.json"
+SCHEMA = 1
+NOT_CHECKSUMMED = {MANIFEST}
+
+_REQUIRED: dict[str, type | tuple[type, ...]] = {
+    "schema": int, "kind": str, "created": str, "torpor_version": str, "criu_version": str,
+    "host": str, "kernel": str, "driver": dict, "root_pid": int, "shell_job": bool,
+    "leave_running": bool, "gpus": list, "processes": list, "timings": dict, "sizes": dict,
+    "files": dict,
+}
+
+
+def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            block = f.read(chunk)
+            if not block:
+                return h.hexdigest()
+            h.update(block)  # hashlib drops the GIL for large blocks: files hash in parallel
+
+
+def _image_files(images_dir: Path) -> list[str]:
+    out = []
+    for root, _dirs, names in os.walk(images_dir):
+        for n in names:
+            rel = os.path.relpath(os.path.join(root, n), images_dir)
+            if rel not in NOT_CHECKSUMMED and not os.path.islink(os.path.join(root, n)):
+                out.append(rel)
+    return sorted(out)
+
+
+def file_table(images_dir: Path, checksums: bool) -> dict[str, dict[str, Any]]:
+    """Size (and sha256, in parallel) of every file in the image directory."""
+    rels = _image_files(images_dir)
+    sums: dict[str, str | None] = {r: None for r in rels}
+    if checksums:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 2)) as pool:
+            for rel, digest in zip(rels, pool.map(lambda r: sha256_file(images_dir / r), rels)):
+                sums[rel] = digest
+    return {r: {"size": (images_dir / r).stat().st_size, "sha256": sums[r]} for r in rels}
+
+
+def write(images_dir: Path, manifest: dict[str, Any]) -> Path:
+    validate(manifest)
+    path = images_dir / MANIFEST
+    write_json(path, manifest)
+    return path
+
+
+def safe_relpath(rel: str) -> PurePosixPath:
+    p = PurePosixPath(rel)
+    if p.is_absolute() or not p.parts or any(part in ("..", "") for part in p.parts) or "\0" in rel:
+        raise CorruptCheckpointError(f"unsafe path in manifest: {rel!r}")
+    return p
+
+
+def validate(m: Any) -> dict[str, Any]:
+    if not isinstance(m, dict):
+        raise CorruptCheckpointError("manifest is not a JSON object")
+    if m.get("kind") != "torpor-checkpoint":
+        raise CorruptCheckpointError("not a torpor manifest (kind is not 'torpor-checkpoint')")
+    if m.get("schema") != SCHEMA:
+        raise CorruptCheckpointError(f"manifest schema {m.get('schema')!r} is not supported "
+                                     f"(this torpor reads schema {SCHEMA})")
+    for key, kind in _REQUIRED.items():
+        if not isinstance(m.get(key), kind) or (kind is int and isinstance(m.get(key), bool)):
+            raise CorruptCheckpointError(f"manifest field '{key}' is missing or not {kind}")
+    for rel, info in m["files"].items():
+        safe_relpath(rel)
+        if not isinstance(info, dict) or not isinstance(info.get("size"), int):
+            raise CorruptCheckpointError(f"manifest entry for {rel!r} is malformed")
+    for p in m["processes"]:
+        if not isinstance(p, dict) or not isinstance(p.get("pid"), int):
+            raise CorruptCheckpointError("manifest process entry is malformed")
+    for g in m["gpus"]:
+        if not isinstance(g, dict) or not isinstance(g.get("uuid"), str):
+            raise CorruptCheckpointError("manifest GPU entry is malformed")
+    return m
+
+
+def parse(data: bytes, origin: str) -> dict[str, Any]:
+    try:
+        m = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(f"{origin}: manifest is not valid JSON ({e})") from e
+    try:
+        return validate(m)
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(f"{origin}: {e}") from e
+
+
+def read(images_dir: Path) -> dict[str, Any]:
+    path = images_dir / MANIFEST
+    if not images_dir.is_dir():
+        raise NotFoundError(f"no checkpoint directory {images_dir}")
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise NotFoundError(f"{images_dir} holds no torpor checkpoint (no {MANIFEST})") from None
+    return parse(data, str(path))
+
+
+def verify(images_dir: Path, m: dict[str, Any], checksums: bool = True) -> None:
+    """Every listed file present, inside the directory, of the right size and hash."""
+    root = images_dir.resolve()
+    bad = []
+    todo = []
+    for rel, info in m["files"].items():
+        path = (images_dir / safe_relpath(rel))
+        try:
+            real = path.resolve(strict=True)
+        except (FileNotFoundError, RuntimeError):
+            bad.append(f"{rel} is missing")
+            continue
+        if root not in real.parents or path.is_symlink() or not real.is_file():
+            bad.append(f"{rel} is not a plain file inside the checkpoint")
+            continue
+        if real.stat().st_size != info["size"]:
+            bad.append(f"{rel} has {real.stat().st_size} bytes, manifest says {info['size']}")
+            continue
+        if checksums and info.get("sha256"):
+            todo.append((rel, real, info["sha256"]))
+    if todo:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 2)) as pool:
+            for (rel, _real, want), got in zip(todo, pool.map(lambda t: sha256_file(t[1]), todo)):
+                if got != want:
+                    bad.append(f"{rel} checksum mismatch")
+    if bad:
+        more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
+        raise CorruptCheckpointError(f"checkpoint {images_dir} is damaged: "
+                                     + "; ".join(bad[:3]) + more)

@@ -1,0 +1,230 @@
+"""Checkpoint and restore of bare (non-container) process trees: engine + CRIU + manifest.
+
+checkpoint: lock -> checkpoint -> dump -> seal  (any failure before seal: rolled back)
+restore:    verify -> preflight -> restore -> gpu-restore -> unlock
+suspend:    lock -> checkpoint, and the process stays, its GPU memory released
+resume:     gpu-restore -> unlock
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shutil
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from . import __version__, criu, gpus, manifest, placement, procs
+from .driver import ProcessState
+from .engine import Engine
+from .errors import (NoDriverError, NotFoundError, PreflightError, TorporError, UsageError)
+from .files import private_dir, tree_size
+from .progress import human_bytes
+
+
+def _prepare_images_dir(images_dir: Path) -> bool:
+    """Create an empty private directory; True when we created it (so may remove it)."""
+    if images_dir.exists():
+        if not images_dir.is_dir():
+            raise UsageError(f"{images_dir} exists and is not a directory")
+        if any(images_dir.iterdir()):
+            raise UsageError(f"{images_dir} is not empty: give a new or empty directory")
+        private_dir(images_dir)
+        return False
+    private_dir(images_dir)
+    return True
+
+
+def _clear_partial(images_dir: Path, created: bool) -> None:
+    """A failed dump leaves partial images: remove them (they may fill the disk)."""
+    if created:
+        shutil.rmtree(images_dir, ignore_errors=True)
+    else:
+        for child in images_dir.iterdir():
+            if child.name == criu.DUMP_LOG:
+                continue  # keep CRIU's log: it says why
+            shutil.rmtree(child) if child.is_dir() else child.unlink(missing_ok=True)
+
+
+def _gpu_view(engine: Engine, tree: list[int]) -> tuple[dict[int, ProcessState], gpus.Inventory | None]:
+    states = engine.cuda_states(tree)
+    if not states:
+        return states, None
+    try:
+        inv = gpus.discover()
+    except NoDriverError:
+        inv = None
+    return states, inv
+
+
+def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: bool = False,
+               shell_job: bool | None = None) -> dict[str, Any]:
+    """Checkpoint the process tree rooted at pid into images_dir; returns the manifest."""
+    cfg, progress = engine.cfg, engine.progress
+    procs.require(pid)
+    tool = criu.find(cfg)                       # before anything touches the program
+    tree = procs.tree(pid)
+    states, inv = _gpu_view(engine, tree)
+    not_running = {p: s for p, s in states.items() if s != ProcessState.RUNNING}
+    if not_running:
+        p, s = next(iter(not_running.items()))
+        raise UsageError(f"PID {p} is {s.name} on the GPU, not RUNNING"
+                         + (": 'torpor resume' it first" if s == ProcessState.CHECKPOINTED else ""))
+    cuda_pids = sorted(states)
+    shell_job = procs.needs_shell_job(pid) if shell_job is None else shell_job
+    created = _prepare_images_dir(images_dir)
+    free = shutil.disk_usage(images_dir).free
+    estimate = sum(procs.rss_bytes(p) for p in tree) + (
+        sum(inv.memory_of(p) for p in cuda_pids) if inv else 0)
+    if estimate > free:
+        progress.say(f"warning: {images_dir} has {human_bytes(free)} free; the checkpoint may "
+                     f"need up to {human_bytes(estimate)}")
+    if not cuda_pids:
+        progress.say(f"no CUDA state in process tree {pid} ({len(tree)} processes): "
+                     "GPU phases skipped")
+    with engine.begin("checkpoint", tree) as op:
+        engine.lock_and_checkpoint(op, cuda_pids)
+        op.phase("dump")
+        try:
+            with progress.phase("dump", f"CRIU {tool.version_text}, {len(tree)} process(es) "
+                                f"to {images_dir}", measure=lambda: tree_size(images_dir)):
+                criu.dump(tool, cfg, pid, images_dir, leave_running=leave_running,
+                          shell_job=shell_job)
+        except BaseException as e:
+            _clear_partial(images_dir, created=False)
+            engine.fail(op, cuda_pids, e, during="dump")
+        if leave_running and cuda_pids:
+            engine.restore_and_unlock(op, cuda_pids)
+        op.phase("seal")
+        with progress.phase("seal", "manifest and checksums" if cfg.checksums else "manifest"):
+            files = manifest.file_table(images_dir, cfg.checksums)
+        m = _manifest(tool, inv, engine, tree, states, pid, shell_job, leave_running,
+                      dict(progress.timings), files)
+        manifest.write(images_dir, m)
+    return m
+
+
+def _manifest(tool: criu.Criu, inv: gpus.Inventory | None, engine: Engine, tree: list[int],
+              states: dict[int, ProcessState], root: int, shell_job: bool, leave_running: bool,
+              timings: dict[str, float], files: dict[str, Any]) -> dict[str, Any]:
+    drv = engine.driver_or_none()
+    used = sorted({u for p in states for u in (inv.gpus_of(p) if inv else [])})
+    gpu_list = [{"uuid": g.uuid, "name": g.name, "memory_total": g.memory_total, "index": g.index}
+                for g in (inv.gpus if inv else []) if g.uuid in used]
+    processes = [{"pid": p, "comm": procs.comm(p) if procs.alive(p) else "",
+                  "cuda": p in states, "gpus": inv.gpus_of(p) if inv and p in states else [],
+                  "gpu_memory": inv.memory_of(p) if inv and p in states else 0,
+                  "state": states[p].name if p in states else None} for p in tree]
+    return {
+        "schema": manifest.SCHEMA, "kind": "torpor-checkpoint",
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torpor_version": __version__, "criu_version": tool.version_text,
+        "host": socket.gethostname(), "kernel": os.uname().release,
+        "driver": {"version": inv.driver_version if inv else None,
+                   "cuda": drv.cuda_version if drv and states else None},
+        "root_pid": root, "shell_job": shell_job, "leave_running": leave_running,
+        "gpus": gpu_list, "processes": processes,
+        "timings": {k: round(v, 4) for k, v in timings.items()},
+        "sizes": {"total": sum(f["size"] for f in files.values()),
+                  "gpu_memory": sum(p["gpu_memory"] for p in processes)},
+        "files": files,
+    }
+
+
+def restore(engine: Engine, images_dir: Path, *, device_map: dict[str, str] | None = None,
+            verify: bool = True) -> dict[str, Any]:
+    """Restore a checkpoint made by checkpoint(); returns {root_pid, pids, gpu_map, timings}."""
+    cfg, progress = engine.cfg, engine.progress
+    m = manifest.read(images_dir)
+    with progress.phase("verify", "sizes and checksums" if verify and cfg.checksums else "sizes"):
+        manifest.verify(images_dir, m, checksums=verify and cfg.checksums)
+    tool = criu.find(cfg)
+    entries = criu.pstree(images_dir)
+    pids = [int(e["pid"]) for e in entries]
+    cuda_pids = sorted(p["pid"] for p in m["processes"] if p.get("cuda"))
+    with progress.phase("preflight", "PIDs, driver, GPU model and memory"):
+        busy = [p for p in pids if procs.alive(p)]
+        if busy:
+            raise PreflightError(f"PID {busy[0]} of the checkpoint is in use by a running process "
+                                 f"({procs.comm(busy[0])}); CRIU restores the same PIDs",
+                                 hint="stop that process first (is the original still running?)")
+        gpu_map: dict[str, str] | None = None
+        if cuda_pids:
+            try:
+                engine.driver
+                inv = gpus.discover()
+            except NoDriverError as e:
+                raise PreflightError(f"the checkpoint holds GPU state but {e}") from e
+            gpu_map = placement.plan(m, inv, device_map or {})
+            if not device_map and all(o == n for o, n in gpu_map.items()):
+                gpu_map = None  # same GPUs: let the driver restore without pairs
+        elif device_map:
+            raise UsageError("--device-map given but the checkpoint holds no GPU state")
+    work_dir = private_dir(cfg.state_dir / "work" / f"restore-{int(time.time() * 1000)}")
+    with engine.begin("restore", []) as op:
+        op.phase("restore", gpu_map=gpu_map or {})
+        with progress.phase("restore", f"CRIU {tool.version_text}, {len(pids)} process(es)"):
+            root = criu.restore(tool, cfg, images_dir, work_dir, shell_job=m["shell_job"])
+        try:
+            op.phase("gpu-restore", pids=cuda_pids, gpu_map=gpu_map or {})
+            engine.restore_and_unlock(op, cuda_pids, gpu_map)
+        except BaseException as e:
+            for p in reversed(pids):
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            op.close()
+            raise TorporError(f"restore failed in {op.entry.phase}: {e}; the restored processes "
+                              f"were stopped, the checkpoint in {images_dir} is unchanged") from e
+    shutil.rmtree(work_dir, ignore_errors=True)
+    return {"root_pid": root, "pids": pids, "cuda_pids": cuda_pids, "gpu_map": gpu_map or {},
+            "timings": {k: round(v, 4) for k, v in progress.timings.items()}}
+
+
+def suspend(engine: Engine, pid: int) -> dict[str, Any]:
+    """Move the GPU state of pid's tree to host memory and release the GPU; it stays alive."""
+    procs.require(pid)
+    tree = procs.tree(pid)
+    states, inv = _gpu_view(engine, tree)
+    if not states:
+        engine.driver  # a missing driver is the better message
+        raise UsageError(f"process tree {pid} has no CUDA state: nothing to suspend")
+    bad = {p: s for p, s in states.items() if s != ProcessState.RUNNING}
+    if bad:
+        p, s = next(iter(bad.items()))
+        raise UsageError(f"PID {p} is already {s.name}")
+    cuda_pids = sorted(states)
+    freed = sum(inv.memory_of(p) for p in cuda_pids) if inv else 0
+    with engine.begin("suspend", cuda_pids) as op:
+        engine.lock_and_checkpoint(op, cuda_pids)
+        for p in cuda_pids:
+            engine.journal.mark_suspended(p, {"root": pid, "since": time.time(),
+                                              "gpus": inv.gpus_of(p) if inv else [],
+                                              "gpu_memory": inv.memory_of(p) if inv else 0})
+    return {"pids": cuda_pids, "gpu_memory_released": freed,
+            "timings": {k: round(v, 4) for k, v in engine.progress.timings.items()}}
+
+
+def resume(engine: Engine, pid: int) -> dict[str, Any]:
+    """Give a suspended tree its GPU state back and let it run."""
+    procs.require(pid)
+    states = engine.cuda_states(procs.tree(pid))
+    if not states:
+        engine.driver
+        raise NotFoundError(f"process tree {pid} has no CUDA state")
+    todo = sorted(p for p, s in states.items() if s in (ProcessState.CHECKPOINTED, ProcessState.LOCKED))
+    if not todo:
+        raise UsageError(f"process tree {pid} is not suspended (all RUNNING)")
+    with engine.begin("resume", todo) as op:
+        try:
+            engine.restore_and_unlock(op, todo)
+        except TorporError:
+            if engine.rollback(todo):  # one more try from whatever state it reached
+                raise
+    for p in todo:
+        engine.journal.clear_suspended(p)
+    return {"pids": todo, "timings": {k: round(v, 4) for k, v in engine.progress.timings.items()}}

@@ -1,0 +1,108 @@
+"""Linux process facts read from /proc: existence, trees, names, sessions."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .errors import NotFoundError, UsageError
+
+PROC = Path("/proc")
+
+
+def alive(pid: int) -> bool:
+    """True while pid exists and is not a zombie."""
+    try:
+        stat = (PROC / str(pid) / "stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def require(pid: int) -> int:
+    if pid <= 1:
+        raise UsageError(f"refusing PID {pid}: not a program torpor can checkpoint")
+    if not alive(pid):
+        raise NotFoundError(f"no process with PID {pid}")
+    return pid
+
+
+def parse_pid(text: str) -> int:
+    try:
+        pid = int(text)
+    except ValueError:
+        raise UsageError(f"not a PID: '{text}'") from None
+    return require(pid)
+
+
+def children(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        tasks = list((PROC / str(pid) / "task").iterdir())
+    except FileNotFoundError:
+        return out
+    for task in tasks:
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except FileNotFoundError:
+            continue
+    return out
+
+
+def tree(pid: int) -> list[int]:
+    """pid and all its descendants, parents first."""
+    result, todo = [], [pid]
+    while todo:
+        p = todo.pop(0)
+        if p in result:
+            continue
+        result.append(p)
+        todo += children(p)
+    return result
+
+
+def comm(pid: int) -> str:
+    try:
+        return (PROC / str(pid) / "comm").read_text().strip()
+    except FileNotFoundError:
+        return "?"
+
+
+def cmdline(pid: int) -> str:
+    try:
+        raw = (PROC / str(pid) / "cmdline").read_bytes()
+    except FileNotFoundError:
+        return ""
+    return " ".join(a.decode(errors="replace") for a in raw.split(b"\0") if a)
+
+
+def _stat_fields(pid: int) -> list[str]:
+    stat = (PROC / str(pid) / "stat").read_text()
+    return stat.rsplit(")", 1)[1].split()
+
+
+def session_id(pid: int) -> int:
+    return int(_stat_fields(pid)[3])
+
+
+def tty_nr(pid: int) -> int:
+    return int(_stat_fields(pid)[4])
+
+
+def needs_shell_job(pid: int) -> bool:
+    """CRIU's --shell-job: the tree's session or terminal lies outside the tree."""
+    return session_id(pid) != pid or tty_nr(pid) != 0
+
+
+def rss_bytes(pid: int) -> int:
+    try:
+        for line in (PROC / str(pid) / "status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except FileNotFoundError:
+        pass
+    return 0
+
+
+def owner_uid(pid: int) -> int:
+    return os.stat(PROC / str(pid)).st_uid
