@@ -83,7 +83,7 @@ def write(images_dir: Path, manifest: dict[str, Any]) -> Path:
 
 def safe_relpath(rel: str) -> PurePosixPath:
     p = PurePosixPath(rel)
-    if p.is_absolute() or not p.parts or any(part in ("..", "") for part in p.parts) or "\0" in rel:
+    if (p.is_absolute() or not p.parts or ".." in p.parts or str(p) != rel or "\0" in rel):
         raise CorruptCheckpointError(f"unsafe path in manifest: {rel!r}")
     return p
 

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# ./install.sh: set torpor up on a Debian or Ubuntu machine, as root.
+#
+#   1. system packages: python3 + venv, a C compiler (the test suite builds its fakes)
+#   2. CRIU >= 4 (packaging/criu/install-criu.sh: the distribution's, or built from Debian's
+#      source package) and CRIU's pycriu
+#   3. torpor itself in a virtual environment ($TORPOR_PREFIX, default /opt/torpor/venv),
+#      its commands linked into /usr/local/bin
+#   4. /etc/torpor/config.toml (kept if present), the torpord systemd unit (not started)
+# Safe to run again. Needs only the distribution's package mirror and PyPI.
+set -Eeuo pipefail
+
+cd "$(dirname "$(readlink -f "$0")")"
+PREFIX="${TORPOR_PREFIX:-/opt/torpor/venv}"
+say() { printf 'torpor: %s\n' "$*"; }
+die() { printf 'torpor: error: %s\n' "$*" >&2; exit 1; }
+trap 'die "install failed at line $LINENO (see the output above)"' ERR
+
+[[ $(id -u) -eq 0 ]] || die "run ./install.sh as root (CRIU and the driver checkpoint API need root)"
+command -v apt-get >/dev/null || die "this installer knows Debian and Ubuntu (apt-get) only"
+
+export DEBIAN_FRONTEND=noninteractive
+missing=()
+for pkg in python3 python3-venv python3-dev gcc make procps; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+    say "installing ${missing[*]}"
+    apt-get update -qq
+    apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+if [[ ! -x "$PREFIX/bin/python" ]]; then
+    say "creating the virtual environment $PREFIX"
+    /usr/bin/python3 -m venv "$PREFIX"
+fi
+say "installing torpor and its Python dependencies into $PREFIX"
+"$PREFIX/bin/python" -m pip install -q --upgrade pip >/dev/null
+# grpcio-tools: generates pycriu's protobuf modules so they match this venv's protobuf.
+"$PREFIX/bin/python" -m pip install -q grpcio-tools
+"$PREFIX/bin/python" -m pip install -q --force-reinstall --no-deps . >/dev/null
+"$PREFIX/bin/python" -m pip install -q .
+
+site=$("$PREFIX/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+bash packaging/criu/install-criu.sh --pycriu-into "$site" --python "$PREFIX/bin/python"
+
+for cmd in torpor torpord; do
+    ln -sf "$PREFIX/bin/$cmd" "/usr/local/bin/$cmd"
+done
+install -d -m 0755 /etc/torpor
+[[ -e /etc/torpor/config.toml ]] || install -m 0644 packaging/config.toml /etc/torpor/config.toml
+install -d -m 0700 /var/lib/torpor
+if [[ -d /etc/systemd/system ]]; then
+    install -m 0644 packaging/systemd/torpord.service /etc/systemd/system/torpord.service
+    if [[ -d /run/systemd/system ]]; then systemctl daemon-reload || true; fi
+fi
+
+say "installed: $(/usr/local/bin/torpor --version), CRIU $(/usr/local/sbin/criu --version 2>/dev/null | sed -n 's/^Version: //p' || criu --version | sed -n 's/^Version: //p')"
+say "next: 'torpor doctor' checks the machine, 'torpor demo' runs the demo"

@@ -1,0 +1,27 @@
+from pathlib import Path
+
+import pytest
+
+from torpor import config
+from torpor.errors import UsageError
+
+
+def test_defaults_file_and_env(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('lock_timeout_s = 3\ncriu = "/opt/criu"\nchecksums = false\n')
+    cfg = config.load(f, env={"TORPOR_STATE_DIR": str(tmp_path / "s")})
+    assert cfg.lock_timeout_s == 3.0 and cfg.criu == "/opt/criu" and cfg.checksums is False
+    assert cfg.state_dir == tmp_path / "s" and cfg.journal_dir == tmp_path / "s" / "journal"
+    assert config.load(tmp_path / "absent.toml", env={}).state_dir == Path("/var/lib/torpor")
+
+
+@pytest.mark.parametrize("text,match", [("nope = 1", "unknown key 'nope'"),
+                                        ("checksums = 1", "true or false"),
+                                        ("lock_timeout_s = 'x'", "bad setting"),
+                                        ("lock_timeout_s = -1", "positive"),
+                                        ("[broken", "cannot read config")])
+def test_bad_config_is_one_clear_error(tmp_path, text, match):
+    f = tmp_path / "c.toml"
+    f.write_text(text)
+    with pytest.raises(UsageError, match=match):
+        config.load(f, env={})

@@ -1,0 +1,81 @@
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from torpor import manifest
+from torpor.errors import CorruptCheckpointError, NotFoundError
+
+
+def _manifest(files: dict) -> dict:
+    return {"schema": 1, "kind": "torpor-checkpoint", "created": "2026-12-02T00:00:00+00:00",
+            "torpor_version": "0.1.0", "criu_version": "4.1.1", "host": "h", "kernel": "k",
+            "driver": {"version": None, "cuda": None}, "root_pid": 10, "shell_job": False,
+            "leave_running": False, "gpus": [], "processes": [{"pid": 10, "cuda": False}],
+            "timings": {"dump": 0.1}, "sizes": {"total": 3, "gpu_memory": 0}, "files": files}
+
+
+def _images(tmp_path: Path) -> Path:
+    d = tmp_path / "img"
+    (d / "sub").mkdir(parents=True)
+    (d / "pages-1.img").write_bytes(b"abc" * 1000)
+    (d / "sub" / "x.img").write_bytes(b"x")
+    return d
+
+
+def test_roundtrip_and_verify(tmp_path):
+    d = _images(tmp_path)
+    files = manifest.file_table(d, checksums=True)
+    assert set(files) == {"pages-1.img", "sub/x.img"}
+    assert files["sub/x.img"]["sha256"] == \
+        "2d711642b726b04401627ca9fbac32f5c8530fb1903cc4db02258717921a4881"
+    manifest.write(d, _manifest(files))
+    assert oct((d / "torpor.json").stat().st_mode & 0o777) == "0o600"
+    m = manifest.read(d)
+    manifest.verify(d, m)
+
+
+def test_verify_catches_flipped_byte_missing_and_resized(tmp_path):
+    d = _images(tmp_path)
+    m = _manifest(manifest.file_table(d, checksums=True))
+    data = bytearray((d / "pages-1.img").read_bytes())
+    data[1500] ^= 1
+    (d / "pages-1.img").write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="pages-1.img checksum mismatch"):
+        manifest.verify(d, m)
+    manifest.verify(d, m, checksums=False)  # same size: only the checksum can tell
+    (d / "sub" / "x.img").unlink()
+    with pytest.raises(CorruptCheckpointError, match="sub/x.img is missing"):
+        manifest.verify(d, m, checksums=False)
+
+
+@pytest.mark.parametrize("bad", ["../etc/passwd", "/etc/passwd", "a/../../b", "", "a//b"])
+def test_unsafe_paths_are_refused(tmp_path, bad):
+    with pytest.raises(CorruptCheckpointError):
+        manifest.validate(_manifest({bad: {"size": 1, "sha256": None}}))
+
+
+def test_symlink_escaping_the_checkpoint_is_refused(tmp_path):
+    d = _images(tmp_path)
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"x")
+    os.symlink(secret, d / "link.img")
+    m = _manifest({"link.img": {"size": 1, "sha256": None}})
+    with pytest.raises(CorruptCheckpointError, match="not a plain file inside"):
+        manifest.verify(d, m)
+
+
+def test_corrupt_or_foreign_manifests(tmp_path):
+    d = _images(tmp_path)
+    (d / "torpor.json").write_text("{not json")
+    with pytest.raises(CorruptCheckpointError, match="not valid JSON"):
+        manifest.read(d)
+    (d / "torpor.json").write_text(json.dumps(dict(_manifest({}), schema=99)))
+    with pytest.raises(CorruptCheckpointError, match="schema 99"):
+        manifest.read(d)
+    (d / "torpor.json").write_text(json.dumps(dict(_manifest({}), root_pid="10")))
+    with pytest.raises(CorruptCheckpointError, match="root_pid"):
+        manifest.read(d)
+    with pytest.raises(NotFoundError):
+        manifest.read(tmp_path / "nope")

@@ -1,0 +1,53 @@
+import pytest
+
+from torpor.errors import PreflightError, UsageError
+from torpor.gpus import Gpu, Inventory
+from torpor.placement import parse_device_map, plan
+
+GIB = 1 << 30
+A, B, C = "GPU-aaaaaaaa-0000-0000-0000-000000000001", "GPU-bbbbbbbb-0000-0000-0000-000000000002", \
+    "GPU-cccccccc-0000-0000-0000-000000000003"
+
+
+def _m(need_gib: float, uuid: str = A) -> dict:
+    return {"gpus": [{"uuid": uuid, "name": "NVIDIA H200", "memory_total": 141 * GIB}],
+            "processes": [{"pid": 1, "cuda": True, "gpus": [uuid], "gpu_memory": int(need_gib * GIB)}]}
+
+
+def _inv(*gpus: tuple[str, str, float]) -> Inventory:
+    return Inventory("580", [Gpu(i, u, n, 141 * GIB, int(f * GIB)) for i, (u, n, f) in enumerate(gpus)], [])
+
+
+def test_same_gpu_when_it_has_room():
+    assert plan(_m(8), _inv((A, "NVIDIA H200", 100), (B, "NVIDIA H200", 140)), {}) == {A: A}
+
+
+def test_other_gpu_of_same_model_when_original_is_full_or_gone():
+    assert plan(_m(8), _inv((A, "NVIDIA H200", 2), (B, "NVIDIA H200", 140)), {}) == {A: B}
+    assert plan(_m(8), _inv((B, "NVIDIA H200", 140)), {}) == {A: B}
+
+
+def test_other_models_and_small_gpus_are_refused_with_reasons():
+    with pytest.raises(PreflightError, match="no GPU here can take NVIDIA H200"):
+        plan(_m(8), _inv((B, "NVIDIA A100", 80)), {})
+    with pytest.raises(PreflightError, match="free, the checkpoint needs 8.00 GiB"):
+        plan(_m(8), _inv((A, "NVIDIA H200", 4)), {A: A})
+    with pytest.raises(PreflightError, match="is a NVIDIA A100"):
+        plan(_m(8), _inv((A, "NVIDIA H200", 100), (C, "NVIDIA A100", 80)), {A: C})
+    with pytest.raises(PreflightError, match="not on this host"):
+        plan(_m(8), _inv((A, "NVIDIA H200", 100)), {A: C})
+
+
+def test_explicit_map_wins_and_must_name_a_checkpoint_gpu():
+    inv = _inv((A, "NVIDIA H200", 100), (B, "NVIDIA H200", 100))
+    assert plan(_m(8), inv, {A: B}) == {A: B}
+    assert plan(_m(8), inv, {A: A}) == {A: A}
+    with pytest.raises(UsageError, match="not a GPU of this checkpoint"):
+        plan(_m(8), inv, {B: A})
+
+
+def test_parse_device_map():
+    assert parse_device_map([f"{A}={B}", f"{B}={A},{C}={C}"]) == {A: B, B: A, C: C}
+    for bad in ["x", "=y", "x="]:
+        with pytest.raises(UsageError):
+            parse_device_map([bad])
