@@ -8,6 +8,7 @@ that would lock and checkpoint GPU state on its own, which is torpor's job here.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import logging
@@ -17,7 +18,6 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
-from typing import Callable
 
 from .config import Config
 from .errors import CriuError
@@ -94,8 +94,18 @@ def log_errors(log_path: Path, n: int = 3) -> str:
     return " | ".join(picked)
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In CRIU's child: die with torpor. A dump that outlived a killed torpor would end the
+    program after our journal already promised to roll it back; CRIU that dies mid-dump
+    leaves the tree running (ptrace detaches), and recovery brings its GPU state back."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)
+
+
 def run_criu(criu: Criu, cfg: Config, action: str, args: list[str], log_path: Path,
-             *, timeout: float | None = None, watch: Callable[[], None] | None = None) -> None:
+             *, timeout: float | None = None) -> None:
     """Run `criu ACTION ARGS` with its log at log_path; CriuError quoting the log on failure."""
     argv = [criu.path, action, *args, "--log-file", str(log_path), "-v4",
             "--libdir", str(_empty_plugin_dir(cfg))]
@@ -103,7 +113,8 @@ def run_criu(criu: Criu, cfg: Config, action: str, args: list[str], log_path: Pa
     start = time.monotonic()
     try:
         proc = subprocess.run(argv, env=CLEAN_ENV, stdin=subprocess.DEVNULL,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout,
+                              preexec_fn=_die_with_parent)
     except subprocess.TimeoutExpired as e:
         raise CriuError(f"criu {action} did not finish in {timeout:.0f} s (log: {log_path})") from e
     log.info("criu %s exited %d after %.2f s", action, proc.returncode, time.monotonic() - start)

@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Mapping
 from . import procs
 from .config import Config
 from .driver import Driver, DriverError, ProcessState
-from .errors import ExitCode, NoDriverError, RolledBackError, TorporError
+from .errors import BusyError, ExitCode, NoDriverError, RolledBackError, TorporError
 from .journal import Journal, Operation
 from .progress import Progress
 
@@ -169,7 +169,16 @@ class Engine:
         messages = []
         for entry, fd in self.journal.orphans():
             live = [p for p in entry.pids if procs.alive(p)]
-            problems = self.rollback(live, entry.gpu_map or None) if live else []
+            try:
+                claims = self.journal.claim(live)
+            except BusyError:
+                os.close(fd)  # a live operation owns these processes now; not ours to touch
+                continue
+            try:
+                problems = self.rollback(live, entry.gpu_map or None) if live else []
+            finally:
+                for c in claims:
+                    os.close(c)
             if problems:
                 messages.append(f"could not recover interrupted {entry.kind} {entry.id}: "
                                 + "; ".join(problems))

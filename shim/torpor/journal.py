@@ -90,10 +90,10 @@ class Operation:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if exc[0] is None:
-            self.close()
-        # On an exception the entry stays on disk with our locks released when the
-        # process exits; the caller has rolled back (and calls close()) or died.
+        if exc[0] is None or self.entry.phase == "start":
+            self.close()  # done, or failed before touching any process
+        # Otherwise the entry stays on disk and our locks go when this process exits: the
+        # caller could not roll back, and the next torpor retries.
 
 
 class Journal:
@@ -154,6 +154,10 @@ class Journal:
                 os.close(fd)
                 continue
             yield entry, fd
+
+    def claim(self, pids: list[int]) -> list[int]:
+        """Claim pids outside an operation (recovery); BusyError if a live one holds any."""
+        return self._claim(pids)
 
     def forget(self, entry: Entry, fd: int) -> None:
         self._entry_path(entry.id).unlink(missing_ok=True)

@@ -25,28 +25,30 @@ from .files import private_dir, tree_size
 from .progress import human_bytes
 
 
-def _prepare_images_dir(images_dir: Path) -> bool:
-    """Create an empty private directory; True when we created it (so may remove it)."""
+def _prepare_images_dir(images_dir: Path) -> None:
+    """An empty private (0700) directory for the images."""
     if images_dir.exists():
         if not images_dir.is_dir():
             raise UsageError(f"{images_dir} exists and is not a directory")
         if any(images_dir.iterdir()):
             raise UsageError(f"{images_dir} is not empty: give a new or empty directory")
-        private_dir(images_dir)
-        return False
     private_dir(images_dir)
-    return True
 
 
-def _clear_partial(images_dir: Path, created: bool) -> None:
+def _clear_partial(images_dir: Path) -> None:
     """A failed dump leaves partial images: remove them (they may fill the disk)."""
-    if created:
-        shutil.rmtree(images_dir, ignore_errors=True)
-    else:
-        for child in images_dir.iterdir():
-            if child.name == criu.DUMP_LOG:
-                continue  # keep CRIU's log: it says why
-            shutil.rmtree(child) if child.is_dir() else child.unlink(missing_ok=True)
+    for child in images_dir.iterdir():
+        if child.name == criu.DUMP_LOG:
+            continue  # keep CRIU's log: it says why
+        shutil.rmtree(child) if child.is_dir() else child.unlink(missing_ok=True)
+
+
+def _require_running(states: dict[int, ProcessState]) -> None:
+    for p, s in states.items():
+        if s != ProcessState.RUNNING:
+            raise UsageError(f"PID {p} is already {s.name} on the GPU, not RUNNING"
+                             + (": 'torpor resume' it first" if s == ProcessState.CHECKPOINTED
+                                else ""))
 
 
 def _gpu_view(engine: Engine, tree: list[int]) -> tuple[dict[int, ProcessState], gpus.Inventory | None]:
@@ -67,25 +69,22 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
     procs.require(pid)
     tool = criu.find(cfg)                       # before anything touches the program
     tree = procs.tree(pid)
-    states, inv = _gpu_view(engine, tree)
-    not_running = {p: s for p, s in states.items() if s != ProcessState.RUNNING}
-    if not_running:
-        p, s = next(iter(not_running.items()))
-        raise UsageError(f"PID {p} is {s.name} on the GPU, not RUNNING"
-                         + (": 'torpor resume' it first" if s == ProcessState.CHECKPOINTED else ""))
-    cuda_pids = sorted(states)
-    shell_job = procs.needs_shell_job(pid) if shell_job is None else shell_job
-    created = _prepare_images_dir(images_dir)
-    free = shutil.disk_usage(images_dir).free
-    estimate = sum(procs.rss_bytes(p) for p in tree) + (
-        sum(inv.memory_of(p) for p in cuda_pids) if inv else 0)
-    if estimate > free:
-        progress.say(f"warning: {images_dir} has {human_bytes(free)} free; the checkpoint may "
-                     f"need up to {human_bytes(estimate)}")
-    if not cuda_pids:
-        progress.say(f"no CUDA state in process tree {pid} ({len(tree)} processes): "
-                     "GPU phases skipped")
-    with engine.begin("checkpoint", tree) as op:
+    comms = {p: procs.comm(p) for p in tree}  # the dump ends them; ask now
+    with engine.begin("checkpoint", tree) as op:  # BusyError while another op holds them
+        states, inv = _gpu_view(engine, tree)
+        _require_running(states)
+        cuda_pids = sorted(states)
+        shell_job = procs.needs_shell_job(pid) if shell_job is None else shell_job
+        _prepare_images_dir(images_dir)
+        free = shutil.disk_usage(images_dir).free
+        estimate = sum(procs.rss_bytes(p) for p in tree) + (
+            sum(inv.memory_of(p) for p in cuda_pids) if inv else 0)
+        if estimate > free:
+            progress.say(f"warning: {images_dir} has {human_bytes(free)} free; the checkpoint "
+                         f"may need up to {human_bytes(estimate)}")
+        if not cuda_pids:
+            progress.say(f"no CUDA state in process tree {pid} ({len(tree)} processes): "
+                         "GPU phases skipped")
         engine.lock_and_checkpoint(op, cuda_pids)
         op.phase("dump")
         try:
@@ -94,30 +93,30 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
                 criu.dump(tool, cfg, pid, images_dir, leave_running=leave_running,
                           shell_job=shell_job)
         except BaseException as e:
-            _clear_partial(images_dir, created=False)
+            _clear_partial(images_dir)
             engine.fail(op, cuda_pids, e, during="dump")
         if leave_running and cuda_pids:
             engine.restore_and_unlock(op, cuda_pids)
         op.phase("seal")
         with progress.phase("seal", "manifest and checksums" if cfg.checksums else "manifest"):
             files = manifest.file_table(images_dir, cfg.checksums)
-        m = _manifest(tool, inv, engine, tree, states, pid, shell_job, leave_running,
+        m = _manifest(tool, inv, engine, comms, states, pid, shell_job, leave_running,
                       dict(progress.timings), files)
         manifest.write(images_dir, m)
     return m
 
 
-def _manifest(tool: criu.Criu, inv: gpus.Inventory | None, engine: Engine, tree: list[int],
+def _manifest(tool: criu.Criu, inv: gpus.Inventory | None, engine: Engine, comms: dict[int, str],
               states: dict[int, ProcessState], root: int, shell_job: bool, leave_running: bool,
               timings: dict[str, float], files: dict[str, Any]) -> dict[str, Any]:
     drv = engine.driver_or_none()
     used = sorted({u for p in states for u in (inv.gpus_of(p) if inv else [])})
     gpu_list = [{"uuid": g.uuid, "name": g.name, "memory_total": g.memory_total, "index": g.index}
                 for g in (inv.gpus if inv else []) if g.uuid in used]
-    processes = [{"pid": p, "comm": procs.comm(p) if procs.alive(p) else "",
+    processes = [{"pid": p, "comm": comm,
                   "cuda": p in states, "gpus": inv.gpus_of(p) if inv and p in states else [],
                   "gpu_memory": inv.memory_of(p) if inv and p in states else 0,
-                  "state": states[p].name if p in states else None} for p in tree]
+                  "state": states[p].name if p in states else None} for p, comm in comms.items()]
     return {
         "schema": manifest.SCHEMA, "kind": "torpor-checkpoint",
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -146,9 +145,9 @@ def restore(engine: Engine, images_dir: Path, *, device_map: dict[str, str] | No
     pids = [int(e["pid"]) for e in entries]
     cuda_pids = sorted(p["pid"] for p in m["processes"] if p.get("cuda"))
     with progress.phase("preflight", "PIDs, driver, GPU model and memory"):
-        busy = [p for p in pids if procs.alive(p)]
+        busy = [p for p in pids if procs.pid_taken(p)]
         if busy:
-            raise PreflightError(f"PID {busy[0]} of the checkpoint is in use by a running process "
+            raise PreflightError(f"PID {busy[0]} of the checkpoint is in use by another process "
                                  f"({procs.comm(busy[0])}); CRIU restores the same PIDs",
                                  hint="stop that process first (is the original still running?)")
         gpu_map: dict[str, str] | None = None
@@ -189,17 +188,14 @@ def suspend(engine: Engine, pid: int) -> dict[str, Any]:
     """Move the GPU state of pid's tree to host memory and release the GPU; it stays alive."""
     procs.require(pid)
     tree = procs.tree(pid)
-    states, inv = _gpu_view(engine, tree)
-    if not states:
-        engine.driver  # a missing driver is the better message
-        raise UsageError(f"process tree {pid} has no CUDA state: nothing to suspend")
-    bad = {p: s for p, s in states.items() if s != ProcessState.RUNNING}
-    if bad:
-        p, s = next(iter(bad.items()))
-        raise UsageError(f"PID {p} is already {s.name}")
-    cuda_pids = sorted(states)
-    freed = sum(inv.memory_of(p) for p in cuda_pids) if inv else 0
-    with engine.begin("suspend", cuda_pids) as op:
+    with engine.begin("suspend", tree) as op:
+        states, inv = _gpu_view(engine, tree)
+        if not states:
+            engine.driver  # a missing driver is the better message
+            raise UsageError(f"process tree {pid} has no CUDA state: nothing to suspend")
+        _require_running(states)
+        cuda_pids = sorted(states)
+        freed = sum(inv.memory_of(p) for p in cuda_pids) if inv else 0
         engine.lock_and_checkpoint(op, cuda_pids)
         for p in cuda_pids:
             engine.journal.mark_suspended(p, {"root": pid, "since": time.time(),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 from .errors import NotFoundError, UsageError
@@ -17,6 +18,17 @@ def alive(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def pid_taken(pid: int, zombie_grace_s: float = 3.0) -> bool:
+    """True while any process, zombies included, holds pid. A zombie (a dumped program
+    whose parent has not reaped it yet) gets zombie_grace_s to be reaped first."""
+    deadline = time.monotonic() + zombie_grace_s
+    while (PROC / str(pid)).exists():
+        if alive(pid) or time.monotonic() > deadline:
+            return True
+        time.sleep(0.02)
+    return False
 
 
 def require(pid: int) -> int:

@@ -38,7 +38,7 @@ class Context:
 def timing_lines(timings: dict[str, float]) -> str:
     if not timings:
         return ""
-    width = max(len(k) for k in timings)
+    width = max(len(k) for k in [*timings, "total"])
     rows = [f"  {k:<{width}}  {v:8.2f} s" for k, v in timings.items()]
     rows.append(f"  {'total':<{width}}  {sum(timings.values()):8.2f} s")
     return "\n".join(rows)

@@ -1,0 +1,598 @@
+/* A fake libcuda.so.1 for tests without a GPU: the few driver calls a test program needs, and
+ * the six cuCheckpointProcess* calls with the exact ABI of cuda.h (CUDA 12.8+), acting on the
+ * per-process files under $FAKE_CUDA_STATE_DIR (see fake_common.h for the layout).
+ *
+ * Semantics follow the CUDA driver API documentation, "CUDA Checkpointing":
+ *   lock        RUNNING      -> LOCKED        (hang/lock: waits timeoutMs, CUDA_ERROR_TIMEOUT)
+ *   checkpoint  LOCKED       -> CHECKPOINTED  (the process holds no GPU memory any more)
+ *   restore     CHECKPOINTED -> LOCKED        (gpuPairs must name every checkpointed GPU; each
+ *                                              new UUID must exist; the new GPU needs room)
+ *   unlock      LOCKED       -> RUNNING
+ * A call in the wrong state returns CUDA_ERROR_ILLEGAL_STATE. A pid that is not a live CUDA
+ * process returns CUDA_ERROR_INVALID_VALUE: the documented return values of these calls are
+ * SUCCESS, INVALID_VALUE, NOT_INITIALIZED, ILLEGAL_STATE and NOT_SUPPORTED, and the pid is
+ * the argument that is wrong. Non-zero reserved fields also return CUDA_ERROR_INVALID_VALUE
+ * ("must be zeroed").
+ *
+ * In the target process, cuCtxSynchronize and cuMemAlloc block while the process is LOCKED or
+ * CHECKPOINTED, as the real driver's API locks do.
+ */
+#include "fake_common.h"
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef void *CUcontext;
+typedef unsigned long long CUdeviceptr;
+typedef struct { char bytes[16]; } CUuuid;
+
+typedef struct {
+    unsigned int timeoutMs;
+    unsigned int reserved0;
+    uint64_t reserved1[7];
+} CUcheckpointLockArgs;
+typedef struct { uint64_t reserved[8]; } CUcheckpointCheckpointArgs;
+typedef struct { CUuuid oldUuid; CUuuid newUuid; } CUcheckpointGpuPair;
+typedef struct {
+    CUcheckpointGpuPair *gpuPairs;
+    unsigned int gpuPairsCount;
+    char reserved[52 - sizeof(CUcheckpointGpuPair *)];
+    uint64_t reserved1;
+} CUcheckpointRestoreArgs;
+typedef struct { uint64_t reserved[8]; } CUcheckpointUnlockArgs;
+
+_Static_assert(sizeof(CUcheckpointLockArgs) == 64, "CUcheckpointLockArgs");
+_Static_assert(sizeof(CUcheckpointCheckpointArgs) == 64, "CUcheckpointCheckpointArgs");
+_Static_assert(sizeof(CUcheckpointGpuPair) == 32, "CUcheckpointGpuPair");
+_Static_assert(sizeof(CUcheckpointRestoreArgs) == 64, "CUcheckpointRestoreArgs");
+_Static_assert(sizeof(CUcheckpointUnlockArgs) == 64, "CUcheckpointUnlockArgs");
+
+#define EXPORT __attribute__((visibility("default")))
+
+enum {
+    CUDA_SUCCESS = 0,
+    CUDA_ERROR_INVALID_VALUE = 1,
+    CUDA_ERROR_OUT_OF_MEMORY = 2,
+    CUDA_ERROR_NOT_INITIALIZED = 3,
+    CUDA_ERROR_DEINITIALIZED = 4,
+    CUDA_ERROR_NO_DEVICE = 100,
+    CUDA_ERROR_INVALID_DEVICE = 101,
+    CUDA_ERROR_INVALID_CONTEXT = 201,
+    CUDA_ERROR_OPERATING_SYSTEM = 304,
+    CUDA_ERROR_INVALID_HANDLE = 400,
+    CUDA_ERROR_ILLEGAL_STATE = 401,
+    CUDA_ERROR_NOT_FOUND = 500,
+    CUDA_ERROR_NOT_READY = 600,
+    CUDA_ERROR_ILLEGAL_ADDRESS = 700,
+    CUDA_ERROR_LAUNCH_FAILED = 719,
+    CUDA_ERROR_NOT_PERMITTED = 800,
+    CUDA_ERROR_NOT_SUPPORTED = 801,
+    CUDA_ERROR_TIMEOUT = 909,
+    CUDA_ERROR_UNKNOWN = 999,
+};
+
+static const struct { int code; const char *name, *text; } ERRORS[] = {
+    {CUDA_SUCCESS, "CUDA_SUCCESS", "no error"},
+    {CUDA_ERROR_INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE", "invalid argument"},
+    {CUDA_ERROR_OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory"},
+    {CUDA_ERROR_NOT_INITIALIZED, "CUDA_ERROR_NOT_INITIALIZED", "initialization error"},
+    {CUDA_ERROR_DEINITIALIZED, "CUDA_ERROR_DEINITIALIZED", "driver shutting down"},
+    {CUDA_ERROR_NO_DEVICE, "CUDA_ERROR_NO_DEVICE", "no CUDA-capable device is detected"},
+    {CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},
+    {CUDA_ERROR_INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
+    {CUDA_ERROR_OPERATING_SYSTEM, "CUDA_ERROR_OPERATING_SYSTEM",
+     "OS call failed or operation not supported on this OS"},
+    {CUDA_ERROR_INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"},
+    {CUDA_ERROR_ILLEGAL_STATE, "CUDA_ERROR_ILLEGAL_STATE",
+     "the operation cannot be performed in the present state"},
+    {CUDA_ERROR_NOT_FOUND, "CUDA_ERROR_NOT_FOUND", "named symbol not found"},
+    {CUDA_ERROR_NOT_READY, "CUDA_ERROR_NOT_READY", "device not ready"},
+    {CUDA_ERROR_ILLEGAL_ADDRESS, "CUDA_ERROR_ILLEGAL_ADDRESS",
+     "an illegal memory access was encountered"},
+    {CUDA_ERROR_LAUNCH_FAILED, "CUDA_ERROR_LAUNCH_FAILED", "unspecified launch failure"},
+    {CUDA_ERROR_NOT_PERMITTED, "CUDA_ERROR_NOT_PERMITTED", "operation not permitted"},
+    {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
+    {CUDA_ERROR_TIMEOUT, "CUDA_ERROR_TIMEOUT", "wait operation timed out"},
+    {CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN", "unknown error"},
+};
+
+static int g_inited;         /* cuInit succeeded in this process */
+static int g_registered;     /* this process made a context (it is a "CUDA process") */
+static CUdeviceptr g_next_ptr = 0x7f0000000000ULL;
+
+/* -- plain driver calls --------------------------------------------------------------------- */
+
+EXPORT CUresult cuGetErrorName(CUresult error, const char **pStr)
+{
+    if (!pStr)
+        return CUDA_ERROR_INVALID_VALUE;
+    for (size_t i = 0; i < sizeof ERRORS / sizeof ERRORS[0]; i++)
+        if (ERRORS[i].code == error) {
+            *pStr = ERRORS[i].name;
+            return CUDA_SUCCESS;
+        }
+    *pStr = NULL;
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
+EXPORT CUresult cuGetErrorString(CUresult error, const char **pStr)
+{
+    if (!pStr)
+        return CUDA_ERROR_INVALID_VALUE;
+    for (size_t i = 0; i < sizeof ERRORS / sizeof ERRORS[0]; i++)
+        if (ERRORS[i].code == error) {
+            *pStr = ERRORS[i].text;
+            return CUDA_SUCCESS;
+        }
+    *pStr = NULL;
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
+EXPORT CUresult cuDriverGetVersion(int *driverVersion)
+{
+    char path[4096], buf[64];
+    const char *dir = fk_dir();
+    if (!driverVersion)
+        return CUDA_ERROR_INVALID_VALUE;
+    *driverVersion = 13000;
+    if (dir) {
+        snprintf(path, sizeof path, "%s/cuda_version", dir);
+        if (fk_read_file(path, buf, sizeof buf) > 0 && atoi(buf) > 0)
+            *driverVersion = atoi(buf);
+    }
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuInit(unsigned int flags)
+{
+    fk_gpu gpus[FK_MAX_GPUS];
+    const char *dir = fk_dir();
+    if (flags != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!dir || fk_read_gpus(dir, gpus, FK_MAX_GPUS) <= 0)
+        return CUDA_ERROR_NO_DEVICE;
+    g_inited = 1;
+    return CUDA_SUCCESS;
+}
+
+/* Checks init and reads the GPUs; returns CUDA_SUCCESS or the error to return. */
+static CUresult need_gpus(const char **dir, fk_gpu *gpus, int *n)
+{
+    if (!g_inited)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!(*dir = fk_dir()) || (*n = fk_read_gpus(*dir, gpus, FK_MAX_GPUS)) <= 0)
+        return CUDA_ERROR_NO_DEVICE;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDeviceGetCount(int *count)
+{
+    fk_gpu gpus[FK_MAX_GPUS];
+    const char *dir;
+    int n = 0;
+    CUresult rc;
+    if (!count)
+        return CUDA_ERROR_INVALID_VALUE;
+    if ((rc = need_gpus(&dir, gpus, &n)) != CUDA_SUCCESS)
+        return rc;
+    *count = n;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDeviceGet(CUdevice *device, int ordinal)
+{
+    fk_gpu gpus[FK_MAX_GPUS];
+    const char *dir;
+    int n = 0;
+    CUresult rc;
+    if (!device)
+        return CUDA_ERROR_INVALID_VALUE;
+    if ((rc = need_gpus(&dir, gpus, &n)) != CUDA_SUCCESS)
+        return rc;
+    if (ordinal < 0 || ordinal >= n)
+        return CUDA_ERROR_INVALID_DEVICE;
+    *device = ordinal;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDeviceGetName(char *name, int len, CUdevice dev)
+{
+    fk_gpu gpus[FK_MAX_GPUS];
+    const char *dir;
+    int n = 0;
+    CUresult rc;
+    if (!name || len <= 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    if ((rc = need_gpus(&dir, gpus, &n)) != CUDA_SUCCESS)
+        return rc;
+    if (dev < 0 || dev >= n)
+        return CUDA_ERROR_INVALID_DEVICE;
+    snprintf(name, (size_t)len, "%s", gpus[dev].name);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev)
+{
+    fk_gpu gpus[FK_MAX_GPUS];
+    unsigned char b[16];
+    const char *dir;
+    int n = 0;
+    CUresult rc;
+    if (!uuid)
+        return CUDA_ERROR_INVALID_VALUE;
+    if ((rc = need_gpus(&dir, gpus, &n)) != CUDA_SUCCESS)
+        return rc;
+    if (dev < 0 || dev >= n)
+        return CUDA_ERROR_INVALID_DEVICE;
+    if (fk_uuid_parse(gpus[dev].uuid, b) != 0)
+        memset(b, 0, sizeof b);
+    memcpy(uuid->bytes, b, 16);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev)
+{
+    return cuDeviceGetUuid(uuid, dev);
+}
+
+EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
+{
+    fk_gpu gpus[FK_MAX_GPUS];
+    const char *dir;
+    int n = 0;
+    CUresult rc;
+    if (!bytes)
+        return CUDA_ERROR_INVALID_VALUE;
+    if ((rc = need_gpus(&dir, gpus, &n)) != CUDA_SUCCESS)
+        return rc;
+    if (dev < 0 || dev >= n)
+        return CUDA_ERROR_INVALID_DEVICE;
+    *bytes = (size_t)gpus[dev].total;
+    return CUDA_SUCCESS;
+}
+
+/* Registers the calling process as a CUDA process on GPU `dev`. */
+EXPORT CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev)
+{
+    fk_gpu gpus[FK_MAX_GPUS];
+    fk_proc p;
+    const char *dir;
+    int n = 0, fd, pid = (int)getpid();
+    CUresult rc;
+    (void)flags;
+    if (!pctx)
+        return CUDA_ERROR_INVALID_VALUE;
+    if ((rc = need_gpus(&dir, gpus, &n)) != CUDA_SUCCESS)
+        return rc;
+    if (dev < 0 || dev >= n)
+        return CUDA_ERROR_INVALID_DEVICE;
+    fd = fk_lock(dir);
+    if (!g_registered || fk_proc_read(dir, pid, &p) != 0) {
+        /* A fresh process (a stale file of a recycled pid is overwritten). One GPU a process:
+         * a second context keeps the first GPU. */
+        memset(&p, 0, sizeof p);
+        p.state = FK_RUNNING;
+        snprintf(p.gpu, sizeof p.gpu, "%s", gpus[dev].uuid);
+    }
+    rc = fk_proc_write(dir, pid, &p) == 0 ? CUDA_SUCCESS : CUDA_ERROR_OPERATING_SYSTEM;
+    fk_unlock(fd);
+    if (rc == CUDA_SUCCESS) {
+        g_registered = 1;
+        *pctx = (CUcontext)(uintptr_t)(0xc0de0000u + (unsigned)dev);
+    }
+    return rc;
+}
+
+/* Blocks while this process is LOCKED or CHECKPOINTED (its API locks are held). */
+static CUresult wait_running(const char **dirp, fk_proc *p)
+{
+    if (!g_inited)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!g_registered)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    for (;;) {
+        const char *dir = fk_dir();
+        if (!dir || fk_proc_read(dir, (int)getpid(), p) != 0)
+            return CUDA_ERROR_DEINITIALIZED; /* the fake host went away */
+        if (p->state == FK_RUNNING) {
+            *dirp = dir;
+            return CUDA_SUCCESS;
+        }
+        if (p->state == FK_FAILED)
+            return CUDA_ERROR_ILLEGAL_STATE;
+        fk_sleep_ms(5);
+    }
+}
+
+EXPORT CUresult cuCtxSynchronize(void)
+{
+    fk_proc p;
+    const char *dir;
+    return wait_running(&dir, &p);
+}
+
+EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
+{
+    fk_gpu gpus[FK_MAX_GPUS];
+    fk_proc p;
+    const char *dir;
+    int n, i, fd, pid = (int)getpid();
+    CUresult rc;
+    if (!dptr || bytesize == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    if ((rc = wait_running(&dir, &p)) != CUDA_SUCCESS)
+        return rc;
+    n = fk_read_gpus(dir, gpus, FK_MAX_GPUS);
+    fd = fk_lock(dir);
+    if (fk_proc_read(dir, pid, &p) != 0) {
+        fk_unlock(fd);
+        return CUDA_ERROR_DEINITIALIZED;
+    }
+    i = fk_find_gpu(gpus, n, p.gpu);
+    if (i < 0)
+        rc = CUDA_ERROR_INVALID_DEVICE;
+    else if (fk_used_on(dir, p.gpu, pid) + p.mem + bytesize > gpus[i].total)
+        rc = CUDA_ERROR_OUT_OF_MEMORY;
+    else {
+        p.mem += bytesize;
+        rc = fk_proc_write(dir, pid, &p) == 0 ? CUDA_SUCCESS : CUDA_ERROR_OPERATING_SYSTEM;
+    }
+    fk_unlock(fd);
+    if (rc == CUDA_SUCCESS) {
+        *dptr = g_next_ptr;
+        g_next_ptr += (bytesize + 0xfffff) & ~(CUdeviceptr)0xfffff;
+    }
+    return rc;
+}
+
+/* -- the checkpoint API --------------------------------------------------------------------- */
+
+static void log_call(const char *dir, const char *call, int pid, CUresult rc)
+{
+    char path[4096], line[128];
+    int fd, len;
+    if (!dir)
+        return;
+    snprintf(path, sizeof path, "%s/calls.log", dir);
+    len = snprintf(line, sizeof line, "%s %d %d\n", call, pid, rc);
+    fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
+    if (fd >= 0) {
+        if (write(fd, line, (size_t)len) < 0) { /* nothing to do */ }
+        close(fd);
+    }
+}
+
+/* Reads "$dir/<kind>/<call>" = "<value> [pid]"; returns 1 when it applies to pid. */
+static int fault(const char *dir, const char *kind, const char *call, int pid, long *value)
+{
+    char path[4096], buf[256], *end;
+    long v, only;
+    snprintf(path, sizeof path, "%s/%s/%s", dir, kind, call);
+    if (fk_read_file(path, buf, sizeof buf) < 0)
+        return 0;
+    v = strtol(buf, &end, 0);
+    if (end == buf)
+        v = 0;
+    only = strtol(end, &end, 10);
+    if (only > 0 && only != pid)
+        return 0;
+    if (value)
+        *value = v;
+    return 1;
+}
+
+/* hang/lock holds an optional pid only. */
+static int hang_applies(const char *dir, int pid)
+{
+    char path[4096], buf[256];
+    long only;
+    snprintf(path, sizeof path, "%s/hang/lock", dir);
+    if (fk_read_file(path, buf, sizeof buf) < 0)
+        return 0;
+    only = strtol(buf, NULL, 10);
+    return only <= 0 || only == pid;
+}
+
+/* Common start of the six calls: init, delay, injected failure. Returns -1 to go on. */
+static CUresult begin(const char *call, int pid, const char **dirp)
+{
+    long v;
+    const char *dir = fk_dir();
+    *dirp = dir;
+    if (!g_inited)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!dir)
+        return CUDA_ERROR_NO_DEVICE;
+    if (fault(dir, "delay", call, pid, &v) && v > 0)
+        fk_sleep_ms(v);
+    if (fault(dir, "fail", call, pid, &v))
+        return (CUresult)v;
+    return -1;
+}
+
+/* Reads a live CUDA process; CUDA_ERROR_INVALID_VALUE when pid is not one. */
+static CUresult get_proc(const char *dir, int pid, fk_proc *p)
+{
+    if (fk_proc_read(dir, pid, p) != 0 || !fk_alive(pid))
+        return CUDA_ERROR_INVALID_VALUE;
+    return CUDA_SUCCESS;
+}
+
+static int all_zero(const void *mem, size_t size)
+{
+    const unsigned char *b = mem;
+    for (size_t i = 0; i < size; i++)
+        if (b[i])
+            return 0;
+    return 1;
+}
+
+/* Moves pid from state `from` to `to` under the lock. */
+static CUresult transition(const char *dir, int pid, int from, int to)
+{
+    fk_proc p;
+    int fd = fk_lock(dir);
+    CUresult rc = get_proc(dir, pid, &p);
+    if (rc == CUDA_SUCCESS && p.state != from)
+        rc = CUDA_ERROR_ILLEGAL_STATE;
+    if (rc == CUDA_SUCCESS) {
+        p.state = to;
+        if (fk_proc_write(dir, pid, &p) != 0)
+            rc = CUDA_ERROR_OPERATING_SYSTEM;
+    }
+    fk_unlock(fd);
+    return rc;
+}
+
+EXPORT CUresult cuCheckpointProcessGetState(int pid, int *state)
+{
+    const char *dir;
+    fk_proc p;
+    CUresult rc = begin("get_state", pid, &dir);
+    if (rc == (CUresult)-1) {
+        if (!state)
+            rc = CUDA_ERROR_INVALID_VALUE;
+        else if ((rc = get_proc(dir, pid, &p)) == CUDA_SUCCESS)
+            *state = p.state;
+    }
+    log_call(dir, "get_state", pid, rc);
+    return rc;
+}
+
+EXPORT CUresult cuCheckpointProcessLock(int pid, CUcheckpointLockArgs *args)
+{
+    const char *dir;
+    fk_proc p;
+    CUresult rc = begin("lock", pid, &dir);
+    if (rc == (CUresult)-1) {
+        unsigned int timeout = args ? args->timeoutMs : 0;
+        if (args && (args->reserved0 || !all_zero(args->reserved1, sizeof args->reserved1)))
+            rc = CUDA_ERROR_INVALID_VALUE;
+        else if ((rc = get_proc(dir, pid, &p)) == CUDA_SUCCESS && p.state != FK_RUNNING)
+            rc = CUDA_ERROR_ILLEGAL_STATE;
+        if (rc == CUDA_SUCCESS && hang_applies(dir, pid)) {
+            /* The process never reaches a lockable point: wait out the timeout (0 = forever,
+             * capped at 60 s). Removing hang/lock meanwhile lets the lock go through. */
+            double limit = timeout ? timeout : 60000, t0 = fk_now_ms();
+            while (hang_applies(dir, pid) && fk_now_ms() - t0 < limit)
+                fk_sleep_ms(5);
+            if (hang_applies(dir, pid))
+                rc = CUDA_ERROR_TIMEOUT;
+        }
+        if (rc == CUDA_SUCCESS)
+            rc = transition(dir, pid, FK_RUNNING, FK_LOCKED);
+    }
+    log_call(dir, "lock", pid, rc);
+    return rc;
+}
+
+EXPORT CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs *args)
+{
+    const char *dir;
+    CUresult rc = begin("checkpoint", pid, &dir);
+    if (rc == (CUresult)-1) {
+        if (args && !all_zero(args, sizeof *args))
+            rc = CUDA_ERROR_INVALID_VALUE;
+        else
+            rc = transition(dir, pid, FK_LOCKED, FK_CHECKPOINTED);
+    }
+    log_call(dir, "checkpoint", pid, rc);
+    return rc;
+}
+
+static CUresult do_restore(const char *dir, int pid, const CUcheckpointRestoreArgs *args)
+{
+    fk_gpu gpus[FK_MAX_GPUS];
+    fk_proc p;
+    char target[FK_UUID_LEN], pairs[FK_PAIRS_LEN] = "";
+    unsigned int count = args ? args->gpuPairsCount : 0;
+    int n, i, fd, covered = 0;
+    CUresult rc;
+
+    if (args && (!all_zero(args->reserved, sizeof args->reserved) || args->reserved1))
+        return CUDA_ERROR_INVALID_VALUE;
+    if (count && !args->gpuPairs)
+        return CUDA_ERROR_INVALID_VALUE;
+    n = fk_read_gpus(dir, gpus, FK_MAX_GPUS);
+    fd = fk_lock(dir);
+    if ((rc = get_proc(dir, pid, &p)) != CUDA_SUCCESS)
+        goto out;
+    if (p.state != FK_CHECKPOINTED) {
+        rc = CUDA_ERROR_ILLEGAL_STATE;
+        goto out;
+    }
+    snprintf(target, sizeof target, "%s", p.gpu);
+    for (unsigned int k = 0; k < count; k++) {
+        char old_s[FK_UUID_LEN], new_s[FK_UUID_LEN];
+        size_t used = strlen(pairs);
+        fk_uuid_format((const unsigned char *)args->gpuPairs[k].oldUuid.bytes, old_s, sizeof old_s);
+        fk_uuid_format((const unsigned char *)args->gpuPairs[k].newUuid.bytes, new_s, sizeof new_s);
+        if (fk_find_gpu(gpus, n, new_s) < 0) {
+            rc = CUDA_ERROR_INVALID_DEVICE;
+            goto out;
+        }
+        if (fk_uuid_eq(old_s, p.gpu)) {
+            covered = 1;
+            snprintf(target, sizeof target, "%s", gpus[fk_find_gpu(gpus, n, new_s)].uuid);
+        }
+        snprintf(pairs + used, sizeof pairs - used, "%s%s:%s", used ? "," : "", old_s, new_s);
+    }
+    if (count && !covered) { /* "it must contain every checkpointed GPU" */
+        rc = CUDA_ERROR_INVALID_VALUE;
+        goto out;
+    }
+    if ((i = fk_find_gpu(gpus, n, target)) < 0) { /* restoring onto a GPU this host lacks */
+        rc = CUDA_ERROR_INVALID_DEVICE;
+        goto out;
+    }
+    if (fk_used_on(dir, gpus[i].uuid, pid) + p.mem > gpus[i].total) {
+        rc = CUDA_ERROR_OUT_OF_MEMORY; /* stays CHECKPOINTED */
+        goto out;
+    }
+    p.state = FK_LOCKED;
+    snprintf(p.gpu, sizeof p.gpu, "%s", target);
+    snprintf(p.pairs, sizeof p.pairs, "%s", pairs);
+    if (fk_proc_write(dir, pid, &p) != 0)
+        rc = CUDA_ERROR_OPERATING_SYSTEM;
+out:
+    fk_unlock(fd);
+    return rc;
+}
+
+EXPORT CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args)
+{
+    const char *dir;
+    CUresult rc = begin("restore", pid, &dir);
+    if (rc == (CUresult)-1)
+        rc = do_restore(dir, pid, args);
+    log_call(dir, "restore", pid, rc);
+    return rc;
+}
+
+EXPORT CUresult cuCheckpointProcessUnlock(int pid, CUcheckpointUnlockArgs *args)
+{
+    const char *dir;
+    CUresult rc = begin("unlock", pid, &dir);
+    if (rc == (CUresult)-1) {
+        if (args && !all_zero(args, sizeof *args))
+            rc = CUDA_ERROR_INVALID_VALUE;
+        else
+            rc = transition(dir, pid, FK_LOCKED, FK_RUNNING);
+    }
+    log_call(dir, "unlock", pid, rc);
+    return rc;
+}
+
+EXPORT CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid)
+{
+    const char *dir;
+    fk_proc p;
+    CUresult rc = begin("restore_tid", pid, &dir);
+    if (rc == (CUresult)-1) {
+        if (!tid)
+            rc = CUDA_ERROR_INVALID_VALUE;
+        else if ((rc = get_proc(dir, pid, &p)) == CUDA_SUCCESS)
+            *tid = pid;
+    }
+    log_call(dir, "restore_tid", pid, rc);
+    return rc;
+}

@@ -1,0 +1,102 @@
+"""Integration tests: real CRIU, real processes, the torpor CLI as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.fakes.fakegpu import FakeGpu
+
+
+def _criu_ok() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root"
+    for p in ("/usr/local/sbin/criu", shutil.which("criu") or ""):
+        if p and os.access(p, os.X_OK):
+            out = subprocess.run([p, "--version"], capture_output=True, text=True).stdout
+            if "Version: 4" in out or "Version: 5" in out:
+                return None
+    return "needs CRIU >= 4 (./install.sh)"
+
+
+CRIU_SKIP = _criu_ok()
+needs_criu = pytest.mark.skipif(CRIU_SKIP is not None, reason=CRIU_SKIP or "")
+
+
+class Torpor:
+    """Runs `python -m torpor.cli.main` with an isolated state dir and a fake GPU host."""
+
+    def __init__(self, env: dict[str, str]):
+        self.env = env
+
+    def run(self, *args: str, timeout: float = 120, check: bool = False) -> subprocess.CompletedProcess:
+        proc = subprocess.run([sys.executable, "-m", "torpor.cli.main", *args], env=self.env,
+                              capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"torpor {' '.join(args)} exited {proc.returncode}:\n"
+                                 f"{proc.stdout}\n{proc.stderr}")
+        return proc
+
+    def json(self, *args: str, **kw) -> dict:
+        proc = self.run("--json", *args, check=True, **kw)
+        return json.loads(proc.stdout)
+
+    def start(self, *args: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "torpor.cli.main", *args], env=self.env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                stdin=subprocess.DEVNULL)
+
+
+@pytest.fixture
+def gpu(tmp_path: Path):
+    with FakeGpu(tmp_path / "fakegpu") as g:
+        yield g
+
+
+@pytest.fixture
+def torpor(tmp_path: Path, gpu: FakeGpu, torpor_env: dict[str, str]) -> Torpor:
+    env = {**os.environ, **torpor_env, **gpu.env()}
+    return Torpor(env)
+
+
+def wait_for(pred, timeout: float = 10.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.fixture
+def reaper():
+    """kill(pid) for every pid added, at teardown (restored processes are nobody's child)."""
+    pids: list[int] = []
+    yield pids
+    for pid in pids:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+
+
+def checkpointed_and_reaped(prog, timeout: float = 10.0) -> None:
+    """After a dump (which ends the program), reap it so CRIU can restore its PID."""
+    prog.proc.wait(timeout=timeout)

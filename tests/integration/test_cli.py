@@ -1,0 +1,258 @@
+"""`torpor checkpoint/restore/suspend/resume/ps/inspect/demo` with real CRIU and a fake GPU.
+
+CI has no GPU: the driver and NVML are the fakes of tests/fakes (the GPU host runs the same
+behaviour for real in tests/gpu). Every failure case checks that the program keeps running.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.fakes.fakegpu import CHECKPOINTED, LOCKED, RUNNING
+from tests.integration.conftest import alive, checkpointed_and_reaped, needs_criu, wait_for
+
+pytestmark = needs_criu
+
+
+def _journal(tmp_path: Path) -> list[Path]:
+    return sorted((tmp_path / "state" / "journal").glob("*.json"))
+
+
+def test_cpu_process_tree_roundtrip(torpor, tmp_path, reaper):
+    status = tmp_path / "tree.txt"
+    code = ("import os, time\n"
+            "child = os.fork()\n"
+            "n = 0\n"
+            "while True:\n"
+            f"    n += 1\n    open('{status}' + ('.c' if child == 0 else '.p'), 'w').write(str(n))\n"
+            "    time.sleep(0.02)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    reaper.append(parent.pid)
+    wait_for(lambda: Path(f"{status}.c").exists() and Path(f"{status}.p").exists())
+    child = int(Path(f"/proc/{parent.pid}/task/{parent.pid}/children").read_text().split()[0])
+    reaper.append(child)
+    images = tmp_path / "ck"
+    out = torpor.json("checkpoint", str(parent.pid), "-D", str(images))
+    parent.wait(timeout=10)
+    assert not alive(child)
+    m = out["manifest"]
+    assert {p["pid"] for p in m["processes"]} == {parent.pid, child}
+    assert not any(p["cuda"] for p in m["processes"]) and "lock" not in m["timings"]
+    assert oct(images.stat().st_mode & 0o777) == "0o700"
+    assert oct((images / "torpor.json").stat().st_mode & 0o777) == "0o600"
+    before = int(Path(f"{status}.c").read_text())
+    r = torpor.json("restore", "-D", str(images))
+    assert r["root_pid"] == parent.pid and sorted(r["pids"]) == sorted([parent.pid, child])
+    wait_for(lambda: int(Path(f"{status}.c").read_text()) > before + 5, what="child ticking")
+    assert alive(parent.pid) and alive(child)
+
+
+def test_gpu_process_roundtrip_with_device_map(torpor, gpu, tmp_path, reaper):
+    prog = gpu.spawn(gpu_index=0, mem=3 << 30)
+    reaper.append(prog.pid)
+    prog.wait_tick(2)
+    images = tmp_path / "ck"
+    m = torpor.json("checkpoint", str(prog.pid), "-D", str(images))["manifest"]
+    checkpointed_and_reaped(prog)
+    (proc,) = m["processes"]
+    assert proc["cuda"] and proc["gpus"] == [gpu.uuid(0)] and proc["gpu_memory"] == 3 << 30
+    assert m["gpus"][0]["uuid"] == gpu.uuid(0) and {"lock", "checkpoint", "dump"} <= set(m["timings"])
+    assert [c.call for c in gpu.calls() if c.pid == prog.pid][-2:] == ["lock", "checkpoint"]
+    tick = prog.tick()
+    r = torpor.json("restore", "-D", str(images), "--device-map", f"{gpu.uuid(0)}={gpu.uuid(1)}")
+    assert r["gpu_map"] == {gpu.uuid(0): gpu.uuid(1)} and r["cuda_pids"] == [prog.pid]
+    st = gpu.state(prog.pid)
+    assert st["state"] == RUNNING and st["gpu"] == gpu.uuid(1)
+    assert st["restored_pairs"] == [(gpu.uuid(0), gpu.uuid(1))]
+    prog.wait_tick(tick + 3)
+
+
+def test_leave_running(torpor, gpu, tmp_path):
+    with gpu.spawn() as prog:
+        out = torpor.json("checkpoint", str(prog.pid), "-D", str(tmp_path / "ck"), "--leave-running")
+        assert out["manifest"]["leave_running"]
+        assert gpu.state(prog.pid)["state"] == RUNNING
+        prog.wait_tick(prog.tick() + 3)
+
+
+def _assert_rolled_back(gpu, prog, tmp_path, proc):
+    assert proc.returncode == 8, proc.stderr
+    assert "rolled back to running" in proc.stderr and proc.stderr.count("\n") <= 12
+    assert gpu.state(prog.pid)["state"] == RUNNING
+    prog.wait_tick(prog.tick() + 3)
+    assert _journal(tmp_path) == []
+
+
+def test_dump_failure_on_full_disk_rolls_back(torpor, gpu, tmp_path):
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=True)
+    try:
+        with gpu.spawn() as prog:
+            proc = torpor.run("checkpoint", str(prog.pid), "-D", str(small / "ck"))
+            assert "criu dump failed" in proc.stderr
+            _assert_rolled_back(gpu, prog, tmp_path, proc)
+            assert [c.call for c in gpu.calls() if c.call != "get_state"][-4:] == \
+                ["lock", "checkpoint", "restore", "unlock"]
+            leftovers = [p.name for p in (small / "ck").iterdir()]
+            assert leftovers in ([], ["dump.log"])  # partial images removed, CRIU's log kept
+    finally:
+        subprocess.run(["umount", "-l", str(small)])
+
+
+def test_lock_timeout_rolls_back(torpor, gpu, tmp_path):
+    with gpu.spawn() as prog:
+        gpu.hang_lock()
+        torpor.env["TORPOR_LOCK_TIMEOUT"] = "0.5"
+        start = time.monotonic()
+        proc = torpor.run("checkpoint", str(prog.pid), "-D", str(tmp_path / "ck"))
+        assert time.monotonic() - start < 30
+        assert "CUDA_ERROR_TIMEOUT" in proc.stderr
+        gpu.clear_faults()
+        _assert_rolled_back(gpu, prog, tmp_path, proc)
+
+
+def test_driver_checkpoint_failure_rolls_back(torpor, gpu, tmp_path):
+    with gpu.spawn() as prog:
+        gpu.fail("checkpoint", "CUDA_ERROR_UNKNOWN")
+        proc = torpor.run("checkpoint", str(prog.pid), "-D", str(tmp_path / "ck"))
+        assert "CUDA_ERROR_UNKNOWN" in proc.stderr
+        gpu.clear_faults()
+        _assert_rolled_back(gpu, prog, tmp_path, proc)
+
+
+@pytest.mark.parametrize("slow_call,args,state_when_killed", [
+    ("checkpoint", [], LOCKED),                      # killed in the checkpoint phase
+    ("restore", ["--leave-running"], CHECKPOINTED),  # killed after the dump, GPU state on host
+    ("unlock", ["--leave-running"], LOCKED),         # killed just before the unlock
+])
+def test_sigkill_of_torpor_mid_phase_is_recovered(torpor, gpu, tmp_path, slow_call, args,
+                                                  state_when_killed):
+    with gpu.spawn() as prog:
+        gpu.delay(slow_call, 20000)
+        t = torpor.start("checkpoint", str(prog.pid), "-D", str(tmp_path / "ck"), *args)
+        wait_for(lambda: any(c.call == slow_call for c in gpu.calls())
+                 or (gpu.state_dir / "delay" / slow_call).exists() and
+                 gpu.state(prog.pid)["state"] == state_when_killed and _journal(tmp_path)
+                 and time.sleep(0.3) is None, timeout=30, what=f"torpor to reach {slow_call}")
+        t.kill()
+        t.wait()
+        gpu.clear_faults()
+        assert gpu.state(prog.pid)["state"] == state_when_killed
+        ps = torpor.run("ps")  # any command first rolls back what a dead torpor left
+        assert ps.returncode == 0, ps.stderr
+        assert "recovered" in ps.stderr and str(prog.pid) in ps.stderr
+        assert gpu.state(prog.pid)["state"] == RUNNING
+        prog.wait_tick(prog.tick() + 3)
+        assert _journal(tmp_path) == []
+
+
+def test_second_request_for_same_pids_is_refused(torpor, gpu, tmp_path):
+    with gpu.spawn() as prog:
+        gpu.delay("checkpoint", 3000)
+        first = torpor.start("checkpoint", str(prog.pid), "-D", str(tmp_path / "a"), "--leave-running")
+        wait_for(lambda: gpu.state(prog.pid)["state"] == LOCKED, what="first lock")
+        second = torpor.run("checkpoint", str(prog.pid), "-D", str(tmp_path / "b"))
+        assert second.returncode == 6 and "busy" in second.stderr
+        assert first.wait(timeout=60) == 0, first.stderr.read()
+        assert gpu.state(prog.pid)["state"] == RUNNING
+
+
+def test_suspend_resume_and_ps(torpor, gpu):
+    with gpu.spawn(mem=2 << 30) as prog:
+        r = torpor.json("suspend", str(prog.pid))
+        assert r["pids"] == [prog.pid] and r["gpu_memory_released"] == 2 << 30
+        assert gpu.state(prog.pid)["state"] == CHECKPOINTED
+        t = prog.tick()
+        time.sleep(0.3)
+        assert prog.tick() == t  # its CUDA calls wait while suspended
+        rows = {r["pid"]: r for r in torpor.json("ps")["processes"]}
+        assert rows[prog.pid]["state"] == "CHECKPOINTED" and rows[prog.pid]["suspended"]
+        again = torpor.run("suspend", str(prog.pid))
+        assert again.returncode == 2 and "already CHECKPOINTED" in again.stderr, again.stderr
+        torpor.json("resume", str(prog.pid))
+        assert gpu.state(prog.pid)["state"] == RUNNING
+        prog.wait_tick(t + 3)
+        rows = {r["pid"]: r for r in torpor.json("ps")["processes"]}
+        assert rows[prog.pid]["state"] == "RUNNING" and not rows[prog.pid]["suspended"]
+
+
+def test_restore_refused_when_gpu_too_small(torpor, gpu, tmp_path, reaper):
+    prog = gpu.spawn(mem=8 << 30)
+    reaper.append(prog.pid)
+    torpor.json("checkpoint", str(prog.pid), "-D", str(tmp_path / "ck"))
+    checkpointed_and_reaped(prog)
+    gpu.set_gpus([(gpu.uuid(0), "NVIDIA H200", 4 << 30)])  # "another host": too little memory
+    proc = torpor.run("restore", "-D", str(tmp_path / "ck"))
+    assert proc.returncode == 7, proc.stderr
+    assert "no GPU here can take" in proc.stderr and not alive(prog.pid)
+
+
+def test_gpu_restore_failure_stops_restored_processes(torpor, gpu, tmp_path, reaper):
+    prog = gpu.spawn()
+    reaper.append(prog.pid)
+    torpor.json("checkpoint", str(prog.pid), "-D", str(tmp_path / "ck"))
+    checkpointed_and_reaped(prog)
+    gpu.fail("restore", "CUDA_ERROR_UNKNOWN")
+    proc = torpor.run("restore", "-D", str(tmp_path / "ck"))
+    assert proc.returncode == 1 and "restored processes were stopped" in proc.stderr
+    wait_for(lambda: not alive(prog.pid), what="restored process stopped")
+    gpu.clear_faults()
+    torpor.json("restore", "-D", str(tmp_path / "ck"))  # the checkpoint is still good
+    assert gpu.state(prog.pid)["state"] == RUNNING
+
+
+def test_corrupted_checkpoints_are_refused(torpor, gpu, tmp_path, reaper):
+    prog = gpu.spawn()
+    reaper.append(prog.pid)
+    images = tmp_path / "ck"
+    torpor.json("checkpoint", str(prog.pid), "-D", str(images))
+    checkpointed_and_reaped(prog)
+    pages = max(images.glob("pages-*.img"), key=lambda p: p.stat().st_size)
+    data = bytearray(pages.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    pages.write_bytes(bytes(data))
+    proc = torpor.run("restore", "-D", str(images))
+    assert proc.returncode == 9 and "checksum mismatch" in proc.stderr and not alive(prog.pid)
+    m = json.loads((images / "torpor.json").read_text())
+    m["files"]["../../etc/shadow"] = {"size": 1, "sha256": None}
+    (images / "torpor.json").write_text(json.dumps(m))
+    proc = torpor.run("restore", "-D", str(images))
+    assert proc.returncode == 9 and "unsafe path" in proc.stderr
+    (images / "torpor.json").write_text("{")
+    assert torpor.run("inspect", str(images)).returncode == 9
+
+
+def test_bad_input_is_one_line_and_nonzero(torpor, gpu, tmp_path):
+    cases = [(["checkpoint", "999999", "-D", str(tmp_path / "x")], 3),
+             (["checkpoint", "abc", "-D", str(tmp_path / "x")], 2),
+             (["restore", "-D", str(tmp_path / "nothing")], 3),
+             (["resume", "1"], 2),
+             (["inspect", str(tmp_path / "nothing.tar")], 3)]
+    with gpu.spawn() as prog:
+        full = tmp_path / "full"
+        full.mkdir()
+        (full / "f").write_text("x")
+        cases.append((["checkpoint", str(prog.pid), "-D", str(full)], 2))
+        cases.append((["restore", "-D", str(full), "--device-map", "nonsense"], 2))
+        for args, code in cases:
+            proc = torpor.run(*args)
+            assert proc.returncode == code, (args, proc.stderr)
+            assert proc.stderr.strip().splitlines()[-1].startswith("torpor: error: "), proc.stderr
+            assert "Traceback" not in proc.stderr
+        assert gpu.state(prog.pid)["state"] == RUNNING
+        prog.wait_tick(prog.tick() + 2)
+
+
+def test_demo_on_cpu(torpor):
+    r = torpor.json("demo", "--cpu", "--mib", "16", timeout=300)
+    assert r["mode"] == "cpu" and r["restored_pid"] == r["pid"]
+    assert r["tick_verified_after"] > r["tick_at_checkpoint"]
