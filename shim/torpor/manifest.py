@@ -13,7 +13,7 @@ Schema (version 1), all keys always present:
   processes         [{"pid", "comm", "cuda", "gpus": [uuid], "gpu_memory", "state"}]
   timings           {phase: seconds}
   sizes             {"total": bytes, "gpu_memory": bytes}
-  files             {relative path: {"size": bytes, "sha256": hex or null}}
+  files             {relative path: {"size": bytes, "sha256": [hex per 64 MiB block] or null}}
 
 Paths in `files` are never trusted: each must be a plain relative path that stays inside the
 checkpoint directory, or reading fails with CorruptCheckpointError.
@@ -43,14 +43,36 @@ _REQUIRED: dict[str, type | tuple[type, ...]] = {
 }
 
 
-def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
+HASH_BLOCK = 64 << 20  # files are hashed in 64 MiB blocks, all blocks of all files in parallel
+
+
+def _hash_block(path: Path, offset: int, length: int, chunk: int = 8 << 20) -> str:
     h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            block = f.read(chunk)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        end = offset + length
+        while offset < end:
+            block = os.pread(fd, min(chunk, end - offset), offset)
             if not block:
-                return h.hexdigest()
-            h.update(block)  # hashlib drops the GIL for large blocks: files hash in parallel
+                break  # shorter than expected: the size check reports it
+            h.update(block)  # hashlib drops the GIL for large buffers: blocks hash in parallel
+            offset += len(block)
+    finally:
+        os.close(fd)
+    return h.hexdigest()
+
+
+def block_digests(paths: dict[str, Path]) -> dict[str, list[str]]:
+    """sha256 of every HASH_BLOCK-sized block of every file: {rel: [hex, ...]}."""
+    jobs = [(rel, path, off) for rel, path in paths.items()
+            for off in range(0, max(path.stat().st_size, 1), HASH_BLOCK)]
+    workers = min(16, os.cpu_count() or 2, max(1, len(jobs)))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        digests = list(pool.map(lambda j: _hash_block(j[1], j[2], HASH_BLOCK), jobs))
+    out: dict[str, list[str]] = {rel: [] for rel in paths}
+    for (rel, _path, _off), d in zip(jobs, digests):
+        out[rel].append(d)
+    return out
 
 
 def _image_files(images_dir: Path) -> list[str]:
@@ -64,14 +86,10 @@ def _image_files(images_dir: Path) -> list[str]:
 
 
 def file_table(images_dir: Path, checksums: bool) -> dict[str, dict[str, Any]]:
-    """Size (and sha256, in parallel) of every file in the image directory."""
+    """Size and (optionally) per-block sha256 of every file in the image directory."""
     rels = _image_files(images_dir)
-    sums: dict[str, str | None] = {r: None for r in rels}
-    if checksums:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 2)) as pool:
-            for rel, digest in zip(rels, pool.map(lambda r: sha256_file(images_dir / r), rels)):
-                sums[rel] = digest
-    return {r: {"size": (images_dir / r).stat().st_size, "sha256": sums[r]} for r in rels}
+    sums = block_digests({r: images_dir / r for r in rels}) if checksums else {}
+    return {r: {"size": (images_dir / r).stat().st_size, "sha256": sums.get(r)} for r in rels}
 
 
 def write(images_dir: Path, manifest: dict[str, Any]) -> Path:
@@ -101,7 +119,10 @@ def validate(m: Any) -> dict[str, Any]:
             raise CorruptCheckpointError(f"manifest field '{key}' is missing or not {kind}")
     for rel, info in m["files"].items():
         safe_relpath(rel)
-        if not isinstance(info, dict) or not isinstance(info.get("size"), int):
+        sums = info.get("sha256") if isinstance(info, dict) else None
+        if (not isinstance(info, dict) or not isinstance(info.get("size"), int)
+                or not (sums is None or (isinstance(sums, list)
+                                         and all(isinstance(x, str) for x in sums)))):
             raise CorruptCheckpointError(f"manifest entry for {rel!r} is malformed")
     for p in m["processes"]:
         if not isinstance(p, dict) or not isinstance(p.get("pid"), int):
@@ -137,8 +158,8 @@ def read(images_dir: Path) -> dict[str, Any]:
 def verify(images_dir: Path, m: dict[str, Any], checksums: bool = True) -> None:
     """Every listed file present, inside the directory, of the right size and hash."""
     root = images_dir.resolve()
-    bad = []
-    todo = []
+    bad: list[str] = []
+    todo: dict[str, tuple[Path, list[str]]] = {}
     for rel, info in m["files"].items():
         path = (images_dir / safe_relpath(rel))
         try:
@@ -153,12 +174,11 @@ def verify(images_dir: Path, m: dict[str, Any], checksums: bool = True) -> None:
             bad.append(f"{rel} has {real.stat().st_size} bytes, manifest says {info['size']}")
             continue
         if checksums and info.get("sha256"):
-            todo.append((rel, real, info["sha256"]))
+            todo[rel] = (real, info["sha256"])
     if todo:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 2)) as pool:
-            for (rel, _real, want), got in zip(todo, pool.map(lambda t: sha256_file(t[1]), todo)):
-                if got != want:
-                    bad.append(f"{rel} checksum mismatch")
+        got = block_digests({rel: real for rel, (real, _want) in todo.items()})
+        bad += [f"{rel} checksum mismatch" for rel, (_real, want) in todo.items()
+                if got[rel] != want]
     if bad:
         more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
         raise CorruptCheckpointError(f"checkpoint {images_dir} is damaged: "

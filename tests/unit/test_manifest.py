@@ -29,11 +29,25 @@ def test_roundtrip_and_verify(tmp_path):
     files = manifest.file_table(d, checksums=True)
     assert set(files) == {"pages-1.img", "sub/x.img"}
     assert files["sub/x.img"]["sha256"] == \
-        "2d711642b726b04401627ca9fbac32f5c8530fb1903cc4db02258717921a4881"
+        ["2d711642b726b04401627ca9fbac32f5c8530fb1903cc4db02258717921a4881"]
     manifest.write(d, _manifest(files))
     assert oct((d / "torpor.json").stat().st_mode & 0o777) == "0o600"
     m = manifest.read(d)
     manifest.verify(d, m)
+
+
+def test_large_files_hash_per_block(tmp_path, monkeypatch):
+    monkeypatch.setattr(manifest, "HASH_BLOCK", 1024)
+    d = _images(tmp_path)
+    files = manifest.file_table(d, checksums=True)
+    assert len(files["pages-1.img"]["sha256"]) == 3  # 3000 bytes in 1 KiB blocks
+    m = _manifest(files)
+    manifest.verify(d, m)
+    data = bytearray((d / "pages-1.img").read_bytes())
+    data[2999] ^= 1  # last byte of the last, partial block
+    (d / "pages-1.img").write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+        manifest.verify(d, m)
 
 
 def test_verify_catches_flipped_byte_missing_and_resized(tmp_path):

@@ -1,0 +1,129 @@
+"""The engine on a real H200: PyTorch programs checkpointed and restored, continuing bit-exact.
+
+Each scenario runs a reference program (same seed, uninterrupted) beside the one torpor
+interrupts, and compares their per-step loss and bulk-memory checksums line by line.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+
+from tests.gpu.compare_steps import compare
+from tests.gpu.conftest import GPU_SKIP, gpu_uuid, nvml_pids, wait_for
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPU_SKIP is not None, reason=GPU_SKIP or "")]
+
+GIB = 4.0
+
+
+def _bit_exact(ref, prog, min_steps: int) -> None:
+    n, mismatch = compare(str(ref.steps), str(prog.steps))
+    assert mismatch is None, f"diverged at {mismatch}"
+    assert n >= min_steps, f"only {n} common steps"
+
+
+def test_checkpoint_restore_continues_bit_exact(torpor, programs, tmp_path):
+    ref = programs("ref", GIB, max_steps=60)
+    prog = programs("prog", GIB)
+    prog.wait_ready()
+    prog.wait_step(10)
+    images = tmp_path / "ck"
+    m = torpor.json("checkpoint", str(prog.pid), "-D", str(images), timeout=600)["manifest"]
+    prog.proc.wait(timeout=30)
+    (p,) = [p for p in m["processes"] if p["cuda"]]
+    assert p["gpu_memory"] >= GIB * (1 << 30) and m["gpus"][0]["uuid"] == gpu_uuid()
+    at = prog.step()
+    r = torpor.json("restore", "-D", str(images), timeout=600)
+    assert r["cuda_pids"] == [prog.pid]
+    prog.wait_step(at + 20, pid=prog.pid)
+    ref.wait_done(59)
+    _bit_exact(ref, prog, 30)
+
+
+def test_restore_with_device_map_onto_same_gpu_uuid(torpor, programs, tmp_path):
+    ref = programs("ref", 1.0, max_steps=40)
+    prog = programs("prog", 1.0)
+    prog.wait_ready()
+    prog.wait_step(5)
+    torpor.json("checkpoint", str(prog.pid), "-D", str(tmp_path / "ck"), timeout=600)
+    prog.proc.wait(timeout=30)
+    u = gpu_uuid()
+    r = torpor.json("restore", "-D", str(tmp_path / "ck"), "--device-map", f"{u}={u}", timeout=600)
+    assert r["gpu_map"] == {u: u}  # passed to the driver as gpuPairs
+    at = prog.step()
+    prog.wait_step(at + 10, pid=prog.pid)
+    ref.wait_done(39)
+    _bit_exact(ref, prog, 20)
+
+
+def test_suspend_releases_gpu_and_resume_continues(torpor, programs):
+    ref = programs("ref", GIB, max_steps=50)
+    prog = programs("prog", GIB)
+    prog.wait_ready()
+    prog.wait_step(5)
+    r = torpor.json("suspend", str(prog.pid), timeout=600)
+    assert r["gpu_memory_released"] >= GIB * (1 << 30)
+    assert prog.pid not in nvml_pids()  # its GPU memory is gone from the GPU
+    at = prog.step()
+    time.sleep(1.0)
+    assert prog.step() == at  # paused in its CUDA calls
+    torpor.json("resume", str(prog.pid), timeout=600)
+    prog.wait_step(at + 15)
+    ref.wait_done(49)
+    _bit_exact(ref, prog, 30)
+
+
+@pytest.mark.parametrize("phase", ["checkpoint", "dump"])
+def test_sigkill_of_torpor_mid_phase_recovers_program(torpor, programs, tmp_path, phase):
+    ref = programs("ref", GIB, max_steps=50)
+    prog = programs("prog", GIB)
+    prog.wait_ready()
+    prog.wait_step(5)
+    journal = tmp_path / "state" / "journal"
+    t = torpor.start("checkpoint", str(prog.pid), "-D", str(tmp_path / "ck"))
+
+    def in_phase():
+        for f in journal.glob("*.json"):
+            try:
+                if f'"phase": "{phase}"' in f.read_text():
+                    return True
+            except OSError:
+                pass
+        return False
+    wait_for(in_phase, 120, f"phase {phase}")
+    time.sleep(0.2)
+    t.kill()
+    t.wait()
+    ps = torpor.run("ps")
+    assert ps.returncode == 0 and "recovered" in ps.stderr, ps.stderr
+    at = prog.step()
+    prog.wait_step(at + 10)
+    ref.wait_done(49)
+    _bit_exact(ref, prog, 30)
+
+
+def test_dump_failure_on_full_disk_leaves_program_running(torpor, programs, tmp_path):
+    ref = programs("ref", 1.0, max_steps=40)
+    prog = programs("prog", 1.0)
+    prog.wait_ready()
+    prog.wait_step(5)
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(small)], check=True)
+    try:
+        proc = torpor.run("checkpoint", str(prog.pid), "-D", str(small / "ck"), timeout=600)
+    finally:
+        subprocess.run(["umount", "-l", str(small)])
+    assert proc.returncode == 8 and "rolled back" in proc.stderr, proc.stderr
+    at = prog.step()
+    prog.wait_step(at + 10)
+    ref.wait_done(39)
+    _bit_exact(ref, prog, 20)
+
+
+def test_demo_on_gpu(torpor):
+    r = torpor.json("demo", "--mib", "1024", timeout=600)
+    assert r["mode"] == "gpu" and r["checkpoint"]["gpu_memory"] >= 1 << 30
