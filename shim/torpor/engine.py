@@ -130,7 +130,7 @@ class Engine:
         problems = []
         drv = self.driver_or_none()
         if drv is None:
-            return [f"PID {p}: no driver to roll back with" for p in pids if procs.alive(p)]
+            return []  # no driver: nothing can be locked or checkpointed
         for pid in pids:
             if not procs.alive(pid):
                 continue

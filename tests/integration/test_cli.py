@@ -256,3 +256,30 @@ def test_demo_on_cpu(torpor):
     r = torpor.json("demo", "--cpu", "--mib", "16", timeout=300)
     assert r["mode"] == "cpu" and r["restored_pid"] == r["pid"]
     assert r["tick_verified_after"] > r["tick_at_checkpoint"]
+
+
+def test_sigkill_of_torpor_mid_dump_leaves_program_running(torpor, tmp_path, reaper):
+    """CRIU dies with torpor (parent-death signal): the half-dumped program runs on."""
+    status = tmp_path / "n"
+    code = ("import os, time\n"
+            "b = bytearray(os.urandom(1 << 20)) * 800\n"   # enough pages for a dump of ~1 s
+            "n = 0\n"
+            "while True:\n"
+            f"    n += 1\n    open('{status}', 'w').write(str(n))\n    time.sleep(0.02)\n")
+    prog = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    reaper.append(prog.pid)
+    wait_for(lambda: status.exists(), timeout=60, what="program start")
+    t = torpor.start("checkpoint", str(prog.pid), "-D", str(tmp_path / "ck"))
+    wait_for(lambda: any('"phase": "dump"' in p.read_text() for p in _journal(tmp_path)),
+             timeout=30, what="dump phase")
+    time.sleep(0.3)
+    t.kill()
+    t.wait()
+    wait_for(lambda: not subprocess.run(["pgrep", "-x", "criu"]).returncode == 0, timeout=10,
+             what="CRIU to die with torpor")
+    n = int(status.read_text())
+    wait_for(lambda: int(status.read_text()) > n + 10, timeout=10, what="program ticking")
+    assert alive(prog.pid)
+    assert "TracerPid:\t0" in Path(f"/proc/{prog.pid}/status").read_text()
