@@ -1,0 +1,231 @@
+"""The client side of torpord: Client(cfg) for the OCI shim and the CLI, ping() for doctor.
+
+    with Client(cfg) as c:
+        ck = c.lock_and_checkpoint(container_id="abc")       # GPU state now in host memory
+        try:
+            run_runc_checkpoint(...)
+        except Exception:
+            c.rollback(ck["op_id"])                           # program RUNNING again
+            raise
+        c.finish(ck["op_id"])                                 # or c.restore_and_unlock(op_id=...)
+
+Every method returns plain dicts (the response messages, field names as in torpor.proto,
+maps as dicts, repeated fields as lists) and raises the TorporError subclass torpord raised,
+rebuilt from the `torpor-exit-code` trailer; SidecarError when torpord cannot be reached.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import grpc
+
+from ..config import Config
+from ..doctor import OK, WARN, Check
+from ..errors import SidecarError, TorporError
+from ..files import private_dir
+from . import error_from_rpc
+
+
+def _proto():
+    try:
+        from .._proto import torpor_pb2, torpor_pb2_grpc
+    except ImportError as e:
+        raise SidecarError(f"the gRPC modules are missing ({e})",
+                           hint="run 'python proto/generate.py' or reinstall torpor") from e
+    return torpor_pb2, torpor_pb2_grpc
+
+
+def to_dict(msg: Any) -> dict[str, Any]:
+    """A message as a plain dict: every field (defaults included), maps as dicts."""
+    out: dict[str, Any] = {}
+    for field in msg.DESCRIPTOR.fields:
+        value = getattr(msg, field.name)
+        mt = field.message_type
+        if mt is not None and mt.GetOptions().map_entry:
+            vt = mt.fields_by_name["value"].message_type
+            out[field.name] = {k: (to_dict(v) if vt else v) for k, v in value.items()}
+        elif _repeated(field):
+            out[field.name] = [to_dict(v) if mt else v for v in value]
+        elif mt is not None:
+            out[field.name] = to_dict(value) if msg.HasField(field.name) else None
+        elif field.has_presence and not msg.HasField(field.name):
+            out[field.name] = None
+        else:
+            out[field.name] = value
+    return out
+
+
+def _repeated(field: Any) -> bool:
+    flag = getattr(field, "is_repeated", None)
+    if flag is not None:
+        return bool(flag)
+    return field.label == field.LABEL_REPEATED  # protobuf < 5.28
+
+
+class Client:
+    """One channel to torpord. Thread-safe; close() (or `with`) when done."""
+
+    def __init__(self, cfg: Config, socket_path: Path | str | None = None,
+                 timeout: float | None = None):
+        self.cfg = cfg
+        self.socket_path = Path(socket_path or cfg.socket_path).absolute()
+        self.timeout = timeout
+        self.pb, pb_grpc = _proto()
+        self.channel = grpc.insecure_channel(f"unix://{self.socket_path}")
+        self.stub = pb_grpc.TorporStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: str, request: Any, timeout: float | None = None) -> Any:
+        if not self.socket_path.exists():
+            raise SidecarError(f"torpord is not running (no socket at {self.socket_path})",
+                               hint="systemctl start torpord (or run torpord)")
+        try:
+            return getattr(self.stub, method)(request, timeout=timeout or self.timeout)
+        except grpc.RpcError as e:
+            err: TorporError = error_from_rpc(e.code(), e.details(), e.trailing_metadata())
+            raise err from None
+
+    # -- containers ---------------------------------------------------------------------------
+    def register_container(self, container_id: str, bundle: str | os.PathLike = "",
+                           pids: Iterable[int] = (), gpu_uuids: Iterable[str] = (),
+                           annotations: Mapping[str, str] | None = None) -> dict[str, Any]:
+        req = self.pb.RegisterContainerRequest(id=container_id, bundle=str(bundle),
+                                               pids=list(pids), gpu_uuids=list(gpu_uuids),
+                                               annotations=dict(annotations or {}))
+        return to_dict(self._call("RegisterContainer", req))
+
+    def unregister_container(self, container_id: str, missing_ok: bool = False) -> bool:
+        req = self.pb.UnregisterContainerRequest(id=container_id, missing_ok=missing_ok)
+        return self._call("UnregisterContainer", req).existed
+
+    # -- checkpoint -----------------------------------------------------------------------------
+    def lock_and_checkpoint(self, pids: Iterable[int] = (), container_id: str = "", *,
+                            lock_timeout_s: float | None = None, descendants: bool = True,
+                            timeout: float | None = None) -> dict[str, Any]:
+        """Lock and checkpoint the CUDA processes among pids (and their descendants) or the
+        container's; the operation stays open: end it with finish/rollback/restore_and_unlock.
+        Returns {op_id, pids, cuda_processes: [{pid, state, gpu_uuids, gpu_memory}], timings,
+        deadline, container_id}."""
+        req = self.pb.LockAndCheckpointRequest(pids=list(pids), container_id=container_id,
+                                               no_descendants=not descendants)
+        if lock_timeout_s is not None:
+            req.lock_timeout_s = lock_timeout_s
+        return to_dict(self._call("LockAndCheckpoint", req, timeout))
+
+    def finish(self, op_id: str, timeout: float | None = None) -> dict[str, Any]:
+        """The dump succeeded: close the operation. {op_id, kind, pids, outcome, timings,
+        gone, resumed}."""
+        return to_dict(self._call("Finish", self.pb.OperationRequest(op_id=op_id), timeout))
+
+    def rollback(self, op_id: str, timeout: float | None = None) -> dict[str, Any]:
+        """The dump failed: bring the live CUDA processes back to RUNNING, close the op."""
+        return to_dict(self._call("Rollback", self.pb.OperationRequest(op_id=op_id), timeout))
+
+    # -- restore --------------------------------------------------------------------------------
+    def restore_and_unlock(self, op_id: str = "", pids: Iterable[int] = (),
+                           container_id: str = "", gpu_map: Mapping[str, str] | None = None, *,
+                           descendants: bool = True,
+                           timeout: float | None = None) -> dict[str, Any]:
+        """op_id: end an open checkpoint by giving the (still running) processes their GPU
+        state back (--leave-running). pids/container_id: a restored container's new host PIDs
+        (CHECKPOINTED in the driver) get their GPU state (on gpu_map's GPUs) and run.
+        Returns {op_id, pids (the CUDA PIDs restored), timings, gpu_map}."""
+        req = self.pb.RestoreAndUnlockRequest(op_id=op_id, pids=list(pids),
+                                              container_id=container_id,
+                                              gpu_map=dict(gpu_map or {}),
+                                              no_descendants=not descendants)
+        return to_dict(self._call("RestoreAndUnlock", req, timeout))
+
+    # -- inspection -------------------------------------------------------------------------------
+    def status(self, op_id: str = "", pids: Iterable[int] = (),
+               container_id: str = "") -> dict[str, Any]:
+        """{processes: [{pid, alive, cuda, state, op_id, gpu_uuids, gpu_memory}], operation}."""
+        req = self.pb.StatusRequest(op_id=op_id, pids=list(pids), container_id=container_id)
+        return to_dict(self._call("Status", req))
+
+    def list(self, timeout: float | None = None) -> dict[str, Any]:
+        """{version, server_pid, containers, operations, gpu_processes, gpu_error, op_timeout_s}."""
+        return to_dict(self._call("List", self.pb.ListRequest(), timeout))
+
+    def doctor(self, timeout: float | None = None) -> list[Check]:
+        resp = self._call("Doctor", self.pb.DoctorRequest(), timeout)
+        return [Check(c.name, c.status, c.detail, c.fix) for c in resp.checks]
+
+
+def ping(cfg: Config, socket_path: Path | str | None = None, timeout: float = 3.0) -> Check:
+    """torpord's version and counts (OK), or WARN "not running" (used by `torpor doctor`)."""
+    path = Path(socket_path or cfg.socket_path)
+    if not path.exists():
+        return Check("torpord", WARN, f"not running (no socket at {path})",
+                     "systemctl start torpord (or run torpord)")
+    try:
+        with Client(cfg, path, timeout=timeout) as c:
+            info = c.list()
+    except TorporError as e:
+        return Check("torpord", WARN, f"not running or not answering at {path}: {e}",
+                     "systemctl restart torpord; torpord answers root and socket_owner_uid only")
+    return Check("torpord", OK,
+                 f"torpord {info['version']} (pid {info['server_pid']}) on {path}: "
+                 f"{len(info['containers'])} container(s), "
+                 f"{len(info['operations'])} open operation(s)")
+
+
+_started: list[subprocess.Popen] = []
+
+
+def ensure_running(cfg: Config, socket_path: Path | str | None = None, wait_s: float = 20.0,
+                   extra_args: Iterable[str] = ()) -> Check:
+    """Start torpord (detached, its own session, log in <state_dir>/torpord.log) unless it
+    answers already; wait until it does. Returns ping()'s OK check; SidecarError otherwise."""
+    check = ping(cfg, socket_path)
+    if check.status == OK:
+        return check
+    state = private_dir(cfg.state_dir)
+    log_path = state / "torpord.log"
+    cmd = [sys.executable, "-m", "torpor.sidecar.server", "--foreground", *extra_args]
+    if socket_path:
+        cmd += ["--socket", str(socket_path)]
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    try:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=fd, stderr=fd,
+                                start_new_session=True, close_fds=True, cwd="/")
+    finally:
+        os.close(fd)
+    _started.append(proc)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        check = ping(cfg, socket_path, timeout=1.0)
+        if check.status == OK:
+            return check
+        if proc.poll() is not None:
+            # Lost a race with another starter? Then that one answers.
+            check = ping(cfg, socket_path, timeout=2.0)
+            if check.status == OK:
+                return check
+            raise SidecarError(f"torpord exited with {proc.returncode} at start: "
+                               f"{_tail(log_path)}", hint=f"see {log_path}")
+        time.sleep(0.1)
+    raise SidecarError(f"torpord did not answer within {wait_s:.0f} s: {check.detail}",
+                       hint=f"see {log_path}")
+
+
+def _tail(path: Path, lines: int = 3) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "(no log)"
+    return " | ".join(text[-lines:]) or "(empty log)"

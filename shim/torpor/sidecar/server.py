@@ -1,0 +1,666 @@
+"""torpord: the sidecar that owns the GPU checkpoint engine for containers.
+
+    torpord [--foreground] [--socket PATH] [--op-timeout SECONDS] [--log-level LEVEL]
+
+gRPC (proto/torpor.proto) on <run_dir>/torpord.sock, behind a SO_PEERCRED check (peercred.py).
+A container checkpoint is LockAndCheckpoint, then the runtime's CRIU dump, then Finish,
+Rollback or RestoreAndUnlock; the operation stays open (journal entry and PID locks held by
+torpord) in between, and is rolled back by torpord when not ended within --op-timeout.
+
+At start torpord rolls back what dead torpor processes left locked or checkpointed
+(engine.recover()). On SIGTERM/SIGINT it stops accepting, lets calls in flight finish, rolls
+back its open operations and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import fcntl
+import functools
+import json
+import logging
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import grpc
+
+from .. import __version__, config, gpus, procs
+from ..doctor import run_checks
+from ..driver import ProcessState
+from ..engine import Engine
+from ..errors import (NoDriverError, NotFoundError, SidecarError, TorporError, UsageError)
+from ..files import private_dir, write_json
+from ..journal import Operation
+from ..progress import Progress
+from . import grpc_status
+from .peercred import PeerCredProxy
+
+log = logging.getLogger("torpor.sidecar")
+
+DEFAULT_OP_TIMEOUT_S = 600.0
+RECOVERY_PERIOD_S = 30.0   # how often journal orphans (dead torpor commands) are rolled back
+_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+_SUN_PATH_MAX = 107  # sockaddr_un.sun_path holds 108 bytes, NUL included
+
+
+def _proto():
+    """The generated modules (torpor._proto); a clear error when they were never generated."""
+    try:
+        from .._proto import torpor_pb2, torpor_pb2_grpc
+    except ImportError as e:
+        raise SidecarError(f"the gRPC modules are missing ({e})",
+                           hint="run 'python proto/generate.py' or reinstall torpor") from e
+    return torpor_pb2, torpor_pb2_grpc
+
+
+def validate_container_id(cid: str) -> str:
+    if not _ID_RE.match(cid or "") or ".." in cid or cid == ".":
+        raise UsageError(f"bad container id {cid!r}: use 1-128 of [A-Za-z0-9_.-], no '..'")
+    return cid
+
+
+# -- containers ---------------------------------------------------------------------------------
+
+class Containers:
+    """Registered containers, one <state_dir>/containers/<id>.json each (0600, dir 0700)."""
+
+    def __init__(self, directory: Path):
+        self.dir = private_dir(directory)
+        self._lock = threading.Lock()
+
+    def _path(self, cid: str) -> Path:
+        return self.dir / f"{validate_container_id(cid)}.json"
+
+    def put(self, record: dict[str, Any]) -> None:
+        with self._lock:
+            write_json(self._path(record["id"]), record)
+
+    def get(self, cid: str) -> dict[str, Any]:
+        path = self._path(cid)
+        try:
+            return json.loads(path.read_text())
+        except FileNotFoundError:
+            raise NotFoundError(f"no registered container '{cid}'") from None
+        except (OSError, ValueError) as e:
+            raise TorporError(f"container record {path} is unreadable: {e}") from e
+
+    def remove(self, cid: str) -> bool:
+        with self._lock:
+            try:
+                self._path(cid).unlink()
+                return True
+            except FileNotFoundError:
+                return False
+
+    def all(self) -> list[dict[str, Any]]:
+        out = []
+        for path in sorted(self.dir.glob("*.json")):
+            try:
+                out.append(json.loads(path.read_text()))
+            except (OSError, ValueError) as e:
+                log.warning("skipping unreadable container record %s: %s", path, e)
+        return out
+
+
+# -- open operations ----------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class OpenOp:
+    op: Operation
+    pids: list[int]
+    cuda_pids: list[int]
+    container_id: str
+    deadline: float
+
+    @property
+    def id(self) -> str:
+        return self.op.entry.id
+
+
+def _release(op: Operation) -> None:
+    """Drop our locks but keep the journal entry: recovery (ours or the next torpor's) retries."""
+    fds, op._fds = op._fds, []
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _end_failed(op: Operation) -> None:
+    """After a failure: forget an operation that never touched the driver; otherwise keep its
+    journal entry for recovery (the engine closes what it rolled back itself)."""
+    if op.entry.phase == "start":
+        op.close()
+    else:
+        _release(op)
+
+
+def _timings(engine: Engine) -> dict[str, float]:
+    return {k: round(v, 4) for k, v in engine.progress.timings.items()}
+
+
+def _rpc(fn: Callable) -> Callable:
+    """Run a handler; turn any error into a gRPC status with torpor's exit code in the trailers."""
+    @functools.wraps(fn)
+    def wrapper(self: "Service", request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return fn(self, request, context)
+        except Exception as e:
+            if isinstance(e, TorporError):
+                log.info("%s refused: %s (exit code %s)", fn.__name__, e.line(), e.exit_code)
+            else:
+                log.exception("%s failed", fn.__name__)
+            status, _code, details, md = grpc_status(e)
+            context.set_trailing_metadata(md)
+            context.abort(status, details)
+    return wrapper
+
+
+class Service:
+    """The Torpor gRPC service: containers, open operations and their timeout."""
+
+    def __init__(self, cfg: config.Config, op_timeout_s: float = DEFAULT_OP_TIMEOUT_S):
+        self.cfg = cfg
+        self.op_timeout_s = op_timeout_s
+        self.pb, _ = _proto()
+        self.containers = Containers(cfg.state_dir / "containers")
+        self._ops: dict[str, OpenOp] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._reaper: threading.Thread | None = None
+
+    def engine(self, cfg: config.Config | None = None) -> Engine:
+        return Engine(cfg or self.cfg, Progress(stream=None))
+
+    # -- the op table -----------------------------------------------------------------------------
+    def _take(self, op_id: str) -> OpenOp:
+        """Remove an open operation from the table (so exactly one caller ends it)."""
+        if not op_id:
+            raise UsageError("no operation id given")
+        with self._lock:
+            found = self._ops.pop(op_id, None)
+        if found is None:
+            raise NotFoundError(f"no open operation '{op_id}' (finished, rolled back, "
+                                "timed out, or torpord restarted)")
+        return found
+
+    def open_ops(self) -> list[OpenOp]:
+        with self._lock:
+            return list(self._ops.values())
+
+    def start_reaper(self) -> None:
+        self._reaper = threading.Thread(target=self._reap_loop, name="op-timeout", daemon=True)
+        self._reaper.start()
+
+    def _reap_loop(self) -> None:
+        period = max(0.05, min(1.0, self.op_timeout_s / 10))
+        next_recovery = time.monotonic() + RECOVERY_PERIOD_S
+        while not self._stop.wait(period):
+            if time.monotonic() >= next_recovery:
+                # what a dead `torpor` left, or a rollback of ours that failed: retry it
+                next_recovery = time.monotonic() + RECOVERY_PERIOD_S
+                try:
+                    for msg in self.engine().recover():
+                        log.warning("recovery: %s", msg)
+                except Exception:
+                    log.exception("periodic recovery failed")
+            now = time.time()
+            with self._lock:
+                expired = [o for o in self._ops.values() if o.deadline <= now]
+                for o in expired:
+                    del self._ops[o.id]
+            for o in expired:
+                log.warning("operation %s (PIDs %s) not ended within %.0f s: rolling it back",
+                            o.id, ",".join(map(str, o.pids)), self.op_timeout_s)
+                try:
+                    self._rollback(o)
+                except TorporError as e:
+                    log.error("automatic rollback of %s: %s", o.id, e.line())
+                except Exception:
+                    log.exception("automatic rollback of %s failed", o.id)
+
+    def shutdown(self) -> None:
+        """Stop the reaper; roll back every open operation."""
+        self._stop.set()
+        if self._reaper is not None:
+            self._reaper.join(timeout=5)
+        with self._lock:
+            todo, self._ops = list(self._ops.values()), {}
+        for o in todo:
+            log.warning("shutting down: rolling back open operation %s (PIDs %s)", o.id,
+                        ",".join(map(str, o.pids)))
+            try:
+                self._rollback(o)
+            except Exception as e:
+                log.error("rollback of %s at shutdown: %s", o.id, e)
+
+    def _rollback(self, o: OpenOp) -> tuple[list[int], dict[str, float]]:
+        engine = self.engine()
+        live = [p for p in o.cuda_pids if procs.alive(p)]
+        with engine.progress.phase("rollback"):
+            problems = engine.rollback(live)
+        if problems:
+            _release(o.op)
+            raise TorporError(f"rollback of {o.id} failed: " + "; ".join(problems),
+                              hint="the journal entry stays: restarting torpord retries it")
+        o.op.close()
+        return live, _timings(engine)
+
+    # -- pids -------------------------------------------------------------------------------------
+    def _resolve(self, pids: Iterable[int], container_id: str, descendants: bool) -> list[int]:
+        pids = [int(p) for p in pids]
+        if pids and container_id:
+            raise UsageError("give PIDs or a container id, not both")
+        if container_id:
+            pids = [int(p) for p in self.containers.get(container_id).get("pids", [])]
+            if not pids:
+                raise UsageError(f"container '{container_id}' was registered without PIDs")
+        if not pids:
+            raise UsageError("no PIDs given")
+        out: list[int] = []
+        for pid in pids:
+            procs.require(pid)
+            for p in (procs.tree(pid) if descendants else [pid]):
+                if p not in out:
+                    out.append(p)
+        return out
+
+    def _gpu_info(self, pids: Iterable[int]) -> gpus.Inventory | None:
+        if not list(pids):
+            return None
+        try:
+            return gpus.discover()
+        except NoDriverError as e:
+            log.debug("no GPU inventory: %s", e)
+            return None
+
+    def _cuda_process(self, pid: int, state: ProcessState, inv: gpus.Inventory | None) -> Any:
+        return self.pb.CudaProcess(pid=pid, state=state.name,
+                                   gpu_uuids=inv.gpus_of(pid) if inv else [],
+                                   gpu_memory=inv.memory_of(pid) if inv else 0)
+
+    # -- containers -------------------------------------------------------------------------------
+    @_rpc
+    def RegisterContainer(self, request: Any, context: Any) -> Any:
+        cid = validate_container_id(request.id)
+        record = {"id": cid, "bundle": request.bundle, "pids": [int(p) for p in request.pids],
+                  "gpu_uuids": list(request.gpu_uuids), "annotations": dict(request.annotations),
+                  "registered_at": time.time()}
+        if any(p <= 1 for p in record["pids"]):
+            raise UsageError("container PIDs must be > 1")
+        self.containers.put(record)
+        log.info("registered container %s (PIDs %s)", cid, record["pids"])
+        return self.pb.Container(**record)
+
+    @_rpc
+    def UnregisterContainer(self, request: Any, context: Any) -> Any:
+        cid = validate_container_id(request.id)
+        existed = self.containers.remove(cid)
+        if not existed and not request.missing_ok:
+            raise NotFoundError(f"no registered container '{cid}'")
+        if existed:
+            log.info("unregistered container %s", cid)
+        return self.pb.UnregisterContainerResponse(existed=existed)
+
+    # -- checkpoint ---------------------------------------------------------------------------------
+    @_rpc
+    def LockAndCheckpoint(self, request: Any, context: Any) -> Any:
+        cfg = self.cfg
+        if request.HasField("lock_timeout_s"):
+            if not request.lock_timeout_s > 0:
+                raise UsageError("lock_timeout_s must be positive")
+            cfg = dataclasses.replace(cfg, lock_timeout_s=request.lock_timeout_s)
+        pids = self._resolve(request.pids, request.container_id, not request.no_descendants)
+        engine = self.engine(cfg)
+        op = engine.begin("checkpoint", pids)        # BusyError when another op holds them
+        try:
+            states = engine.cuda_states(pids)
+            bad = {p: s for p, s in states.items() if s != ProcessState.RUNNING}
+            if bad:
+                p, s = next(iter(bad.items()))
+                raise UsageError(f"PID {p} is {s.name} on the GPU, not RUNNING")
+            cuda_pids = sorted(states)
+            inv = self._gpu_info(cuda_pids)
+            cuda = [self._cuda_process(p, states[p], inv) for p in cuda_pids]
+            engine.lock_and_checkpoint(op, cuda_pids)  # rolls back and closes op on failure
+            op.phase("dump")
+        except BaseException:
+            _end_failed(op)
+            raise
+        deadline = time.time() + self.op_timeout_s
+        with self._lock:
+            self._ops[op.entry.id] = OpenOp(op, pids, cuda_pids, request.container_id, deadline)
+        log.info("%s: %d CUDA process(es) of %d checkpointed (%s); waiting for the dump",
+                 op.entry.id, len(cuda_pids), len(pids), ",".join(map(str, cuda_pids)) or "-")
+        return self.pb.LockAndCheckpointResponse(
+            op_id=op.entry.id, pids=pids, cuda_processes=cuda, timings=_timings(engine),
+            deadline=deadline, container_id=request.container_id)
+
+    @_rpc
+    def Finish(self, request: Any, context: Any) -> Any:
+        o = self._take(request.op_id)
+        engine = self.engine()
+        # The dump killed the processes; any CUDA process still alive a moment later would stay
+        # checkpointed forever, so it is brought back (that is a --leave-running dump).
+        end = time.monotonic() + 2.0
+        while any(procs.alive(p) for p in o.cuda_pids) and time.monotonic() < end:
+            time.sleep(0.05)
+        alive = [p for p in o.cuda_pids if procs.alive(p)]
+        gone = [p for p in o.cuda_pids if p not in alive]
+        if alive:
+            log.warning("%s finished with CUDA PIDs %s still alive: resuming them", o.id, alive)
+            with engine.progress.phase("resume"):
+                problems = engine.rollback(alive)
+            if problems:
+                _release(o.op)
+                raise TorporError(f"finish of {o.id}: " + "; ".join(problems))
+        o.op.close()
+        log.info("%s finished", o.id)
+        return self.pb.OperationResult(op_id=o.id, kind=o.op.entry.kind, pids=o.cuda_pids,
+                                       outcome="finished", timings=_timings(engine), gone=gone,
+                                       resumed=alive)
+
+    @_rpc
+    def Rollback(self, request: Any, context: Any) -> Any:
+        o = self._take(request.op_id)
+        live, timings = self._rollback(o)
+        log.info("%s rolled back (%s running again)", o.id, ",".join(map(str, live)) or "none")
+        return self.pb.OperationResult(op_id=o.id, kind=o.op.entry.kind, pids=o.cuda_pids,
+                                       outcome="rolled-back", timings=timings,
+                                       gone=[p for p in o.cuda_pids if p not in live])
+
+    # -- restore ------------------------------------------------------------------------------------
+    @_rpc
+    def RestoreAndUnlock(self, request: Any, context: Any) -> Any:
+        gpu_map = dict(request.gpu_map)
+        if request.op_id:
+            if request.pids or request.container_id:
+                raise UsageError("give an operation id or PIDs/container, not both")
+            return self._restore_open(self._take(request.op_id), gpu_map)
+        pids = self._resolve(request.pids, request.container_id, not request.no_descendants)
+        engine = self.engine()
+        op = engine.begin("restore", pids)
+        try:
+            states = engine.cuda_states(pids)
+            checkpointed = sorted(p for p, s in states.items() if s == ProcessState.CHECKPOINTED)
+            locked = sorted(p for p, s in states.items() if s == ProcessState.LOCKED)
+            failed = sorted(p for p, s in states.items() if s == ProcessState.FAILED)
+            if failed:
+                raise TorporError(f"PID {failed[0]} is in the driver's FAILED state: "
+                                  "it cannot be restored")
+            try:
+                engine.restore_and_unlock(op, checkpointed, gpu_map)
+                if locked:
+                    op.phase("unlock")
+                    with engine.progress.phase("unlock", f"{len(locked)} locked"):
+                        for p in locked:
+                            engine.driver.unlock(p)
+            except TorporError as e:
+                problems = engine.rollback(checkpointed + locked, gpu_map)  # one more try
+                if problems:
+                    _release(op)
+                    raise TorporError(f"{op.entry.phase} failed: {e}; retry failed too: "
+                                      + "; ".join(problems),
+                                      hint="the journal keeps it: restarting torpord retries; "
+                                           "or stop the container") from e
+                log.warning("%s: %s failed (%s) but the retry worked", op.entry.id,
+                            op.entry.phase, e)
+        except BaseException:
+            _end_failed(op)
+            raise
+        op.close()
+        done = checkpointed + locked
+        log.info("%s: %d CUDA process(es) restored and unlocked", op.entry.id, len(done))
+        return self.pb.RestoreAndUnlockResponse(op_id=op.entry.id, pids=sorted(done),
+                                                timings=_timings(engine), gpu_map=gpu_map)
+
+    def _restore_open(self, o: OpenOp, gpu_map: dict[str, str]) -> Any:
+        """--leave-running: the dump is done and the processes still live; give them the GPU."""
+        engine = self.engine()
+        live = [p for p in o.cuda_pids if procs.alive(p)]
+        try:
+            engine.restore_and_unlock(o.op, live, gpu_map)
+        except TorporError as e:
+            problems = engine.rollback(live, gpu_map)
+            if problems:
+                _release(o.op)
+                raise TorporError(f"restore of {o.id} failed: {e}; retry failed: "
+                                  + "; ".join(problems)) from e
+            log.warning("%s: restore failed (%s) but the retry worked", o.id, e)
+        o.op.close()
+        log.info("%s: left running, %d CUDA process(es) restored and unlocked", o.id, len(live))
+        return self.pb.RestoreAndUnlockResponse(op_id=o.id, pids=live, timings=_timings(engine),
+                                                gpu_map=gpu_map)
+
+    # -- inspection ---------------------------------------------------------------------------------
+    def _op_info(self, o: OpenOp) -> Any:
+        e = o.op.entry
+        return self.pb.OperationInfo(op_id=o.id, kind=e.kind, pids=o.pids, cuda_pids=o.cuda_pids,
+                                     phase=e.phase, started=e.started, deadline=o.deadline,
+                                     container_id=o.container_id)
+
+    @_rpc
+    def Status(self, request: Any, context: Any) -> Any:
+        op_info = None
+        if request.op_id:
+            with self._lock:
+                o = self._ops.get(request.op_id)
+            if o is None:
+                raise NotFoundError(f"no open operation '{request.op_id}'")
+            pids, op_info = o.pids, self._op_info(o)
+        elif request.container_id:
+            pids = [int(p) for p in self.containers.get(request.container_id).get("pids", [])]
+        else:
+            pids = [int(p) for p in request.pids]
+            if not pids:
+                raise UsageError("give an operation id, PIDs or a container id")
+        holder = {p: o.id for o in self.open_ops() for p in o.pids}
+        engine = self.engine()
+        states = engine.cuda_states([p for p in pids if procs.alive(p)])
+        inv = self._gpu_info(states)
+        out = []
+        for p in pids:
+            st = states.get(p)
+            out.append(self.pb.ProcessStatus(
+                pid=p, alive=procs.alive(p), cuda=st is not None, state=st.name if st else "",
+                op_id=holder.get(p, ""), gpu_uuids=inv.gpus_of(p) if inv and st else [],
+                gpu_memory=inv.memory_of(p) if inv and st else 0))
+        return self.pb.StatusResponse(processes=out, operation=op_info)
+
+    @_rpc
+    def List(self, request: Any, context: Any) -> Any:
+        containers = [self.pb.Container(
+            id=c.get("id", ""), bundle=c.get("bundle", ""), pids=c.get("pids", []),
+            gpu_uuids=c.get("gpu_uuids", []), annotations=c.get("annotations", {}),
+            registered_at=c.get("registered_at", 0.0)) for c in self.containers.all()]
+        gpu_error, gpu_procs = "", []
+        try:
+            inv = gpus.discover()
+            gpu_procs = [self.pb.GpuProcess(pid=g.pid, gpu_uuid=g.gpu_uuid,
+                                            used_memory=g.used_memory) for g in inv.processes]
+        except NoDriverError as e:
+            gpu_error = e.line()
+        return self.pb.ListResponse(
+            version=__version__, server_pid=os.getpid(), containers=containers,
+            operations=[self._op_info(o) for o in self.open_ops()], gpu_processes=gpu_procs,
+            gpu_error=gpu_error, op_timeout_s=self.op_timeout_s)
+
+    @_rpc
+    def Doctor(self, request: Any, context: Any) -> Any:
+        checks = run_checks(self.cfg)
+        return self.pb.DoctorResponse(checks=[self.pb.Check(
+            name=c.name, status=c.status, detail=c.detail, fix=c.fix) for c in checks])
+
+
+# -- the daemon ---------------------------------------------------------------------------------
+
+def _servicer(service: Service) -> Any:
+    """Adapt Service to the generated servicer base class (so unknown RPCs are UNIMPLEMENTED)."""
+    _, pb_grpc = _proto()
+
+    class Servicer(pb_grpc.TorporServicer):
+        pass
+
+    s = Servicer()
+    for name in ("RegisterContainer", "UnregisterContainer", "LockAndCheckpoint", "Finish",
+                 "Rollback", "RestoreAndUnlock", "Status", "List", "Doctor"):
+        setattr(s, name, getattr(service, name))
+    return s
+
+
+def _daemonize() -> None:
+    if os.fork() > 0:
+        os._exit(0)
+    os.setsid()
+    if os.fork() > 0:
+        os._exit(0)
+    fd = os.open(os.devnull, os.O_RDWR)
+    for n in (0, 1, 2):
+        os.dup2(fd, n)
+    if fd > 2:
+        os.close(fd)
+
+
+def _setup_logging(cfg: config.Config, level: str, foreground: bool) -> None:
+    root = logging.getLogger()
+    root.setLevel(getattr(logging, level.upper(), logging.INFO))
+    fmt = logging.Formatter("%(asctime)s torpord[%(process)d] %(levelname)s %(message)s")
+    if foreground:
+        h: logging.Handler = logging.StreamHandler(sys.stderr)
+    else:
+        private_dir(cfg.state_dir)
+        h = logging.FileHandler(cfg.state_dir / "torpord.log")
+    h.setFormatter(fmt)
+    root.addHandler(h)
+
+
+def _run_dir(cfg: config.Config) -> Path:
+    """run_dir: 0700, or 0711 when a non-root socket owner must reach the socket inside."""
+    d = cfg.run_dir
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    want = 0o711 if cfg.socket_owner_uid else 0o700
+    st = d.stat()
+    if st.st_uid == os.geteuid() and st.st_mode & 0o777 != want:
+        os.chmod(d, want)
+    return d
+
+
+def _single_instance(run_dir: Path) -> int:
+    fd = os.open(run_dir / "torpord.pid", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        other = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise SidecarError(f"torpord is already running (pid {other}) for {run_dir}") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="torpord", description=__doc__.split("\n")[0])
+    p.add_argument("--version", action="version", version=f"torpord {__version__}")
+    p.add_argument("--config", type=Path, help="config file (default /etc/torpor/config.toml)")
+    p.add_argument("--socket", type=Path, help="public socket (default <run_dir>/torpord.sock)")
+    p.add_argument("--op-timeout", type=float, default=DEFAULT_OP_TIMEOUT_S, metavar="SECONDS",
+                   help="roll back an open operation not ended within this (default 600)")
+    p.add_argument("--foreground", action="store_true",
+                   help="stay in the foreground and log to stderr (systemd); otherwise detach "
+                        "and log to <state_dir>/torpord.log")
+    p.add_argument("--log-level", default="info",
+                   choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = config.load(args.config)
+        if args.op_timeout <= 0:
+            raise UsageError("--op-timeout must be positive")
+        public = (args.socket or cfg.socket_path).absolute()
+        private = cfg.run_dir.absolute() / "private" / "grpc.sock"
+        for path in (public, private):
+            if len(str(path).encode()) > _SUN_PATH_MAX:
+                raise UsageError(f"socket path too long for a Unix socket: {path}")
+        _proto()
+    except TorporError as e:
+        print(f"torpord: {e.line()}", file=sys.stderr)
+        return e.exit_code
+    if not args.foreground:
+        _daemonize()
+    _setup_logging(cfg, args.log_level, args.foreground)
+    try:
+        return _serve(cfg, args, public, private)
+    except TorporError as e:
+        log.error("%s", e.line())
+        return e.exit_code
+
+
+def _serve(cfg: config.Config, args: argparse.Namespace, public: Path, private: Path) -> int:
+    _, pb_grpc = _proto()
+    run_dir = _run_dir(cfg)
+    lock_fd = _single_instance(run_dir)
+    public.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    private_dir(private.parent)
+    if private.is_socket():
+        private.unlink()
+
+    messages = Engine(cfg, Progress(stream=None)).recover()
+    for msg in messages:
+        log.warning("recovery: %s", msg)
+    log.info("recovery: %s", f"{len(messages)} message(s)" if messages else "nothing to recover")
+
+    service = Service(cfg, args.op_timeout)
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=16,
+                                                               thread_name_prefix="rpc"))
+    pb_grpc.add_TorporServicer_to_server(_servicer(service), server)
+    if server.add_insecure_port(f"unix://{private}") == 0:
+        raise SidecarError(f"cannot listen on {private}")
+    server.start()
+    os.chmod(private, 0o600)
+    allowed = {0, cfg.socket_owner_uid}
+    proxy = PeerCredProxy(public, private, allowed, mode=0o660, owner_uid=cfg.socket_owner_uid)
+    proxy.start()
+    service.start_reaper()
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("signal %d: shutting down", signum)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    log.info("torpord %s (pid %d) listening on %s (uids %s), op timeout %.0f s", __version__,
+             os.getpid(), public, ",".join(map(str, sorted(allowed))), args.op_timeout)
+
+    while not stop.wait(1.0):
+        pass
+
+    proxy.stop_accepting()
+    server.stop(grace=5).wait(10)
+    service.shutdown()
+    proxy.close()
+    try:
+        private.unlink()
+    except FileNotFoundError:
+        pass
+    os.close(lock_fd)
+    log.info("torpord stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
