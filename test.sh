@@ -9,7 +9,8 @@ set -Eeuo pipefail
 cd "$(dirname "$(readlink -f "$0")")"
 PREFIX="${TORPOR_PREFIX:-/opt/torpor/venv}"
 
-if [[ ! -x "$PREFIX/bin/torpor" ]] || ! command -v criu >/dev/null && [[ ! -x /usr/local/sbin/criu ]]; then
+has_criu() { [[ -x /usr/local/sbin/criu ]] || command -v criu >/dev/null; }
+if [[ ! -x "$PREFIX/bin/torpor" ]] || ! has_criu; then
     ./install.sh
 fi
 "$PREFIX/bin/python" -m pip install -q --force-reinstall --no-deps . >/dev/null

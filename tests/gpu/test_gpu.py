@@ -127,3 +127,35 @@ def test_dump_failure_on_full_disk_leaves_program_running(torpor, programs, tmp_
 def test_demo_on_gpu(torpor):
     r = torpor.json("demo", "--mib", "1024", timeout=600)
     assert r["mode"] == "gpu" and r["checkpoint"]["gpu_memory"] >= 1 << 30
+
+
+def test_sidecar_lock_checkpoint_and_rollback(torpor, programs, monkeypatch):
+    """torpord over its real socket: a real program locked, checkpointed, rolled back."""
+    from torpor import config
+    from torpor.sidecar import client as sidecar_client
+    from torpor.sidecar.client import Client, ensure_running
+
+    monkeypatch.delenv("TORPOR_LIBCUDA", raising=False)
+    cfg = config.load()
+    ref = programs("ref", 1.0, max_steps=40)
+    prog = programs("prog", 1.0)
+    prog.wait_ready()
+    prog.wait_step(5)
+    ensure_running(cfg)
+    try:
+        with Client(cfg) as c:
+            ck = c.lock_and_checkpoint(pids=[prog.pid])
+            assert [p["pid"] for p in ck["cuda_processes"]] == [prog.pid]
+            assert prog.pid not in nvml_pids()
+            st = c.status(pids=[prog.pid])["processes"][0]
+            assert st["state"] == "CHECKPOINTED"
+            c.rollback(ck["op_id"])
+            assert c.status(pids=[prog.pid])["processes"][0]["state"] == "RUNNING"
+    finally:
+        for daemon in sidecar_client._started:
+            daemon.terminate()
+            daemon.wait(timeout=30)
+    at = prog.step()
+    prog.wait_step(at + 10)
+    ref.wait_done(39)
+    _bit_exact(ref, prog, 20)

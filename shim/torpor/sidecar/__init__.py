@@ -4,7 +4,8 @@ server.py   the `torpord` daemon (gRPC service, open operations, op timeout, rec
 peercred.py the public socket: SO_PEERCRED check, then a byte splice to the private gRPC socket
 client.py   Client(cfg) for the OCI shim and the CLI; ping() for `torpor doctor`
 
-This module holds what both ends share: how a TorporError travels as a gRPC status.
+This module holds what both ends share: the generated modules, and how a TorporError travels
+as a gRPC status.
 """
 
 from __future__ import annotations
@@ -15,6 +16,16 @@ import grpc
 
 from .. import errors
 from ..errors import ExitCode, TorporError
+
+def proto():
+    """The generated modules (torpor._proto); a clear error when they were never generated."""
+    try:
+        from .._proto import torpor_pb2, torpor_pb2_grpc
+    except ImportError as e:
+        raise errors.SidecarError(f"the gRPC modules are missing ({e})",
+                                  hint="run 'python proto/generate.py' or reinstall torpor") from e
+    return torpor_pb2, torpor_pb2_grpc
+
 
 EXIT_CODE_KEY = "torpor-exit-code"
 MESSAGE_KEY = "torpor-message"

@@ -29,16 +29,9 @@ from ..config import Config
 from ..doctor import OK, WARN, Check
 from ..errors import SidecarError, TorporError
 from ..files import private_dir
-from . import error_from_rpc
+from . import error_from_rpc, proto
 
 
-def _proto():
-    try:
-        from .._proto import torpor_pb2, torpor_pb2_grpc
-    except ImportError as e:
-        raise SidecarError(f"the gRPC modules are missing ({e})",
-                           hint="run 'python proto/generate.py' or reinstall torpor") from e
-    return torpor_pb2, torpor_pb2_grpc
 
 
 def to_dict(msg: Any) -> dict[str, Any]:
@@ -76,7 +69,7 @@ class Client:
         self.cfg = cfg
         self.socket_path = Path(socket_path or cfg.socket_path).absolute()
         self.timeout = timeout
-        self.pb, pb_grpc = _proto()
+        self.pb, pb_grpc = proto()
         self.channel = grpc.insecure_channel(f"unix://{self.socket_path}")
         self.stub = pb_grpc.TorporStub(self.channel)
 

@@ -40,7 +40,7 @@ from ..errors import (NoDriverError, NotFoundError, SidecarError, TorporError, U
 from ..files import private_dir, write_json
 from ..journal import Operation
 from ..progress import Progress
-from . import grpc_status
+from . import grpc_status, proto
 from .peercred import PeerCredProxy
 
 log = logging.getLogger("torpor.sidecar")
@@ -51,14 +51,6 @@ _ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 _SUN_PATH_MAX = 107  # sockaddr_un.sun_path holds 108 bytes, NUL included
 
 
-def _proto():
-    """The generated modules (torpor._proto); a clear error when they were never generated."""
-    try:
-        from .._proto import torpor_pb2, torpor_pb2_grpc
-    except ImportError as e:
-        raise SidecarError(f"the gRPC modules are missing ({e})",
-                           hint="run 'python proto/generate.py' or reinstall torpor") from e
-    return torpor_pb2, torpor_pb2_grpc
 
 
 def validate_container_id(cid: str) -> str:
@@ -171,7 +163,7 @@ class Service:
     def __init__(self, cfg: config.Config, op_timeout_s: float = DEFAULT_OP_TIMEOUT_S):
         self.cfg = cfg
         self.op_timeout_s = op_timeout_s
-        self.pb, _ = _proto()
+        self.pb, _ = proto()
         self.containers = Containers(cfg.state_dir / "containers")
         self._ops: dict[str, OpenOp] = {}
         self._lock = threading.Lock()
@@ -505,7 +497,7 @@ class Service:
 
 def _servicer(service: Service) -> Any:
     """Adapt Service to the generated servicer base class (so unknown RPCs are UNIMPLEMENTED)."""
-    _, pb_grpc = _proto()
+    _, pb_grpc = proto()
 
     class Servicer(pb_grpc.TorporServicer):
         pass
@@ -593,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
         for path in (public, private):
             if len(str(path).encode()) > _SUN_PATH_MAX:
                 raise UsageError(f"socket path too long for a Unix socket: {path}")
-        _proto()
+        proto()
     except TorporError as e:
         print(f"torpord: {e.line()}", file=sys.stderr)
         return e.exit_code
@@ -608,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(cfg: config.Config, args: argparse.Namespace, public: Path, private: Path) -> int:
-    _, pb_grpc = _proto()
+    _, pb_grpc = proto()
     run_dir = _run_dir(cfg)
     lock_fd = _single_instance(run_dir)
     public.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
