@@ -16,7 +16,7 @@ from tests.gpu.conftest import GPU_SKIP, gpu_uuid, nvml_pids, wait_for
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPU_SKIP is not None, reason=GPU_SKIP or "")]
 
-GIB = 4.0
+GIB = 2.0
 
 
 def _bit_exact(ref, prog, min_steps: int) -> None:
