@@ -19,6 +19,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from . import manifest
 from .config import Config
 from .errors import CriuError
 from .files import private_dir
@@ -29,7 +30,7 @@ MIN_VERSION = (4, 0)
 SEARCH = ("/usr/local/sbin/criu", "/usr/sbin/criu", "/usr/local/bin/criu", "/usr/bin/criu")
 CLEAN_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C"}
 
-DUMP_LOG = "dump.log"       # in the image directory, travels with the checkpoint
+DUMP_LOG = manifest.DUMP_LOG  # in the image directory, travels with the checkpoint
 RESTORE_LOG = "restore.log"  # in the restore's work directory
 
 

@@ -11,9 +11,10 @@ import concurrent.futures
 import logging
 import os
 import threading
+from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
-from . import procs
+from . import manifest, procs
 from .config import Config
 from .driver import Driver, DriverError, ProcessState
 from .errors import BusyError, ExitCode, NoDriverError, RolledBackError, TorporError
@@ -188,9 +189,23 @@ class Engine:
             if live:
                 messages.append(f"recovered {', '.join(map(str, live))} left by an interrupted "
                                 f"{entry.kind} (phase {entry.phase}): running again")
+            if entry.images_dir:
+                messages += self._finish_images(Path(entry.images_dir))
         for msg in messages:
             log.warning(msg)
         return messages
+
+
+    def _finish_images(self, images_dir: Path) -> list[str]:
+        """An interrupted checkpoint's images: seal them if CRIU finished, else clear them."""
+        if not (images_dir / manifest.DRAFT).exists():
+            return []
+        if manifest.dump_succeeded(images_dir):
+            manifest.seal(images_dir, self.cfg.checksums)
+            return [f"sealed the checkpoint in {images_dir} that an interrupted torpor had "
+                    "dumped but not sealed"]
+        manifest.clear_partial(images_dir)
+        return [f"removed the partial images of an interrupted dump from {images_dir}"]
 
 
 def _describe(e: BaseException) -> str:

@@ -48,6 +48,7 @@ class Entry:
     pids: list[int]
     phase: str = "start"
     gpu_map: dict[str, str] = dataclasses.field(default_factory=dict)
+    images_dir: str = ""           # a checkpoint's image directory, to seal it if we die
     owner: int = dataclasses.field(default_factory=os.getpid)
     started: float = dataclasses.field(default_factory=time.time)
 
@@ -58,6 +59,7 @@ class Entry:
     def from_json(cls, d: dict) -> "Entry":
         return cls(id=str(d["id"]), kind=str(d["kind"]), pids=[int(p) for p in d["pids"]],
                    phase=str(d.get("phase", "?")), gpu_map=dict(d.get("gpu_map", {})),
+                   images_dir=str(d.get("images_dir", "")),
                    owner=int(d.get("owner", 0)), started=float(d.get("started", 0)))
 
 
@@ -68,7 +70,7 @@ class Operation:
         self.journal, self.entry, self._fds = journal, entry, fds
 
     def phase(self, name: str, *, pids: list[int] | None = None,
-              gpu_map: dict[str, str] | None = None) -> None:
+              gpu_map: dict[str, str] | None = None, images_dir: str | None = None) -> None:
         """Record the phase about to start (and new PIDs, e.g. after CRIU restore)."""
         self.entry.phase = name
         if pids is not None:
@@ -76,6 +78,8 @@ class Operation:
             self.entry.pids = list(pids)
         if gpu_map is not None:
             self.entry.gpu_map = dict(gpu_map)
+        if images_dir is not None:
+            self.entry.images_dir = images_dir
         self.journal._save(self.entry)
 
     def close(self) -> None:

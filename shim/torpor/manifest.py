@@ -25,6 +25,7 @@ import concurrent.futures
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -32,8 +33,11 @@ from .errors import CorruptCheckpointError, NotFoundError
 from .files import write_json
 
 MANIFEST = "torpor.json"
+DRAFT = ".torpor.json.draft"   # everything but the file table, written before the dump
+DUMP_LOG = "dump.log"           # CRIU's log of the dump, kept with the images
+DUMP_OK = "Dumping finished successfully"
 SCHEMA = 1
-NOT_CHECKSUMMED = {MANIFEST}
+NOT_CHECKSUMMED = {MANIFEST, DRAFT}
 
 _REQUIRED: dict[str, type | tuple[type, ...]] = {
     "schema": int, "kind": str, "created": str, "torpor_version": str, "criu_version": str,
@@ -90,6 +94,45 @@ def file_table(images_dir: Path, checksums: bool) -> dict[str, dict[str, Any]]:
     rels = _image_files(images_dir)
     sums = block_digests({r: images_dir / r for r in rels}) if checksums else {}
     return {r: {"size": (images_dir / r).stat().st_size, "sha256": sums.get(r)} for r in rels}
+
+
+def write_draft(images_dir: Path, draft: dict[str, Any]) -> None:
+    write_json(images_dir / DRAFT, draft)
+
+
+def seal(images_dir: Path, checksums: bool, timings: dict[str, float] | None = None) -> dict[str, Any]:
+    """Draft + file table -> torpor.json; the draft goes. Also finishes the seal of a
+    checkpoint whose torpor died after a successful dump (journal recovery)."""
+    try:
+        draft = json.loads((images_dir / DRAFT).read_text())
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpointError(f"{images_dir}: no readable draft manifest ({e})") from e
+    if timings:
+        draft["timings"] = {k: round(v, 4) for k, v in timings.items()}
+    draft["files"] = file_table(images_dir, checksums)
+    draft["sizes"]["total"] = sum(f["size"] for f in draft["files"].values())
+    write(images_dir, draft)
+    (images_dir / DRAFT).unlink(missing_ok=True)
+    return draft
+
+
+def clear_partial(images_dir: Path) -> None:
+    """Remove what a failed dump left (it may fill the disk, and holds memory); keep CRIU's
+    log, which says why."""
+    for child in images_dir.iterdir():
+        if child.name != DUMP_LOG:
+            shutil.rmtree(child) if child.is_dir() else child.unlink(missing_ok=True)
+
+
+def dump_succeeded(images_dir: Path) -> bool:
+    """CRIU's own word, from the tail of its dump log."""
+    try:
+        with open(images_dir / DUMP_LOG, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 4096))
+            return DUMP_OK.encode() in f.read()
+    except OSError:
+        return False
 
 
 def write(images_dir: Path, manifest: dict[str, Any]) -> Path:

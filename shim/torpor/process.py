@@ -35,14 +35,6 @@ def _prepare_images_dir(images_dir: Path) -> None:
     private_dir(images_dir)
 
 
-def _clear_partial(images_dir: Path) -> None:
-    """A failed dump leaves partial images: remove them (they may fill the disk)."""
-    for child in images_dir.iterdir():
-        if child.name == criu.DUMP_LOG:
-            continue  # keep CRIU's log: it says why
-        shutil.rmtree(child) if child.is_dir() else child.unlink(missing_ok=True)
-
-
 def _require_running(states: dict[int, ProcessState]) -> None:
     for p, s in states.items():
         if s != ProcessState.RUNNING:
@@ -86,29 +78,31 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
             progress.say(f"no CUDA state in process tree {pid} ({len(tree)} processes): "
                          "GPU phases skipped")
         engine.lock_and_checkpoint(op, cuda_pids)
-        op.phase("dump")
+        # The draft (all but the file table) lets the next torpor seal these images should
+        # this one die after the dump, when the program is gone and the images are all of it.
+        manifest.write_draft(images_dir, _manifest(tool, inv, engine, comms, states, pid,
+                                                   shell_job, leave_running, progress.timings))
+        op.phase("dump", images_dir=str(images_dir))
         try:
             with progress.phase("dump", f"CRIU {tool.version_text}, {len(tree)} process(es) "
                                 f"to {images_dir}", measure=lambda: tree_size(images_dir)):
                 criu.dump(tool, cfg, pid, images_dir, leave_running=leave_running,
                           shell_job=shell_job)
         except BaseException as e:
-            _clear_partial(images_dir)
+            manifest.clear_partial(images_dir)
             engine.fail(op, cuda_pids, e, during="dump")
         if leave_running and cuda_pids:
             engine.restore_and_unlock(op, cuda_pids)
         op.phase("seal")
         with progress.phase("seal", "manifest and checksums" if cfg.checksums else "manifest"):
-            files = manifest.file_table(images_dir, cfg.checksums)
-        m = _manifest(tool, inv, engine, comms, states, pid, shell_job, leave_running,
-                      dict(progress.timings), files)
-        manifest.write(images_dir, m)
+            m = manifest.seal(images_dir, cfg.checksums, progress.timings)
     return m
 
 
 def _manifest(tool: criu.Criu, inv: gpus.Inventory | None, engine: Engine, comms: dict[int, str],
               states: dict[int, ProcessState], root: int, shell_job: bool, leave_running: bool,
-              timings: dict[str, float], files: dict[str, Any]) -> dict[str, Any]:
+              timings: dict[str, float]) -> dict[str, Any]:
+    """torpor.json without its file table (manifest.seal adds it)."""
     drv = engine.driver_or_none()
     used = sorted({u for p in states for u in (inv.gpus_of(p) if inv else [])})
     gpu_list = [{"uuid": g.uuid, "name": g.name, "memory_total": g.memory_total, "index": g.index}
@@ -127,9 +121,8 @@ def _manifest(tool: criu.Criu, inv: gpus.Inventory | None, engine: Engine, comms
         "root_pid": root, "shell_job": shell_job, "leave_running": leave_running,
         "gpus": gpu_list, "processes": processes,
         "timings": {k: round(v, 4) for k, v in timings.items()},
-        "sizes": {"total": sum(f["size"] for f in files.values()),
-                  "gpu_memory": sum(p["gpu_memory"] for p in processes)},
-        "files": files,
+        "sizes": {"total": 0, "gpu_memory": sum(p["gpu_memory"] for p in processes)},
+        "files": {},
     }
 
 

@@ -20,6 +20,16 @@ from tests.integration.conftest import alive, checkpointed_and_reaped, needs_cri
 pytestmark = needs_criu
 
 
+def _count(path: Path) -> int:
+    """The counter a test program rewrites (open 'w' truncates first: retry an empty read)."""
+    for _ in range(100):
+        text = path.read_text()
+        if text:
+            return int(text)
+        time.sleep(0.005)
+    raise AssertionError(f"{path} stays empty")
+
+
 def _journal(tmp_path: Path) -> list[Path]:
     return sorted((tmp_path / "state" / "journal").glob("*.json"))
 
@@ -48,10 +58,10 @@ def test_cpu_process_tree_roundtrip(torpor, tmp_path, reaper):
     assert not any(p["cuda"] for p in m["processes"]) and "lock" not in m["timings"]
     assert oct(images.stat().st_mode & 0o777) == "0o700"
     assert oct((images / "torpor.json").stat().st_mode & 0o777) == "0o600"
-    before = int(Path(f"{status}.c").read_text())
+    before = _count(Path(f"{status}.c"))
     r = torpor.json("restore", "-D", str(images))
     assert r["root_pid"] == parent.pid and sorted(r["pids"]) == sorted([parent.pid, child])
-    wait_for(lambda: int(Path(f"{status}.c").read_text()) > before + 5, what="child ticking")
+    wait_for(lambda: _count(Path(f"{status}.c")) > before + 5, what="child ticking")
     assert alive(parent.pid) and alive(child)
 
 
@@ -279,7 +289,53 @@ def test_sigkill_of_torpor_mid_dump_leaves_program_running(torpor, tmp_path, rea
     t.wait()
     wait_for(lambda: not subprocess.run(["pgrep", "-x", "criu"]).returncode == 0, timeout=10,
              what="CRIU to die with torpor")
-    n = int(status.read_text())
-    wait_for(lambda: int(status.read_text()) > n + 10, timeout=10, what="program ticking")
+    n = _count(status)
+    wait_for(lambda: _count(status) > n + 10, timeout=10, what="program ticking")
     assert alive(prog.pid)
     assert "TracerPid:\t0" in Path(f"/proc/{prog.pid}/status").read_text()
+
+
+@pytest.mark.parametrize("slow_call", ["unlock"])
+def test_killed_after_dump_the_next_torpor_seals_the_checkpoint(torpor, gpu, tmp_path, reaper,
+                                                                 slow_call):
+    """Killed after a successful dump (here: in the leave-running unlock): the program runs
+    again and the images, all that is left of the dump, become a sealed checkpoint."""
+    with gpu.spawn() as prog:
+        images = tmp_path / "ck"
+        gpu.delay(slow_call, 20000)
+        t = torpor.start("checkpoint", str(prog.pid), "-D", str(images), "--leave-running")
+        wait_for(lambda: any(c.call == "restore" for c in gpu.calls()) and
+                 gpu.state(prog.pid)["state"] == LOCKED, timeout=30, what="the unlock")
+        t.kill()
+        t.wait()
+        gpu.clear_faults()
+        assert not (images / "torpor.json").exists() and (images / ".torpor.json.draft").exists()
+        ps = torpor.run("ps")
+        assert "sealed the checkpoint" in ps.stderr, ps.stderr
+        assert gpu.state(prog.pid)["state"] == RUNNING
+        out = torpor.json("inspect", str(images), "--verify")
+        assert out["verified"] and out["manifest"]["processes"][0]["pid"] == prog.pid
+
+
+def test_killed_mid_dump_partial_images_are_removed(torpor, tmp_path, reaper):
+    status = tmp_path / "n"
+    code = ("import os, time\n"
+            "b = bytearray(os.urandom(1 << 20)) * 800\n"
+            "while True:\n"
+            f"    open('{status}', 'w').write('1')\n    time.sleep(0.02)\n")
+    prog = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    reaper.append(prog.pid)
+    wait_for(lambda: status.exists(), timeout=60, what="program start")
+    images = tmp_path / "ck"
+    t = torpor.start("checkpoint", str(prog.pid), "-D", str(images))
+    wait_for(lambda: any('"phase": "dump"' in p.read_text() for p in _journal(tmp_path)),
+             timeout=30, what="dump phase")
+    time.sleep(0.3)
+    t.kill()
+    t.wait()
+    ps = torpor.run("ps")
+    assert "removed the partial images" in ps.stderr, ps.stderr
+    assert [p.name for p in images.iterdir()] in ([], ["dump.log"])
+    assert alive(prog.pid)
