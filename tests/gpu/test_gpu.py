@@ -76,14 +76,17 @@ def test_suspend_releases_gpu_and_resume_continues(torpor, programs):
     _bit_exact(ref, prog, 30)
 
 
-@pytest.mark.parametrize("phase", ["checkpoint", "dump"])
+@pytest.mark.parametrize("phase", ["checkpoint", "dump", "seal"])
 def test_sigkill_of_torpor_mid_phase_recovers_program(torpor, programs, tmp_path, phase):
+    """Killed before the dump ended: the program runs on. Killed in the seal (the dump has
+    ended the program): the next torpor seals the images and the restore continues it."""
     ref = programs("ref", GIB, max_steps=50)
     prog = programs("prog", GIB)
     prog.wait_ready()
     prog.wait_step(5)
     journal = tmp_path / "state" / "journal"
-    t = torpor.start("checkpoint", str(prog.pid), "-D", str(tmp_path / "ck"))
+    images = tmp_path / "ck"
+    t = torpor.start("checkpoint", str(prog.pid), "-D", str(images))
 
     def in_phase():
         for f in journal.glob("*.json"):
@@ -94,13 +97,19 @@ def test_sigkill_of_torpor_mid_phase_recovers_program(torpor, programs, tmp_path
                 pass
         return False
     wait_for(in_phase, 120, f"phase {phase}")
-    time.sleep(0.2)
+    time.sleep(0.2 if phase != "seal" else 0.0)
     t.kill()
     t.wait()
     ps = torpor.run("ps")
-    assert ps.returncode == 0 and "recovered" in ps.stderr, ps.stderr
+    assert ps.returncode == 0, ps.stderr
+    if phase == "seal":
+        assert "sealed the checkpoint" in ps.stderr or (images / "torpor.json").exists(), ps.stderr
+        prog.proc.wait(timeout=30)
+        torpor.json("restore", "-D", str(images), timeout=600)
+    else:
+        assert "recovered" in ps.stderr, ps.stderr
     at = prog.step()
-    prog.wait_step(at + 10)
+    prog.wait_step(at + 10, pid=prog.pid)
     ref.wait_done(49)
     _bit_exact(ref, prog, 30)
 
