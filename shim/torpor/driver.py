@@ -25,7 +25,7 @@ CUDA_ERROR_NO_DEVICE = 100
 CUDA_ERROR_NOT_SUPPORTED = 801
 
 
-class ProcessState(enum.IntEnum):
+class ProcessState(enum.Enum):
     """CUprocessState."""
 
     RUNNING = 0

@@ -269,6 +269,8 @@ def test_lock_checkpoint_then_rollback(daemon, gpu, prog):
         rb = c.rollback(r["op_id"])
         assert rb["outcome"] == "rolled-back" and rb["pids"] == [prog.pid] and rb["gone"] == []
         assert running_again(gpu, prog)
+        st = c.status(pids=[prog.pid])["processes"][0]
+        assert st["state"] == "RUNNING" and st["gpu_uuids"] == [gpu.uuid(0)]  # RUNNING is 0
         assert c.list()["operations"] == [] and journal_entries(daemon) == []
         with pytest.raises(NotFoundError):
             c.rollback(r["op_id"])

@@ -463,9 +463,9 @@ class Service:
         for p in pids:
             st = states.get(p)
             out.append(self.pb.ProcessStatus(
-                pid=p, alive=procs.alive(p), cuda=st is not None, state=st.name if st else "",
-                op_id=holder.get(p, ""), gpu_uuids=inv.gpus_of(p) if inv and st else [],
-                gpu_memory=inv.memory_of(p) if inv and st else 0))
+                pid=p, alive=procs.alive(p), cuda=st is not None, state=st.name if st is not None else "",
+                op_id=holder.get(p, ""), gpu_uuids=inv.gpus_of(p) if inv and st is not None else [],
+                gpu_memory=inv.memory_of(p) if inv and st is not None else 0))
         return self.pb.StatusResponse(processes=out, operation=op_info)
 
     @_rpc
