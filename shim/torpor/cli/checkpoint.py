@@ -34,5 +34,5 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
              f"state, {human_bytes(m['sizes']['gpu_memory'])} GPU memory) into {args.images_dir}: "
              f"{human_bytes(m['sizes']['total'])}\n"
              + ("the program is still running\n" if args.leave_running else "")
-             + timing_lines(m["timings"]))
+             + timing_lines(ctx.engine.progress.timings))  # torpor.json's, plus the seal
     return 0

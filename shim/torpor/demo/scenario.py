@@ -23,6 +23,7 @@ from .. import gpus, procs
 from ..engine import Engine
 from ..errors import NoDriverError, TorporError
 from ..process import checkpoint, restore
+from ..progress import Progress
 
 
 def _status(path: Path) -> dict[str, Any]:
@@ -79,9 +80,10 @@ def run(engine: Engine, *, cpu: bool = False, mib: int = 256, keep: Path | None 
         say(f"demo: PID {pid} running on {before.get('device') or 'the CPU'}, tick "
             f"{before['tick']}, buffer verified")
         m = checkpoint(engine, pid, images)
+        checkpoint_timings = dict(engine.progress.timings)  # the seal included
         prog.wait(timeout=30)  # the dump ended it; reap it so its PID is free again
         at = _status(status)
-        r = restore(engine, images)
+        r = restore(Engine(engine.cfg, Progress(engine.progress.stream)), images)
         restored_root = r["root_pid"]
         after = _wait("ticks after the restore", status,
                       lambda s: s.get("tick", 0) > at.get("tick", 0), timeout, restored_root)
@@ -94,7 +96,8 @@ def run(engine: Engine, *, cpu: bool = False, mib: int = 256, keep: Path | None 
         return {"mode": "gpu" if use_gpu else "cpu", "device": final.get("device"),
                 "pid": pid, "restored_pid": restored_root, "mib": mib,
                 "tick_at_checkpoint": at.get("tick"), "tick_verified_after": final["verified_tick"],
-                "checkpoint": {"timings": m["timings"], "size": m["sizes"]["total"],
+                "checkpoint": {"timings": {k: round(v, 4) for k, v in checkpoint_timings.items()},
+                               "size": m["sizes"]["total"],
                                "gpu_memory": m["sizes"]["gpu_memory"]},
                 "restore": {"timings": r["timings"]}, "images_dir": str(images) if keep else None}
     finally:
