@@ -72,10 +72,10 @@ class Operation:
     def phase(self, name: str, *, pids: list[int] | None = None,
               gpu_map: dict[str, str] | None = None, images_dir: str | None = None) -> None:
         """Record the phase about to start (and new PIDs, e.g. after CRIU restore)."""
-        self.entry.phase = name
         if pids is not None:
-            self.journal._claim_more(self, pids)
+            self.journal._claim_more(self, pids)  # BusyError before anything is recorded
             self.entry.pids = list(pids)
+        self.entry.phase = name
         if gpu_map is not None:
             self.entry.gpu_map = dict(gpu_map)
         if images_dir is not None:

@@ -77,13 +77,14 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
         if not cuda_pids:
             progress.say(f"no CUDA state in process tree {pid} ({len(tree)} processes): "
                          "GPU phases skipped")
-        engine.lock_and_checkpoint(op, cuda_pids)
         # The draft (all but the file table) lets the next torpor seal these images should
         # this one die after the dump, when the program is gone and the images are all of it.
+        # Written before any driver call: a failure here needs no rollback.
         manifest.write_draft(images_dir, _manifest(tool, inv, engine, comms, states, pid,
-                                                   shell_job, leave_running, progress.timings))
-        op.phase("dump", images_dir=str(images_dir))
+                                                   shell_job, leave_running, {}))
+        engine.lock_and_checkpoint(op, cuda_pids)
         try:
+            op.phase("dump", images_dir=str(images_dir))
             with progress.phase("dump", f"CRIU {tool.version_text}, {len(tree)} process(es) "
                                 f"to {images_dir}", measure=lambda: tree_size(images_dir)):
                 criu.dump(tool, cfg, pid, images_dir, leave_running=leave_running,
@@ -92,7 +93,11 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
             manifest.clear_partial(images_dir)
             engine.fail(op, cuda_pids, e, during="dump")
         if leave_running and cuda_pids:
-            engine.restore_and_unlock(op, cuda_pids)
+            try:
+                engine.restore_and_unlock(op, cuda_pids)
+            except TorporError:
+                if engine.rollback(cuda_pids):  # one more try from whatever state it reached
+                    raise
         op.phase("seal")
         with progress.phase("seal", "manifest and checksums" if cfg.checksums else "manifest"):
             m = manifest.seal(images_dir, cfg.checksums, progress.timings)
@@ -157,11 +162,12 @@ def restore(engine: Engine, images_dir: Path, *, device_map: dict[str, str] | No
             raise UsageError("--device-map given but the checkpoint holds no GPU state")
     work_dir = private_dir(cfg.state_dir / "work" / f"restore-{int(time.time() * 1000)}")
     with engine.begin("restore", []) as op:
-        op.phase("restore", gpu_map=gpu_map or {})
+        # CRIU brings the CUDA processes back CHECKPOINTED under their old PIDs: journal them
+        # first, so that a torpor dying right after CRIU leaves them for recovery to finish.
+        op.phase("restore", pids=cuda_pids, gpu_map=gpu_map or {})
         with progress.phase("restore", f"CRIU {tool.version_text}, {len(pids)} process(es)"):
             root = criu.restore(tool, cfg, images_dir, work_dir, shell_job=m["shell_job"])
         try:
-            op.phase("gpu-restore", pids=cuda_pids, gpu_map=gpu_map or {})
             engine.restore_and_unlock(op, cuda_pids, gpu_map)
         except BaseException as e:
             for p in reversed(pids):

@@ -320,3 +320,27 @@ def test_killed_after_dump_the_next_torpor_seals_the_checkpoint(torpor, gpu, tmp
         assert gpu.state(prog.pid)["state"] == RUNNING
         out = torpor.json("inspect", str(images), "--verify")
         assert out["verified"] and out["manifest"]["processes"][0]["pid"] == prog.pid
+
+
+def test_killed_during_gpu_restore_the_next_torpor_finishes_the_restore(torpor, gpu, tmp_path,
+                                                                        reaper):
+    """CRIU restored the program (CHECKPOINTED on the GPU), then torpor died: the journal
+    names the restored PIDs and the GPU map, and recovery completes the restore."""
+    prog = gpu.spawn()
+    reaper.append(prog.pid)
+    images = tmp_path / "ck"
+    torpor.json("checkpoint", str(prog.pid), "-D", str(images))
+    checkpointed_and_reaped(prog)
+    tick = prog.tick()
+    gpu.delay("restore", 20000)
+    t = torpor.start("restore", "-D", str(images), "--device-map", f"{gpu.uuid(0)}={gpu.uuid(1)}")
+    wait_for(lambda: alive(prog.pid) and gpu.state(prog.pid)["state"] == CHECKPOINTED
+             and time.sleep(0.3) is None, timeout=30, what="CRIU restore done")
+    t.kill()
+    t.wait()
+    gpu.clear_faults()
+    ps = torpor.run("ps")
+    assert "recovered" in ps.stderr and str(prog.pid) in ps.stderr, ps.stderr
+    st = gpu.state(prog.pid)
+    assert st["state"] == RUNNING and st["gpu"] == gpu.uuid(1)  # the map survived the crash
+    prog.wait_tick(tick + 3)
