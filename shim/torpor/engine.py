@@ -108,7 +108,7 @@ class Engine:
                                      measure=lambda: sum(procs.rss_bytes(p) for p in pids) - before):
                 _parallel(drv.checkpoint, pids)
         except BaseException as e:
-            self._fail(op, pids, None, e, during=op.entry.phase)
+            self.fail(op, pids, e, during=op.entry.phase)
 
     def restore_and_unlock(self, op: Operation, pids: list[int],
                            gpu_map: Mapping[str, str] | None = None) -> None:
@@ -146,11 +146,11 @@ class Engine:
                 problems.append(f"PID {pid}: {e}")
         return problems
 
-    def _fail(self, op: Operation, pids: list[int], gpu_map: Mapping[str, str] | None,
-              error: BaseException, during: str) -> None:
-        problems = self.rollback(pids, gpu_map)
+    def fail(self, op: Operation, pids: list[int], error: BaseException, during: str) -> None:
+        """A phase failed: roll every pid back to RUNNING, close op, raise RolledBackError.
+        If the rollback itself fails, the journal entry stays for the next torpor to retry."""
+        problems = self.rollback(pids)
         if problems:
-            # Leave the journal entry: the next torpor command retries the rollback.
             raise TorporError(f"{during} failed ({_describe(error)}) and rollback failed: "
                               + "; ".join(problems),
                               hint="run 'torpor ps' and 'torpor resume PID'") from error
@@ -159,10 +159,6 @@ class Engine:
         raise RolledBackError(f"{during} failed: {_describe(error)}; "
                               f"{len(pids)} process(es) rolled back to running",
                               exit_code=code) from error
-
-    def fail(self, op: Operation, pids: list[int], error: BaseException, during: str) -> None:
-        """A later phase (e.g. the CRIU dump) failed: roll back, close op, raise."""
-        self._fail(op, pids, None, error, during)
 
     # -- recovery -------------------------------------------------------------------------------
     def recover(self) -> list[str]:
