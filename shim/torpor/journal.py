@@ -90,14 +90,29 @@ class Operation:
             os.close(fd)
         self._fds = []
 
+    def release(self) -> None:
+        """Keep the journal entry, drop our locks: recovery (torpord's or the next torpor
+        command's) takes it from here."""
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            os.close(fd)
+
+    def abandon(self) -> None:
+        """After a failure the caller could not roll back: forget an operation that never
+        touched a process, leave any other to recovery."""
+        if self.entry.phase == "start":
+            self.close()
+        else:
+            self.release()
+
     def __enter__(self) -> "Operation":
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if exc[0] is None or self.entry.phase == "start":
-            self.close()  # done, or failed before touching any process
-        # Otherwise the entry stays on disk and our locks go when this process exits: the
-        # caller could not roll back, and the next torpor retries.
+        if exc[0] is None:
+            self.close()
+        elif self._fds:
+            self.abandon()
 
 
 class Journal:

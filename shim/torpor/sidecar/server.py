@@ -117,25 +117,6 @@ class OpenOp:
         return self.op.entry.id
 
 
-def _release(op: Operation) -> None:
-    """Drop our locks but keep the journal entry: recovery (ours or the next torpor's) retries."""
-    fds, op._fds = op._fds, []
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-
-
-def _end_failed(op: Operation) -> None:
-    """After a failure: forget an operation that never touched the driver; otherwise keep its
-    journal entry for recovery (the engine closes what it rolled back itself)."""
-    if op.entry.phase == "start":
-        op.close()
-    else:
-        _release(op)
-
-
 def _timings(engine: Engine) -> dict[str, float]:
     return {k: round(v, 4) for k, v in engine.progress.timings.items()}
 
@@ -241,7 +222,7 @@ class Service:
         with engine.progress.phase("rollback"):
             problems = engine.rollback(live)
         if problems:
-            _release(o.op)
+            o.op.release()
             raise TorporError(f"rollback of {o.id} failed: " + "; ".join(problems),
                               hint="the journal entry stays: restarting torpord retries it")
         o.op.close()
@@ -326,7 +307,7 @@ class Service:
             engine.lock_and_checkpoint(op, cuda_pids)  # rolls back and closes op on failure
             op.phase("dump")
         except BaseException:
-            _end_failed(op)
+            op.abandon()
             raise
         deadline = time.time() + self.op_timeout_s
         with self._lock:
@@ -353,7 +334,7 @@ class Service:
             with engine.progress.phase("resume"):
                 problems = engine.rollback(alive)
             if problems:
-                _release(o.op)
+                o.op.release()
                 raise TorporError(f"finish of {o.id}: " + "; ".join(problems))
         o.op.close()
         log.info("%s finished", o.id)
@@ -399,7 +380,7 @@ class Service:
             except TorporError as e:
                 problems = engine.rollback(checkpointed + locked, gpu_map)  # one more try
                 if problems:
-                    _release(op)
+                    op.release()
                     raise TorporError(f"{op.entry.phase} failed: {e}; retry failed too: "
                                       + "; ".join(problems),
                                       hint="the journal keeps it: restarting torpord retries; "
@@ -407,7 +388,7 @@ class Service:
                 log.warning("%s: %s failed (%s) but the retry worked", op.entry.id,
                             op.entry.phase, e)
         except BaseException:
-            _end_failed(op)
+            op.abandon()
             raise
         op.close()
         done = checkpointed + locked
@@ -424,7 +405,7 @@ class Service:
         except TorporError as e:
             problems = engine.rollback(live, gpu_map)
             if problems:
-                _release(o.op)
+                o.op.release()
                 raise TorporError(f"restore of {o.id} failed: {e}; retry failed: "
                                   + "; ".join(problems)) from e
             log.warning("%s: restore failed (%s) but the retry worked", o.id, e)
