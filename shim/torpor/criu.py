@@ -98,11 +98,18 @@ def log_errors(log_path: Path, n: int = 3) -> str:
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
-    """In CRIU's child: die with torpor. A dump that outlived a killed torpor would end the
-    program after our journal already promised to roll it back; CRIU that dies mid-dump
-    leaves the tree running (ptrace detaches), and recovery brings its GPU state back."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)
+_libc = ctypes.CDLL(None, use_errno=True)  # loaded here: no dlopen in the forked child
+
+
+def _child_setup(parent: int) -> None:
+    """In CRIU's child, before exec: images private (umask 077), and die with torpor. A dump
+    that outlived a killed torpor would end the program after our journal promised to roll
+    it back; CRIU that dies mid-dump leaves the tree running (ptrace detaches), and recovery
+    brings its GPU state back."""
+    os.umask(0o077)
+    _libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)
+    if os.getppid() != parent:  # torpor died before the prctl took effect
+        os._exit(1)
 
 
 def run_criu(criu: Criu, cfg: Config, action: str, args: list[str], log_path: Path,
@@ -115,7 +122,7 @@ def run_criu(criu: Criu, cfg: Config, action: str, args: list[str], log_path: Pa
     try:
         proc = subprocess.run(argv, env=CLEAN_ENV, stdin=subprocess.DEVNULL,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout,
-                              preexec_fn=_die_with_parent)
+                              preexec_fn=functools.partial(_child_setup, os.getpid()))
     except subprocess.TimeoutExpired as e:
         raise CriuError(f"criu {action} did not finish in {timeout:.0f} s (log: {log_path})") from e
     log.info("criu %s exited %d after %.2f s", action, proc.returncode, time.monotonic() - start)

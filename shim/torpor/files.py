@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
+
+from .errors import UsageError
+
+TRUSTED_UIDS = {0, os.geteuid()}
 
 
 def private_dir(path: Path) -> Path:
@@ -16,17 +21,59 @@ def private_dir(path: Path) -> Path:
     return path
 
 
+def _writable_by_others(st: os.stat_result) -> bool:
+    """Can anyone but a trusted uid add, remove or rename entries (or write the file)?"""
+    if st.st_uid not in TRUSTED_UIDS:
+        return True
+    open_to_others = st.st_mode & 0o022
+    sticky_dir = stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX
+    return bool(open_to_others) and not sticky_dir
+
+
+def require_trusted_location(path: Path, what: str) -> None:
+    """Refuse a checkpoint location that someone other than root (or us) could swap.
+
+    torpor runs as root and a checkpoint holds process memory; CRIU restores credentials from
+    images. A directory whose parent another user can write could be replaced by a symlink
+    mid-operation (root would then write or delete elsewhere), and images another user can
+    write could make root restore anything. So every directory from / down to path must be
+    changeable by trusted uids only (sticky ones like /tmp are fine), as sshd's StrictModes.
+    """
+    real = Path(os.path.realpath(path))
+    for component in [*reversed(real.parents), real]:
+        try:
+            st = os.lstat(component)
+        except FileNotFoundError:
+            return  # the rest does not exist yet: we create it, 0700
+        if _writable_by_others(st):
+            raise UsageError(f"{what} {path}: {component} can be changed by uid {st.st_uid} "
+                             f"(mode {stat.S_IMODE(st.st_mode):o}); checkpoints hold process "
+                             "memory: use a directory only root can change")
+
+
+def require_trusted_file(path: Path) -> str | None:
+    """Why path (an image file) could have been written by someone else, or None."""
+    st = os.lstat(path)
+    if _writable_by_others(st):
+        return f"{path.name} is owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):o}"
+    return None
+
+
 def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
     """Write to a temporary name in the same directory, fsync, rename, fsync the directory."""
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    tmp.unlink(missing_ok=True)  # a leftover of ours; O_EXCL below refuses anything planted
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
         os.fsync(fd)
-    finally:
+    except BaseException:
         os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
     try:
         os.replace(tmp, path)
     except OSError:

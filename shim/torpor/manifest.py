@@ -30,7 +30,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .errors import CorruptCheckpointError, NotFoundError
-from .files import write_json
+from .files import require_trusted_file, write_json
 
 MANIFEST = "torpor.json"
 DRAFT = ".torpor.json.draft"   # everything but the file table, written before the dump
@@ -212,6 +212,10 @@ def verify(images_dir: Path, m: dict[str, Any], checksums: bool = True) -> None:
             continue
         if root not in real.parents or path.is_symlink() or not real.is_file():
             bad.append(f"{rel} is not a plain file inside the checkpoint")
+            continue
+        untrusted = require_trusted_file(real)
+        if untrusted:
+            bad.append(untrusted)
             continue
         if real.stat().st_size != info["size"]:
             bad.append(f"{rel} has {real.stat().st_size} bytes, manifest says {info['size']}")

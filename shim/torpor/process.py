@@ -8,7 +8,9 @@ resume:     gpu-restore -> unlock
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import fcntl
 import os
 import shutil
 import signal
@@ -20,19 +22,38 @@ from typing import Any
 from . import __version__, criu, gpus, manifest, placement, procs
 from .driver import ProcessState
 from .engine import Engine
-from .errors import (NoDriverError, NotFoundError, PreflightError, TorporError, UsageError)
-from .files import private_dir, tree_size
+from .errors import (BusyError, NoDriverError, NotFoundError, PreflightError, TorporError,
+                     UsageError)
+from .files import private_dir, require_trusted_location, tree_size
 from .progress import human_bytes
 
 
-def _prepare_images_dir(images_dir: Path) -> None:
-    """An empty private (0700) directory for the images."""
-    if images_dir.exists():
-        if not images_dir.is_dir():
-            raise UsageError(f"{images_dir} exists and is not a directory")
-        if any(images_dir.iterdir()):
+def _claim_images_dir(images_dir: Path) -> int:
+    """An empty private (0700) directory for the images, in a place only root can change,
+    flock-ed so that two checkpoints never share it. Returns the locked directory fd."""
+    require_trusted_location(images_dir, "images directory")
+    if images_dir.is_symlink():
+        raise UsageError(f"{images_dir} is a symbolic link: give the directory itself")
+    if images_dir.exists() and not images_dir.is_dir():
+        raise UsageError(f"{images_dir} exists and is not a directory")
+    images_dir.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        images_dir.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    fd = os.open(images_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise BusyError(f"another torpor is checkpointing into {images_dir}") from None
+        if os.listdir(fd):
             raise UsageError(f"{images_dir} is not empty: give a new or empty directory")
-    private_dir(images_dir)
+        os.fchmod(fd, 0o700)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _require_running(states: dict[int, ProcessState]) -> None:
@@ -62,12 +83,14 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
     tool = criu.find(cfg)                       # before anything touches the program
     tree = procs.tree(pid)
     comms = {p: procs.comm(p) for p in tree}  # the dump ends them; ask now
-    with engine.begin("checkpoint", tree) as op:  # BusyError while another op holds them
+    with contextlib.ExitStack() as stack, \
+            engine.begin("checkpoint", tree) as op:  # BusyError while another op holds them
         states, inv = _gpu_view(engine, tree)
         _require_running(states)
         cuda_pids = sorted(states)
         shell_job = procs.needs_shell_job(pid) if shell_job is None else shell_job
-        _prepare_images_dir(images_dir)
+        dir_fd = _claim_images_dir(images_dir)
+        stack.callback(os.close, dir_fd)
         free = shutil.disk_usage(images_dir).free
         estimate = sum(procs.rss_bytes(p) for p in tree) + (
             sum(inv.memory_of(p) for p in cuda_pids) if inv else 0)
@@ -135,6 +158,7 @@ def restore(engine: Engine, images_dir: Path, *, device_map: dict[str, str] | No
             verify: bool = True) -> dict[str, Any]:
     """Restore a checkpoint made by checkpoint(); returns {root_pid, pids, gpu_map, timings}."""
     cfg, progress = engine.cfg, engine.progress
+    require_trusted_location(images_dir, "checkpoint")
     m = manifest.read(images_dir)
     with progress.phase("verify", "sizes and checksums" if verify and cfg.checksums else "sizes"):
         manifest.verify(images_dir, m, checksums=verify and cfg.checksums)

@@ -344,3 +344,38 @@ def test_killed_during_gpu_restore_the_next_torpor_finishes_the_restore(torpor, 
     st = gpu.state(prog.pid)
     assert st["state"] == RUNNING and st["gpu"] == gpu.uuid(1)  # the map survived the crash
     prog.wait_tick(tick + 3)
+
+
+def test_checkpoint_locations_other_users_can_change_are_refused(torpor, gpu, tmp_path, reaper):
+    """A directory another user can rename in could be swapped for a symlink mid-dump; images
+    another user can write could make root restore anything."""
+    nobody = 65534
+    home = tmp_path / "home"
+    home.mkdir()
+    os.chown(home, nobody, nobody)
+    open_dir = tmp_path / "open"
+    open_dir.mkdir(mode=0o777)
+    os.chmod(open_dir, 0o777)
+    with gpu.spawn() as prog:
+        for target in (home / "ck", open_dir / "ck"):
+            proc = torpor.run("checkpoint", str(prog.pid), "-D", str(target))
+            assert proc.returncode == 2 and "only root can change" in proc.stderr, proc.stderr
+        assert gpu.state(prog.pid)["state"] == RUNNING
+        images = tmp_path / "ck"
+        torpor.json("checkpoint", str(prog.pid), "-D", str(images), "--leave-running")
+        assert {oct(p.stat().st_mode & 0o777) for p in images.iterdir()} == {"0o600"}
+        pstree = images / "pstree.img"
+        os.chown(pstree, nobody, nobody)
+        proc = torpor.run("inspect", str(images), "--verify")
+        assert proc.returncode == 9 and "pstree.img is owned by uid 65534" in proc.stderr
+
+
+def test_two_checkpoints_never_share_a_directory(torpor, gpu, tmp_path):
+    with gpu.spawn() as a, gpu.spawn() as b:
+        gpu.delay("checkpoint", 2000, pid=a.pid)
+        first = torpor.start("checkpoint", str(a.pid), "-D", str(tmp_path / "ck"), "--leave-running")
+        wait_for(lambda: gpu.state(a.pid)["state"] == LOCKED, what="first lock")
+        second = torpor.run("checkpoint", str(b.pid), "-D", str(tmp_path / "ck"))
+        assert second.returncode == 6 and "another torpor is checkpointing" in second.stderr
+        assert first.wait(timeout=60) == 0
+        assert gpu.state(b.pid)["state"] == RUNNING

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import traceback
@@ -65,6 +66,7 @@ def _interrupt(signum: int, _frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     debug = args.debug
+    os.umask(0o077)  # everything torpor writes holds, or describes, process memory
     try:
         cfg = config.load(args.config)
         _setup_logging(cfg, debug)
