@@ -14,11 +14,11 @@ import threading
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
-from . import manifest, procs
+from . import interrupts, manifest, procs
 from .config import Config
 from .driver import Driver, DriverError, ProcessState
 from .errors import BusyError, ExitCode, NoDriverError, RolledBackError, TorporError
-from .journal import Journal, Operation
+from .journal import Entry, Journal, Operation
 from .progress import Progress
 
 log = logging.getLogger(__name__)
@@ -149,7 +149,8 @@ class Engine:
     def fail(self, op: Operation, pids: list[int], error: BaseException, during: str) -> None:
         """A phase failed: roll every pid back to RUNNING, close op, raise RolledBackError.
         If the rollback itself fails, the journal entry stays for the next torpor to retry."""
-        problems = self.rollback(pids)
+        with interrupts.deferred():  # a second Ctrl-C must not stop the rollback
+            problems = self.rollback(pids)
         if problems:
             raise TorporError(f"{during} failed ({_describe(error)}) and rollback failed: "
                               + "; ".join(problems),
@@ -165,38 +166,49 @@ class Engine:
         """Roll back what dead torpor processes left locked or checkpointed."""
         messages = []
         for entry, fd in self.journal.orphans():
-            live = [p for p in entry.pids if procs.alive(p)]
             try:
-                claims = self.journal.claim(live)
-            except BusyError:
-                os.close(fd)  # a live operation owns these processes now; not ours to touch
-                continue
-            try:
-                problems = self.rollback(live, entry.gpu_map or None) if live else []
-            finally:
-                for c in claims:
-                    os.close(c)
-            if problems:
-                messages.append(f"could not recover interrupted {entry.kind} {entry.id}: "
-                                + "; ".join(problems))
+                messages += self._recover_one(entry, fd)
+            except Exception as e:  # one bad entry must not stop the others, nor the caller
+                log.exception("recovering %s", entry.id)
+                messages.append(f"could not recover interrupted {entry.kind} {entry.id}: {e}")
                 os.close(fd)
-                continue
-            self.journal.forget(entry, fd)
-            if live:
-                messages.append(f"recovered {', '.join(map(str, live))} left by an interrupted "
-                                f"{entry.kind} (phase {entry.phase}): running again")
-            if entry.images_dir:
-                messages += self._finish_images(Path(entry.images_dir))
         for msg in messages:
             log.warning(msg)
         return messages
 
+    def _recover_one(self, entry: Entry, fd: int) -> list[str]:
+        """Roll back one dead operation's processes, finish its images, then forget it. On
+        any failure the entry stays for the next try."""
+        live = [p for p in entry.pids if procs.alive(p)]
+        try:
+            claims = self.journal.claim(live)
+        except BusyError:
+            os.close(fd)  # a live operation owns these processes now; not ours to touch
+            return []
+        try:
+            with interrupts.deferred():
+                problems = self.rollback(live, entry.gpu_map or None) if live else []
+        finally:
+            for c in claims:
+                os.close(c)
+        if problems:
+            os.close(fd)
+            return [f"could not recover interrupted {entry.kind} {entry.id}: " + "; ".join(problems)]
+        messages = []
+        if live:
+            messages.append(f"recovered {', '.join(map(str, live))} left by an interrupted "
+                            f"{entry.kind} (phase {entry.phase}): running again")
+        if entry.images_dir:
+            messages += self._finish_images(Path(entry.images_dir), program_alive=bool(live))
+        self.journal.forget(entry, fd)
+        return messages
 
-    def _finish_images(self, images_dir: Path) -> list[str]:
-        """An interrupted checkpoint's images: seal them if CRIU finished, else clear them."""
+    def _finish_images(self, images_dir: Path, program_alive: bool) -> list[str]:
+        """An interrupted checkpoint's images: seal them if CRIU finished (or ended the
+        program: they are all that is left of it), else clear them."""
         if not (images_dir / manifest.DRAFT).exists():
             return []
-        if manifest.dump_succeeded(images_dir):
+        if manifest.dump_succeeded(images_dir) or not program_alive:
             manifest.seal(images_dir, self.cfg.checksums)
             return [f"sealed the checkpoint in {images_dir} that an interrupted torpor had "
                     "dumped but not sealed"]

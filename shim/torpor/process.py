@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import __version__, criu, gpus, manifest, placement, procs
+from . import __version__, criu, gpus, interrupts, manifest, placement, procs
 from .driver import ProcessState
 from .engine import Engine
-from .errors import (BusyError, NoDriverError, NotFoundError, PreflightError, TorporError,
+from .errors import (BusyError, CriuError, NoDriverError, NotFoundError, PreflightError, TorporError,
                      UsageError)
 from .files import private_dir, require_trusted_location, tree_size
 from .progress import human_bytes
@@ -106,6 +106,8 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
         manifest.write_draft(images_dir, _manifest(tool, inv, engine, comms, states, pid,
                                                    shell_job, leave_running, {}))
         engine.lock_and_checkpoint(op, cuda_pids)
+        stack.enter_context(interrupts.deferred())  # from here on, Ctrl-C waits for the end
+        dump_error: BaseException | None = None
         try:
             op.phase("dump", images_dir=str(images_dir))
             with progress.phase("dump", f"CRIU {tool.version_text}, {len(tree)} process(es) "
@@ -113,8 +115,10 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
                 criu.dump(tool, cfg, pid, images_dir, leave_running=leave_running,
                           shell_job=shell_job)
         except BaseException as e:
-            manifest.clear_partial(images_dir)
-            engine.fail(op, cuda_pids, e, during="dump")
+            if not manifest.dump_succeeded(images_dir) and any(procs.alive(p) for p in tree):
+                manifest.clear_partial(images_dir)
+                engine.fail(op, cuda_pids, e, during="dump")
+            dump_error = e  # the program is gone: its images are all that is left of it
         if leave_running and cuda_pids:
             try:
                 engine.restore_and_unlock(op, cuda_pids)
@@ -124,6 +128,10 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
         op.phase("seal")
         with progress.phase("seal", "manifest and checksums" if cfg.checksums else "manifest"):
             m = manifest.seal(images_dir, cfg.checksums, progress.timings)
+        if dump_error is not None and not manifest.dump_succeeded(images_dir):
+            raise TorporError(f"criu dump failed after it ended the program ({dump_error}); "
+                              f"its images in {images_dir} were kept and sealed, but may be "
+                              "incomplete")
     return m
 
 
@@ -189,10 +197,14 @@ def restore(engine: Engine, images_dir: Path, *, device_map: dict[str, str] | No
         # CRIU brings the CUDA processes back CHECKPOINTED under their old PIDs: journal them
         # first, so that a torpor dying right after CRIU leaves them for recovery to finish.
         op.phase("restore", pids=cuda_pids, gpu_map=gpu_map or {})
-        with progress.phase("restore", f"CRIU {tool.version_text}, {len(pids)} process(es)"):
-            root = criu.restore(tool, cfg, images_dir, work_dir, shell_job=m["shell_job"])
         try:
-            engine.restore_and_unlock(op, cuda_pids, gpu_map)
+            with interrupts.deferred():  # a CRIU killed half-way would leave half a tree
+                with progress.phase("restore", f"CRIU {tool.version_text}, "
+                                    f"{len(pids)} process(es)"):
+                    root = criu.restore(tool, cfg, images_dir, work_dir, shell_job=m["shell_job"])
+                engine.restore_and_unlock(op, cuda_pids, gpu_map)
+        except CriuError:
+            raise  # CRIU cleans up a failed restore itself
         except BaseException as e:
             for p in reversed(pids):
                 try:

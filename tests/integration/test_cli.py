@@ -379,3 +379,27 @@ def test_two_checkpoints_never_share_a_directory(torpor, gpu, tmp_path):
         assert second.returncode == 6 and "another torpor is checkpointing" in second.stderr
         assert first.wait(timeout=60) == 0
         assert gpu.state(b.pid)["state"] == RUNNING
+
+
+def test_sigterm_after_a_successful_dump_keeps_the_checkpoint(torpor, gpu, tmp_path, reaper):
+    """The dump ended the program; a SIGTERM arriving before CRIU exits must not make torpor
+    throw the images away (they are all that is left of the program)."""
+    real = subprocess.run(["sh", "-c", "command -v criu || echo /usr/local/sbin/criu"],
+                          capture_output=True, text=True).stdout.strip()
+    slow = tmp_path / "slow-criu"
+    slow.write_text(f'#!/bin/sh\n{real} "$@"; rc=$?\n[ "$1" = dump ] && sleep 2\nexit $rc\n')
+    slow.chmod(0o755)
+    torpor.env["TORPOR_CRIU"] = str(slow)
+    prog = gpu.spawn()
+    reaper.append(prog.pid)
+    images = tmp_path / "ck"
+    t = torpor.start("checkpoint", str(prog.pid), "-D", str(images))
+    wait_for(lambda: (images / "dump.log").exists() and
+             "Dumping finished successfully" in (images / "dump.log").read_text(),
+             timeout=30, what="the dump")
+    t.send_signal(signal.SIGTERM)
+    assert t.wait(timeout=60) in (0, 130), t.stderr.read()
+    checkpointed_and_reaped(prog)
+    assert torpor.json("inspect", str(images), "--verify")["verified"]
+    torpor.json("restore", "-D", str(images))
+    assert gpu.state(prog.pid)["state"] == RUNNING
