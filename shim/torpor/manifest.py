@@ -38,6 +38,7 @@ DUMP_LOG = "dump.log"           # CRIU's log of the dump, kept with the images
 DUMP_OK = "Dumping finished successfully"
 SCHEMA = 1
 NOT_CHECKSUMMED = {MANIFEST, DRAFT}
+REQUIRED_IMAGES = ("inventory.img", "pstree.img")  # CRIU writes both on every dump
 
 _REQUIRED: dict[str, type | tuple[type, ...]] = {
     "schema": int, "kind": str, "created": str, "torpor_version": str, "criu_version": str,
@@ -167,13 +168,27 @@ def validate(m: Any) -> dict[str, Any]:
                 or not (sums is None or (isinstance(sums, list)
                                          and all(isinstance(x, str) for x in sums)))):
             raise CorruptCheckpointError(f"manifest entry for {rel!r} is malformed")
+    _fields("sizes", m["sizes"], {"total": int, "gpu_memory": int})
     for p in m["processes"]:
-        if not isinstance(p, dict) or not isinstance(p.get("pid"), int):
-            raise CorruptCheckpointError("manifest process entry is malformed")
+        _fields("process", p, {"pid": int, "cuda": bool, "gpus": list, "gpu_memory": int})
+        if not all(isinstance(u, str) for u in p["gpus"]):
+            raise CorruptCheckpointError("manifest process entry has a malformed GPU list")
     for g in m["gpus"]:
-        if not isinstance(g, dict) or not isinstance(g.get("uuid"), str):
-            raise CorruptCheckpointError("manifest GPU entry is malformed")
+        _fields("GPU", g, {"uuid": str, "name": str, "memory_total": int})
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+               for v in m["timings"].values()):
+        raise CorruptCheckpointError("manifest timings are malformed")
     return m
+
+
+def _fields(what: str, obj: Any, kinds: dict[str, type]) -> None:
+    if not isinstance(obj, dict):
+        raise CorruptCheckpointError(f"manifest {what} entry is not an object")
+    for key, kind in kinds.items():
+        v = obj.get(key)
+        if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
+            raise CorruptCheckpointError(f"manifest {what} field '{key}' is missing or "
+                                         f"not {kind.__name__}")
 
 
 def parse(data: bytes, origin: str) -> dict[str, Any]:
@@ -201,7 +216,10 @@ def read(images_dir: Path) -> dict[str, Any]:
 def verify(images_dir: Path, m: dict[str, Any], checksums: bool = True) -> None:
     """Every listed file present, inside the directory, of the right size and hash."""
     root = images_dir.resolve()
-    bad: list[str] = []
+    bad: list[str] = [f"{rel} is not listed in the manifest"
+                      for rel in _image_files(images_dir) if rel not in m["files"]]
+    bad += [f"{name} is not listed in the manifest" for name in REQUIRED_IMAGES
+            if name not in m["files"]]
     todo: dict[str, tuple[Path, list[str]]] = {}
     for rel, info in m["files"].items():
         path = (images_dir / safe_relpath(rel))

@@ -22,7 +22,7 @@ from typing import Any
 from . import __version__, criu, gpus, interrupts, manifest, placement, procs
 from .driver import ProcessState
 from .engine import Engine
-from .errors import (BusyError, CriuError, NoDriverError, NotFoundError, PreflightError, TorporError,
+from .errors import (BusyError, CorruptCheckpointError, CriuError, NoDriverError, NotFoundError, PreflightError, TorporError,
                      UsageError)
 from .files import private_dir, require_trusted_location, tree_size
 from .progress import human_bytes
@@ -173,7 +173,10 @@ def restore(engine: Engine, images_dir: Path, *, device_map: dict[str, str] | No
     tool = criu.find(cfg)
     entries = criu.pstree(images_dir)
     pids = [int(e["pid"]) for e in entries]
-    cuda_pids = sorted(p["pid"] for p in m["processes"] if p.get("cuda"))
+    cuda_pids = sorted(p["pid"] for p in m["processes"] if p["cuda"])
+    if not set(cuda_pids) <= set(pids):
+        raise CorruptCheckpointError(f"{images_dir}: the manifest's CUDA processes "
+                                     f"{sorted(set(cuda_pids) - set(pids))} are not in the image")
     with progress.phase("preflight", "PIDs, driver, GPU model and memory"):
         busy = [p for p in pids if procs.pid_taken(p)]
         if busy:

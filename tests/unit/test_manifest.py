@@ -12,7 +12,7 @@ def _manifest(files: dict) -> dict:
     return {"schema": 1, "kind": "torpor-checkpoint", "created": "2026-12-02T00:00:00+00:00",
             "torpor_version": "0.1.0", "criu_version": "4.1.1", "host": "h", "kernel": "k",
             "driver": {"version": None, "cuda": None}, "root_pid": 10, "shell_job": False,
-            "leave_running": False, "gpus": [], "processes": [{"pid": 10, "cuda": False}],
+            "leave_running": False, "gpus": [], "processes": [{"pid": 10, "cuda": False, "gpus": [], "gpu_memory": 0}],
             "timings": {"dump": 0.1}, "sizes": {"total": 3, "gpu_memory": 0}, "files": files}
 
 
@@ -21,13 +21,15 @@ def _images(tmp_path: Path) -> Path:
     (d / "sub").mkdir(parents=True)
     (d / "pages-1.img").write_bytes(b"abc" * 1000)
     (d / "sub" / "x.img").write_bytes(b"x")
+    for name in ("inventory.img", "pstree.img"):
+        (d / name).write_bytes(name.encode())
     return d
 
 
 def test_roundtrip_and_verify(tmp_path):
     d = _images(tmp_path)
     files = manifest.file_table(d, checksums=True)
-    assert set(files) == {"pages-1.img", "sub/x.img"}
+    assert set(files) == {"pages-1.img", "sub/x.img", "inventory.img", "pstree.img"}
     assert files["sub/x.img"]["sha256"] == \
         ["2d711642b726b04401627ca9fbac32f5c8530fb1903cc4db02258717921a4881"]
     manifest.write(d, _manifest(files))
@@ -75,9 +77,30 @@ def test_symlink_escaping_the_checkpoint_is_refused(tmp_path):
     secret = tmp_path / "secret"
     secret.write_bytes(b"x")
     os.symlink(secret, d / "link.img")
-    m = _manifest({"link.img": {"size": 1, "sha256": None}})
+    m = _manifest({**manifest.file_table(d, checksums=False), "link.img": {"size": 1, "sha256": None}})
     with pytest.raises(CorruptCheckpointError, match="not a plain file inside"):
         manifest.verify(d, m)
+
+
+def test_unlisted_or_missing_required_images_are_refused(tmp_path):
+    d = _images(tmp_path)
+    m = _manifest(manifest.file_table(d, checksums=True))
+    (d / "extra.img").write_bytes(b"planted")
+    with pytest.raises(CorruptCheckpointError, match="extra.img is not listed"):
+        manifest.verify(d, m)
+    (d / "extra.img").unlink()
+    del m["files"]["pstree.img"]
+    with pytest.raises(CorruptCheckpointError, match="pstree.img is not listed"):
+        manifest.verify(d, m)
+
+
+@pytest.mark.parametrize("patch", [{"sizes": {}}, {"gpus": [{"uuid": "GPU-x"}]},
+                                   {"processes": [{"pid": 1, "cuda": True, "gpus": "GPU-x",
+                                                   "gpu_memory": 0}]},
+                                   {"timings": {"dump": "fast"}}])
+def test_malformed_fields_are_corrupt_not_crashes(patch):
+    with pytest.raises(CorruptCheckpointError):
+        manifest.validate(dict(_manifest({}), **patch))
 
 
 def test_corrupt_or_foreign_manifests(tmp_path):
