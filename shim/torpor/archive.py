@@ -12,7 +12,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
 from . import manifest
-from .errors import CorruptCheckpointError, NotFoundError
+from .errors import CorruptCheckpointError, NotFoundError, UsageError
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 MAX_MANIFEST = 16 << 20
@@ -29,10 +29,14 @@ def _open_stream(path: Path) -> BinaryIO:
 
 
 def manifest_from_archive(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise NotFoundError(f"no such file {path}")
+    if not path.is_file():
+        raise UsageError(f"{path} is neither a checkpoint directory nor an archive file")
     try:
         stream = _open_stream(path)
-    except FileNotFoundError:
-        raise NotFoundError(f"no such file {path}") from None
+    except OSError as e:
+        raise UsageError(f"cannot read {path}: {e.strerror}") from None
     best: tuple[int, bytes] | None = None
     try:
         with stream, tarfile.open(fileobj=stream, mode="r|*") as tar:

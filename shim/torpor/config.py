@@ -8,6 +8,7 @@ runs: TORPOR_STATE_DIR, TORPOR_RUN_DIR, TORPOR_LIBCUDA, TORPOR_CRIU, TORPOR_LOCK
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from pathlib import Path
 
@@ -82,6 +83,6 @@ def load(path: Path | None = None, env: dict[str, str] | None = None) -> Config:
     except (TypeError, ValueError) as e:
         raise UsageError(f"bad setting: {e}") from e
     cfg = Config(**values)  # type: ignore[arg-type]
-    if cfg.lock_timeout_s <= 0:
-        raise UsageError("lock_timeout_s must be positive")
+    if not math.isfinite(cfg.lock_timeout_s) or not 0 < cfg.lock_timeout_s <= 3600:
+        raise UsageError("lock_timeout_s must be a number of seconds between 0 and 3600")
     return cfg

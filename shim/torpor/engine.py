@@ -179,7 +179,9 @@ class Engine:
     def _recover_one(self, entry: Entry, fd: int) -> list[str]:
         """Roll back one dead operation's processes, finish its images, then forget it. On
         any failure the entry stays for the next try."""
-        live = [p for p in entry.pids if procs.alive(p)]
+        suspended = self.journal.suspended()  # suspended on purpose: not ours to resume
+        live = [p for p in entry.pids
+                if procs.alive(p) and entry.same_process(p) and p not in suspended]
         try:
             claims = self.journal.claim(live)
         except BusyError:

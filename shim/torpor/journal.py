@@ -24,6 +24,7 @@ import uuid
 from pathlib import Path
 from typing import Iterator
 
+from . import procs
 from .config import Config
 from .errors import BusyError
 from .files import private_dir, write_json
@@ -49,17 +50,31 @@ class Entry:
     phase: str = "start"
     gpu_map: dict[str, str] = dataclasses.field(default_factory=dict)
     images_dir: str = ""           # a checkpoint's image directory, to seal it if we die
+    starts: dict[str, int] = dataclasses.field(default_factory=dict)  # pid -> start time
     owner: int = dataclasses.field(default_factory=os.getpid)
     started: float = dataclasses.field(default_factory=time.time)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
+    def note_starts(self, pids: list[int]) -> None:
+        for pid in pids:
+            t = procs.start_time(pid)
+            if t is not None:
+                self.starts[str(pid)] = t
+
+    def same_process(self, pid: int) -> bool:
+        """pid is still the process this entry claimed (not a later one reusing the PID).
+        A PID first seen after CRIU restored it may have no recorded start: trust it."""
+        want = self.starts.get(str(pid))
+        return want is None or procs.start_time(pid) == want
+
     @classmethod
     def from_json(cls, d: dict) -> "Entry":
         return cls(id=str(d["id"]), kind=str(d["kind"]), pids=[int(p) for p in d["pids"]],
                    phase=str(d.get("phase", "?")), gpu_map=dict(d.get("gpu_map", {})),
                    images_dir=str(d.get("images_dir", "")),
+                   starts={str(k): int(v) for k, v in d.get("starts", {}).items()},
                    owner=int(d.get("owner", 0)), started=float(d.get("started", 0)))
 
 
@@ -75,6 +90,7 @@ class Operation:
         if pids is not None:
             self.journal._claim_more(self, pids)  # BusyError before anything is recorded
             self.entry.pids = list(pids)
+            self.entry.note_starts(list(pids))
         self.entry.phase = name
         if gpu_map is not None:
             self.entry.gpu_map = dict(gpu_map)
@@ -154,6 +170,7 @@ class Journal:
             self._entry_path(op_id, ".lock").unlink(missing_ok=True)
             raise
         entry = Entry(op_id, kind, list(pids))
+        entry.note_starts(list(pids))
         self._save(entry)
         return Operation(self, entry, fds)
 

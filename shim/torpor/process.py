@@ -235,10 +235,15 @@ def suspend(engine: Engine, pid: int) -> dict[str, Any]:
         cuda_pids = sorted(states)
         freed = sum(inv.memory_of(p) for p in cuda_pids) if inv else 0
         engine.lock_and_checkpoint(op, cuda_pids)
-        for p in cuda_pids:
-            engine.journal.mark_suspended(p, {"root": pid, "since": time.time(),
-                                              "gpus": inv.gpus_of(p) if inv else [],
-                                              "gpu_memory": inv.memory_of(p) if inv else 0})
+        try:
+            for p in cuda_pids:
+                engine.journal.mark_suspended(p, {"root": pid, "since": time.time(),
+                                                  "gpus": inv.gpus_of(p) if inv else [],
+                                                  "gpu_memory": inv.memory_of(p) if inv else 0})
+        except BaseException as e:  # e.g. a full disk: suspended unrecorded is suspended lost
+            for p in cuda_pids:
+                engine.journal.clear_suspended(p)
+            engine.fail(op, cuda_pids, e, during="suspend")
     return {"pids": cuda_pids, "gpu_memory_released": freed,
             "timings": {k: round(v, 4) for k, v in engine.progress.timings.items()}}
 

@@ -106,6 +106,15 @@ def needs_shell_job(pid: int) -> bool:
     return session_id(pid) != pid or tty_nr(pid) != 0
 
 
+def start_time(pid: int) -> int | None:
+    """When pid started (clock ticks since boot): tells a process from a later one that
+    reuses its PID. None when there is no such process."""
+    try:
+        return int(_stat_fields(pid)[19])
+    except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+        return None
+
+
 def rss_bytes(pid: int) -> int:
     try:
         for line in (PROC / str(pid) / "status").read_text().splitlines():

@@ -421,6 +421,60 @@ def test_sigkill_mid_checkpoint_then_new_torpord_recovers(daemon, gpu, prog):
     assert running_again(gpu, prog)
 
 
+@pytest.mark.parametrize("client_timeout, delay_ms", [
+    (0.5, 3000),     # the client gave up: gRPC forgets the call, its handler runs on
+    (None, 8000),    # the client waits: the checkpoint outlasts server.stop's 5 s grace
+], ids=["client-gone", "past-grace"])
+def test_sigterm_during_lock_and_checkpoint_rolls_it_back(daemon, gpu, prog, client_timeout,
+                                                          delay_ms):
+    """A stop while LockAndCheckpoint is in flight waits for its handler, which must not leave
+    an operation behind that nobody rolls back."""
+    gpu.delay("checkpoint", delay_ms)
+    results: list[object] = []
+
+    def call() -> None:
+        try:
+            with daemon.client() as c:
+                results.append(c.lock_and_checkpoint([prog.pid], timeout=client_timeout))
+        except BaseException as e:
+            results.append(e)
+    t = threading.Thread(target=call)
+    t.start()
+    deadline = time.monotonic() + 10
+    while gpu.state(prog.pid)["state"] != LOCKED and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert gpu.state(prog.pid)["state"] == LOCKED
+    if client_timeout:
+        t.join(10)
+        assert len(results) == 1 and isinstance(results[0], TorporError), results
+    time.sleep(0.3)                                   # inside the (delayed) checkpoint call
+    assert gpu.state(prog.pid)["state"] == LOCKED
+    assert daemon.kill(signal.SIGTERM) == 0, daemon.log_text()
+    t.join(20)
+    assert len(results) == 1, results
+    assert gpu.state(prog.pid)["state"] == RUNNING
+    assert journal_entries(daemon) == []
+    gpu.clear_faults()
+    assert running_again(gpu, prog)
+
+
+def test_startup_recovery_failure_is_logged_not_fatal(make_daemon, base, tmp_path):
+    """An unexpected error in engine.recover() at start must not keep torpord down."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(
+        "from torpor.engine import Engine\n"
+        "def recover(self):\n"
+        "    raise RuntimeError('recovery exploded')\n"
+        "Engine.recover = recover\n")
+    d = make_daemon()
+    d.env["PYTHONPATH"] = os.pathsep.join([str(hooks), d.env["PYTHONPATH"]])
+    d.start()
+    with d.client() as c:
+        assert c.list()["server_pid"] == d.proc.pid
+    assert "recovery exploded" in d.log_text()
+
+
 def test_second_torpord_on_same_run_dir_refuses(daemon):
     p = subprocess.run([sys.executable, "-m", "torpor.sidecar.server", "--foreground"],
                        env=daemon.env, capture_output=True, text=True, timeout=30)
@@ -541,3 +595,89 @@ def test_ensure_running_starts_torpord(base, gpu, monkeypatch):
     while ping(d.cfg).status == "ok" and time.monotonic() < deadline:
         time.sleep(0.1)
     assert ping(d.cfg).status == "warn"
+
+
+# -- handlers in-process (faults a real torpord cannot be given) ---------------------------------------
+
+class Aborted(Exception):
+    def __init__(self, status, details, md):
+        super().__init__(f"{status}: {details}")
+        self.status, self.details, self.md = status, details, dict(md or [])
+
+
+class FakeContext:
+    """Just enough of a grpc.ServicerContext for calling a handler directly."""
+
+    def __init__(self):
+        self.md = None
+
+    def set_trailing_metadata(self, md):
+        self.md = md
+
+    def abort(self, status, details):
+        raise Aborted(status, details, self.md)
+
+
+@pytest.fixture
+def service(base, gpu, monkeypatch):
+    from torpor.sidecar.server import Service
+    env = {"TORPOR_STATE_DIR": str(base / "state"), "TORPOR_RUN_DIR": str(base / "run"),
+           "TORPOR_CONFIG": str(base / "none.toml"), **gpu.env()}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    gpu.activate()                                    # gpu's close() deactivates
+    made: list[Service] = []
+
+    def make(op_timeout_s: float = 600) -> Service:
+        made.append(Service(config.load(env=env), op_timeout_s))
+        return made[-1]
+    yield make
+    for s in made:
+        s.shutdown()
+
+
+def _journal(svc) -> list[str]:
+    return sorted(p.name for p in svc.cfg.journal_dir.glob("*.json"))
+
+
+def test_failure_after_checkpoint_rolls_back_at_once(service, gpu, prog, monkeypatch):
+    """The journal write after the checkpoint fails (full disk): roll back now, not later."""
+    from torpor.journal import Operation
+    svc = service()
+    real_phase = Operation.phase
+
+    def phase(self, name, **kw):
+        if name == "dump":
+            raise OSError(28, "No space left on device")
+        return real_phase(self, name, **kw)
+    monkeypatch.setattr(Operation, "phase", phase)
+    req = svc.pb.LockAndCheckpointRequest(pids=[prog.pid])
+    with pytest.raises(Aborted) as e:
+        svc.LockAndCheckpoint(req, FakeContext())
+    assert e.value.md[EXIT_CODE_KEY] == str(int(ExitCode.ROLLED_BACK)), e.value
+    assert "No space left" in e.value.details
+    assert gpu.state(prog.pid)["state"] == RUNNING
+    assert svc.open_ops() == [] and _journal(svc) == []
+    monkeypatch.setattr(Operation, "phase", real_phase)
+    assert running_again(gpu, prog)
+
+
+def test_operation_deadline_ignores_wall_clock_steps(service, gpu, prog, monkeypatch):
+    """The automatic rollback runs on the monotonic clock: a clock step neither fires nor
+    delays it."""
+    svc = service(op_timeout_s=1.0)
+    r = svc.LockAndCheckpoint(svc.pb.LockAndCheckpointRequest(pids=[prog.pid]), FakeContext())
+    assert r.deadline - time.time() < 1.5             # still wall clock for clients
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() + 3600)    # a step forward
+    svc.start_reaper()
+    time.sleep(0.5)
+    assert [o.id for o in svc.open_ops()] == [r.op_id]
+    assert gpu.state(prog.pid)["state"] == CHECKPOINTED
+    monkeypatch.setattr(time, "time", lambda: real_time() - 3600)    # a step back
+    deadline = time.monotonic() + 5
+    while (svc.open_ops() or _journal(svc)) and time.monotonic() < deadline:
+        time.sleep(0.05)                              # the reaper takes it, then rolls back
+    assert svc.open_ops() == [] and _journal(svc) == []
+    monkeypatch.setattr(time, "time", real_time)
+    assert running_again(gpu, prog)

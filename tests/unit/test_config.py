@@ -18,7 +18,8 @@ def test_defaults_file_and_env(tmp_path):
 @pytest.mark.parametrize("text,match", [("nope = 1", "unknown key 'nope'"),
                                         ("checksums = 1", "true or false"),
                                         ("lock_timeout_s = 'x'", "bad setting"),
-                                        ("lock_timeout_s = -1", "positive"),
+                                        ("lock_timeout_s = -1", "between 0 and 3600"),
+                                        ("lock_timeout_s = inf", "between 0 and 3600"),
                                         ("[broken", "cannot read config")])
 def test_bad_config_is_one_clear_error(tmp_path, text, match):
     f = tmp_path / "c.toml"

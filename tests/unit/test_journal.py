@@ -65,3 +65,13 @@ def test_suspended_records(cfg):
     assert j.suspended() == {77: {"gpus": ["GPU-a"]}}
     j.clear_suspended(77)
     assert j.suspended() == {}
+
+
+def test_a_reused_pid_is_not_the_claimed_process(cfg):
+    j = Journal(cfg)
+    op = j.begin("checkpoint", [os.getpid()])
+    assert op.entry.same_process(os.getpid())
+    op.entry.starts[str(os.getpid())] += 1  # as if the PID now belonged to a later process
+    assert not op.entry.same_process(os.getpid())
+    assert op.entry.same_process(999999)     # never seen (e.g. before CRIU restored it)
+    op.close()

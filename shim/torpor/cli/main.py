@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     debug = args.debug
     os.umask(0o077)  # everything torpor writes holds, or describes, process memory
+    logging.getLogger().addHandler(logging.NullHandler())  # no traceback before the log is set
     try:
         cfg = config.load(args.config)
         _setup_logging(cfg, debug)

@@ -110,7 +110,8 @@ class OpenOp:
     pids: list[int]
     cuda_pids: list[int]
     container_id: str
-    deadline: float
+    deadline: float   # wall clock, only reported to clients
+    expires: float    # time.monotonic() of the automatic rollback: a clock step cannot move it
 
     @property
     def id(self) -> str:
@@ -122,9 +123,13 @@ def _timings(engine: Engine) -> dict[str, float]:
 
 
 def _rpc(fn: Callable) -> Callable:
-    """Run a handler; turn any error into a gRPC status with torpor's exit code in the trailers."""
+    """Run a handler; turn any error into a gRPC status with torpor's exit code in the trailers.
+    Counts the handlers in flight: shutdown() waits for them, as gRPC does not (a cancelled
+    call's handler runs on after server.stop())."""
     @functools.wraps(fn)
     def wrapper(self: "Service", request: Any, context: grpc.ServicerContext) -> Any:
+        with self._idle:
+            self._in_flight += 1
         try:
             return fn(self, request, context)
         except Exception as e:
@@ -135,6 +140,10 @@ def _rpc(fn: Callable) -> Callable:
             status, _code, details, md = grpc_status(e)
             context.set_trailing_metadata(md)
             context.abort(status, details)
+        finally:
+            with self._idle:
+                self._in_flight -= 1
+                self._idle.notify_all()
     return wrapper
 
 
@@ -148,6 +157,8 @@ class Service:
         self.containers = Containers(cfg.state_dir / "containers")
         self._ops: dict[str, OpenOp] = {}
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)   # _in_flight dropped
+        self._in_flight = 0
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
 
@@ -186,9 +197,9 @@ class Service:
                         log.warning("recovery: %s", msg)
                 except Exception:
                     log.exception("periodic recovery failed")
-            now = time.time()
+            now = time.monotonic()
             with self._lock:
-                expired = [o for o in self._ops.values() if o.deadline <= now]
+                expired = [o for o in self._ops.values() if o.expires <= now]
                 for o in expired:
                     del self._ops[o.id]
             for o in expired:
@@ -201,11 +212,21 @@ class Service:
                 except Exception:
                     log.exception("automatic rollback of %s failed", o.id)
 
-    def shutdown(self) -> None:
-        """Stop the reaper; roll back every open operation."""
+    def stopping(self) -> None:
+        """From now on a LockAndCheckpoint rolls back instead of opening an operation."""
         self._stop.set()
+
+    def shutdown(self) -> None:
+        """Wait for the handlers in flight (one may still be checkpointing: its operation must
+        be in the table, or rolled back by itself, before the table is emptied), stop the
+        reaper, roll back every open operation."""
+        self._stop.set()
+        with self._idle:
+            while self._in_flight:
+                log.info("shutting down: waiting for %d call(s) in flight", self._in_flight)
+                self._idle.wait(5)
         if self._reaper is not None:
-            self._reaper.join(timeout=5)
+            self._reaper.join()   # it may be rolling back an expired operation
         with self._lock:
             todo, self._ops = list(self._ops.values()), {}
         for o in todo:
@@ -287,6 +308,8 @@ class Service:
     # -- checkpoint ---------------------------------------------------------------------------------
     @_rpc
     def LockAndCheckpoint(self, request: Any, context: Any) -> Any:
+        if self._stop.is_set():
+            raise SidecarError("torpord is shutting down")
         cfg = self.cfg
         if request.HasField("lock_timeout_s"):
             if not request.lock_timeout_s > 0:
@@ -305,13 +328,22 @@ class Service:
             inv = self._gpu_info(cuda_pids)
             cuda = [self._cuda_process(p, states[p], inv) for p in cuda_pids]
             engine.lock_and_checkpoint(op, cuda_pids)  # rolls back and closes op on failure
-            op.phase("dump")
+            try:
+                # The processes are CHECKPOINTED now: until the operation is in the table (where
+                # Rollback, the reaper or shutdown find it), any failure rolls back at once.
+                op.phase("dump")
+                deadline = time.time() + self.op_timeout_s
+                expires = time.monotonic() + self.op_timeout_s
+                with self._lock:
+                    if self._stop.is_set():   # shutdown() may have emptied the table already
+                        raise SidecarError("torpord is shutting down")
+                    self._ops[op.entry.id] = OpenOp(op, pids, cuda_pids, request.container_id,
+                                                    deadline, expires)
+            except BaseException as e:
+                engine.fail(op, cuda_pids, e, during="checkpoint")  # rollback, close, raise
         except BaseException:
             op.abandon()
             raise
-        deadline = time.time() + self.op_timeout_s
-        with self._lock:
-            self._ops[op.entry.id] = OpenOp(op, pids, cuda_pids, request.container_id, deadline)
         log.info("%s: %d CUDA process(es) of %d checkpointed (%s); waiting for the dump",
                  op.entry.id, len(cuda_pids), len(pids), ",".join(map(str, cuda_pids)) or "-")
         return self.pb.LockAndCheckpointResponse(
@@ -589,10 +621,14 @@ def _serve(cfg: config.Config, args: argparse.Namespace, public: Path, private: 
     if private.is_socket():
         private.unlink()
 
-    messages = Engine(cfg, Progress(stream=None)).recover()
-    for msg in messages:
-        log.warning("recovery: %s", msg)
-    log.info("recovery: %s", f"{len(messages)} message(s)" if messages else "nothing to recover")
+    try:
+        messages = Engine(cfg, Progress(stream=None)).recover()
+        for msg in messages:
+            log.warning("recovery: %s", msg)
+        log.info("recovery: %s",
+                 f"{len(messages)} message(s)" if messages else "nothing to recover")
+    except Exception:   # torpord must come up: the reaper retries every RECOVERY_PERIOD_S
+        log.exception("recovery at start failed")
 
     service = Service(cfg, args.op_timeout)
     server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=16,
@@ -623,8 +659,9 @@ def _serve(cfg: config.Config, args: argparse.Namespace, public: Path, private: 
         pass
 
     proxy.stop_accepting()
+    service.stopping()
     server.stop(grace=5).wait(10)
-    service.shutdown()
+    service.shutdown()   # waits for the handlers gRPC stopped waiting for
     proxy.close()
     try:
         private.unlink()
