@@ -168,7 +168,6 @@ def check(criu: Criu) -> tuple[bool, str]:
 def pstree(images_dir: Path) -> list[dict]:
     """Entries of pstree.img (pid, ppid, pgid, sid, threads), read with CRIU's own pycriu."""
     try:
-        import pycriu  # noqa: F401
         from pycriu import images
     except ImportError as e:
         raise CriuError("pycriu is not installed (it comes with CRIU)",

@@ -24,7 +24,6 @@ TORCH_PROGRAM = HERE / "torch_program.py"
 def _gpu_reason() -> str | None:
     try:
         from torpor.driver import Driver
-        from torpor.errors import TorporError
         Driver.load(os.environ.get("TORPOR_LIBCUDA", "libcuda.so.1"))
     except Exception as e:  # TorporError or an import problem: no GPU here
         return f"no GPU with the driver checkpoint API: {e}"

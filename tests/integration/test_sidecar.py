@@ -387,22 +387,29 @@ def test_sigterm_rolls_back_open_operations_and_exits_0(daemon, gpu, prog):
     assert journal_entries(daemon) == []
 
 
-def test_sigkill_mid_checkpoint_then_new_torpord_recovers(daemon, gpu, prog):
-    gpu.delay("checkpoint", 5000)
-    errors: list[BaseException] = []
+def _checkpoint_in_background(daemon, gpu, prog, timeout=None):
+    """LockAndCheckpoint from a thread; returns (thread, results) once the program is LOCKED
+    (the fake's delayed checkpoint call is then in flight)."""
+    results: list[object] = []
 
     def call() -> None:
         try:
             with daemon.client() as c:
-                c.lock_and_checkpoint([prog.pid])
+                results.append(c.lock_and_checkpoint([prog.pid], timeout=timeout))
         except BaseException as e:
-            errors.append(e)
+            results.append(e)
     t = threading.Thread(target=call)
     t.start()
     deadline = time.monotonic() + 10
     while gpu.state(prog.pid)["state"] != LOCKED and time.monotonic() < deadline:
         time.sleep(0.02)
     assert gpu.state(prog.pid)["state"] == LOCKED
+    return t, results
+
+
+def test_sigkill_mid_checkpoint_then_new_torpord_recovers(daemon, gpu, prog):
+    gpu.delay("checkpoint", 5000)
+    t, errors = _checkpoint_in_background(daemon, gpu, prog)
     time.sleep(0.3)                                   # inside the (delayed) checkpoint call
     assert daemon.kill(signal.SIGKILL) == -signal.SIGKILL
     t.join(20)
@@ -430,20 +437,7 @@ def test_sigterm_during_lock_and_checkpoint_rolls_it_back(daemon, gpu, prog, cli
     """A stop while LockAndCheckpoint is in flight waits for its handler, which must not leave
     an operation behind that nobody rolls back."""
     gpu.delay("checkpoint", delay_ms)
-    results: list[object] = []
-
-    def call() -> None:
-        try:
-            with daemon.client() as c:
-                results.append(c.lock_and_checkpoint([prog.pid], timeout=client_timeout))
-        except BaseException as e:
-            results.append(e)
-    t = threading.Thread(target=call)
-    t.start()
-    deadline = time.monotonic() + 10
-    while gpu.state(prog.pid)["state"] != LOCKED and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert gpu.state(prog.pid)["state"] == LOCKED
+    t, results = _checkpoint_in_background(daemon, gpu, prog, timeout=client_timeout)
     if client_timeout:
         t.join(10)
         assert len(results) == 1 and isinstance(results[0], TorporError), results
