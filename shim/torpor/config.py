@@ -2,7 +2,8 @@
 
 The TOML file is optional. Every key is documented in packaging/config.toml, which is also
 what ./install.sh puts in /etc/torpor/. Environment variables exist for tests and one-off
-runs: TORPOR_STATE_DIR, TORPOR_RUN_DIR, TORPOR_LIBCUDA, TORPOR_CRIU, TORPOR_LOCK_TIMEOUT.
+runs: TORPOR_STATE_DIR, TORPOR_RUN_DIR, TORPOR_LIBCUDA, TORPOR_CRIU, TORPOR_LOCK_TIMEOUT,
+TORPOR_OCI_RUNTIME, TORPOR_DEVICE_MAP.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class Config:
     lock_timeout_s: float = 10.0                # how long a driver lock may wait for CUDA calls in flight
     checksums: bool = True                      # sha256 of every image file in torpor.json
     socket_owner_uid: int = 0                   # besides root, the one uid torpord answers
+    oci_runtime: str = "runc"                   # what torpor-runtime wraps: runc or crun (name or path)
+    device_map: str = ""                        # restores of containers: OLD_UUID=NEW_UUID,... (wins over placement)
 
     @property
     def journal_dir(self) -> Path:
@@ -51,6 +54,8 @@ _ENV = {
     "TORPOR_LIBCUDA": ("libcuda", str),
     "TORPOR_CRIU": ("criu", str),
     "TORPOR_LOCK_TIMEOUT": ("lock_timeout_s", float),
+    "TORPOR_OCI_RUNTIME": ("oci_runtime", str),
+    "TORPOR_DEVICE_MAP": ("device_map", str),
 }
 
 

@@ -14,6 +14,7 @@ class Gpu:
     name: str
     memory_total: int
     memory_free: int
+    minor: int | None = None  # /dev/nvidia<minor>; None where NVML cannot tell
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +32,9 @@ class Inventory:
 
     def by_uuid(self, uuid: str) -> Gpu | None:
         return next((g for g in self.gpus if g.uuid == uuid), None)
+
+    def by_minor(self, minor: int) -> Gpu | None:
+        return next((g for g in self.gpus if g.minor == minor), None)
 
     def gpus_of(self, pid: int) -> list[str]:
         return sorted({p.gpu_uuid for p in self.processes if p.pid == pid})
@@ -59,7 +63,12 @@ def discover() -> Inventory:
             h = pynvml.nvmlDeviceGetHandleByIndex(i)
             uuid = _text(pynvml.nvmlDeviceGetUUID(h))
             mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-            gpus.append(Gpu(i, uuid, _text(pynvml.nvmlDeviceGetName(h)), int(mem.total), int(mem.free)))
+            try:
+                minor: int | None = int(pynvml.nvmlDeviceGetMinorNumber(h))
+            except pynvml.NVMLError:
+                minor = None
+            gpus.append(Gpu(i, uuid, _text(pynvml.nvmlDeviceGetName(h)), int(mem.total),
+                            int(mem.free), minor))
             try:
                 running = pynvml.nvmlDeviceGetComputeRunningProcesses(h)
             except pynvml.NVMLError:

@@ -14,6 +14,10 @@ Schema (version 1), all keys always present:
   timings           {phase: seconds}
   sizes             {"total": bytes, "gpu_memory": bytes}
   files             {relative path: {"size": bytes, "sha256": [hex per 64 MiB block] or null}}
+Optional:
+  container         {"id", "minors": [int], "visible": [str], "cdi": [str]}: written by
+                    torpor-runtime, what the container's spec named (torpor.oci.GpuUse)
+  gpus[].minor      /dev/nvidia<minor> of that GPU, where NVML told
 
 Paths in `files` are never trusted: each must be a plain relative path that stays inside the
 checkpoint directory, or reading fails with CorruptCheckpointError.
@@ -175,6 +179,16 @@ def validate(m: Any) -> dict[str, Any]:
             raise CorruptCheckpointError("manifest process entry has a malformed GPU list")
     for g in m["gpus"]:
         _fields("GPU", g, {"uuid": str, "name": str, "memory_total": int})
+    for g in m["gpus"]:
+        if g.get("minor") is not None and (not isinstance(g["minor"], int)
+                                           or isinstance(g["minor"], bool)):
+            raise CorruptCheckpointError("manifest GPU field 'minor' is not an integer")
+    if "container" in m:
+        c = m["container"]
+        _fields("container", c, {"id": str, "minors": list, "visible": list, "cdi": list})
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in c["minors"]) or \
+                not all(isinstance(x, str) for x in c["visible"] + c["cdi"]):
+            raise CorruptCheckpointError("manifest container entry is malformed")
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool)
                for v in m["timings"].values()):
         raise CorruptCheckpointError("manifest timings are malformed")

@@ -115,6 +115,18 @@ def start_time(pid: int) -> int | None:
         return None
 
 
+def traced(pid: int) -> bool:
+    """Whether a tracer (CRIU dumping it, a debugger) holds pid."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("TracerPid:"):
+                    return int(line.split()[1]) != 0
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
 def rss_bytes(pid: int) -> int:
     try:
         for line in (PROC / str(pid) / "status").read_text().splitlines():

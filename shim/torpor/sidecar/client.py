@@ -108,13 +108,14 @@ class Client:
     # -- checkpoint -----------------------------------------------------------------------------
     def lock_and_checkpoint(self, pids: Iterable[int] = (), container_id: str = "", *,
                             lock_timeout_s: float | None = None, descendants: bool = True,
-                            timeout: float | None = None) -> dict[str, Any]:
+                            owner_pid: int = 0, timeout: float | None = None) -> dict[str, Any]:
         """Lock and checkpoint the CUDA processes among pids (and their descendants) or the
         container's; the operation stays open: end it with finish/rollback/restore_and_unlock.
+        owner_pid: torpord rolls the operation back should that process die before ending it.
         Returns {op_id, pids, cuda_processes: [{pid, state, gpu_uuids, gpu_memory}], timings,
         deadline, container_id}."""
         req = self.pb.LockAndCheckpointRequest(pids=list(pids), container_id=container_id,
-                                               no_descendants=not descendants)
+                                               no_descendants=not descendants, owner_pid=owner_pid)
         if lock_timeout_s is not None:
             req.lock_timeout_s = lock_timeout_s
         return to_dict(self._call("LockAndCheckpoint", req, timeout))

@@ -112,6 +112,14 @@ class OpenOp:
     container_id: str
     deadline: float   # wall clock, only reported to clients
     expires: float    # time.monotonic() of the automatic rollback: a clock step cannot move it
+    owner: tuple[int, int | None] | None = None  # (pid, start time) of the caller, if given
+
+    def owner_gone(self) -> bool:
+        """The caller died without ending the operation, and no dump holds the processes
+        (a dump still running finishes or fails by itself first)."""
+        if self.owner is None or procs.start_time(self.owner[0]) == self.owner[1]:
+            return False
+        return not any(procs.traced(p) for p in self.cuda_pids)
 
     @property
     def id(self) -> str:
@@ -200,11 +208,18 @@ class Service:
             now = time.monotonic()
             with self._lock:
                 expired = [o for o in self._ops.values() if o.expires <= now]
-                for o in expired:
+                orphaned = [o for o in self._ops.values()
+                            if o not in expired and o.owner_gone()]
+                for o in expired + orphaned:
                     del self._ops[o.id]
-            for o in expired:
-                log.warning("operation %s (PIDs %s) not ended within %.0f s: rolling it back",
-                            o.id, ",".join(map(str, o.pids)), self.op_timeout_s)
+            for o in expired + orphaned:
+                if o in orphaned:
+                    log.warning("operation %s (PIDs %s): its caller (PID %d) died without "
+                                "ending it: rolling it back", o.id,
+                                ",".join(map(str, o.pids)), o.owner[0] if o.owner else 0)
+                else:
+                    log.warning("operation %s (PIDs %s) not ended within %.0f s: rolling it "
+                                "back", o.id, ",".join(map(str, o.pids)), self.op_timeout_s)
                 try:
                     self._rollback(o)
                 except TorporError as e:
@@ -316,6 +331,11 @@ class Service:
                 raise UsageError("lock_timeout_s must be positive")
             cfg = dataclasses.replace(cfg, lock_timeout_s=request.lock_timeout_s)
         pids = self._resolve(request.pids, request.container_id, not request.no_descendants)
+        owner = None
+        if request.owner_pid:
+            owner = (request.owner_pid, procs.start_time(request.owner_pid))
+            if owner[1] is None:
+                raise UsageError(f"owner PID {request.owner_pid} is not running")
         engine = self.engine(cfg)
         op = engine.begin("checkpoint", pids)        # BusyError when another op holds them
         try:
@@ -338,7 +358,7 @@ class Service:
                     if self._stop.is_set():   # shutdown() may have emptied the table already
                         raise SidecarError("torpord is shutting down")
                     self._ops[op.entry.id] = OpenOp(op, pids, cuda_pids, request.container_id,
-                                                    deadline, expires)
+                                                    deadline, expires, owner)
             except BaseException as e:
                 engine.fail(op, cuda_pids, e, during="checkpoint")  # rollback, close, raise
         except BaseException:

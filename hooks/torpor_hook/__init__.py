@@ -1,0 +1,106 @@
+"""torpor-hook: the OCI hook that tells torpord about GPU containers.
+
+    torpor-hook createRuntime   (the container's state JSON on stdin, as the OCI spec says)
+    torpor-hook poststop
+    torpor-hook                 (the stage read from the state: "stopped" is poststop)
+
+createRuntime runs when the runtime has made the container's namespaces (also on a restore,
+with the restored PID): a container whose spec names NVIDIA GPUs (torpor.oci.detect) is
+registered with torpord — id, bundle, host PID, GPU UUIDs, annotations — so `torpor ps`,
+torpord's List and container-id requests know it. poststop forgets it. Containers without GPUs
+are left alone.
+
+A hook must never stop a container: every failure is logged (<state_dir>/hooks.log and
+stderr) and the hook exits 0. The checkpoint flow does not depend on registration: it reads
+the runtime's state itself.
+
+podman runs it from hooks.d (packaging/oci-hooks.d/torpor.json); torpor-runtime adds it to the
+spec of GPU containers at create (containerd reads no hooks.d).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+log = logging.getLogger("torpor.hook")
+STAGES = ("createRuntime", "prestart", "poststop")
+
+
+def _setup_logging(state_dir: Path) -> None:
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    root.addHandler(logging.StreamHandler(sys.stderr))
+    try:
+        from torpor.files import private_dir
+        private_dir(state_dir)
+        fh = logging.FileHandler(state_dir / "hooks.log")
+        fh.setFormatter(logging.Formatter("%(asctime)s %(process)d %(levelname)s %(message)s"))
+        root.addHandler(fh)
+    except OSError:
+        pass
+
+
+def register(state: dict, cfg) -> str:
+    from torpor import gpus, oci
+    from torpor.errors import NoDriverError
+    from torpor.sidecar.client import Client, ensure_running
+
+    bundle = Path(state.get("bundle") or "")
+    use = oci.detect(oci.load(bundle))
+    if not use:
+        return "not a GPU container"
+    try:
+        inv = gpus.discover()
+    except NoDriverError:
+        inv = None
+    pid = int(state.get("pid") or 0)
+    ensure_running(cfg)
+    with Client(cfg, timeout=10) as c:
+        c.register_container(state["id"], bundle, [pid] if pid > 1 else [], use.uuids(inv),
+                             {k: v for k, v in (state.get("annotations") or {}).items()
+                              if isinstance(v, str)})
+    return f"registered (PID {pid}, GPUs {','.join(use.uuids(inv)) or use})"
+
+
+def unregister(state: dict, cfg) -> str:
+    from torpor.sidecar.client import Client
+    if not cfg.socket_path.exists():
+        return "torpord is not running"
+    with Client(cfg, timeout=10) as c:
+        existed = c.unregister_container(state["id"], missing_ok=True)
+    return "unregistered" if existed else "was not registered"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    stage = args[0] if args else "auto"
+    if stage not in (*STAGES, "auto"):
+        print(f"torpor-hook: usage: torpor-hook {{{'|'.join(STAGES)}}} < container state JSON",
+              file=sys.stderr)
+        return 2
+    try:
+        from torpor import config
+        cfg = config.load()
+    except Exception as e:  # a broken config must not stop containers either
+        print(f"torpor-hook: {stage}: config: {e}", file=sys.stderr)
+        return 0
+    _setup_logging(cfg.state_dir)
+    cid = "?"
+    try:
+        state = json.load(sys.stdin)
+        cid = str(state.get("id", "?"))
+        if stage == "auto":
+            stage = "poststop" if state.get("status") == "stopped" else "createRuntime"
+        outcome = unregister(state, cfg) if stage == "poststop" else register(state, cfg)
+        log.info("%s %s: %s", stage, cid, outcome)
+    except Exception as e:
+        log.warning("%s %s: %s (the container goes on without torpor's registration)",
+                    stage, cid, e, exc_info=not isinstance(e, (OSError, ValueError, KeyError)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""OCI bundle specs (config.json): which GPUs a container uses, and moving it to other GPUs.
+
+A container reaches NVIDIA GPUs in three ways, all visible in its spec:
+  devices       linux.devices entries /dev/nvidia<minor> (podman --device, CDI-resolved specs)
+  environment   NVIDIA_VISIBLE_DEVICES=all|none|void|<index>,...|<uuid>,... (nvidia-container-
+                toolkit's legacy hook reads it)
+  CDI           annotations cdi.k8s.io/<name> = "nvidia.com/gpu=<index|uuid|all>,..."
+detect() reads all three; rewrite() moves every one of them from old GPUs to new ones (by UUID,
+index and minor number), including the device cgroup rules that let /dev/nvidia<minor> open.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+from .errors import UsageError
+from .files import atomic_write
+from .gpus import Inventory
+
+NVIDIA_MAJOR = 195
+DEVICE_RE = re.compile(r"^/dev/nvidia(\d+)$")
+CDI_PREFIX = "cdi.k8s.io/"
+CDI_KIND = "nvidia.com/gpu"
+VISIBLE = "NVIDIA_VISIBLE_DEVICES"
+DEVICE_MAP_ANNOTATION = "org.torpor.device-map"  # OLD_UUID=NEW_UUID,...: restore placement
+HOOK_ANNOTATION = "org.torpor.hooks"             # "off": the shim adds no hooks at create
+
+
+@dataclasses.dataclass
+class GpuUse:
+    """What a spec asks for. minors: /dev/nvidiaN devices; visible: NVIDIA_VISIBLE_DEVICES
+    items; cdi: CDI device names of kind nvidia.com/gpu."""
+
+    minors: list[int] = dataclasses.field(default_factory=list)
+    visible: list[str] = dataclasses.field(default_factory=list)
+    cdi: list[str] = dataclasses.field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.minors or self.visible or self.cdi)
+
+    def uuids(self, inv: Inventory | None) -> list[str]:
+        """The GPU UUIDs these name, as far as inv (NVML) can tell; [] without inv."""
+        out: list[str] = []
+        for minor in self.minors:
+            g = inv.by_minor(minor) if inv else None
+            if g:
+                out.append(g.uuid)
+        for item in [*self.visible, *self.cdi]:
+            if item.startswith("GPU-"):
+                out.append(item)
+            elif inv and item == "all":
+                out += [g.uuid for g in inv.gpus]
+            elif inv and item.isdigit():
+                out += [g.uuid for g in inv.gpus if g.index == int(item)]
+        return list(dict.fromkeys(out))
+
+
+def load(bundle: Path) -> dict[str, Any]:
+    path = Path(bundle) / "config.json"
+    try:
+        spec = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise UsageError(f"no OCI spec at {path}") from None
+    except (OSError, ValueError) as e:
+        raise UsageError(f"cannot read the OCI spec {path}: {e}") from e
+    if not isinstance(spec, dict):
+        raise UsageError(f"{path} is not an OCI spec (not a JSON object)")
+    return spec
+
+
+def save(bundle: Path, spec: dict[str, Any]) -> None:
+    """Atomic replace, keeping the file's mode (runtimes read it as root)."""
+    path = Path(bundle) / "config.json"
+    mode = os.stat(path).st_mode & 0o777
+    atomic_write(path, json.dumps(spec, indent=1).encode(), mode=mode)
+
+
+def _env(spec: Mapping[str, Any]) -> list[str]:
+    env = (spec.get("process") or {}).get("env") or []
+    return [e for e in env if isinstance(e, str)]
+
+
+def _split(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def detect(spec: Mapping[str, Any]) -> GpuUse:
+    use = GpuUse()
+    for dev in (spec.get("linux") or {}).get("devices") or []:
+        m = DEVICE_RE.match(str(dev.get("path", "")))
+        if m:
+            use.minors.append(int(m.group(1)))
+    for item in _env(spec):
+        key, _, value = item.partition("=")
+        if key == VISIBLE and value.strip() not in ("", "none", "void"):
+            use.visible = _split(value)
+    for key, value in (spec.get("annotations") or {}).items():
+        if key.startswith(CDI_PREFIX) and isinstance(value, str):
+            use.cdi += [name.partition("=")[2] for name in _split(value)
+                        if name.partition("=")[0] == CDI_KIND]
+    return use
+
+
+@dataclasses.dataclass(frozen=True)
+class Move:
+    """One GPU's move: old and new UUID, index and minor (None where unknown)."""
+
+    old_uuid: str
+    new_uuid: str
+    old_index: int | None
+    new_index: int | None
+    old_minor: int | None
+    new_minor: int | None
+
+
+def moves(gpu_map: Mapping[str, str], saved_gpus: list[Mapping[str, Any]],
+          inv: Inventory) -> list[Move]:
+    """The moves for gpu_map (old UUID -> new UUID), old index/minor from the checkpoint's
+    GPU list, new ones from this host."""
+    saved = {g["uuid"]: g for g in saved_gpus}
+    out = []
+    for old, new in gpu_map.items():
+        if old == new:
+            continue
+        g_old, g_new = saved.get(old, {}), inv.by_uuid(new)
+        out.append(Move(old, new, g_old.get("index"), g_new.index if g_new else None,
+                        g_old.get("minor"), g_new.minor if g_new else None))
+    return out
+
+
+def _swap(item: str, moves: list[Move]) -> str:
+    for mv in moves:
+        if item == mv.old_uuid:
+            return mv.new_uuid
+        if item.isdigit() and mv.old_index is not None and int(item) == mv.old_index \
+                and mv.new_index is not None:
+            return str(mv.new_index)
+    return item
+
+
+def _swap_list(value: str, moves: list[Move]) -> str:
+    return ",".join(_swap(v, moves) for v in _split(value))
+
+
+def rewrite(spec: dict[str, Any], moves: list[Move]) -> list[str]:
+    """Point spec at the new GPUs, in place. Every replacement is simultaneous (GPU 0 -> 1 and
+    1 -> 0 swap cleanly). Returns what changed, one line each."""
+    changes: list[str] = []
+    by_minor = {mv.old_minor: mv for mv in moves if mv.old_minor is not None}
+    linux = spec.get("linux") or {}
+    for dev in linux.get("devices") or []:
+        m = DEVICE_RE.match(str(dev.get("path", "")))
+        if m and int(m.group(1)) in by_minor and by_minor[int(m.group(1))].new_minor is not None:
+            new = by_minor[int(m.group(1))].new_minor
+            changes.append(f"device {dev['path']} -> /dev/nvidia{new}")
+            dev["path"], dev["minor"] = f"/dev/nvidia{new}", new
+    for rule in (linux.get("resources") or {}).get("devices") or []:
+        if rule.get("major") == NVIDIA_MAJOR and rule.get("minor") in by_minor:
+            new = by_minor[rule["minor"]].new_minor
+            if new is not None:
+                changes.append(f"device cgroup rule c {NVIDIA_MAJOR}:{rule['minor']} -> "
+                               f"{NVIDIA_MAJOR}:{new}")
+                rule["minor"] = new
+    for mount in spec.get("mounts") or []:
+        for key in ("destination", "source"):
+            m = DEVICE_RE.match(str(mount.get(key, "")))
+            if m and int(m.group(1)) in by_minor and by_minor[int(m.group(1))].new_minor is not None:
+                mount[key] = f"/dev/nvidia{by_minor[int(m.group(1))].new_minor}"
+                changes.append(f"mount {key} /dev/nvidia{m.group(1)} -> {mount[key]}")
+    process = spec.get("process") or {}
+    env = process.get("env") or []
+    for i, item in enumerate(env):
+        key, sep, value = item.partition("=") if isinstance(item, str) else ("", "", "")
+        if key == VISIBLE and sep:
+            new_value = _swap_list(value, moves)
+            if new_value != value:
+                env[i] = f"{VISIBLE}={new_value}"
+                changes.append(f"{VISIBLE}={value} -> {new_value}")
+    annotations = spec.get("annotations") or {}
+    for key, value in list(annotations.items()):
+        if key.startswith(CDI_PREFIX) and isinstance(value, str):
+            names = []
+            for name in _split(value):
+                kind, sep, dev = name.partition("=")
+                names.append(f"{kind}={_swap_list(dev, moves)}" if kind == CDI_KIND and sep
+                             else name)
+            if ",".join(names) != value:
+                annotations[key] = ",".join(names)
+                changes.append(f"annotation {key}: {value} -> {annotations[key]}")
+    return changes
+
+
+def device_map_annotation(spec: Mapping[str, Any]) -> list[str]:
+    value = (spec.get("annotations") or {}).get(DEVICE_MAP_ANNOTATION, "")
+    return [value] if isinstance(value, str) and value.strip() else []
+
+
+# -- hooks --------------------------------------------------------------------------------------
+
+HOOK_STAGES = ("createRuntime", "poststop")
+
+
+def add_hooks(spec: dict[str, Any], hook_path: str, timeout_s: int = 30) -> list[str]:
+    """Add torpor's createRuntime and poststop hooks unless present (podman may have added them
+    from hooks.d already). Returns the stages added."""
+    hooks = spec.setdefault("hooks", {})
+    added = []
+    for stage in HOOK_STAGES:
+        entries = hooks.setdefault(stage, [])
+        if any(Path(str(h.get("path", ""))).name == Path(hook_path).name for h in entries):
+            continue
+        entries.append({"path": hook_path, "args": ["torpor-hook", stage], "timeout": timeout_s})
+        added.append(stage)
+    return added

@@ -1,0 +1,134 @@
+"""checkpoint of a GPU container: torpord locks and checkpoints the CUDA state, the real
+runtime (runc/crun, through CRIU) dumps, torpor.json goes into the image directory.
+
+    state ──► draft torpor.json ──► LockAndCheckpoint ──► runc checkpoint ──► Finish
+                                         │                     │ fails        (or, with
+                                         │                     ▼              --leave-running,
+                                         └── fails: nothing ── Rollback       RestoreAndUnlock)
+                                             to undo           (GPU state back, container runs)
+                                                                                  ▼
+                                                                          seal torpor.json
+torpord is told our PID: should this process die before Finish/Rollback, torpord rolls the
+operation back itself once no dump holds the processes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .. import __version__, gpus, interrupts, manifest, oci
+from ..config import Config
+from ..errors import NoDriverError, TorporError, UsageError
+from ..files import private_dir
+from ..sidecar.client import Client, ensure_running
+from .argv import Invocation
+from .main import Runtime
+
+log = logging.getLogger("torpor.runtime")
+
+
+def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
+    cid = inv.container_id
+    st = runtime.state(cid)
+    bundle = Path(st.get("bundle") or ".")
+    spec = oci.load(bundle)
+    use = oci.detect(spec)
+    if not use:
+        runtime.exec()   # not a GPU container: exactly what plain runc does
+    if inv.flag("pre-dump"):
+        raise UsageError("pre-dump of a GPU container is not supported: the GPU state is "
+                         "copied whole at the checkpoint", hint="checkpoint without --pre-dump")
+    if st.get("status") not in ("running", "paused"):
+        runtime.exec()   # the runtime says why it cannot checkpoint it
+    pid = int(st.get("pid") or 0)
+    if pid <= 1:
+        raise TorporError(f"container {cid} has no host PID in its state ({st.get('pid')!r})")
+    images = Path(inv.opt("image-path") or "checkpoint").absolute()
+    leave_running = inv.flag("leave-running")
+    private_dir(images)
+    t0 = time.monotonic()
+    ensure_running(cfg)
+    timings: dict[str, float] = {}
+    with Client(cfg) as c, interrupts.deferred():
+        ck = c.lock_and_checkpoint(pids=[pid], owner_pid=os.getpid())
+        op_id = ck["op_id"]
+        timings.update(ck["timings"])
+        log.info("checkpoint %s: %s locked and checkpointed %s in %.2f s", cid, op_id,
+                 [p["pid"] for p in ck["cuda_processes"]], time.monotonic() - t0)
+        try:
+            manifest.write_draft(images, _draft(cid, spec, use, ck, pid, leave_running))
+        except BaseException:
+            c.rollback(op_id)
+            raise
+        t = time.monotonic()
+        rc = runtime.run().wait()
+        timings["dump"] = time.monotonic() - t
+        if rc != 0:
+            c.rollback(op_id)
+            (images / manifest.DRAFT).unlink(missing_ok=True)
+            report = f"{Path(runtime.path).name} checkpoint failed (exit {rc}); the container's " \
+                     "GPU state was rolled back, it keeps running"
+            log.error("checkpoint %s: %s", cid, report)
+            print(f"torpor-runtime: {report}", flush=True, file=sys.stderr)
+            return rc
+        t = time.monotonic()
+        if leave_running:
+            out = c.restore_and_unlock(op_id=op_id)
+        else:
+            out = c.finish(op_id)
+        timings.update(out["timings"])
+        timings["finish"] = time.monotonic() - t
+    try:
+        m = manifest.seal(images, cfg.checksums, timings)
+    except (OSError, TorporError) as e:
+        # The images are complete and the draft names the GPUs: a restore still works (it
+        # warns that nothing was verified). The dump itself succeeded: not an error for podman.
+        log.error("checkpoint %s: torpor.json not sealed: %s", cid, e)
+        print(f"torpor-runtime: warning: {images}: GPU manifest not sealed ({e}); restore will "
+              "work without checksums", file=sys.stderr)
+        return 0
+    log.info("checkpoint %s: done in %.2f s, %d CUDA process(es), %d bytes of images", cid,
+             time.monotonic() - t0, len(ck["cuda_processes"]), m["sizes"]["total"])
+    return 0
+
+
+def _draft(cid: str, spec: dict[str, Any], use: oci.GpuUse, ck: dict[str, Any], pid: int,
+           leave_running: bool) -> dict[str, Any]:
+    """torpor.json without its file table (manifest.seal adds it)."""
+    try:
+        inv: gpus.Inventory | None = gpus.discover()
+    except NoDriverError:
+        inv = None
+    cuda = ck["cuda_processes"]
+    used = set(use.uuids(inv)) | {u for p in cuda for u in p["gpu_uuids"]}
+    gpu_list = [{"uuid": g.uuid, "name": g.name, "memory_total": g.memory_total,
+                 "index": g.index, "minor": g.minor}
+                for g in (inv.gpus if inv else []) if g.uuid in used]
+    processes = [{"pid": p["pid"], "comm": _comm(p["pid"]), "cuda": True, "gpus": p["gpu_uuids"],
+                  "gpu_memory": int(p["gpu_memory"]), "state": p["state"]} for p in cuda]
+    return {
+        "schema": manifest.SCHEMA, "kind": "torpor-checkpoint",
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torpor_version": __version__, "criu_version": "",
+        "host": socket.gethostname(), "kernel": os.uname().release,
+        "driver": {"version": inv.driver_version if inv else None, "cuda": None},
+        "root_pid": pid, "shell_job": False, "leave_running": leave_running,
+        "gpus": gpu_list, "processes": processes, "timings": {},
+        "sizes": {"total": 0, "gpu_memory": sum(p["gpu_memory"] for p in processes)},
+        "files": {},
+        "container": {"id": cid, "minors": use.minors, "visible": use.visible, "cdi": use.cdi},
+    }
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""

@@ -1,0 +1,65 @@
+"""create and delete: torpor's hooks into GPU containers' specs, and forgetting them after.
+
+Neither may stop a container from starting or going away: what fails here is logged and the
+real runtime runs anyway (a container without hooks is still checkpointed with its GPU state:
+the checkpoint flow reads the runtime's state itself).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from .. import oci
+from ..config import Config
+from ..errors import TorporError
+from .argv import Invocation
+from .main import Runtime
+
+log = logging.getLogger("torpor.runtime")
+
+
+def hook_path() -> str | None:
+    """torpor-hook next to torpor-runtime (same install), else on PATH."""
+    here = Path(sys.argv[0]).resolve().parent / "torpor-hook" if sys.argv and sys.argv[0] else None
+    if here and here.is_file() and os.access(here, os.X_OK):
+        return str(here)
+    return shutil.which("torpor-hook")
+
+
+def create(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
+    bundle = Path(inv.opt("bundle", "b") or ".").absolute()
+    try:
+        spec = oci.load(bundle)
+        use = oci.detect(spec)
+        off = (spec.get("annotations") or {}).get(oci.HOOK_ANNOTATION) == "off"
+        if use and not off:
+            path = hook_path()
+            if path is None:
+                log.warning("create %s: GPU container but torpor-hook is not installed",
+                            inv.container_id)
+            else:
+                added = oci.add_hooks(spec, path)
+                if added:
+                    oci.save(bundle, spec)
+                    log.info("create %s: GPUs %s; added hooks %s", inv.container_id, use,
+                             ",".join(added))
+    except (TorporError, OSError, ValueError) as e:
+        log.warning("create %s: spec left as it was: %s", inv.container_id, e)
+    runtime.exec()
+
+
+def delete(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
+    rc = runtime.run().wait()
+    if rc == 0 and cfg.socket_path.exists():
+        try:
+            from ..sidecar.client import Client
+            with Client(cfg, timeout=5) as c:
+                if c.unregister_container(inv.container_id, missing_ok=True):
+                    log.info("delete %s: unregistered", inv.container_id)
+        except TorporError as e:
+            log.warning("delete %s: could not unregister: %s", inv.container_id, e)
+    return rc

@@ -1,0 +1,173 @@
+"""restore of a GPU container: pre-flight, move the bundle to this host's GPUs, let the real
+runtime restore, then torpord restores the GPU state on the new host PIDs and unlocks.
+
+    torpor.json ──► verify ──► place GPUs ──► rewrite config.json ──► runc restore
+    (none: plain      (sizes,    (same UUIDs,    (devices, cgroup,         │
+     runc restore)    sha256)    same model,     NVIDIA_VISIBLE_DEVICES,   ▼
+                                 device map)     CDI annotations)    new host PID (CHECKPOINTED
+                                                                     in the driver) ──► device
+                                                                     nodes ──► RestoreAndUnlock
+Everything before runc restore only reads and plans: a refusal starts nothing. A failure after
+it kills the half-restored container and says why.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .. import gpus, manifest, oci, placement
+from ..config import Config
+from ..errors import NoDriverError, PreflightError, TorporError
+from ..sidecar.client import Client, ensure_running
+from .argv import Invocation
+from .main import Runtime
+
+log = logging.getLogger("torpor.runtime")
+PID_WAIT_S = 600.0
+
+
+def read_manifest(images: Path) -> tuple[dict[str, Any], bool]:
+    """torpor.json, or the draft a checkpoint left when it could not seal (no file table:
+    nothing to verify). Returns (manifest, sealed)."""
+    if (images / manifest.MANIFEST).exists():
+        return manifest.read(images), True
+    data = (images / manifest.DRAFT).read_bytes()
+    return manifest.parse(data, str(images / manifest.DRAFT)), False
+
+
+def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
+    cid = inv.container_id
+    images = Path(inv.opt("image-path") or "checkpoint").absolute()
+    if not any((images / n).exists() for n in (manifest.MANIFEST, manifest.DRAFT)):
+        runtime.exec()   # not a torpor checkpoint: exactly what plain runc does
+    bundle = Path(inv.opt("bundle", "b") or ".").absolute()
+    t0 = time.monotonic()
+    m, sealed = read_manifest(images)
+    if sealed:
+        manifest.verify(images, m, checksums=cfg.checksums)
+    else:
+        print(f"torpor-runtime: warning: {images} holds an unsealed GPU manifest (the "
+              "checkpoint could not finish it): image files not verified", file=sys.stderr)
+    cuda = [p for p in m["processes"] if p["cuda"]]
+    gpu_map: dict[str, str] = {}
+    moves: list[oci.Move] = []
+    if cuda:
+        gpu_map, moves = _place(cfg, m, bundle)
+        ensure_running(cfg)   # a sidecar that cannot start is a refusal, before anything runs
+    log.info("restore %s: pre-flight done in %.2f s; GPU map %s", cid, time.monotonic() - t0,
+             gpu_map or "none")
+    proc = runtime.run()
+    detached = inv.flag("detach", "d")
+    if detached or not cuda:
+        rc = proc.wait()
+        if rc != 0 or not cuda:
+            return rc
+    pid = _wait_for_pid(runtime, inv, proc)
+    if pid is None:
+        return proc.wait()
+    t = time.monotonic()
+    try:
+        if moves:
+            _device_nodes(pid, moves)
+        driver_map = gpu_map if any(o != n for o, n in gpu_map.items()) else {}
+        with Client(cfg) as c:
+            out = c.restore_and_unlock(pids=[pid], gpu_map=driver_map)
+    except TorporError as e:
+        runtime.kill(cid)
+        raise TorporError(f"GPU restore of container {cid} failed: {e.line()}; the restored "
+                          f"container was stopped, the checkpoint in {images} is unchanged") from e
+    log.info("restore %s: host PID %d, CUDA PIDs %s restored and unlocked in %.2f s", cid, pid,
+             out["pids"], time.monotonic() - t)
+    return 0 if detached else proc.wait()
+
+
+def _place(cfg: Config, m: dict[str, Any], bundle: Path) -> tuple[dict[str, str], list[oci.Move]]:
+    try:
+        inv = gpus.discover()
+    except NoDriverError as e:
+        raise PreflightError(f"the checkpoint holds GPU state but {e.line()}") from e
+    spec = oci.load(bundle)
+    explicit = placement.parse_device_map(oci.device_map_annotation(spec)
+                                          or ([cfg.device_map] if cfg.device_map else []))
+    gpu_map = placement.plan(m, inv, explicit)
+    moves = oci.moves(gpu_map, m["gpus"], inv)
+    unknown = [mv for mv in moves if mv.new_minor is None or mv.old_minor is None]
+    if unknown and (oci.detect(spec).minors or (m.get("container") or {}).get("minors")):
+        raise PreflightError(f"cannot move the container's /dev/nvidia devices from "
+                             f"{unknown[0].old_uuid} to {unknown[0].new_uuid}: minor number "
+                             "unknown (NVML did not report it)")
+    if moves:
+        changes = oci.rewrite(spec, moves)
+        oci.save(bundle, spec)
+        for line in changes:
+            log.info("restore: %s", line)
+    return gpu_map, moves
+
+
+def _read_pid(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() and int(text) > 1 else None
+
+
+def _wait_for_pid(runtime: Runtime, inv: Invocation, proc: Any) -> int | None:
+    """The restored container's host PID: from --pid-file once the runtime writes it, else
+    from its state. None when the runtime exits without one (it failed)."""
+    pid_file = Path(inv.opt("pid-file") or "") if inv.opt("pid-file") else None
+    deadline = time.monotonic() + PID_WAIT_S
+    while time.monotonic() < deadline:
+        if pid_file:
+            pid = _read_pid(pid_file)
+            if pid:
+                return pid
+        else:
+            try:
+                st = runtime.state(inv.container_id)
+            except TorporError:
+                st = {}
+            if st.get("status") in ("running", "paused") and int(st.get("pid") or 0) > 1:
+                return int(st["pid"])
+        if proc.poll() is not None:
+            return _read_pid(pid_file) if pid_file else None
+        time.sleep(0.02 if pid_file else 0.2)
+    runtime.kill(inv.container_id)
+    raise TorporError(f"the runtime gave no PID for {inv.container_id} within {PID_WAIT_S:.0f} s")
+
+
+def _device_nodes(pid: int, moves: list[oci.Move]) -> None:
+    """CRIU brought back the container's /dev as it was (old GPU nodes): add the new GPUs'
+    nodes, which the driver opens in the container when it restores. Made through a handle on
+    the container's /dev opened without following symlinks, so a container cannot point us
+    at the host's files."""
+    try:
+        fd = os.open(f"/proc/{pid}/root/dev", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise TorporError(f"cannot open the restored container's /dev: {e}") from e
+    try:
+        for mv in moves:
+            name = f"nvidia{mv.new_minor}"
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                if stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(oci.NVIDIA_MAJOR,
+                                                                        mv.new_minor):
+                    continue
+                os.unlink(name, dir_fd=fd)
+            except FileNotFoundError:
+                pass
+            old_umask = os.umask(0)  # device nodes are 0666, as the driver makes them
+            try:
+                os.mknod(name, 0o666 | stat.S_IFCHR,
+                         os.makedev(oci.NVIDIA_MAJOR, mv.new_minor), dir_fd=fd)
+            finally:
+                os.umask(old_umask)
+            log.info("restore: /dev/%s made in the container (PID %d)", name, pid)
+    finally:
+        os.close(fd)
