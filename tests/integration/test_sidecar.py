@@ -378,6 +378,48 @@ def test_open_operation_times_out_and_is_rolled_back(make_daemon, gpu, prog):
     assert journal_entries(d) == []
 
 
+def test_operation_of_a_dead_caller_is_rolled_back_at_once(daemon, gpu, prog):
+    """torpor-runtime passes its PID: killed mid-checkpoint, torpord rolls back within about
+    a second, not after the 600 s timeout; while a tracer (CRIU) holds the processes it waits."""
+    owner = subprocess.Popen(["sleep", "60"])
+    tracer = None
+    try:
+        with daemon.client() as c:
+            with pytest.raises(UsageError, match="not running"):
+                c.lock_and_checkpoint([prog.pid], owner_pid=999_999_999)
+            r = c.lock_and_checkpoint([prog.pid], owner_pid=owner.pid)
+            assert gpu.state(prog.pid)["state"] == CHECKPOINTED
+            # a "dump" in progress: gdb-like ptrace attach by a helper process
+            tracer = subprocess.Popen([sys.executable, "-c", TRACER, str(prog.pid)],
+                                      stdout=subprocess.PIPE)
+            assert tracer.stdout.readline().strip() == b"attached"
+            owner.kill()
+            owner.wait()
+            time.sleep(2.5)
+            assert gpu.state(prog.pid)["state"] == CHECKPOINTED  # traced: left alone
+            assert [o["op_id"] for o in c.list()["operations"]] == [r["op_id"]]
+            tracer.kill()
+            tracer.wait()
+            assert running_again(gpu, prog, timeout=5)
+            assert c.list()["operations"] == [] and journal_entries(daemon) == []
+        assert "died without ending it" in daemon.log_text()
+    finally:
+        for p in (owner, tracer):
+            if p is not None and p.poll() is None:
+                p.kill()
+
+
+# PTRACE_SEIZE the PID given, say so, then sleep: the process stays traced while we live.
+TRACER = """
+import ctypes, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.ptrace(0x4206, int(sys.argv[1]), None, None) != 0:
+    raise SystemExit(f"ptrace: errno {ctypes.get_errno()}")
+print("attached", flush=True)
+time.sleep(120)
+"""
+
+
 def test_sigterm_rolls_back_open_operations_and_exits_0(daemon, gpu, prog):
     with daemon.client() as c:
         c.lock_and_checkpoint([prog.pid])
