@@ -7,6 +7,8 @@
 #   3. torpor itself in a virtual environment ($TORPOR_PREFIX, default /opt/torpor/venv),
 #      its commands linked into /usr/local/bin
 #   4. /etc/torpor/config.toml (kept if present), the torpord systemd unit (not started)
+#   5. the container engines torpor is tested with: podman, containerd, runc, and iptables
+#      (CRIU locks a container's network with iptables-restore)
 # Safe to run again. Needs only the distribution's package mirror and PyPI.
 set -Eeuo pipefail
 
@@ -43,6 +45,22 @@ say "installing torpor and its Python dependencies into $PREFIX"
 
 site=$("$PREFIX/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 bash packaging/criu/install-criu.sh --pycriu-into "$site" --python "$PREFIX/bin/python"
+
+# Container engines (tests/integration/test_containers_*.py, integration/containers.py), and
+# iptables: runc has CRIU lock a container's network namespace, by default with
+# iptables-restore, which none of them depends on (network-lock nftables in
+# /etc/criu/runc.conf instead crashes CRIU 4.1.1's RPC mode: see integration/README.md).
+# --no-install-recommends: runc recommends the distribution's criu, older than CRIU 4 on
+# Debian 12 (a second criu on PATH), and podman recommends buildah, slirp4netns, ... (unused).
+missing=()
+for pkg in podman containerd runc iptables; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+    say "installing ${missing[*]}"
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
 
 for cmd in torpor torpord; do
     ln -sf "$PREFIX/bin/$cmd" "/usr/local/bin/$cmd"

@@ -1,0 +1,1 @@
+"""Helpers that drive real container engines (podman, containerd) for tests and benchmarks."""
