@@ -6,7 +6,8 @@
 #      source package) and CRIU's pycriu
 #   3. torpor itself in a virtual environment ($TORPOR_PREFIX, default /opt/torpor/venv),
 #      its commands linked into /usr/local/bin
-#   4. /etc/torpor/config.toml (kept if present), the torpord systemd unit (not started)
+#   4. /etc/torpor/config.toml (kept if present), the torpord systemd unit (not started),
+#      podman's runtime "torpor" (containers.conf.d), containerd's snippet (/etc/containerd)
 #   5. the container engines torpor is tested with: podman, containerd, runc, and iptables
 #      (CRIU locks a container's network with iptables-restore)
 # Safe to run again. Needs only the distribution's package mirror and PyPI.
@@ -62,9 +63,16 @@ if ((${#missing[@]})); then
     apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-for cmd in torpor torpord; do
+for cmd in torpor torpord torpor-runtime torpor-hook; do
     ln -sf "$PREFIX/bin/$cmd" "/usr/local/bin/$cmd"
 done
+# podman learns the runtime "torpor" (podman --runtime torpor, or runtime = "torpor" in that
+# file makes it the default); containerd's snippet is copied for the operator to import.
+install -d -m 0755 /etc/containers/containers.conf.d
+install -m 0644 packaging/podman/torpor.conf /etc/containers/containers.conf.d/torpor.conf
+if [[ -d /etc/containerd ]]; then
+    install -m 0644 packaging/containerd/torpor.toml /etc/containerd/torpor.toml
+fi
 install -d -m 0755 /etc/torpor
 [[ -e /etc/torpor/config.toml ]] || install -m 0644 packaging/config.toml /etc/torpor/config.toml
 install -d -m 0700 /var/lib/torpor

@@ -205,15 +205,21 @@ def device_map_annotation(spec: Mapping[str, Any]) -> list[str]:
 HOOK_STAGES = ("createRuntime", "poststop")
 
 
-def add_hooks(spec: dict[str, Any], hook_path: str, timeout_s: int = 30) -> list[str]:
+def add_hooks(spec: dict[str, Any], hook_path: str, env: Mapping[str, str] | None = None,
+              timeout_s: int = 30) -> list[str]:
     """Add torpor's createRuntime and poststop hooks unless present (podman may have added them
-    from hooks.d already). Returns the stages added."""
+    from hooks.d already). env: the hook's environment (runtimes give hooks only that).
+    Returns the stages added."""
     hooks = spec.setdefault("hooks", {})
     added = []
     for stage in HOOK_STAGES:
         entries = hooks.setdefault(stage, [])
         if any(Path(str(h.get("path", ""))).name == Path(hook_path).name for h in entries):
             continue
-        entries.append({"path": hook_path, "args": ["torpor-hook", stage], "timeout": timeout_s})
+        hook: dict[str, Any] = {"path": hook_path, "args": ["torpor-hook", stage],
+                                "timeout": timeout_s}
+        if env:
+            hook["env"] = [f"{k}={v}" for k, v in env.items()]
+        entries.append(hook)
         added.append(stage)
     return added

@@ -41,6 +41,7 @@ from torpor.errors import (BusyError, ExitCode, NotFoundError, RolledBackError, 
                            SidecarError, TorporError, UsageError)
 from torpor.sidecar import EXIT_CODE_KEY, error_from_rpc, grpc_status  # noqa: E402
 from torpor.sidecar.client import Client, ensure_running, ping  # noqa: E402
+from tests.integration.torpord import Daemon  # noqa: E402
 
 GIB = 1 << 30
 NOBODY = 65534
@@ -96,63 +97,6 @@ def test_client_without_socket_is_sidecar_error(tmp_path):
 
 
 # -- fixtures -------------------------------------------------------------------------------------------
-
-class Daemon:
-    """torpord subprocesses on one state/run dir; start() may be called again after a kill."""
-
-    def __init__(self, base: Path, gpu: FakeGpu, config_text: str = ""):
-        self.base = base
-        self.gpu = gpu
-        (base / "config.toml").write_text(config_text)
-        self.env = {**os.environ, **gpu.env(),
-                    "TORPOR_STATE_DIR": str(base / "state"), "TORPOR_RUN_DIR": str(base / "run"),
-                    "TORPOR_CONFIG": str(base / "config.toml"),
-                    "PYTHONPATH": os.pathsep.join(
-                        [str(PKG.parent)] + [p for p in os.environ.get("PYTHONPATH", "").split(
-                            os.pathsep) if p])}
-        self.cfg = config.load(env=self.env)
-        self.log = base / "torpord.log"
-        self.proc: subprocess.Popen | None = None
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self, *args: str, op_timeout: float = 600) -> "Daemon":
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "torpor.sidecar.server", "--foreground",
-                 "--log-level", "debug", "--op-timeout", str(op_timeout), *args],
-                env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                start_new_session=True)
-        self.procs.append(self.proc)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            if ping(self.cfg, timeout=1).status == "ok":
-                return self
-            if self.proc.poll() is not None:
-                raise AssertionError(f"torpord exited {self.proc.returncode}:\n{self.log_text()}")
-            time.sleep(0.05)
-        raise AssertionError(f"torpord did not answer:\n{self.log_text()}")
-
-    def client(self, **kw) -> Client:
-        return Client(self.cfg, **kw)
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def kill(self, sig: int = signal.SIGKILL) -> int:
-        assert self.proc is not None
-        self.proc.send_signal(sig)
-        return self.proc.wait(timeout=20)
-
-    def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait(timeout=10)
-
 
 @pytest.fixture
 def gpu(tmp_path):

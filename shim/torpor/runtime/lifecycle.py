@@ -30,6 +30,12 @@ def hook_path() -> str | None:
     return shutil.which("torpor-hook")
 
 
+def hook_env() -> dict[str, str]:
+    """The hook sees torpor's settings as this runtime does (a runtime runs hooks with the
+    environment in the spec only): TORPOR_* variables and PATH."""
+    return {k: v for k, v in os.environ.items() if k.startswith("TORPOR_") or k == "PATH"}
+
+
 def create(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
     bundle = Path(inv.opt("bundle", "b") or ".").absolute()
     try:
@@ -42,7 +48,7 @@ def create(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
                 log.warning("create %s: GPU container but torpor-hook is not installed",
                             inv.container_id)
             else:
-                added = oci.add_hooks(spec, path)
+                added = oci.add_hooks(spec, path, hook_env())
                 if added:
                     oci.save(bundle, spec)
                     log.info("create %s: GPUs %s; added hooks %s", inv.container_id, use,
