@@ -3,15 +3,33 @@
  * Everything lives under $FAKE_CUDA_STATE_DIR, read at every call (several processes share it):
  *   gpus              one GPU a line, index = line order:  <uuid>|<name>|<total bytes>
  *                     ('#' comments and blank lines are skipped; uuid like GPU-xxxxxxxx-xxxx-...)
- *   proc/<pid>        one CUDA process, key=value lines: state=0..3, gpu=<uuid>, mem=<bytes>,
- *                     restored_pairs=<old>:<new>,...  (written atomically: tmp + rename)
+ *   proc/<key>        one CUDA process, key=value lines: state=0..3, gpu=<uuid>, mem=<bytes>,
+ *                     restored_pairs=<old>:<new>,...  (written atomically: tmp + rename; tmp
+ *                     files start with '.', which no key does)
  *   fail/<call>       "<CUresult> [pid]": <call> returns that CUresult without changing state
  *   hang/lock         "[pid]": lock waits out its timeout and returns CUDA_ERROR_TIMEOUT
  *   delay/<call>      "<ms> [pid]": <call> sleeps that long first
  *   calls.log         one line per checkpoint-API call: "<call> <pid> <CUresult>"
  *   cuda_version      optional, e.g. "13000" (cuDriverGetVersion / nvmlSystemGetCudaDriverVersion)
  *   driver_version    optional, e.g. "999.0-fake" (nvmlSystemGetDriverVersion)
- *   .lock             flock()ed around every read-modify-write of proc/<pid>
+ *   .lock             flock()ed around every read-modify-write of proc/<key>
+ *
+ * The key of a process (fk_key_of, the one place both sides compute it, so they agree):
+ *   "<pid>"            normally: the pid, as today;
+ *   "<scope>.<nspid>"  when the process's environment has FAKE_CUDA_SCOPE=<scope> (a token of
+ *                      [A-Za-z0-9_.-], not starting with '.', at most FK_SCOPE_MAX chars; an
+ *                      invalid one is ignored) and nspid is its pid in its own, innermost pid
+ *                      namespace. Such a key survives what a containerized program goes
+ *                      through: the host pid differs from getpid(), and a CRIU restore changes
+ *                      the host pid and the pid namespace but keeps the nspid and environment.
+ * The program computes its own key from /proc/self/environ and getpid() (= its innermost
+ * NSpid); the host, given a host pid, from /proc/<pid>/environ and the last NSpid of
+ * /proc/<pid>/status. The environment is read where the host reads it (the initial block, as
+ * /proc shows it), not getenv(), so a later setenv() cannot make the two disagree.
+ * A scoped key's process, for liveness and for the pid NVML reports, is found by scanning
+ * /proc/[0-9]* (as the caller's /proc shows them) for a live process with that key
+ * (fk_host_pid). Inside a container that scan only sees the container, so a program's own
+ * memory accounting (cuMemAlloc) ignores processes outside it; the host side sees them all.
  */
 #ifndef FAKE_COMMON_H
 #define FAKE_COMMON_H
@@ -38,6 +56,8 @@
 #define FK_NAME_LEN 96
 #define FK_PAIRS_LEN 2048
 #define FK_EXTRA_LEN 2048
+#define FK_SCOPE_MAX 128
+#define FK_KEY_LEN (FK_SCOPE_MAX + 16)
 
 typedef struct {
     char uuid[FK_UUID_LEN];
@@ -114,9 +134,12 @@ static inline int fk_read_file(const char *path, char *buf, size_t size)
 static inline int fk_write_atomic(const char *path, const char *data)
 {
     char tmp[4096 + 32];
+    const char *base = strrchr(path, '/');
     size_t len = strlen(data), off = 0;
     int fd;
-    snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid());
+    /* ".<name>.tmp.<pid>" next to it: a dot file, never mistaken for a proc/ key */
+    base = base ? base + 1 : path;
+    snprintf(tmp, sizeof tmp, "%.*s.%s.tmp.%d", (int)(base - path), path, base, (int)getpid());
     fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd < 0)
         return -1;
@@ -236,17 +259,165 @@ static inline int fk_alive(int pid)
     return 1;
 }
 
-static inline void fk_proc_path(const char *dir, int pid, char *out, size_t size)
+/* -- process keys (see the top of this file) ------------------------------------------------ */
+
+/* A valid FAKE_CUDA_SCOPE: [A-Za-z0-9_.-]{1,FK_SCOPE_MAX}, not starting with '.'. */
+static inline int fk_scope_ok(const char *s, size_t len)
 {
-    snprintf(out, size, "%s/proc/%d", dir, pid);
+    if (len == 0 || len > FK_SCOPE_MAX || s[0] == '.')
+        return 0;
+    for (size_t i = 0; i < len; i++) { /* ASCII whatever the locale, as fakegpu.SCOPE_RE */
+        char c = s[i];
+        if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+              c == '_' || c == '.' || c == '-'))
+            return 0;
+    }
+    return 1;
+}
+
+/* A valid proc/ entry name: "<pid>" (returns 1) or "<scope>.<nspid>" (returns 2); else 0. */
+static inline int fk_key_kind(const char *key)
+{
+    const char *dot = strrchr(key, '.'), *d;
+    char *end;
+    long v;
+    if (!*key)
+        return 0;
+    if (!dot) {
+        if (*key == '0')
+            return 0;
+        v = strtol(key, &end, 10);
+        return (!*end && v > 0 && isdigit((unsigned char)*key)) ? 1 : 0;
+    }
+    for (d = dot + 1; *d; d++)
+        if (!isdigit((unsigned char)*d))
+            return 0;
+    if (dot[1] == 0 || dot[1] == '0' || strtol(dot + 1, NULL, 10) <= 0)
+        return 0;
+    return fk_scope_ok(key, (size_t)(dot - key)) ? 2 : 0;
+}
+
+/* The FAKE_CUDA_SCOPE of /proc/<pid>/environ (pid 0: /proc/self), its first occurrence as
+ * getenv() would take it; 1 when there is a valid one (copied to out), else 0. */
+static inline int fk_scope_of(int pid, char *out, size_t size)
+{
+    static const char var[] = "FAKE_CUDA_SCOPE=";
+    char path[64], *buf = NULL, *p, *end;
+    size_t cap = 0, n = 0;
+    int fd, found = 0;
+    ssize_t r;
+    if (pid > 0)
+        snprintf(path, sizeof path, "/proc/%d/environ", pid);
+    else
+        snprintf(path, sizeof path, "/proc/self/environ");
+    if ((fd = open(path, O_RDONLY | O_CLOEXEC)) < 0)
+        return 0;
+    for (;;) { /* the whole block: environments can be large */
+        if (n + 1 >= cap) {
+            char *nb = cap < (64u << 20) ? realloc(buf, cap = cap ? cap * 2 : 16384) : NULL;
+            if (!nb)
+                break;
+            buf = nb;
+        }
+        r = read(fd, buf + n, cap - 1 - n);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            break;
+        n += (size_t)r;
+    }
+    close(fd);
+    if (!buf)
+        return 0;
+    buf[n] = 0;
+    for (p = buf, end = buf + n; p < end; p += strlen(p) + 1)
+        if (!strncmp(p, var, sizeof var - 1)) {
+            const char *v = p + sizeof var - 1;
+            if (fk_scope_ok(v, strlen(v)) && strlen(v) < size) {
+                snprintf(out, size, "%s", v);
+                found = 1;
+            }
+            break;
+        }
+    free(buf);
+    return found;
+}
+
+/* The last (innermost) value of the NSpid: line of /proc/<pid>/status; -1 when unreadable. */
+static inline int fk_nspid_of(int pid)
+{
+    char path[64], buf[8192], *line, *tok, *save = NULL;
+    int last = -1;
+    snprintf(path, sizeof path, "/proc/%d/status", pid);
+    if (fk_read_file(path, buf, sizeof buf) < 0 || !(line = strstr(buf, "\nNSpid:")))
+        return -1;
+    line = strtok_r(line + 7, "\n", &save);
+    for (tok = line ? strtok_r(line, " \t", &save) : NULL; tok; tok = strtok_r(NULL, " \t", &save))
+        last = atoi(tok);
+    return last;
+}
+
+/* The key of process `pid` (as this process's /proc numbers it), or of the calling process
+ * when pid is 0: "<scope>.<nspid>" under a valid FAKE_CUDA_SCOPE, else "<pid>". */
+static inline void fk_key_of(int pid, char *out, size_t size)
+{
+    char scope[FK_SCOPE_MAX + 1];
+    int self = pid <= 0, nspid;
+    if (self)
+        pid = (int)getpid();
+    if (fk_scope_of(self ? 0 : pid, scope, sizeof scope)) {
+        /* getpid() is the pid in the caller's own (innermost) namespace; the host reads the
+         * same number as the last NSpid. Without NSpid (kernel < 4.1) there are no nested
+         * views to reconcile and the pid is it. */
+        nspid = self ? pid : fk_nspid_of(pid);
+        snprintf(out, size, "%s.%d", scope, nspid > 0 ? nspid : pid);
+    } else {
+        snprintf(out, size, "%d", pid);
+    }
+}
+
+/* The live process whose key is `key`, by its pid in this process's /proc; 0 when none.
+ * "<pid>": that pid if alive. "<scope>.<nspid>": scans /proc/[0-9]* for it (only processes
+ * whose innermost NSpid matches have their environment read). */
+static inline int fk_host_pid(const char *key)
+{
+    char k[FK_KEY_LEN];
+    int kind = fk_key_kind(key), nspid, found = 0;
+    DIR *d;
+    struct dirent *e;
+    if (kind == 1)
+        return fk_alive(atoi(key)) ? atoi(key) : 0;
+    if (kind != 2)
+        return 0;
+    nspid = atoi(strrchr(key, '.') + 1);
+    if (!(d = opendir("/proc")))
+        return 0;
+    while (!found && (e = readdir(d))) {
+        char *end;
+        long pid = strtol(e->d_name, &end, 10);
+        if (*end || pid <= 0 || fk_nspid_of((int)pid) != nspid)
+            continue;
+        fk_key_of((int)pid, k, sizeof k);
+        if (!strcmp(k, key) && fk_alive((int)pid))
+            found = (int)pid;
+    }
+    closedir(d);
+    return found;
+}
+
+static inline void fk_proc_path(const char *dir, const char *key, char *out, size_t size)
+{
+    snprintf(out, size, "%s/proc/%s", dir, key);
 }
 
 /* 0 on success, -1 when there is no such file. */
-static inline int fk_proc_read(const char *dir, int pid, fk_proc *p)
+static inline int fk_proc_read(const char *dir, const char *key, fk_proc *p)
 {
     char path[4096], buf[8192], *line, *save = NULL;
     memset(p, 0, sizeof *p);
-    fk_proc_path(dir, pid, path, sizeof path);
+    if (!fk_key_kind(key))
+        return -1;
+    fk_proc_path(dir, key, path, sizeof path);
     if (fk_read_file(path, buf, sizeof buf) < 0)
         return -1;
     for (line = strtok_r(buf, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
@@ -272,19 +443,23 @@ static inline int fk_proc_read(const char *dir, int pid, fk_proc *p)
     return 0;
 }
 
-static inline int fk_proc_write(const char *dir, int pid, const fk_proc *p)
+static inline int fk_proc_write(const char *dir, const char *key, const fk_proc *p)
 {
     char path[4096], sub[4096], buf[8192];
+    if (!fk_key_kind(key))
+        return -1;
     snprintf(sub, sizeof sub, "%s/proc", dir);
     mkdir(sub, 0755);
-    fk_proc_path(dir, pid, path, sizeof path);
+    fk_proc_path(dir, key, path, sizeof path);
     snprintf(buf, sizeof buf, "state=%d\ngpu=%s\nmem=%llu\nrestored_pairs=%s\n%s", p->state,
              p->gpu, p->mem, p->pairs, p->extra);
     return fk_write_atomic(path, buf);
 }
 
-/* Bytes held on GPU `uuid` by live processes that are not CHECKPOINTED (skipping `except_pid`). */
-static inline unsigned long long fk_used_on(const char *dir, const char *uuid, int except_pid)
+/* Bytes held on GPU `uuid` by live processes that are not CHECKPOINTED (skipping the entry
+ * `except_key`, if any). */
+static inline unsigned long long fk_used_on(const char *dir, const char *uuid,
+                                            const char *except_key)
 {
     char path[4096];
     unsigned long long used = 0;
@@ -295,12 +470,10 @@ static inline unsigned long long fk_used_on(const char *dir, const char *uuid, i
         return 0;
     while ((e = readdir(d))) {
         fk_proc p;
-        char *end;
-        long pid = strtol(e->d_name, &end, 10);
-        if (*end || pid <= 0 || pid == except_pid)
+        if (!fk_key_kind(e->d_name) || (except_key && !strcmp(e->d_name, except_key)))
             continue;
-        if (fk_proc_read(dir, (int)pid, &p) == 0 && p.state != FK_CHECKPOINTED &&
-            fk_uuid_eq(p.gpu, uuid) && fk_alive((int)pid))
+        if (fk_proc_read(dir, e->d_name, &p) == 0 && p.state != FK_CHECKPOINTED &&
+            fk_uuid_eq(p.gpu, uuid) && fk_host_pid(e->d_name) > 0)
             used += p.mem;
     }
     closedir(d);

@@ -10,6 +10,10 @@ The first status (tick 0) is written once the context and the memory exist.
 The library is --lib, else $TORPOR_LIBCUDA, else libcuda.so.1. On a CUDA error it writes
 {"pid", "tick", "error": "<CUresult name>"} and exits 3.
 
+Its fake state entry is proc/<pid>, or proc/<scope>.<pid> under FAKE_CUDA_SCOPE=<scope> (pid as
+getpid() sees it, i.e. inside its pid namespace; see fakegpu.py). It needs only the stdlib, so
+it runs under the system /usr/bin/python3 in a container (fakegpu.FakeGpu.container_workload).
+
 It keeps nothing but plain files open (the library and FILE's directory), so CRIU can dump it;
 start it with stdin/stdout/stderr on /dev/null or a file, never a pipe (fakegpu.spawn does).
 """

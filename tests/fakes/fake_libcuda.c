@@ -16,6 +16,12 @@
  *
  * In the target process, cuCtxSynchronize and cuMemAlloc block while the process is LOCKED or
  * CHECKPOINTED, as the real driver's API locks do.
+ *
+ * Processes are proc/<key> entries (fk_key_of): the caller passes a pid as its /proc numbers
+ * it (the host pid, for a program in a container), and the entry is that process's key: the
+ * pid itself, or "<FAKE_CUDA_SCOPE>.<innermost pid>" for a scoped program. Faults (fail/,
+ * hang/, delay/) and calls.log go by the pid the caller passed; cuCheckpointProcess-
+ * GetRestoreThreadId returns it too.
  */
 #include "fake_common.h"
 
@@ -256,7 +262,8 @@ EXPORT CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev
     fk_gpu gpus[FK_MAX_GPUS];
     fk_proc p;
     const char *dir;
-    int n = 0, fd, pid = (int)getpid();
+    char key[FK_KEY_LEN];
+    int n = 0, fd;
     CUresult rc;
     (void)flags;
     if (!pctx)
@@ -265,15 +272,16 @@ EXPORT CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev
         return rc;
     if (dev < 0 || dev >= n)
         return CUDA_ERROR_INVALID_DEVICE;
+    fk_key_of(0, key, sizeof key);
     fd = fk_lock(dir);
-    if (!g_registered || fk_proc_read(dir, pid, &p) != 0) {
+    if (!g_registered || fk_proc_read(dir, key, &p) != 0) {
         /* A fresh process (a stale file of a recycled pid is overwritten). One GPU a process:
          * a second context keeps the first GPU. */
         memset(&p, 0, sizeof p);
         p.state = FK_RUNNING;
         snprintf(p.gpu, sizeof p.gpu, "%s", gpus[dev].uuid);
     }
-    rc = fk_proc_write(dir, pid, &p) == 0 ? CUDA_SUCCESS : CUDA_ERROR_OPERATING_SYSTEM;
+    rc = fk_proc_write(dir, key, &p) == 0 ? CUDA_SUCCESS : CUDA_ERROR_OPERATING_SYSTEM;
     fk_unlock(fd);
     if (rc == CUDA_SUCCESS) {
         g_registered = 1;
@@ -282,16 +290,18 @@ EXPORT CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev
     return rc;
 }
 
-/* Blocks while this process is LOCKED or CHECKPOINTED (its API locks are held). */
-static CUresult wait_running(const char **dirp, fk_proc *p)
+/* Blocks while this process (its entry `key`) is LOCKED or CHECKPOINTED (its API locks are
+ * held). The key is computed once a call; it survives a CRIU restore met while waiting. */
+static CUresult wait_running(const char **dirp, fk_proc *p, char *key, size_t size)
 {
     if (!g_inited)
         return CUDA_ERROR_NOT_INITIALIZED;
     if (!g_registered)
         return CUDA_ERROR_INVALID_CONTEXT;
+    fk_key_of(0, key, size);
     for (;;) {
         const char *dir = fk_dir();
-        if (!dir || fk_proc_read(dir, (int)getpid(), p) != 0)
+        if (!dir || fk_proc_read(dir, key, p) != 0)
             return CUDA_ERROR_DEINITIALIZED; /* the fake host went away */
         if (p->state == FK_RUNNING) {
             *dirp = dir;
@@ -307,7 +317,8 @@ EXPORT CUresult cuCtxSynchronize(void)
 {
     fk_proc p;
     const char *dir;
-    return wait_running(&dir, &p);
+    char key[FK_KEY_LEN];
+    return wait_running(&dir, &p, key, sizeof key);
 }
 
 EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
@@ -315,26 +326,27 @@ EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
     fk_gpu gpus[FK_MAX_GPUS];
     fk_proc p;
     const char *dir;
-    int n, i, fd, pid = (int)getpid();
+    char key[FK_KEY_LEN];
+    int n, i, fd;
     CUresult rc;
     if (!dptr || bytesize == 0)
         return CUDA_ERROR_INVALID_VALUE;
-    if ((rc = wait_running(&dir, &p)) != CUDA_SUCCESS)
+    if ((rc = wait_running(&dir, &p, key, sizeof key)) != CUDA_SUCCESS)
         return rc;
     n = fk_read_gpus(dir, gpus, FK_MAX_GPUS);
     fd = fk_lock(dir);
-    if (fk_proc_read(dir, pid, &p) != 0) {
+    if (fk_proc_read(dir, key, &p) != 0) {
         fk_unlock(fd);
         return CUDA_ERROR_DEINITIALIZED;
     }
     i = fk_find_gpu(gpus, n, p.gpu);
     if (i < 0)
         rc = CUDA_ERROR_INVALID_DEVICE;
-    else if (fk_used_on(dir, p.gpu, pid) + p.mem + bytesize > gpus[i].total)
+    else if (fk_used_on(dir, p.gpu, key) + p.mem + bytesize > gpus[i].total)
         rc = CUDA_ERROR_OUT_OF_MEMORY;
     else {
         p.mem += bytesize;
-        rc = fk_proc_write(dir, pid, &p) == 0 ? CUDA_SUCCESS : CUDA_ERROR_OPERATING_SYSTEM;
+        rc = fk_proc_write(dir, key, &p) == 0 ? CUDA_SUCCESS : CUDA_ERROR_OPERATING_SYSTEM;
     }
     fk_unlock(fd);
     if (rc == CUDA_SUCCESS) {
@@ -409,10 +421,14 @@ static CUresult begin(const char *call, int pid, const char **dirp)
     return -1;
 }
 
-/* Reads a live CUDA process; CUDA_ERROR_INVALID_VALUE when pid is not one. */
-static CUresult get_proc(const char *dir, int pid, fk_proc *p)
+/* Reads the live CUDA process `pid` (as the caller's /proc numbers it), its entry's key to
+ * `key`; CUDA_ERROR_INVALID_VALUE when pid is not one. */
+static CUresult get_proc(const char *dir, int pid, fk_proc *p, char *key, size_t size)
 {
-    if (fk_proc_read(dir, pid, p) != 0 || !fk_alive(pid))
+    if (pid <= 0 || !fk_alive(pid))
+        return CUDA_ERROR_INVALID_VALUE;
+    fk_key_of(pid, key, size);
+    if (fk_proc_read(dir, key, p) != 0)
         return CUDA_ERROR_INVALID_VALUE;
     return CUDA_SUCCESS;
 }
@@ -430,13 +446,14 @@ static int all_zero(const void *mem, size_t size)
 static CUresult transition(const char *dir, int pid, int from, int to)
 {
     fk_proc p;
+    char key[FK_KEY_LEN];
     int fd = fk_lock(dir);
-    CUresult rc = get_proc(dir, pid, &p);
+    CUresult rc = get_proc(dir, pid, &p, key, sizeof key);
     if (rc == CUDA_SUCCESS && p.state != from)
         rc = CUDA_ERROR_ILLEGAL_STATE;
     if (rc == CUDA_SUCCESS) {
         p.state = to;
-        if (fk_proc_write(dir, pid, &p) != 0)
+        if (fk_proc_write(dir, key, &p) != 0)
             rc = CUDA_ERROR_OPERATING_SYSTEM;
     }
     fk_unlock(fd);
@@ -446,12 +463,13 @@ static CUresult transition(const char *dir, int pid, int from, int to)
 EXPORT CUresult cuCheckpointProcessGetState(int pid, int *state)
 {
     const char *dir;
+    char key[FK_KEY_LEN];
     fk_proc p;
     CUresult rc = begin("get_state", pid, &dir);
     if (rc == (CUresult)-1) {
         if (!state)
             rc = CUDA_ERROR_INVALID_VALUE;
-        else if ((rc = get_proc(dir, pid, &p)) == CUDA_SUCCESS)
+        else if ((rc = get_proc(dir, pid, &p, key, sizeof key)) == CUDA_SUCCESS)
             *state = p.state;
     }
     log_call(dir, "get_state", pid, rc);
@@ -461,13 +479,15 @@ EXPORT CUresult cuCheckpointProcessGetState(int pid, int *state)
 EXPORT CUresult cuCheckpointProcessLock(int pid, CUcheckpointLockArgs *args)
 {
     const char *dir;
+    char key[FK_KEY_LEN];
     fk_proc p;
     CUresult rc = begin("lock", pid, &dir);
     if (rc == (CUresult)-1) {
         unsigned int timeout = args ? args->timeoutMs : 0;
         if (args && (args->reserved0 || !all_zero(args->reserved1, sizeof args->reserved1)))
             rc = CUDA_ERROR_INVALID_VALUE;
-        else if ((rc = get_proc(dir, pid, &p)) == CUDA_SUCCESS && p.state != FK_RUNNING)
+        else if ((rc = get_proc(dir, pid, &p, key, sizeof key)) == CUDA_SUCCESS &&
+                 p.state != FK_RUNNING)
             rc = CUDA_ERROR_ILLEGAL_STATE;
         if (rc == CUDA_SUCCESS && hang_applies(dir, pid)) {
             /* The process never reaches a lockable point: wait out the timeout (0 = forever,
@@ -503,7 +523,7 @@ static CUresult do_restore(const char *dir, int pid, const CUcheckpointRestoreAr
 {
     fk_gpu gpus[FK_MAX_GPUS];
     fk_proc p;
-    char target[FK_UUID_LEN], pairs[FK_PAIRS_LEN] = "";
+    char key[FK_KEY_LEN], target[FK_UUID_LEN], pairs[FK_PAIRS_LEN] = "";
     unsigned int count = args ? args->gpuPairsCount : 0;
     int n, i, fd, covered = 0;
     CUresult rc;
@@ -514,7 +534,7 @@ static CUresult do_restore(const char *dir, int pid, const CUcheckpointRestoreAr
         return CUDA_ERROR_INVALID_VALUE;
     n = fk_read_gpus(dir, gpus, FK_MAX_GPUS);
     fd = fk_lock(dir);
-    if ((rc = get_proc(dir, pid, &p)) != CUDA_SUCCESS)
+    if ((rc = get_proc(dir, pid, &p, key, sizeof key)) != CUDA_SUCCESS)
         goto out;
     if (p.state != FK_CHECKPOINTED) {
         rc = CUDA_ERROR_ILLEGAL_STATE;
@@ -544,14 +564,14 @@ static CUresult do_restore(const char *dir, int pid, const CUcheckpointRestoreAr
         rc = CUDA_ERROR_INVALID_DEVICE;
         goto out;
     }
-    if (fk_used_on(dir, gpus[i].uuid, pid) + p.mem > gpus[i].total) {
+    if (fk_used_on(dir, gpus[i].uuid, key) + p.mem > gpus[i].total) {
         rc = CUDA_ERROR_OUT_OF_MEMORY; /* stays CHECKPOINTED */
         goto out;
     }
     p.state = FK_LOCKED;
     snprintf(p.gpu, sizeof p.gpu, "%s", target);
     snprintf(p.pairs, sizeof p.pairs, "%s", pairs);
-    if (fk_proc_write(dir, pid, &p) != 0)
+    if (fk_proc_write(dir, key, &p) != 0)
         rc = CUDA_ERROR_OPERATING_SYSTEM;
 out:
     fk_unlock(fd);
@@ -585,12 +605,13 @@ EXPORT CUresult cuCheckpointProcessUnlock(int pid, CUcheckpointUnlockArgs *args)
 EXPORT CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid)
 {
     const char *dir;
+    char key[FK_KEY_LEN];
     fk_proc p;
     CUresult rc = begin("restore_tid", pid, &dir);
     if (rc == (CUresult)-1) {
         if (!tid)
             rc = CUDA_ERROR_INVALID_VALUE;
-        else if ((rc = get_proc(dir, pid, &p)) == CUDA_SUCCESS)
+        else if ((rc = get_proc(dir, pid, &p, key, sizeof key)) == CUDA_SUCCESS)
             *tid = pid;
     }
     log_call(dir, "restore_tid", pid, rc);

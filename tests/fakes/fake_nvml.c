@@ -4,6 +4,9 @@
  * Memory used on a GPU = the mem of the live processes on it that are not CHECKPOINTED;
  * running processes = those same processes (a checkpointed process holds no GPU memory or
  * handles, as with the real driver). Struct layouts follow nvml.h / pynvml.
+ * A process is reported by its pid as the caller's /proc numbers it: for a scoped entry
+ * ("<scope>.<nspid>", fake_common.h) the pid of the live process with that key, found by
+ * scanning /proc (fk_host_pid); an entry whose process is not found is skipped.
  */
 #include "fake_common.h"
 
@@ -276,7 +279,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *m
         return NVML_ERROR_INVALID_ARGUMENT;
     if ((rc = dev_of(device, &dir, gpus, &g)) != NVML_SUCCESS)
         return rc;
-    used = fk_used_on(dir, g->uuid, 0);
+    used = fk_used_on(dir, g->uuid, NULL);
     memory->total = g->total;
     memory->used = used;
     memory->free = used < g->total ? g->total - used : 0;
@@ -312,12 +315,11 @@ static int procs_on(const char *dir, const char *uuid, nvmlProcessInfo_t *out, i
         return 0;
     while ((e = readdir(d))) {
         fk_proc p;
-        char *end;
-        long pid = strtol(e->d_name, &end, 10);
-        if (*end || pid <= 0)
+        int pid;
+        if (!fk_key_kind(e->d_name))
             continue;
-        if (fk_proc_read(dir, (int)pid, &p) != 0 || p.state == FK_CHECKPOINTED ||
-            !fk_uuid_eq(p.gpu, uuid) || !fk_alive((int)pid))
+        if (fk_proc_read(dir, e->d_name, &p) != 0 || p.state == FK_CHECKPOINTED ||
+            !fk_uuid_eq(p.gpu, uuid) || (pid = fk_host_pid(e->d_name)) <= 0)
             continue;
         if (n < max) {
             out[n].pid = (unsigned int)pid;

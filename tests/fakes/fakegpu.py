@@ -8,14 +8,32 @@ from the root gives) or as `fakegpu` (with tests/fakes on sys.path). It needs on
     env = {**os.environ, **gpu.env()}               # what to give torpor
     gpu.fail("checkpoint", "CUDA_ERROR_UNKNOWN")    # fault injection
     gpu.calls()                                     # [Call("lock", 1234, 0), ...]
+    gpu.state(prog.pid)                             # {"state": RUNNING, "gpu": ..., ...}
 
 State directory layout (shared by every process that loads the fakes; read at every call):
   gpus             <uuid>|<name>|<total bytes>, one GPU a line, index = line order
-  proc/<pid>       state=0..3, gpu=<uuid>, mem=<bytes>, restored_pairs=<old>:<new>,...
+  proc/<key>       state=0..3, gpu=<uuid>, mem=<bytes>, restored_pairs=<old>:<new>,...
   fail/<call>      "<CUresult> [pid]"      hang/lock "[pid]"      delay/<call> "<ms> [pid]"
   calls.log        "<call> <pid> <CUresult>" a line, one per checkpoint-API call
   cuda_version     13000 by default        driver_version "999.0-fake" by default
 <call> is one of CALLS. A pid that is not a live CUDA process gets CUDA_ERROR_INVALID_VALUE.
+Every pid above (fault files, calls.log, what NVML lists) is the pid the caller's /proc shows:
+the host pid, also for a program in a container.
+
+Process keys (fake_common.h fk_key_of; key_of() here is the same rule):
+  "<pid>"            a program started normally;
+  "<scope>.<nspid>"  a program whose environment has FAKE_CUDA_SCOPE=<scope> (SCOPE_RE): nspid is
+                     its pid in its own, innermost pid namespace (getpid() inside a container,
+                     the last NSpid of /proc/<host pid>/status outside). The host pid of a
+                     containerized program differs from getpid(), and a CRIU restore changes
+                     it; the scoped key stays. Give each container its own scope.
+The checkpoint calls take a host pid and act on key_of(pid); NVML lists a scoped entry under
+the host pid of the live process with that key (pid_of(), a scan of /proc), or not at all.
+
+Containers: container_workload(scope, ...) gives the argv (system /usr/bin/python3), env and bind
+mounts that run fake_cuda_program.py inside one (same paths inside as outside); read its entry
+with proc_entry(scoped_key(scope, nspid)) or state(host_pid). spawn(scope=..., pid_namespace=True)
+does the same without a container runtime (unshare --pid --fork --mount-proc; needs root).
 """
 
 from __future__ import annotations
@@ -24,6 +42,8 @@ import ctypes
 import fcntl
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -36,6 +56,11 @@ BUILD_DIR = FAKES_DIR / "build"
 PROGRAM = FAKES_DIR / "fake_cuda_program.py"
 LIBCUDA = "libcuda.so.1"
 LIBNVML = "libnvidia-ml.so.1"
+STATE_DIR_VAR = "FAKE_CUDA_STATE_DIR"   # the fakes' state directory (both libraries read it)
+SCOPE_VAR = "FAKE_CUDA_SCOPE"           # makes a program's key "<scope>.<nspid>"
+SCOPE_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}\Z")   # = fk_scope_ok
+SYSTEM_PYTHON = "/usr/bin/python3"      # what container_workload runs the program with
+_KEY_RE = re.compile(r"(?:[1-9][0-9]*|[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}\.[1-9][0-9]*)\Z")
 
 RUNNING, LOCKED, CHECKPOINTED, FAILED = 0, 1, 2, 3
 CALLS = ("get_state", "lock", "checkpoint", "restore", "unlock", "restore_tid")
@@ -93,6 +118,83 @@ def cuda_result(result: int | str) -> int:
     return result if isinstance(result, int) else CUDA_ERRORS[result]
 
 
+def check_scope(scope: str) -> str:
+    """`scope` if it is a valid FAKE_CUDA_SCOPE (SCOPE_RE), else ValueError. The fakes ignore
+    an invalid one (the process is then keyed by its pid)."""
+    if not isinstance(scope, str) or not SCOPE_RE.match(scope):
+        raise ValueError(f"bad fake CUDA scope {scope!r}: want {SCOPE_RE.pattern}")
+    return scope
+
+
+def scoped_key(scope: str, nspid: int) -> str:
+    """The key of a program under FAKE_CUDA_SCOPE=scope whose own getpid() is nspid."""
+    if int(nspid) <= 0:
+        raise ValueError(f"bad pid {nspid!r}")
+    return f"{check_scope(scope)}.{int(nspid)}"
+
+
+def _scope_of(pid: int) -> str | None:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+    for item in env.split(b"\0"):
+        if item.startswith(SCOPE_VAR.encode() + b"="):       # the first one, as getenv()
+            value = item[len(SCOPE_VAR) + 1:].decode("ascii", "replace")
+            return value if SCOPE_RE.match(value) else None
+    return None
+
+
+def nspid_of(pid: int) -> int | None:
+    """The innermost pid of host process `pid` (last value of NSpid in /proc/<pid>/status)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("NSpid:"):
+                return int(line.split()[-1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def key_of(pid: int) -> str:
+    """The fakes' key of process `pid` (a pid of this /proc), as fk_key_of computes it:
+    "<scope>.<nspid>" under a valid FAKE_CUDA_SCOPE, else str(pid) (also when it is gone)."""
+    scope = _scope_of(pid)
+    if scope is None:
+        return str(pid)
+    return f"{scope}.{nspid_of(pid) or pid}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat[stat.rindex(")") + 2] not in "ZXx"
+    except (OSError, ValueError, IndexError):
+        return True
+
+
+def pid_of(key: str) -> int | None:
+    """The live process with that key, by its pid in this /proc (fk_host_pid): the pid
+    itself for "<pid>", a scan of /proc for "<scope>.<nspid>"; None when there is none."""
+    key = str(key)
+    if not _KEY_RE.match(key):
+        return None
+    if key.isdigit():
+        return int(key) if _alive(int(key)) else None
+    nspid = int(key.rsplit(".", 1)[1])
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and nspid_of(int(entry)) == nspid and key_of(int(entry)) == key \
+                and _alive(int(entry)):
+            return int(entry)
+    return None
+
+
 def _same_symbol(a: ctypes.CDLL, b: ctypes.CDLL, name: str) -> bool:
     try:
         fa, fb = getattr(a, name), getattr(b, name)
@@ -112,11 +214,66 @@ class Call(NamedTuple):
 
 
 class FakeProgram:
-    """A running fake_cuda_program.py; `with` kills it."""
+    """A running fake_cuda_program.py; `with` kills it.
 
-    def __init__(self, proc: subprocess.Popen, status_path: Path, log_path: Path):
-        self.proc, self.pid = proc, proc.pid
+    pid is the program's pid on this host (what torpor and the checkpoint calls get); key its
+    proc/ entry's name (key_of(pid)). Under spawn(pid_namespace=True) proc is the `unshare`
+    around it and pid its child, known once it has started (wait_ready())."""
+
+    def __init__(self, proc: subprocess.Popen, status_path: Path, log_path: Path, *,
+                 pid_namespace: bool = False, outer_log_path: Path | None = None):
+        self.proc = proc
         self.status_path, self.log_path = status_path, log_path
+        self.outer_log_path = outer_log_path       # unshare's own output (pid_namespace)
+        self.pid_namespace = pid_namespace
+        self._pid: int | None = None if pid_namespace else proc.pid
+        self._key: str | None = None
+
+    @property
+    def pid(self) -> int:
+        if self._pid is None:
+            self._pid = self._child()
+            if self._pid is None:
+                raise RuntimeError("the fake CUDA program has not started yet (wait_ready())")
+        return self._pid
+
+    @property
+    def key(self) -> str:
+        """Its state entry's key, as the fakes compute it (kept from while it lived)."""
+        if self._key is None:
+            key = key_of(self.pid)
+            if not _alive(self.pid):
+                return key
+            self._key = key
+        return self._key
+
+    def _still_ours(self) -> bool:
+        """Is pid still the program (unshare's child, or a live process with its scoped key)?"""
+        try:
+            status = Path(f"/proc/{self._pid}/status").read_text()
+        except OSError:
+            return False
+        if self.proc.poll() is None and f"PPid:\t{self.proc.pid}\n" in status:
+            return True
+        return self._key is not None and not self._key.isdigit() and key_of(self._pid) == self._key
+
+    def _child(self) -> int | None:
+        """The child of `unshare` (the program, pid 1 of its namespace)."""
+        up = self.proc.pid
+        try:
+            kids = Path(f"/proc/{up}/task/{up}/children").read_text().split()
+            if kids:
+                return int(kids[0])
+        except OSError:
+            pass
+        for entry in os.listdir("/proc"):
+            try:
+                if entry.isdigit() and \
+                        f"PPid:\t{up}\n" in Path(f"/proc/{entry}/status").read_text():
+                    return int(entry)
+            except OSError:
+                continue
+        return None
 
     def status(self) -> dict | None:
         try:
@@ -136,10 +293,15 @@ class FakeProgram:
             if st is not None:
                 if "error" in st:
                     raise RuntimeError(f"fake CUDA program failed: {st['error']}")
-                return self
+                if self._pid is None and self.pid_namespace:
+                    self._pid = self._child()
+                if self._pid is not None:
+                    self.key                        # noqa: B018  (remembered while alive)
+                    return self
             if self.proc.poll() is not None:
-                raise RuntimeError(f"fake CUDA program exited {self.proc.returncode}: "
-                                   f"{self.log_path.read_text(errors='replace')}")
+                logs = [p for p in (self.outer_log_path, self.log_path) if p and p.exists()]
+                raise RuntimeError(f"fake CUDA program exited {self.proc.returncode}: " +
+                                   "".join(p.read_text(errors="replace") for p in logs))
             time.sleep(0.01)
         raise TimeoutError("fake CUDA program did not start")
 
@@ -157,6 +319,19 @@ class FakeProgram:
         return self.proc.poll() is None
 
     def kill(self) -> None:
+        """SIGKILLs the program and returns once it is gone (reaped, or a zombie elsewhere)."""
+        if self.pid_namespace and self._pid is not None and self._still_ours():
+            try:            # the namespace's init: its end ends the namespace, then unshare
+                os.kill(self._pid, signal.SIGKILL)
+            except OSError:
+                pass
+            try:
+                self.proc.wait(timeout=5)   # unshare reaps it and exits
+            except subprocess.TimeoutExpired:
+                pass
+            deadline = time.monotonic() + 5
+            while _alive(self._pid) and time.monotonic() < deadline:
+                time.sleep(0.01)            # (not unshare's child any more: someone else's)
         if self.proc.poll() is None:
             self.proc.kill()
         try:
@@ -172,7 +347,22 @@ class FakeProgram:
 
 
 class FakeGpu:
-    """A fake GPU host in state_dir: the gpus file, process files, faults, call log."""
+    """A fake GPU host in state_dir: the gpus file, process files, faults, call log.
+
+    The host:       set_gpus(gpus), uuid(index), env(base=None), activate(), deactivate()
+    Processes:      spawn(gpu_index, mem, *, status, env, wait, max_ticks, scope, pid_namespace,
+                    mount_proc) -> FakeProgram;
+                    container_workload(scope, gpu_index, mem, status_file, *, max_ticks)
+                    -> (argv, env, mounts); close()
+    Their entries:  state(pid | key), proc_entry(key), processes(), set_state(pid | key, state);
+                    key_of(pid), scoped_key(scope, nspid), pid_of(key) (the module functions)
+    Faults, calls:  fail(call, result, pid), hang_lock(pid), unhang_lock(), delay(call, ms, pid),
+                    clear_faults(), calls(), clear_calls()
+    """
+
+    key_of = staticmethod(key_of)
+    scoped_key = staticmethod(scoped_key)
+    pid_of = staticmethod(pid_of)
 
     def __init__(self, state_dir: str | os.PathLike,
                  gpus: Iterable[tuple[str, str, int]] = DEFAULT_GPUS, *,
@@ -212,7 +402,7 @@ class FakeGpu:
         base = os.environ if base is None else base
         ld = [str(self.build_dir)] + [p for p in base.get("LD_LIBRARY_PATH", "").split(":") if p]
         return {"TORPOR_LIBCUDA": self.libcuda, "LD_LIBRARY_PATH": ":".join(ld),
-                "FAKE_CUDA_STATE_DIR": str(self.state_dir)}
+                STATE_DIR_VAR: str(self.state_dir)}
 
     def activate(self) -> None:
         """Makes the fakes serve *this* Python process: sets FAKE_CUDA_STATE_DIR and
@@ -242,58 +432,94 @@ class FakeGpu:
             self._nvml_handle = None
 
     # -- processes -------------------------------------------------------------------------------
-    def state(self, pid: int) -> dict | None:
-        """proc/<pid> parsed: {"state": int, "gpu": str, "mem": int,
-        "restored_pairs": [(old, new), ...]}, or None when there is no such file."""
+    def state(self, pid: int | str) -> dict | None:
+        """The entry of process `pid` (a host pid: its key_of(pid)), or of the key `pid` when a
+        str: {"state": int, "gpu": str, "mem": int, "restored_pairs": [(old, new), ...]}, or
+        None when there is no such file. A gone scoped process's host pid no longer leads to
+        its entry: use proc_entry(key) (FakeProgram.key keeps it)."""
+        return self.proc_entry(pid if isinstance(pid, str) else key_of(pid))
+
+    def proc_entry(self, key: str | int) -> dict | None:
+        """proc/<key> parsed as state() returns it, or None (also for a malformed key)."""
+        key = str(key)
+        if not _KEY_RE.match(key):
+            return None
         try:
-            text = (self.state_dir / "proc" / str(pid)).read_text()
+            text = (self.state_dir / "proc" / key).read_text()
         except FileNotFoundError:
             return None
         doc: dict = {}
         for line in text.splitlines():
-            key, sep, val = line.partition("=")
+            name, sep, val = line.partition("=")
             if sep:
-                doc[key.strip()] = val.strip()
-        for key in ("state", "mem"):
-            if key in doc:
-                doc[key] = int(doc[key])
+                doc[name.strip()] = val.strip()
+        for name in ("state", "mem"):
+            if name in doc:
+                doc[name] = int(doc[name])
         doc["restored_pairs"] = [tuple(p.split(":", 1))
                                  for p in doc.get("restored_pairs", "").split(",") if p]
         return doc
 
-    def processes(self) -> dict[int, dict]:
-        """Every proc file, live or not: {pid: state(pid)}."""
-        out = {}
+    def processes(self) -> dict[int | str, dict]:
+        """Every proc file, live or not: {pid: entry} for "<pid>" entries, {key: entry} (a str)
+        for scoped ones."""
+        out: dict[int | str, dict] = {}
         for f in (self.state_dir / "proc").iterdir():
-            if f.name.isdigit() and (st := self.state(int(f.name))) is not None:
-                out[int(f.name)] = st
+            if _KEY_RE.match(f.name) and (st := self.proc_entry(f.name)) is not None:
+                out[int(f.name) if f.name.isdigit() else f.name] = st
         return out
 
-    def set_state(self, pid: int, state: int) -> None:
-        """Forces a process's state (e.g. FAILED), bypassing the state machine."""
-        path = self.state_dir / "proc" / str(pid)
+    def set_state(self, pid: int | str, state: int) -> None:
+        """Forces a process's state (e.g. FAILED), bypassing the state machine; `pid` as for
+        state()."""
+        key = pid if isinstance(pid, str) else key_of(pid)
+        if not _KEY_RE.match(key):
+            raise ValueError(f"bad fake process key {key!r}")
+        path = self.state_dir / "proc" / key
         lines = [f"state={int(state)}" if ln.startswith("state=") else ln
                  for ln in path.read_text().splitlines()]
-        self._write(f"proc/{pid}", "\n".join(lines) + "\n")
+        self._write(f"proc/{key}", "\n".join(lines) + "\n")
 
     def spawn(self, gpu_index: int = 0, mem: int = GIB, *, status: str | os.PathLike | None = None,
               env: Mapping[str, str] | None = None, wait: bool = True,
-              max_ticks: int = 0) -> FakeProgram:
+              max_ticks: int = 0, scope: str | None = None, pid_namespace: bool = False,
+              mount_proc: bool = True) -> FakeProgram:
         """Starts fake_cuda_program.py in its own session, stdio on /dev/null and a log file
         (no pipes, so CRIU can dump it); waits for its first status unless wait=False.
-        Programs still running are killed by close()."""
+        Programs still running are killed by close().
+
+        scope: run it under FAKE_CUDA_SCOPE=scope (key "<scope>.<nspid>"); otherwise an
+        inherited FAKE_CUDA_SCOPE is dropped (unless `env` sets one). pid_namespace: run it as
+        pid 1 of a new pid namespace, as in a container, and its own session leader, under
+        `unshare --pid --fork [--mount-proc] -- setsid` (root; unshare's own output goes to
+        FakeProgram.outer_log_path); FakeProgram.pid is still its host pid. mount_proc=False
+        keeps the host's /proc (and mount namespace) so that a plain `criu dump -t <pid>` can
+        dump the namespace."""
         n = len(self._programs)
         status_path = Path(status) if status else self.state_dir / f"program{n}.status.json"
         log_path = self.state_dir / f"program{n}.log"
-        full_env = {**os.environ, **(env or {}), **self.env()}
+        inherited = {k: v for k, v in os.environ.items() if k != SCOPE_VAR}
+        full_env = {**inherited, **(env or {}), **self.env()}
+        if scope is not None:
+            full_env[SCOPE_VAR] = check_scope(scope)
         cmd = [sys.executable, str(PROGRAM), "--gpu", str(gpu_index), "--mem", str(mem),
                "--status", str(status_path), "--lib", self.libcuda]
         if max_ticks:
             cmd += ["--max-ticks", str(max_ticks)]
-        with open(log_path, "wb") as log:
+        outer_log = None
+        if pid_namespace:
+            # The program logs to a file of its own: unshare may write to its stderr after a
+            # CRIU dump ended the program, and CRIU restores only files of the size it dumped.
+            # No --kill-child: a restored pdeath signal would kill a CRIU-restored program.
+            outer_log = self.state_dir / f"program{n}.unshare.log"
+            cmd = (["unshare", "--pid", "--fork"] + (["--mount-proc"] if mount_proc else [])
+                   + ["--", "setsid", "/bin/sh", "-c", 'exec "$@" >>"$0" 2>&1', str(log_path)]
+                   + cmd)
+        with open(outer_log or log_path, "wb") as log:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                     env=full_env, start_new_session=True, close_fds=True)
-        prog = FakeProgram(proc, status_path, log_path)
+        prog = FakeProgram(proc, status_path, log_path, pid_namespace=pid_namespace,
+                           outer_log_path=outer_log)
         self._programs.append(prog)
         if wait:
             try:
@@ -302,6 +528,36 @@ class FakeGpu:
                 prog.kill()
                 raise
         return prog
+
+    def container_workload(self, scope: str, gpu_index: int = 0, mem: int = GIB,
+                           status_file: str | os.PathLike | None = None, *, max_ticks: int = 0,
+                           ) -> tuple[list[str], dict[str, str], list[tuple[str, str, bool]]]:
+        """What a container needs to run fake_cuda_program.py as a scoped CUDA program:
+        (argv, env, mounts). argv runs the system /usr/bin/python3 (-I: no venv, no user site;
+        the host /usr must be in the container). env: FAKE_CUDA_SCOPE=scope,
+        FAKE_CUDA_STATE_DIR, TORPOR_LIBCUDA, LD_LIBRARY_PATH=<build dir>. mounts: (host path,
+        container path, read_only) with the same path inside: the state dir (read-write), the
+        build dir and the program (read-only), and status_file's directory (read-write) when
+        it is outside the state dir (created if missing). The status file (default
+        <state dir>/<scope>.status.json) gets {"pid": <its pid inside>, "tick": n}; its key
+        is scoped_key(scope, pid), and pid_of(key) finds its host pid. close() does not stop
+        containers."""
+        check_scope(scope)
+        status = Path(status_file) if status_file else self.state_dir / f"{scope}.status.json"
+        status = Path(os.path.abspath(status))
+        argv = [SYSTEM_PYTHON, "-I", str(PROGRAM), "--gpu", str(int(gpu_index)),
+                "--mem", str(int(mem)), "--status", str(status), "--lib", self.libcuda]
+        if max_ticks:
+            argv += ["--max-ticks", str(int(max_ticks))]
+        env = {SCOPE_VAR: scope, STATE_DIR_VAR: str(self.state_dir),
+               "TORPOR_LIBCUDA": self.libcuda, "LD_LIBRARY_PATH": str(self.build_dir)}
+        mounts = [(str(self.state_dir), str(self.state_dir), False),
+                  (str(self.build_dir), str(self.build_dir), True),
+                  (str(PROGRAM), str(PROGRAM), True)]
+        if not status.parent.resolve().is_relative_to(self.state_dir):
+            status.parent.mkdir(parents=True, exist_ok=True)     # a bind mount's source
+            mounts.append((str(status.parent), str(status.parent), False))
+        return argv, env, mounts
 
     def close(self) -> None:
         """Kills the programs spawn() started; deactivate()s if activate()d."""

@@ -1,10 +1,13 @@
 """The fake CUDA driver and NVML (tests/fakes/) behave like the real ones, as torpor sees them:
 torpor.driver.Driver drives a live fake CUDA program through the whole checkpoint state
-machine, and pynvml reads the fake GPUs."""
+machine, and pynvml reads the fake GPUs. Also for a "scoped" program in its own pid namespace,
+as in a container: the host side uses host pids, the program's entry is <scope>.<nspid>."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,7 +22,9 @@ try:
 except ImportError:
     sys.path.insert(0, str(ROOT / "shim"))       # the source tree, e.g. the dev venv
 
-from tests.fakes.fakegpu import CHECKPOINTED, LOCKED, RUNNING, FakeGpu  # noqa: E402
+from tests.fakes.fakegpu import (  # noqa: E402
+    CHECKPOINTED, LOCKED, PROGRAM, RUNNING, SYSTEM_PYTHON, FakeGpu, check_scope, key_of, nspid_of,
+    pid_of, scoped_key)
 from torpor.driver import Driver, DriverError, ProcessState  # noqa: E402
 
 H200 = "NVIDIA H200"
@@ -297,3 +302,232 @@ def test_program_in_subprocess_env_finds_fake_nvml(gpu, tmp_path):
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == GPU1
+
+
+# -- scoped programs: in their own pid namespace, as in a container -------------------------------
+
+needs_pidns = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
+                                 reason="needs root and unshare (util-linux)")
+
+
+def _criu() -> str | None:
+    for path in ("/usr/local/sbin/criu", shutil.which("criu") or ""):
+        if path and os.access(path, os.X_OK):
+            return path
+    return None
+
+
+@pytest.fixture
+def boxed(gpu):
+    """A fake CUDA program as pid 1 of its own pid namespace (own /proc) with FAKE_CUDA_SCOPE."""
+    p = gpu.spawn(gpu_index=0, mem=3 * GIB, scope="box-a", pid_namespace=True)
+    p.wait_tick(0)
+    yield p
+    p.kill()
+
+
+@needs_pidns
+def test_scoped_key_is_scope_and_innermost_pid(gpu, boxed):
+    host = boxed.pid
+    assert boxed.status()["pid"] == 1                       # getpid() inside its namespace
+    assert host not in (1, boxed.proc.pid)                  # the host pid: unshare's child
+    assert nspid_of(host) == 1
+    assert boxed.key == key_of(host) == scoped_key("box-a", 1) == "box-a.1"
+    assert set(gpu.processes()) == {"box-a.1"}              # no entry under either pid
+    assert gpu.state(host) == gpu.proc_entry("box-a.1")
+    assert gpu.state(host)["state"] == RUNNING and gpu.state(host)["mem"] == 3 * GIB
+    assert pid_of("box-a.1") == host
+    assert pid_of("box-b.1") is None and pid_of("box-a.2") is None
+
+
+@needs_pidns
+def test_scoped_full_state_machine_by_host_pid(gpu, driver, boxed):
+    pid = boxed.pid
+    assert driver.get_state(pid) is ProcessState.RUNNING
+    assert driver.restore_thread_id(pid) == pid
+    driver.lock(pid, timeout_ms=5000)
+    assert gpu.proc_entry("box-a.1")["state"] == LOCKED
+    assert stalled(boxed), "ticks went on while LOCKED"
+    driver.checkpoint(pid)
+    assert driver.get_state(pid) is ProcessState.CHECKPOINTED
+    driver.restore(pid, {GPU0: GPU1})
+    st = gpu.proc_entry("box-a.1")
+    assert st["state"] == LOCKED and st["gpu"] == GPU1 and st["restored_pairs"] == [(GPU0, GPU1)]
+    assert stalled(boxed, settle=0), "ticks went on while LOCKED after restore"
+    before = boxed.tick()
+    driver.unlock(pid)
+    assert boxed.wait_tick(before + 2) > before + 2
+    assert set(gpu.processes()) == {"box-a.1"}
+    assert {c.pid for c in gpu.calls()} == {pid}            # calls.log has the host pid
+    with pytest.raises(DriverError, match="CUDA_ERROR_INVALID_VALUE"):
+        driver.get_state(1)                                  # its inner pid means nothing here
+
+
+@needs_pidns
+def test_nvml_lists_scoped_program_under_host_pid(gpu, nvml, driver, boxed):
+    pid = boxed.pid
+    h0, h1 = nvml.nvmlDeviceGetHandleByIndex(0), nvml.nvmlDeviceGetHandleByIndex(1)
+    assert _pids(nvml, 0) == {pid: 3 * GIB} and _pids(nvml, 1) == {}
+    assert nvml.nvmlDeviceGetMemoryInfo(h0).used == 3 * GIB
+    driver.lock(pid, 1000)
+    driver.checkpoint(pid)
+    assert _pids(nvml, 0) == {} and nvml.nvmlDeviceGetMemoryInfo(h0).used == 0
+    driver.restore(pid, {GPU0: GPU1})
+    assert _pids(nvml, 0) == {} and _pids(nvml, 1) == {pid: 3 * GIB}
+    driver.unlock(pid)
+    boxed.kill()
+    assert gpu.proc_entry("box-a.1") is not None            # the file stays; the process does not
+    assert _pids(nvml, 1) == {} and nvml.nvmlDeviceGetMemoryInfo(h1).used == 0
+    assert pid_of("box-a.1") is None
+    with pytest.raises(DriverError, match="CUDA_ERROR_INVALID_VALUE"):
+        driver.lock(pid, 100)
+
+
+@needs_pidns
+def test_scoped_and_unscoped_programs_side_by_side(gpu, driver, nvml):
+    with gpu.spawn(scope="box-a", pid_namespace=True, mem=GIB) as a, \
+            gpu.spawn(scope="box-b", pid_namespace=True, mem=2 * GIB) as b, \
+            gpu.spawn(mem=4 * GIB) as plain:
+        assert a.status()["pid"] == b.status()["pid"] == 1   # same inner pid, other scopes
+        assert set(gpu.processes()) == {"box-a.1", "box-b.1", plain.pid}
+        assert plain.key == str(plain.pid) and gpu.state(plain.pid)["mem"] == 4 * GIB
+        assert _pids(nvml, 0) == {a.pid: GIB, b.pid: 2 * GIB, plain.pid: 4 * GIB}
+
+        gpu.fail("lock", "CUDA_ERROR_UNKNOWN", pid=b.pid)    # faults go by the host pid
+        driver.lock(a.pid, 1000)
+        with pytest.raises(DriverError, match="CUDA_ERROR_UNKNOWN"):
+            driver.lock(b.pid, 1000)
+        driver.lock(plain.pid, 1000)
+        assert [gpu.proc_entry(k)["state"] for k in ("box-a.1", "box-b.1", str(plain.pid))] \
+            == [LOCKED, RUNNING, LOCKED]
+        assert stalled(a) and not stalled(b, settle=0)
+        gpu.clear_faults()
+        for prog in (a, plain):
+            driver.checkpoint(prog.pid)
+            driver.restore(prog.pid)
+            driver.unlock(prog.pid)
+        assert driver.get_state(a.pid) is driver.get_state(plain.pid) is ProcessState.RUNNING
+        assert [c.pid for c in gpu.calls() if c.call == "lock"] == [a.pid, b.pid, plain.pid]
+
+
+@needs_pidns
+def test_restore_counts_scoped_memory(gpu, driver):
+    """Memory accounting (restore's room check) sees a scoped program through its host pid."""
+    with gpu.spawn(gpu_index=2, scope="box-a", pid_namespace=True, mem=GIB // 2) as boxed, \
+            gpu.spawn(gpu_index=0, mem=GIB // 2 + 1) as plain:
+        driver.lock(plain.pid, 1000)
+        driver.checkpoint(plain.pid)
+        with pytest.raises(DriverError, match="CUDA_ERROR_OUT_OF_MEMORY"):
+            driver.restore(plain.pid, {GPU0: SMALL})        # SMALL has 1 GiB, half of it used
+        boxed.kill()
+        driver.restore(plain.pid, {GPU0: SMALL})            # its memory went with it
+        assert gpu.state(plain.pid)["gpu"] == SMALL
+
+
+def test_scope_without_a_pid_namespace_and_invalid_scopes(gpu, driver):
+    with gpu.spawn(scope="solo.x-1_") as solo, \
+            gpu.spawn(env={"FAKE_CUDA_SCOPE": ".hidden"}) as bad:
+        assert solo.key == f"solo.x-1_.{solo.pid}"           # nspid = pid in the root namespace
+        assert bad.key == str(bad.pid)                       # an invalid scope is ignored
+        assert set(gpu.processes()) == {solo.key, bad.pid}
+        driver.lock(solo.pid, 1000)
+        assert gpu.state(solo.pid)["state"] == LOCKED
+        driver.unlock(solo.pid)
+    for scope in ("", ".x", "a/b", "a b", "x" * 129, "é"):
+        with pytest.raises(ValueError):
+            check_scope(scope)
+    with pytest.raises(ValueError):
+        gpu.spawn(scope="a/b")
+    assert gpu.proc_entry("../gpus") is None and gpu.proc_entry(".x.1") is None
+
+
+def test_container_workload(gpu, tmp_path):
+    status = tmp_path / "out" / "ctr.status.json"
+    argv, env, mounts = gpu.container_workload("ctr-1", gpu_index=1, mem=GIB, status_file=status)
+    assert argv[:3] == [SYSTEM_PYTHON, "-I", str(PROGRAM)]
+    assert argv[argv.index("--gpu") + 1] == "1" and argv[argv.index("--mem") + 1] == str(GIB)
+    assert argv[argv.index("--status") + 1] == str(status)
+    assert argv[argv.index("--lib") + 1] == gpu.libcuda
+    assert env == {"FAKE_CUDA_SCOPE": "ctr-1", "FAKE_CUDA_STATE_DIR": str(gpu.state_dir),
+                   "TORPOR_LIBCUDA": gpu.libcuda, "LD_LIBRARY_PATH": str(gpu.build_dir)}
+    assert mounts == [(str(gpu.state_dir), str(gpu.state_dir), False),
+                      (str(gpu.build_dir), str(gpu.build_dir), True),
+                      (str(PROGRAM), str(PROGRAM), True),
+                      (str(status.parent), str(status.parent), False)]
+    assert status.parent.is_dir()
+    _, _, inside = gpu.container_workload("ctr-1")           # status in the state dir: no 4th
+    assert len(inside) == 3
+    with pytest.raises(ValueError):
+        gpu.container_workload("no/slash")
+
+
+@needs_pidns
+@pytest.mark.skipif(not os.access(SYSTEM_PYTHON, os.X_OK), reason=f"needs {SYSTEM_PYTHON}")
+def test_container_workload_runs_with_only_its_env(gpu, driver, tmp_path):
+    """argv + env alone (system python, no venv, nothing inherited) make a working scoped program
+    (a pid namespace and /proc of its own standing in for the container)."""
+    status = tmp_path / "out" / "ctr.status.json"
+    argv, env, _ = gpu.container_workload("ctr-1", gpu_index=1, mem=GIB, status_file=status)
+    log = open(tmp_path / "ctr.log", "wb")
+    proc = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "--",
+                             *argv], env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not status.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert status.exists(), (tmp_path / "ctr.log").read_text()
+        key = scoped_key("ctr-1", 1)
+        host = pid_of(key)
+        assert host and host != proc.pid and key_of(host) == key
+        assert gpu.proc_entry(key)["gpu"] == GPU1
+        driver.lock(host, 1000)
+        assert gpu.proc_entry(key)["state"] == LOCKED
+        driver.unlock(host)
+    finally:
+        proc.kill()
+        proc.wait(10)
+        log.close()
+
+
+@needs_pidns
+@pytest.mark.skipif(os.geteuid() != 0 or _criu() is None, reason="needs root and CRIU")
+def test_scoped_key_survives_criu_restore(gpu, driver, nvml, tmp_path):
+    """A CRIU restore of the pid namespace gives the program another host pid (in a new
+    namespace); its inner pid, environment and so its key stay: the host goes on with the new
+    pid."""
+    prog = gpu.spawn(scope="box-c", pid_namespace=True, mount_proc=False, mem=2 * GIB)
+    old, restored = prog.pid, None
+    try:
+        driver.lock(old, 1000)
+        driver.checkpoint(old)
+        images = tmp_path / "img"
+        images.mkdir()
+        r = subprocess.run([_criu(), "dump", "-t", str(old), "-D", str(images), "-o", "dump.log"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, (images / "dump.log").read_text()[-3000:]
+        prog.proc.wait(10)                                   # unshare ends with its child
+        r = subprocess.run([_criu(), "restore", "-d", "-D", str(images), "-o", "restore.log",
+                            "--pidfile", str(tmp_path / "pid")],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, (images / "restore.log").read_text()[-3000:]
+        restored = int((tmp_path / "pid").read_text())
+        assert restored != old          # (its pid namespace is new; the inode number may recur)
+        assert nspid_of(restored) == 1 and key_of(restored) == "box-c.1"
+        assert pid_of("box-c.1") == restored
+        assert driver.get_state(restored) is ProcessState.CHECKPOINTED
+        driver.restore(restored, {GPU0: GPU1})
+        assert gpu.proc_entry("box-c.1")["gpu"] == GPU1
+        assert _pids(nvml, 1) == {restored: 2 * GIB}
+        before = prog.tick()
+        driver.unlock(restored)
+        assert prog.wait_tick(before + 2) > before + 2     # the restored one ticks on
+        assert [(c.call, c.pid) for c in gpu.calls() if c.call != "get_state"] == [
+            ("lock", old), ("checkpoint", old), ("restore", restored), ("unlock", restored)]
+    finally:
+        prog.kill()
+        if restored:
+            try:
+                os.kill(restored, 9)
+            except ProcessLookupError:
+                pass
