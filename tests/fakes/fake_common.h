@@ -70,6 +70,8 @@ typedef struct {
     char gpu[FK_UUID_LEN];
     unsigned long long mem;
     char pairs[FK_PAIRS_LEN];
+    unsigned long long pidns; /* PID namespace inode of the process it is (fk_pidns) */
+    char image[FK_UUID_LEN];  /* GPU at the last checkpoint: what a CRIU image of it holds */
     char extra[FK_EXTRA_LEN]; /* unknown lines, kept as they were */
 } fk_proc;
 
@@ -435,6 +437,10 @@ static inline int fk_proc_read(const char *dir, const char *key, fk_proc *p)
             p->mem = strtoull(val, NULL, 10);
         else if (!strcmp(key, "restored_pairs"))
             snprintf(p->pairs, sizeof p->pairs, "%s", val);
+        else if (!strcmp(key, "pidns"))
+            p->pidns = strtoull(val, NULL, 10);
+        else if (!strcmp(key, "image"))
+            snprintf(p->image, sizeof p->image, "%s", val);
         else {
             size_t used = strlen(p->extra);
             snprintf(p->extra + used, sizeof p->extra - used, "%s=%s\n", key, val);
@@ -451,9 +457,44 @@ static inline int fk_proc_write(const char *dir, const char *key, const fk_proc 
     snprintf(sub, sizeof sub, "%s/proc", dir);
     mkdir(sub, 0755);
     fk_proc_path(dir, key, path, sizeof path);
-    snprintf(buf, sizeof buf, "state=%d\ngpu=%s\nmem=%llu\nrestored_pairs=%s\n%s", p->state,
-             p->gpu, p->mem, p->pairs, p->extra);
+    snprintf(buf, sizeof buf, "state=%d\ngpu=%s\nmem=%llu\nrestored_pairs=%s\npidns=%llu\n"
+             "image=%s\n%s", p->state, p->gpu, p->mem, p->pairs, p->pidns, p->image, p->extra);
     return fk_write_atomic(path, buf);
+}
+
+/* The inode of pid's PID namespace (0: this process's), the same seen from anywhere; 0 when
+ * unknown. A CRIU restore of a container makes a new PID namespace: a new incarnation of the
+ * same key. (Not the start time: /proc shows it shifted by the reader's time namespace, and
+ * CRIU may restore into one.) */
+static inline unsigned long long fk_pidns(int pid)
+{
+    char path[64], link[128];
+    ssize_t n;
+    if (pid > 0)
+        snprintf(path, sizeof path, "/proc/%d/ns/pid", pid);
+    else
+        snprintf(path, sizeof path, "/proc/self/ns/pid");
+    n = readlink(path, link, sizeof link - 1);
+    if (n <= 0)
+        return 0;
+    link[n] = 0;
+    return strncmp(link, "pid:[", 5) ? 0 : strtoull(link + 5, NULL, 10);
+}
+
+/* The driver state lives in the process: a process CRIU restored from an image into a new PID
+ * namespace (same key, another namespace) is CHECKPOINTED on the GPU it was checkpointed on,
+ * whatever its original did after the dump (--leave-running). Returns 1 when p changed (the
+ * caller writes it). A bare process restored into the same PID namespace is not told apart. */
+static inline int fk_adopt(fk_proc *p, unsigned long long pidns_now)
+{
+    if (!pidns_now || p->pidns == pidns_now)
+        return 0;
+    if (p->pidns && p->image[0]) {
+        p->state = FK_CHECKPOINTED;
+        snprintf(p->gpu, sizeof p->gpu, "%s", p->image);
+    }
+    p->pidns = pidns_now;
+    return 1;
 }
 
 /* Bytes held on GPU `uuid` by live processes that are not CHECKPOINTED (skipping the entry

@@ -281,6 +281,7 @@ EXPORT CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev
         p.state = FK_RUNNING;
         snprintf(p.gpu, sizeof p.gpu, "%s", gpus[dev].uuid);
     }
+    p.pidns = fk_pidns(0);
     rc = fk_proc_write(dir, key, &p) == 0 ? CUDA_SUCCESS : CUDA_ERROR_OPERATING_SYSTEM;
     fk_unlock(fd);
     if (rc == CUDA_SUCCESS) {
@@ -303,6 +304,12 @@ static CUresult wait_running(const char **dirp, fk_proc *p, char *key, size_t si
         const char *dir = fk_dir();
         if (!dir || fk_proc_read(dir, key, p) != 0)
             return CUDA_ERROR_DEINITIALIZED; /* the fake host went away */
+        if (fk_adopt(p, fk_pidns(0))) {
+            int fd = fk_lock(dir);
+            if (fk_proc_read(dir, key, p) == 0 && fk_adopt(p, fk_pidns(0)))
+                fk_proc_write(dir, key, p);
+            fk_unlock(fd);
+        }
         if (p->state == FK_RUNNING) {
             *dirp = dir;
             return CUDA_SUCCESS;
@@ -430,6 +437,8 @@ static CUresult get_proc(const char *dir, int pid, fk_proc *p, char *key, size_t
     fk_key_of(pid, key, size);
     if (fk_proc_read(dir, key, p) != 0)
         return CUDA_ERROR_INVALID_VALUE;
+    if (fk_adopt(p, fk_pidns(pid)))
+        fk_proc_write(dir, key, p);
     return CUDA_SUCCESS;
 }
 
@@ -453,6 +462,8 @@ static CUresult transition(const char *dir, int pid, int from, int to)
         rc = CUDA_ERROR_ILLEGAL_STATE;
     if (rc == CUDA_SUCCESS) {
         p.state = to;
+        if (to == FK_CHECKPOINTED)
+            snprintf(p.image, sizeof p.image, "%s", p.gpu);
         if (fk_proc_write(dir, key, &p) != 0)
             rc = CUDA_ERROR_OPERATING_SYSTEM;
     }

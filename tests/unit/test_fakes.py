@@ -518,7 +518,7 @@ def test_scoped_key_survives_criu_restore(gpu, driver, nvml, tmp_path):
         assert driver.get_state(restored) is ProcessState.CHECKPOINTED
         driver.restore(restored, {GPU0: GPU1})
         assert gpu.proc_entry("box-c.1")["gpu"] == GPU1
-        assert _pids(nvml, 1) == {restored: 2 * GIB}
+        assert _pids(nvml, 1) == {restored: 2 * GIB}, (gpu.state_dir / "proc" / "box-c.1").read_text()
         before = prog.tick()
         driver.unlock(restored)
         assert prog.wait_tick(before + 2) > before + 2     # the restored one ticks on

@@ -1,0 +1,401 @@
+"""GPU containers through torpor-runtime, with real podman, containerd, runc and CRIU and a fake
+GPU (tests/fakes): the fake CUDA program runs inside the container; torpord (a real one, on
+its own socket) locks, checkpoints and restores it through the fake driver by host PID.
+
+Each test checks what the operator relies on: the checkpoint carries torpor.json inside the
+exported archive / checkpoint image, the restored program continues (same process: its tick
+goes on, the fake driver saw restore+unlock on the new host PID), the bundle is rewritten for
+another GPU, and every failure leaves the container running or says why it stopped it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import stat
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from integration.containers import ContainerError, Containerd, Podman
+from tests.fakes.fakegpu import CHECKPOINTED, RUNNING, FakeGpu, pid_of
+from tests.integration.conftest import needs_criu, wait_for
+from tests.integration.torpord import Daemon
+from torpor.archive import _open_stream
+
+pytestmark = [needs_criu, pytest.mark.criu]
+GIB = 1 << 30
+TORPOR_RUNTIME = shutil.which("torpor-runtime") or "/usr/local/bin/torpor-runtime"
+
+
+def _needs(*tools: str) -> None:
+    missing = [t for t in tools if shutil.which(t) is None]
+    if missing:
+        pytest.skip(f"needs {' '.join(missing)} (./install.sh)")
+
+
+@pytest.fixture
+def base():
+    d = Path(tempfile.mkdtemp(prefix="tpc", dir="/tmp"))  # short: socket paths
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def gpu(base):
+    with FakeGpu(base / "gpu") as g:
+        yield g
+
+
+@pytest.fixture
+def daemon(base, gpu):
+    d = Daemon(base, gpu).start()
+    yield d
+    d.stop()
+
+
+class Shim:
+    """torpor-runtime as the engines call it, behind a wrapper that sets torpor's environment
+    (podman and conmon pass the runtime no variables of ours). extra: more variables, e.g.
+    TORPOR_DEVICE_MAP or TORPOR_OCI_RUNTIME."""
+
+    def __init__(self, base: Path, daemon: Daemon, gpu: FakeGpu):
+        if not os.access(TORPOR_RUNTIME, os.X_OK):
+            pytest.skip("torpor-runtime is not installed (./install.sh)")
+        self.path = base / "torpor-runtime-test"
+        self.env = {k: v for k, v in daemon.env.items()
+                    if k.startswith(("TORPOR_", "FAKE_CUDA")) or k == "LD_LIBRARY_PATH"}
+        self.write()
+
+    def write(self, **extra: str) -> None:
+        lines = ["#!/bin/sh"] + [f"export {k}='{v}'" for k, v in {**self.env, **extra}.items()]
+        lines.append(f'exec {TORPOR_RUNTIME} "$@"')
+        self.path.write_text("\n".join(lines) + "\n")
+        self.path.chmod(0o700)
+
+    def log(self, daemon: Daemon) -> str:
+        p = daemon.cfg.state_dir / "runtime.log"
+        return p.read_text() if p.exists() else ""
+
+
+@pytest.fixture
+def shim(base, daemon, gpu):
+    return Shim(base, daemon, gpu)
+
+
+@pytest.fixture
+def name(request) -> str:
+    test = re.sub(r"[^A-Za-z0-9]+", "-", request.node.name.removeprefix("test_"))
+    return f"tg{os.getpid()}-{test}"[:60].strip("-")
+
+
+def fake_nodes(base: Path) -> dict[int, Path]:
+    """Character nodes 195:N (as the NVIDIA driver makes them) outside /dev, for --device."""
+    out = {}
+    for minor in (0, 1, 255):
+        p = base / "dev" / (f"nvidia{minor}" if minor != 255 else "nvidiactl")
+        p.parent.mkdir(exist_ok=True)
+        if not p.exists():
+            os.mknod(p, 0o666 | stat.S_IFCHR, os.makedev(195, minor))
+        out[minor] = p
+    return out
+
+
+class Workload:
+    """The fake CUDA program in a container: its status file, key and host PID."""
+
+    def __init__(self, gpu: FakeGpu, scope: str, gpu_index: int = 0, mem: int = 2 * GIB):
+        self.gpu = gpu
+        self.scope = scope
+        self.status = gpu.state_dir / f"{scope}.status.json"
+        self.argv, self.env, self.mounts = gpu.container_workload(scope, gpu_index, mem,
+                                                                  self.status)
+
+    def doc(self) -> dict:
+        try:
+            return json.loads(self.status.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def tick(self) -> int:
+        return int(self.doc().get("tick", -1))
+
+    @property
+    def key(self) -> str:
+        return f"{self.scope}.{self.doc()['pid']}"
+
+    def entry(self) -> dict:
+        return self.gpu.proc_entry(self.key) or {}
+
+    def host_pid(self) -> int | None:
+        return pid_of(self.key)
+
+    def wait_ticking(self, above: int = -1, timeout: float = 20) -> int:
+        wait_for(lambda: self.tick() > above, timeout, f"tick > {above} ({self.doc()})")
+        assert "error" not in self.doc(), self.doc()
+        return self.tick()
+
+
+def _assert_stalled(w: Workload, watch: float = 0.5) -> None:
+    before = w.tick()
+    time.sleep(watch)
+    assert w.tick() == before, "the program ran on while its GPU state was checkpointed"
+
+
+def _manifest_in_tar(archive: Path) -> dict:
+    """torpor.json as podman exported it (any compression), where podman's import puts it."""
+    with _open_stream(archive) as stream, tarfile.open(fileobj=stream, mode="r|*") as tf:
+        found = {m.name: tf.extractfile(m).read() for m in tf if m.name.endswith("torpor.json")}
+    assert list(found) == ["checkpoint/torpor.json"], list(found)
+    return json.loads(found["checkpoint/torpor.json"])
+
+
+# -- podman -----------------------------------------------------------------------------------
+
+@pytest.fixture
+def podman(shim):
+    _needs("podman")
+    p = Podman(str(shim.path))
+    p.ensure_image()
+    return p
+
+
+def _run_podman(podman: Podman, name: str, w: Workload, nodes: dict[int, Path], gpu: FakeGpu,
+                minor: int = 0) -> None:
+    podman.run(name, w.argv, mounts=w.mounts,
+               env={**w.env, "NVIDIA_VISIBLE_DEVICES": gpu.uuid(minor)},
+               devices=[f"{nodes[minor]}:/dev/nvidia{minor}", f"{nodes[255]}:/dev/nvidiactl"])
+
+
+def test_podman_export_import_same_gpu(podman, gpu, daemon, shim, name, base):
+    nodes = fake_nodes(base)
+    w = Workload(gpu, "same")
+    _run_podman(podman, name, w, nodes, gpu)
+    try:
+        w.wait_ticking()
+        spec = json.loads((podman.bundle(name) / "config.json").read_text())
+        assert [h["args"] for h in spec["hooks"]["createRuntime"]] == [
+            ["torpor-hook", "createRuntime"]]
+        wait_for(lambda: any(c["id"].startswith(podman.inspect(name, "{{.Id}}"))
+                             for c in daemon.client().list()["containers"]), 10,
+                 "the hook registering the container")
+        host_pid = w.host_pid()
+        assert host_pid and host_pid == podman.pid(name)
+        archive = base / "ck.tar.zst"
+        podman.checkpoint(name, export=archive)
+        assert podman.state(name) == "exited"
+        assert w.entry()["state"] == CHECKPOINTED
+        m = _manifest_in_tar(archive)
+        assert m["container"]["minors"] == [0] and m["container"]["visible"] == [gpu.uuid(0)]
+        assert [g["uuid"] for g in m["gpus"]] == [gpu.uuid(0)]
+        assert [(p["cuda"], p["gpu_memory"]) for p in m["processes"]] == [(True, 2 * GIB)]
+        assert m["files"]["pstree.img"]["sha256"]
+        tick = w.tick()
+        podman.rm(name)
+        podman.restore(import_=archive)
+        assert podman.state(name) == "running"
+        new_pid = podman.pid(name)
+        assert new_pid != host_pid and w.host_pid() == new_pid
+        w.wait_ticking(tick)
+        assert w.entry()["state"] == RUNNING and w.entry()["gpu"] == gpu.uuid(0)
+        calls = [(c.call, c.pid) for c in gpu.calls() if c.call in ("restore", "unlock")]
+        assert calls == [("restore", new_pid), ("unlock", new_pid)]
+    finally:
+        podman.rm(name)
+
+
+def test_podman_restore_onto_other_gpu_rewrites_bundle(podman, gpu, daemon, shim, name, base):
+    nodes = fake_nodes(base)
+    w = Workload(gpu, "move")
+    _run_podman(podman, name, w, nodes, gpu)
+    try:
+        w.wait_ticking()
+        archive = base / "ck.tar"
+        podman.checkpoint(name, export=archive, compress="none")
+        tick = w.tick()
+        podman.rm(name)
+        shim.write(TORPOR_DEVICE_MAP=f"{gpu.uuid(0)}={gpu.uuid(1)}")
+        podman.restore(import_=archive)
+        w.wait_ticking(tick)
+        e = w.entry()
+        assert e["state"] == RUNNING and e["gpu"] == gpu.uuid(1)
+        assert e["restored_pairs"] == [(gpu.uuid(0), gpu.uuid(1))]
+        spec = json.loads((podman.bundle(name) / "config.json").read_text())
+        assert [d["path"] for d in spec["linux"]["devices"] if "nvidia" in d["path"]] == [
+            "/dev/nvidia1", "/dev/nvidiactl"]
+        assert f"NVIDIA_VISIBLE_DEVICES={gpu.uuid(1)}" in spec["process"]["env"]
+        rules = {(r.get("major"), r.get("minor")) for r in spec["linux"]["resources"]["devices"]
+                 if r.get("allow")}
+        assert (195, 1) in rules and (195, 0) not in rules
+        node = Path(f"/proc/{podman.pid(name)}/root/dev/nvidia1")
+        assert stat.S_ISCHR(node.stat().st_mode) and node.stat().st_rdev == os.makedev(195, 1)
+    finally:
+        podman.rm(name)
+
+
+def test_podman_leave_running(podman, gpu, daemon, shim, name, base):
+    nodes = fake_nodes(base)
+    w = Workload(gpu, "leave")
+    _run_podman(podman, name, w, nodes, gpu)
+    try:
+        w.wait_ticking()
+        podman.checkpoint(name, leave_running=True, export=base / "ck.tar", compress="none")
+        assert podman.state(name) == "running"
+        w.wait_ticking(w.tick())
+        assert w.entry()["state"] == RUNNING
+        assert _manifest_in_tar(base / "ck.tar")["leave_running"] is True
+    finally:
+        podman.rm(name)
+
+
+def test_podman_failed_dump_rolls_back_and_container_runs(podman, gpu, daemon, shim, name,
+                                                           base):
+    nodes = fake_nodes(base)
+    w = Workload(gpu, "dumpfail")
+    _run_podman(podman, name, w, nodes, gpu)
+    try:
+        w.wait_ticking()
+        # the real runtime fails its checkpoint (as CRIU on a full disk does)
+        failing = base / "runc-failing-checkpoint"
+        failing.write_text('#!/bin/sh\ncase "$*" in *checkpoint*--image-path*) '
+                           'echo "criu failed: No space left on device" >&2; exit 1;; esac\n'
+                           'exec runc "$@"\n')
+        failing.chmod(0o700)
+        shim.write(TORPOR_OCI_RUNTIME=str(failing))
+        with pytest.raises(ContainerError) as err:
+            podman.checkpoint(name, export=base / "ck.tar")
+        assert "rolled back" in err.value.stderr
+        assert podman.state(name) == "running"
+        w.wait_ticking(w.tick())
+        assert w.entry()["state"] == RUNNING
+        assert daemon.client().list()["operations"] == []
+    finally:
+        podman.rm(name)
+
+
+def test_podman_lock_failure_leaves_container_running(podman, gpu, daemon, shim, name, base):
+    nodes = fake_nodes(base)
+    w = Workload(gpu, "lockfail")
+    _run_podman(podman, name, w, nodes, gpu)
+    try:
+        w.wait_ticking()
+        gpu.fail("checkpoint", "CUDA_ERROR_OUT_OF_MEMORY")
+        with pytest.raises(ContainerError) as err:
+            podman.checkpoint(name, export=base / "ck.tar")
+        assert "CUDA_ERROR_OUT_OF_MEMORY" in err.value.stderr
+        assert podman.state(name) == "running"
+        w.wait_ticking(w.tick())
+        assert w.entry()["state"] == RUNNING
+    finally:
+        podman.rm(name)
+
+
+def test_podman_gpu_restore_failure_stops_container_and_says_why(podman, gpu, daemon, shim,
+                                                                 name, base):
+    nodes = fake_nodes(base)
+    w = Workload(gpu, "restfail")
+    _run_podman(podman, name, w, nodes, gpu)
+    try:
+        w.wait_ticking()
+        archive = base / "ck.tar"
+        podman.checkpoint(name, export=archive, compress="none")
+        podman.rm(name)
+        gpu.fail("restore", "CUDA_ERROR_UNKNOWN")
+        with pytest.raises(ContainerError) as err:
+            podman.restore(import_=archive)
+        text = err.value.stderr + err.value.stdout
+        assert "GPU restore of container" in text and "CUDA_ERROR_UNKNOWN" in text, text
+        assert podman.state(name) != "running"
+    finally:
+        podman.rm(name)
+
+
+def test_podman_restore_refused_before_start_when_no_gpu_fits(podman, gpu, daemon, shim, name,
+                                                              base):
+    nodes = fake_nodes(base)
+    w = Workload(gpu, "nofit")
+    _run_podman(podman, name, w, nodes, gpu)
+    try:
+        w.wait_ticking()
+        archive = base / "ck.tar"
+        podman.checkpoint(name, export=archive, compress="none")
+        podman.rm(name)
+        shim.write(TORPOR_DEVICE_MAP=f"{gpu.uuid(0)}=GPU-00000000-0000-0000-0000-000000000000")
+        with pytest.raises(ContainerError) as err:
+            podman.restore(import_=archive)
+        assert "not on this host" in err.value.stderr + err.value.stdout
+        assert not [c for c in gpu.calls() if c.call == "restore"]
+    finally:
+        podman.rm(name)
+
+
+def test_podman_corrupt_archive_refused(podman, gpu, daemon, shim, name, base):
+    nodes = fake_nodes(base)
+    w = Workload(gpu, "corrupt")
+    _run_podman(podman, name, w, nodes, gpu)
+    try:
+        w.wait_ticking()
+        archive = base / "ck.tar"
+        podman.checkpoint(name, export=archive, compress="none")
+        podman.rm(name)
+        bad = base / "bad.tar"
+        with tarfile.open(archive) as src, tarfile.open(bad, "w") as dst:
+            for member in src.getmembers():
+                data = src.extractfile(member) if member.isfile() else None
+                if member.name == "checkpoint/pstree.img":
+                    raw = bytearray(data.read())
+                    raw[-1] ^= 0xFF
+                    data = io.BytesIO(bytes(raw))
+                dst.addfile(member, data)
+        with pytest.raises(ContainerError) as err:
+            podman.restore(import_=bad)
+        assert "checksum mismatch" in err.value.stderr + err.value.stdout
+        assert not [c for c in gpu.calls() if c.call == "restore"]
+    finally:
+        podman.rm(name)
+
+
+# -- containerd ----------------------------------------------------------------------------------
+
+@pytest.fixture
+def containerd(shim):
+    _needs("containerd", "ctr")
+    c = Containerd(str(shim.path))
+    c.ensure_image()
+    yield c
+    c.stop()
+
+
+def test_containerd_checkpoint_restore_onto_other_gpu(containerd, gpu, daemon, shim, name):
+    w = Workload(gpu, "ctrd")
+    containerd.run(name, w.argv, mounts=w.mounts,
+                   env={**w.env, "NVIDIA_VISIBLE_DEVICES": gpu.uuid(0)})
+    ref = f"localhost/torpor-test-ck:{name.lower()}"
+    try:
+        w.wait_ticking()
+        host_pid = containerd.pid(name)
+        assert w.host_pid() == host_pid
+        containerd.checkpoint(name, ref, leave_running=True)
+        assert containerd.state(name) == "running"
+        w.wait_ticking(w.tick())
+        assert w.entry()["state"] == RUNNING
+        tick = w.tick()
+        containerd.rm(name)
+        shim.write(TORPOR_DEVICE_MAP=f"{gpu.uuid(0)}={gpu.uuid(1)}")
+        containerd.restore(ref, name)
+        assert containerd.state(name) == "running"
+        w.wait_ticking(tick)
+        assert w.host_pid() == containerd.pid(name) != host_pid
+        e = w.entry()
+        assert e["state"] == RUNNING and e["gpu"] == gpu.uuid(1)
+        spec = json.loads((containerd.bundle(name) / "config.json").read_text())
+        assert f"NVIDIA_VISIBLE_DEVICES={gpu.uuid(1)}" in spec["process"]["env"]
+    finally:
+        containerd.rm(name)
+        containerd.rm_image(ref)
