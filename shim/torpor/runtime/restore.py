@@ -57,8 +57,9 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
     cuda = [p for p in m["processes"] if p["cuda"]]
     gpu_map: dict[str, str] = {}
     moves: list[oci.Move] = []
+    explicit = False
     if cuda:
-        gpu_map, moves = _place(cfg, m, bundle)
+        gpu_map, moves, explicit = _place(cfg, m, bundle)
         ensure_running(cfg)   # a sidecar that cannot start is a refusal, before anything runs
     log.info("restore %s: pre-flight done in %.2f s; GPU map %s", cid, time.monotonic() - t0,
              gpu_map or "none")
@@ -75,7 +76,8 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
     try:
         if moves:
             _device_nodes(pid, moves)
-        driver_map = gpu_map if any(o != n for o, n in gpu_map.items()) else {}
+        # Same GPUs: the driver restores without pairs, unless a map was asked for.
+        driver_map = gpu_map if explicit or any(o != n for o, n in gpu_map.items()) else {}
         with Client(cfg) as c:
             out = c.restore_and_unlock(pids=[pid], gpu_map=driver_map)
     except TorporError as e:
@@ -87,7 +89,9 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
     return 0 if detached else proc.wait()
 
 
-def _place(cfg: Config, m: dict[str, Any], bundle: Path) -> tuple[dict[str, str], list[oci.Move]]:
+def _place(cfg: Config, m: dict[str, Any], bundle: Path
+           ) -> tuple[dict[str, str], list[oci.Move], bool]:
+    """(old UUID -> new UUID, the moves it makes, whether an explicit map was given)."""
     try:
         inv = gpus.discover()
     except NoDriverError as e:
@@ -107,7 +111,7 @@ def _place(cfg: Config, m: dict[str, Any], bundle: Path) -> tuple[dict[str, str]
         oci.save(bundle, spec)
         for line in changes:
             log.info("restore: %s", line)
-    return gpu_map, moves
+    return gpu_map, moves, bool(explicit)
 
 
 def _read_pid(path: Path) -> int | None:
