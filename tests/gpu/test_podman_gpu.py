@@ -1,0 +1,123 @@
+"""podman GPU containers through torpor-runtime on a real GPU: PyTorch continues bit-exact.
+
+Unchanged podman commands (`container checkpoint --export`, `container restore --import`) with
+the runtime set to torpor-runtime (TORPOR_TEST_RUNTIME, default /usr/local/bin/torpor-runtime);
+each container's steps are compared with an uninterrupted reference run of the same seed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tarfile
+
+import pytest
+
+from integration.containers import ContainerError, Podman
+from integration.gpu import TorchContainer
+from tests.gpu.compare_steps import compare
+from tests.gpu.conftest import GPU_SKIP, gpu_uuid
+from torpor import driver
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPU_SKIP is not None, reason=GPU_SKIP or "")]
+RUNTIME = os.environ.get("TORPOR_TEST_RUNTIME", "/usr/local/bin/torpor-runtime")
+
+
+@pytest.fixture(scope="module")
+def podman() -> Podman:
+    if shutil.which("podman") is None or not os.access(RUNTIME, os.X_OK):
+        pytest.skip(f"needs podman and {RUNTIME}")
+    p = Podman(RUNTIME, timeout=900)
+    p.ensure_image()
+    return p
+
+
+@pytest.fixture
+def containers(podman, tmp_path):
+    made: list[str] = []
+
+    def make(name: str, gib: float, **kw) -> TorchContainer:
+        made.append(name)
+        podman.rm(name)
+        return TorchContainer(podman, name, tmp_path, gib, **kw)
+    yield make
+    for n in made:
+        podman.rm(n)
+
+
+def _bit_exact(ref: TorchContainer, tc: TorchContainer, last: int) -> None:
+    ref.wait(lambda: ref.status().get("done") or ref.step() >= last, 600, f"reference step {last}")
+    tc.wait_step(last, timeout=600)
+    n, mismatch = compare(str(ref.steps), str(tc.steps))
+    assert mismatch is None, f"diverged at {mismatch}"
+    assert n >= last, f"only {n} common steps"
+
+
+def _cuda_state(pid: int) -> str:
+    return driver.Driver.load(os.environ.get("TORPOR_LIBCUDA", "libcuda.so.1")).get_state(pid).name
+
+
+def test_podman_export_import_continues_bit_exact(podman, containers, tmp_path):
+    ref = containers("ref", 2.0, max_steps=60)
+    tc = containers("gpu1", 2.0)
+    ref.start()
+    tc.start()
+    tc.wait_ready()
+    tc.wait_step(10)
+    old_pid = podman.pid(tc.name)
+    archive = tmp_path / "gpu1.tar"
+    podman.checkpoint(tc.name, export=archive, compress="none")
+    assert podman.state(tc.name) == "exited"
+    with tarfile.open(archive) as tf:
+        assert "checkpoint/torpor.json" in tf.getnames()
+    at = tc.step()
+    podman.rm(tc.name)
+    podman.restore(import_=archive)
+    new_pid = podman.pid(tc.name)
+    assert new_pid != old_pid and _cuda_state(new_pid) == "RUNNING"
+    tc.wait_step(at + 10)
+    _bit_exact(ref, tc, 59)
+
+
+def test_podman_restore_with_device_map_onto_same_gpu_uuid(podman, containers, tmp_path):
+    u = gpu_uuid()
+    ref = containers("ref", 1.0, max_steps=40)
+    tc = containers("gpu2", 1.0, annotations={"org.torpor.device-map": f"{u}={u}"})
+    ref.start()
+    tc.start()
+    tc.wait_ready()
+    tc.wait_step(5)
+    archive = tmp_path / "gpu2.tar.zst"
+    podman.checkpoint(tc.name, export=archive)            # podman's default: zstd
+    at = tc.step()
+    podman.rm(tc.name)
+    podman.restore(import_=archive)
+    tc.wait_step(at + 10)
+    log = open("/var/lib/torpor/runtime.log").read() if os.path.exists(
+        "/var/lib/torpor/runtime.log") else ""
+    assert f"GPU map {{'{u}': '{u}'}}" in log
+    _bit_exact(ref, tc, 39)
+
+
+def test_podman_dump_on_full_disk_leaves_container_running(podman, containers, tmp_path):
+    ref = containers("ref", 1.0, max_steps=40)
+    tc = containers("gpu3", 1.0)
+    ref.start()
+    tc.start()
+    tc.wait_ready()
+    tc.wait_step(5)
+    images = podman.bundle(tc.name) / "checkpoint"
+    images.mkdir(exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(images)], check=True)
+    try:
+        with pytest.raises(ContainerError) as err:
+            podman.checkpoint(tc.name, export=tmp_path / "gpu3.tar")
+    finally:
+        subprocess.run(["umount", "-l", str(images)])
+    assert "rolled back" in err.value.stderr, err.value.stderr
+    assert podman.state(tc.name) == "running"
+    assert _cuda_state(podman.pid(tc.name)) == "RUNNING"
+    at = tc.step()
+    tc.wait_step(at + 10)
+    _bit_exact(ref, tc, 39)
