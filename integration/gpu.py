@@ -73,7 +73,10 @@ class TorchContainer:
                 str(self.seed), "--steps-file", str(self.steps), "--status",
                 str(self.status_path), "--max-steps", str(self.max_steps)]
         shell = " ".join(f"'{a}'" for a in argv) + f" >>'{self.log}' 2>&1"
-        return self.podman.run(self.name, ["/bin/sh", "-c", f"exec {shell}"],
+        # The image has no /etc/passwd: torch asks getpass for a cache directory name.
+        env = {"USER": "root", "HOME": str(self.workdir),
+               "TORCHINDUCTOR_CACHE_DIR": str(self.workdir / "inductor")}
+        return self.podman.run(self.name, ["/bin/sh", "-c", f"exec {shell}"], env=env,
                                devices=nvidia_devices(),
                                mounts=gpu_mounts(self.workdir, TORCH_PROGRAM.parent),
                                annotations=self.annotations)
@@ -95,9 +98,14 @@ class TorchContainer:
 
     def wait(self, pred, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
+        next_check = time.monotonic() + 2
         while time.monotonic() < deadline:
             if pred():
                 return
+            if time.monotonic() > next_check:   # a container that exited will not get there
+                next_check = time.monotonic() + 2
+                if self.podman.state(self.name) not in ("running", "paused"):
+                    break
             time.sleep(0.05)
         raise AssertionError(f"{self.name}: timed out waiting for {what}; "
                              f"state {self.podman.state(self.name)}; log: {self._tail()}")
