@@ -43,6 +43,7 @@ if [[ -n "${BENCH_SIZES:-}" ]]; then
 fi
 if [[ -n "${PODMAN_BENCH_SIZES:-}" ]]; then
     python3 bench/podman_path.py --sizes $PODMAN_BENCH_SIZES --workdir /tmp/torpor-pbench \
+        --runc /opt/podman-bundle/bin/runc \
         --out "$OUT/podman_path.json" 2>&1 | tee "$OUT/podman-bench.txt"
 fi
 cp /var/lib/torpor/*.log "$OUT/" 2>/dev/null

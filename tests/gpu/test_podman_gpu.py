@@ -96,7 +96,9 @@ def test_podman_restore_with_device_map_onto_same_gpu_uuid(podman, containers, t
     tc.wait_step(at + 10)
     log = open("/var/lib/torpor/runtime.log").read() if os.path.exists(
         "/var/lib/torpor/runtime.log") else ""
-    assert f"GPU map {{'{u}': '{u}'}}" in log
+    cid = podman.inspect(tc.name, "{{.Id}}")
+    assert any(f"restore {cid}: pre-flight" in line and f"{{'{u}': '{u}'}} (explicit)" in line
+               for line in log.splitlines()), log[-2000:]
     _bit_exact(ref, tc, 39)
 
 

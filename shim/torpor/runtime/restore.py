@@ -61,8 +61,8 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
     if cuda:
         gpu_map, moves, explicit = _place(cfg, m, bundle)
         ensure_running(cfg)   # a sidecar that cannot start is a refusal, before anything runs
-    log.info("restore %s: pre-flight done in %.2f s; GPU map %s", cid, time.monotonic() - t0,
-             gpu_map or "none")
+    log.info("restore %s: pre-flight done in %.2f s; GPU map %s%s", cid, time.monotonic() - t0,
+             gpu_map or "none", " (explicit)" if explicit else "")
     proc = runtime.run()
     detached = inv.flag("detach", "d")
     if detached or not cuda:
