@@ -208,6 +208,19 @@ def oci_archive(image: str = IMAGE) -> bytes:
     return buf.getvalue()
 
 
+def _run_flags(devices: Iterable[str], env: Mapping[str, str] | None,
+               annotations: Mapping[str, str] | None) -> list[str]:
+    """--device / --env / --annotation, spelled alike by podman run and ctr run."""
+    args: list[str] = []
+    for d in devices:
+        args += ["--device", d]
+    for k, v in (env or {}).items():
+        args += ["--env", f"{k}={v}"]
+    for k, v in (annotations or {}).items():
+        args += ["--annotation", f"{k}={v}"]
+    return args
+
+
 # --- podman ----------------------------------------------------------------------------------
 
 class Podman:
@@ -246,12 +259,7 @@ class Podman:
         for src, dst, ro in [("/usr", "/usr", True), *mounts]:
             args += ["--mount", f"type=bind,src={src},dst={dst},{'ro=true,' if ro else ''}"
                                 "bind-nonrecursive"]
-        for d in devices:
-            args += ["--device", d]
-        for k, v in (env or {}).items():
-            args += ["--env", f"{k}={v}"]
-        for k, v in (annotations or {}).items():
-            args += ["--annotation", f"{k}={v}"]
+        args += _run_flags(devices, env, annotations)
         return self._p(*args, self.ensure_image(), *cmd).stdout.strip()
 
     def inspect(self, name: str, fmt: str) -> str:
@@ -415,12 +423,7 @@ class Containerd:
                            "--runc-binary", self.runtime_binary]
         for src, dst, ro in [("/usr", "/usr", True), *mounts]:
             args += ["--mount", f"type=bind,src={src},dst={dst},options=bind:{'ro' if ro else 'rw'}"]
-        for d in devices:
-            args += ["--device", d]
-        for k, v in (env or {}).items():
-            args += ["--env", f"{k}={v}"]
-        for k, v in (annotations or {}).items():
-            args += ["--annotation", f"{k}={v}"]
+        args += _run_flags(devices, env, annotations)
         self._c(*args, image, name, *cmd)
         return name
 

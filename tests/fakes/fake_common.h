@@ -71,6 +71,7 @@ typedef struct {
     unsigned long long mem;
     char pairs[FK_PAIRS_LEN];
     unsigned long long pidns; /* PID namespace inode of the process it is (fk_pidns) */
+    char host[64];            /* "<host pid>:<start time>" of it, as the host last saw it */
     char image[FK_UUID_LEN];  /* GPU at the last checkpoint: what a CRIU image of it holds */
     char extra[FK_EXTRA_LEN]; /* unknown lines, kept as they were */
 } fk_proc;
@@ -439,6 +440,8 @@ static inline int fk_proc_read(const char *dir, const char *key, fk_proc *p)
             snprintf(p->pairs, sizeof p->pairs, "%s", val);
         else if (!strcmp(key, "pidns"))
             p->pidns = strtoull(val, NULL, 10);
+        else if (!strcmp(key, "host"))
+            snprintf(p->host, sizeof p->host, "%s", val);
         else if (!strcmp(key, "image"))
             snprintf(p->image, sizeof p->image, "%s", val);
         else {
@@ -458,7 +461,8 @@ static inline int fk_proc_write(const char *dir, const char *key, const fk_proc 
     mkdir(sub, 0755);
     fk_proc_path(dir, key, path, sizeof path);
     snprintf(buf, sizeof buf, "state=%d\ngpu=%s\nmem=%llu\nrestored_pairs=%s\npidns=%llu\n"
-             "image=%s\n%s", p->state, p->gpu, p->mem, p->pairs, p->pidns, p->image, p->extra);
+             "host=%s\nimage=%s\n%s", p->state, p->gpu, p->mem, p->pairs, p->pidns, p->host,
+             p->image, p->extra);
     return fk_write_atomic(path, buf);
 }
 
@@ -495,6 +499,34 @@ static inline int fk_adopt(fk_proc *p, unsigned long long pidns_now)
     }
     p->pidns = pidns_now;
     return 1;
+}
+
+/* The host side's view of the same event, for host pid `pid`: a PID namespace inode can be
+ * reused by the restored container, the host's "<pid>:<start time>" cannot (the host reads
+ * /proc from its own namespaces, so start times compare). Returns 1 when p changed. */
+static inline int fk_adopt_host(fk_proc *p, int pid)
+{
+    char path[64], buf[4096], id[64], *c;
+    unsigned long long ns = fk_pidns(pid), start = 0;
+    int field, moved, changed;
+    snprintf(path, sizeof path, "/proc/%d/stat", pid);
+    if (fk_read_file(path, buf, sizeof buf) >= 0 && (c = strrchr(buf, ')'))) {
+        for (field = 2; *c && field < 22; c++)
+            if (*c == ' ')
+                field++;
+        start = strtoull(c, NULL, 10);
+    }
+    snprintf(id, sizeof id, "%d:%llu", pid, start);
+    moved = (p->host[0] && strcmp(p->host, id)) || (p->pidns && ns && p->pidns != ns);
+    changed = strcmp(p->host, id) || (ns && p->pidns != ns);
+    if (moved && p->image[0]) {
+        p->state = FK_CHECKPOINTED;
+        snprintf(p->gpu, sizeof p->gpu, "%s", p->image);
+    }
+    snprintf(p->host, sizeof p->host, "%s", id);
+    if (ns)
+        p->pidns = ns;
+    return changed;
 }
 
 /* Bytes held on GPU `uuid` by live processes that are not CHECKPOINTED (skipping the entry

@@ -437,7 +437,7 @@ static CUresult get_proc(const char *dir, int pid, fk_proc *p, char *key, size_t
     fk_key_of(pid, key, size);
     if (fk_proc_read(dir, key, p) != 0)
         return CUDA_ERROR_INVALID_VALUE;
-    if (fk_adopt(p, fk_pidns(pid)))
+    if (fk_adopt_host(p, pid))
         fk_proc_write(dir, key, p);
     return CUDA_SUCCESS;
 }

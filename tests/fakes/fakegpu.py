@@ -13,8 +13,9 @@ from the root gives) or as `fakegpu` (with tests/fakes on sys.path). It needs on
 State directory layout (shared by every process that loads the fakes; read at every call):
   gpus             <uuid>|<name>|<total bytes>, one GPU a line, index = line order
   proc/<key>       state=0..3, gpu=<uuid>, mem=<bytes>, restored_pairs=<old>:<new>,...,
-                   pidns=<its PID namespace inode>, image=<GPU at its last checkpoint>: a
-                   process with that key in another PID namespace (CRIU restored it) is
+                   pidns=<its PID namespace inode>, host=<host pid>:<start time>,
+                   image=<GPU at its last checkpoint>: a process with that key in another
+                   PID namespace or as another host process (CRIU restored it) is
                    CHECKPOINTED on `image`, as the real driver's state travels in the image
   fail/<call>      "<CUresult> [pid]"      hang/lock "[pid]"      delay/<call> "<ms> [pid]"
   calls.log        "<call> <pid> <CUresult>" a line, one per checkpoint-API call

@@ -54,17 +54,24 @@ def _bit_exact(ref: TorchContainer, tc: TorchContainer, last: int) -> None:
     assert n >= last, f"only {n} common steps"
 
 
+def _started(containers, name: str, gib: float, last: int, at_step: int,
+             **kw) -> tuple[TorchContainer, TorchContainer]:
+    """A reference container (stops at step `last`) and `name`, both trained past `at_step`."""
+    ref = containers("ref", gib, max_steps=last + 1)
+    tc = containers(name, gib, **kw)
+    ref.start()
+    tc.start()
+    tc.wait_ready()
+    tc.wait_step(at_step)
+    return ref, tc
+
+
 def _cuda_state(pid: int) -> str:
     return driver.Driver.load(os.environ.get("TORPOR_LIBCUDA", "libcuda.so.1")).get_state(pid).name
 
 
 def test_podman_export_import_continues_bit_exact(podman, containers, tmp_path):
-    ref = containers("ref", 2.0, max_steps=60)
-    tc = containers("gpu1", 2.0)
-    ref.start()
-    tc.start()
-    tc.wait_ready()
-    tc.wait_step(10)
+    ref, tc = _started(containers, "gpu1", 2.0, last=59, at_step=10)
     old_pid = podman.pid(tc.name)
     archive = tmp_path / "gpu1.tar"
     podman.checkpoint(tc.name, export=archive, compress="none")
@@ -82,12 +89,8 @@ def test_podman_export_import_continues_bit_exact(podman, containers, tmp_path):
 
 def test_podman_restore_with_device_map_onto_same_gpu_uuid(podman, containers, tmp_path):
     u = gpu_uuid()
-    ref = containers("ref", 1.0, max_steps=40)
-    tc = containers("gpu2", 1.0, annotations={"org.torpor.device-map": f"{u}={u}"})
-    ref.start()
-    tc.start()
-    tc.wait_ready()
-    tc.wait_step(5)
+    ref, tc = _started(containers, "gpu2", 1.0, last=39, at_step=5,
+                       annotations={"org.torpor.device-map": f"{u}={u}"})
     archive = tmp_path / "gpu2.tar.zst"
     podman.checkpoint(tc.name, export=archive)            # podman's default: zstd
     at = tc.step()
@@ -103,12 +106,7 @@ def test_podman_restore_with_device_map_onto_same_gpu_uuid(podman, containers, t
 
 
 def test_podman_dump_on_full_disk_leaves_container_running(podman, containers, tmp_path):
-    ref = containers("ref", 1.0, max_steps=40)
-    tc = containers("gpu3", 1.0)
-    ref.start()
-    tc.start()
-    tc.wait_ready()
-    tc.wait_step(5)
+    ref, tc = _started(containers, "gpu3", 1.0, last=39, at_step=5)
     images = podman.bundle(tc.name) / "checkpoint"
     images.mkdir(exist_ok=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(images)], check=True)

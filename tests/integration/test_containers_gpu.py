@@ -19,7 +19,6 @@ import stat
 import subprocess
 import tarfile
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -143,12 +142,6 @@ class Workload:
         return self.tick()
 
 
-def _assert_stalled(w: Workload, watch: float = 0.5) -> None:
-    before = w.tick()
-    time.sleep(watch)
-    assert w.tick() == before, "the program ran on while its GPU state was checkpointed"
-
-
 def _manifest_in_tar(archive: Path) -> dict:
     """torpor.json as podman exported it (any compression), where podman's import puts it."""
     with _open_stream(archive) as stream, tarfile.open(fileobj=stream, mode="r|*") as tf:
@@ -167,198 +160,157 @@ def podman(shim):
     return p
 
 
-def _run_podman(podman: Podman, name: str, w: Workload, nodes: dict[int, Path], gpu: FakeGpu,
-                minor: int = 0) -> None:
+@pytest.fixture
+def running(podman, gpu, base, name) -> Workload:
+    """The fake CUDA program ticking in a podman container with GPU 0 (/dev/nvidia0,
+    /dev/nvidiactl, NVIDIA_VISIBLE_DEVICES); removed after the test."""
+    nodes = fake_nodes(base)
+    w = Workload(gpu, "w")
     podman.run(name, w.argv, mounts=w.mounts,
-               env={**w.env, "NVIDIA_VISIBLE_DEVICES": gpu.uuid(minor)},
-               devices=[f"{nodes[minor]}:/dev/nvidia{minor}", f"{nodes[255]}:/dev/nvidiactl"])
-
-
-def test_podman_export_import_same_gpu(podman, gpu, daemon, shim, name, base):
-    nodes = fake_nodes(base)
-    w = Workload(gpu, "same")
-    _run_podman(podman, name, w, nodes, gpu)
+               env={**w.env, "NVIDIA_VISIBLE_DEVICES": gpu.uuid(0)},
+               devices=[f"{nodes[0]}:/dev/nvidia0", f"{nodes[255]}:/dev/nvidiactl"])
     try:
         w.wait_ticking()
-        spec = json.loads((podman.bundle(name) / "config.json").read_text())
-        assert [h["args"] for h in spec["hooks"]["createRuntime"]] == [
-            ["torpor-hook", "createRuntime"]]
-        wait_for(lambda: any(c["id"].startswith(podman.inspect(name, "{{.Id}}"))
-                             for c in daemon.client().list()["containers"]), 10,
-                 "the hook registering the container")
-        host_pid = w.host_pid()
-        assert host_pid and host_pid == podman.pid(name)
-        archive = base / "ck.tar.zst"
-        podman.checkpoint(name, export=archive)
-        assert podman.state(name) == "exited"
-        assert w.entry()["state"] == CHECKPOINTED
-        m = _manifest_in_tar(archive)
-        assert m["container"]["minors"] == [0] and m["container"]["visible"] == [gpu.uuid(0)]
-        assert [g["uuid"] for g in m["gpus"]] == [gpu.uuid(0)]
-        assert [(p["cuda"], p["gpu_memory"]) for p in m["processes"]] == [(True, 2 * GIB)]
-        assert m["files"]["pstree.img"]["sha256"]
-        tick = w.tick()
-        podman.rm(name)
-        podman.restore(import_=archive)
-        assert podman.state(name) == "running"
-        new_pid = podman.pid(name)
-        assert new_pid != host_pid and w.host_pid() == new_pid
-        w.wait_ticking(tick)
-        assert w.entry()["state"] == RUNNING and w.entry()["gpu"] == gpu.uuid(0)
-        calls = [(c.call, c.pid) for c in gpu.calls() if c.call in ("restore", "unlock")]
-        assert calls == [("restore", new_pid), ("unlock", new_pid)]
+        yield w
     finally:
         podman.rm(name)
 
 
-def test_podman_restore_onto_other_gpu_rewrites_bundle(podman, gpu, daemon, shim, name, base):
-    nodes = fake_nodes(base)
-    w = Workload(gpu, "move")
-    _run_podman(podman, name, w, nodes, gpu)
-    try:
-        w.wait_ticking()
-        archive = base / "ck.tar"
-        podman.checkpoint(name, export=archive, compress="none")
-        tick = w.tick()
-        podman.rm(name)
-        shim.write(TORPOR_DEVICE_MAP=f"{gpu.uuid(0)}={gpu.uuid(1)}")
-        podman.restore(import_=archive)
-        w.wait_ticking(tick)
-        e = w.entry()
-        assert e["state"] == RUNNING and e["gpu"] == gpu.uuid(1)
-        assert e["restored_pairs"] == [(gpu.uuid(0), gpu.uuid(1))]
-        spec = json.loads((podman.bundle(name) / "config.json").read_text())
-        assert [d["path"] for d in spec["linux"]["devices"] if "nvidia" in d["path"]] == [
-            "/dev/nvidia1", "/dev/nvidiactl"]
-        assert f"NVIDIA_VISIBLE_DEVICES={gpu.uuid(1)}" in spec["process"]["env"]
-        rules = {(r.get("major"), r.get("minor")) for r in spec["linux"]["resources"]["devices"]
-                 if r.get("allow")}
-        assert (195, 1) in rules and (195, 0) not in rules
-        node = Path(f"/proc/{podman.pid(name)}/root/dev/nvidia1")
-        assert stat.S_ISCHR(node.stat().st_mode) and node.stat().st_rdev == os.makedev(195, 1)
-    finally:
-        podman.rm(name)
+def _export_and_remove(podman: Podman, name: str, w: Workload, base: Path) -> tuple[Path, int]:
+    """checkpoint --export (uncompressed), then rm: (the archive, the tick at the checkpoint)."""
+    archive = base / "ck.tar"
+    podman.checkpoint(name, export=archive, compress="none")
+    tick = w.tick()
+    podman.rm(name)
+    return archive, tick
 
 
-def test_podman_leave_running(podman, gpu, daemon, shim, name, base):
-    nodes = fake_nodes(base)
-    w = Workload(gpu, "leave")
-    _run_podman(podman, name, w, nodes, gpu)
-    try:
-        w.wait_ticking()
-        podman.checkpoint(name, leave_running=True, export=base / "ck.tar", compress="none")
-        assert podman.state(name) == "running"
-        w.wait_ticking(w.tick())
-        assert w.entry()["state"] == RUNNING
-        assert _manifest_in_tar(base / "ck.tar")["leave_running"] is True
-    finally:
-        podman.rm(name)
+def _assert_running_on(w: Workload, uuid: str) -> None:
+    w.wait_ticking(w.tick())
+    assert w.entry()["state"] == RUNNING and w.entry()["gpu"] == uuid
 
 
-def test_podman_dump_on_full_disk_rolls_back_and_container_runs(podman, gpu, daemon, shim,
-                                                                 name, base):
-    nodes = fake_nodes(base)
-    w = Workload(gpu, "diskfull")
-    _run_podman(podman, name, w, nodes, gpu)
+def test_podman_export_import_same_gpu(podman, gpu, daemon, name, base, running):
+    w = running
+    spec = json.loads((podman.bundle(name) / "config.json").read_text())
+    assert [h["args"] for h in spec["hooks"]["createRuntime"]] == [
+        ["torpor-hook", "createRuntime"]]
+    wait_for(lambda: any(c["id"].startswith(podman.inspect(name, "{{.Id}}"))
+                         for c in daemon.client().list()["containers"]), 10,
+             "the hook registering the container")
+    host_pid = w.host_pid()
+    assert host_pid and host_pid == podman.pid(name)
+    archive = base / "ck.tar.zst"
+    podman.checkpoint(name, export=archive)                 # podman's default: zstd
+    assert podman.state(name) == "exited"
+    assert w.entry()["state"] == CHECKPOINTED
+    m = _manifest_in_tar(archive)
+    assert m["container"]["minors"] == [0] and m["container"]["visible"] == [gpu.uuid(0)]
+    assert [g["uuid"] for g in m["gpus"]] == [gpu.uuid(0)]
+    assert [(p["cuda"], p["gpu_memory"]) for p in m["processes"]] == [(True, 2 * GIB)]
+    assert m["files"]["pstree.img"]["sha256"]
+    tick = w.tick()
+    podman.rm(name)
+    podman.restore(import_=archive)
+    assert podman.state(name) == "running"
+    new_pid = podman.pid(name)
+    assert new_pid != host_pid and w.host_pid() == new_pid
+    w.wait_ticking(tick)
+    _assert_running_on(w, gpu.uuid(0))
+    calls = [(c.call, c.pid) for c in gpu.calls() if c.call in ("restore", "unlock")]
+    assert calls == [("restore", new_pid), ("unlock", new_pid)]
+
+
+def test_podman_restore_onto_other_gpu_rewrites_bundle(podman, gpu, daemon, shim, name, base,
+                                                       running):
+    w = running
+    archive, tick = _export_and_remove(podman, name, w, base)
+    shim.write(TORPOR_DEVICE_MAP=f"{gpu.uuid(0)}={gpu.uuid(1)}")
+    podman.restore(import_=archive)
+    w.wait_ticking(tick)
+    _assert_running_on(w, gpu.uuid(1))
+    assert w.entry()["restored_pairs"] == [(gpu.uuid(0), gpu.uuid(1))]
+    spec = json.loads((podman.bundle(name) / "config.json").read_text())
+    assert [d["path"] for d in spec["linux"]["devices"] if "nvidia" in d["path"]] == [
+        "/dev/nvidia1", "/dev/nvidiactl"]
+    assert f"NVIDIA_VISIBLE_DEVICES={gpu.uuid(1)}" in spec["process"]["env"]
+    rules = {(r.get("major"), r.get("minor")) for r in spec["linux"]["resources"]["devices"]
+             if r.get("allow")}
+    assert (195, 1) in rules and (195, 0) not in rules
+    node = Path(f"/proc/{podman.pid(name)}/root/dev/nvidia1")
+    assert stat.S_ISCHR(node.stat().st_mode) and node.stat().st_rdev == os.makedev(195, 1)
+
+
+def test_podman_leave_running(podman, gpu, daemon, name, base, running):
+    podman.checkpoint(name, leave_running=True, export=base / "ck.tar", compress="none")
+    assert podman.state(name) == "running"
+    _assert_running_on(running, gpu.uuid(0))
+    assert _manifest_in_tar(base / "ck.tar")["leave_running"] is True
+
+
+def test_podman_dump_on_full_disk_rolls_back_and_container_runs(podman, gpu, daemon, name,
+                                                                 base, running):
     images = podman.bundle(name) / "checkpoint"   # where podman has runc dump
     images.mkdir(exist_ok=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(images)], check=True)
     try:
-        w.wait_ticking()
         with pytest.raises(ContainerError) as err:
             podman.checkpoint(name, export=base / "ck.tar")
-        assert "rolled back" in err.value.stderr, err.value.stderr
-        assert podman.state(name) == "running"
-        w.wait_ticking(w.tick())
-        assert w.entry()["state"] == RUNNING
-        assert daemon.client().list()["operations"] == []
-        assert [c.call for c in gpu.calls() if c.call != "get_state"] == [
-            "lock", "checkpoint", "restore", "unlock"]
     finally:
         subprocess.run(["umount", str(images)])
-        podman.rm(name)
+    assert "rolled back" in err.value.stderr, err.value.stderr
+    assert podman.state(name) == "running"
+    _assert_running_on(running, gpu.uuid(0))
+    assert daemon.client().list()["operations"] == []
+    assert [c.call for c in gpu.calls() if c.call != "get_state"] == [
+        "lock", "checkpoint", "restore", "unlock"]
 
 
-def test_podman_lock_failure_leaves_container_running(podman, gpu, daemon, shim, name, base):
-    nodes = fake_nodes(base)
-    w = Workload(gpu, "lockfail")
-    _run_podman(podman, name, w, nodes, gpu)
-    try:
-        w.wait_ticking()
-        gpu.fail("checkpoint", "CUDA_ERROR_OUT_OF_MEMORY")
-        with pytest.raises(ContainerError) as err:
-            podman.checkpoint(name, export=base / "ck.tar")
-        assert "CUDA_ERROR_OUT_OF_MEMORY" in err.value.stderr
-        assert podman.state(name) == "running"
-        w.wait_ticking(w.tick())
-        assert w.entry()["state"] == RUNNING
-    finally:
-        podman.rm(name)
+def test_podman_lock_failure_leaves_container_running(podman, gpu, daemon, name, base, running):
+    gpu.fail("checkpoint", "CUDA_ERROR_OUT_OF_MEMORY")
+    with pytest.raises(ContainerError) as err:
+        podman.checkpoint(name, export=base / "ck.tar")
+    assert "CUDA_ERROR_OUT_OF_MEMORY" in err.value.stderr
+    assert podman.state(name) == "running"
+    _assert_running_on(running, gpu.uuid(0))
 
 
-def test_podman_gpu_restore_failure_stops_container_and_says_why(podman, gpu, daemon, shim,
-                                                                 name, base):
-    nodes = fake_nodes(base)
-    w = Workload(gpu, "restfail")
-    _run_podman(podman, name, w, nodes, gpu)
-    try:
-        w.wait_ticking()
-        archive = base / "ck.tar"
-        podman.checkpoint(name, export=archive, compress="none")
-        podman.rm(name)
-        gpu.fail("restore", "CUDA_ERROR_UNKNOWN")
-        with pytest.raises(ContainerError) as err:
-            podman.restore(import_=archive)
-        text = err.value.stderr + err.value.stdout
-        assert "GPU restore of container" in text and "CUDA_ERROR_UNKNOWN" in text, text
-        assert podman.state(name) != "running"
-    finally:
-        podman.rm(name)
+def test_podman_gpu_restore_failure_stops_container_and_says_why(podman, gpu, daemon, name,
+                                                                 base, running):
+    archive, _ = _export_and_remove(podman, name, running, base)
+    gpu.fail("restore", "CUDA_ERROR_UNKNOWN")
+    with pytest.raises(ContainerError) as err:
+        podman.restore(import_=archive)
+    text = err.value.stderr + err.value.stdout
+    assert "GPU restore of container" in text and "CUDA_ERROR_UNKNOWN" in text, text
+    assert podman.state(name) != "running"
 
 
 def test_podman_restore_refused_before_start_when_no_gpu_fits(podman, gpu, daemon, shim, name,
-                                                              base):
-    nodes = fake_nodes(base)
-    w = Workload(gpu, "nofit")
-    _run_podman(podman, name, w, nodes, gpu)
-    try:
-        w.wait_ticking()
-        archive = base / "ck.tar"
-        podman.checkpoint(name, export=archive, compress="none")
-        podman.rm(name)
-        shim.write(TORPOR_DEVICE_MAP=f"{gpu.uuid(0)}=GPU-00000000-0000-0000-0000-000000000000")
-        with pytest.raises(ContainerError) as err:
-            podman.restore(import_=archive)
-        assert "not on this host" in err.value.stderr + err.value.stdout
-        assert not [c for c in gpu.calls() if c.call == "restore"]
-    finally:
-        podman.rm(name)
+                                                              base, running):
+    archive, _ = _export_and_remove(podman, name, running, base)
+    shim.write(TORPOR_DEVICE_MAP=f"{gpu.uuid(0)}=GPU-00000000-0000-0000-0000-000000000000")
+    with pytest.raises(ContainerError) as err:
+        podman.restore(import_=archive)
+    assert "not on this host" in err.value.stderr + err.value.stdout
+    assert not [c for c in gpu.calls() if c.call == "restore"]
 
 
-def test_podman_corrupt_archive_refused(podman, gpu, daemon, shim, name, base):
-    nodes = fake_nodes(base)
-    w = Workload(gpu, "corrupt")
-    _run_podman(podman, name, w, nodes, gpu)
-    try:
-        w.wait_ticking()
-        archive = base / "ck.tar"
-        podman.checkpoint(name, export=archive, compress="none")
-        podman.rm(name)
-        bad = base / "bad.tar"
-        with tarfile.open(archive) as src, tarfile.open(bad, "w") as dst:
-            for member in src.getmembers():
-                data = src.extractfile(member) if member.isfile() else None
-                if member.name == "checkpoint/pstree.img":
-                    raw = bytearray(data.read())
-                    raw[-1] ^= 0xFF
-                    data = io.BytesIO(bytes(raw))
-                dst.addfile(member, data)
-        with pytest.raises(ContainerError) as err:
-            podman.restore(import_=bad)
-        assert "checksum mismatch" in err.value.stderr + err.value.stdout
-        assert not [c for c in gpu.calls() if c.call == "restore"]
-    finally:
-        podman.rm(name)
+def test_podman_corrupt_archive_refused(podman, gpu, daemon, name, base, running):
+    archive, _ = _export_and_remove(podman, name, running, base)
+    bad = base / "bad.tar"
+    with tarfile.open(archive) as src, tarfile.open(bad, "w") as dst:
+        for member in src.getmembers():
+            data = src.extractfile(member) if member.isfile() else None
+            if member.name == "checkpoint/pstree.img":
+                raw = bytearray(data.read())
+                raw[-1] ^= 0xFF
+                data = io.BytesIO(bytes(raw))
+            dst.addfile(member, data)
+    with pytest.raises(ContainerError) as err:
+        podman.restore(import_=bad)
+    assert "checksum mismatch" in err.value.stderr + err.value.stdout
+    assert not [c for c in gpu.calls() if c.call == "restore"]
 
 
 # -- containerd ----------------------------------------------------------------------------------
