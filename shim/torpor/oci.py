@@ -81,17 +81,27 @@ def save(bundle: Path, spec: dict[str, Any]) -> None:
 
 
 def _env(spec: Mapping[str, Any]) -> list[str]:
-    env = (spec.get("process") or {}).get("env") or []
-    return [e for e in env if isinstance(e, str)]
+    env = _section(spec, "process").get("env")
+    return [e for e in env if isinstance(e, str)] if isinstance(env, list) else []
 
 
 def _split(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
+def _dicts(value: Any) -> list[dict[str, Any]]:
+    """The objects of a spec list (a malformed spec is the runtime's to refuse, not ours)."""
+    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
+
+
+def _section(spec: Mapping[str, Any], key: str) -> dict[str, Any]:
+    value = spec.get(key)
+    return value if isinstance(value, dict) else {}
+
+
 def detect(spec: Mapping[str, Any]) -> GpuUse:
     use = GpuUse()
-    for dev in (spec.get("linux") or {}).get("devices") or []:
+    for dev in _dicts(_section(spec, "linux").get("devices")):
         m = DEVICE_RE.match(str(dev.get("path", "")))
         if m:
             use.minors.append(int(m.group(1)))
@@ -99,7 +109,7 @@ def detect(spec: Mapping[str, Any]) -> GpuUse:
         key, _, value = item.partition("=")
         if key == VISIBLE and value.strip() not in ("", "none", "void"):
             use.visible = _split(value)
-    for key, value in (spec.get("annotations") or {}).items():
+    for key, value in _section(spec, "annotations").items():
         if key.startswith(CDI_PREFIX) and isinstance(value, str):
             use.cdi += [name.partition("=")[2] for name in _split(value)
                         if name.partition("=")[0] == CDI_KIND]
@@ -152,36 +162,35 @@ def rewrite(spec: dict[str, Any], moves: list[Move]) -> list[str]:
     1 -> 0 swap cleanly). Returns what changed, one line each."""
     changes: list[str] = []
     by_minor = {mv.old_minor: mv for mv in moves if mv.old_minor is not None}
-    linux = spec.get("linux") or {}
-    for dev in linux.get("devices") or []:
+    linux = _section(spec, "linux")
+    for dev in _dicts(linux.get("devices")):
         m = DEVICE_RE.match(str(dev.get("path", "")))
         if m and int(m.group(1)) in by_minor and by_minor[int(m.group(1))].new_minor is not None:
             new = by_minor[int(m.group(1))].new_minor
             changes.append(f"device {dev['path']} -> /dev/nvidia{new}")
             dev["path"], dev["minor"] = f"/dev/nvidia{new}", new
-    for rule in (linux.get("resources") or {}).get("devices") or []:
+    for rule in _dicts(_section(linux, "resources").get("devices")):
         if rule.get("major") == NVIDIA_MAJOR and rule.get("minor") in by_minor:
             new = by_minor[rule["minor"]].new_minor
             if new is not None:
                 changes.append(f"device cgroup rule c {NVIDIA_MAJOR}:{rule['minor']} -> "
                                f"{NVIDIA_MAJOR}:{new}")
                 rule["minor"] = new
-    for mount in spec.get("mounts") or []:
+    for mount in _dicts(spec.get("mounts")):
         for key in ("destination", "source"):
             m = DEVICE_RE.match(str(mount.get(key, "")))
             if m and int(m.group(1)) in by_minor and by_minor[int(m.group(1))].new_minor is not None:
                 mount[key] = f"/dev/nvidia{by_minor[int(m.group(1))].new_minor}"
                 changes.append(f"mount {key} /dev/nvidia{m.group(1)} -> {mount[key]}")
-    process = spec.get("process") or {}
-    env = process.get("env") or []
-    for i, item in enumerate(env):
+    env = _section(spec, "process").get("env")
+    for i, item in enumerate(env if isinstance(env, list) else []):
         key, sep, value = item.partition("=") if isinstance(item, str) else ("", "", "")
         if key == VISIBLE and sep:
             new_value = _swap_list(value, moves)
             if new_value != value:
                 env[i] = f"{VISIBLE}={new_value}"
                 changes.append(f"{VISIBLE}={value} -> {new_value}")
-    annotations = spec.get("annotations") or {}
+    annotations = _section(spec, "annotations")
     for key, value in list(annotations.items()):
         if key.startswith(CDI_PREFIX) and isinstance(value, str):
             names = []
@@ -196,7 +205,7 @@ def rewrite(spec: dict[str, Any], moves: list[Move]) -> list[str]:
 
 
 def device_map_annotation(spec: Mapping[str, Any]) -> list[str]:
-    value = (spec.get("annotations") or {}).get(DEVICE_MAP_ANNOTATION, "")
+    value = _section(spec, "annotations").get(DEVICE_MAP_ANNOTATION, "")
     return [value] if isinstance(value, str) and value.strip() else []
 
 

@@ -55,6 +55,14 @@ def test_detect_devices_env_and_cdi():
     assert not oci.detect({"linux": {"devices": [{"path": "/dev/nvidiactl"}]}})
 
 
+@pytest.mark.parametrize("spec", [
+    {}, {"linux": None}, {"linux": {"devices": "x"}}, {"linux": {"devices": [1, None, "a"]}},
+    {"process": "x"}, {"process": {"env": [3, None]}}, {"annotations": ["x"]},
+])
+def test_detect_takes_malformed_specs(spec):
+    assert not oci.detect(spec)
+
+
 def test_rewrite_moves_every_reference():
     spec = gpu_spec(minors=(0,), visible=A, cdi="nvidia.com/gpu=0")
     spec["mounts"].append({"destination": "/dev/nvidia0", "source": "/dev/nvidia0",

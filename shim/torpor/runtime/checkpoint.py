@@ -38,7 +38,13 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
     cid = inv.container_id
     st = runtime.state(cid)
     bundle = Path(st.get("bundle") or ".")
-    spec = oci.load(bundle)
+    try:
+        spec = oci.load(bundle)
+    except UsageError as e:
+        # No readable spec: the runtime decides (CRIU refuses a process with GPU mappings, and
+        # a failed dump leaves the container running).
+        log.warning("checkpoint %s: %s; passing it to the runtime as is", cid, e)
+        runtime.exec()
     use = oci.detect(spec)
     if not use:
         runtime.exec()   # not a GPU container: exactly what plain runc does

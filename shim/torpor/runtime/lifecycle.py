@@ -53,8 +53,9 @@ def create(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
                     oci.save(bundle, spec)
                     log.info("create %s: GPUs %s; added hooks %s", inv.container_id, use,
                              ",".join(added))
-    except (TorporError, OSError, ValueError) as e:
-        log.warning("create %s: spec left as it was: %s", inv.container_id, e)
+    except Exception as e:  # whatever it is, the container must still start
+        log.warning("create %s: spec left as it was: %s", inv.container_id, e,
+                    exc_info=not isinstance(e, (TorporError, OSError, ValueError)))
     runtime.exec()
 
 
