@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import tarfile
@@ -273,6 +274,40 @@ def test_podman_lock_failure_leaves_container_running(podman, gpu, daemon, name,
     assert "CUDA_ERROR_OUT_OF_MEMORY" in err.value.stderr
     assert podman.state(name) == "running"
     _assert_running_on(running, gpu.uuid(0))
+
+
+def test_podman_sigkill_of_torpor_runtime_mid_checkpoint_container_recovers(
+        podman, gpu, daemon, name, base, running):
+    """The shim dies while torpord checkpoints the GPU state (before the dump): torpord sees
+    its caller gone and rolls back; the container keeps running."""
+    gpu.delay("checkpoint", 1500)
+    ck = subprocess.Popen([*podman.base, "container", "checkpoint", "--export",
+                           str(base / "ck.tar"), name], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+    try:
+        shim_pid = wait_for(lambda: _pgrep("torpor-runtime .*checkpoint --image-path"), 20,
+                            "torpor-runtime checkpoint")
+        wait_for(lambda: any(c.call == "lock" for c in gpu.calls()), 10, "the lock")
+        os.kill(shim_pid, signal.SIGKILL)
+        _, err = ck.communicate(timeout=60)
+    finally:
+        if ck.poll() is None:
+            ck.kill()
+    assert ck.returncode != 0
+    wait_for(lambda: w_state(running) == RUNNING and not daemon.client().list()["operations"],
+             15, "torpord rolling the operation back")
+    assert podman.state(name) == "running"
+    _assert_running_on(running, gpu.uuid(0))
+    assert "died without ending it" in daemon.log_text()
+
+
+def w_state(w: Workload) -> int | None:
+    return w.entry().get("state")
+
+
+def _pgrep(pattern: str) -> int | None:
+    out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+    return int(out[0]) if out else None
 
 
 def test_podman_gpu_restore_failure_stops_container_and_says_why(podman, gpu, daemon, name,
