@@ -1,16 +1,20 @@
-"""setuptools glue for pyproject.toml: compile proto/torpor.proto while building.
+"""setuptools glue for pyproject.toml: compile proto/torpor.proto and the agent while building.
 
 Everything else (metadata, packages, scripts) is in pyproject.toml. build_py generates
-torpor/_proto/ into the build directory (or into the source tree for editable installs), so
-`pip install .` ships the gRPC modules without them being committed.
+torpor/_proto/ and builds agent/ (make) into torpor/_agent/libtorpor-agent.so, in the build
+directory (or the source tree for editable installs), so `pip install .` ships both without
+either being committed.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import shutil
+import subprocess
+import tempfile
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Distribution, setup
 from setuptools.command.build_py import build_py
 from setuptools.command.sdist import sdist
 
@@ -34,13 +38,35 @@ class BuildPyWithProto(build_py):
             out = Path(self.build_lib) / "torpor" / "_proto"
         for path in _generator().generate(out):
             self.announce(f"generated {path}", level=2)
+        self._build_agent(out.parent / "_agent")
+
+    def _build_agent(self, out: Path) -> None:
+        with tempfile.TemporaryDirectory(prefix="torpor-agent-") as tmp:
+            try:
+                subprocess.run(["make", "-s", "-C", str(HERE / "agent"), f"BUILD={tmp}"],
+                               check=True)
+            except (OSError, subprocess.CalledProcessError) as e:
+                raise SystemExit(f"building the agent (make -C agent) failed: {e}; "
+                                 "it needs make and a C compiler (./install.sh installs them)")
+            out.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(Path(tmp) / "libtorpor-agent.so", out / "libtorpor-agent.so")
+        self.announce(f"built {out / 'libtorpor-agent.so'}", level=2)
 
 
 class SdistWithProto(sdist):
     def add_defaults(self) -> None:
         super().add_defaults()
-        for name in ("proto/torpor.proto", "proto/generate.py"):
+        for name in ("proto/torpor.proto", "proto/generate.py", "agent/Makefile"):
             self.filelist.append(name)
+        self.filelist.recursive_include("agent/src", "*")
 
 
-setup(cmdclass={"build_py": BuildPyWithProto, "sdist": SdistWithProto})
+class BinaryDistribution(Distribution):
+    """The wheel carries a native library: tag it for the platform, not py3-none-any."""
+
+    def has_ext_modules(self) -> bool:
+        return True
+
+
+setup(cmdclass={"build_py": BuildPyWithProto, "sdist": SdistWithProto},
+      distclass=BinaryDistribution)

@@ -25,6 +25,8 @@
  */
 #include "fake_common.h"
 
+#include <pthread.h>
+
 typedef int CUresult;
 typedef int CUdevice;
 typedef void *CUcontext;
@@ -256,6 +258,61 @@ EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
     return CUDA_SUCCESS;
 }
 
+/* Device addresses: the next one is handed out 1 MiB-aligned after the last, and remembered
+ * with its size (cuMemFree_v2 gives the size back, cuMemcpy* check their range). */
+typedef struct { CUdeviceptr ptr; size_t size; } fk_alloc;
+static pthread_mutex_t g_alloc_lock = PTHREAD_MUTEX_INITIALIZER;
+static fk_alloc *g_allocs;
+static size_t g_nallocs, g_allocs_cap;
+
+static CUdeviceptr next_ptr(size_t bytesize)
+{
+    CUdeviceptr ptr;
+    pthread_mutex_lock(&g_alloc_lock);
+    ptr = g_next_ptr;
+    g_next_ptr += (bytesize + 0xfffff) & ~(CUdeviceptr)0xfffff;
+    if (g_nallocs == g_allocs_cap) {
+        size_t cap = g_allocs_cap ? 2 * g_allocs_cap : 64;
+        fk_alloc *a = realloc(g_allocs, cap * sizeof *a);
+        if (a) {
+            g_allocs = a;
+            g_allocs_cap = cap;
+        }
+    }
+    if (g_nallocs < g_allocs_cap)
+        g_allocs[g_nallocs++] = (fk_alloc){ptr, bytesize};
+    pthread_mutex_unlock(&g_alloc_lock);
+    return ptr;
+}
+
+/* Forgets the allocation at ptr; returns 1 with its size, or 0 when there is none. */
+static int take_alloc(CUdeviceptr ptr, size_t *size)
+{
+    int found = 0;
+    pthread_mutex_lock(&g_alloc_lock);
+    for (size_t i = 0; i < g_nallocs; i++)
+        if (g_allocs[i].ptr == ptr) {
+            *size = g_allocs[i].size;
+            g_allocs[i] = g_allocs[--g_nallocs];
+            found = 1;
+            break;
+        }
+    pthread_mutex_unlock(&g_alloc_lock);
+    return found;
+}
+
+/* Is [ptr, ptr + n) inside one live allocation? */
+static int in_alloc(CUdeviceptr ptr, size_t n)
+{
+    int found = 0;
+    pthread_mutex_lock(&g_alloc_lock);
+    for (size_t i = 0; i < g_nallocs && !found; i++)
+        found = ptr >= g_allocs[i].ptr && n <= g_allocs[i].size &&
+                ptr - g_allocs[i].ptr <= g_allocs[i].size - n;
+    pthread_mutex_unlock(&g_alloc_lock);
+    return found;
+}
+
 /* Registers the calling process as a CUDA process on GPU `dev`. */
 EXPORT CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev)
 {
@@ -356,10 +413,8 @@ EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
         rc = fk_proc_write(dir, key, &p) == 0 ? CUDA_SUCCESS : CUDA_ERROR_OPERATING_SYSTEM;
     }
     fk_unlock(fd);
-    if (rc == CUDA_SUCCESS) {
-        *dptr = g_next_ptr;
-        g_next_ptr += (bytesize + 0xfffff) & ~(CUdeviceptr)0xfffff;
-    }
+    if (rc == CUDA_SUCCESS)
+        *dptr = next_ptr(bytesize);
     return rc;
 }
 
@@ -627,4 +682,230 @@ EXPORT CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid)
     }
     log_call(dir, "restore_tid", pid, rc);
     return rc;
+}
+
+/* -- more driver calls, for torpor's agent (agent/) ----------------------------------------------
+ * Memory (cuMemFree_v2, cuMemAllocPitch_v2), work (cuLaunchKernel, cuMemcpyHtoD_v2,
+ * cuMemcpyDtoH_v2, cuStreamSynchronize), context stack (cuCtxPushCurrent_v2,
+ * cuCtxPopCurrent_v2, cuCtxDestroy_v2, cuDevicePrimaryCtxRetain) and cuGetProcAddress(_v2).
+ * Like cuCtxSynchronize they block while the process is LOCKED or CHECKPOINTED. Each first
+ * sleeps as "$FAKE_CUDA_STATE_DIR/delay/<its name>" says ("<ms> [pid]", e.g.
+ * delay/cuStreamSynchronize), so a test can hold a call in flight. No data is kept: copies
+ * check that the device range lies in one live allocation, cuMemcpyDtoH_v2 writes zeros.
+ */
+
+/* Sleeps as delay/<call> says for this process. */
+static void call_delay(const char *call)
+{
+    const char *dir = fk_dir();
+    long v;
+    if (dir && fault(dir, "delay", call, (int)getpid(), &v) && v > 0)
+        fk_sleep_ms(v);
+}
+
+EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
+{
+    fk_proc p;
+    const char *dir;
+    char key[FK_KEY_LEN];
+    size_t size;
+    int fd;
+    CUresult rc;
+    call_delay("cuMemFree_v2");
+    if ((rc = wait_running(&dir, &p, key, sizeof key)) != CUDA_SUCCESS)
+        return rc;
+    if (dptr == 0)
+        return CUDA_SUCCESS;
+    if (!take_alloc(dptr, &size))
+        return CUDA_ERROR_INVALID_VALUE;
+    fd = fk_lock(dir);
+    if (fk_proc_read(dir, key, &p) != 0) {
+        rc = CUDA_ERROR_DEINITIALIZED;
+    } else {
+        p.mem = p.mem > size ? p.mem - size : 0;
+        rc = fk_proc_write(dir, key, &p) == 0 ? CUDA_SUCCESS : CUDA_ERROR_OPERATING_SYSTEM;
+    }
+    fk_unlock(fd);
+    return rc;
+}
+
+/* Rows of WidthInBytes rounded up to 512 bytes. The memory comes from cuMemAlloc_v2 called
+ * by its exported name, as a driver may call its own entry points: under torpor's agent that
+ * call is a nested one, which the agent must not count a second time. */
+EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes,
+                                   size_t Height, unsigned int ElementSizeBytes)
+{
+    size_t pitch;
+    CUresult rc;
+    call_delay("cuMemAllocPitch_v2");
+    if (!dptr || !pPitch || !WidthInBytes || !Height ||
+        (ElementSizeBytes != 4 && ElementSizeBytes != 8 && ElementSizeBytes != 16))
+        return CUDA_ERROR_INVALID_VALUE;
+    pitch = (WidthInBytes + 511) & ~(size_t)511;
+    rc = cuMemAlloc_v2(dptr, pitch * Height);
+    if (rc == CUDA_SUCCESS)
+        *pPitch = pitch;
+    return rc;
+}
+
+EXPORT CUresult cuLaunchKernel(void *f, unsigned int gridDimX, unsigned int gridDimY,
+                               unsigned int gridDimZ, unsigned int blockDimX,
+                               unsigned int blockDimY, unsigned int blockDimZ,
+                               unsigned int sharedMemBytes, void *hStream, void **kernelParams,
+                               void **extra)
+{
+    fk_proc p;
+    const char *dir;
+    char key[FK_KEY_LEN];
+    CUresult rc;
+    (void)sharedMemBytes, (void)hStream, (void)kernelParams, (void)extra;
+    call_delay("cuLaunchKernel");
+    if ((rc = wait_running(&dir, &p, key, sizeof key)) != CUDA_SUCCESS)
+        return rc;
+    if (!f)
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (!gridDimX || !gridDimY || !gridDimZ || !blockDimX || !blockDimY || !blockDimZ)
+        return CUDA_ERROR_INVALID_VALUE;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemcpyHtoD_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount)
+{
+    fk_proc p;
+    const char *dir;
+    char key[FK_KEY_LEN];
+    CUresult rc;
+    call_delay("cuMemcpyHtoD_v2");
+    if ((rc = wait_running(&dir, &p, key, sizeof key)) != CUDA_SUCCESS)
+        return rc;
+    if ((!srcHost && ByteCount) || !in_alloc(dstDevice, ByteCount))
+        return CUDA_ERROR_INVALID_VALUE;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemcpyDtoH_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount)
+{
+    fk_proc p;
+    const char *dir;
+    char key[FK_KEY_LEN];
+    CUresult rc;
+    call_delay("cuMemcpyDtoH_v2");
+    if ((rc = wait_running(&dir, &p, key, sizeof key)) != CUDA_SUCCESS)
+        return rc;
+    if ((!dstHost && ByteCount) || !in_alloc(srcDevice, ByteCount))
+        return CUDA_ERROR_INVALID_VALUE;
+    if (ByteCount)
+        memset(dstHost, 0, ByteCount);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuStreamSynchronize(void *hStream)
+{
+    fk_proc p;
+    const char *dir;
+    char key[FK_KEY_LEN];
+    (void)hStream;
+    call_delay("cuStreamSynchronize");
+    return wait_running(&dir, &p, key, sizeof key);
+}
+
+/* The current-context stack of the calling thread (cuCtxCreate_v2 does not push here). */
+static __thread CUcontext t_ctx_stack[16];
+static __thread int t_ctx_top;
+
+EXPORT CUresult cuCtxPushCurrent_v2(CUcontext ctx)
+{
+    if (!g_inited)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!ctx)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    if (t_ctx_top == (int)(sizeof t_ctx_stack / sizeof t_ctx_stack[0]))
+        return CUDA_ERROR_INVALID_VALUE;
+    t_ctx_stack[t_ctx_top++] = ctx;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuCtxPopCurrent_v2(CUcontext *pctx)
+{
+    if (!g_inited)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!t_ctx_top)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    t_ctx_top--;
+    if (pctx)
+        *pctx = t_ctx_stack[t_ctx_top];
+    return CUDA_SUCCESS;
+}
+
+/* The process stays registered: the fake has one context a process. */
+EXPORT CUresult cuCtxDestroy_v2(CUcontext ctx)
+{
+    if (!g_inited)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    return ctx ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+/* The same context cuCtxCreate_v2 makes (called by its exported name, see above). */
+EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
+{
+    return cuCtxCreate_v2(pctx, 0, dev);
+}
+
+/* cuGetProcAddress answers from a table, as the driver does: the base name (cuda.h's, without
+ * a version suffix) gives the newest version this fake has; cudaVersion and flags are not
+ * looked at. Its addresses are hidden aliases of the exports, so a preloaded library that
+ * exports the same names (torpor's agent) does not change the answers: the agent must catch
+ * this door itself. The _v2 of 12.0 adds symbolStatus (CUdriverProcAddressQueryResult:
+ * 0 found, 1 symbol not found). */
+EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion,
+                                 uint64_t flags);
+EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion,
+                                    uint64_t flags, int *symbolStatus);
+
+#define FK_PROCS(X)                                                                          \
+    X(cuGetErrorName, cuGetErrorName) X(cuGetErrorString, cuGetErrorString)                  \
+    X(cuDriverGetVersion, cuDriverGetVersion) X(cuInit, cuInit)                              \
+    X(cuDeviceGetCount, cuDeviceGetCount) X(cuDeviceGet, cuDeviceGet)                        \
+    X(cuDeviceGetName, cuDeviceGetName) X(cuDeviceGetUuid, cuDeviceGetUuid_v2)               \
+    X(cuDeviceTotalMem, cuDeviceTotalMem_v2) X(cuCtxCreate, cuCtxCreate_v2)                  \
+    X(cuCtxDestroy, cuCtxDestroy_v2) X(cuCtxPushCurrent, cuCtxPushCurrent_v2)                \
+    X(cuCtxPopCurrent, cuCtxPopCurrent_v2) X(cuDevicePrimaryCtxRetain, cuDevicePrimaryCtxRetain) \
+    X(cuCtxSynchronize, cuCtxSynchronize) X(cuMemAlloc, cuMemAlloc_v2)                       \
+    X(cuMemAllocPitch, cuMemAllocPitch_v2) X(cuMemFree, cuMemFree_v2)                        \
+    X(cuLaunchKernel, cuLaunchKernel) X(cuMemcpyHtoD, cuMemcpyHtoD_v2)                       \
+    X(cuMemcpyDtoH, cuMemcpyDtoH_v2) X(cuStreamSynchronize, cuStreamSynchronize)             \
+    X(cuGetProcAddress, cuGetProcAddress_v2)                                                 \
+    X(cuCheckpointProcessGetState, cuCheckpointProcessGetState)                              \
+    X(cuCheckpointProcessLock, cuCheckpointProcessLock)                                      \
+    X(cuCheckpointProcessCheckpoint, cuCheckpointProcessCheckpoint)                          \
+    X(cuCheckpointProcessRestore, cuCheckpointProcessRestore)                                \
+    X(cuCheckpointProcessUnlock, cuCheckpointProcessUnlock)                                  \
+    X(cuCheckpointProcessGetRestoreThreadId, cuCheckpointProcessGetRestoreThreadId)
+
+#define FK_ALIAS(base, sym) \
+    extern __typeof__(sym) fk_proc_##sym __attribute__((alias(#sym), visibility("hidden")));
+FK_PROCS(FK_ALIAS)
+#define FK_ENTRY(base, sym) {#base, (void *)fk_proc_##sym},
+static const struct { const char *name; void *fn; } PROCS[] = { FK_PROCS(FK_ENTRY) };
+
+EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion,
+                                    uint64_t flags, int *symbolStatus)
+{
+    (void)cudaVersion, (void)flags;
+    if (!symbol || !pfn)
+        return CUDA_ERROR_INVALID_VALUE;
+    *pfn = NULL;
+    for (size_t i = 0; i < sizeof PROCS / sizeof PROCS[0]; i++)
+        if (!strcmp(PROCS[i].name, symbol)) {
+            *pfn = PROCS[i].fn;
+            break;
+        }
+    if (symbolStatus)
+        *symbolStatus = *pfn ? 0 : 1;
+    return *pfn ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
+}
+
+EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, uint64_t flags)
+{
+    return cuGetProcAddress_v2(symbol, pfn, cudaVersion, flags, NULL);
 }

@@ -21,6 +21,12 @@ State directory layout (shared by every process that loads the fakes; read at ev
   calls.log        "<call> <pid> <CUresult>" a line, one per checkpoint-API call
   cuda_version     13000 by default        driver_version "999.0-fake" by default
 <call> is one of CALLS. A pid that is not a live CUDA process gets CUDA_ERROR_INVALID_VALUE.
+  delay/<cu name>  "<ms> [pid]" (pid: the program's getpid()) also delays the driver calls fake_libcuda.c adds for torpor's
+                   agent (cuStreamSynchronize, cuMemFree_v2, cuMemAllocPitch_v2, cuLaunchKernel,
+                   cuMemcpyHtoD_v2, cuMemcpyDtoH_v2), named by their exported name: write the
+                   file directly (delay() takes CALLS only) to hold such a call in flight.
+cuGetProcAddress(_v2) answers base names ("cuMemAlloc" -> cuMemAlloc_v2) from the fake's own
+table, unaffected by an LD_PRELOADed library exporting the same names.
 Every pid above (fault files, calls.log, what NVML lists) is the pid the caller's /proc shows:
 the host pid, also for a program in a container.
 
