@@ -18,6 +18,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import sys
 import tarfile
 import tempfile
 from pathlib import Path
@@ -201,6 +202,11 @@ def test_podman_export_import_same_gpu(podman, gpu, daemon, name, base, running)
              "the hook registering the container")
     host_pid = w.host_pid()
     assert host_pid and host_pid == podman.pid(name)
+    ps = subprocess.run([sys.executable, "-m", "torpor.cli.main", "--json", "ps"],
+                        env=daemon.env, capture_output=True, text=True, timeout=60)
+    rows = {r["pid"]: r for r in json.loads(ps.stdout)["processes"]}
+    assert rows[host_pid]["container"] == podman.inspect(name, "{{.Id}}"), ps.stderr
+    assert rows[host_pid]["state"] == "RUNNING"
     archive = base / "ck.tar.zst"
     podman.checkpoint(name, export=archive)                 # podman's default: zstd
     assert podman.state(name) == "exited"

@@ -1,11 +1,12 @@
-"""torpor ps: GPU processes and their checkpoint state."""
+"""torpor ps: GPU processes, their checkpoint state and their container."""
 
 from __future__ import annotations
 
 import argparse
 
 from .. import gpus, procs
-from ..errors import NoDriverError
+from ..config import Config
+from ..errors import NoDriverError, TorporError
 from ..progress import human_bytes
 from .context import Context
 
@@ -14,6 +15,25 @@ NEEDS_RECOVERY = True
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     sub.add_parser("ps", help=__doc__.split(":")[1].strip(), description=__doc__)
+
+
+def containers_by_pid(cfg: Config) -> dict[int, str]:
+    """PID -> id of the container torpord registered it under (the container's process tree);
+    empty when torpord is not running (ps works without it)."""
+    if not cfg.socket_path.exists():
+        return {}
+    from ..sidecar.client import Client
+    try:
+        with Client(cfg, timeout=3) as c:
+            registered = c.list()["containers"]
+    except TorporError:
+        return {}
+    out: dict[int, str] = {}
+    for ctr in registered:
+        for root in ctr["pids"]:
+            for pid in procs.tree(root) if procs.alive(root) else []:
+                out[pid] = ctr["id"]
+    return out
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
@@ -25,6 +45,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         states = engine.cuda_states(pids)
     except NoDriverError:
         states = {}
+    containers = containers_by_pid(ctx.cfg)
     rows = []
     for pid in pids:
         info = suspended.get(pid, {})
@@ -32,13 +53,13 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
                      "state": states[pid].name if pid in states else "?",
                      "gpus": inv.gpus_of(pid) or info.get("gpus", []),
                      "gpu_memory": inv.memory_of(pid) or 0,
-                     "suspended": pid in suspended})
+                     "suspended": pid in suspended, "container": containers.get(pid, "")})
     index = {g.uuid: g.index for g in inv.gpus}
-    lines = [f"{'PID':>8}  {'STATE':<13} {'GPU':<5} {'MEMORY':>11}  COMMAND"]
+    lines = [f"{'PID':>8}  {'STATE':<13} {'GPU':<5} {'MEMORY':>11}  {'CONTAINER':<12}  COMMAND"]
     for r in rows:
         gpu = ",".join(str(index.get(u, "?")) for u in r["gpus"]) or "-"
         lines.append(f"{r['pid']:>8}  {r['state']:<13} {gpu:<5} {human_bytes(r['gpu_memory']):>11}"
-                     f"  {r['comm']}")
+                     f"  {r['container'][:12] or '-':<12}  {r['comm']}")
     if not rows:
         lines.append("(no GPU processes)")
     ctx.emit({"driver_version": inv.driver_version, "processes": rows}, "\n".join(lines))
