@@ -23,10 +23,30 @@ from .errors import NotFoundError, TorporError
 
 DEFAULT_DIR = Path("/run/torpor/agents")
 REPLY_MAX = 1 << 20
+LIBRARY = Path(__file__).resolve().parent / "_agent" / "libtorpor-agent.so"
 
 
 class AgentError(TorporError):
     pass
+
+
+def library() -> Path:
+    """The agent library the package build made (setup.py builds agent/ into torpor/_agent/)."""
+    if not LIBRARY.is_file():
+        raise NotFoundError(f"the torpor agent library is missing ({LIBRARY})",
+                            hint="reinstall torpor: the build compiles agent/ with make and gcc")
+    return LIBRARY
+
+
+def preload_env(env: dict[str, str], agent_dir: Path, libcuda: str) -> dict[str, str]:
+    """env with the agent preloaded (ahead of any LD_PRELOAD already there), its socket
+    directory and the driver it should wrap."""
+    out = dict(env)
+    out["LD_PRELOAD"] = " ".join(filter(None, [str(library()), env.get("LD_PRELOAD", "")]))
+    out["TORPOR_AGENT_DIR"] = str(agent_dir)
+    if libcuda != "libcuda.so.1":
+        out["TORPOR_AGENT_LIBCUDA"] = libcuda
+    return out
 
 
 def socket_path(pid: int, agent_dir: Path | None = None) -> Path:

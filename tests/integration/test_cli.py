@@ -403,3 +403,32 @@ def test_sigterm_after_a_successful_dump_keeps_the_checkpoint(torpor, gpu, tmp_p
     assert torpor.json("inspect", str(images), "--verify")["verified"]
     torpor.json("restore", "-D", str(images))
     assert gpu.state(prog.pid)["state"] == RUNNING
+
+
+def test_run_preloads_the_agent(torpor, gpu, tmp_path):
+    """torpor run execs the command (same PID) with the agent, which wraps the program's
+    driver calls and answers on its socket; bad input is one line and exit 2 / 3."""
+    from tests.fakes.fakegpu import PROGRAM
+    from torpor.agent import AgentClient
+    agents = tmp_path / "agents"
+    status = tmp_path / "status.json"
+    proc = torpor.start("run", "--agent-dir", str(agents), "--", sys.executable, str(PROGRAM),
+                        "--mem", str(3 << 20), "--status", str(status))
+    try:
+        wait_for(lambda: status.exists(), 20, "the program's first status")
+        assert json.loads(status.read_text())["pid"] == proc.pid        # exec'd, not a child
+        assert stat_mode(agents) == 0o700
+        with AgentClient.for_pid(proc.pid, agents) as a:
+            st = a.status()
+        assert (st["pid"], st["allocations"], st["bytes"]) == (proc.pid, 1, 3 << 20)
+    finally:
+        proc.kill()
+        proc.wait()
+    r = torpor.run("run")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no command" in r.stderr
+    r = torpor.run("run", "--", "no-such-command-here")
+    assert r.returncode == 3 and "command not found" in r.stderr
+
+
+def stat_mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777

@@ -17,6 +17,7 @@ class Context:
     cfg: Config
     json: bool
     progress: Progress
+    user_umask: int = 0o022   # the caller's, for programs torpor starts (torpor's own is 077)
     _engine: Engine | None = None
 
     @property

@@ -18,12 +18,12 @@ from types import ModuleType
 from .. import __version__, config
 from ..errors import ExitCode, TorporError
 from ..progress import Progress
-from . import checkpoint, demo, doctor, inspect, ps, restore, suspend
+from . import checkpoint, demo, doctor, inspect, ps, restore, run, suspend
 from .context import Context
 
 COMMANDS: dict[str, ModuleType] = {
     "doctor": doctor, "ps": ps, "checkpoint": checkpoint, "restore": restore,
-    "suspend": suspend, "resume": suspend, "inspect": inspect, "demo": demo,
+    "suspend": suspend, "resume": suspend, "inspect": inspect, "demo": demo, "run": run,
 }
 
 
@@ -66,14 +66,15 @@ def _interrupt(signum: int, _frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     debug = args.debug
-    os.umask(0o077)  # everything torpor writes holds, or describes, process memory
+    user_umask = os.umask(0o077)  # everything torpor writes holds, or describes, process memory
     logging.getLogger().addHandler(logging.NullHandler())  # no traceback before the log is set
     try:
         cfg = config.load(args.config)
         _setup_logging(cfg, debug)
         signal.signal(signal.SIGTERM, _interrupt)
         signal.signal(signal.SIGHUP, _interrupt)
-        ctx = Context(cfg=cfg, json=args.json, progress=Progress(None if args.quiet else sys.stderr))
+        ctx = Context(cfg=cfg, json=args.json, progress=Progress(None if args.quiet else sys.stderr),
+                      user_umask=user_umask)
         module = COMMANDS[args.command]
         if getattr(module, "NEEDS_RECOVERY", False):
             for msg in ctx.engine.recover():
