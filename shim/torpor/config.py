@@ -34,6 +34,7 @@ class Config:
     socket_owner_uid: int = 0                   # besides root, the one uid torpord answers
     oci_runtime: str = "runc"                   # what torpor-runtime wraps: runc or crun (name or path)
     device_map: str = ""                        # restores of containers: OLD_UUID=NEW_UUID,... (wins over placement)
+    agent: bool = False                         # torpor-runtime preloads the agent into GPU containers
 
     @property
     def journal_dir(self) -> Path:

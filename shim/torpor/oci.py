@@ -29,6 +29,9 @@ CDI_KIND = "nvidia.com/gpu"
 VISIBLE = "NVIDIA_VISIBLE_DEVICES"
 DEVICE_MAP_ANNOTATION = "org.torpor.device-map"  # OLD_UUID=NEW_UUID,...: restore placement
 HOOK_ANNOTATION = "org.torpor.hooks"             # "off": the shim adds no hooks at create
+AGENT_ANNOTATION = "org.torpor.agent"            # "on"/"off": preload the agent (config `agent`)
+AGENT_LIBRARY_IN_CONTAINER = "/run/torpor/agent/libtorpor-agent.so"
+AGENT_DIR_IN_CONTAINER = "/run/torpor/agents"
 
 
 @dataclasses.dataclass
@@ -58,6 +61,16 @@ class GpuUse:
             elif inv and item.isdigit():
                 out += [g.uuid for g in inv.gpus if g.index == int(item)]
         return list(dict.fromkeys(out))
+
+
+_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+
+
+def validate_container_id(cid: str) -> str:
+    """A container id fit to name a file (torpord's records, agent socket directories)."""
+    if not _ID_RE.match(cid or "") or ".." in cid or cid == ".":
+        raise UsageError(f"bad container id {cid!r}: use 1-128 of [A-Za-z0-9_.-], no '..'")
+    return cid
 
 
 def load(bundle: Path) -> dict[str, Any]:
@@ -232,3 +245,44 @@ def add_hooks(spec: dict[str, Any], hook_path: str, env: Mapping[str, str] | Non
         entries.append(hook)
         added.append(stage)
     return added
+
+
+# -- the in-process agent -----------------------------------------------------------------------
+
+def wants_agent(spec: Mapping[str, Any], default: bool) -> bool:
+    value = _section(spec, "annotations").get(AGENT_ANNOTATION)
+    return value == "on" if value in ("on", "off") else default
+
+
+def add_agent(spec: dict[str, Any], library: Path, host_dir: Path) -> bool:
+    """Preload the agent: its library bound read-only into the container, its socket directory
+    (one per container on the host: PIDs repeat across containers) bound read-write, and
+    LD_PRELOAD / TORPOR_AGENT_DIR in the process environment. False when already there."""
+    mounts = spec.setdefault("mounts", [])
+    if any(isinstance(m, dict) and m.get("destination") == AGENT_LIBRARY_IN_CONTAINER
+           for m in mounts):
+        return False
+    mounts.append({"destination": AGENT_LIBRARY_IN_CONTAINER, "type": "bind",
+                   "source": str(library), "options": ["bind", "ro", "nosuid", "nodev"]})
+    mounts.append({"destination": AGENT_DIR_IN_CONTAINER, "type": "bind",
+                   "source": str(host_dir), "options": ["bind", "rw", "nosuid", "nodev", "noexec"]})
+    process = spec.setdefault("process", {})
+    env = [e for e in process.get("env") or [] if isinstance(e, str)]
+    preload = next((e.partition("=")[2] for e in env if e.startswith("LD_PRELOAD=")), "")
+    env = [e for e in env if not e.startswith(("LD_PRELOAD=", "TORPOR_AGENT_DIR="))]
+    env.append("LD_PRELOAD=" + " ".join(filter(None, [AGENT_LIBRARY_IN_CONTAINER, preload])))
+    env.append(f"TORPOR_AGENT_DIR={AGENT_DIR_IN_CONTAINER}")
+    process["env"] = env
+    return True
+
+
+def repoint_agent(spec: dict[str, Any], library: Path, host_dir: Path) -> bool:
+    """A restored container (maybe on another host, under another id) gets this host's agent
+    library and its own socket directory. False when it has no agent."""
+    found = False
+    for m in _dicts(spec.get("mounts")):
+        if m.get("destination") == AGENT_LIBRARY_IN_CONTAINER:
+            m["source"], found = str(library), True
+        elif m.get("destination") == AGENT_DIR_IN_CONTAINER:
+            m["source"], found = str(host_dir), True
+    return found

@@ -29,6 +29,7 @@ from integration.containers import ContainerError, Containerd, Podman
 from tests.fakes.fakegpu import CHECKPOINTED, RUNNING, FakeGpu, pid_of
 from tests.integration.conftest import needs_criu, wait_for
 from tests.integration.torpord import Daemon
+from torpor.agent import AgentClient
 from torpor.archive import _open_stream
 
 pytestmark = [needs_criu, pytest.mark.criu]
@@ -226,6 +227,36 @@ def test_podman_export_import_same_gpu(podman, gpu, daemon, name, base, running)
     _assert_running_on(w, gpu.uuid(0))
     calls = [(c.call, c.pid) for c in gpu.calls() if c.call in ("restore", "unlock")]
     assert calls == [("restore", new_pid), ("unlock", new_pid)]
+
+
+def test_podman_agent_preloaded_on_request_and_answers_after_restore(podman, gpu, daemon,
+                                                                    name, base):
+    """Annotation org.torpor.agent=on: the agent wraps the program's driver calls in the
+    container and answers on the host, in a directory of the container's own; a podman
+    checkpoint/restore brings its socket back."""
+    w = Workload(gpu, "agent")
+    nodes = fake_nodes(base)
+    podman.run(name, w.argv, mounts=w.mounts, annotations={"org.torpor.agent": "on"},
+               env={**w.env, "NVIDIA_VISIBLE_DEVICES": gpu.uuid(0)},
+               devices=[f"{nodes[0]}:/dev/nvidia0", f"{nodes[255]}:/dev/nvidiactl"])
+    try:
+        w.wait_ticking()
+        cid = podman.inspect(name, "{{.Id}}")
+        agents = daemon.cfg.run_dir / "agents" / cid
+        assert stat.S_IMODE(agents.stat().st_mode) == 0o700
+        sock = agents / f"agent-{w.doc()['pid']}.sock"       # the PID inside the container
+        wait_for(sock.exists, 10, "the agent's socket")
+        with AgentClient(sock) as a:
+            assert (a.status()["allocations"], a.status()["bytes"]) == (1, 2 * GIB)
+        archive, tick = _export_and_remove(podman, name, w, base)
+        podman.restore(import_=archive)
+        w.wait_ticking(tick)
+        agents = daemon.cfg.run_dir / "agents" / podman.inspect(name, "{{.Id}}")
+        with AgentClient(agents / sock.name) as a:
+            assert a.status()["allocations"] == 1
+    finally:
+        podman.rm(name)
+    assert not agents.exists()                                # removed with the container
 
 
 def test_podman_restore_onto_other_gpu_rewrites_bundle(podman, gpu, daemon, shim, name, base,

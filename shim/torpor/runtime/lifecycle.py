@@ -13,9 +13,10 @@ import shutil
 import sys
 from pathlib import Path
 
-from .. import oci
+from .. import agent, oci
 from ..config import Config
 from ..errors import TorporError
+from ..files import private_dir
 from .argv import Invocation
 from .main import Runtime
 
@@ -53,14 +54,30 @@ def create(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
                     oci.save(bundle, spec)
                     log.info("create %s: GPUs %s; added hooks %s", inv.container_id, use,
                              ",".join(added))
+        if use and oci.wants_agent(spec, cfg.agent):
+            host_dir = private_dir(agent_dirs(cfg) / oci.validate_container_id(inv.container_id))
+            if oci.add_agent(spec, agent.library(), host_dir):
+                oci.save(bundle, spec)
+                log.info("create %s: agent preloaded, sockets in %s", inv.container_id, host_dir)
     except Exception as e:  # whatever it is, the container must still start
         log.warning("create %s: spec left as it was: %s", inv.container_id, e,
                     exc_info=not isinstance(e, (TorporError, OSError, ValueError)))
     runtime.exec()
 
 
+def agent_dirs(cfg: Config) -> Path:
+    """One socket directory per container under here (bound to /run/torpor/agents inside)."""
+    return cfg.run_dir / "agents"
+
+
 def delete(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
     rc = runtime.run().wait()
+    try:
+        if rc == 0:
+            shutil.rmtree(agent_dirs(cfg) / oci.validate_container_id(inv.container_id),
+                          ignore_errors=True)
+    except TorporError:
+        pass
     if rc == 0 and cfg.socket_path.exists():
         try:
             from ..sidecar.client import Client

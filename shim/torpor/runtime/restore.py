@@ -21,11 +21,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import gpus, manifest, oci, placement
+from .. import agent, gpus, manifest, oci, placement
 from ..config import Config
 from ..errors import NoDriverError, PreflightError, TorporError
 from ..sidecar.client import Client, ensure_running
+from ..files import private_dir
 from .argv import Invocation
+from .lifecycle import agent_dirs
 from .main import Runtime
 
 log = logging.getLogger("torpor.runtime")
@@ -54,6 +56,7 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
     else:
         print(f"torpor-runtime: warning: {images} holds an unsealed GPU manifest (the "
               "checkpoint could not finish it): image files not verified", file=sys.stderr)
+    _repoint_agent(cfg, bundle, cid)
     cuda = [p for p in m["processes"] if p["cuda"]]
     gpu_map: dict[str, str] = {}
     moves: list[oci.Move] = []
@@ -112,6 +115,17 @@ def _place(cfg: Config, m: dict[str, Any], bundle: Path
         for line in changes:
             log.info("restore: %s", line)
     return gpu_map, moves, bool(explicit)
+
+
+def _repoint_agent(cfg: Config, bundle: Path, cid: str) -> None:
+    """The agent's mounts (if the container has the agent) to this host's library and a
+    socket directory of this container's (delete removed the old one)."""
+    spec = oci.load(bundle)
+    if any(isinstance(m, dict) and m.get("destination") == oci.AGENT_DIR_IN_CONTAINER
+           for m in spec.get("mounts") or []):
+        host_dir = private_dir(agent_dirs(cfg) / oci.validate_container_id(cid))
+        oci.repoint_agent(spec, agent.library(), host_dir)
+        oci.save(bundle, spec)
 
 
 def _read_pid(path: Path) -> int | None:

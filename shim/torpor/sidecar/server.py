@@ -22,7 +22,6 @@ import functools
 import json
 import logging
 import os
-import re
 import signal
 import sys
 import threading
@@ -33,6 +32,7 @@ from typing import Any, Callable, Iterable
 import grpc
 
 from .. import __version__, config, gpus, procs
+from ..oci import validate_container_id
 from ..doctor import run_checks
 from ..driver import ProcessState
 from ..engine import Engine
@@ -47,16 +47,9 @@ log = logging.getLogger("torpor.sidecar")
 
 DEFAULT_OP_TIMEOUT_S = 600.0
 RECOVERY_PERIOD_S = 30.0   # how often journal orphans (dead torpor commands) are rolled back
-_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 _SUN_PATH_MAX = 107  # sockaddr_un.sun_path holds 108 bytes, NUL included
 
 
-
-
-def validate_container_id(cid: str) -> str:
-    if not _ID_RE.match(cid or "") or ".." in cid or cid == ".":
-        raise UsageError(f"bad container id {cid!r}: use 1-128 of [A-Za-z0-9_.-], no '..'")
-    return cid
 
 
 # -- containers ---------------------------------------------------------------------------------
