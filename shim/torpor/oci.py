@@ -286,3 +286,24 @@ def repoint_agent(spec: dict[str, Any], library: Path, host_dir: Path) -> bool:
         elif m.get("destination") == AGENT_DIR_IN_CONTAINER:
             m["source"], found = str(host_dir), True
     return found
+
+
+def host_ids(spec: Mapping[str, Any]) -> tuple[int, int]:
+    """The host uid and gid the container's process runs as (through the user namespace's
+    mappings when it has them): who must be able to create the agent's socket."""
+    user = _section(_section(spec, "process"), "user")
+    linux = _section(spec, "linux")
+
+    def to_host(value: Any, mappings: Any) -> int:
+        ident = value if isinstance(value, int) and value >= 0 else 0
+        table = _dicts(mappings)
+        if not table:
+            return ident
+        for m in table:
+            start, host, size = m.get("containerID", 0), m.get("hostID", 0), m.get("size", 0)
+            if isinstance(start, int) and isinstance(host, int) and isinstance(size, int) \
+                    and start <= ident < start + size:
+                return host + ident - start
+        return 65534  # unmapped: the kernel's overflow id
+    return (to_host(user.get("uid"), linux.get("uidMappings")),
+            to_host(user.get("gid"), linux.get("gidMappings")))

@@ -151,3 +151,14 @@ def test_argv_other_commands_untouched():
     assert inv.command == "state" and inv.global_opts["log"] == "/x" and inv.opts == {}
     assert argv.parse(["checkpoint", "--help"]).wants_help
     assert argv.parse(["--version"]).command == ""
+
+
+def test_host_ids_follow_user_and_mappings():
+    assert oci.host_ids({}) == (0, 0)
+    assert oci.host_ids({"process": {"user": {"uid": 1000, "gid": 100}}}) == (1000, 100)
+    userns = {"process": {"user": {"uid": 0, "gid": 5}},
+              "linux": {"uidMappings": [{"containerID": 0, "hostID": 100000, "size": 65536}],
+                        "gidMappings": [{"containerID": 0, "hostID": 200000, "size": 10}]}}
+    assert oci.host_ids(userns) == (100000, 200005)
+    userns["process"]["user"]["gid"] = 50
+    assert oci.host_ids(userns)[1] == 65534

@@ -55,7 +55,7 @@ def create(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
                     log.info("create %s: GPUs %s; added hooks %s", inv.container_id, use,
                              ",".join(added))
         if use and oci.wants_agent(spec, cfg.agent):
-            host_dir = private_dir(agent_dirs(cfg) / oci.validate_container_id(inv.container_id))
+            host_dir = agent_dir(cfg, inv.container_id, spec)
             if oci.add_agent(spec, agent.library(), host_dir):
                 oci.save(bundle, spec)
                 log.info("create %s: agent preloaded, sockets in %s", inv.container_id, host_dir)
@@ -68,6 +68,14 @@ def create(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
 def agent_dirs(cfg: Config) -> Path:
     """One socket directory per container under here (bound to /run/torpor/agents inside)."""
     return cfg.run_dir / "agents"
+
+
+def agent_dir(cfg: Config, container_id: str, spec: dict) -> Path:
+    """The container's socket directory, 0700 and owned by the host uid its process runs as
+    (the agent creates its socket there, and accepts root and that uid)."""
+    path = private_dir(agent_dirs(cfg) / oci.validate_container_id(container_id))
+    os.chown(path, *oci.host_ids(spec))
+    return path
 
 
 def delete(cfg: Config, runtime: Runtime, inv: Invocation) -> int:

@@ -25,9 +25,8 @@ from .. import agent, gpus, manifest, oci, placement
 from ..config import Config
 from ..errors import NoDriverError, PreflightError, TorporError
 from ..sidecar.client import Client, ensure_running
-from ..files import private_dir
 from .argv import Invocation
-from .lifecycle import agent_dirs
+from .lifecycle import agent_dir
 from .main import Runtime
 
 log = logging.getLogger("torpor.runtime")
@@ -123,8 +122,7 @@ def _repoint_agent(cfg: Config, bundle: Path, cid: str) -> None:
     spec = oci.load(bundle)
     if any(isinstance(m, dict) and m.get("destination") == oci.AGENT_DIR_IN_CONTAINER
            for m in spec.get("mounts") or []):
-        host_dir = private_dir(agent_dirs(cfg) / oci.validate_container_id(cid))
-        oci.repoint_agent(spec, agent.library(), host_dir)
+        oci.repoint_agent(spec, agent.library(), agent_dir(cfg, cid, spec))
         oci.save(bundle, spec)
 
 
