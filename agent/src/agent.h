@@ -83,9 +83,13 @@ void gate_exit(int gated);
 /* Marks the calling thread as the agent's own: its driver calls never wait at the gate. */
 void gate_agent_thread(void);
 /* Closes the gate: waits up to timeout_ms for the calls in flight, then synchronizes every
- * known context. 0, or -ETIMEDOUT / -EIO with the gate open again. */
-int gate_close(long timeout_ms);
+ * known context. 0, or -ETIMEDOUT / -EIO with the gate open again. The gate opens by itself
+ * reopen_ms after (0: never; counted as gate.c says), enforced by the waiting calls too. */
+int gate_close(long timeout_ms, long long reopen_ms);
 void gate_open(void);
+/* Enforces the prepare deadline (the control thread, between commands); returns how long to
+ * sleep before the next tick (ms, at most 1000), or -1 when no deadline is armed. */
+long gate_tick(void);
 
 struct gate_status {
 	int closed;

@@ -27,6 +27,7 @@
 #define LOG_PREFIX "control: "
 #include "agent.h" /* first: _GNU_SOURCE */
 
+#include <fcntl.h>
 #include <limits.h>
 #include <poll.h>
 #include <pthread.h>
@@ -57,7 +58,7 @@ static struct {
 	pid_t owner;              /* the process whose socket `path` is */
 	char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
 	double prepare_timeout_s;
-	long long deadline_ms;    /* control thread only: when a prepare's gate opens; 0: none */
+	long long last_emfile_log; /* accept4 EMFILE/ENFILE: logged at most every 10 s */
 	struct client clients[MAX_CLIENTS];
 } ctl = { .lock = PTHREAD_MUTEX_INITIALIZER, .listen_fd = -1 };
 
@@ -70,6 +71,10 @@ static int make_dirs(const char *dir)
 	if (len == 0 || len >= sizeof(buf))
 		return -ENAMETOOLONG;
 	memcpy(buf, dir, len + 1);
+	/* "dir/" and "dir//": the last mkdir must be of dir itself (0700), not of "dir/" after
+	 * the loop made dir 0755 */
+	while (len > 1 && buf[len - 1] == '/')
+		buf[--len] = 0;
 	for (char *p = buf + 1; *p; p++) {
 		if (*p != '/')
 			continue;
@@ -83,9 +88,46 @@ static int make_dirs(const char *dir)
 	return 0;
 }
 
+/* The directory must be the program's (or root's) and writable by no one else: anyone who can
+ * write to it can replace the socket with their own and answer torpor in the program's name.
+ * Resolved once to an absolute path (no trailing slash, no symlink left) and checked through
+ * a descriptor opened with O_NOFOLLOW, so that what is checked is what the path names. */
+static int check_dir(const char *dir, char *real, size_t size)
+{
+	char buf[PATH_MAX];
+	struct stat st;
+	int dfd, ret = 0;
+
+	if (!realpath(dir, buf)) {
+		ret = -errno;
+		pr_perror("cannot resolve %s", dir);
+		return ret;
+	}
+	if (strlen(buf) >= size)
+		return -ENAMETOOLONG;
+	strcpy(real, buf);
+	dfd = open(real, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+	if (dfd < 0 || fstat(dfd, &st) < 0) {
+		ret = -errno;
+		pr_perror("cannot open %s", real);
+	} else if (st.st_uid != geteuid() && st.st_uid != 0) {
+		pr_err("%s is owned by uid %u, neither root nor the program's: no control socket",
+		       real, (unsigned)st.st_uid);
+		ret = -EPERM;
+	} else if (st.st_mode & (S_IWGRP | S_IWOTH)) {
+		pr_err("%s is writable by group or others (mode %04o): no control socket", real,
+		       (unsigned)(st.st_mode & 07777));
+		ret = -EPERM;
+	}
+	if (dfd >= 0)
+		close(dfd);
+	return ret;
+}
+
 static int listen_at(const char *dir, char *path, size_t size)
 {
 	struct sockaddr_un addr = { .sun_family = AF_UNIX };
+	char real[PATH_MAX];
 	int fd, ret;
 
 	ret = make_dirs(dir);
@@ -94,6 +136,10 @@ static int listen_at(const char *dir, char *path, size_t size)
 		pr_pwarn("cannot create %s", dir);
 		return ret;
 	}
+	ret = check_dir(dir, real, sizeof(real));
+	if (ret)
+		return ret;
+	dir = real;
 	if ((size_t)snprintf(path, size, "%s/agent-%d.sock", dir, (int)getpid()) >= size ||
 	    strlen(path) >= sizeof(addr.sun_path)) {
 		pr_warn("socket path under %s too long", dir);
@@ -107,6 +153,12 @@ static int listen_at(const char *dir, char *path, size_t size)
 		pr_pwarn("socket");
 		return ret;
 	}
+	/* 0600 from the start, with no chmod(path) afterwards (a path can be swapped for a
+	 * symlink between bind and chmod): Linux's bind() gives the socket file the mode of the
+	 * socket's inode less the umask, and fchmod() of an unbound socket sets that mode.
+	 * (Changing the umask instead would race with the program's other threads.) */
+	if (fchmod(fd, 0600) < 0)
+		pr_pwarn("fchmod socket");
 	/* A file left by a process of the same pid that died without cleaning up. */
 	if (unlink(path) < 0 && errno != ENOENT)
 		pr_pwarn("cannot remove %s", path);
@@ -114,12 +166,6 @@ static int listen_at(const char *dir, char *path, size_t size)
 		ret = -errno;
 		pr_pwarn("bind %s", path);
 		goto err_close;
-	}
-	/* bind() made it under the umask; the 0700 directory keeps others out meanwhile. */
-	if (chmod(path, 0600) < 0) {
-		ret = -errno;
-		pr_pwarn("chmod %s", path);
-		goto err_unlink;
 	}
 	if (listen(fd, MAX_CLIENTS) < 0) {
 		ret = -errno;
@@ -160,11 +206,24 @@ static int peer_allowed(int fd)
 
 static void accept_one(void)
 {
-	int fd = accept4(ctl.listen_fd, NULL, NULL, SOCK_CLOEXEC);
+	/* Non-blocking: a reply that does not fit drops the client (reply()), it never blocks
+	 * the one thread that serves everyone. */
+	int fd = accept4(ctl.listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
 
 	if (fd < 0) {
-		if (errno != EINTR && errno != EAGAIN && errno != ECONNABORTED)
+		if (errno == EMFILE || errno == ENFILE) {
+			/* The connection stays queued and poll() says readable again at once: back
+			 * off rather than spin, and say so once in a while only. */
+			long long now = now_ms();
+
+			if (!ctl.last_emfile_log || now - ctl.last_emfile_log >= 10000) {
+				pr_pwarn("accept (backing off)");
+				ctl.last_emfile_log = now;
+			}
+			poll(NULL, 0, 100);
+		} else if (errno != EINTR && errno != EAGAIN && errno != ECONNABORTED) {
 			pr_pwarn("accept");
+		}
 		return;
 	}
 	if (!peer_allowed(fd)) {
@@ -181,20 +240,20 @@ static void accept_one(void)
 	close(fd);
 }
 
+/* Never blocks: a client that does not read its replies (the socket buffer full) is dropped,
+ * or it would stall the thread that serves everyone else. */
 static int reply(struct client *c, const char *text)
 {
-	size_t len = strlen(text), off = 0;
+	size_t len = strlen(text);
+	ssize_t n;
 
-	while (off < len) {
-		ssize_t n = send(c->fd, text + off, len - off, MSG_NOSIGNAL);
-
-		if (n < 0 && errno == EINTR)
-			continue;
-		if (n <= 0)
-			return -1;
-		off += n;
-	}
-	return 0;
+	do
+		n = send(c->fd, text, len, MSG_DONTWAIT | MSG_NOSIGNAL);
+	while (n < 0 && errno == EINTR);
+	if (n == (ssize_t)len)
+		return 0;
+	pr_warn("a client does not read its replies: dropped");
+	return -1;
 }
 
 static void status_reply(char *out, size_t size)
@@ -224,9 +283,7 @@ static void close_reply(const char *arg, char *out, size_t size)
 			return;
 		}
 	}
-	ret = gate_close(timeout_ms);
-	if (ret)
-		ctl.deadline_ms = 0; /* the gate is open again */
+	ret = gate_close(timeout_ms, (long long)(ctl.prepare_timeout_s * 1000));
 	if (ret == -ETIMEDOUT) {
 		snprintf(out, size, "{\"ok\":false,\"error\":\"timeout\"}\n");
 		return;
@@ -235,7 +292,6 @@ static void close_reply(const char *arg, char *out, size_t size)
 		snprintf(out, size, "{\"ok\":false,\"error\":\"synchronize failed\"}\n");
 		return;
 	}
-	ctl.deadline_ms = now_ms() + (long long)(ctl.prepare_timeout_s * 1000);
 	snprintf(out, size, "{\"ok\":true}\n");
 }
 
@@ -257,7 +313,6 @@ static void handle_line(char *line, char *out, size_t size)
 	} else if (!strcmp(line, "close")) {
 		close_reply(arg, out, size);
 	} else if (!strcmp(line, "open") && !*arg) {
-		ctl.deadline_ms = 0;
 		gate_open();
 		snprintf(out, size, "{\"ok\":true}\n");
 	} else {
@@ -271,7 +326,7 @@ static void serve(struct client *c)
 	ssize_t n;
 
 	n = recv(c->fd, c->buf + c->len, sizeof(c->buf) - 1 - c->len, 0);
-	if (n < 0 && errno == EINTR)
+	if (n < 0 && (errno == EINTR || errno == EAGAIN))
 		return;
 	if (n <= 0) {
 		drop(c);
@@ -306,9 +361,9 @@ static void *control_main(void *arg)
 	(void)arg;
 	gate_agent_thread();
 	for (;;) {
-		int n = 0, timeout = -1;
+		int n = 0, timeout;
 
-		pfd[n].fd = ctl.listen_fd;
+		pfd[n].fd = ctl.listen_fd; /* -1 once given up: poll() skips it */
 		pfd[n++].events = POLLIN;
 		for (int i = 0; i < MAX_CLIENTS; i++)
 			if (ctl.clients[i].fd >= 0) {
@@ -316,10 +371,10 @@ static void *control_main(void *arg)
 				pfd[n].fd = ctl.clients[i].fd;
 				pfd[n++].events = POLLIN;
 			}
-		if (ctl.deadline_ms) {
-			long long left = ctl.deadline_ms - now_ms();
-
-			timeout = left < 0 ? 0 : left > 3600000 ? 3600000 : (int)left;
+		timeout = (int)gate_tick(); /* the prepare deadline: -1, or at most 1000 ms */
+		if (ctl.listen_fd < 0 && n == 1) {
+			pr_warn("no socket and no client left: control thread ends");
+			return NULL;
 		}
 		if (poll(pfd, n, timeout) < 0) {
 			if (errno != EINTR) {
@@ -328,17 +383,25 @@ static void *control_main(void *arg)
 			}
 			continue;
 		}
-		if (ctl.deadline_ms && now_ms() >= ctl.deadline_ms) {
-			ctl.deadline_ms = 0;
-			pr_warn("gate closed for %g s without an open: reopening",
-				ctl.prepare_timeout_s);
-			gate_open();
-		}
-		for (int i = 1; i < n; i++)
-			if (pfd[i].revents)
+		gate_tick();
+		/* POLLNVAL: the program closed our descriptor (a close-all-fds loop). Its number may
+		 * be the program's own file by now: forget it, never close it. */
+		for (int i = 1; i < n; i++) {
+			if (pfd[i].revents & POLLNVAL) {
+				pr_warn("a client's descriptor was closed under us: forgotten");
+				who[i]->fd = -1;
+				who[i]->len = 0;
+			} else if (pfd[i].revents) {
 				serve(who[i]);
-		if (pfd[0].revents & POLLIN)
+			}
+		}
+		if (pfd[0].revents & POLLNVAL) {
+			pr_err("the control socket's descriptor was closed under us: no longer "
+			       "accepting");
+			ctl.listen_fd = -1;
+		} else if (pfd[0].revents & POLLIN) {
 			accept_one();
+		}
 	}
 	return NULL;
 }
@@ -416,7 +479,6 @@ void control_after_fork(void)
 	ctl.listen_fd = -1;
 	ctl.owner = 0;
 	ctl.path[0] = 0;
-	ctl.deadline_ms = 0;
 	atomic_store(&ctl.started, 0);
 }
 

@@ -40,8 +40,16 @@ static void *no_dlsym(void *handle, const char *name)
 
 static void find_glibc_dlsym(void)
 {
-	/* GLIBC_2.34 where dlsym moved into libc; the base versions before (x86_64, aarch64) */
-	static const char *const versions[] = { "GLIBC_2.34", "GLIBC_2.2.5", "GLIBC_2.17" };
+	/* The architecture's base version first (the one every program linked before 2.34
+	 * binds to), then GLIBC_2.34 where dlsym moved into libc. */
+	static const char *const versions[] = {
+#if defined(__x86_64__)
+		"GLIBC_2.2.5",
+#elif defined(__aarch64__)
+		"GLIBC_2.17",
+#endif
+		"GLIBC_2.34",
+	};
 	void *f = NULL;
 
 	for (size_t i = 0; !f && i < sizeof(versions) / sizeof(versions[0]); i++)
@@ -83,8 +91,10 @@ static const void *object_of(const void *p)
 int dlsym_answer(void *handle, const char *name, void *caller, void **answer)
 {
 	void *wrapper, *found;
+	int saved_errno = errno; /* dlsym() is not expected to touch errno */
 
 	pthread_once(&glibc_once, find_glibc_dlsym);
+	errno = saved_errno;
 	if (handle == RTLD_NEXT || !name || name[0] != 'c' || name[1] != 'u')
 		return 0;
 	wrapper = hook_by_name(name);
@@ -110,6 +120,7 @@ int dlsym_answer(void *handle, const char *name, void *caller, void **answer)
 	}
 	pr_debug("%s via %s: %p", name,
 		 handle == RTLD_DEFAULT ? "RTLD_DEFAULT" : "a handle", *answer);
+	errno = saved_errno;
 	return 1;
 }
 
@@ -121,6 +132,9 @@ __asm__(".text\n"
 	".p2align 4\n"
 	"dlsym:\n"
 	".cfi_startproc\n"
+#ifdef __CET__
+	"	endbr64\n"			/* an indirect-branch target under CET/IBT */
+#endif
 	"	pushq %rdi\n"			/* handle */
 	".cfi_adjust_cfa_offset 8\n"
 	"	pushq %rsi\n"			/* name */
@@ -152,6 +166,10 @@ __asm__(".text\n"
 	".p2align 2\n"
 	"dlsym:\n"
 	".cfi_startproc\n"
+	/* bti c: a landing pad for calls through a pointer (dlsym is mostly reached through the
+	 * PLT's br x17); without it a BTI-enforcing system raises SIGILL at the first call. In
+	 * the hint space: a no-op on cores without BTI, and assembles everywhere. */
+	"	hint #34\n"			/* bti c */
 	"	stp x29, x30, [sp, #-48]!\n"
 	".cfi_def_cfa_offset 48\n"
 	".cfi_offset 29, -48\n"

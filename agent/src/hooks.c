@@ -17,7 +17,9 @@ static pthread_once_t real_once = PTHREAD_ONCE_INIT;
 
 #define UNPAREN(...) __VA_ARGS__
 
-/* gate enter -> (pre) -> real call -> (post) -> gate exit. The bookkeeping runs inside the
+/* gate enter -> (pre) -> real call -> (post) -> gate exit. errno is the program's and the
+ * driver's only: whatever the agent does around the real call (the first one starts the
+ * socket: mkdir, unlink, ...) leaves it as it was. The bookkeeping runs inside the
  * gate, so that a closed gate (no call in flight) also means a table that is up to date. A
  * nested call (the driver calling its own exports, the agent's thread) passes straight
  * through: no waiting, no bookkeeping. */
@@ -25,15 +27,19 @@ static pthread_once_t real_once = PTHREAD_ONCE_INIT;
 	static CUresult wrap_##name params                                                  \
 	{                                                                                   \
 		struct track t = { 0 };                                                     \
+		int saved_errno = errno;                                                    \
 		int gated = gate_enter();                                                   \
 		CUresult rc;                                                                \
                                                                                             \
 		if (gated)                                                                  \
 			step##_pre(&t, UNPAREN args);                                       \
+		errno = saved_errno;                                                        \
 		rc = real.name ? real.name args : CUDA_ERROR_NOT_SUPPORTED;                 \
+		saved_errno = errno;                                                        \
 		if (gated)                                                                  \
 			step##_post(&t, rc, UNPAREN args);                                  \
 		gate_exit(gated);                                                           \
+		errno = saved_errno;                                                        \
 		return rc;                                                                  \
 	}                                                                                   \
 	AGENT_EXPORT __typeof__(wrap_##name) name __attribute__((alias("wrap_" #name)));

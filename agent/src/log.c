@@ -89,7 +89,9 @@ double env_seconds(const char *name, double def)
 	if (!s || !*s)
 		return def;
 	v = strtod(s, &end);
-	if (end == s || *end || !(v >= 0)) {
+	/* finite and in (0, 1e9] only: inf, nan, 0 or 1e300 would overflow (or zero) the
+	 * conversion to milliseconds and reopen the gate at once */
+	if (end == s || *end || !(v > 0 && v <= 1e9)) {
 		agent_log(LOG_WARNING, "%s=%s is not a number of seconds: using %g", name, s, def);
 		return def;
 	}

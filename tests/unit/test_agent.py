@@ -456,6 +456,134 @@ def test_a_prepare_never_opened_reopens_by_itself(probe):
     assert "without an open: reopening" in p.stderr()
 
 
+def test_a_client_that_never_reads_its_replies_cannot_stall_the_agent(probe):
+    p = probe({"TORPOR_AGENT_PREPARE_TIMEOUT_S": "600"})
+    assert p.call("init dlsym")["rc"] == 0
+    assert p.ctl("close") == {"ok": True}
+    flood = socket.socket(socket.AF_UNIX)
+    flood.connect(str(p.sock))
+    flood.setblocking(False)
+    try:
+        try:
+            for _ in range(20000):                # until its buffers are full: never read
+                flood.send(b"status\n" * 64)
+        except OSError:                           # full, or already dropped
+            pass
+        wait_for(lambda: "does not read its replies: dropped" in p.stderr(),
+                 what="the client dropped")
+        # the thread serving everyone is not blocked in a send() to that client
+        assert p.ctl("status", timeout=5)["gate"] == "closed"
+        assert p.ctl("open", timeout=5) == {"ok": True}
+    finally:
+        flood.close()
+
+
+def test_the_deadline_reopens_the_gate_while_the_control_thread_is_stuck(gpu, probe):
+    p = probe({"TORPOR_AGENT_PREPARE_TIMEOUT_S": "0.5"})
+    assert p.call("init dlsym")["rc"] == 0       # one context: close synchronizes it
+    gpu.set_state(p.pid, 1)   # LOCKED (fakegpu): the fake's cuCtxSynchronize blocks meanwhile
+    threading.Timer(4.0, gpu.set_state, (p.pid, 0)).start()   # ... for 4 s
+    answer: list[dict] = []
+    closing = threading.Thread(target=lambda: answer.append(p.ctl("close")))
+    t_close = time.monotonic()
+    closing.start()
+    time.sleep(0.1)
+    held = p.send("alloc 4096 dlsym")
+    # reopened by the waiting call itself, not when the control thread comes back (the
+    # fake's calls all block while LOCKED, so the log says when, not the call's t1)
+    wait_for(lambda: "without an open: reopening (1 calls were waiting)" in p.stderr(),
+             timeout=3.0, what="the gate reopened by its waiter")
+    assert time.monotonic() < t_close + 3.5
+    assert not answer                            # the control thread is still stuck
+    closing.join(timeout=15)
+    assert answer == [{"ok": False, "error": "timeout"}]   # the close did not hold
+    assert p.result(held)["rc"] == 0
+
+
+@pytest.mark.parametrize("value", ["inf", "1e300", "0", "nan", "-1"])
+def test_a_prepare_timeout_out_of_range_uses_the_default(probe, value):
+    p = probe({"TORPOR_AGENT_PREPARE_TIMEOUT_S": value})
+    assert p.call("init dlsym")["rc"] == 0
+    assert p.ctl("close") == {"ok": True}
+    time.sleep(0.3)
+    assert p.status()["gate"] == "closed"        # not reopened at once
+    assert f"TORPOR_AGENT_PREPARE_TIMEOUT_S={value} is not a number of seconds" in p.stderr()
+    assert p.ctl("open") == {"ok": True}
+
+
+_CANCEL_ERRNO_C = r"""
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <unistd.h>
+typedef int CUresult;
+CUresult cuInit(unsigned int); CUresult cuStreamSynchronize(void *);
+static void *worker(void *a) { (void)a; for (;;) { cuStreamSynchronize(0); usleep(1000); } }
+int main(void)
+{
+	char line[16];
+	pthread_t t;
+	errno = 1234;                     /* the first driver call starts the agent's socket */
+	int rc = cuInit(0);
+	printf("{\"rc\": %d, \"errno\": %d}\n", rc, errno); fflush(stdout);
+	pthread_create(&t, 0, worker, 0);
+	if (!fgets(line, sizeof line, stdin)) return 2;   /* the gate is closed: worker held */
+	pthread_cancel(t);
+	pthread_join(t, 0);               /* returns once the gate opens */
+	printf("cancelled\n"); fflush(stdout);
+	cuStreamSynchronize(0);           /* would block for good on a lock left held */
+	printf("done\n"); fflush(stdout);
+	return 0;
+}
+"""
+
+
+def test_cancelling_a_thread_held_at_the_gate_leaves_it_usable_and_errno_is_kept(gpu, tmp_path):
+    src = tmp_path / "cancel.c"
+    src.write_text(_CANCEL_ERRNO_C)
+    exe = tmp_path / "cancel"
+    subprocess.run([CC, "-pthread", "-o", str(exe), str(src), f"-L{gpu.build_dir}",
+                    "-l:libcuda.so.1", f"-Wl,-rpath,{gpu.build_dir}"], check=True)
+    agents = tmp_path / "agents"
+    env = {**os.environ, **gpu.env(), "LD_PRELOAD": str(build_agent()),
+           "TORPOR_AGENT_DIR": str(agents)}
+    proc = subprocess.Popen([str(exe)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        assert json.loads(proc.stdout.readline()) == {"rc": 0, "errno": 1234}
+        sock = agents / f"agent-{proc.pid}.sock"
+        assert control(sock, "close") == {"ok": True}
+        wait_for(lambda: control(sock, "status")["waiting"] == 1, what="the worker held")
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        time.sleep(0.2)
+        assert control(sock, "open") == {"ok": True}
+        assert proc.stdout.readline().strip() == "cancelled"
+        assert proc.stdout.readline().strip() == "done"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_an_unsafe_socket_directory_is_refused(probe, tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)                          # anyone could swap the socket
+    p = probe({"TORPOR_AGENT_DIR": str(shared)})
+    assert p.call("init dlsym")["rc"] == 0       # the program runs on, without a socket
+    assert list(shared.iterdir()) == []
+    assert "writable by group or others" in p.stderr()
+
+
+def test_a_trailing_slash_still_gives_a_private_socket(probe, tmp_path):
+    agents = tmp_path / "agents"
+    p = probe({"TORPOR_AGENT_DIR": str(agents) + "//"})
+    assert p.call("init dlsym")["rc"] == 0
+    assert stat.S_IMODE(agents.stat().st_mode) == 0o700
+    assert stat.S_IMODE(p.sock.stat().st_mode) == 0o600
+    assert p.status()["gate"] == "open"
+
+
 def test_torpor_client_speaks_the_protocol(gpu, probe, tmp_path):
     p = probe()
     assert p.call("init dlsym")["rc"] == 0
