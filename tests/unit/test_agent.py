@@ -237,15 +237,22 @@ def test_allocations_through_every_door_are_tracked(probe):
     assert st["pid"] == p.pid and st["gate"] == "open" and st["in_flight"] == 0
 
 
-def test_plain_symbol_calls_reach_the_wrappers_and_rtld_next_keeps_its_caller(gpu, tmp_path):
-    exe = tmp_path / "agent_plain"
-    subprocess.run([CC, "-o", str(exe), str(PLAIN_C), f"-L{gpu.build_dir}", "-l:libcuda.so.1",
-                    "-ldl", f"-Wl,-rpath,{gpu.build_dir}"], check=True)
+def _run_c_program(gpu: FakeGpu, tmp_path: Path, src: Path, *flags: str
+                   ) -> tuple[subprocess.Popen, Path]:
+    """Build src against the fake libcuda and start it with the agent preloaded, stdin and
+    stdout piped; returns it and its agent directory."""
+    exe = tmp_path / src.stem
+    subprocess.run([CC, *flags, "-o", str(exe), str(src), f"-L{gpu.build_dir}",
+                    "-l:libcuda.so.1", f"-Wl,-rpath,{gpu.build_dir}"], check=True)
     agents = tmp_path / "agents"
     env = {**os.environ, **gpu.env(), "LD_PRELOAD": str(build_agent()),
            "TORPOR_AGENT_DIR": str(agents)}
-    proc = subprocess.Popen([str(exe)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, env=env)
+    return subprocess.Popen([str(exe)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env=env), agents
+
+
+def test_plain_symbol_calls_reach_the_wrappers_and_rtld_next_keeps_its_caller(gpu, tmp_path):
+    proc, agents = _run_c_program(gpu, tmp_path, PLAIN_C, "-ldl")
     try:
         doc = json.loads(proc.stdout.readline())
         assert doc == {"rc": 0, "next_same": True}
@@ -256,8 +263,8 @@ def test_plain_symbol_calls_reach_the_wrappers_and_rtld_next_keeps_its_caller(gp
     assert proc.returncode == 0
     assert not (agents / f"agent-{proc.pid}.sock").exists(), "socket left behind at exit"
     # the same program without the agent: same answers (the check means the same there)
-    plain = subprocess.run([str(exe)], input="\n", capture_output=True, text=True,
-                           env={**os.environ, **gpu.env()}, timeout=10)
+    plain = subprocess.run([str(tmp_path / PLAIN_C.stem)], input="\n", capture_output=True,
+                           text=True, env={**os.environ, **gpu.env()}, timeout=10)
     assert json.loads(plain.stdout) == {"rc": 0, "next_same": True}
 
 
@@ -541,14 +548,7 @@ int main(void)
 def test_cancelling_a_thread_held_at_the_gate_leaves_it_usable_and_errno_is_kept(gpu, tmp_path):
     src = tmp_path / "cancel.c"
     src.write_text(_CANCEL_ERRNO_C)
-    exe = tmp_path / "cancel"
-    subprocess.run([CC, "-pthread", "-o", str(exe), str(src), f"-L{gpu.build_dir}",
-                    "-l:libcuda.so.1", f"-Wl,-rpath,{gpu.build_dir}"], check=True)
-    agents = tmp_path / "agents"
-    env = {**os.environ, **gpu.env(), "LD_PRELOAD": str(build_agent()),
-           "TORPOR_AGENT_DIR": str(agents)}
-    proc = subprocess.Popen([str(exe)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, env=env)
+    proc, agents = _run_c_program(gpu, tmp_path, src, "-pthread")
     try:
         assert json.loads(proc.stdout.readline()) == {"rc": 0, "errno": 1234}
         sock = agents / f"agent-{proc.pid}.sock"
