@@ -125,6 +125,7 @@ struct track_status {
 void track_status(struct track_status *st);
 /* Copies up to max known contexts to out; returns how many there are. */
 int track_contexts(CUcontext *out, int max);
+void track_forget_context(CUcontext ctx);
 void track_after_fork(void);
 
 /* The bookkeeping named in hooks.def: <track>_pre(&t, args...), <track>_post(&t, rc, args...).

@@ -181,6 +181,14 @@ static int sync_contexts(void)
 	for (int i = 0; i < n; i++) {
 		if (real.cuCtxPushCurrent_v2 && real.cuCtxPopCurrent_v2) {
 			rc = real.cuCtxPushCurrent_v2(ctx[i]);
+			if (rc == CUDA_ERROR_CONTEXT_IS_DESTROYED || rc == CUDA_ERROR_INVALID_CONTEXT) {
+				/* released or reset past our hooks (cudaDeviceReset, a primary
+				 * context's last release): nothing left to synchronize */
+				pr_info("context %p is gone (CUresult %d): forgotten", (void *)ctx[i],
+					rc);
+				track_forget_context(ctx[i]);
+				continue;
+			}
 			if (rc != CUDA_SUCCESS) {
 				pr_warn("cuCtxPushCurrent(%p): CUresult %d", (void *)ctx[i], rc);
 				ret = -EIO;

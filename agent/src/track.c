@@ -150,11 +150,8 @@ void ctx_retain_post(struct track *t, CUresult rc, CUcontext *pctx, CUdevice dev
 		ctx_add(*pctx);
 }
 
-void ctx_destroy_post(struct track *t, CUresult rc, CUcontext ctx)
+void track_forget_context(CUcontext ctx)
 {
-	(void)t;
-	if (rc != CUDA_SUCCESS)
-		return;
 	pthread_mutex_lock(&tr.lock);
 	for (int i = 0; i < tr.nctx; i++)
 		if (tr.ctx[i] == ctx) {
@@ -162,6 +159,13 @@ void ctx_destroy_post(struct track *t, CUresult rc, CUcontext ctx)
 			break;
 		}
 	pthread_mutex_unlock(&tr.lock);
+}
+
+void ctx_destroy_post(struct track *t, CUresult rc, CUcontext ctx)
+{
+	(void)t;
+	if (rc == CUDA_SUCCESS)
+		track_forget_context(ctx);
 }
 
 void proc_address_post(struct track *t, CUresult rc, const char *symbol, void **pfn,
