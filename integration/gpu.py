@@ -55,7 +55,23 @@ def gpu_mounts(*extra: Path) -> list[tuple[str, str, bool]]:
     return out
 
 
-class TorchContainer:
+class TorchStatus:
+    """What torch_program.py reports in its --status file (status_path), for a program run on
+    the host (tests/gpu/conftest.py) or in a container alike."""
+
+    status_path: Path
+
+    def status(self) -> dict:
+        try:
+            return json.loads(self.status_path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def step(self) -> int:
+        return int(self.status().get("step", -1))
+
+
+class TorchContainer(TorchStatus):
     """tests/gpu/torch_program.py in a podman container named `name`."""
 
     def __init__(self, podman: Podman, name: str, workdir: Path, gib: float, seed: int = 1234,
@@ -80,15 +96,6 @@ class TorchContainer:
                                devices=nvidia_devices(),
                                mounts=gpu_mounts(self.workdir, TORCH_PROGRAM.parent),
                                annotations=self.annotations)
-
-    def status(self) -> dict:
-        try:
-            return json.loads(self.status_path.read_text())
-        except (OSError, ValueError):
-            return {}
-
-    def step(self) -> int:
-        return int(self.status().get("step", -1))
 
     def _tail(self) -> str:
         try:

@@ -6,7 +6,6 @@ see tests/gpu/README.md for how the runs there are set up.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from integration.gpu import TorchStatus
 from tests.integration.conftest import Torpor, alive, wait_for  # noqa: F401
 
 HERE = Path(__file__).resolve().parent
@@ -47,7 +47,7 @@ def torpor(tmp_path: Path, torpor_env: dict[str, str]) -> Torpor:
     return Torpor(env)
 
 
-class TorchProgram:
+class TorchProgram(TorchStatus):
     def __init__(self, tmp: Path, name: str, gib: float, seed: int = 1234, max_steps: int = 0):
         self.steps = tmp / f"{name}.steps"
         self.status_path = tmp / f"{name}.status.json"
@@ -60,15 +60,6 @@ class TorchProgram:
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
                 cwd=tmp)
         self.pid = self.proc.pid
-
-    def status(self) -> dict:
-        try:
-            return json.loads(self.status_path.read_text())
-        except (OSError, ValueError):
-            return {}
-
-    def step(self) -> int:
-        return int(self.status().get("step", -1))
 
     def wait_ready(self, timeout: float = 300) -> None:
         def ready():
