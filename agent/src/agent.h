@@ -82,6 +82,9 @@ int gate_enter(void);
 void gate_exit(int gated);
 /* Marks the calling thread as the agent's own: its driver calls never wait at the gate. */
 void gate_agent_thread(void);
+/* Keeps a closed gate closed: disarms the deadline that would reopen it (the memory is about to
+ * be released: only a resume may open it now). 0, or -ETIMEDOUT when it is open already. */
+int gate_hold(void);
 /* Closes the gate: waits up to timeout_ms for the calls in flight, then synchronizes every
  * known context. 0, or -ETIMEDOUT / -EIO with the gate open again. The gate opens by itself
  * reopen_ms after (0: never; counted as gate.c says), enforced by the waiting calls too. */
@@ -101,7 +104,7 @@ void gate_after_fork(void);
 
 /* -- tracking (track.c) ----------------------------------------------------------------------- */
 
-enum alloc_kind { ALLOC_LINEAR, ALLOC_PITCH };
+enum alloc_kind { ALLOC_LINEAR, ALLOC_PITCH, ALLOC_VMM };
 
 struct alloc {
 	struct alloc *next;
@@ -112,9 +115,12 @@ struct alloc {
 	enum alloc_kind kind;
 };
 
-/* What a wrapper's _pre step hands to its _post step. */
+/* What a wrapper's _pre step hands to its _post step. A _pre step that made the call itself
+ * sets handled and rc (hooks.c). */
 struct track {
 	struct alloc *taken;
+	int handled;
+	CUresult rc;
 };
 
 struct track_status {
@@ -123,6 +129,10 @@ struct track_status {
 	int contexts;
 };
 void track_status(struct track_status *st);
+/* Adds an allocation the agent served itself (vmm.c), so that status counts it. */
+void track_add_vmm(CUdeviceptr ptr, size_t size);
+/* A known context of device dev (NULL when none). */
+CUcontext track_context_of(CUdevice dev);
 /* Copies up to max known contexts to out; returns how many there are. */
 int track_contexts(CUcontext *out, int max);
 void track_forget_context(CUcontext ctx);
@@ -141,7 +151,7 @@ void ctx_destroy_post(struct track *t, CUresult rc, CUcontext ctx);
 #define ctx_retain_pre(t, ...) ((void)(t))
 void ctx_retain_post(struct track *t, CUresult rc, CUcontext *pctx, CUdevice dev);
 
-#define mem_alloc_pre(t, ...) ((void)(t))
+void mem_alloc_pre(struct track *t, CUdeviceptr *dptr, size_t bytesize);
 void mem_alloc_post(struct track *t, CUresult rc, CUdeviceptr *dptr, size_t bytesize);
 #define mem_alloc_pitch_pre(t, ...) ((void)(t))
 void mem_alloc_pitch_post(struct track *t, CUresult rc, CUdeviceptr *dptr, size_t *pPitch,
@@ -156,6 +166,90 @@ void proc_address_post(struct track *t, CUresult rc, const char *symbol, void **
 void proc_address_v2_post(struct track *t, CUresult rc, const char *symbol, void **pfn,
 			  int cudaVersion, cuuint64_t flags,
 			  CUdriverProcAddressQueryResult *symbolStatus);
+
+/* -- the virtual memory management API (vmm.c) ---------------------------------------------- */
+
+/* The program's own VMM use and the allocations the agent serves from it. Each _pre step
+ * makes the call itself (t->handled): handles are translated (a handle the program holds keeps
+ * its value after the agent re-created its memory). */
+void vmm_create_pre(struct track *t, CUmemGenericAllocationHandle *handle, size_t size,
+		    const CUmemAllocationProp *prop, unsigned long long flags);
+void vmm_release_pre(struct track *t, CUmemGenericAllocationHandle handle);
+void vmm_map_pre(struct track *t, CUdeviceptr ptr, size_t size, size_t offset,
+		 CUmemGenericAllocationHandle handle, unsigned long long flags);
+void vmm_unmap_pre(struct track *t, CUdeviceptr ptr, size_t size);
+void vmm_access_pre(struct track *t, CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc,
+		    size_t count);
+void vmm_retain_pre(struct track *t, CUmemGenericAllocationHandle *handle, void *addr);
+void vmm_props_pre(struct track *t, CUmemAllocationProp *prop,
+		   CUmemGenericAllocationHandle handle);
+void vmm_export_pre(struct track *t, void *shareable, CUmemGenericAllocationHandle handle,
+		    int type, unsigned long long flags);
+#define vmm_create_post(t, ...) ((void)(t))
+#define vmm_release_post(t, ...) ((void)(t))
+#define vmm_map_post(t, ...) ((void)(t))
+#define vmm_unmap_post(t, ...) ((void)(t))
+#define vmm_access_post(t, ...) ((void)(t))
+#define vmm_retain_post(t, ...) ((void)(t))
+#define vmm_props_post(t, ...) ((void)(t))
+#define vmm_export_post(t, ...) ((void)(t))
+
+/* cuMemAlloc of bytesize, served from VMM when it is at least TORPOR_AGENT_VMM_MIN: 1 (served,
+ * rc set), 0 (not: the driver's cuMemAlloc serves it). */
+int vmm_alloc(CUdeviceptr *dptr, size_t bytesize, CUresult *rc);
+/* cuMemFree of an allocation vmm_alloc served: 1 (freed, rc set), 0 (not one of ours). */
+int vmm_free(CUdeviceptr dptr, CUresult *rc);
+
+/* One physical allocation the mover can move: its memory mapped whole at src. */
+struct movable {
+	void *phys; /* vmm.c's */
+	CUdeviceptr src;
+	size_t size;
+	CUdevice dev;
+};
+/* The movable allocations now (the gate closed): a malloc'd array (NULL when none). */
+struct movable *vmm_movables(size_t *n, unsigned long long *bytes);
+/* Releases the physical memory of one movable (unmapped everywhere, handle released; the
+ * addresses stay reserved). 0 or a CUresult. */
+CUresult vmm_drop(void *phys);
+/* Re-creates a dropped one: same size and properties, mapped again where it was, access as
+ * it was. 0 or a CUresult. */
+CUresult vmm_recreate(void *phys);
+/* Its data is back: an ordinary allocation again. */
+void vmm_reloaded(void *phys);
+struct vmm_status {
+	long movable;
+	unsigned long long movable_bytes;
+	long dropped;
+};
+void vmm_status(struct vmm_status *st);
+void vmm_after_fork(void);
+
+/* -- moving memory (mover.c) ------------------------------------------------------------------ */
+
+struct move_result {
+	unsigned long long bytes;
+	long chunks, allocations;
+	double seconds;
+	unsigned long long file_size[16];
+	int nfiles;
+	char error[256];
+};
+/* Copies every movable allocation into the files (striped, one thread a file), then drops
+ * their physical memory. The gate must be closed. 0, or -1 with r->error (nothing dropped). */
+int mover_save(const int *fds, int nfds, struct move_result *r);
+/* Re-creates and reloads what mover_save saved from the same files, verifying checksums.
+ * 0, or -1 with r->error (what was re-created stays; a retry goes on from there). */
+int mover_load(const int *fds, int nfds, struct move_result *r);
+/* Is there saved memory not yet reloaded? */
+int mover_pending(void);
+
+/* -- allocator caches (caches.c) -------------------------------------------------------------- */
+
+/* Asks the allocators in the program that keep freed device memory (PyTorch, CuPy) to give it
+ * back to the driver, through their own Python API. The gate must be open. Returns 0 when
+ * something was asked, -1 when there is nothing to ask (no Python, no such module). */
+int caches_release(long timeout_ms);
 
 /* -- the control socket (control.c) ----------------------------------------------------------- */
 

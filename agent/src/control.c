@@ -44,12 +44,22 @@
 #define DEFAULT_CLOSE_TIMEOUT_MS 10000
 #define MAX_CLIENTS 16
 #define LINE_MAX_LEN 256
+#define MAX_FDS 16 /* data files a command may carry */
+#define REPLY_MAX 2048
 
 struct client {
 	int fd;
 	size_t len;
 	char buf[LINE_MAX_LEN];
+	int fds[MAX_FDS]; /* received with the pending line (SCM_RIGHTS) */
+	int nfds;
 };
+
+/* Where the program's movable memory is: on the GPU (running), in the files given to prepare
+ * and still held (prepared), or in files the agent no longer holds (detached: the CRIU dump
+ * is next; only a resume with the files brings the memory back). */
+enum state { RUNNING, PREPARED, DETACHED };
+static const char *const STATE_NAMES[] = { "running", "prepared", "detached" };
 
 static struct {
 	pthread_mutex_t lock;     /* start */
@@ -60,6 +70,9 @@ static struct {
 	double prepare_timeout_s;
 	long long last_emfile_log; /* accept4 EMFILE/ENFILE: logged at most every 10 s */
 	struct client clients[MAX_CLIENTS];
+	enum state state;
+	int held[MAX_FDS], nheld;  /* the data files of the prepare, while prepared */
+	long long elapsed_ms, last_ms; /* since the prepare, counted in capped steps (gate.c) */
 } ctl = { .lock = PTHREAD_MUTEX_INITIALIZER, .listen_fd = -1 };
 
 /* mkdir -p: missing parents 0755, the directory itself 0700. */
@@ -181,11 +194,19 @@ err_close:
 	return ret;
 }
 
+static void close_fds(int *fds, int *n)
+{
+	for (int i = 0; i < *n; i++)
+		close(fds[i]);
+	*n = 0;
+}
+
 static void drop(struct client *c)
 {
 	close(c->fd);
 	c->fd = -1;
 	c->len = 0;
+	close_fds(c->fds, &c->nfds);
 }
 
 static int peer_allowed(int fd)
@@ -260,28 +281,187 @@ static void status_reply(char *out, size_t size)
 {
 	struct gate_status g;
 	struct track_status t;
+	struct vmm_status v;
 
 	gate_status(&g);
 	track_status(&t);
+	vmm_status(&v);
 	snprintf(out, size,
-		 "{\"pid\":%d,\"gate\":\"%s\",\"in_flight\":%ld,\"waiting\":%ld,"
-		 "\"allocations\":%ld,\"bytes\":%llu,\"contexts\":%d}\n",
-		 (int)getpid(), g.closed ? "closed" : "open", g.in_flight, g.waiting,
-		 t.allocations, t.bytes, t.contexts);
+		 "{\"pid\":%d,\"state\":\"%s\",\"gate\":\"%s\",\"in_flight\":%ld,"
+		 "\"waiting\":%ld,\"allocations\":%ld,\"bytes\":%llu,"
+		 "\"movable_allocations\":%ld,\"movable_bytes\":%llu,\"moved_allocations\":%ld,"
+		 "\"contexts\":%d}\n",
+		 (int)getpid(), STATE_NAMES[ctl.state], g.closed ? "closed" : "open", g.in_flight,
+		 g.waiting, t.allocations, t.bytes, v.movable, v.movable_bytes, v.dropped,
+		 t.contexts);
+}
+
+static int parse_timeout(const char *arg, long *timeout_ms)
+{
+	char *end;
+
+	*timeout_ms = DEFAULT_CLOSE_TIMEOUT_MS;
+	if (!*arg)
+		return 0;
+	*timeout_ms = strtol(arg, &end, 10);
+	return end == arg || *end || *timeout_ms < 0 ? -1 : 0;
+}
+
+static void error_reply(char *out, size_t size, const char *error)
+{
+	char clean[300];
+	size_t j = 0;
+
+	/* one JSON string: no quotes, backslashes or control characters from error texts */
+	for (size_t i = 0; error[i] && j < sizeof(clean) - 1; i++)
+		clean[j++] = (error[i] == '"' || error[i] == '\\' || (unsigned char)error[i] < 0x20)
+				     ? ' ' : error[i];
+	clean[j] = 0;
+	snprintf(out, size, "{\"ok\":false,\"error\":\"%s\"}\n", clean);
+}
+
+static void prepare_reply(struct client *c, const char *arg, char *out, size_t size)
+{
+	struct track_status before, after;
+	struct move_result r;
+	long timeout_ms;
+	int ret, n;
+	size_t used;
+
+	if (ctl.state != RUNNING) {
+		error_reply(out, size, "already prepared: resume or abort first");
+		return;
+	}
+	if (!c->nfds) {
+		error_reply(out, size, "prepare needs the data files (file descriptors with the line)");
+		return;
+	}
+	if (parse_timeout(arg, &timeout_ms)) {
+		error_reply(out, size, "bad timeout");
+		return;
+	}
+	track_status(&before);
+	caches_release(timeout_ms < 5000 ? timeout_ms : 5000);
+	track_status(&after);
+	ret = gate_close(timeout_ms, (long long)(ctl.prepare_timeout_s * 1000));
+	if (ret) {
+		error_reply(out, size, ret == -ETIMEDOUT ? "timeout" : "synchronize failed");
+		return;
+	}
+	if (gate_hold()) {
+		error_reply(out, size, "timeout");
+		return;
+	}
+	if (mover_save(c->fds, c->nfds, &r)) {
+		struct move_result back;
+
+		/* nothing released, or (releasing failed half-way) reloaded at once from the files,
+		 * which are complete */
+		if (mover_pending() && mover_load(c->fds, c->nfds, &back)) {
+			pr_err("%s; reloading failed too: %s; the gate stays closed", r.error,
+			       back.error);
+			ctl.state = PREPARED;
+			memcpy(ctl.held, c->fds, sizeof(int) * c->nfds);
+			ctl.nheld = c->nfds;
+			c->nfds = 0;
+			error_reply(out, size, r.error);
+			return;
+		}
+		gate_open();
+		error_reply(out, size, r.error);
+		return;
+	}
+	memcpy(ctl.held, c->fds, sizeof(int) * c->nfds);
+	ctl.nheld = c->nfds;
+	c->nfds = 0;
+	ctl.state = PREPARED;
+	ctl.elapsed_ms = 0;
+	ctl.last_ms = now_ms();
+	n = snprintf(out, size,
+		     "{\"ok\":true,\"bytes\":%llu,\"chunks\":%ld,\"allocations\":%ld,"
+		     "\"cache_released\":%llu,\"seconds\":%.6f,\"files\":[",
+		     r.bytes, r.chunks, r.allocations,
+		     before.bytes > after.bytes ? before.bytes - after.bytes : 0ULL, r.seconds);
+	used = n > 0 && (size_t)n < size ? (size_t)n : size - 1;
+	for (int k = 0; k < r.nfiles && used < size; k++) {
+		n = snprintf(out + used, size - used, "%s%llu", k ? "," : "", r.file_size[k]);
+		if (n > 0)
+			used += n;
+	}
+	if (used < size)
+		snprintf(out + used, size - used, "]}\n");
+}
+
+/* Reloads from fds (the client's, else the held ones); the gate opens on success. */
+static int do_resume(int *fds, int nfds, char *out, size_t size)
+{
+	struct move_result r;
+
+	if (mover_load(fds, nfds, &r)) {
+		if (out)
+			error_reply(out, size, r.error);
+		else
+			pr_err("resume: %s", r.error);
+		return -1;
+	}
+	close_fds(ctl.held, &ctl.nheld);
+	ctl.state = RUNNING;
+	gate_open();
+	if (out)
+		snprintf(out, size, "{\"ok\":true,\"bytes\":%llu,\"chunks\":%ld,\"seconds\":%.6f}\n",
+			 r.bytes, r.chunks, r.seconds);
+	return 0;
+}
+
+static void resume_reply(struct client *c, int abort, char *out, size_t size)
+{
+	if (ctl.state == RUNNING) {
+		error_reply(out, size, "not prepared");
+		return;
+	}
+	if (abort || !c->nfds) {
+		if (ctl.state == DETACHED) {
+			error_reply(out, size, "detached: resume with the data files");
+			return;
+		}
+		do_resume(ctl.held, ctl.nheld, out, size);
+		return;
+	}
+	do_resume(c->fds, c->nfds, out, size); /* the client's fds are closed after the command */
+}
+
+/* The prepare deadline: a prepared program whose caller went away resumes by itself. */
+static long prepared_tick(void)
+{
+	long long now = now_ms(), step, limit = (long long)(ctl.prepare_timeout_s * 1000);
+
+	if (ctl.state != PREPARED)
+		return -1;
+	step = now - ctl.last_ms;
+	ctl.elapsed_ms += step < 0 ? 0 : step > 1000 ? 1000 : step;
+	ctl.last_ms = now;
+	if (ctl.elapsed_ms < limit)
+		return limit - ctl.elapsed_ms > 1000 ? 1000 : limit - ctl.elapsed_ms;
+	pr_warn("prepared %lld ms ago and neither detached nor aborted: resuming", ctl.elapsed_ms);
+	if (do_resume(ctl.held, ctl.nheld, NULL, 0)) {
+		ctl.elapsed_ms = 0; /* try again after another period */
+		return 1000;
+	}
+	return -1;
 }
 
 static void close_reply(const char *arg, char *out, size_t size)
 {
-	long timeout_ms = DEFAULT_CLOSE_TIMEOUT_MS;
-	char *end;
+	long timeout_ms;
 	int ret;
 
-	if (*arg) {
-		timeout_ms = strtol(arg, &end, 10);
-		if (end == arg || *end || timeout_ms < 0) {
-			snprintf(out, size, "{\"ok\":false,\"error\":\"bad timeout\"}\n");
-			return;
-		}
+	if (ctl.state != RUNNING) {
+		error_reply(out, size, "prepared: resume or abort");
+		return;
+	}
+	if (parse_timeout(arg, &timeout_ms)) {
+		snprintf(out, size, "{\"ok\":false,\"error\":\"bad timeout\"}\n");
+		return;
 	}
 	ret = gate_close(timeout_ms, (long long)(ctl.prepare_timeout_s * 1000));
 	if (ret == -ETIMEDOUT) {
@@ -295,7 +475,7 @@ static void close_reply(const char *arg, char *out, size_t size)
 	snprintf(out, size, "{\"ok\":true}\n");
 }
 
-static void handle_line(char *line, char *out, size_t size)
+static void handle_line(struct client *c, char *line, char *out, size_t size)
 {
 	size_t len = strlen(line);
 	char *arg;
@@ -313,19 +493,70 @@ static void handle_line(char *line, char *out, size_t size)
 	} else if (!strcmp(line, "close")) {
 		close_reply(arg, out, size);
 	} else if (!strcmp(line, "open") && !*arg) {
-		gate_open();
-		snprintf(out, size, "{\"ok\":true}\n");
+		if (ctl.state != RUNNING) {
+			error_reply(out, size, "GPU memory released: resume or abort");
+		} else {
+			gate_open();
+			snprintf(out, size, "{\"ok\":true}\n");
+		}
+	} else if (!strcmp(line, "prepare")) {
+		prepare_reply(c, arg, out, size);
+	} else if (!strcmp(line, "detach") && !*arg) {
+		if (ctl.state != PREPARED) {
+			error_reply(out, size, "not prepared");
+		} else {
+			close_fds(ctl.held, &ctl.nheld);
+			ctl.state = DETACHED;
+			snprintf(out, size, "{\"ok\":true}\n");
+		}
+	} else if (!strcmp(line, "resume") && !*arg) {
+		resume_reply(c, 0, out, size);
+	} else if (!strcmp(line, "abort") && !*arg) {
+		resume_reply(c, 1, out, size);
 	} else {
 		snprintf(out, size, "{\"ok\":false,\"error\":\"unknown command\"}\n");
 	}
 }
 
+/* Receives what the client sent, with any file descriptors (SCM_RIGHTS): they belong to the
+ * line being received and are closed after its command unless the command keeps them. */
+static ssize_t receive(struct client *c)
+{
+	union {
+		char buf[CMSG_SPACE(sizeof(int) * MAX_FDS)];
+		struct cmsghdr align;
+	} u;
+	struct iovec iov = { c->buf + c->len, sizeof(c->buf) - 1 - c->len };
+	struct msghdr msg = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf,
+			      .msg_controllen = sizeof(u.buf) };
+	ssize_t n = recvmsg(c->fd, &msg, MSG_CMSG_CLOEXEC);
+
+	if (n < 0)
+		return n;
+	for (struct cmsghdr *cm = CMSG_FIRSTHDR(&msg); cm; cm = CMSG_NXTHDR(&msg, cm)) {
+		int *fds = (int *)CMSG_DATA(cm);
+		size_t k = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+
+		if (cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS)
+			continue;
+		for (size_t i = 0; i < k; i++) {
+			if (c->nfds < MAX_FDS)
+				c->fds[c->nfds++] = fds[i];
+			else
+				close(fds[i]);
+		}
+	}
+	if (msg.msg_flags & MSG_CTRUNC)
+		pr_warn("a client sent more than %d descriptors: the rest were dropped", MAX_FDS);
+	return n;
+}
+
 static void serve(struct client *c)
 {
-	char out[512], *nl;
+	char out[REPLY_MAX], *nl;
 	ssize_t n;
 
-	n = recv(c->fd, c->buf + c->len, sizeof(c->buf) - 1 - c->len, 0);
+	n = receive(c);
 	if (n < 0 && (errno == EINTR || errno == EAGAIN))
 		return;
 	if (n <= 0) {
@@ -338,7 +569,8 @@ static void serve(struct client *c)
 		size_t used = nl - c->buf + 1;
 
 		*nl = 0;
-		handle_line(c->buf, out, sizeof(out));
+		handle_line(c, c->buf, out, sizeof(out));
+		close_fds(c->fds, &c->nfds); /* those the command did not keep */
 		memmove(c->buf, c->buf + used, c->len - used);
 		c->len -= used;
 		c->buf[c->len] = 0;
@@ -372,6 +604,12 @@ static void *control_main(void *arg)
 				pfd[n++].events = POLLIN;
 			}
 		timeout = (int)gate_tick(); /* the prepare deadline: -1, or at most 1000 ms */
+		if (ctl.state == PREPARED) {
+			long left = prepared_tick();
+
+			if (left >= 0 && (timeout < 0 || left < timeout))
+				timeout = (int)left;
+		}
 		if (ctl.listen_fd < 0 && n == 1) {
 			pr_warn("no socket and no client left: control thread ends");
 			return NULL;
@@ -384,6 +622,7 @@ static void *control_main(void *arg)
 			continue;
 		}
 		gate_tick();
+		prepared_tick();
 		/* POLLNVAL: the program closed our descriptor (a close-all-fds loop). Its number may
 		 * be the program's own file by now: forget it, never close it. */
 		for (int i = 1; i < n; i++) {
@@ -479,6 +718,8 @@ void control_after_fork(void)
 	ctl.listen_fd = -1;
 	ctl.owner = 0;
 	ctl.path[0] = 0;
+	close_fds(ctl.held, &ctl.nheld); /* the child's copies */
+	ctl.state = RUNNING;
 	atomic_store(&ctl.started, 0);
 }
 

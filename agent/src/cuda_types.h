@@ -16,15 +16,50 @@ typedef struct CUctx_st *CUcontext;
 typedef struct CUstream_st *CUstream;
 typedef struct CUfunc_st *CUfunction;
 typedef int CUdriverProcAddressQueryResult;     /* enum, 12.0+ */
+typedef struct CUevent_st *CUevent;
+
+/* The virtual memory management API (CUDA 10.2+) */
+typedef unsigned long long CUmemGenericAllocationHandle;
+typedef struct CUmemLocation_st {
+	int type; /* CUmemLocationType */
+	int id;
+} CUmemLocation;
+typedef struct CUmemAllocationProp_st {
+	int type;                 /* CUmemAllocationType */
+	int requestedHandleTypes; /* CUmemAllocationHandleType */
+	CUmemLocation location;
+	void *win32HandleMetaData;
+	struct {
+		unsigned char compressionType;
+		unsigned char gpuDirectRDMACapable;
+		unsigned short usage;
+		unsigned char reserved[4];
+	} allocFlags;
+} CUmemAllocationProp;
+typedef struct CUmemAccessDesc_st {
+	CUmemLocation location;
+	int flags; /* CUmemAccess_flags */
+} CUmemAccessDesc;
+
+_Static_assert(sizeof(CUmemAllocationProp) == 32, "CUmemAllocationProp");
+_Static_assert(sizeof(CUmemAccessDesc) == 12, "CUmemAccessDesc");
 
 enum {
 	CUDA_SUCCESS = 0,
 	CUDA_ERROR_INVALID_VALUE = 1,
+	CUDA_ERROR_OUT_OF_MEMORY = 2,
 	CUDA_ERROR_NOT_INITIALIZED = 3,
 	CUDA_ERROR_INVALID_CONTEXT = 201,
 	CUDA_ERROR_CONTEXT_IS_DESTROYED = 709,
 	CUDA_ERROR_NOT_FOUND = 500,
 	CUDA_ERROR_NOT_SUPPORTED = 801,
+
+	CU_MEM_ALLOCATION_TYPE_PINNED = 1,
+	CU_MEM_LOCATION_TYPE_DEVICE = 1,
+	CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3,
+	CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0,
+	CU_STREAM_NON_BLOCKING = 1,
+	CU_MEMHOSTREGISTER_PORTABLE = 1,
 };
 
 #endif

@@ -258,6 +258,19 @@ int gate_close(long timeout_ms, long long reopen_ms)
 	return 0;
 }
 
+int gate_hold(void)
+{
+	int ret = 0;
+
+	pthread_mutex_lock(&gate.lock);
+	if (atomic_load(&gate.closed))
+		gate.reopen_ms = 0;
+	else
+		ret = -ETIMEDOUT;
+	pthread_mutex_unlock(&gate.lock);
+	return ret;
+}
+
 void gate_open(void)
 {
 	pthread_mutex_lock(&gate.lock);

@@ -17,7 +17,9 @@ static pthread_once_t real_once = PTHREAD_ONCE_INIT;
 
 #define UNPAREN(...) __VA_ARGS__
 
-/* gate enter -> (pre) -> real call -> (post) -> gate exit. errno is the program's and the
+/* gate enter -> (pre) -> real call -> (post) -> gate exit. A _pre step may make the call
+ * itself instead (vmm.c: translated handles, VMM-backed allocations): it sets t.handled and
+ * t.rc, and then neither the real call nor the _post step runs. errno is the program's and the
  * driver's only: whatever the agent does around the real call (the first one starts the
  * socket: mkdir, unlink, ...) leaves it as it was. The bookkeeping runs inside the
  * gate, so that a closed gate (no call in flight) also means a table that is up to date. A
@@ -34,9 +36,12 @@ static pthread_once_t real_once = PTHREAD_ONCE_INIT;
 		if (gated)                                                                  \
 			step##_pre(&t, UNPAREN args);                                       \
 		errno = saved_errno;                                                        \
-		rc = real.name ? real.name args : CUDA_ERROR_NOT_SUPPORTED;                 \
+		if (t.handled)                                                              \
+			rc = t.rc;                                                          \
+		else                                                                        \
+			rc = real.name ? real.name args : CUDA_ERROR_NOT_SUPPORTED;         \
 		saved_errno = errno;                                                        \
-		if (gated)                                                                  \
+		if (gated && !t.handled)                                                    \
 			step##_post(&t, rc, UNPAREN args);                                  \
 		gate_exit(gated);                                                           \
 		errno = saved_errno;                                                        \
@@ -101,6 +106,7 @@ static void after_fork_child(void)
 {
 	gate_after_fork();
 	track_after_fork();
+	vmm_after_fork();
 	control_after_fork();
 }
 

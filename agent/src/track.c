@@ -16,6 +16,7 @@ static struct {
 	long count;
 	unsigned long long bytes;
 	CUcontext ctx[MAX_CONTEXTS];
+	CUdevice ctx_dev[MAX_CONTEXTS];
 	int nctx;
 } tr = { .lock = PTHREAD_MUTEX_INITIALIZER };
 
@@ -80,6 +81,31 @@ static void add(CUdeviceptr ptr, size_t size, enum alloc_kind kind, size_t pitch
 	pr_debug("+0x%llx %zu bytes", ptr, size);
 }
 
+void track_add_vmm(CUdeviceptr ptr, size_t size)
+{
+	add(ptr, size, ALLOC_VMM, 0, 0, 0, 0);
+}
+
+CUcontext track_context_of(CUdevice dev)
+{
+	CUcontext ctx = NULL;
+
+	pthread_mutex_lock(&tr.lock);
+	for (int i = 0; i < tr.nctx && !ctx; i++)
+		if (tr.ctx_dev[i] == dev)
+			ctx = tr.ctx[i];
+	pthread_mutex_unlock(&tr.lock);
+	return ctx;
+}
+
+/* Large allocations come from the VMM API (vmm.c), so that their memory can be released and
+ * re-created at the same address. */
+void mem_alloc_pre(struct track *t, CUdeviceptr *dptr, size_t bytesize)
+{
+	if (vmm_alloc(dptr, bytesize, &t->rc))
+		t->handled = 1;
+}
+
 void mem_alloc_post(struct track *t, CUresult rc, CUdeviceptr *dptr, size_t bytesize)
 {
 	(void)t;
@@ -103,6 +129,16 @@ void mem_free_pre(struct track *t, CUdeviceptr dptr)
 	pthread_mutex_lock(&tr.lock);
 	t->taken = dptr ? unlink_locked(dptr) : NULL;
 	pthread_mutex_unlock(&tr.lock);
+	if (t->taken && t->taken->kind == ALLOC_VMM) {
+		if (!vmm_free(dptr, &t->rc))
+			t->rc = CUDA_ERROR_INVALID_VALUE; /* cannot happen: ours, or not in the table */
+		t->handled = 1;
+		if (t->rc == CUDA_SUCCESS)
+			free(t->taken);
+		else
+			put(t->taken);
+		t->taken = NULL;
+	}
 }
 
 void mem_free_post(struct track *t, CUresult rc, CUdeviceptr dptr)
@@ -117,15 +153,17 @@ void mem_free_post(struct track *t, CUresult rc, CUdeviceptr dptr)
 	free(t->taken);
 }
 
-static void ctx_add(CUcontext ctx)
+static void ctx_add(CUcontext ctx, CUdevice dev)
 {
 	int i;
 
 	pthread_mutex_lock(&tr.lock);
 	for (i = 0; i < tr.nctx && tr.ctx[i] != ctx; i++)
 		;
-	if (i == tr.nctx && tr.nctx < MAX_CONTEXTS)
+	if (i == tr.nctx && tr.nctx < MAX_CONTEXTS) {
+		tr.ctx_dev[tr.nctx] = dev;
 		tr.ctx[tr.nctx++] = ctx;
+	}
 	else if (i == tr.nctx)
 		pr_warn("more than %d contexts: %p is not synchronized by the gate", MAX_CONTEXTS,
 			(void *)ctx);
@@ -139,15 +177,14 @@ void ctx_create_post(struct track *t, CUresult rc, CUcontext *pctx, unsigned int
 	(void)flags;
 	(void)dev;
 	if (rc == CUDA_SUCCESS && pctx && *pctx)
-		ctx_add(*pctx);
+		ctx_add(*pctx, dev);
 }
 
 void ctx_retain_post(struct track *t, CUresult rc, CUcontext *pctx, CUdevice dev)
 {
 	(void)t;
-	(void)dev;
 	if (rc == CUDA_SUCCESS && pctx && *pctx)
-		ctx_add(*pctx);
+		ctx_add(*pctx, dev);
 }
 
 void track_forget_context(CUcontext ctx)
@@ -155,6 +192,7 @@ void track_forget_context(CUcontext ctx)
 	pthread_mutex_lock(&tr.lock);
 	for (int i = 0; i < tr.nctx; i++)
 		if (tr.ctx[i] == ctx) {
+			tr.ctx_dev[i] = tr.ctx_dev[tr.nctx - 1];
 			tr.ctx[i] = tr.ctx[--tr.nctx];
 			break;
 		}

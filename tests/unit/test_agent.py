@@ -615,8 +615,13 @@ def test_protocol_answers(probe):
     assert not p.sock.exists()                   # nothing before the first driver call
     assert p.call("init dlsym")["rc"] == 0
     st = p.status()
-    assert set(st) == {"pid", "gate", "in_flight", "waiting", "allocations", "bytes",
-                       "contexts"}
+    assert set(st) == {"pid", "state", "gate", "in_flight", "waiting", "allocations", "bytes",
+                       "movable_allocations", "movable_bytes", "moved_allocations", "contexts"}
+    assert st["state"] == "running"
+    for line in ("detach", "resume", "abort"):
+        assert p.ctl(line) == {"ok": False, "error": "not prepared"}, line
+    assert p.ctl("prepare") == {"ok": False, "error": "prepare needs the data files (file "
+                                "descriptors with the line)"}
     for line in ("frobnicate", "status now", "open wide", ""):
         assert p.ctl(line) == {"ok": False, "error": "unknown command"}, line
     assert p.ctl("close soon") == {"ok": False, "error": "bad timeout"}

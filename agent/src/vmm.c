@@ -1,0 +1,607 @@
+/* The driver's virtual memory management API, the program's and the agent's.
+ *
+ * Memory the mover can release and re-create at the same address must come from this API:
+ * an address reservation (cuMemAddressReserve), physical memory (cuMemCreate, a handle) mapped
+ * into it (cuMemMap) and made accessible (cuMemSetAccess). The agent serves every cuMemAlloc of
+ * at least TORPOR_AGENT_VMM_MIN bytes (default 2 MiB) that way itself (vmm_alloc), and tracks
+ * the program's own use of the API (PyTorch expandable_segments, vLLM): the handles and where
+ * they are mapped, with the access set on each mapping.
+ *
+ * Releasing (vmm_drop) unmaps a handle everywhere and releases it; the reservations stay.
+ * Re-creating (vmm_recreate) makes a new handle of the same size and properties and maps it
+ * where the old one was. The new handle has another value: the program keeps the old one, so
+ * every hooked call taking or giving a handle translates (`id` is the value the program knows,
+ * `real` the driver's now). A handle exported to another process (cuMemExportToShareableHandle)
+ * is not movable: the other process maps that very memory. A mapping of a handle the agent
+ * never saw created (imported from another process) is not movable either.
+ *
+ * One mutex over both lists, never held across a driver call that can block on the GPU (the
+ * VMM calls do not). Lists are linked: programs hold thousands of mappings at most, and these
+ * calls are rare next to kernel launches (allocators cache).
+ */
+#define LOG_PREFIX "vmm: "
+#include "agent.h" /* first: _GNU_SOURCE */
+
+#include <pthread.h>
+#include <stdlib.h>
+
+#define MAX_ACCESS 8  /* access descriptors kept per mapping (devices that may access it) */
+#define MAX_DEVICES 64
+
+struct phys {
+	struct phys *next;
+	CUmemGenericAllocationHandle id;   /* the value the program holds */
+	CUmemGenericAllocationHandle real; /* the driver's handle now; 0 while dropped */
+	size_t size;
+	CUmemAllocationProp prop;
+	CUdeviceptr own_va;  /* served a cuMemAlloc: the reservation (the program never saw the
+			      * handle) */
+	size_t own_asked;    /* ... and the size the program asked for */
+	int nmaps;
+	unsigned dropped_by_program : 1; /* cuMemRelease'd: gone once its last mapping goes */
+	unsigned shared : 1;             /* exported: not movable */
+	unsigned moved : 1;              /* dropped by the mover: its data is in the files */
+};
+
+struct vmap {
+	struct vmap *next;
+	CUdeviceptr ptr;
+	size_t size, offset;
+	struct phys *ph; /* NULL: a handle the agent does not know */
+	unsigned long long flags;
+	CUmemAccessDesc access[MAX_ACCESS];
+	int naccess;
+};
+
+static struct {
+	pthread_mutex_t lock;
+	struct phys *phys;
+	struct vmap *maps;
+	size_t min_size;             /* cuMemAlloc at least this: served from VMM (0: never) */
+	size_t granularity[MAX_DEVICES];
+	int disabled;                /* the driver refused; cuMemAlloc goes to the driver */
+} vm = { .lock = PTHREAD_MUTEX_INITIALIZER };
+
+static pthread_once_t min_once = PTHREAD_ONCE_INIT;
+
+static void read_min(void)
+{
+	const char *v = getenv("TORPOR_AGENT_VMM_MIN");
+	char *end;
+	unsigned long long n;
+
+	vm.min_size = 2ULL << 20;
+	if (!v || !*v)
+		return;
+	n = strtoull(v, &end, 0);
+	if (end == v || *end) {
+		pr_warn("TORPOR_AGENT_VMM_MIN=%s is not a number of bytes: 2 MiB", v);
+		return;
+	}
+	vm.min_size = n; /* 0: never */
+	pr_info("cuMemAlloc of at least %llu bytes served from VMM%s", n, n ? "" : " (never)");
+}
+
+/* -- lookups, under vm.lock ------------------------------------------------------------------ */
+
+static struct phys *phys_by_id(CUmemGenericAllocationHandle id)
+{
+	for (struct phys *p = vm.phys; p; p = p->next)
+		if (p->id == id && !p->own_va)
+			return p;
+	return NULL;
+}
+
+static struct phys *phys_by_real(CUmemGenericAllocationHandle real)
+{
+	for (struct phys *p = vm.phys; p; p = p->next)
+		if (p->real == real)
+			return p;
+	return NULL;
+}
+
+static void phys_unlink(struct phys *ph)
+{
+	for (struct phys **pp = &vm.phys; *pp; pp = &(*pp)->next)
+		if (*pp == ph) {
+			*pp = ph->next;
+			return;
+		}
+}
+
+static struct phys *phys_new(CUmemGenericAllocationHandle h, size_t size,
+			     const CUmemAllocationProp *prop)
+{
+	struct phys *ph = calloc(1, sizeof(*ph));
+
+	if (!ph)
+		return NULL;
+	ph->id = ph->real = h;
+	ph->size = size;
+	ph->prop = *prop;
+	ph->next = vm.phys;
+	vm.phys = ph;
+	return ph;
+}
+
+static struct vmap *map_new(CUdeviceptr ptr, size_t size, size_t offset, struct phys *ph,
+			    unsigned long long flags)
+{
+	struct vmap *m = calloc(1, sizeof(*m));
+
+	if (!m)
+		return NULL;
+	m->ptr = ptr;
+	m->size = size;
+	m->offset = offset;
+	m->ph = ph;
+	m->flags = flags;
+	m->next = vm.maps;
+	vm.maps = m;
+	if (ph)
+		ph->nmaps++;
+	return m;
+}
+
+/* Records access descriptors on every mapping inside [ptr, ptr + size). */
+static void access_record(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc,
+			  size_t count)
+{
+	for (struct vmap *m = vm.maps; m; m = m->next) {
+		if (m->ptr < ptr || m->ptr + m->size > ptr + size)
+			continue;
+		for (size_t i = 0; i < count; i++) {
+			int k;
+
+			for (k = 0; k < m->naccess; k++)
+				if (m->access[k].location.type == desc[i].location.type &&
+				    m->access[k].location.id == desc[i].location.id)
+					break;
+			if (k == m->naccess) {
+				if (m->naccess == MAX_ACCESS) {
+					pr_warn("0x%llx: more than %d access descriptors: not all are "
+						"restored", m->ptr, MAX_ACCESS);
+					continue;
+				}
+				m->naccess++;
+			}
+			m->access[k] = desc[i];
+		}
+	}
+}
+
+/* -- the program's calls ----------------------------------------------------------------------- */
+
+void vmm_create_pre(struct track *t, CUmemGenericAllocationHandle *handle, size_t size,
+		    const CUmemAllocationProp *prop, unsigned long long flags)
+{
+	t->handled = 1;
+	t->rc = real.cuMemCreate ? real.cuMemCreate(handle, size, prop, flags)
+				 : CUDA_ERROR_NOT_SUPPORTED;
+	if (t->rc != CUDA_SUCCESS || !handle || !prop)
+		return;
+	pthread_mutex_lock(&vm.lock);
+	/* A value the driver gives again may equal an id the program still holds from before
+	 * a re-creation: then the program could not tell the two apart. Rare (the driver's
+	 * handles are pointers); say so. */
+	if (phys_by_id(*handle))
+		pr_warn("handle 0x%llx given twice: the older one is forgotten", *handle);
+	if (!phys_new(*handle, size, prop))
+		pr_err("out of memory: handle 0x%llx not tracked (not movable)", *handle);
+	pthread_mutex_unlock(&vm.lock);
+}
+
+/* Under vm.lock: the handle is gone once the program released it and nothing maps it. */
+static void phys_maybe_free(struct phys *ph)
+{
+	if (ph->dropped_by_program && ph->nmaps == 0) {
+		phys_unlink(ph);
+		free(ph);
+	}
+}
+
+void vmm_release_pre(struct track *t, CUmemGenericAllocationHandle handle)
+{
+	struct phys *ph;
+	CUmemGenericAllocationHandle h = handle;
+
+	t->handled = 1;
+	pthread_mutex_lock(&vm.lock);
+	ph = phys_by_id(handle);
+	if (ph)
+		h = ph->real;
+	pthread_mutex_unlock(&vm.lock);
+	t->rc = real.cuMemRelease ? real.cuMemRelease(h) : CUDA_ERROR_NOT_SUPPORTED;
+	if (t->rc != CUDA_SUCCESS || !ph)
+		return;
+	pthread_mutex_lock(&vm.lock);
+	ph->dropped_by_program = 1;
+	phys_maybe_free(ph);
+	pthread_mutex_unlock(&vm.lock);
+}
+
+void vmm_map_pre(struct track *t, CUdeviceptr ptr, size_t size, size_t offset,
+		 CUmemGenericAllocationHandle handle, unsigned long long flags)
+{
+	struct phys *ph;
+	CUmemGenericAllocationHandle h = handle;
+
+	t->handled = 1;
+	pthread_mutex_lock(&vm.lock);
+	ph = phys_by_id(handle);
+	if (ph)
+		h = ph->real;
+	pthread_mutex_unlock(&vm.lock);
+	t->rc = real.cuMemMap ? real.cuMemMap(ptr, size, offset, h, flags)
+			      : CUDA_ERROR_NOT_SUPPORTED;
+	if (t->rc != CUDA_SUCCESS)
+		return;
+	pthread_mutex_lock(&vm.lock);
+	if (!map_new(ptr, size, offset, ph, flags))
+		pr_err("out of memory: mapping 0x%llx not tracked", ptr);
+	pthread_mutex_unlock(&vm.lock);
+}
+
+void vmm_unmap_pre(struct track *t, CUdeviceptr ptr, size_t size)
+{
+	t->handled = 1;
+	t->rc = real.cuMemUnmap ? real.cuMemUnmap(ptr, size) : CUDA_ERROR_NOT_SUPPORTED;
+	if (t->rc != CUDA_SUCCESS)
+		return;
+	pthread_mutex_lock(&vm.lock);
+	for (struct vmap **pp = &vm.maps; *pp;) {
+		struct vmap *m = *pp;
+
+		if (m->ptr >= ptr && m->ptr + m->size <= ptr + size) {
+			*pp = m->next;
+			if (m->ph) {
+				m->ph->nmaps--;
+				phys_maybe_free(m->ph);
+			}
+			free(m);
+		} else {
+			pp = &m->next;
+		}
+	}
+	pthread_mutex_unlock(&vm.lock);
+}
+
+void vmm_access_pre(struct track *t, CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc,
+		    size_t count)
+{
+	t->handled = 1;
+	t->rc = real.cuMemSetAccess ? real.cuMemSetAccess(ptr, size, desc, count)
+				    : CUDA_ERROR_NOT_SUPPORTED;
+	if (t->rc != CUDA_SUCCESS || !desc)
+		return;
+	pthread_mutex_lock(&vm.lock);
+	access_record(ptr, size, desc, count);
+	pthread_mutex_unlock(&vm.lock);
+}
+
+void vmm_retain_pre(struct track *t, CUmemGenericAllocationHandle *handle, void *addr)
+{
+	struct phys *ph;
+
+	t->handled = 1;
+	t->rc = real.cuMemRetainAllocationHandle ? real.cuMemRetainAllocationHandle(handle, addr)
+						 : CUDA_ERROR_NOT_SUPPORTED;
+	if (t->rc != CUDA_SUCCESS || !handle)
+		return;
+	pthread_mutex_lock(&vm.lock);
+	ph = phys_by_real(*handle);
+	if (ph && !ph->own_va)
+		*handle = ph->id;
+	pthread_mutex_unlock(&vm.lock);
+}
+
+void vmm_props_pre(struct track *t, CUmemAllocationProp *prop, CUmemGenericAllocationHandle handle)
+{
+	struct phys *ph;
+
+	t->handled = 1;
+	pthread_mutex_lock(&vm.lock);
+	ph = phys_by_id(handle);
+	if (ph)
+		handle = ph->real;
+	pthread_mutex_unlock(&vm.lock);
+	t->rc = real.cuMemGetAllocationPropertiesFromHandle
+			? real.cuMemGetAllocationPropertiesFromHandle(prop, handle)
+			: CUDA_ERROR_NOT_SUPPORTED;
+}
+
+void vmm_export_pre(struct track *t, void *shareable, CUmemGenericAllocationHandle handle,
+		    int type, unsigned long long flags)
+{
+	struct phys *ph;
+
+	t->handled = 1;
+	pthread_mutex_lock(&vm.lock);
+	ph = phys_by_id(handle);
+	if (ph)
+		handle = ph->real;
+	pthread_mutex_unlock(&vm.lock);
+	t->rc = real.cuMemExportToShareableHandle
+			? real.cuMemExportToShareableHandle(shareable, handle, type, flags)
+			: CUDA_ERROR_NOT_SUPPORTED;
+	if (t->rc != CUDA_SUCCESS || !ph)
+		return;
+	pthread_mutex_lock(&vm.lock);
+	if (!ph->shared)
+		pr_info("handle 0x%llx exported: stays with the driver's checkpoint", ph->id);
+	ph->shared = 1;
+	pthread_mutex_unlock(&vm.lock);
+}
+
+/* -- cuMemAlloc served from VMM ---------------------------------------------------------------- */
+
+static CUresult granularity_of(CUdevice dev, size_t *g)
+{
+	CUmemAllocationProp prop = { .type = CU_MEM_ALLOCATION_TYPE_PINNED,
+				     .location = { CU_MEM_LOCATION_TYPE_DEVICE, dev } };
+	CUresult rc;
+
+	if (dev < 0 || dev >= MAX_DEVICES)
+		return CUDA_ERROR_NOT_SUPPORTED;
+	if (vm.granularity[dev]) {
+		*g = vm.granularity[dev];
+		return CUDA_SUCCESS;
+	}
+	if (!real.cuMemGetAllocationGranularity)
+		return CUDA_ERROR_NOT_SUPPORTED;
+	rc = real.cuMemGetAllocationGranularity(g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+	if (rc == CUDA_SUCCESS && *g)
+		vm.granularity[dev] = *g;
+	else if (rc == CUDA_SUCCESS)
+		rc = CUDA_ERROR_NOT_SUPPORTED;
+	return rc;
+}
+
+int vmm_alloc(CUdeviceptr *dptr, size_t bytesize, CUresult *rc)
+{
+	CUmemAllocationProp prop = { .type = CU_MEM_ALLOCATION_TYPE_PINNED };
+	CUmemAccessDesc acc = { .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE };
+	CUmemGenericAllocationHandle h = 0;
+	CUdeviceptr va = 0;
+	CUdevice dev;
+	struct phys *ph;
+	size_t g, asize;
+
+	pthread_once(&min_once, read_min);
+	if (!dptr || !vm.min_size || bytesize < vm.min_size || vm.disabled)
+		return 0;
+	if (!real.cuCtxGetDevice || !real.cuMemAddressReserve || !real.cuMemCreate ||
+	    !real.cuMemMap || !real.cuMemSetAccess || !real.cuMemUnmap || !real.cuMemRelease ||
+	    !real.cuMemAddressFree)
+		goto disable;
+	if (real.cuCtxGetDevice(&dev) != CUDA_SUCCESS)
+		return 0; /* no current context: the driver says what is wrong */
+	*rc = granularity_of(dev, &g);
+	if (*rc != CUDA_SUCCESS)
+		goto disable;
+	asize = (bytesize + g - 1) / g * g;
+	prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+	prop.location.id = dev;
+	acc.location = prop.location;
+
+	*rc = real.cuMemAddressReserve(&va, asize, g, 0, 0);
+	if (*rc != CUDA_SUCCESS)
+		goto fallback;
+	*rc = real.cuMemCreate(&h, asize, &prop, 0);
+	if (*rc == CUDA_ERROR_OUT_OF_MEMORY) {
+		real.cuMemAddressFree(va, asize);
+		return 1; /* as cuMemAlloc would answer */
+	}
+	if (*rc != CUDA_SUCCESS)
+		goto err_free;
+	*rc = real.cuMemMap(va, asize, 0, h, 0);
+	if (*rc != CUDA_SUCCESS)
+		goto err_release;
+	*rc = real.cuMemSetAccess(va, asize, &acc, 1);
+	if (*rc != CUDA_SUCCESS)
+		goto err_unmap;
+
+	pthread_mutex_lock(&vm.lock);
+	ph = phys_new(h, asize, &prop);
+	if (ph) {
+		ph->own_va = va;
+		ph->own_asked = bytesize;
+		if (!map_new(va, asize, 0, ph, 0)) {
+			phys_unlink(ph);
+			free(ph);
+			ph = NULL;
+		} else {
+			access_record(va, asize, &acc, 1);
+		}
+	}
+	pthread_mutex_unlock(&vm.lock);
+	if (!ph) {
+		*rc = CUDA_ERROR_OUT_OF_MEMORY; /* host memory, for our tables */
+		goto err_unmap;
+	}
+	track_add_vmm(va, bytesize);
+	*dptr = va;
+	*rc = CUDA_SUCCESS;
+	return 1;
+
+err_unmap:
+	real.cuMemUnmap(va, asize);
+err_release:
+	real.cuMemRelease(h);
+err_free:
+	real.cuMemAddressFree(va, asize);
+	if (*rc == CUDA_ERROR_OUT_OF_MEMORY)
+		return 1;
+fallback:
+	pr_warn("cuMemAlloc(%zu) from VMM: CUresult %d; the driver's cuMemAlloc serves it (not "
+		"movable)", bytesize, *rc);
+	return 0;
+disable:
+	pr_warn("the driver lacks the VMM API (or refuses it): allocations are not movable");
+	vm.disabled = 1;
+	return 0;
+}
+
+int vmm_free(CUdeviceptr dptr, CUresult *rc)
+{
+	struct phys *ph = NULL;
+	struct vmap *m = NULL;
+	size_t size;
+
+	pthread_mutex_lock(&vm.lock);
+	for (ph = vm.phys; ph && ph->own_va != dptr; ph = ph->next)
+		;
+	if (ph) {
+		phys_unlink(ph);
+		for (struct vmap **pp = &vm.maps; *pp; pp = &(*pp)->next)
+			if ((*pp)->ph == ph) {
+				m = *pp;
+				*pp = m->next;
+				break;
+			}
+	}
+	pthread_mutex_unlock(&vm.lock);
+	if (!ph)
+		return 0;
+	size = ph->size;
+	*rc = CUDA_SUCCESS;
+	if (ph->real) { /* a dropped one (never while the gate is open) has nothing mapped */
+		*rc = real.cuMemUnmap(dptr, size);
+		if (*rc == CUDA_SUCCESS)
+			*rc = real.cuMemRelease(ph->real);
+	}
+	if (*rc == CUDA_SUCCESS)
+		*rc = real.cuMemAddressFree(dptr, size);
+	if (*rc != CUDA_SUCCESS)
+		pr_warn("cuMemFree(0x%llx) of a VMM allocation: CUresult %d", dptr, *rc);
+	free(m);
+	free(ph);
+	return 1;
+}
+
+/* -- for the mover (the gate closed) ---------------------------------------------------------- */
+
+struct movable *vmm_movables(size_t *n, unsigned long long *bytes)
+{
+	struct movable *out = NULL;
+	size_t count = 0, cap = 0;
+
+	*bytes = 0;
+	pthread_mutex_lock(&vm.lock);
+	for (struct phys *ph = vm.phys; ph; ph = ph->next) {
+		struct vmap *whole = NULL;
+
+		if (ph->shared || !ph->real || ph->moved)
+			continue;
+		/* copied through a mapping of the whole handle that the GPU can read */
+		for (struct vmap *m = vm.maps; m && !whole; m = m->next)
+			if (m->ph == ph && m->offset == 0 && m->size == ph->size && m->naccess)
+				whole = m;
+		if (!whole)
+			continue;
+		if (count == cap) {
+			struct movable *more = realloc(out, (cap ? 2 * cap : 64) * sizeof(*out));
+
+			if (!more) {
+				free(out);
+				out = NULL;
+				count = 0;
+				break;
+			}
+			out = more;
+			cap = cap ? 2 * cap : 64;
+		}
+		out[count++] = (struct movable){ .phys = ph, .src = whole->ptr, .size = ph->size,
+						 .dev = ph->prop.location.id };
+		*bytes += ph->size;
+	}
+	pthread_mutex_unlock(&vm.lock);
+	*n = count;
+	return out;
+}
+
+CUresult vmm_drop(void *p)
+{
+	struct phys *ph = p;
+	CUresult rc = CUDA_SUCCESS;
+
+	/* The mappings stay in the list (vmm_recreate maps them again); the driver unmaps. */
+	for (struct vmap *m = vm.maps; m && rc == CUDA_SUCCESS; m = m->next)
+		if (m->ph == ph)
+			rc = real.cuMemUnmap(m->ptr, m->size);
+	if (rc == CUDA_SUCCESS)
+		rc = real.cuMemRelease(ph->real);
+	if (rc != CUDA_SUCCESS) {
+		pr_err("releasing 0x%llx (%zu bytes): CUresult %d", ph->id, ph->size, rc);
+		return rc;
+	}
+	pthread_mutex_lock(&vm.lock);
+	ph->real = 0;
+	ph->moved = 1;
+	pthread_mutex_unlock(&vm.lock);
+	return CUDA_SUCCESS;
+}
+
+CUresult vmm_recreate(void *p)
+{
+	struct phys *ph = p;
+	CUmemGenericAllocationHandle h = ph->real;
+	CUresult rc = CUDA_SUCCESS;
+
+	if (!h) {
+		rc = real.cuMemCreate(&h, ph->size, &ph->prop, 0);
+		if (rc != CUDA_SUCCESS)
+			return rc;
+		pthread_mutex_lock(&vm.lock);
+		ph->real = h;
+		pthread_mutex_unlock(&vm.lock);
+	}
+	/* Maps every mapping of it; one already mapped (an earlier, failed try) answers
+	 * CUDA_ERROR_INVALID_VALUE... so unmap first, ignoring the answer. */
+	for (struct vmap *m = vm.maps; m && rc == CUDA_SUCCESS; m = m->next) {
+		if (m->ph != ph)
+			continue;
+		real.cuMemUnmap(m->ptr, m->size);
+		rc = real.cuMemMap(m->ptr, m->size, m->offset, h, m->flags);
+		if (rc == CUDA_SUCCESS && m->naccess)
+			rc = real.cuMemSetAccess(m->ptr, m->size, m->access, m->naccess);
+	}
+	if (rc != CUDA_SUCCESS)
+		pr_err("re-creating 0x%llx (%zu bytes): CUresult %d", ph->id, ph->size, rc);
+	return rc;
+}
+
+/* The data is back: the handle is an ordinary one again. */
+void vmm_reloaded(void *p)
+{
+	struct phys *ph = p;
+
+	pthread_mutex_lock(&vm.lock);
+	ph->moved = 0;
+	pthread_mutex_unlock(&vm.lock);
+}
+
+void vmm_status(struct vmm_status *st)
+{
+	memset(st, 0, sizeof(*st));
+	pthread_mutex_lock(&vm.lock);
+	for (struct phys *ph = vm.phys; ph; ph = ph->next) {
+		if (ph->moved) {
+			st->dropped++;
+		} else if (!ph->shared && ph->real) {
+			st->movable++;
+			st->movable_bytes += ph->size;
+		}
+	}
+	pthread_mutex_unlock(&vm.lock);
+}
+
+/* The child of fork() has no GPU memory (CUDA does not survive fork): forget it all (leaked:
+ * another thread may have been walking the lists). */
+void vmm_after_fork(void)
+{
+	pthread_mutex_init(&vm.lock, NULL);
+	vm.phys = NULL;
+	vm.maps = NULL;
+	memset(vm.granularity, 0, sizeof(vm.granularity));
+}
