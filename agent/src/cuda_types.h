@@ -17,6 +17,9 @@ typedef struct CUstream_st *CUstream;
 typedef struct CUfunc_st *CUfunction;
 typedef int CUdriverProcAddressQueryResult;     /* enum, 12.0+ */
 typedef struct CUevent_st *CUevent;
+typedef struct CUgraphExec_st *CUgraphExec;
+typedef struct CUlaunchConfig_st CUlaunchConfig;  /* only passed through, by pointer */
+typedef struct CUDA_MEMCPY2D_st CUDA_MEMCPY2D;    /* only passed through, by pointer */
 
 /* The virtual memory management API (CUDA 10.2+) */
 typedef unsigned long long CUmemGenericAllocationHandle;

@@ -320,38 +320,41 @@ static int wait_stream(struct worker *w, CUstream s)
 	return 0;
 }
 
-/* Writes (saving) or reads one chunk's bytes between buf and the file, SUB at a time, and
- * returns its checksum in *sum. */
+/* Writes (saving) or reads one chunk's bytes between buf and the file, SUB at a time (each
+ * block summed whole: the checksum's stripes must fall the same way on both sides), and returns
+ * its checksum in *sum. */
 static int file_io(struct worker *w, const struct chunk *c, unsigned char *buf, uint64_t *sum)
 {
 	struct sum s;
 
 	sum_init(&s);
-	for (size_t done = 0; done < c->len;) {
-		size_t n = c->len - done < SUB ? c->len - done : SUB;
-		ssize_t r;
+	for (size_t block = 0; block < c->len; block += SUB) {
+		size_t n = c->len - block < SUB ? c->len - block : SUB;
 
-		if (w->saving) {
-			sum_add(&s, buf + done, n);
-			r = pwrite(w->fd, buf + done, n, c->file_off + done);
-		} else {
-			r = pread(w->fd, buf + done, n, c->file_off + done);
-		}
-		if (r < 0 && errno == EINTR)
-			continue;
-		if (r < 0) {
-			fail(w, "%s file %d: %s", w->saving ? "writing" : "reading", w->k,
-			     strerror(errno));
-			return -1;
-		}
-		if (r == 0) {
-			fail(w, "file %d ends at %llu: it is not the file this data was saved to",
-			     w->k, c->file_off + done);
-			return -1;
+		if (w->saving)
+			sum_add(&s, buf + block, n);
+		for (size_t done = 0; done < n;) {
+			ssize_t r = w->saving ? pwrite(w->fd, buf + block + done, n - done,
+						       c->file_off + block + done)
+					      : pread(w->fd, buf + block + done, n - done,
+						      c->file_off + block + done);
+
+			if (r < 0 && errno == EINTR)
+				continue;
+			if (r < 0) {
+				fail(w, "%s data file %d: %s", w->saving ? "writing" : "reading",
+				     w->k, strerror(errno));
+				return -1;
+			}
+			if (r == 0) {
+				fail(w, "data file %d ends at %llu: it is not the file this data was "
+				     "saved to", w->k, c->file_off + block + done);
+				return -1;
+			}
+			done += r;
 		}
 		if (!w->saving)
-			sum_add(&s, buf + done, r);
-		done += r;
+			sum_add(&s, buf + block, n);
 	}
 	*sum = sum_end(&s);
 	return 0;

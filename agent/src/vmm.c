@@ -466,6 +466,9 @@ int vmm_free(CUdeviceptr dptr, CUresult *rc)
 	size = ph->size;
 	*rc = CUDA_SUCCESS;
 	if (ph->real) { /* a dropped one (never while the gate is open) has nothing mapped */
+		/* cuMemFree waits for the work that may still use the memory; so must we */
+		if (real.cuCtxSynchronize)
+			real.cuCtxSynchronize();
 		*rc = real.cuMemUnmap(dptr, size);
 		if (*rc == CUDA_SUCCESS)
 			*rc = real.cuMemRelease(ph->real);
