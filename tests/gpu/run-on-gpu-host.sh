@@ -7,7 +7,8 @@
 #   shim/torpor/_proto  proto/generate.py output
 #   .device/podman-bundle.tar.xz, .device/gpubase-rootfs.tar   podman 4.3 + runc (../shared/gpu-host)
 # Usage: tests/gpu/run-on-gpu-host.sh [pytest args...]; BENCH_SIZES="1 8 32" to benchmark the
-# driver path, PODMAN_BENCH_SIZES="1 4 16" the podman path; TESTS=0 skips the tests.
+# driver path, PODMAN_BENCH_SIZES="1 4 16" the podman path, AGENT_BENCH_SIZES="1 16" the
+# in-process agent against the driver path (bench/agent_path.py); TESTS=0 skips the tests.
 set -uo pipefail
 cd "$(dirname "$(readlink -f "$0")")/../.."
 OUT="${OUT:-/tmp/torpor-out}"; mkdir -p "$OUT"
@@ -48,6 +49,11 @@ if [[ -n "${PODMAN_BENCH_SIZES:-}" ]]; then
     python3 bench/podman_path.py --sizes $PODMAN_BENCH_SIZES --workdir /tmp/torpor-pbench \
         --runc /opt/podman-bundle/bin/runc \
         --out "$OUT/podman_path.json" 2>&1 | tee "$OUT/podman-bench.txt"
+fi
+if [[ -n "${AGENT_BENCH_SIZES:-}" ]]; then
+    python3 bench/agent_path.py --sizes $AGENT_BENCH_SIZES --shm-root /dev/shm/torpor-abench \
+        --disk-root /var/tmp/torpor-abench ${AGENT_BENCH_ARGS:-} \
+        --out "$OUT/agent_path.json" 2>&1 | tee "$OUT/agent-bench.txt"
 fi
 cp /var/lib/torpor/*.log "$OUT/" 2>/dev/null
 exit "$rc"

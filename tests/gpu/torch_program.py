@@ -13,8 +13,20 @@ depend on reduction order). Two runs with the same seed write bit-identical line
 so a checkpointed and restored run can be compared with an uninterrupted one
 (tests/gpu/compare_steps.py).
 
---status is JSON, replaced atomically: {"pid", "step", "ready", "gib", "seed", "done", "updated"};
-"ready" turns true once the memory is allocated and filled.
+--status is JSON, replaced atomically: {"pid", "step", "ready", "gib", "seed", "done", "updated",
+"graphs", "cache_gib", "alloc_conf", "allocator_backend", "reserved", "allocated",
+"steps_per_s"}; "ready" turns true once the memory is allocated and filled. "reserved" and
+"allocated" are torch.cuda's figures, refreshed every step; "steps_per_s" is the rate since
+step RATE_FROM (for overhead measurements, with --sleep 0).
+
+--graphs: the training step is captured in a torch.cuda.CUDAGraph once warmed up (the first
+GRAPH_WARMUP steps run eagerly on a side stream, as torch.cuda.graphs asks) and replayed every
+step after, with static input and target tensors the step's data is copied into.
+
+--cache-gib N: N GiB more are allocated in tensors once the model is built, then freed: the
+caching allocator keeps them reserved but unused (a program whose allocator caches as much as
+it uses). The allocator's configuration (PYTORCH_CUDA_ALLOC_CONF, e.g. expandable_segments:True)
+comes from the environment and is recorded in the status.
 """
 
 from __future__ import annotations
@@ -33,6 +45,8 @@ import torch  # noqa: E402
 CHUNK_BYTES = 1 << 30   # each bulk tensor holds at most 1 GiB
 SLICE_BYTES = 256 << 20  # one checksum covers 256 MiB
 WIDTH, BATCH = 1024, 256
+GRAPH_WARMUP = 3         # eager steps before --graphs captures the step
+RATE_FROM = 20           # steps_per_s counts from this step on
 
 
 def write_status(path: str, state: dict) -> None:
@@ -44,16 +58,35 @@ def write_status(path: str, state: dict) -> None:
     os.replace(tmp, path)
 
 
+def allocator_backend() -> str:
+    try:
+        return str(torch.cuda.get_allocator_backend())
+    except Exception as e:  # older or newer torch: only for the record
+        return f"unknown ({type(e).__name__})"
+
+
+def memory_figures(state: dict) -> None:
+    state["reserved"] = int(torch.cuda.memory_reserved())
+    state["allocated"] = int(torch.cuda.memory_allocated())
+
+
+def chunk_sizes(gib: float) -> list[int]:
+    """Byte sizes (multiples of 4, each at most CHUNK_BYTES) adding up to gib GiB."""
+    left, out = int(gib * (1 << 30)) // 4 * 4, []
+    while left > 0:
+        out.append(min(left, CHUNK_BYTES))
+        left -= out[-1]
+    return out
+
+
 def make_bulk(gib: float, seed: int, device: torch.device) -> list[torch.Tensor]:
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
-    left, bulk = int(gib * (1 << 30)) // 4 * 4, []
-    while left > 0:
-        n = min(left, CHUNK_BYTES)
+    bulk = []
+    for n in chunk_sizes(gib):
         t = torch.empty(n // 4, dtype=torch.float32, device=device)
         t.uniform_(-1.0, 1.0, generator=gen)
         bulk.append(t)
-        left -= n
     return bulk
 
 
@@ -80,6 +113,10 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--max-steps", type=int, default=0, help="exit after N steps (0: forever)")
     p.add_argument("--sleep", type=float, default=0.05, help="seconds between steps")
+    p.add_argument("--graphs", action="store_true",
+                   help="capture the training step in a CUDA graph and replay it")
+    p.add_argument("--cache-gib", type=float, default=0.0,
+                   help="GiB allocated and freed at start: left reserved in the allocator cache")
     args = p.parse_args(argv)
 
     torch.use_deterministic_algorithms(True)
@@ -88,7 +125,9 @@ def main(argv=None) -> int:
     torch.backends.cudnn.benchmark = False
     device = torch.device("cuda", 0)
     state = {"pid": os.getpid(), "step": 0, "ready": False, "gib": args.gib, "seed": args.seed,
-             "done": False}
+             "done": False, "graphs": args.graphs, "cache_gib": args.cache_gib,
+             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+             "allocator_backend": allocator_backend()}
     write_status(args.status, state)
 
     bulk = make_bulk(args.gib, args.seed, device)
@@ -99,13 +138,42 @@ def main(argv=None) -> int:
     teacher = torch.nn.Linear(WIDTH, WIDTH, bias=False).to(device).requires_grad_(False)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     data_gen = torch.Generator(device=device)
+    if args.cache_gib > 0:  # after the model: its tensors must not be carved out of the cache
+        cache = [torch.ones(n // 4, dtype=torch.float32, device=device)
+                 for n in chunk_sizes(args.cache_gib)]
+        torch.cuda.synchronize()
+        del cache                        # reserved, unused: the allocator keeps it
+    static_x = torch.zeros(BATCH, WIDTH, device=device)
+    static_y = torch.zeros(BATCH, WIDTH, device=device)
+    side = torch.cuda.Stream(device) if args.graphs else None
+    graph: torch.cuda.CUDAGraph | None = None
+    static_loss: torch.Tensor | None = None
+
+    def eager_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    def capture() -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The step on static_x/static_y, captured (torch.cuda.graphs' whole-network capture)."""
+        g = torch.cuda.CUDAGraph()
+        opt.zero_grad(set_to_none=True)  # the graph's backward allocates the grads in its pool
+        with torch.cuda.graph(g):
+            out = torch.nn.functional.mse_loss(model(static_x), static_y)
+            out.backward()
+            opt.step()
+        return g, out
+
     torch.cuda.synchronize()
     state["ready"] = True
+    memory_figures(state)
     write_status(args.status, state)
     print(f"torch_program: pid {os.getpid()} gib {args.gib} seed {args.seed} "
           f"device {torch.cuda.get_device_name(0)}", flush=True)
 
-    step = 0
+    step, rate_t0 = 0, time.perf_counter()
     with open(args.steps_file, "a"):  # create it up front; each step reopens it (see append)
         pass
     while not args.max_steps or step < args.max_steps:
@@ -113,10 +181,20 @@ def main(argv=None) -> int:
         data_gen.manual_seed(args.seed * 1_000_003 + step)  # data depends on (seed, step) only
         x = torch.randn(BATCH, WIDTH, device=device, generator=data_gen)
         y = torch.tanh(teacher(x))
-        opt.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
+        if args.graphs and graph is None and step > GRAPH_WARMUP:
+            graph, static_loss = capture()   # captured, not run: the replay below runs it
+        if graph is not None:
+            static_x.copy_(x)
+            static_y.copy_(y)
+            graph.replay()
+            loss = static_loss
+        elif side is not None:  # warm-up before the capture, on a side stream
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                loss = eager_step(x, y)
+            torch.cuda.current_stream().wait_stream(side)
+        else:
+            loss = eager_step(x, y)
         line = f"{step} {float(loss.item()).hex()} {bulk_checksum(bulk, windows, step):016x}\n"
         # Open, append, fsync, close: no descriptor on the file stays open across a checkpoint,
         # so CRIU need not match its size at restore.
@@ -127,6 +205,12 @@ def main(argv=None) -> int:
         finally:
             os.close(fd)
         state["step"] = step
+        now = time.perf_counter()
+        if step == RATE_FROM:
+            rate_t0 = now
+        elif step > RATE_FROM:
+            state["steps_per_s"] = (step - RATE_FROM) / max(now - rate_t0, 1e-9)
+        memory_figures(state)
         write_status(args.status, state)
         if args.sleep > 0:
             time.sleep(args.sleep)

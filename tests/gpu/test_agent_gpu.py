@@ -1,0 +1,379 @@
+"""Programs under the in-process agent (issue 4) on a real GPU: suspend/resume and
+checkpoint/restore move their GPU memory through the agent, and they continue bit-exact.
+
+Every scenario runs the program under the agent (`torpor run -- ...`) beside an uninterrupted
+reference of the same seed and command line without the agent, and compares their steps files
+line by line (compare_steps.py). Programs: PyTorch (default allocator and
+expandable_segments:True; CUDA graphs; a cache as large as what it uses), a CUDA C
+runtime-API program with streams and events (cuda_streams.cu, built with nvcc), CuPy. The
+agent's own figures (what it moved, cache it released) are printed (pytest -s) and checked
+where they say what the agent is for.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.gpu import programs
+from tests.gpu.compare_steps import compare
+from tests.gpu.conftest import GPU_SKIP, Torpor, nvml_pids, wait_for
+from tests.gpu.test_podman_gpu import _bit_exact as podman_bit_exact
+from tests.gpu.test_podman_gpu import _started as podman_started
+from tests.gpu.test_podman_gpu import containers, podman  # noqa: F401  (fixtures)
+
+
+def _agent_reason() -> str | None:
+    try:
+        from torpor import agent
+        agent.library()
+    except Exception as e:
+        return f"the agent library is not built ({e}): make -C agent, then copy it to " \
+               "shim/torpor/_agent/ (tests/gpu/run-on-gpu-host.sh does)"
+    return None
+
+
+AGENT_SKIP = GPU_SKIP or _agent_reason()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(AGENT_SKIP is not None, reason=AGENT_SKIP or "")]
+
+GiB = 1 << 30
+GIB = 2.0                                   # bulk memory of most programs
+KILL_GIB = float(os.environ.get("TORPOR_TEST_AGENT_KILL_GIB", "16"))
+PREPARE_TIMEOUT_S = 20                      # the agent resumes by itself after this
+ALLOCATORS = {"default": None, "expandable": "expandable_segments:True"}
+
+
+# -- fixtures --------------------------------------------------------------------------------
+@pytest.fixture
+def agent_dir():
+    """A short private socket directory (a Unix socket path has at most 107 bytes)."""
+    d = Path(tempfile.mkdtemp(prefix="tpa-", dir="/tmp"))
+    os.chmod(d, 0o700)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def torpor(tmp_path: Path, torpor_env: dict[str, str], agent_dir: Path, monkeypatch) -> Torpor:
+    """The CLI, and the programs it runs, with the real driver and agent_dir for the sockets."""
+    monkeypatch.setenv("TORPOR_AGENT_DIR", str(agent_dir))
+    monkeypatch.delenv("TORPOR_LIBCUDA", raising=False)   # the agent forwards to the real one
+    env = programs.with_torpor_path(dict(os.environ, **torpor_env))
+    env.pop("TORPOR_LIBCUDA", None)
+    env["TORPOR_AGENT_DIR"] = str(agent_dir)
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)              # each test says which allocator
+    return Torpor(env)
+
+
+@pytest.fixture(scope="session")
+def cuda_exe(tmp_path_factory) -> Path:
+    try:
+        return programs.build_cuda_streams(tmp_path_factory.mktemp("cuda-build"))
+    except programs.NoCompiler as e:
+        pytest.skip(str(e))
+    except subprocess.CalledProcessError as e:
+        pytest.fail(f"nvcc failed on {programs.CUDA_SOURCE}:\n{e.stdout}\n{e.stderr}")
+
+
+@pytest.fixture
+def progs(tmp_path: Path, torpor: Torpor):
+    """start(kind, name, gib, agent=..., extra=..., env=..., cuda_exe=...) -> Program."""
+    started: list[programs.Program] = []
+
+    def start(kind: str, name: str, gib: float, *, agent: bool = False, extra=(),
+              env: dict[str, str] | None = None, cuda_exe: Path | None = None,
+              seed: int = 1234) -> programs.Program:
+        argv = programs.command(kind, gib, seed=seed, extra=extra, cuda_exe=cuda_exe)
+        p = programs.Program(tmp_path, name, argv, env={**torpor.env, **(env or {})},
+                             agent=agent)
+        started.append(p)
+        return p
+    yield start
+    for p in started:
+        p.kill()
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def show(what: str, obj) -> None:
+    print(f"\n{what}: {json.dumps(obj, indent=1, sort_keys=True, default=str)}", flush=True)
+
+
+def agent_record(result: dict, pid: int) -> dict:
+    """What the agent of pid reported, from a process.* result or a manifest: "agent" as
+    {pid: {...}} (or a list of {"pid", ...}); {} when there is none."""
+    for key in ("agent", "agents"):
+        a = result.get(key)
+        if isinstance(a, dict):
+            rec = a.get(str(pid), a.get(pid))
+            if isinstance(rec, dict):
+                return rec
+        elif isinstance(a, list):
+            for rec in a:
+                if isinstance(rec, dict) and rec.get("pid") == pid:
+                    return rec
+    return {}
+
+
+def agent_status(prog: programs.Program, agent_dir: Path, timeout: float = 30.0) -> dict:
+    from torpor.agent import AgentClient
+    with AgentClient.for_pid(prog.pid, agent_dir, timeout=timeout) as a:
+        return a.status()
+
+
+def try_status(prog: programs.Program, agent_dir: Path) -> dict:
+    """The agent's status, or {} while it cannot answer (busy moving memory, say)."""
+    from torpor.errors import TorporError
+    try:
+        return agent_status(prog, agent_dir, timeout=5.0)
+    except TorporError:
+        return {}
+
+
+def under_agent(prog: programs.Program, agent_dir: Path, min_bytes: float) -> dict:
+    """The program's agent answers and serves at least min_bytes as movable memory."""
+    sock = agent_dir / f"agent-{prog.pid}.sock"
+    wait_for(sock.exists, 60, f"the agent's socket {sock}")
+    st = agent_status(prog, agent_dir)
+    show(f"agent status of {prog.name}", st)
+    assert st.get("state") == "running" and st.get("gate") == "open", st
+    assert st.get("movable_bytes", 0) >= min_bytes, \
+        f"the agent serves {st.get('movable_bytes')} movable bytes, wanted >= {min_bytes:.0f}"
+    return st
+
+
+def moved_bytes(result: dict, pid: int, what: str) -> dict:
+    rec = agent_record(result, pid)
+    show(f"{what} result", result)
+    assert rec, f"{what}: no agent figures for PID {pid}: the driver moved everything"
+    return rec
+
+
+def bit_exact(ref: programs.Program, prog: programs.Program, more: int = 10) -> None:
+    """prog goes `more` steps on from where it is; the reference gets there too; every step
+    both wrote agrees."""
+    last = prog.step() + more
+    prog.wait_step(last, timeout=300)
+    ref.wait_step(last, timeout=300)
+    n, mismatch = compare(str(ref.steps), str(prog.steps))
+    assert mismatch is None, f"diverged at {mismatch}"
+    assert n >= last, f"only {n} common steps"
+
+
+def suspend_resume(torpor: Torpor, prog: programs.Program, gib: float) -> dict:
+    """suspend: the GPU released, the agent moved the bulk, the program stopped; resume."""
+    r = torpor.json("suspend", str(prog.pid), timeout=600)
+    rec = moved_bytes(r, prog.pid, "suspend")
+    assert rec.get("bytes", 0) >= gib * GiB, rec
+    assert r["gpu_memory_released"] >= gib * GiB
+    assert prog.pid not in nvml_pids()               # nothing of it left on the GPU
+    time.sleep(0.5)                                 # a step past its GPU work may still write
+    at = prog.step()
+    time.sleep(1.0)
+    assert prog.step() == at                        # held at the gate / by the driver lock
+    back = torpor.json("resume", str(prog.pid), timeout=600)
+    show("resume result", back)
+    prog.wait_step(at + 10)
+    return rec
+
+
+def checkpoint_restore(torpor: Torpor, prog: programs.Program, images: Path, gib: float) -> dict:
+    """checkpoint (CRIU, bare) with the GPU memory in torpor-gpu/, restore, 10 steps on."""
+    m = torpor.json("checkpoint", str(prog.pid), "-D", str(images), timeout=600)["manifest"]
+    rec = moved_bytes(m, prog.pid, "checkpoint manifest")
+    assert rec.get("bytes", 0) >= gib * GiB, rec
+    data = images / "torpor-gpu"
+    assert data.is_dir() and sum(f.stat().st_size for f in data.rglob("*") if f.is_file()) \
+        >= gib * GiB
+    prog.reap()
+    at = prog.step()
+    r = torpor.json("restore", "-D", str(images), timeout=600)
+    show("restore result", r)
+    assert r["cuda_pids"] == [prog.pid]
+    assert agent_record(r, prog.pid), "restore: the agent did not get the memory back"
+    prog.wait_step(at + 10)
+    return rec
+
+
+def alloc_env(name: str) -> dict[str, str]:
+    conf = ALLOCATORS[name]
+    return {"PYTORCH_CUDA_ALLOC_CONF": conf} if conf else {}
+
+
+# -- PyTorch ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("allocator", sorted(ALLOCATORS))
+def test_torch_suspend_resume_checkpoint_restore(torpor, progs, agent_dir, tmp_path, allocator):
+    env = alloc_env(allocator)
+    ref = progs("torch", "ref", GIB, env=env)
+    prog = progs("torch", "prog", GIB, env=env, agent=True)
+    prog.wait_ready()
+    prog.wait_step(5)
+    assert prog.status().get("alloc_conf", "") == env.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    under_agent(prog, agent_dir, GIB * GiB)
+    suspend_resume(torpor, prog, GIB)
+    checkpoint_restore(torpor, prog, tmp_path / "ck", GIB)
+    st = agent_status(prog, agent_dir)               # the restored program's agent answers
+    assert st.get("state") == "running" and st.get("gate") == "open", st
+    bit_exact(ref, prog)
+
+
+def test_torch_cuda_graphs_checkpoint_restore(torpor, progs, agent_dir, tmp_path):
+    ref = progs("torch", "ref", GIB, extra=["--graphs"])
+    prog = progs("torch", "prog", GIB, extra=["--graphs"], agent=True)
+    prog.wait_ready()
+    prog.wait_step(10)                               # past the warm-up: replaying the graph
+    under_agent(prog, agent_dir, GIB * GiB)
+    checkpoint_restore(torpor, prog, tmp_path / "ck", GIB)
+    bit_exact(ref, prog, more=20)
+
+
+@pytest.mark.parametrize("allocator", sorted(ALLOCATORS))
+def test_prepare_releases_allocator_cache(torpor, progs, agent_dir, allocator):
+    """A program whose PyTorch cache holds as much as it uses: the agent releases the cache
+    instead of moving it, and the program continues bit-exact."""
+    cache = 4.0
+    env = alloc_env(allocator)
+    extra = ["--cache-gib", f"{cache:g}"]
+    ref = progs("torch", "ref", 1.0, extra=extra, env=env)
+    prog = progs("torch", "prog", 1.0, extra=extra, env=env, agent=True)
+    prog.wait_ready()
+    prog.wait_step(5)
+    before = prog.status()
+    show("torch's figures before", {k: before.get(k) for k in ("reserved", "allocated",
+                                                               "alloc_conf")})
+    assert before["reserved"] - before["allocated"] >= (cache - 0.5) * GiB   # cached, unused
+    st = under_agent(prog, agent_dir, (1.0 + cache - 0.5) * GiB)          # cache included
+    r = torpor.json("suspend", str(prog.pid), timeout=600)
+    rec = moved_bytes(r, prog.pid, "suspend")
+    if "cache_released" in rec:
+        assert rec["cache_released"] > 0, rec
+    assert rec["bytes"] <= st["movable_bytes"] - (cache - 1.0) * GiB, \
+        f"the agent moved {rec['bytes']} of {st['movable_bytes']} bytes: the cache went too"
+    at = prog.step()
+    torpor.json("resume", str(prog.pid), timeout=600)
+    prog.wait_step(at + 5)
+    after = prog.status()
+    show("torch's figures after", {k: after.get(k) for k in ("reserved", "allocated")})
+    bit_exact(ref, prog)
+
+
+@pytest.mark.parametrize("after", ["recovery", "deadline"])
+def test_sigkill_of_torpor_mid_agent_prepare(torpor, progs, agent_dir, tmp_path, after):
+    """torpor killed while the agent moves 16 GiB out: the program gets its memory back, from
+    torpor's recovery (the next command) or from the agent's own prepare deadline."""
+    from torpor.agent import AgentClient, AgentError
+    env = {"TORPOR_AGENT_PREPARE_TIMEOUT_S": str(PREPARE_TIMEOUT_S)}
+    ref = progs("torch", "ref", KILL_GIB)
+    prog = progs("torch", "prog", KILL_GIB, env=env, agent=True)
+    prog.wait_ready(600)
+    prog.wait_step(5)
+    under_agent(prog, agent_dir, KILL_GIB * GiB)
+    journal = tmp_path / "state" / "journal"
+    t = torpor.start("suspend", str(prog.pid))
+
+    def journaled_prepare() -> bool:
+        if t.poll() is not None:
+            raise AssertionError(f"torpor suspend ended before its agent-prepare: "
+                                 f"{t.communicate()}")
+        for f in journal.glob("*.json"):
+            try:
+                e = json.loads(f.read_text())
+            except (OSError, ValueError):
+                continue
+            if e.get("phase") == "agent-prepare" and e.get("agents"):
+                return True
+        return False
+    wait_for(journaled_prepare, 120, "the journal's agent-prepare")
+
+    def agent_busy() -> str:
+        """Why the agent counts as mid-prepare ('' while it is not yet)."""
+        try:
+            with AgentClient.for_pid(prog.pid, agent_dir, timeout=0.2) as a:
+                st = a.status()
+        except AgentError:
+            return "its control thread is busy (preparing)"
+        if st.get("gate") == "closed" or st.get("state") != "running":
+            return f"state {st.get('state')}, gate {st.get('gate')}"
+        return ""
+    why = wait_for(agent_busy, 60, "the agent to start preparing")
+    t.kill()
+    out, err = t.communicate()
+    print(f"\nkilled torpor suspend: {why}\n{err[-2000:]}", flush=True)
+    at = prog.step()
+    st = agent_status(prog, agent_dir, timeout=120)      # after the prepare, if it was running
+    show("agent status after the kill", st)
+    if after == "recovery":
+        ps = torpor.run("ps", timeout=600)
+        print(ps.stderr)
+        assert ps.returncode == 0, ps.stderr
+        assert "recovered" in ps.stderr, ps.stderr
+    else:
+        assert st.get("state") != "detached", \
+            f"the kill came after the detach (only recovery helps then): {st}"
+        wait_for(lambda: try_status(prog, agent_dir).get("state") == "running",
+                 PREPARE_TIMEOUT_S + 120, "the agent's prepare deadline")
+    wait_for(lambda: try_status(prog, agent_dir).get("gate") == "open", 120, "an open gate")
+    prog.wait_step(at + 10, timeout=300)
+    ps = torpor.run("ps", timeout=600)                  # whatever the journal still holds
+    assert ps.returncode == 0, ps.stderr
+    st = agent_status(prog, agent_dir)
+    assert st.get("state") == "running" and st.get("gate") == "open", st
+    bit_exact(ref, prog)
+
+
+# -- CUDA C (runtime API, streams and events) ------------------------------------------------
+def test_cuda_streams_suspend_resume_checkpoint_restore(torpor, progs, agent_dir, tmp_path,
+                                                        cuda_exe):
+    ref = progs("cuda", "ref", GIB, cuda_exe=cuda_exe)
+    prog = progs("cuda", "prog", GIB, cuda_exe=cuda_exe, agent=True)
+    prog.wait_ready()
+    prog.wait_step(5)
+    under_agent(prog, agent_dir, GIB * GiB)
+    suspend_resume(torpor, prog, GIB)
+    checkpoint_restore(torpor, prog, tmp_path / "ck", GIB)
+    bit_exact(ref, prog)
+
+
+# -- CuPy ------------------------------------------------------------------------------------
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is None, reason="CuPy is not installed")
+def test_cupy_suspend_resume(torpor, progs, agent_dir):
+    ref = progs("cupy", "ref", GIB)
+    prog = progs("cupy", "prog", GIB, agent=True)
+    prog.wait_ready()
+    prog.wait_step(5)
+    under_agent(prog, agent_dir, GIB * GiB)
+    suspend_resume(torpor, prog, GIB)
+    bit_exact(ref, prog)
+
+
+# -- podman ----------------------------------------------------------------------------------
+def test_podman_agent_export_import_continues_bit_exact(podman, containers, tmp_path):  # noqa: F811
+    from torpor import agent, archive, config
+    from torpor.oci import AGENT_ANNOTATION
+    ref, tc = podman_started(containers, "agent1", GIB, last=59, at_step=10,
+                             annotations={AGENT_ANNOTATION: "on"})
+    cid = podman.inspect(tc.name, "{{.Id}}")
+    sockets = agent.container_dir(config.load().run_dir, cid)
+    wait_for(lambda: list(sockets.glob("agent-*.sock")), 60, f"an agent socket in {sockets}")
+    with agent.AgentClient(next(sockets.glob("agent-*.sock"))) as a:
+        st = a.status()
+    show("container agent status", st)
+    assert st.get("movable_bytes", 0) >= GIB * GiB, st
+    arch = tmp_path / "agent1.tar"
+    podman.checkpoint(tc.name, export=arch, compress="none")
+    m = archive.manifest_from_archive(arch)
+    show("archive's torpor.json agent", m.get("agent"))
+    assert any(r.get("bytes", 0) >= GIB * GiB for r in (m.get("agent") or {}).values()), \
+        "the container's agent moved no GPU memory"
+    at = tc.step()
+    podman.rm(tc.name)
+    podman.restore(import_=arch)
+    tc.wait_step(at + 10)
+    podman_bit_exact(ref, tc, 59)
