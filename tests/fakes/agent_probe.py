@@ -6,7 +6,8 @@ Prints {"ready": true, "pid": N} once the library is loaded (no driver call made
 reads commands from stdin, one a line: "<id> <command> [args...]". Each runs in a thread of its
 own (a call held at the agent's gate does not hold the next command) and answers one JSON line
 {"id", "rc", "t0", "t1", ...}: rc is the CUresult (or -1 and "error"), t0/t1 time.monotonic()
-(CLOCK_MONOTONIC, comparable with the test's) just before and just after the driver call.
+(CLOCK_MONOTONIC, comparable with the test's) just before and just after the driver call (the
+first and the last one, for a command that makes several).
 
 Doors, the way a command reaches a driver function:
   dlsym      the CDLL's attribute: dlsym(handle of libcuda, "cuMemAlloc_v2")
@@ -24,6 +25,30 @@ Commands:
   addr BASE DOOR                no call: "fn", the address the door gives, and "object", the
                                 file dladdr() says it lies in (rc 0, or -1 when not found)
   quit                          exits 0 (after answering)
+Memory commands: numbers (decimal or 0x...), then an optional DOOR (default dlsym). One that
+makes several calls stops at the first failing one: rc is its CUresult, "failed" its base name.
+  fill PTR N SEED               cuMemcpyHtoD of pattern(SEED, N) (random.Random(SEED).randbytes,
+                                16 MiB at a time; zeros for a negative SEED) to PTR
+  check PTR N SEED              cuMemcpyDtoH of N bytes at PTR, compared with pattern(SEED, N)
+                                -> "ok", "bad" (offset of the first wrong byte, or null)
+  streamcopy PTR N SEED         the pattern through pinned memory and a stream: cuMemHostAlloc x2,
+                                cuStreamCreate, cuEventCreate, cuMemcpyHtoDAsync, cuEventRecord,
+                                cuEventSynchronize, cuMemcpyDtoHAsync, cuStreamSynchronize, then
+                                everything freed -> "ok" (the data came back)
+  vmm BYTES                     the program's own VMM use (PyTorch expandable segments): BYTES
+                                rounded up to the granularity, cuMemAddressReserve, cuMemCreate
+                                (device 0), cuMemMap, cuMemSetAccess (read-write, device 0)
+                                -> "ptr", "handle", "size"; on a failure what was done is undone
+  vmmfree PTR HANDLE BYTES      cuMemUnmap, cuMemRelease, cuMemAddressFree (BYTES rounded up too)
+  reserve BYTES                 cuMemAddressReserve(BYTES, alignment 0, addr 0) -> "ptr"
+  create BYTES                  cuMemCreate(BYTES, pinned on device 0) -> "handle"
+  map PTR BYTES HANDLE          cuMemMap(PTR, BYTES, 0, HANDLE, 0)
+  access PTR BYTES              cuMemSetAccess(PTR, BYTES, read-write for device 0)
+  unmap PTR BYTES | release HANDLE | addrfree PTR BYTES
+  retain PTR                    cuMemRetainAllocationHandle -> "handle"
+  meminfo                       cuMemGetInfo -> "free", "total"
+  range PTR                     cuMemGetAddressRange -> "base", "size"; cuPointerGetAttribute
+                                RANGE_START_ADDR, RANGE_SIZE -> "attr_base", "attr_size"
 """
 
 from __future__ import annotations
@@ -32,6 +57,7 @@ import argparse
 import ctypes
 import json
 import os
+import random
 import sys
 import threading
 import time
@@ -54,7 +80,94 @@ FUNCS = {
                        [ctypes.c_void_p] * 3),
     "cuMemcpyHtoD": ("cuMemcpyHtoD_v2", [ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_size_t]),
     "cuMemcpyDtoH": ("cuMemcpyDtoH_v2", [ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_size_t]),
+    "cuMemcpyHtoDAsync": ("cuMemcpyHtoDAsync_v2", [ctypes.c_ulonglong, ctypes.c_void_p,
+                                                   ctypes.c_size_t, ctypes.c_void_p]),
+    "cuMemcpyDtoHAsync": ("cuMemcpyDtoHAsync_v2", [ctypes.c_void_p, ctypes.c_ulonglong,
+                                                   ctypes.c_size_t, ctypes.c_void_p]),
+    "cuMemGetInfo": ("cuMemGetInfo_v2", [ctypes.POINTER(ctypes.c_size_t)] * 2),
+    "cuMemGetAddressRange": ("cuMemGetAddressRange_v2", [c_ptr, ctypes.POINTER(ctypes.c_size_t),
+                                                         ctypes.c_ulonglong]),
+    "cuPointerGetAttribute": ("cuPointerGetAttribute", [ctypes.c_void_p, ctypes.c_int,
+                                                        ctypes.c_ulonglong]),
+    "cuMemGetAllocationGranularity": ("cuMemGetAllocationGranularity",
+                                      [ctypes.POINTER(ctypes.c_size_t), ctypes.c_void_p,
+                                       ctypes.c_int]),
+    "cuMemAddressReserve": ("cuMemAddressReserve", [c_ptr, ctypes.c_size_t, ctypes.c_size_t,
+                                                    ctypes.c_ulonglong, ctypes.c_ulonglong]),
+    "cuMemAddressFree": ("cuMemAddressFree", [ctypes.c_ulonglong, ctypes.c_size_t]),
+    "cuMemCreate": ("cuMemCreate", [c_ptr, ctypes.c_size_t, ctypes.c_void_p,
+                                    ctypes.c_ulonglong]),
+    "cuMemRelease": ("cuMemRelease", [ctypes.c_ulonglong]),
+    "cuMemMap": ("cuMemMap", [ctypes.c_ulonglong, ctypes.c_size_t, ctypes.c_size_t,
+                              ctypes.c_ulonglong, ctypes.c_ulonglong]),
+    "cuMemUnmap": ("cuMemUnmap", [ctypes.c_ulonglong, ctypes.c_size_t]),
+    "cuMemSetAccess": ("cuMemSetAccess", [ctypes.c_ulonglong, ctypes.c_size_t, ctypes.c_void_p,
+                                          ctypes.c_size_t]),
+    "cuMemRetainAllocationHandle": ("cuMemRetainAllocationHandle", [c_ptr, ctypes.c_void_p]),
+    "cuStreamCreate": ("cuStreamCreate", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]),
+    "cuStreamDestroy": ("cuStreamDestroy_v2", [ctypes.c_void_p]),
+    "cuEventCreate": ("cuEventCreate", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]),
+    "cuEventRecord": ("cuEventRecord", [ctypes.c_void_p, ctypes.c_void_p]),
+    "cuEventSynchronize": ("cuEventSynchronize", [ctypes.c_void_p]),
+    "cuEventDestroy": ("cuEventDestroy_v2", [ctypes.c_void_p]),
+    "cuMemHostAlloc": ("cuMemHostAlloc", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t,
+                                          ctypes.c_uint]),
+    "cuMemFreeHost": ("cuMemFreeHost", [ctypes.c_void_p]),
 }
+
+
+# cuda.h's VMM structs and values (the ABI the fake and the driver share)
+class CUmemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class CUmemAllocationProp(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int),
+                ("location", CUmemLocation), ("win32HandleMetaData", ctypes.c_void_p),
+                ("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
+                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
+
+
+class CUmemAccessDesc(ctypes.Structure):
+    _fields_ = [("location", CUmemLocation), ("flags", ctypes.c_int)]
+
+
+class CallFailed(Exception):
+    def __init__(self, base: str, rc: int):
+        super().__init__(f"{base}: CUresult {rc}")
+        self.base, self.rc = base, rc
+
+
+PINNED, LOCATION_DEVICE, PROT_READWRITE, GRANULARITY_RECOMMENDED = 1, 1, 3, 1
+RANGE_START_ADDR, RANGE_SIZE = 11, 12
+CHUNK = 16 << 20
+
+
+def pattern(seed: int, n: int):
+    """The bytes `fill` writes and `check` expects, as (offset, chunk): random.Random(seed).
+    randbytes, CHUNK at a time (the last one shorter), n bytes in all; zeros for seed < 0."""
+    rng = random.Random(seed)
+    for off in range(0, n, CHUNK):
+        size = min(CHUNK, n - off)
+        yield off, bytes(size) if seed < 0 else rng.randbytes(size)
+
+
+def device_prop(device: int = 0) -> CUmemAllocationProp:
+    prop = CUmemAllocationProp()
+    prop.type, prop.location.type, prop.location.id = PINNED, LOCATION_DEVICE, device
+    return prop
+
+
+def access_desc(device: int = 0) -> CUmemAccessDesc:
+    desc = CUmemAccessDesc()
+    desc.location.type, desc.location.id, desc.flags = LOCATION_DEVICE, device, PROT_READWRITE
+    return desc
+
+
+# command -> how many numbers (decimal or 0x...) it takes before its optional DOOR
+MEMORY_COMMANDS = {"fill": 3, "check": 3, "streamcopy": 3, "vmm": 1, "vmmfree": 3,
+                   "reserve": 1, "create": 1, "map": 3, "access": 2, "unmap": 2, "release": 1,
+                   "addrfree": 2, "retain": 1, "meminfo": 0, "range": 1}
 
 
 class Dl_info(ctypes.Structure):
@@ -121,7 +234,14 @@ class Probe:
             return rc
 
         door = args[-1] if args else "dlsym"
-        if cmd == "init":
+        if cmd in MEMORY_COMMANDS:                   # fixed arguments, then an optional door
+            n = MEMORY_COMMANDS[cmd]
+            door = args[n] if len(args) > n else "dlsym"
+            try:
+                rc = self.memory(doc, cmd, args, door, call)
+            except CallFailed as e:
+                rc, doc["failed"] = e.rc, e.base
+        elif cmd == "init":
             rc = call(self.func("cuInit", door), 0)
             dev, ctx = ctypes.c_int(), ctypes.c_void_p()
             if rc == 0:
@@ -164,8 +284,122 @@ class Probe:
             raise ValueError(f"unknown command {cmd!r}")
         doc["rc"] = rc
         if timed:
-            doc["t0"], doc["t1"] = timed[-1]
+            doc["t0"], doc["t1"] = timed[0][0], timed[-1][1]
         return doc
+
+    def memory(self, doc: dict, cmd: str, args: list[str], door: str, call) -> int:
+        """The commands of MEMORY_COMMANDS; a failing driver call raises CallFailed."""
+        def step(base: str, *a) -> None:
+            rc = call(self.func(base, door), *a)
+            if rc:
+                raise CallFailed(base, rc)
+
+        def undo(base: str, *a) -> None:         # clean-up after a failure: not timed
+            self.func(base, door)(*a)
+
+        num = [int(a, 0) for a in args[:MEMORY_COMMANDS[cmd]]]
+        ptr, handle, size = ctypes.c_ulonglong(), ctypes.c_ulonglong(), ctypes.c_size_t()
+        prop = device_prop(0)
+        if cmd in ("fill", "check"):
+            addr, n, seed = num
+            buf = ctypes.create_string_buffer(max(1, min(CHUNK, n)))
+            for off, chunk in pattern(seed, n):
+                if cmd == "fill":
+                    step("cuMemcpyHtoD", addr + off, chunk, len(chunk))
+                    continue
+                step("cuMemcpyDtoH", buf, addr + off, len(chunk))
+                got = buf.raw[:len(chunk)]
+                if got != chunk:
+                    doc["ok"] = False
+                    doc["bad"] = off + next(i for i, (a, b) in enumerate(zip(got, chunk))
+                                            if a != b)
+                    return 0
+            if cmd == "check":
+                doc["ok"], doc["bad"] = True, None
+        elif cmd == "vmm":
+            step("cuMemGetAllocationGranularity", ctypes.byref(size), ctypes.byref(prop),
+                 GRANULARITY_RECOMMENDED)
+            nbytes = -(-num[0] // size.value) * size.value
+            step("cuMemAddressReserve", ctypes.byref(ptr), nbytes, 0, 0, 0)
+            done = [("cuMemAddressFree", ptr.value, nbytes)]
+            try:
+                step("cuMemCreate", ctypes.byref(handle), nbytes, ctypes.byref(prop), 0)
+                done.append(("cuMemRelease", handle.value))
+                step("cuMemMap", ptr.value, nbytes, 0, handle.value, 0)
+                done.append(("cuMemUnmap", ptr.value, nbytes))
+                step("cuMemSetAccess", ptr.value, nbytes, ctypes.byref(access_desc(0)), 1)
+            except CallFailed:
+                for what in reversed(done):
+                    undo(*what)
+                raise
+            doc["ptr"], doc["handle"], doc["size"] = ptr.value, handle.value, nbytes
+        elif cmd == "vmmfree":
+            step("cuMemGetAllocationGranularity", ctypes.byref(size), ctypes.byref(prop),
+                 GRANULARITY_RECOMMENDED)
+            nbytes = -(-num[2] // size.value) * size.value
+            step("cuMemUnmap", num[0], nbytes)
+            step("cuMemRelease", num[1])
+            step("cuMemAddressFree", num[0], nbytes)
+        elif cmd == "reserve":
+            step("cuMemAddressReserve", ctypes.byref(ptr), num[0], 0, 0, 0)
+            doc["ptr"] = ptr.value
+        elif cmd == "create":
+            step("cuMemCreate", ctypes.byref(handle), num[0], ctypes.byref(prop), 0)
+            doc["handle"] = handle.value
+        elif cmd == "map":
+            step("cuMemMap", num[0], num[1], 0, num[2], 0)
+        elif cmd == "access":
+            step("cuMemSetAccess", num[0], num[1], ctypes.byref(access_desc(0)), 1)
+        elif cmd == "unmap":
+            step("cuMemUnmap", num[0], num[1])
+        elif cmd == "release":
+            step("cuMemRelease", num[0])
+        elif cmd == "addrfree":
+            step("cuMemAddressFree", num[0], num[1])
+        elif cmd == "retain":
+            step("cuMemRetainAllocationHandle", ctypes.byref(handle), num[0])
+            doc["handle"] = handle.value
+        elif cmd == "meminfo":
+            free, total = ctypes.c_size_t(), ctypes.c_size_t()
+            step("cuMemGetInfo", ctypes.byref(free), ctypes.byref(total))
+            doc["free"], doc["total"] = free.value, total.value
+        elif cmd == "range":
+            step("cuMemGetAddressRange", ctypes.byref(ptr), ctypes.byref(size), num[0])
+            doc["base"], doc["size"] = ptr.value, size.value
+            step("cuPointerGetAttribute", ctypes.byref(ptr), RANGE_START_ADDR, num[0])
+            step("cuPointerGetAttribute", ctypes.byref(size), RANGE_SIZE, num[0])
+            doc["attr_base"], doc["attr_size"] = ptr.value, size.value
+        elif cmd == "streamcopy":
+            self.streamcopy(doc, *num, step, undo)
+        return 0
+
+    def streamcopy(self, doc: dict, addr: int, n: int, seed: int, step, undo) -> None:
+        """Pinned buffer -> device -> another pinned buffer on a stream of its own, an event
+        between the two copies; doc["ok"]: the second buffer holds the pattern."""
+        src, dst = ctypes.c_void_p(), ctypes.c_void_p()
+        stream, event = ctypes.c_void_p(), ctypes.c_void_p()
+        done = []
+        try:
+            step("cuMemHostAlloc", ctypes.byref(src), max(1, n), 0)
+            done.append(("cuMemFreeHost", src))
+            step("cuMemHostAlloc", ctypes.byref(dst), max(1, n), 0)
+            done.append(("cuMemFreeHost", dst))
+            step("cuStreamCreate", ctypes.byref(stream), 1)
+            done.append(("cuStreamDestroy", stream))
+            step("cuEventCreate", ctypes.byref(event), 2)
+            done.append(("cuEventDestroy", event))
+            for off, chunk in pattern(seed, n):
+                ctypes.memmove(src.value + off, chunk, len(chunk))
+            step("cuMemcpyHtoDAsync", addr, src, n, stream)
+            step("cuEventRecord", event, stream)
+            step("cuEventSynchronize", event)
+            step("cuMemcpyDtoHAsync", dst, addr, n, stream)
+            step("cuStreamSynchronize", stream)
+            doc["ok"] = all(ctypes.string_at(dst.value + off, len(chunk)) == chunk
+                            for off, chunk in pattern(seed, n))
+        finally:
+            for what in reversed(done):
+                undo(*what)
 
     def answer(self, cid: str, cmd: str, args: list[str]) -> None:
         try:

@@ -6,13 +6,24 @@
  *   proc/<key>        one CUDA process, key=value lines: state=0..3, gpu=<uuid>, mem=<bytes>,
  *                     restored_pairs=<old>:<new>,...  (written atomically: tmp + rename; tmp
  *                     files start with '.', which no key does)
- *   fail/<call>       "<CUresult> [pid]": <call> returns that CUresult without changing state
+ *   fail/<call>       "<CUresult> [pid] [after=<n>] [times=<k>]": <call> returns that CUresult
+ *                     without acting. pid: only that process's calls. after=<n>: the first n
+ *                     calls (that the pid filter lets in) go through, whatever they return,
+ *                     and only later ones fail; times=<k>: k calls fail, later ones go through
+ *                     again. Both count down in the file itself (rewritten under .lock, so every
+ *                     thread and process shares one count): "2 after=3" fails the 4th call and
+ *                     every one after it, "2 after=3 times=1" the 4th only. Neither: every call.
  *   hang/lock         "[pid]": lock waits out its timeout and returns CUDA_ERROR_TIMEOUT
  *   delay/<call>      "<ms> [pid]": <call> sleeps that long first
+ *                     <call>, for fail/ and delay/: a checkpoint call (get_state, lock,
+ *                     checkpoint, restore, unlock, restore_tid; pid: the pid passed to it), or
+ *                     the exported name of a call the program makes (cuMemcpyDtoHAsync_v2,
+ *                     cuMemCreate, cuMemAlloc_v2, ...; pid: its getpid()): every call that
+ *                     blocks while LOCKED (fake_libcuda.c) takes both
  *   calls.log         one line per checkpoint-API call: "<call> <pid> <CUresult>"
  *   cuda_version      optional, e.g. "13000" (cuDriverGetVersion / nvmlSystemGetCudaDriverVersion)
  *   driver_version    optional, e.g. "999.0-fake" (nvmlSystemGetDriverVersion)
- *   .lock             flock()ed around every read-modify-write of proc/<key>
+ *   .lock             flock()ed around every read-modify-write of proc/<key> and fail/ counts
  *
  * The key of a process (fk_key_of, the one place both sides compute it, so they agree):
  *   "<pid>"            normally: the pid, as today;

@@ -1,6 +1,6 @@
-/* A fake libcuda.so.1 for tests without a GPU: the few driver calls a test program needs, and
- * the six cuCheckpointProcess* calls with the exact ABI of cuda.h (CUDA 12.8+), acting on the
- * per-process files under $FAKE_CUDA_STATE_DIR (see fake_common.h for the layout).
+/* A fake libcuda.so.1 for tests without a GPU: the driver calls a test program and torpor's
+ * agent need, and the six cuCheckpointProcess* calls with the exact ABI of cuda.h (CUDA 12.8+),
+ * acting on the per-process files under $FAKE_CUDA_STATE_DIR (see fake_common.h for the layout).
  *
  * Semantics follow the CUDA driver API documentation, "CUDA Checkpointing":
  *   lock        RUNNING      -> LOCKED        (hang/lock: waits timeoutMs, CUDA_ERROR_TIMEOUT)
@@ -14,22 +14,31 @@
  * the argument that is wrong. Non-zero reserved fields also return CUDA_ERROR_INVALID_VALUE
  * ("must be zeroed").
  *
- * In the target process, cuCtxSynchronize and cuMemAlloc block while the process is LOCKED or
- * CHECKPOINTED, as the real driver's API locks do.
+ * In the target process, every call that works on its context (memory, copies, streams,
+ * events, synchronization; not the device queries, push/pop or cuGetProcAddress) blocks while
+ * the process is LOCKED or CHECKPOINTED, as the real driver's API locks do.
+ *
+ * Device memory holds data: a device pointer is an address in the program's own memory, so a
+ * CRIU dump carries it as the real driver's checkpoint carries device memory in host memory
+ * (see "device memory" below). Copies are done when called, also the *Async ones.
  *
  * Processes are proc/<key> entries (fk_key_of): the caller passes a pid as its /proc numbers
  * it (the host pid, for a program in a container), and the entry is that process's key: the
  * pid itself, or "<FAKE_CUDA_SCOPE>.<innermost pid>" for a scoped program. Faults (fail/,
  * hang/, delay/) and calls.log go by the pid the caller passed; cuCheckpointProcess-
- * GetRestoreThreadId returns it too.
+ * GetRestoreThreadId returns it too. The program's own calls take fail/ and delay/ files named
+ * after their exported names (fail/cuMemcpyDtoHAsync_v2) and go by its getpid().
  */
 #include "fake_common.h"
 
 #include <pthread.h>
+#include <sys/mman.h>
 
 typedef int CUresult;
 typedef int CUdevice;
 typedef void *CUcontext;
+typedef void *CUstream;
+typedef void *CUevent;
 typedef unsigned long long CUdeviceptr;
 typedef struct { char bytes[16]; } CUuuid;
 
@@ -54,6 +63,51 @@ _Static_assert(sizeof(CUcheckpointGpuPair) == 32, "CUcheckpointGpuPair");
 _Static_assert(sizeof(CUcheckpointRestoreArgs) == 64, "CUcheckpointRestoreArgs");
 _Static_assert(sizeof(CUcheckpointUnlockArgs) == 64, "CUcheckpointUnlockArgs");
 
+/* The virtual memory management API (CUDA 10.2+), as cuda.h declares it: the enums are ints. */
+typedef unsigned long long CUmemGenericAllocationHandle;
+typedef struct {
+    int type; /* CUmemLocationType */
+    int id;
+} CUmemLocation;
+typedef struct {
+    int type;                 /* CUmemAllocationType */
+    int requestedHandleTypes; /* CUmemAllocationHandleType */
+    CUmemLocation location;
+    void *win32HandleMetaData;
+    struct {
+        unsigned char compressionType;
+        unsigned char gpuDirectRDMACapable;
+        unsigned short usage;
+        unsigned char reserved[4];
+    } allocFlags;
+} CUmemAllocationProp;
+typedef struct {
+    CUmemLocation location;
+    int flags; /* CUmemAccess_flags */
+} CUmemAccessDesc;
+
+_Static_assert(sizeof(CUmemLocation) == 8, "CUmemLocation");
+_Static_assert(sizeof(CUmemAllocationProp) == 32, "CUmemAllocationProp");
+_Static_assert(sizeof(CUmemAccessDesc) == 12, "CUmemAccessDesc");
+
+enum {
+    CU_MEM_ALLOCATION_TYPE_PINNED = 1,
+    CU_MEM_LOCATION_TYPE_DEVICE = 1,
+    CU_MEM_ACCESS_FLAGS_PROT_NONE = 0,
+    CU_MEM_ACCESS_FLAGS_PROT_READ = 1,
+    CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3,
+    CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0,
+    CU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 1,
+    CU_MEMORYTYPE_HOST = 1,
+    CU_MEMORYTYPE_DEVICE = 2,
+    CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2,
+    CU_POINTER_ATTRIBUTE_RANGE_START_ADDR = 11,
+    CU_POINTER_ATTRIBUTE_RANGE_SIZE = 12,
+};
+
+/* The granularity of the VMM calls (cuMemGetAllocationGranularity), as on current GPUs. */
+#define FK_GRANULARITY ((size_t)2 << 20)
+
 #define EXPORT __attribute__((visibility("default")))
 
 enum {
@@ -71,6 +125,8 @@ enum {
     CUDA_ERROR_NOT_FOUND = 500,
     CUDA_ERROR_NOT_READY = 600,
     CUDA_ERROR_ILLEGAL_ADDRESS = 700,
+    CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712,
+    CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713,
     CUDA_ERROR_LAUNCH_FAILED = 719,
     CUDA_ERROR_NOT_PERMITTED = 800,
     CUDA_ERROR_NOT_SUPPORTED = 801,
@@ -96,6 +152,10 @@ static const struct { int code; const char *name, *text; } ERRORS[] = {
     {CUDA_ERROR_NOT_READY, "CUDA_ERROR_NOT_READY", "device not ready"},
     {CUDA_ERROR_ILLEGAL_ADDRESS, "CUDA_ERROR_ILLEGAL_ADDRESS",
      "an illegal memory access was encountered"},
+    {CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED, "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
+     "part or all of the requested memory range is already mapped"},
+    {CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED, "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED",
+     "pointer does not correspond to a registered memory region"},
     {CUDA_ERROR_LAUNCH_FAILED, "CUDA_ERROR_LAUNCH_FAILED", "unspecified launch failure"},
     {CUDA_ERROR_NOT_PERMITTED, "CUDA_ERROR_NOT_PERMITTED", "operation not permitted"},
     {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
@@ -105,7 +165,6 @@ static const struct { int code; const char *name, *text; } ERRORS[] = {
 
 static int g_inited;         /* cuInit succeeded in this process */
 static int g_registered;     /* this process made a context (it is a "CUDA process") */
-static CUdeviceptr g_next_ptr = 0x7f0000000000ULL;
 
 /* -- plain driver calls --------------------------------------------------------------------- */
 
@@ -257,63 +316,130 @@ EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
     *bytes = (size_t)gpus[dev].total;
     return CUDA_SUCCESS;
 }
+/* -- faults --------------------------------------------------------------------------------- */
 
-/* Device addresses: the next one is handed out 1 MiB-aligned after the last, and remembered
- * with its size (cuMemFree_v2 gives the size back, cuMemcpy* check their range). */
-typedef struct { CUdeviceptr ptr; size_t size; } fk_alloc;
-static pthread_mutex_t g_alloc_lock = PTHREAD_MUTEX_INITIALIZER;
-static fk_alloc *g_allocs;
-static size_t g_nallocs, g_allocs_cap;
-
-static CUdeviceptr next_ptr(size_t bytesize)
+/* Reads "$dir/<kind>/<call>" = "<value> [pid]"; returns 1 when it applies to pid. */
+static int fault(const char *dir, const char *kind, const char *call, int pid, long *value)
 {
-    CUdeviceptr ptr;
-    pthread_mutex_lock(&g_alloc_lock);
-    ptr = g_next_ptr;
-    g_next_ptr += (bytesize + 0xfffff) & ~(CUdeviceptr)0xfffff;
-    if (g_nallocs == g_allocs_cap) {
-        size_t cap = g_allocs_cap ? 2 * g_allocs_cap : 64;
-        fk_alloc *a = realloc(g_allocs, cap * sizeof *a);
-        if (a) {
-            g_allocs = a;
-            g_allocs_cap = cap;
+    char path[4096], buf[256], *end;
+    long v, only;
+    snprintf(path, sizeof path, "%s/%s/%s", dir, kind, call);
+    if (fk_read_file(path, buf, sizeof buf) < 0)
+        return 0;
+    v = strtol(buf, &end, 0);
+    if (end == buf)
+        v = 0;
+    only = strtol(end, &end, 10);
+    if (only > 0 && only != pid)
+        return 0;
+    if (value)
+        *value = v;
+    return 1;
+}
+
+/* fail/<call>: "<CUresult> [pid] [after=<n>] [times=<k>]" (fake_common.h); after and times
+ * are -1 when not given. 0, or -1 when a count is not a number (the file is then ignored). */
+typedef struct { long rc, pid, after, times; } fk_fail;
+
+static int fail_parse(char *buf, fk_fail *f)
+{
+    char *tok, *save = NULL, *end;
+    int first = 1;
+    f->rc = f->pid = 0;
+    f->after = f->times = -1;
+    for (tok = strtok_r(buf, " \t\r\n", &save); tok; tok = strtok_r(NULL, " \t\r\n", &save)) {
+        if (!strncmp(tok, "after=", 6) || !strncmp(tok, "times=", 6)) {
+            long v = strtol(tok + 6, &end, 10);
+            if (end == tok + 6 || *end || v < 0)
+                return -1;
+            *(tok[0] == 'a' ? &f->after : &f->times) = v;
+        } else if (first) {
+            f->rc = strtol(tok, NULL, 0); /* not a number: 0, as before the counts existed */
+        } else {
+            f->pid = strtol(tok, NULL, 10);
+        }
+        first = 0;
+    }
+    return 0;
+}
+
+/* Does this call of `call` (by `pid`) fail by fail/<call>? Then 1, with the CUresult in *rc.
+ * The counts are kept in the file itself, counted down under the state directory's lock, so
+ * every thread and process making the call shares them: after=<n> lets n calls through first
+ * (whatever they return), times=<k> fails k calls and then no more (the file stays, spent). */
+static int injected(const char *dir, const char *call, int pid, CUresult *rc)
+{
+    char path[4096], buf[256], line[256];
+    fk_fail f;
+    int fd, fails = 0, changed = 0, len;
+    if (!dir)
+        return 0;
+    snprintf(path, sizeof path, "%s/fail/%s", dir, call);
+    if (fk_read_file(path, buf, sizeof buf) < 0 || fail_parse(buf, &f) != 0 ||
+        (f.pid > 0 && f.pid != pid))
+        return 0;
+    if (f.after < 0 && f.times < 0) {
+        *rc = (CUresult)f.rc;
+        return 1;
+    }
+    fd = fk_lock(dir);
+    /* read again under the lock: another call may have counted meanwhile */
+    if (fk_read_file(path, buf, sizeof buf) >= 0 && fail_parse(buf, &f) == 0 &&
+        !(f.pid > 0 && f.pid != pid)) {
+        if (f.after > 0) {
+            f.after--; /* this one goes through */
+            changed = 1;
+        } else if (f.times != 0) {
+            fails = 1;
+            if (f.times > 0) {
+                f.times--;
+                changed = 1;
+            }
+        }
+        if (changed) {
+            len = snprintf(line, sizeof line, "%ld", f.rc);
+            if (f.pid > 0)
+                len += snprintf(line + len, sizeof line - len, " %ld", f.pid);
+            if (f.after >= 0)
+                len += snprintf(line + len, sizeof line - len, " after=%ld", f.after);
+            if (f.times >= 0)
+                len += snprintf(line + len, sizeof line - len, " times=%ld", f.times);
+            snprintf(line + len, sizeof line - len, "\n");
+            fk_write_atomic(path, line);
         }
     }
-    if (g_nallocs < g_allocs_cap)
-        g_allocs[g_nallocs++] = (fk_alloc){ptr, bytesize};
-    pthread_mutex_unlock(&g_alloc_lock);
-    return ptr;
+    fk_unlock(fd);
+    if (fails)
+        *rc = (CUresult)f.rc;
+    return fails;
 }
 
-/* Forgets the allocation at ptr; returns 1 with its size, or 0 when there is none. */
-static int take_alloc(CUdeviceptr ptr, size_t *size)
+/* Sleeps as delay/<call> says for this process. */
+static void call_delay(const char *call)
 {
-    int found = 0;
-    pthread_mutex_lock(&g_alloc_lock);
-    for (size_t i = 0; i < g_nallocs; i++)
-        if (g_allocs[i].ptr == ptr) {
-            *size = g_allocs[i].size;
-            g_allocs[i] = g_allocs[--g_nallocs];
-            found = 1;
-            break;
-        }
-    pthread_mutex_unlock(&g_alloc_lock);
-    return found;
+    const char *dir = fk_dir();
+    long v;
+    if (dir && fault(dir, "delay", call, (int)getpid(), &v) && v > 0)
+        fk_sleep_ms(v);
 }
 
-/* Is [ptr, ptr + n) inside one live allocation? */
-static int in_alloc(CUdeviceptr ptr, size_t n)
+/* -- contexts and the API lock -------------------------------------------------------------- */
+
+/* The current-context stack of the calling thread: cuCtxCreate_v2 pushes (a full stack gets
+ * its top replaced), cuCtxPush/PopCurrent_v2 and cuCtxSetCurrent work on it. */
+static __thread CUcontext t_ctx_stack[16];
+static __thread int t_ctx_top;
+static __thread int t_in_primary; /* in cuDevicePrimaryCtxRetain, which makes nothing current */
+
+/* A context of this fake is 0xc0de0000 + its device: that device, else -1. */
+static int ctx_device(CUcontext ctx)
 {
-    int found = 0;
-    pthread_mutex_lock(&g_alloc_lock);
-    for (size_t i = 0; i < g_nallocs && !found; i++)
-        found = ptr >= g_allocs[i].ptr && n <= g_allocs[i].size &&
-                ptr - g_allocs[i].ptr <= g_allocs[i].size - n;
-    pthread_mutex_unlock(&g_alloc_lock);
-    return found;
+    uintptr_t v = (uintptr_t)ctx;
+    return v >= 0xc0de0000u && v < 0xc0de0000u + FK_MAX_GPUS ? (int)(v - 0xc0de0000u) : -1;
 }
 
-/* Registers the calling process as a CUDA process on GPU `dev`. */
+/* Registers the calling process as a CUDA process on GPU `dev`; the context becomes current
+ * on this thread, as the driver's "the newly created context" does. */
 EXPORT CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev)
 {
     fk_gpu gpus[FK_MAX_GPUS];
@@ -344,6 +470,11 @@ EXPORT CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev
     if (rc == CUDA_SUCCESS) {
         g_registered = 1;
         *pctx = (CUcontext)(uintptr_t)(0xc0de0000u + (unsigned)dev);
+        if (!t_in_primary) {
+            if (t_ctx_top == (int)(sizeof t_ctx_stack / sizeof t_ctx_stack[0]))
+                t_ctx_top--;
+            t_ctx_stack[t_ctx_top++] = *pctx;
+        }
     }
     return rc;
 }
@@ -377,44 +508,305 @@ static CUresult wait_running(const char **dirp, fk_proc *p, char *key, size_t si
     }
 }
 
-EXPORT CUresult cuCtxSynchronize(void)
-{
-    fk_proc p;
+/* What enter() saw: the state directory and this process's entry. */
+typedef struct {
     const char *dir;
     char key[FK_KEY_LEN];
-    return wait_running(&dir, &p, key, sizeof key);
+    fk_proc p;
+} fk_call;
+
+/* The start of every call the program makes on its context: delay/<call>, the API lock
+ * (wait_running), then fail/<call>. CUDA_SUCCESS: go on. */
+static CUresult enter(const char *call, fk_call *c)
+{
+    CUresult rc;
+    call_delay(call);
+    if ((rc = wait_running(&c->dir, &c->p, c->key, sizeof c->key)) != CUDA_SUCCESS)
+        return rc;
+    return injected(c->dir, call, (int)getpid(), &rc) ? rc : CUDA_SUCCESS;
+}
+
+/* enter() for a call that also works before the process has a context (cuCtxGetCurrent,
+ * cuMemGetAllocationGranularity): it waits only once there is one. */
+static CUresult enter_any(const char *call)
+{
+    fk_call c;
+    CUresult rc;
+    if (g_registered)
+        return enter(call, &c);
+    if (!g_inited)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    call_delay(call);
+    return injected(fk_dir(), call, (int)getpid(), &rc) ? rc : CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuCtxSynchronize(void)
+{
+    fk_call c;
+    return enter("cuCtxSynchronize", &c);
+}
+
+/* -- device memory ---------------------------------------------------------------------------
+ * A device address is an address of this process, so device memory keeps what is written to
+ * it, and a CRIU dump carries it as the driver's checkpoint carries device memory (in host
+ * memory):
+ *   cuMemAlloc_v2        private anonymous memory, MAP_NORESERVE: untouched pages cost
+ *                        nothing, so a fake allocation of 100 GiB is fine;
+ *   cuMemAddressReserve  a PROT_NONE MAP_NORESERVE range: addresses, no memory;
+ *   cuMemCreate          a handle: a memfd of its size, which holds its data;
+ *   cuMemMap             the memfd mapped MAP_SHARED|MAP_FIXED into a reservation, PROT_NONE
+ *                        until cuMemSetAccess. Unmapped and mapped again, a handle still has
+ *                        its data; a new handle starts zeroed.
+ * A copy checks its device range first: one live allocation, or mappings side by side whose
+ * access allows it; anything else is CUDA_ERROR_INVALID_VALUE, as for memory that is not the
+ * program's. Physical memory (allocations, handles) counts in proc/<key> mem against the
+ * GPU's total (CUDA_ERROR_OUT_OF_MEMORY past it): a handle's until it is released and
+ * unmapped everywhere, when the driver frees it. One GPU a process: a location's device id is
+ * checked, the memory counts on the process's GPU.
+ * The tables are the process's own, under one read-write lock: copies read (several at once,
+ * memcpy included, so that memory cannot go away under one), everything else writes.
+ */
+
+typedef struct fk_handle {
+    CUmemGenericAllocationHandle id;
+    int fd; /* the memfd: its data */
+    size_t size;
+    CUmemAllocationProp prop;
+    int refs;               /* cuMemCreate, each cuMemRetainAllocationHandle; -1 a cuMemRelease */
+    int maps;               /* its mappings */
+    struct fk_handle *next; /* on the way out: a list of handles to free */
+} fk_handle;
+
+enum { FK_ALLOC, FK_MAP };
+
+/* Device memory the program can address: an allocation (cuMemAlloc_v2) or a mapping. */
+typedef struct {
+    CUdeviceptr ptr;
+    size_t size;  /* as asked for; an allocation's mmap() is rounded up to whole pages */
+    int kind;     /* FK_ALLOC, FK_MAP */
+    int prot;     /* CU_MEM_ACCESS_FLAGS_PROT_*: an allocation's is READWRITE */
+    fk_handle *h; /* FK_MAP: what is mapped */
+} fk_range;
+
+/* An address range: a reservation, or host memory (cuMemHostAlloc's or registered). */
+typedef struct {
+    uintptr_t ptr;
+    size_t size;
+    int registered; /* host memory: cuMemHostRegister_v2's, not cuMemHostAlloc's */
+} fk_span;
+
+static pthread_rwlock_t g_mem = PTHREAD_RWLOCK_INITIALIZER;
+static fk_range *g_ranges; /* sorted by ptr; never overlapping */
+static size_t g_nranges, g_ranges_cap;
+static fk_span *g_reserved, *g_host;
+static size_t g_nreserved, g_reserved_cap, g_nhost, g_host_cap;
+static fk_handle **g_handles;
+static size_t g_nhandles, g_handles_cap;
+static CUmemGenericAllocationHandle g_next_handle = 0x1000;
+
+/* Room for one more element in a growable array: the array (maybe moved), or NULL. */
+static void *grow(void *arr, size_t n, size_t *cap, size_t elem)
+{
+    size_t c = *cap ? 2 * *cap : 64;
+    void *a;
+    if (n < *cap)
+        return arr;
+    if (!(a = realloc(arr, c * elem)))
+        return NULL;
+    *cap = c;
+    return a;
+}
+
+static size_t page_size(void)
+{
+    long p = sysconf(_SC_PAGESIZE);
+    return p > 0 ? (size_t)p : 4096;
+}
+
+/* The range holding address a (its index), or -1. Under g_mem. */
+static long range_at(CUdeviceptr a)
+{
+    size_t lo = 0, hi = g_nranges, mid;
+    while (lo < hi) {
+        mid = lo + (hi - lo) / 2;
+        if (g_ranges[mid].ptr <= a)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    if (lo == 0 || a - g_ranges[lo - 1].ptr >= g_ranges[lo - 1].size)
+        return -1;
+    return (long)(lo - 1);
+}
+
+/* Does any range share an address with [ptr, ptr + size)? Under g_mem. */
+static int range_overlaps(CUdeviceptr ptr, size_t size)
+{
+    for (size_t i = 0; i < g_nranges; i++)
+        if (g_ranges[i].ptr < ptr + size && ptr < g_ranges[i].ptr + g_ranges[i].size)
+            return 1;
+    return 0;
+}
+
+/* 0, or -1 when out of memory. Under g_mem, written. */
+static int range_add(fk_range r)
+{
+    fk_range *a = grow(g_ranges, g_nranges, &g_ranges_cap, sizeof *a);
+    size_t i;
+    if (!a)
+        return -1;
+    g_ranges = a;
+    for (i = g_nranges; i > 0 && g_ranges[i - 1].ptr > r.ptr; i--)
+        g_ranges[i] = g_ranges[i - 1];
+    g_ranges[i] = r;
+    g_nranges++;
+    return 0;
+}
+
+static void range_del(size_t i, size_t count)
+{
+    memmove(&g_ranges[i], &g_ranges[i + count], (g_nranges - i - count) * sizeof *g_ranges);
+    g_nranges -= count;
+}
+
+/* The mappings that make up [ptr, ptr + size) exactly, side by side: the index of the first
+ * and their count, or -1. Under g_mem. */
+static long maps_exactly(CUdeviceptr ptr, size_t size, size_t *count)
+{
+    CUdeviceptr at = ptr, end = ptr + size;
+    long i = range_at(ptr), first = i;
+    if (!size || end < ptr || i < 0 || g_ranges[i].ptr != ptr)
+        return -1;
+    for (*count = 0; at < end; i++, (*count)++) {
+        if ((size_t)i >= g_nranges || g_ranges[i].kind != FK_MAP || g_ranges[i].ptr != at)
+            return -1;
+        at += g_ranges[i].size;
+    }
+    return at == end ? first : -1;
+}
+
+/* May a copy touch [ptr, ptr + n)? It lies in one allocation, or in mappings side by side
+ * whose access has all of `need`; 0 bytes need ptr in (or at the end of) one. Under g_mem. */
+static int dev_ok(CUdeviceptr ptr, size_t n, int need)
+{
+    CUdeviceptr end = ptr + n;
+    long i;
+    if (n == 0)
+        return range_at(ptr) >= 0 || (ptr && range_at(ptr - 1) >= 0);
+    if (end < ptr || (i = range_at(ptr)) < 0)
+        return 0;
+    if (g_ranges[i].kind == FK_ALLOC)
+        return end - g_ranges[i].ptr <= g_ranges[i].size;
+    for (;;) {
+        const fk_range *r = &g_ranges[i];
+        if (r->kind != FK_MAP || (r->prot & need) != need)
+            return 0;
+        if (end <= r->ptr + r->size)
+            return 1;
+        if ((size_t)++i >= g_nranges || g_ranges[i].ptr != r->ptr + r->size)
+            return 0;
+    }
+}
+
+static CUresult copy_to_device(CUdeviceptr dst, const void *src, size_t n)
+{
+    CUresult rc = CUDA_ERROR_INVALID_VALUE;
+    if (!src && n)
+        return rc;
+    pthread_rwlock_rdlock(&g_mem);
+    if (dev_ok(dst, n, CU_MEM_ACCESS_FLAGS_PROT_READWRITE)) {
+        if (n)
+            memcpy((void *)(uintptr_t)dst, src, n);
+        rc = CUDA_SUCCESS;
+    }
+    pthread_rwlock_unlock(&g_mem);
+    return rc;
+}
+
+static CUresult copy_from_device(void *dst, CUdeviceptr src, size_t n)
+{
+    CUresult rc = CUDA_ERROR_INVALID_VALUE;
+    if (!dst && n)
+        return rc;
+    pthread_rwlock_rdlock(&g_mem);
+    if (dev_ok(src, n, CU_MEM_ACCESS_FLAGS_PROT_READ)) {
+        if (n)
+            memcpy(dst, (const void *)(uintptr_t)src, n);
+        rc = CUDA_SUCCESS;
+    }
+    pthread_rwlock_unlock(&g_mem);
+    return rc;
+}
+
+/* Adds `size` bytes to this process's device memory (proc/<key> mem) if they fit on its GPU
+ * beside every other live process's, under the state directory's lock. */
+static CUresult charge(const char *dir, const char *key, size_t size)
+{
+    fk_gpu gpus[FK_MAX_GPUS];
+    fk_proc p;
+    int n = fk_read_gpus(dir, gpus, FK_MAX_GPUS), i, fd = fk_lock(dir);
+    CUresult rc;
+    if (fk_proc_read(dir, key, &p) != 0)
+        rc = CUDA_ERROR_DEINITIALIZED;
+    else if ((i = fk_find_gpu(gpus, n, p.gpu)) < 0)
+        rc = CUDA_ERROR_INVALID_DEVICE;
+    else if (size > gpus[i].total || fk_used_on(dir, p.gpu, key) + p.mem > gpus[i].total - size)
+        rc = CUDA_ERROR_OUT_OF_MEMORY;
+    else {
+        p.mem += size;
+        rc = fk_proc_write(dir, key, &p) == 0 ? CUDA_SUCCESS : CUDA_ERROR_OPERATING_SYSTEM;
+    }
+    fk_unlock(fd);
+    return rc;
+}
+
+/* Gives back what charge() took. */
+static CUresult refund(const char *dir, const char *key, size_t size)
+{
+    fk_proc p;
+    int fd = fk_lock(dir);
+    CUresult rc;
+    if (fk_proc_read(dir, key, &p) != 0) {
+        rc = CUDA_ERROR_DEINITIALIZED;
+    } else {
+        p.mem = p.mem > size ? p.mem - size : 0;
+        rc = fk_proc_write(dir, key, &p) == 0 ? CUDA_SUCCESS : CUDA_ERROR_OPERATING_SYSTEM;
+    }
+    fk_unlock(fd);
+    return rc;
 }
 
 EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
 {
-    fk_gpu gpus[FK_MAX_GPUS];
-    fk_proc p;
-    const char *dir;
-    char key[FK_KEY_LEN];
-    int n, i, fd;
+    fk_call c;
+    size_t span = (bytesize + page_size() - 1) & ~(page_size() - 1);
+    void *m;
+    int added;
     CUresult rc;
     if (!dptr || bytesize == 0)
         return CUDA_ERROR_INVALID_VALUE;
-    if ((rc = wait_running(&dir, &p, key, sizeof key)) != CUDA_SUCCESS)
+    if ((rc = enter("cuMemAlloc_v2", &c)) != CUDA_SUCCESS)
         return rc;
-    n = fk_read_gpus(dir, gpus, FK_MAX_GPUS);
-    fd = fk_lock(dir);
-    if (fk_proc_read(dir, key, &p) != 0) {
-        fk_unlock(fd);
-        return CUDA_ERROR_DEINITIALIZED;
+    if (span < bytesize)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    m = mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+             -1, 0);
+    if (m == MAP_FAILED)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    if ((rc = charge(c.dir, c.key, bytesize)) == CUDA_SUCCESS) {
+        pthread_rwlock_wrlock(&g_mem);
+        added = range_add((fk_range){(uintptr_t)m, bytesize, FK_ALLOC,
+                                     CU_MEM_ACCESS_FLAGS_PROT_READWRITE, NULL}) == 0;
+        pthread_rwlock_unlock(&g_mem);
+        if (!added) {
+            refund(c.dir, c.key, bytesize);
+            rc = CUDA_ERROR_OUT_OF_MEMORY;
+        }
     }
-    i = fk_find_gpu(gpus, n, p.gpu);
-    if (i < 0)
-        rc = CUDA_ERROR_INVALID_DEVICE;
-    else if (fk_used_on(dir, p.gpu, key) + p.mem + bytesize > gpus[i].total)
-        rc = CUDA_ERROR_OUT_OF_MEMORY;
-    else {
-        p.mem += bytesize;
-        rc = fk_proc_write(dir, key, &p) == 0 ? CUDA_SUCCESS : CUDA_ERROR_OPERATING_SYSTEM;
-    }
-    fk_unlock(fd);
-    if (rc == CUDA_SUCCESS)
-        *dptr = next_ptr(bytesize);
+    if (rc != CUDA_SUCCESS)
+        munmap(m, span);
+    else
+        *dptr = (CUdeviceptr)(uintptr_t)m;
     return rc;
 }
 
@@ -435,25 +827,6 @@ static void log_call(const char *dir, const char *call, int pid, CUresult rc)
     }
 }
 
-/* Reads "$dir/<kind>/<call>" = "<value> [pid]"; returns 1 when it applies to pid. */
-static int fault(const char *dir, const char *kind, const char *call, int pid, long *value)
-{
-    char path[4096], buf[256], *end;
-    long v, only;
-    snprintf(path, sizeof path, "%s/%s/%s", dir, kind, call);
-    if (fk_read_file(path, buf, sizeof buf) < 0)
-        return 0;
-    v = strtol(buf, &end, 0);
-    if (end == buf)
-        v = 0;
-    only = strtol(end, &end, 10);
-    if (only > 0 && only != pid)
-        return 0;
-    if (value)
-        *value = v;
-    return 1;
-}
-
 /* hang/lock holds an optional pid only. */
 static int hang_applies(const char *dir, int pid)
 {
@@ -470,6 +843,7 @@ static int hang_applies(const char *dir, int pid)
 static CUresult begin(const char *call, int pid, const char **dirp)
 {
     long v;
+    CUresult rc;
     const char *dir = fk_dir();
     *dirp = dir;
     if (!g_inited)
@@ -478,8 +852,8 @@ static CUresult begin(const char *call, int pid, const char **dirp)
         return CUDA_ERROR_NO_DEVICE;
     if (fault(dir, "delay", call, pid, &v) && v > 0)
         fk_sleep_ms(v);
-    if (fault(dir, "fail", call, pid, &v))
-        return (CUresult)v;
+    if (injected(dir, call, pid, &rc))
+        return rc;
     return -1;
 }
 
@@ -684,49 +1058,39 @@ EXPORT CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid)
     return rc;
 }
 
-/* -- more driver calls, for torpor's agent (agent/) ----------------------------------------------
- * Memory (cuMemFree_v2, cuMemAllocPitch_v2), work (cuLaunchKernel, cuMemcpyHtoD_v2,
- * cuMemcpyDtoH_v2, cuStreamSynchronize), context stack (cuCtxPushCurrent_v2,
- * cuCtxPopCurrent_v2, cuCtxDestroy_v2, cuDevicePrimaryCtxRetain) and cuGetProcAddress(_v2).
- * Like cuCtxSynchronize they block while the process is LOCKED or CHECKPOINTED. Each first
- * sleeps as "$FAKE_CUDA_STATE_DIR/delay/<its name>" says ("<ms> [pid]", e.g.
- * delay/cuStreamSynchronize), so a test can hold a call in flight. No data is kept: copies
- * check that the device range lies in one live allocation, cuMemcpyDtoH_v2 writes zeros.
- */
 
-/* Sleeps as delay/<call> says for this process. */
-static void call_delay(const char *call)
-{
-    const char *dir = fk_dir();
-    long v;
-    if (dir && fault(dir, "delay", call, (int)getpid(), &v) && v > 0)
-        fk_sleep_ms(v);
-}
+/* -- more driver calls, for torpor's agent (agent/) ----------------------------------------------
+ * Memory (cuMemFree_v2, cuMemAllocPitch_v2, the VMM calls, pinned host memory, pointer
+ * queries), work (cuLaunchKernel, cuMemcpy*, streams, events), the context stack and
+ * cuGetProcAddress(_v2). Each starts with enter(): it first sleeps as
+ * "$FAKE_CUDA_STATE_DIR/delay/<its name>" says ("<ms> [pid]", e.g. delay/cuStreamSynchronize),
+ * so a test can hold a call in flight; it blocks while the process is LOCKED or CHECKPOINTED;
+ * and fail/<its name> makes it return that CUresult without acting (fake_common.h).
+ * cuCtxPushCurrent_v2, cuCtxPopCurrent_v2, cuCtxDestroy_v2 and cuGetProcAddress(_v2) do none of
+ * that. Work is done when called: a stream or an event never has anything pending.
+ */
 
 EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
 {
-    fk_proc p;
-    const char *dir;
-    char key[FK_KEY_LEN];
-    size_t size;
-    int fd;
+    fk_call c;
+    long i;
+    size_t size = 0;
     CUresult rc;
-    call_delay("cuMemFree_v2");
-    if ((rc = wait_running(&dir, &p, key, sizeof key)) != CUDA_SUCCESS)
+    if ((rc = enter("cuMemFree_v2", &c)) != CUDA_SUCCESS)
         return rc;
     if (dptr == 0)
         return CUDA_SUCCESS;
-    if (!take_alloc(dptr, &size))
-        return CUDA_ERROR_INVALID_VALUE;
-    fd = fk_lock(dir);
-    if (fk_proc_read(dir, key, &p) != 0) {
-        rc = CUDA_ERROR_DEINITIALIZED;
-    } else {
-        p.mem = p.mem > size ? p.mem - size : 0;
-        rc = fk_proc_write(dir, key, &p) == 0 ? CUDA_SUCCESS : CUDA_ERROR_OPERATING_SYSTEM;
+    pthread_rwlock_wrlock(&g_mem);
+    i = range_at(dptr);
+    if (i >= 0 && g_ranges[i].ptr == dptr && g_ranges[i].kind == FK_ALLOC) {
+        size = g_ranges[i].size;
+        range_del((size_t)i, 1);
     }
-    fk_unlock(fd);
-    return rc;
+    pthread_rwlock_unlock(&g_mem);
+    if (!size) /* not an allocation of cuMemAlloc_v2 (a mapping is cuMemUnmap's) */
+        return CUDA_ERROR_INVALID_VALUE;
+    munmap((void *)(uintptr_t)dptr, (size + page_size() - 1) & ~(page_size() - 1));
+    return refund(c.dir, c.key, size);
 }
 
 /* Rows of WidthInBytes rounded up to 512 bytes. The memory comes from cuMemAlloc_v2 called
@@ -735,9 +1099,11 @@ EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
 EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes,
                                    size_t Height, unsigned int ElementSizeBytes)
 {
+    fk_call c;
     size_t pitch;
     CUresult rc;
-    call_delay("cuMemAllocPitch_v2");
+    if ((rc = enter("cuMemAllocPitch_v2", &c)) != CUDA_SUCCESS)
+        return rc;
     if (!dptr || !pPitch || !WidthInBytes || !Height ||
         (ElementSizeBytes != 4 && ElementSizeBytes != 8 && ElementSizeBytes != 16))
         return CUDA_ERROR_INVALID_VALUE;
@@ -754,13 +1120,10 @@ EXPORT CUresult cuLaunchKernel(void *f, unsigned int gridDimX, unsigned int grid
                                unsigned int sharedMemBytes, void *hStream, void **kernelParams,
                                void **extra)
 {
-    fk_proc p;
-    const char *dir;
-    char key[FK_KEY_LEN];
+    fk_call c;
     CUresult rc;
     (void)sharedMemBytes, (void)hStream, (void)kernelParams, (void)extra;
-    call_delay("cuLaunchKernel");
-    if ((rc = wait_running(&dir, &p, key, sizeof key)) != CUDA_SUCCESS)
+    if ((rc = enter("cuLaunchKernel", &c)) != CUDA_SUCCESS)
         return rc;
     if (!f)
         return CUDA_ERROR_INVALID_HANDLE;
@@ -771,47 +1134,21 @@ EXPORT CUresult cuLaunchKernel(void *f, unsigned int gridDimX, unsigned int grid
 
 EXPORT CUresult cuMemcpyHtoD_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount)
 {
-    fk_proc p;
-    const char *dir;
-    char key[FK_KEY_LEN];
+    fk_call c;
     CUresult rc;
-    call_delay("cuMemcpyHtoD_v2");
-    if ((rc = wait_running(&dir, &p, key, sizeof key)) != CUDA_SUCCESS)
+    if ((rc = enter("cuMemcpyHtoD_v2", &c)) != CUDA_SUCCESS)
         return rc;
-    if ((!srcHost && ByteCount) || !in_alloc(dstDevice, ByteCount))
-        return CUDA_ERROR_INVALID_VALUE;
-    return CUDA_SUCCESS;
+    return copy_to_device(dstDevice, srcHost, ByteCount);
 }
 
 EXPORT CUresult cuMemcpyDtoH_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount)
 {
-    fk_proc p;
-    const char *dir;
-    char key[FK_KEY_LEN];
+    fk_call c;
     CUresult rc;
-    call_delay("cuMemcpyDtoH_v2");
-    if ((rc = wait_running(&dir, &p, key, sizeof key)) != CUDA_SUCCESS)
+    if ((rc = enter("cuMemcpyDtoH_v2", &c)) != CUDA_SUCCESS)
         return rc;
-    if ((!dstHost && ByteCount) || !in_alloc(srcDevice, ByteCount))
-        return CUDA_ERROR_INVALID_VALUE;
-    if (ByteCount)
-        memset(dstHost, 0, ByteCount);
-    return CUDA_SUCCESS;
+    return copy_from_device(dstHost, srcDevice, ByteCount);
 }
-
-EXPORT CUresult cuStreamSynchronize(void *hStream)
-{
-    fk_proc p;
-    const char *dir;
-    char key[FK_KEY_LEN];
-    (void)hStream;
-    call_delay("cuStreamSynchronize");
-    return wait_running(&dir, &p, key, sizeof key);
-}
-
-/* The current-context stack of the calling thread (cuCtxCreate_v2 does not push here). */
-static __thread CUcontext t_ctx_stack[16];
-static __thread int t_ctx_top;
 
 EXPORT CUresult cuCtxPushCurrent_v2(CUcontext ctx)
 {
@@ -845,11 +1182,764 @@ EXPORT CUresult cuCtxDestroy_v2(CUcontext ctx)
     return ctx ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
-/* The same context cuCtxCreate_v2 makes (called by its exported name, see above). */
+/* The same context cuCtxCreate_v2 makes (called by its exported name, see above), made current
+ * nowhere, as the driver's primary context. */
 EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
 {
-    return cuCtxCreate_v2(pctx, 0, dev);
+    CUresult rc;
+    t_in_primary = 1;
+    rc = cuCtxCreate_v2(pctx, 0, dev);
+    t_in_primary = 0;
+    return rc;
 }
+
+/* NULL when there is none (CUDA_SUCCESS all the same, as the driver answers). */
+EXPORT CUresult cuCtxGetCurrent(CUcontext *pctx)
+{
+    CUresult rc;
+    if ((rc = enter_any("cuCtxGetCurrent")) != CUDA_SUCCESS)
+        return rc;
+    if (!pctx)
+        return CUDA_ERROR_INVALID_VALUE;
+    *pctx = t_ctx_top ? t_ctx_stack[t_ctx_top - 1] : NULL;
+    return CUDA_SUCCESS;
+}
+
+/* Replaces the top of this thread's stack (pushes onto an empty one); NULL pops it, or does
+ * nothing on an empty stack. */
+EXPORT CUresult cuCtxSetCurrent(CUcontext ctx)
+{
+    CUresult rc;
+    if ((rc = enter_any("cuCtxSetCurrent")) != CUDA_SUCCESS)
+        return rc;
+    if (!ctx) {
+        if (t_ctx_top)
+            t_ctx_top--;
+        return CUDA_SUCCESS;
+    }
+    if (ctx_device(ctx) < 0)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    if (!t_ctx_top)
+        t_ctx_top = 1;
+    t_ctx_stack[t_ctx_top - 1] = ctx;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuCtxGetDevice(CUdevice *device)
+{
+    CUresult rc;
+    int dev;
+    if ((rc = enter_any("cuCtxGetDevice")) != CUDA_SUCCESS)
+        return rc;
+    if (!device)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!t_ctx_top || (dev = ctx_device(t_ctx_stack[t_ctx_top - 1])) < 0)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    *device = dev;
+    return CUDA_SUCCESS;
+}
+
+/* -- memory queries ------------------------------------------------------------------------- */
+
+/* The process's GPU: its total, and that less what every live process holds on it. */
+EXPORT CUresult cuMemGetInfo_v2(size_t *free, size_t *total)
+{
+    fk_gpu gpus[FK_MAX_GPUS];
+    fk_call c;
+    unsigned long long used;
+    int i;
+    CUresult rc;
+    if ((rc = enter("cuMemGetInfo_v2", &c)) != CUDA_SUCCESS)
+        return rc;
+    if (!free || !total)
+        return CUDA_ERROR_INVALID_VALUE;
+    if ((i = fk_find_gpu(gpus, fk_read_gpus(c.dir, gpus, FK_MAX_GPUS), c.p.gpu)) < 0)
+        return CUDA_ERROR_INVALID_DEVICE;
+    used = fk_used_on(c.dir, c.p.gpu, NULL);
+    *total = (size_t)gpus[i].total;
+    *free = used < gpus[i].total ? (size_t)(gpus[i].total - used) : 0;
+    return CUDA_SUCCESS;
+}
+
+/* The allocation (cuMemAlloc_v2) or the mapping (cuMemMap) holding dptr; either out may be
+ * NULL. CUDA_ERROR_NOT_FOUND for any other address. */
+EXPORT CUresult cuMemGetAddressRange_v2(CUdeviceptr *pbase, size_t *psize, CUdeviceptr dptr)
+{
+    fk_call c;
+    long i;
+    CUresult rc;
+    if ((rc = enter("cuMemGetAddressRange_v2", &c)) != CUDA_SUCCESS)
+        return rc;
+    pthread_rwlock_rdlock(&g_mem);
+    if ((i = range_at(dptr)) >= 0) {
+        if (pbase)
+            *pbase = g_ranges[i].ptr;
+        if (psize)
+            *psize = g_ranges[i].size;
+    }
+    pthread_rwlock_unlock(&g_mem);
+    return i >= 0 ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
+}
+
+/* RANGE_START_ADDR (CUdeviceptr) and RANGE_SIZE (size_t): the range cuMemGetAddressRange_v2
+ * gives; MEMORY_TYPE (unsigned int): CU_MEMORYTYPE_DEVICE for those, CU_MEMORYTYPE_HOST for
+ * pinned and registered host memory. Other attributes are CUDA_ERROR_NOT_SUPPORTED here; an
+ * address the driver does not know is CUDA_ERROR_INVALID_VALUE. */
+EXPORT CUresult cuPointerGetAttribute(void *data, int attribute, CUdeviceptr ptr)
+{
+    fk_call c;
+    long i;
+    CUresult rc;
+    if ((rc = enter("cuPointerGetAttribute", &c)) != CUDA_SUCCESS)
+        return rc;
+    if (!data)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (attribute != CU_POINTER_ATTRIBUTE_RANGE_START_ADDR &&
+        attribute != CU_POINTER_ATTRIBUTE_RANGE_SIZE && attribute != CU_POINTER_ATTRIBUTE_MEMORY_TYPE)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    rc = CUDA_ERROR_INVALID_VALUE;
+    pthread_rwlock_rdlock(&g_mem);
+    if ((i = range_at(ptr)) >= 0) {
+        rc = CUDA_SUCCESS;
+        if (attribute == CU_POINTER_ATTRIBUTE_RANGE_START_ADDR)
+            *(CUdeviceptr *)data = g_ranges[i].ptr;
+        else if (attribute == CU_POINTER_ATTRIBUTE_RANGE_SIZE)
+            *(size_t *)data = g_ranges[i].size;
+        else
+            *(unsigned int *)data = CU_MEMORYTYPE_DEVICE;
+    } else if (attribute == CU_POINTER_ATTRIBUTE_MEMORY_TYPE) {
+        for (size_t k = 0; k < g_nhost && rc != CUDA_SUCCESS; k++)
+            if (ptr - g_host[k].ptr < g_host[k].size) {
+                *(unsigned int *)data = CU_MEMORYTYPE_HOST;
+                rc = CUDA_SUCCESS;
+            }
+    }
+    pthread_rwlock_unlock(&g_mem);
+    return rc;
+}
+
+/* -- the virtual memory management API (see "device memory" above) ---------------------------- */
+
+/* Checks a CUmemAllocationProp as cuMemCreate and cuMemGetAllocationGranularity take it:
+ * pinned memory on a device of this host (other location types exist, not in this fake). */
+static CUresult check_prop(const CUmemAllocationProp *prop)
+{
+    fk_gpu gpus[FK_MAX_GPUS];
+    const char *dir = fk_dir();
+    int n = dir ? fk_read_gpus(dir, gpus, FK_MAX_GPUS) : 0;
+    if (!prop || prop->type != CU_MEM_ALLOCATION_TYPE_PINNED || prop->location.type <= 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    if (prop->location.id < 0 || prop->location.id >= n)
+        return CUDA_ERROR_INVALID_DEVICE;
+    return CUDA_SUCCESS;
+}
+
+/* 2 MiB, MINIMUM and RECOMMENDED alike. */
+EXPORT CUresult cuMemGetAllocationGranularity(size_t *granularity,
+                                              const CUmemAllocationProp *prop, int option)
+{
+    CUresult rc;
+    if ((rc = enter_any("cuMemGetAllocationGranularity")) != CUDA_SUCCESS)
+        return rc;
+    if (!granularity || (option != CU_MEM_ALLOC_GRANULARITY_MINIMUM &&
+                         option != CU_MEM_ALLOC_GRANULARITY_RECOMMENDED))
+        return CUDA_ERROR_INVALID_VALUE;
+    if ((rc = check_prop(prop)) != CUDA_SUCCESS)
+        return rc;
+    *granularity = FK_GRANULARITY;
+    return CUDA_SUCCESS;
+}
+
+#ifndef MAP_FIXED_NOREPLACE
+#define MAP_FIXED_NOREPLACE 0x100000
+#endif
+
+/* A PROT_NONE range of `size` bytes aligned to `align` (a power of two): at `hint` when that is
+ * aligned and free, else wherever the kernel has room (the driver too may ignore the hint). */
+static void *reserve(size_t size, size_t align, CUdeviceptr hint)
+{
+    const int flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE;
+    uintptr_t m, a;
+    void *p;
+    if (hint && hint % align == 0) {
+        p = mmap((void *)(uintptr_t)hint, size, PROT_NONE, flags | MAP_FIXED_NOREPLACE, -1, 0);
+        if (p == (void *)(uintptr_t)hint)
+            return p;
+        if (p != MAP_FAILED) /* a kernel before 4.17 takes it as a hint only */
+            munmap(p, size);
+    }
+    if (size + align < size)
+        return MAP_FAILED;
+    if ((p = mmap(NULL, size + align, PROT_NONE, flags, -1, 0)) == MAP_FAILED)
+        return p;
+    m = (uintptr_t)p;
+    a = (m + align - 1) & ~(uintptr_t)(align - 1);
+    if (a > m)
+        munmap(p, a - m);
+    if (m + align > a)
+        munmap((void *)(a + size), m + align - a);
+    return (void *)a;
+}
+
+/* size a multiple of the granularity, alignment 0 (the granularity) or a power of two, flags
+ * 0. Reservations hold no memory: they count nowhere. */
+EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment,
+                                    CUdeviceptr addr, unsigned long long flags)
+{
+    fk_call c;
+    fk_span *a;
+    void *m;
+    CUresult rc;
+    if ((rc = enter("cuMemAddressReserve", &c)) != CUDA_SUCCESS)
+        return rc;
+    if (!ptr || !size || size % FK_GRANULARITY || flags || (alignment & (alignment - 1)))
+        return CUDA_ERROR_INVALID_VALUE;
+    if (alignment < FK_GRANULARITY)
+        alignment = FK_GRANULARITY;
+    if ((m = reserve(size, alignment, addr)) == MAP_FAILED)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    pthread_rwlock_wrlock(&g_mem);
+    if ((a = grow(g_reserved, g_nreserved, &g_reserved_cap, sizeof *a))) {
+        g_reserved = a;
+        g_reserved[g_nreserved++] = (fk_span){(uintptr_t)m, size, 0};
+    }
+    pthread_rwlock_unlock(&g_mem);
+    if (!a) {
+        munmap(m, size);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *ptr = (CUdeviceptr)(uintptr_t)m;
+    return CUDA_SUCCESS;
+}
+
+/* ptr and size as cuMemAddressReserve gave them, nothing mapped there any more. */
+EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size)
+{
+    fk_call c;
+    size_t i;
+    CUresult rc;
+    if ((rc = enter("cuMemAddressFree", &c)) != CUDA_SUCCESS)
+        return rc;
+    rc = CUDA_ERROR_INVALID_VALUE;
+    pthread_rwlock_wrlock(&g_mem);
+    for (i = 0; i < g_nreserved; i++)
+        if (g_reserved[i].ptr == ptr && g_reserved[i].size == size)
+            break;
+    if (i < g_nreserved && !range_overlaps(ptr, size)) {
+        munmap((void *)(uintptr_t)ptr, size);
+        g_reserved[i] = g_reserved[--g_nreserved];
+        rc = CUDA_SUCCESS;
+    }
+    pthread_rwlock_unlock(&g_mem);
+    return rc;
+}
+
+/* The handle with that id (also one released but still mapped), or NULL. Under g_mem. */
+static fk_handle *handle_of(CUmemGenericAllocationHandle id, size_t *index)
+{
+    for (size_t i = 0; i < g_nhandles; i++)
+        if (g_handles[i]->id == id) {
+            if (index)
+                *index = i;
+            return g_handles[i];
+        }
+    return NULL;
+}
+
+/* Frees handles taken out of the table (their memory leaves the process's count). */
+static void handles_free(fk_call *c, fk_handle *h)
+{
+    while (h) {
+        fk_handle *next = h->next;
+        close(h->fd);
+        refund(c->dir, c->key, h->size);
+        free(h);
+        h = next;
+    }
+}
+
+/* Physical memory: size a multiple of the granularity, flags 0; counted on the process's GPU
+ * (CUDA_ERROR_OUT_OF_MEMORY when it does not fit), zeroed. */
+EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
+                            const CUmemAllocationProp *prop, unsigned long long flags)
+{
+    fk_call c;
+    fk_handle *h, **a = NULL;
+    CUresult rc;
+    if ((rc = enter("cuMemCreate", &c)) != CUDA_SUCCESS)
+        return rc;
+    if (!handle || !size || size % FK_GRANULARITY || flags)
+        return CUDA_ERROR_INVALID_VALUE;
+    if ((rc = check_prop(prop)) != CUDA_SUCCESS || (rc = charge(c.dir, c.key, size)) != 0)
+        return rc;
+    if ((h = calloc(1, sizeof *h))) {
+        h->fd = memfd_create("fake-cuda-mem", MFD_CLOEXEC);
+        h->size = size;
+        h->prop = *prop;
+        h->refs = 1;
+        if (h->fd >= 0 && ftruncate(h->fd, (off_t)size) == 0) {
+            pthread_rwlock_wrlock(&g_mem);
+            if ((a = grow(g_handles, g_nhandles, &g_handles_cap, sizeof *a))) {
+                g_handles = a;
+                g_handles[g_nhandles++] = h;
+                h->id = g_next_handle++;
+                *handle = h->id;
+            }
+            pthread_rwlock_unlock(&g_mem);
+        }
+    }
+    if (!a) {
+        if (h && h->fd >= 0)
+            close(h->fd);
+        free(h);
+        refund(c.dir, c.key, size);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    return CUDA_SUCCESS;
+}
+
+/* Drops one reference; the memory goes once none is left and nothing maps it. */
+EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
+{
+    fk_call c;
+    fk_handle *h, *gone = NULL;
+    size_t i;
+    CUresult rc;
+    if ((rc = enter("cuMemRelease", &c)) != CUDA_SUCCESS)
+        return rc;
+    pthread_rwlock_wrlock(&g_mem);
+    if (!(h = handle_of(handle, &i)) || h->refs <= 0) {
+        rc = CUDA_ERROR_INVALID_VALUE;
+    } else if (--h->refs == 0 && h->maps == 0) {
+        g_handles[i] = g_handles[--g_nhandles];
+        gone = h;
+    }
+    pthread_rwlock_unlock(&g_mem);
+    handles_free(&c, gone);
+    return rc;
+}
+
+/* Maps the handle's first `size` bytes at ptr, inside one reservation, where nothing is mapped:
+ * ptr and size multiples of the granularity, offset 0 ("currently must be zero"), flags 0.
+ * Not accessible before cuMemSetAccess. */
+EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
+                         CUmemGenericAllocationHandle handle, unsigned long long flags)
+{
+    fk_call c;
+    fk_handle *h;
+    size_t i;
+    CUresult rc;
+    if ((rc = enter("cuMemMap", &c)) != CUDA_SUCCESS)
+        return rc;
+    if (!size || size % FK_GRANULARITY || ptr % FK_GRANULARITY || offset || flags ||
+        ptr + size < ptr)
+        return CUDA_ERROR_INVALID_VALUE;
+    rc = CUDA_ERROR_INVALID_VALUE;
+    pthread_rwlock_wrlock(&g_mem);
+    for (i = 0; i < g_nreserved; i++)
+        if (ptr >= g_reserved[i].ptr && ptr + size <= g_reserved[i].ptr + g_reserved[i].size)
+            break;
+    if ((h = handle_of(handle, NULL)) && h->refs > 0 && size <= h->size && i < g_nreserved &&
+        !range_overlaps(ptr, size)) {
+        rc = CUDA_ERROR_OUT_OF_MEMORY;
+        if (mmap((void *)(uintptr_t)ptr, size, PROT_NONE, MAP_SHARED | MAP_FIXED, h->fd, 0) !=
+            MAP_FAILED) {
+            if (range_add((fk_range){ptr, size, FK_MAP, CU_MEM_ACCESS_FLAGS_PROT_NONE, h}) == 0) {
+                h->maps++;
+                rc = CUDA_SUCCESS;
+            } else {
+                mmap((void *)(uintptr_t)ptr, size, PROT_NONE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+            }
+        }
+    }
+    pthread_rwlock_unlock(&g_mem);
+    return rc;
+}
+
+/* [ptr, ptr + size) must be whole mappings side by side (one cuMemMap's, or several). The
+ * addresses stay reserved (PROT_NONE again); a released handle mapped nowhere any more goes. */
+EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
+{
+    fk_call c;
+    fk_handle *gone = NULL;
+    size_t count = 0, i;
+    long first;
+    CUresult rc;
+    if ((rc = enter("cuMemUnmap", &c)) != CUDA_SUCCESS)
+        return rc;
+    pthread_rwlock_wrlock(&g_mem);
+    if ((first = maps_exactly(ptr, size, &count)) < 0) {
+        rc = CUDA_ERROR_INVALID_VALUE;
+    } else {
+        for (i = (size_t)first; i < (size_t)first + count; i++) {
+            fk_handle *h = g_ranges[i].h;
+            size_t k;
+            mmap((void *)(uintptr_t)g_ranges[i].ptr, g_ranges[i].size, PROT_NONE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+            if (--h->maps == 0 && h->refs == 0 && handle_of(h->id, &k)) {
+                g_handles[k] = g_handles[--g_nhandles];
+                h->next = gone;
+                gone = h;
+            }
+        }
+        range_del((size_t)first, count);
+    }
+    pthread_rwlock_unlock(&g_mem);
+    handles_free(&c, gone);
+    return rc;
+}
+
+/* [ptr, ptr + size) must be whole mappings side by side. Each desc names a device of this host
+ * (CU_MEM_LOCATION_TYPE_DEVICE) and PROT_NONE, PROT_READ or PROT_READWRITE; the fake has one
+ * GPU a process, so the last desc's flags are what the process gets. */
+EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc,
+                               size_t count)
+{
+    static const int prot_of[4] = {PROT_NONE, PROT_READ, 0, PROT_READ | PROT_WRITE};
+    fk_gpu gpus[FK_MAX_GPUS];
+    fk_call c;
+    size_t n = 0, i;
+    long first;
+    int flags = 0, ngpus;
+    CUresult rc;
+    if ((rc = enter("cuMemSetAccess", &c)) != CUDA_SUCCESS)
+        return rc;
+    if (!desc || !count)
+        return CUDA_ERROR_INVALID_VALUE;
+    ngpus = fk_read_gpus(c.dir, gpus, FK_MAX_GPUS);
+    for (i = 0; i < count; i++) {
+        if (desc[i].location.type <= 0)
+            return CUDA_ERROR_INVALID_VALUE;
+        if (desc[i].location.type != CU_MEM_LOCATION_TYPE_DEVICE)
+            return CUDA_ERROR_NOT_SUPPORTED;
+        if (desc[i].location.id < 0 || desc[i].location.id >= ngpus)
+            return CUDA_ERROR_INVALID_DEVICE;
+        if (desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_NONE &&
+            desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_READ &&
+            desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+            return CUDA_ERROR_INVALID_VALUE;
+        flags = desc[i].flags;
+    }
+    pthread_rwlock_wrlock(&g_mem);
+    if ((first = maps_exactly(ptr, size, &n)) < 0) {
+        rc = CUDA_ERROR_INVALID_VALUE;
+    } else {
+        for (i = (size_t)first; i < (size_t)first + n; i++) {
+            mprotect((void *)(uintptr_t)g_ranges[i].ptr, g_ranges[i].size, prot_of[flags]);
+            g_ranges[i].prot = flags;
+        }
+    }
+    pthread_rwlock_unlock(&g_mem);
+    return rc;
+}
+
+EXPORT CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop,
+                                                       CUmemGenericAllocationHandle handle)
+{
+    fk_call c;
+    fk_handle *h;
+    CUresult rc;
+    if ((rc = enter("cuMemGetAllocationPropertiesFromHandle", &c)) != CUDA_SUCCESS)
+        return rc;
+    if (!prop)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_rwlock_rdlock(&g_mem);
+    if ((h = handle_of(handle, NULL)) && h->refs > 0)
+        *prop = h->prop;
+    else
+        rc = CUDA_ERROR_INVALID_VALUE;
+    pthread_rwlock_unlock(&g_mem);
+    return rc;
+}
+
+/* The handle mapped at addr (any address inside a mapping), with one more reference: the
+ * caller releases it with cuMemRelease. */
+EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr)
+{
+    fk_call c;
+    long i;
+    CUresult rc;
+    if ((rc = enter("cuMemRetainAllocationHandle", &c)) != CUDA_SUCCESS)
+        return rc;
+    if (!handle)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_rwlock_wrlock(&g_mem);
+    if ((i = range_at((CUdeviceptr)(uintptr_t)addr)) >= 0 && g_ranges[i].kind == FK_MAP) {
+        g_ranges[i].h->refs++;
+        *handle = g_ranges[i].h->id;
+    } else {
+        rc = CUDA_ERROR_INVALID_VALUE;
+    }
+    pthread_rwlock_unlock(&g_mem);
+    return rc;
+}
+
+/* -- streams and events --------------------------------------------------------------------- */
+
+/* Each a heap object, its address the handle; listed, so that handles can be checked. */
+typedef struct { int kind; unsigned int flags; } fk_obj;
+enum { FK_STREAM = 1, FK_EVENT = 2 };
+static pthread_mutex_t g_objs_lock = PTHREAD_MUTEX_INITIALIZER;
+static fk_obj **g_objs;
+static size_t g_nobjs, g_objs_cap;
+
+static void *obj_new(int kind, unsigned int flags)
+{
+    fk_obj *o = malloc(sizeof *o), **a;
+    if (!o)
+        return NULL;
+    *o = (fk_obj){kind, flags};
+    pthread_mutex_lock(&g_objs_lock);
+    if ((a = grow(g_objs, g_nobjs, &g_objs_cap, sizeof *a))) {
+        g_objs = a;
+        g_objs[g_nobjs++] = o;
+    }
+    pthread_mutex_unlock(&g_objs_lock);
+    if (!a) {
+        free(o);
+        return NULL;
+    }
+    return o;
+}
+
+/* Is h a live object of that kind? With drop: frees it too. */
+static int obj_known(const void *h, int kind, int drop)
+{
+    int found = 0;
+    pthread_mutex_lock(&g_objs_lock);
+    for (size_t i = 0; i < g_nobjs && !found; i++)
+        if (g_objs[i] == h && g_objs[i]->kind == kind) {
+            found = 1;
+            if (drop) {
+                free(g_objs[i]);
+                g_objs[i] = g_objs[--g_nobjs];
+            }
+        }
+    pthread_mutex_unlock(&g_objs_lock);
+    return found;
+}
+
+/* A stream this process made, or a default one: 0 (legacy), CU_STREAM_LEGACY (0x1),
+ * CU_STREAM_PER_THREAD (0x2). */
+static int stream_ok(CUstream s)
+{
+    return (uintptr_t)s <= 2 || obj_known(s, FK_STREAM, 0);
+}
+
+/* Flags: CU_STREAM_DEFAULT (0) or CU_STREAM_NON_BLOCKING (1). */
+EXPORT CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags)
+{
+    fk_call c;
+    CUresult rc;
+    if ((rc = enter("cuStreamCreate", &c)) != CUDA_SUCCESS)
+        return rc;
+    if (!phStream || (Flags & ~1u))
+        return CUDA_ERROR_INVALID_VALUE;
+    return (*phStream = obj_new(FK_STREAM, Flags)) ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+EXPORT CUresult cuStreamDestroy_v2(CUstream hStream)
+{
+    fk_call c;
+    CUresult rc;
+    if ((rc = enter("cuStreamDestroy_v2", &c)) != CUDA_SUCCESS)
+        return rc;
+    return obj_known(hStream, FK_STREAM, 1) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+EXPORT CUresult cuStreamQuery(CUstream hStream)
+{
+    fk_call c;
+    CUresult rc;
+    if ((rc = enter("cuStreamQuery", &c)) != CUDA_SUCCESS)
+        return rc;
+    return stream_ok(hStream) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+EXPORT CUresult cuStreamSynchronize(CUstream hStream)
+{
+    fk_call c;
+    CUresult rc;
+    if ((rc = enter("cuStreamSynchronize", &c)) != CUDA_SUCCESS)
+        return rc;
+    return stream_ok(hStream) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+/* Flags: CU_EVENT_DEFAULT, BLOCKING_SYNC (1), DISABLE_TIMING (2), INTERPROCESS (4). */
+EXPORT CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags)
+{
+    fk_call c;
+    CUresult rc;
+    if ((rc = enter("cuEventCreate", &c)) != CUDA_SUCCESS)
+        return rc;
+    if (!phEvent || (Flags & ~7u))
+        return CUDA_ERROR_INVALID_VALUE;
+    return (*phEvent = obj_new(FK_EVENT, Flags)) ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+EXPORT CUresult cuEventRecord(CUevent hEvent, CUstream hStream)
+{
+    fk_call c;
+    CUresult rc;
+    if ((rc = enter("cuEventRecord", &c)) != CUDA_SUCCESS)
+        return rc;
+    return obj_known(hEvent, FK_EVENT, 0) && stream_ok(hStream) ? CUDA_SUCCESS
+                                                                 : CUDA_ERROR_INVALID_HANDLE;
+}
+
+EXPORT CUresult cuEventQuery(CUevent hEvent)
+{
+    fk_call c;
+    CUresult rc;
+    if ((rc = enter("cuEventQuery", &c)) != CUDA_SUCCESS)
+        return rc;
+    return obj_known(hEvent, FK_EVENT, 0) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+EXPORT CUresult cuEventSynchronize(CUevent hEvent)
+{
+    fk_call c;
+    CUresult rc;
+    if ((rc = enter("cuEventSynchronize", &c)) != CUDA_SUCCESS)
+        return rc;
+    return obj_known(hEvent, FK_EVENT, 0) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+EXPORT CUresult cuEventDestroy_v2(CUevent hEvent)
+{
+    fk_call c;
+    CUresult rc;
+    if ((rc = enter("cuEventDestroy_v2", &c)) != CUDA_SUCCESS)
+        return rc;
+    return obj_known(hEvent, FK_EVENT, 1) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+/* Done before they return, from pinned or pageable host memory alike (the driver takes both). */
+EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dstDevice, const void *srcHost,
+                                     size_t ByteCount, CUstream hStream)
+{
+    fk_call c;
+    CUresult rc;
+    if ((rc = enter("cuMemcpyHtoDAsync_v2", &c)) != CUDA_SUCCESS)
+        return rc;
+    if (!stream_ok(hStream))
+        return CUDA_ERROR_INVALID_HANDLE;
+    return copy_to_device(dstDevice, srcHost, ByteCount);
+}
+
+EXPORT CUresult cuMemcpyDtoHAsync_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount,
+                                     CUstream hStream)
+{
+    fk_call c;
+    CUresult rc;
+    if ((rc = enter("cuMemcpyDtoHAsync_v2", &c)) != CUDA_SUCCESS)
+        return rc;
+    if (!stream_ok(hStream))
+        return CUDA_ERROR_INVALID_HANDLE;
+    return copy_from_device(dstHost, srcDevice, ByteCount);
+}
+
+/* -- pinned host memory --------------------------------------------------------------------- */
+
+/* Adds host memory to the table unless it shares an address with some already there. Under
+ * g_mem, written. */
+static CUresult host_add(uintptr_t ptr, size_t size, int registered)
+{
+    fk_span *a;
+    for (size_t i = 0; i < g_nhost; i++)
+        if (g_host[i].ptr < ptr + size && ptr < g_host[i].ptr + g_host[i].size)
+            return CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
+    if (!(a = grow(g_host, g_nhost, &g_host_cap, sizeof *a)))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    g_host = a;
+    g_host[g_nhost++] = (fk_span){ptr, size, registered};
+    return CUDA_SUCCESS;
+}
+
+/* Takes out the entry starting at ptr, of that kind; its size, or 0 when there is none. */
+static size_t host_take(uintptr_t ptr, int registered)
+{
+    size_t size = 0;
+    pthread_rwlock_wrlock(&g_mem);
+    for (size_t i = 0; i < g_nhost; i++)
+        if (g_host[i].ptr == ptr && g_host[i].registered == registered) {
+            size = g_host[i].size;
+            g_host[i] = g_host[--g_nhost];
+            break;
+        }
+    pthread_rwlock_unlock(&g_mem);
+    return size;
+}
+
+/* Page-aligned and zeroed. Flags: CU_MEMHOSTALLOC_PORTABLE (1), DEVICEMAP (2),
+ * WRITECOMBINED (4). Host memory: it counts on no GPU. */
+EXPORT CUresult cuMemHostAlloc(void **pp, size_t bytesize, unsigned int Flags)
+{
+    fk_call c;
+    void *m;
+    CUresult rc;
+    if ((rc = enter("cuMemHostAlloc", &c)) != CUDA_SUCCESS)
+        return rc;
+    if (!pp || !bytesize || (Flags & ~7u))
+        return CUDA_ERROR_INVALID_VALUE;
+    m = mmap(NULL, bytesize, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+             -1, 0);
+    if (m == MAP_FAILED)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    pthread_rwlock_wrlock(&g_mem);
+    rc = host_add((uintptr_t)m, bytesize, 0);
+    pthread_rwlock_unlock(&g_mem);
+    if (rc != CUDA_SUCCESS)
+        munmap(m, bytesize);
+    else
+        *pp = m;
+    return rc;
+}
+
+EXPORT CUresult cuMemFreeHost(void *p)
+{
+    fk_call c;
+    size_t size;
+    CUresult rc;
+    if ((rc = enter("cuMemFreeHost", &c)) != CUDA_SUCCESS)
+        return rc;
+    if (!(size = host_take((uintptr_t)p, 0)))
+        return CUDA_ERROR_INVALID_VALUE;
+    munmap(p, size);
+    return CUDA_SUCCESS;
+}
+
+/* Flags: CU_MEMHOSTREGISTER_PORTABLE (1), DEVICEMAP (2), IOMEMORY (4), READ_ONLY (8). A range
+ * sharing an address with pinned or registered memory is
+ * CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED. */
+EXPORT CUresult cuMemHostRegister_v2(void *p, size_t bytesize, unsigned int Flags)
+{
+    fk_call c;
+    CUresult rc;
+    if ((rc = enter("cuMemHostRegister_v2", &c)) != CUDA_SUCCESS)
+        return rc;
+    if (!p || !bytesize || (Flags & ~15u) || (uintptr_t)p + bytesize < (uintptr_t)p)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_rwlock_wrlock(&g_mem);
+    rc = host_add((uintptr_t)p, bytesize, 1);
+    pthread_rwlock_unlock(&g_mem);
+    return rc;
+}
+
+/* p: the start of a registered range. */
+EXPORT CUresult cuMemHostUnregister(void *p)
+{
+    fk_call c;
+    CUresult rc;
+    if ((rc = enter("cuMemHostUnregister", &c)) != CUDA_SUCCESS)
+        return rc;
+    return host_take((uintptr_t)p, 1) ? CUDA_SUCCESS : CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED;
+}
+
+/* -- cuGetProcAddress ----------------------------------------------------------------------- */
 
 /* cuGetProcAddress answers from a table, as the driver does: the base name (cuda.h's, without
  * a version suffix) gives the newest version this fake has; cudaVersion and flags are not
@@ -870,10 +1960,27 @@ EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVers
     X(cuDeviceTotalMem, cuDeviceTotalMem_v2) X(cuCtxCreate, cuCtxCreate_v2)                  \
     X(cuCtxDestroy, cuCtxDestroy_v2) X(cuCtxPushCurrent, cuCtxPushCurrent_v2)                \
     X(cuCtxPopCurrent, cuCtxPopCurrent_v2) X(cuDevicePrimaryCtxRetain, cuDevicePrimaryCtxRetain) \
+    X(cuCtxGetCurrent, cuCtxGetCurrent) X(cuCtxSetCurrent, cuCtxSetCurrent)                  \
+    X(cuCtxGetDevice, cuCtxGetDevice)                                                        \
     X(cuCtxSynchronize, cuCtxSynchronize) X(cuMemAlloc, cuMemAlloc_v2)                       \
     X(cuMemAllocPitch, cuMemAllocPitch_v2) X(cuMemFree, cuMemFree_v2)                        \
+    X(cuMemGetInfo, cuMemGetInfo_v2) X(cuMemGetAddressRange, cuMemGetAddressRange_v2)        \
+    X(cuPointerGetAttribute, cuPointerGetAttribute)                                          \
+    X(cuMemGetAllocationGranularity, cuMemGetAllocationGranularity)                          \
+    X(cuMemAddressReserve, cuMemAddressReserve) X(cuMemAddressFree, cuMemAddressFree)        \
+    X(cuMemCreate, cuMemCreate) X(cuMemRelease, cuMemRelease) X(cuMemMap, cuMemMap)          \
+    X(cuMemUnmap, cuMemUnmap) X(cuMemSetAccess, cuMemSetAccess)                              \
+    X(cuMemGetAllocationPropertiesFromHandle, cuMemGetAllocationPropertiesFromHandle)        \
+    X(cuMemRetainAllocationHandle, cuMemRetainAllocationHandle)                              \
     X(cuLaunchKernel, cuLaunchKernel) X(cuMemcpyHtoD, cuMemcpyHtoD_v2)                       \
     X(cuMemcpyDtoH, cuMemcpyDtoH_v2) X(cuStreamSynchronize, cuStreamSynchronize)             \
+    X(cuMemcpyHtoDAsync, cuMemcpyHtoDAsync_v2) X(cuMemcpyDtoHAsync, cuMemcpyDtoHAsync_v2)    \
+    X(cuStreamCreate, cuStreamCreate) X(cuStreamDestroy, cuStreamDestroy_v2)                 \
+    X(cuStreamQuery, cuStreamQuery) X(cuEventCreate, cuEventCreate)                          \
+    X(cuEventRecord, cuEventRecord) X(cuEventQuery, cuEventQuery)                            \
+    X(cuEventSynchronize, cuEventSynchronize) X(cuEventDestroy, cuEventDestroy_v2)           \
+    X(cuMemHostAlloc, cuMemHostAlloc) X(cuMemFreeHost, cuMemFreeHost)                        \
+    X(cuMemHostRegister, cuMemHostRegister_v2) X(cuMemHostUnregister, cuMemHostUnregister)   \
     X(cuGetProcAddress, cuGetProcAddress_v2)                                                 \
     X(cuCheckpointProcessGetState, cuCheckpointProcessGetState)                              \
     X(cuCheckpointProcessLock, cuCheckpointProcessLock)                                      \

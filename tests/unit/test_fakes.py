@@ -1,14 +1,18 @@
 """The fake CUDA driver and NVML (tests/fakes/) behave like the real ones, as torpor sees them:
 torpor.driver.Driver drives a live fake CUDA program through the whole checkpoint state
 machine, and pynvml reads the fake GPUs. Also for a "scoped" program in its own pid namespace,
-as in a container: the host side uses host pids, the program's entry is <scope>.<nspid>."""
+as in a container: the host side uses host pids, the program's entry is <scope>.<nspid>.
+The driver calls a program and torpor's agent make (device memory that holds data, the VMM
+API, streams, events, pinned memory, fail-after faults) through tests/fakes/agent_probe.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -531,3 +535,409 @@ def test_scoped_key_survives_criu_restore(gpu, driver, nvml, tmp_path):
                 os.kill(restored, 9)
             except ProcessLookupError:
                 pass
+
+
+# -- the calls of a program and of torpor's agent: data, VMM, streams, faults ---------------------
+
+PROBE = ROOT / "tests" / "fakes" / "agent_probe.py"
+MIB = 1 << 20
+INVALID_VALUE, OUT_OF_MEMORY, NOT_SUPPORTED, NOT_FOUND, INVALID_HANDLE = 1, 2, 801, 500, 400
+
+
+class Probe:
+    """agent_probe.py over the fake driver, without the agent: send() a command, result() its
+    answer (each command runs in a thread of its own there)."""
+
+    def __init__(self, gpu: FakeGpu):
+        self.proc = subprocess.Popen([sys.executable, str(PROBE), "--lib", gpu.libcuda],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env={**os.environ, **gpu.env()})
+        self.pid = json.loads(self.proc.stdout.readline())["pid"]
+        self.results: dict[str, dict] = {}
+        self.cond = threading.Condition()
+        self.next_id = 0
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            doc = json.loads(line)
+            with self.cond:
+                self.results[doc["id"]] = doc
+                self.cond.notify_all()
+
+    def send(self, cmd: str) -> str:
+        self.next_id += 1
+        self.proc.stdin.write(f"{self.next_id} {cmd}\n")
+        self.proc.stdin.flush()
+        return str(self.next_id)
+
+    def done(self, cid: str) -> bool:
+        with self.cond:
+            return cid in self.results
+
+    def result(self, cid: str, timeout: float = 30.0) -> dict:
+        with self.cond:
+            assert self.cond.wait_for(lambda: cid in self.results, timeout), f"no answer to {cid}"
+            doc = self.results[cid]
+        assert "error" not in doc, doc["error"]
+        return doc
+
+    def call(self, cmd: str) -> dict:
+        return self.result(self.send(cmd))
+
+    def rc(self, cmd: str) -> int:
+        return self.call(cmd)["rc"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write("0 quit\n")
+            self.proc.stdin.flush()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture
+def program(gpu):
+    """A CUDA program on GPU0 (141 GiB), its context made."""
+    p = Probe(gpu)
+    assert p.rc("init") == 0
+    yield p
+    p.close()
+
+
+def mem(gpu, p) -> int:
+    return gpu.state(p.pid)["mem"]
+
+
+def rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_device_memory_keeps_what_is_written(gpu, program):
+    p, n = program, 5 * MIB + 3
+    a = p.call(f"alloc {n} dlsym")["ptr"]
+    b = p.call(f"alloc {MIB} dlsym")["ptr"]
+    assert p.call(f"check {a} {n} -1")["ok"]                   # new memory reads zeros
+    assert p.rc(f"fill {a} {n} 7") == p.rc(f"fill {b} {MIB} 8") == 0
+    assert p.call(f"check {a} {n} 7")["ok"] and p.call(f"check {b} {MIB} 8")["ok"]
+    doc = p.call(f"check {a} {MIB} 8")
+    assert (doc["rc"], doc["ok"], doc["bad"]) == (0, False, 0)
+    assert p.rc(f"fill {a + MIB} 100 9") == 0                  # only those bytes change
+    doc = p.call(f"check {a} {n} 7")
+    assert doc["ok"] is False and MIB <= doc["bad"] < MIB + 100
+    assert p.call(f"check {a + MIB} 100 9")["ok"] and p.call(f"check {b} {MIB} 8")["ok"]
+
+    # the range must lie in one live allocation: the driver's CUDA_ERROR_INVALID_VALUE
+    assert p.rc(f"htod {a} {n + 1} dlsym") == INVALID_VALUE
+    assert p.rc(f"fill {a + n - 3} 3 1") == 0 and p.rc(f"fill {a + n - 3} 4 1") == INVALID_VALUE
+    assert p.rc(f"dtoh {a - 1} 2 dlsym") == INVALID_VALUE
+    doc = p.call(f"range {a + 12345}")
+    assert [doc[k] for k in ("rc", "base", "size", "attr_base", "attr_size")] == [0, a, n, a, n]
+    assert p.rc(f"free {b} dlsym") == 0
+    assert p.rc(f"check {b} 16 8") == INVALID_VALUE            # freed
+    doc = p.call(f"range {b}")
+    assert (doc["rc"], doc["failed"]) == (NOT_FOUND, "cuMemGetAddressRange")
+    assert mem(gpu, p) == n
+
+
+def test_huge_allocations_cost_only_what_is_written(gpu, program):
+    p = program
+    big = p.call(f"alloc {100 * GIB} dlsym")
+    assert big["rc"] == 0 and mem(gpu, p) == 100 * GIB
+    at = big["ptr"] + 99 * GIB
+    assert p.rc(f"fill {at} {MIB} 5") == 0 and p.call(f"check {at} {MIB} 5")["ok"]
+    assert rss(p.pid) < 512 * MIB
+    assert p.rc(f"alloc {41 * GIB + 1} dlsym") == OUT_OF_MEMORY  # 141 GiB on GPU0
+    assert mem(gpu, p) == 100 * GIB
+    assert p.rc(f"free {big['ptr']} dlsym") == 0 and mem(gpu, p) == 0
+
+
+def test_vmm_unmap_and_remap_keep_the_data(gpu, program):
+    p = program
+    v = p.call(f"vmm {3 * MIB}")                               # rounded up to the granularity
+    assert v["rc"] == 0 and v["size"] == 4 * MIB and mem(gpu, p) == 4 * MIB
+    ptr, handle, size = v["ptr"], v["handle"], v["size"]
+    assert ptr % (2 * MIB) == 0
+    assert p.call(f"check {ptr} {size} -1")["ok"]              # a new handle starts zeroed
+    assert p.rc(f"fill {ptr} {size} 11") == 0 and p.call(f"check {ptr} {size} 11")["ok"]
+    assert p.call(f"range {ptr + 5}")["base"] == ptr and p.call(f"range {ptr}")["size"] == size
+
+    # unmapped: the addresses stay reserved, hold nothing; the handle keeps memory and data
+    assert p.rc(f"unmap {ptr} {size}") == 0
+    assert p.rc(f"check {ptr} 16 11") == INVALID_VALUE and p.rc(f"range {ptr}") == NOT_FOUND
+    assert mem(gpu, p) == 4 * MIB
+    # mapped again at the same address: no access before cuMemSetAccess, then the same data
+    assert p.rc(f"map {ptr} {size} {handle}") == 0
+    assert p.rc(f"check {ptr} 16 11") == p.rc(f"fill {ptr} 16 11") == INVALID_VALUE
+    assert p.rc(f"access {ptr} {size}") == 0
+    assert p.call(f"check {ptr} {size} 11")["ok"]
+
+    # another reservation: a second handle reads zeros; the first one mapped there too shows
+    # (and shares) its data
+    r = p.call(f"reserve {size}")["ptr"]
+    h2 = p.call(f"create {size}")["handle"]
+    assert mem(gpu, p) == 8 * MIB
+    assert p.rc(f"map {r} {size} {h2}") == p.rc(f"access {r} {size}") == 0
+    assert p.call(f"check {r} {size} -1")["ok"]
+    assert p.rc(f"unmap {r} {size}") == p.rc(f"release {h2}") == 0
+    assert mem(gpu, p) == 4 * MIB
+    assert p.rc(f"map {r} {size} {handle}") == p.rc(f"access {r} {size}") == 0
+    assert p.call(f"check {r} {size} 11")["ok"]
+    assert p.rc(f"fill {r} 100 12") == 0 and p.call(f"check {ptr} 100 12")["ok"]
+    assert p.rc(f"unmap {r} {size}") == p.rc(f"addrfree {r} {size}") == 0
+    assert p.rc(f"vmmfree {ptr} {handle} {size}") == 0 and mem(gpu, p) == 0
+
+
+def test_vmm_mappings_side_by_side_are_one_range_for_copies(gpu, program):
+    p = program
+    r = p.call(f"reserve {6 * MIB}")["ptr"]
+    h = [p.call(f"create {2 * MIB}")["handle"] for _ in range(3)]
+    for i in range(2):
+        assert p.rc(f"map {r + 2 * i * MIB} {2 * MIB} {h[i]}") == 0
+    assert p.rc(f"access {r} {4 * MIB}") == 0                  # both at once
+    assert p.rc(f"fill {r + MIB} {2 * MIB} 3") == 0            # across the seam
+    assert p.call(f"check {r + MIB} {2 * MIB} 3")["ok"]
+    assert p.rc(f"fill {r + 3 * MIB} {2 * MIB} 3") == INVALID_VALUE   # into the unmapped third
+    assert p.rc(f"map {r + 4 * MIB} {2 * MIB} {h[2]}") == 0
+    assert p.rc(f"fill {r + 3 * MIB} {2 * MIB} 3") == INVALID_VALUE   # mapped, no access yet
+    # whole mappings only: a part, or a range beyond them, is refused
+    assert p.rc(f"unmap {r} {MIB}") == p.rc(f"access {r + 2 * MIB} {4 * MIB + 4096}") \
+        == INVALID_VALUE
+    assert p.rc(f"map {r + 2 * MIB} {2 * MIB} {h[2]}") == INVALID_VALUE  # already mapped
+    assert p.rc(f"unmap {r} {6 * MIB}") == 0                   # three mappings at once
+    assert [p.rc(f"release {x}") for x in h] == [0, 0, 0]
+    assert p.rc(f"addrfree {r} {6 * MIB}") == 0 and mem(gpu, p) == 0
+
+
+def test_vmm_memory_goes_when_released_and_unmapped(gpu, program):
+    p = program
+    total = p.call("meminfo")["total"]
+    assert total == 141 * GIB and p.call("meminfo")["free"] == total
+    h = p.call(f"create {2 * MIB}")["handle"]
+    r = p.call(f"reserve {2 * MIB}")["ptr"]
+    assert p.rc(f"map {r} {2 * MIB} {h}") == p.rc(f"access {r} {2 * MIB}") == 0
+    assert mem(gpu, p) == 2 * MIB and p.call("meminfo")["free"] == total - 2 * MIB
+    assert p.call(f"retain {r + 4096}")["handle"] == h         # any address of the mapping
+    assert p.rc(f"release {h}") == p.rc(f"release {h}") == 0   # both references
+    assert p.rc(f"release {h}") == INVALID_VALUE               # none left
+    assert mem(gpu, p) == 2 * MIB                               # ... but still mapped
+    assert p.call(f"check {r} 16 -1")["ok"]
+    assert p.rc(f"addrfree {r} {2 * MIB}") == INVALID_VALUE    # a mapping is in there
+    assert p.rc(f"unmap {r} {2 * MIB}") == 0
+    assert mem(gpu, p) == 0 and p.call("meminfo")["free"] == total
+    assert p.rc(f"map {r} {2 * MIB} {h}") == INVALID_VALUE      # the handle is gone
+    assert p.rc(f"addrfree {r} {2 * MIB}") == 0
+    assert p.rc(f"addrfree {r} {2 * MIB}") == INVALID_VALUE
+    # the granularity: sizes and addresses are multiples of 2 MiB
+    assert p.rc(f"create {MIB}") == p.rc(f"reserve {3 * MIB}") == INVALID_VALUE
+    r = p.call(f"reserve {4 * MIB}")["ptr"]
+    h = p.call(f"create {2 * MIB}")["handle"]
+    assert p.rc(f"map {r + 4096} {2 * MIB} {h}") == INVALID_VALUE
+    assert p.rc(f"map {r} {4 * MIB} {h}") == INVALID_VALUE      # larger than the handle
+    assert p.rc(f"map {r + 2 * MIB} {4 * MIB} {h}") == INVALID_VALUE   # past the reservation
+    assert p.rc(f"release {h}") == p.rc(f"addrfree {r} {4 * MIB}") == 0
+
+
+def test_vmm_and_allocations_share_the_gpu_with_other_processes(gpu, program):
+    p = program
+    with gpu.spawn(gpu_index=0, mem=40 * GIB) as other:
+        other.wait_tick(0)
+        big = p.call(f"alloc {100 * GIB} dlsym")
+        assert big["rc"] == 0 and p.call("meminfo")["free"] == GIB
+        doc = p.call(f"vmm {2 * GIB}")
+        assert (doc["rc"], doc["failed"]) == (OUT_OF_MEMORY, "cuMemCreate")
+        assert mem(gpu, p) == 100 * GIB
+        assert p.rc(f"free {big['ptr']} dlsym") == 0
+        v = p.call(f"vmm {2 * GIB}")
+        assert v["rc"] == 0 and mem(gpu, p) == 2 * GIB
+        assert p.call("meminfo")["free"] == 99 * GIB
+        assert p.rc(f"vmmfree {v['ptr']} {v['handle']} {v['size']}") == 0
+    assert p.call("meminfo")["free"] == 141 * GIB               # the other one is gone
+
+
+def test_streams_events_and_pinned_memory_move_the_data(gpu, program):
+    p = program
+    a = p.call(f"alloc {40 * MIB} dlsym")["ptr"]
+    v = p.call(f"vmm {2 * MIB}")
+    for door in ("dlsym", "proc", "proc_v2"):
+        doc = p.call(f"streamcopy {a + 1} {40 * MIB - 1} 21 {door}")
+        assert (doc["rc"], doc["ok"]) == (0, True)
+        assert p.call(f"check {a + 1} {40 * MIB - 1} 21 {door}")["ok"]
+        assert p.call(f"streamcopy {v['ptr']} {2 * MIB} 22 {door}")["ok"]
+    assert p.call(f"streamcopy {a} {40 * MIB + 1} 21")["failed"] == "cuMemcpyHtoDAsync"
+
+
+_SEMANTICS = r"""
+import ctypes, json, sys
+lib = ctypes.CDLL(sys.argv[1])
+V, U, S, I, P = ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_size_t, ctypes.c_int, ctypes.byref
+out = {}
+def cu(name, *args):
+    return getattr(lib, name)(*args)
+cur, dev, ctx, prim = V(), I(-1), V(), V()
+assert cu("cuInit", 0) == 0
+out["before"] = [cu("cuCtxGetCurrent", P(cur)), cur.value, cu("cuCtxGetDevice", P(dev))]
+assert cu("cuDevicePrimaryCtxRetain", P(prim), 1) == 0
+out["primary"] = [cu("cuCtxGetCurrent", P(cur)), cur.value]
+assert cu("cuCtxCreate_v2", P(ctx), 0, 0) == 0
+out["created"] = [cu("cuCtxGetCurrent", P(cur)), cur.value == ctx.value,
+                  cu("cuCtxGetDevice", P(dev)), dev.value]
+out["set"] = [cu("cuCtxSetCurrent", prim), cu("cuCtxGetDevice", P(dev)), dev.value,
+              cu("cuCtxPopCurrent_v2", P(cur)), cur.value == prim.value,
+              cu("cuCtxGetCurrent", P(cur)), cur.value, cu("cuCtxSetCurrent", None),
+              cu("cuCtxPushCurrent_v2", ctx), cu("cuCtxPushCurrent_v2", prim),
+              cu("cuCtxSetCurrent", None), cu("cuCtxGetCurrent", P(cur)), cur.value == ctx.value,
+              cu("cuCtxSetCurrent", V(0x1234))]
+
+buf = ctypes.create_string_buffer(8192)
+addr = ctypes.addressof(buf)
+out["register"] = [cu("cuMemHostRegister_v2", buf, S(8192), 0),
+                   cu("cuMemHostRegister_v2", V(addr + 4096), S(8192), 0),
+                   cu("cuMemHostUnregister", V(addr + 1)), cu("cuMemHostUnregister", buf),
+                   cu("cuMemHostUnregister", buf), cu("cuMemHostRegister_v2", buf, S(8192), 16)]
+host = V()
+assert cu("cuMemHostAlloc", P(host), S(10000), 0) == 0
+mtype = ctypes.c_uint()
+out["hostalloc"] = [host.value % 4096, ctypes.string_at(host, 10000) == bytes(10000),
+                    cu("cuMemHostRegister_v2", host, S(100), 0),
+                    cu("cuPointerGetAttribute", P(mtype), 2, U(host.value)), mtype.value,
+                    cu("cuMemFreeHost", host), cu("cuMemFreeHost", host),
+                    cu("cuMemHostAlloc", P(host), S(100), 8)]
+
+stream, event, dptr = V(), V(), U()
+assert cu("cuMemAlloc_v2", P(dptr), S(4096)) == 0
+out["stream"] = [cu("cuStreamCreate", P(stream), 2), cu("cuStreamCreate", P(stream), 1),
+                 cu("cuStreamSynchronize", stream), cu("cuStreamQuery", stream),
+                 cu("cuEventCreate", P(event), 0), cu("cuEventRecord", event, stream),
+                 cu("cuEventQuery", event), cu("cuEventSynchronize", event),
+                 cu("cuStreamDestroy_v2", stream), cu("cuStreamDestroy_v2", stream),
+                 cu("cuStreamSynchronize", stream), cu("cuEventRecord", event, stream),
+                 cu("cuMemcpyHtoDAsync_v2", dptr, buf, S(16), stream),
+                 cu("cuMemcpyHtoDAsync_v2", dptr, buf, S(16), V(2)),
+                 cu("cuEventDestroy_v2", event), cu("cuEventSynchronize", event),
+                 [cu("cuStreamSynchronize", V(s)) for s in (None, 1, 2)]]
+base, size = U(), S()
+out["pointer"] = [cu("cuPointerGetAttribute", P(mtype), 2, dptr), mtype.value,
+                  cu("cuPointerGetAttribute", P(base), 1, dptr),
+                  cu("cuPointerGetAttribute", P(base), 11, U(dptr.value + 4096)),
+                  cu("cuMemGetAddressRange_v2", None, P(size), U(dptr.value + 4095)), size.value]
+print(json.dumps(out))
+"""
+
+
+def test_contexts_host_memory_streams_and_events_follow_the_driver(gpu):
+    r = subprocess.run([sys.executable, "-c", _SEMANTICS, gpu.libcuda], capture_output=True,
+                       text=True, env={**os.environ, **gpu.env()}, timeout=30)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["before"] == [0, None, 201]                      # no context: none current
+    assert out["primary"] == [0, None]                          # retaining makes none current
+    assert out["created"] == [0, True, 0, 0]                    # creating does
+    assert out["set"] == [0, 0, 1, 0, True, 0, None, 0, 0, 0, 0, 0, True, 201]
+    assert out["register"] == [0, 712, 713, 0, 713, INVALID_VALUE]
+    assert out["hostalloc"] == [0, True, 712, 0, 1, 0, INVALID_VALUE, INVALID_VALUE]
+    assert out["stream"] == [INVALID_VALUE, 0, 0, 0, 0, 0, 0, 0, 0, INVALID_HANDLE,
+                             INVALID_HANDLE, INVALID_HANDLE, INVALID_HANDLE, 0, 0,
+                             INVALID_HANDLE, [0, 0, 0]]
+    assert out["pointer"] == [0, 2, NOT_SUPPORTED, INVALID_VALUE, 0, 4096]
+
+
+def test_get_proc_address_gives_the_new_calls_by_their_base_names(program):
+    p = program
+    for base, exported in {
+            "cuMemcpyDtoHAsync": "cuMemcpyDtoHAsync_v2", "cuMemcpyHtoDAsync": "cuMemcpyHtoDAsync_v2",
+            "cuStreamCreate": "cuStreamCreate", "cuStreamDestroy": "cuStreamDestroy_v2",
+            "cuStreamQuery": "cuStreamQuery", "cuEventCreate": "cuEventCreate",
+            "cuEventRecord": "cuEventRecord", "cuEventQuery": "cuEventQuery",
+            "cuEventSynchronize": "cuEventSynchronize", "cuEventDestroy": "cuEventDestroy_v2",
+            "cuMemHostAlloc": "cuMemHostAlloc", "cuMemFreeHost": "cuMemFreeHost",
+            "cuMemHostRegister": "cuMemHostRegister_v2",
+            "cuMemHostUnregister": "cuMemHostUnregister", "cuCtxGetDevice": "cuCtxGetDevice",
+            "cuCtxGetCurrent": "cuCtxGetCurrent", "cuCtxSetCurrent": "cuCtxSetCurrent",
+            "cuMemGetInfo": "cuMemGetInfo_v2", "cuMemGetAddressRange": "cuMemGetAddressRange_v2",
+            "cuPointerGetAttribute": "cuPointerGetAttribute",
+            "cuMemGetAllocationGranularity": "cuMemGetAllocationGranularity",
+            "cuMemAddressReserve": "cuMemAddressReserve", "cuMemAddressFree": "cuMemAddressFree",
+            "cuMemCreate": "cuMemCreate", "cuMemRelease": "cuMemRelease", "cuMemMap": "cuMemMap",
+            "cuMemUnmap": "cuMemUnmap", "cuMemSetAccess": "cuMemSetAccess",
+            "cuMemGetAllocationPropertiesFromHandle": "cuMemGetAllocationPropertiesFromHandle",
+            "cuMemRetainAllocationHandle": "cuMemRetainAllocationHandle"}.items():
+        fn = p.call(f"addr {exported} dlsym")["fn"]
+        assert fn is not None and p.call(f"addr {base} proc")["fn"] == fn, base
+    v = p.call(f"vmm {2 * MIB} proc_v2")
+    assert v["rc"] == 0 and p.rc(f"fill {v['ptr']} 64 1 proc") == 0
+    assert p.rc(f"vmmfree {v['ptr']} {v['handle']} {v['size']} proc") == 0
+
+
+def test_fail_files_fail_the_programs_calls_and_count_down(gpu, driver, program):
+    p = program
+    fail = gpu.state_dir / "fail"
+    a = p.call("alloc 4096 dlsym")["ptr"]
+    assert p.rc(f"fill {a} 16 3") == 0
+
+    (fail / "cuMemcpyHtoD_v2").write_text("999 after=2\n")      # 2 go through, then all fail
+    assert [p.rc(f"fill {a} 16 4") for _ in range(4)] == [0, 0, 999, 999]
+    assert (fail / "cuMemcpyHtoD_v2").read_text() == "999 after=0\n"
+    (fail / "cuMemcpyHtoD_v2").write_text(f"2 {p.pid} after=1 times=2\n")
+    assert [p.rc(f"fill {a} 16 3") for _ in range(5)] == [0, 2, 2, 0, 0]
+    assert (fail / "cuMemcpyHtoD_v2").read_text() == f"2 {p.pid} after=0 times=0\n"
+    (fail / "cuMemcpyHtoD_v2").write_text(f"2 {p.pid + 1}\n")      # another pid's
+    assert p.rc(f"fill {a} 16 3") == 0
+    (fail / "cuMemcpyHtoD_v2").write_text(f"700 {p.pid}\n")        # ours, every call
+    assert p.rc(f"fill {a} 16 5") == p.rc(f"fill {a} 16 5") == 700
+    (fail / "cuMemcpyHtoD_v2").unlink()
+    assert p.call(f"check {a} 16 3")["ok"]                      # a failed call did nothing
+
+    (fail / "cuMemcpyDtoH_v2").write_text("999 times=1\n")
+    assert [p.rc(f"check {a} 16 3") for _ in range(2)] == [999, 0]
+    (fail / "cuMemCreate").write_text("2\n")
+    doc = p.call(f"vmm {2 * MIB}")
+    assert (doc["rc"], doc["failed"]) == (2, "cuMemCreate") and mem(gpu, p) == 4096
+    (fail / "cuMemCreate").unlink()
+    (fail / "cuMemSetAccess").write_text("999 after=1\n")
+    v = p.call(f"vmm {2 * MIB}")
+    assert v["rc"] == 0
+    doc = p.call(f"vmm {2 * MIB}")                              # undone after the failure
+    assert (doc["rc"], doc["failed"]) == (999, "cuMemSetAccess") and mem(gpu, p) == 4096 + 2 * MIB
+    (fail / "cuMemSetAccess").unlink()
+    (fail / "cuMemAlloc_v2").write_text("2 after=1\n")
+    assert [p.rc(f"alloc 4096 {d}") for d in ("dlsym", "proc")] == [0, 2]
+    (fail / "cuMemAlloc_v2").unlink()
+
+    (fail / "get_state").write_text("999 after=1\n")           # the checkpoint API too
+    assert driver.get_state(p.pid) is ProcessState.RUNNING
+    with pytest.raises(DriverError, match="CUDA_ERROR_UNKNOWN"):
+        driver.get_state(p.pid)
+
+
+def test_the_programs_calls_block_while_locked_and_take_delays(gpu, driver, program):
+    p = program
+    a = p.call(f"alloc {8 * MIB} dlsym")["ptr"]
+    v, w = p.call(f"vmm {4 * MIB}"), p.call(f"vmm {2 * MIB}")
+    driver.lock(p.pid, 1000)
+    driver.checkpoint(p.pid)
+    held = [p.send(cmd) for cmd in (
+        f"fill {a} 4096 1", f"check {v['ptr']} 4096 -1", "meminfo", f"range {a}",
+        f"streamcopy {a + 4 * MIB} {MIB} 2", f"vmm {2 * MIB}", f"unmap {w['ptr']} {w['size']}",
+        "alloc 4096 proc", f"create {2 * MIB}", f"reserve {2 * MIB}")]
+    time.sleep(0.5)
+    assert not any(p.done(cid) for cid in held)
+    driver.restore(p.pid)
+    time.sleep(0.2)
+    assert not any(p.done(cid) for cid in held)                # LOCKED holds them still
+    t_unlock = time.monotonic()
+    driver.unlock(p.pid)
+    for cid in held:
+        doc = p.result(cid)
+        assert doc["rc"] == 0 and doc["t1"] >= t_unlock, doc
+    assert p.call(f"check {a} 4096 1")["ok"]
+
+    (gpu.state_dir / "delay" / "cuMemCreate").write_text("300\n")
+    doc = p.call(f"vmm {2 * MIB}")
+    assert doc["rc"] == 0 and doc["t1"] - doc["t0"] >= 0.3
