@@ -38,7 +38,9 @@ struct phys {
 			      * handle) */
 	size_t own_asked;    /* ... and the size the program asked for */
 	int nmaps;
-	unsigned dropped_by_program : 1; /* cuMemRelease'd: gone once its last mapping goes */
+	int refs;            /* the program's references: cuMemCreate, cuMemRetainAllocationHandle */
+	unsigned dropped_by_program : 1; /* released as often as referenced: gone once its last
+					  * mapping goes */
 	unsigned shared : 1;             /* exported: not movable */
 	unsigned moved : 1;              /* dropped by the mover: its data is in the files */
 };
@@ -117,6 +119,7 @@ static struct phys *phys_new(CUmemGenericAllocationHandle h, size_t size,
 	if (!ph)
 		return NULL;
 	ph->id = ph->real = h;
+	ph->refs = 1;
 	ph->size = size;
 	ph->prop = *prop;
 	ph->next = vm.phys;
@@ -215,8 +218,10 @@ void vmm_release_pre(struct track *t, CUmemGenericAllocationHandle handle)
 	if (t->rc != CUDA_SUCCESS || !ph)
 		return;
 	pthread_mutex_lock(&vm.lock);
-	ph->dropped_by_program = 1;
-	phys_maybe_free(ph);
+	if (--ph->refs <= 0) {
+		ph->dropped_by_program = 1;
+		phys_maybe_free(ph);
+	}
 	pthread_mutex_unlock(&vm.lock);
 }
 
@@ -290,8 +295,10 @@ void vmm_retain_pre(struct track *t, CUmemGenericAllocationHandle *handle, void 
 		return;
 	pthread_mutex_lock(&vm.lock);
 	ph = phys_by_real(*handle);
-	if (ph && !ph->own_va)
+	if (ph && !ph->own_va) {
 		*handle = ph->id;
+		ph->refs++;
+	}
 	pthread_mutex_unlock(&vm.lock);
 }
 

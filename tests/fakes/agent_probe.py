@@ -14,7 +14,8 @@ Doors, the way a command reaches a driver function:
   proc       cuGetProcAddress("cuMemAlloc", ..., 12000, 0) (itself found through dlsym)
   proc_v2    cuGetProcAddress_v2("cuMemAlloc", ..., 12000, 0, &status)
   global     CDLL(None)'s attribute: dlsym(the main program's handle, ...), the global scope
-Commands:
+Commands (a command written "@name" first makes init's context current in its thread, as the
+CUDA runtime does in every thread it runs in; untimed):
   init                          cuInit, cuDeviceGet 0, cuCtxCreate_v2   -> "ctx"
   alloc BYTES DOOR              cuMemAlloc                              -> "ptr"
   pitch WIDTH HEIGHT ELEM DOOR  cuMemAllocPitch                         -> "ptr", "pitch"
@@ -66,6 +67,7 @@ c_ptr = ctypes.POINTER(ctypes.c_ulonglong)
 
 # base name -> (exported name, argtypes); every one returns CUresult (int)
 FUNCS = {
+    "cuCtxSetCurrent": ("cuCtxSetCurrent", [ctypes.c_void_p]),
     "cuInit": ("cuInit", [ctypes.c_uint]),
     "cuDeviceGet": ("cuDeviceGet", [ctypes.POINTER(ctypes.c_int), ctypes.c_int]),
     "cuCtxCreate": ("cuCtxCreate_v2", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint,
@@ -182,6 +184,7 @@ class Probe:
         self.libc = ctypes.CDLL("libc.so.6")
         self.libc.dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(Dl_info)]
         self.out = threading.Lock()
+        self.ctx: int | None = None                      # init's context
 
     def address(self, base: str, door: str) -> int | None:
         """The address the door gives for `base` (cuda.h's name, e.g. cuMemAlloc)."""
@@ -225,6 +228,10 @@ class Probe:
     def run(self, cid: str, cmd: str, args: list[str]) -> dict:
         doc: dict = {"id": cid}
         timed = []
+        if cmd.startswith("@"):  # as a CUDA runtime thread: the context current first
+            cmd = cmd[1:]
+            if self.ctx:
+                self.func("cuCtxSetCurrent", "dlsym")(self.ctx)
 
         def call(f, *a):
             t0 = time.monotonic()
@@ -248,7 +255,7 @@ class Probe:
                 rc = call(self.func("cuDeviceGet", door), ctypes.byref(dev), 0)
             if rc == 0:
                 rc = call(self.func("cuCtxCreate", door), ctypes.byref(ctx), 0, dev)
-            doc["ctx"] = ctx.value
+            doc["ctx"] = self.ctx = ctx.value
         elif cmd == "alloc":
             ptr = ctypes.c_ulonglong()
             rc = call(self.func("cuMemAlloc", door), ctypes.byref(ptr), int(args[0]))

@@ -1,0 +1,233 @@
+"""The agent's mover (agent/src/mover.c, vmm.c) against the fake libcuda, whose device memory
+holds data: prepare moves the movable memory into the files it is given and releases it,
+resume re-creates and reloads it bit-exact; failures at each step leave the program's memory
+as it was. The protocol: agent/PROTOCOL.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import wait_for
+from tests.unit.test_agent import Probe, gpu, probe  # noqa: F401  (fixtures)
+
+MIB = 1 << 20
+
+
+def ctl_fds(sock: Path, line: str, fds: list[int] = (), timeout: float = 30.0) -> dict:
+    """One command with file descriptors attached (SCM_RIGHTS), on a fresh connection."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(str(sock))
+        if fds:
+            socket.send_fds(s, [line.encode() + b"\n"], list(fds))
+        else:
+            s.sendall(line.encode() + b"\n")
+        buf = b""
+        while not buf.endswith(b"\n"):
+            chunk = s.recv(65536)
+            assert chunk, f"agent hung up; got {buf!r}"
+            buf += chunk
+    return json.loads(buf)
+
+
+class Files:
+    """n data files in a private directory, opened for a prepare or a resume."""
+
+    def __init__(self, directory: Path, n: int):
+        directory.mkdir(mode=0o700, exist_ok=True)
+        self.paths = [directory / f"gpu-memory-{k}.bin" for k in range(n)]
+
+    def open(self, write: bool) -> list[int]:
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC if write else os.O_RDONLY
+        return [os.open(p, flags | os.O_CLOEXEC, 0o600) for p in self.paths]
+
+    def send(self, sock: Path, line: str, write: bool) -> dict:
+        fds = self.open(write)
+        try:
+            return ctl_fds(sock, line, fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+
+def _program(p: Probe) -> dict:
+    """A program holding movable memory (two VMM-served cuMemAllocs, its own VMM mapping) and
+    an allocation below the threshold; each filled with its own pattern."""
+    assert p.call("init dlsym")["rc"] == 0
+    mem = {"big": (p.call(f"@alloc {64 * MIB} dlsym")["ptr"], 64 * MIB),
+           "odd": (p.call(f"@alloc {3 * MIB + 5} proc")["ptr"], 3 * MIB + 5),
+           "small": (p.call("@alloc 4096 dlsym")["ptr"], 4096)}
+    v = p.call(f"@vmm {8 * MIB}")
+    mem["own"] = (v["ptr"], v["size"])
+    for seed, (ptr, n) in enumerate(mem.values(), 1):
+        assert p.call(f"@fill {ptr} {n} {seed}")["rc"] == 0
+    return {"mem": mem, "handle": v["handle"]}
+
+
+def _intact(p: Probe, mem: dict) -> None:
+    for seed, (name, (ptr, n)) in enumerate(mem.items(), 1):
+        r = p.call(f"@check {ptr} {n} {seed}")
+        assert r["rc"] == 0 and r["ok"], (name, r)
+
+
+def _gpu_mem(gpu, p: Probe) -> int:
+    return gpu.state(p.pid)["mem"]
+
+
+def test_prepare_moves_memory_out_and_resume_brings_it_back(gpu, probe, tmp_path):
+    p = probe()
+    prog = _program(p)
+    st = p.status()
+    movable = 64 * MIB + 4 * MIB + 8 * MIB           # 3 MiB + 5 rounded to the 2 MiB granule
+    assert (st["movable_allocations"], st["movable_bytes"]) == (3, movable)
+    held = _gpu_mem(gpu, p)
+    files = Files(tmp_path / "data", 3)
+
+    r = files.send(p.sock, "prepare 5000", write=True)
+    assert r["ok"] and r["bytes"] == movable and r["allocations"] == 3, r
+    assert sum(r["files"]) == movable and len(r["files"]) == 3
+    assert [os.path.getsize(f) for f in files.paths] == r["files"]
+    assert _gpu_mem(gpu, p) == held - movable       # the GPU memory is released
+    st = p.status()
+    assert (st["state"], st["gate"], st["moved_allocations"]) == ("prepared", "closed", 3)
+    assert p.ctl("open")["ok"] is False             # only a resume may open it now
+
+    held_check = p.send(f"@check {prog['mem']['big'][0]} {MIB} 1")   # waits at the gate
+    assert p.ctl("detach") == {"ok": True}
+    assert p.status()["state"] == "detached"
+    assert p.ctl("abort")["error"] == "detached: resume with the data files"
+    assert not p.done(held_check)
+
+    r = files.send(p.sock, "resume", write=False)
+    assert r["ok"] and r["bytes"] == movable, r
+    assert p.result(held_check)["ok"]
+    assert _gpu_mem(gpu, p) == held
+    st = p.status()
+    assert (st["state"], st["gate"], st["movable_allocations"]) == ("running", "open", 3)
+    _intact(p, prog["mem"])
+
+    # the program's own handle keeps its value across the re-creation, and frees as usual
+    own_ptr, own_size = prog["mem"]["own"]
+    assert p.call(f"@retain {own_ptr}")["handle"] == prog["handle"]
+    assert p.call(f"@release {prog['handle']}")["rc"] == 0       # the retain's reference
+    assert p.call(f"@vmmfree {own_ptr} {prog['handle']} {own_size}")["rc"] == 0
+    big, _ = prog["mem"]["big"]
+    assert p.call(f"@free {big} dlsym")["rc"] == 0
+    assert _gpu_mem(gpu, p) == held - own_size - 64 * MIB
+
+
+def test_a_second_prepare_after_resume_and_abort(gpu, probe, tmp_path):
+    p = probe()
+    prog = _program(p)
+    files = Files(tmp_path / "data", 2)
+    for _ in range(2):
+        assert files.send(p.sock, "prepare", write=True)["ok"]
+        assert p.ctl("abort")["ok"]                # from the files the agent kept
+        _intact(p, prog["mem"])
+
+
+def test_a_damaged_file_is_refused_and_a_good_one_then_resumes(gpu, probe, tmp_path):
+    p = probe()
+    prog = _program(p)
+    files = Files(tmp_path / "data", 2)
+    assert files.send(p.sock, "prepare", write=True)["ok"]
+    assert p.ctl("detach")["ok"]
+    target = files.paths[1]
+    good = target.read_bytes()
+    target.write_bytes(good[:1000] + bytes([good[1000] ^ 1]) + good[1001:])
+    r = files.send(p.sock, "resume", write=False)
+    assert r["ok"] is False and "checksum mismatch" in r["error"], r
+    assert (p.status()["state"], p.status()["gate"]) == ("detached", "closed")
+    target.write_bytes(good[: len(good) // 2])       # a short file is refused up front
+    r = files.send(p.sock, "resume", write=False)
+    assert r["ok"] is False and "shorter" in r["error"], r
+    target.write_bytes(good)
+    assert files.send(p.sock, "resume", write=False)["ok"]
+    _intact(p, prog["mem"])
+
+
+@pytest.mark.parametrize("call", ["cuMemcpyDtoHAsync_v2", "cuMemRelease"])
+def test_a_failed_prepare_leaves_the_memory_and_reopens_the_gate(gpu, probe, tmp_path, call):
+    p = probe()
+    prog = _program(p)
+    # the second copy out fails; or releasing the second allocation (the files are complete
+    # then: what was released is reloaded at once)
+    (gpu.state_dir / "fail" / call).write_text(f"2 {p.pid} after=1\n")
+    r = Files(tmp_path / "data", 1).send(p.sock, "prepare", write=True)
+    (gpu.state_dir / "fail" / call).unlink()
+    assert r["ok"] is False, r
+    st = p.status()
+    assert (st["state"], st["gate"]) == ("running", "open")
+    _intact(p, prog["mem"])
+    assert Files(tmp_path / "again", 1).send(p.sock, "prepare", write=True)["ok"]
+    assert p.ctl("abort")["ok"]
+    _intact(p, prog["mem"])
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs")
+def test_a_full_disk_fails_the_prepare_and_keeps_the_memory(gpu, probe, tmp_path):
+    p = probe()
+    prog = _program(p)
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(small)], check=True)
+    try:
+        r = Files(small / "data", 2).send(p.sock, "prepare", write=True)
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+    assert r["ok"] is False and "No space left" in r["error"], r
+    assert p.status()["state"] == "running"
+    _intact(p, prog["mem"])
+
+
+def test_a_prepare_nobody_follows_up_resumes_by_itself(gpu, probe, tmp_path):
+    p = probe({"TORPOR_AGENT_PREPARE_TIMEOUT_S": "1.5"})
+    prog = _program(p)
+    assert Files(tmp_path / "data", 2).send(p.sock, "prepare", write=True)["ok"]
+    wait_for(lambda: p.status()["state"] == "running", timeout=15, what="the deadline resume")
+    assert p.status()["gate"] == "open"
+    _intact(p, prog["mem"])
+
+
+def test_resume_on_a_full_gpu_answers_and_can_be_retried(gpu, probe, tmp_path):
+    p = probe()
+    prog = _program(p)
+    files = Files(tmp_path / "data", 1)
+    assert files.send(p.sock, "prepare", write=True)["ok"]
+    assert p.ctl("detach")["ok"]
+    other = probe()                                   # takes what p released, and more
+    assert other.call("init dlsym")["rc"] == 0
+    free = other.call("meminfo")["free"]
+    hog = other.call(f"@alloc {free - 4 * MIB} dlsym")
+    assert hog["rc"] == 0
+    r = files.send(p.sock, "resume", write=False)
+    assert r["ok"] is False and "no room" in r["error"], r
+    assert p.status()["gate"] == "closed"
+    assert other.call(f"@free {hog['ptr']} dlsym")["rc"] == 0
+    assert files.send(p.sock, "resume", write=False)["ok"]
+    _intact(p, prog["mem"])
+
+
+def test_vmm_served_allocations_free_and_count_like_any(gpu, probe):
+    p = probe()
+    assert p.call("init dlsym")["rc"] == 0
+    before = _gpu_mem(gpu, p)
+    a = p.call(f"@alloc {16 * MIB} proc_v2")
+    st = p.status()
+    assert (st["allocations"], st["bytes"], st["movable_bytes"]) == (1, 16 * MIB, 16 * MIB)
+    assert p.call(f"@range {a['ptr']}")["size"] == 16 * MIB
+    assert p.call(f"@free {a['ptr']} dlsym")["rc"] == 0
+    assert (p.status()["allocations"], p.status()["movable_bytes"]) == (0, 0)
+    assert _gpu_mem(gpu, p) == before
+    # below the threshold, or with the threshold at 0: the driver's own cuMemAlloc
+    q = probe({"TORPOR_AGENT_VMM_MIN": "0"})
+    assert q.call("init dlsym")["rc"] == 0
+    q.call(f"@alloc {16 * MIB} dlsym")
+    assert q.status()["movable_bytes"] == 0
