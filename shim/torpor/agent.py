@@ -1,33 +1,51 @@
 """The client side of the in-process agent (agent/, libtorpor-agent.so): one Unix socket per
-program, `<agent_dir>/agent-<pid>.sock`, one command a line, one JSON object a reply.
+program, `<agent_dir>/agent-<nspid>.sock`, one command a line, one JSON object a reply
+(agent/PROTOCOL.md is the contract).
 
     with AgentClient.for_pid(1234) as a:
-        a.status()     # {"pid", "gate": "open"|"closed", "in_flight", "allocations", "bytes"}
+        a.status()     # {"pid", "state", "gate", "in_flight", "allocations", "bytes", ...}
         a.close(5000)  # gate closed, calls in flight done, contexts synchronized (or AgentError)
         a.open()
+        a.prepare(fds, 10_000)   # movable GPU memory into the files (fds: empty, read-write)
+        a.detach()               # the agent lets go of the files: the dump may come
+        a.resume(fds)            # the memory back from the files (fds: read-only)
 
-The agent accepts only root and the program's own uid (SO_PEERCRED). We trust the socket only
-when root or the program's uid owns it (another user could otherwise plant one in its place).
+<nspid> is the program's pid in its own pid namespace (a container's agent directory is one
+per container). The agent accepts only root and the program's own uid (SO_PEERCRED). We trust
+the socket only when root or the program's uid owns it (another user could otherwise plant one
+in its place), and only when the process listening on it is the program we mean (a program in
+another pid namespace may share its nspid).
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import socket
 import stat
+import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from .errors import NotFoundError, TorporError
 
+log = logging.getLogger(__name__)
+
 DEFAULT_DIR = Path("/run/torpor/agents")
 REPLY_MAX = 1 << 20
+MAX_FILES = 16                       # what one `prepare` accepts
+STATES = ("running", "prepared", "detached")
 LIBRARY = Path(__file__).resolve().parent / "_agent" / "libtorpor-agent.so"
 
 
 class AgentError(TorporError):
     pass
+
+
+class NoAgentError(NotFoundError):
+    """No agent serves this program: no socket, or a stale one nobody listens on."""
 
 
 def library() -> Path:
@@ -49,36 +67,106 @@ def preload_env(env: dict[str, str], agent_dir: Path, libcuda: str) -> dict[str,
     return out
 
 
-def socket_path(pid: int, agent_dir: Path | None = None) -> Path:
-    d = agent_dir or Path(os.environ.get("TORPOR_AGENT_DIR") or DEFAULT_DIR)
-    return d / f"agent-{int(pid)}.sock"
+def default_dir() -> Path:
+    """Where bare programs' agents put their sockets ($TORPOR_AGENT_DIR, as `torpor run`)."""
+    return Path(os.environ.get("TORPOR_AGENT_DIR") or DEFAULT_DIR)
+
+
+def container_dirs(run_dir: Path) -> Path:
+    """Under here, one socket directory per container (bound to /run/torpor/agents inside)."""
+    return run_dir / "agents"
+
+
+def container_dir(run_dir: Path, container_id: str) -> Path:
+    """A container's socket directory on the host (torpor-runtime makes it at create)."""
+    from .oci import validate_container_id
+    return container_dirs(run_dir) / validate_container_id(container_id)
+
+
+def socket_path(nspid: int, agent_dir: Path | None = None) -> Path:
+    """The socket of the program whose pid in its own pid namespace is nspid."""
+    return (agent_dir or default_dir()) / f"agent-{int(nspid)}.sock"
+
+
+def socket_of(pid: int, agent_dir: Path | None = None) -> Path | None:
+    """The agent socket of host process pid, or None when there is none (the program does not
+    run under the agent: the normal case)."""
+    from .procs import nspid
+    n = nspid(pid)
+    if n is None:
+        return None
+    path = socket_path(n, agent_dir)
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return path
+
+
+def _peer_pid(sock: socket.socket) -> int:
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[0]
+
+
+def _int(reply: dict[str, Any], key: str, what: str) -> int:
+    v = reply.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise AgentError(f"the agent's {what} reply has no valid '{key}': {v!r}")
+    return v
+
+
+def _number(reply: dict[str, Any], key: str, what: str) -> float:
+    v = reply.get(key)
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < 1e9:
+        raise AgentError(f"the agent's {what} reply has no valid '{key}': {v!r}")
+    return float(v)
 
 
 class AgentClient:
-    def __init__(self, path: Path, owner_uid: int | None = None, timeout: float = 30.0):
+    """One connection to one program's agent. expect_pid: the host pid of the program; the
+    connection is refused when another live process listens on the socket."""
+
+    def __init__(self, path: Path, owner_uid: int | None = None, timeout: float = 30.0,
+                 expect_pid: int | None = None):
         self.path = Path(path)
         try:
             st = os.lstat(self.path)
-        except FileNotFoundError:
-            raise NotFoundError(f"no torpor agent socket at {self.path}") from None
+        except (FileNotFoundError, NotADirectoryError):
+            raise NoAgentError(f"no torpor agent socket at {self.path}") from None
         trusted = {0, os.geteuid()} | ({owner_uid} if owner_uid is not None else set())
         if not stat.S_ISSOCK(st.st_mode) or st.st_uid not in trusted:
             raise AgentError(f"{self.path} is not an agent socket we can trust (owner uid "
                              f"{st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})")
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self.sock.settimeout(timeout)
         try:
             self.sock.connect(str(self.path))
         except OSError as e:
             self.sock.close()
-            raise AgentError(f"cannot reach the agent at {self.path}: {e.strerror}") from e
+            if e.errno == errno.ECONNREFUSED:  # a socket file nobody listens on
+                raise NoAgentError(f"no agent listens on {self.path} (a stale socket of a "
+                                   "program that ended)") from e
+            raise AgentError(f"cannot reach the agent at {self.path}: "
+                             f"{e.strerror or e}") from e
+        if expect_pid is not None:
+            peer = _peer_pid(self.sock)
+            from .procs import alive
+            if peer > 0 and peer != expect_pid and alive(peer):
+                self.sock.close()
+                raise AgentError(f"{self.path} is the agent socket of PID {peer}, not of "
+                                 f"PID {expect_pid} (programs in different pid namespaces "
+                                 "share an agent directory)")
         self._buf = b""
 
     @classmethod
     def for_pid(cls, pid: int, agent_dir: Path | None = None, timeout: float = 30.0
                 ) -> "AgentClient":
-        from .procs import owner_uid
-        return cls(socket_path(pid, agent_dir), owner_uid(pid), timeout)
+        """The agent of host process pid (NoAgentError when it has none)."""
+        from .procs import nspid, owner_uid
+        n = nspid(pid)
+        if n is None:
+            raise NoAgentError(f"no process with PID {pid}")
+        return cls(socket_path(n, agent_dir), owner_uid(pid), timeout, expect_pid=pid)
 
     def close_socket(self) -> None:
         self.sock.close()
@@ -89,9 +177,20 @@ class AgentClient:
     def __exit__(self, *exc: object) -> None:
         self.close_socket()
 
-    def call(self, line: str) -> dict[str, Any]:
+    def call(self, line: str, fds: Sequence[int] = (), timeout: float | None = None
+             ) -> dict[str, Any]:
+        """One command (with fds passed as SCM_RIGHTS on the same sendmsg); its reply.
+        AgentError when the agent answers ok:false, or anything but a JSON object."""
+        data = line.encode() + b"\n"
+        if timeout is not None:
+            self.sock.settimeout(timeout)
         try:
-            self.sock.sendall(line.encode() + b"\n")
+            if fds:
+                sent = socket.send_fds(self.sock, [data], list(fds))
+                if sent < len(data):
+                    self.sock.sendall(data[sent:])
+            else:
+                self.sock.sendall(data)
             while b"\n" not in self._buf:
                 chunk = self.sock.recv(65536)
                 if not chunk:
@@ -99,6 +198,9 @@ class AgentClient:
                 self._buf += chunk
                 if len(self._buf) > REPLY_MAX:
                     raise AgentError(f"the agent at {self.path} sent an oversized reply")
+        except socket.timeout as e:
+            raise AgentError(f"the agent at {self.path} did not answer '{line}' within "
+                             f"{self.sock.gettimeout():.0f} s") from e
         except OSError as e:
             raise AgentError(f"agent at {self.path}: {e}") from e
         raw, _, self._buf = self._buf.partition(b"\n")
@@ -110,11 +212,23 @@ class AgentClient:
         if not isinstance(reply, dict):
             raise AgentError(f"the agent at {self.path} sent {reply!r}")
         if reply.get("ok") is False:
-            raise AgentError(f"agent '{line}': {reply.get('error', 'failed')}")
+            error = " ".join(str(reply.get("error") or "failed").split())[:500]
+            raise AgentError(f"agent '{line.split()[0] if line else line}': {error}")
         return reply
 
     def status(self) -> dict[str, Any]:
-        return self.call("status")
+        """{"pid", "state": running|prepared|detached, "gate": open|closed, "in_flight",
+        "waiting", "allocations", "bytes", "movable_allocations", "movable_bytes",
+        "contexts"}, as the agent sent it (see state())."""
+        reply = self.call("status")
+        if reply.get("state", "running") not in STATES:
+            raise AgentError(f"the agent at {self.path} reports an unknown state "
+                             f"{reply['state']!r}")
+        return reply
+
+    def state(self) -> str:
+        """running | prepared | detached (an agent without prepare: running)."""
+        return str(self.status().get("state", "running"))
 
     def close(self, timeout_ms: int = 10_000) -> dict[str, Any]:
         """Close the gate: new driver calls wait, calls in flight finish, contexts sync."""
@@ -122,3 +236,48 @@ class AgentClient:
 
     def open(self) -> dict[str, Any]:
         return self.call("open")
+
+    # -- moving GPU memory (PROTOCOL.md) --------------------------------------------------------
+    def prepare(self, files: Sequence[int], timeout_ms: int, timeout: float | None = None
+                ) -> dict[str, Any]:
+        """Movable GPU memory into files (fds of empty regular files, read-write); the gate is
+        closed after. Returns the agent's reply: {"bytes", "chunks", "allocations",
+        "cache_released", "seconds", "files": [size of each]}. On failure (AgentError) the
+        agent released nothing and opened its gate again."""
+        if not 1 <= len(files) <= MAX_FILES:
+            raise ValueError(f"prepare takes 1 to {MAX_FILES} files, not {len(files)}")
+        reply = self.call(f"prepare {int(timeout_ms)}", files, timeout)
+        sizes = reply.get("files")
+        if not isinstance(sizes, list) or len(sizes) != len(files) or not all(
+                isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in sizes):
+            raise AgentError(f"the agent's prepare reply has no valid 'files' for "
+                             f"{len(files)} file(s): {sizes!r}")
+        out = {"bytes": _int(reply, "bytes", "prepare"), "chunks": _int(reply, "chunks", "prepare"),
+               "allocations": _int(reply, "allocations", "prepare"),
+               "seconds": _number(reply, "seconds", "prepare"), "files": list(sizes)}
+        cache = reply.get("cache_released", 0)
+        out["cache_released"] = cache if isinstance(cache, int) and not isinstance(cache, bool) \
+            and cache >= 0 else 0
+        return out
+
+    def detach(self) -> dict[str, Any]:
+        """The agent closes the prepare's fds (the CRIU dump comes next)."""
+        return self.call("detach")
+
+    def resume(self, files: Sequence[int] | None = None, timeout: float | None = None
+               ) -> dict[str, Any]:
+        """The memory back from files (the prepare's files, same order, read-only; None while
+        the agent still holds the prepare's fds), checksums verified, gate open.
+        Returns {"bytes", "seconds"}. On failure the memory stays out (retry with good files)."""
+        fds = list(files or ())
+        if len(fds) > MAX_FILES:
+            raise ValueError(f"resume takes at most {MAX_FILES} files")
+        reply = self.call("resume", fds, timeout)
+        return {"bytes": _int(reply, "bytes", "resume"),
+                "seconds": _number(reply, "seconds", "resume")}
+
+    def abort(self, timeout: float | None = None) -> dict[str, Any]:
+        """A prepare that no checkpoint follows: the memory back from the fds the agent kept."""
+        reply = self.call("abort", (), timeout)
+        return {"bytes": _int(reply, "bytes", "abort"),
+                "seconds": _number(reply, "seconds", "abort")}

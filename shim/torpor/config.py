@@ -3,7 +3,7 @@
 The TOML file is optional. Every key is documented in packaging/config.toml, which is also
 what ./install.sh puts in /etc/torpor/. Environment variables exist for tests and one-off
 runs: TORPOR_STATE_DIR, TORPOR_RUN_DIR, TORPOR_LIBCUDA, TORPOR_CRIU, TORPOR_LOCK_TIMEOUT,
-TORPOR_OCI_RUNTIME, TORPOR_DEVICE_MAP.
+TORPOR_OCI_RUNTIME, TORPOR_DEVICE_MAP, TORPOR_SUSPEND_DIR.
 """
 
 from __future__ import annotations
@@ -35,6 +35,10 @@ class Config:
     oci_runtime: str = "runc"                   # what torpor-runtime wraps: runc or crun (name or path)
     device_map: str = ""                        # restores of containers: OLD_UUID=NEW_UUID,... (wins over placement)
     agent: bool = False                         # torpor-runtime preloads the agent into GPU containers
+    use_agent: bool = True                      # checkpoints move GPU memory through a program's agent
+    agent_files: int = 0                        # data files per program (0: one per 2 CPUs, 1-8)
+    agent_timeout_s: float = 600.0              # how long one agent prepare/resume may take
+    suspend_dir: Path = Path("/dev/shm/torpor")  # suspended programs' GPU data (host memory)
 
     @property
     def journal_dir(self) -> Path:
@@ -57,6 +61,7 @@ _ENV = {
     "TORPOR_LOCK_TIMEOUT": ("lock_timeout_s", float),
     "TORPOR_OCI_RUNTIME": ("oci_runtime", str),
     "TORPOR_DEVICE_MAP": ("device_map", str),
+    "TORPOR_SUSPEND_DIR": ("suspend_dir", Path),
 }
 
 
@@ -91,4 +96,8 @@ def load(path: Path | None = None, env: dict[str, str] | None = None) -> Config:
     cfg = Config(**values)  # type: ignore[arg-type]
     if not math.isfinite(cfg.lock_timeout_s) or not 0 < cfg.lock_timeout_s <= 3600:
         raise UsageError("lock_timeout_s must be a number of seconds between 0 and 3600")
+    if not math.isfinite(cfg.agent_timeout_s) or not 0 < cfg.agent_timeout_s <= 86400:
+        raise UsageError("agent_timeout_s must be a number of seconds between 0 and 86400")
+    if not 0 <= cfg.agent_files <= 16:
+        raise UsageError("agent_files must be 0 (automatic) to 16")
     return cfg

@@ -3,28 +3,48 @@
 Every driver phase runs inside a journal Operation (journal.py). If any phase fails, or the
 operator interrupts, every process is rolled back to RUNNING before the error is raised; if
 torpor itself dies, the next torpor (or torpord) finds the journal entry and rolls back.
+
+Programs under the in-process agent (agent.py, agent/PROTOCOL.md) first have their bulk GPU
+memory moved into data files (bulk.py) by their agent, at PCIe speed; the driver's checkpoint
+then moves only what is left. The order, for every caller (process.py, torpord):
+
+    checkpoint  agent-prepare -> agent-detach -> lock -> checkpoint      (then the dump)
+    restore     gpu-restore -> unlock -> agent-resume                    (after CRIU restore)
+    rollback    driver restore + unlock -> agent resume                  (whatever was reached)
+
+A resume is only sent once the driver has unlocked the program (a locked program's driver
+calls, the agent's included, block). Any failure of an agent step fails the operation, rolled
+back: a program under the agent is never checkpointed half through it, half not. A program
+with no agent socket is the normal case (driver only); `use_agent = false` in the config makes
+every checkpoint driver-only.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import threading
+import time
 from pathlib import Path
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, TypeVar
 
-from . import interrupts, manifest, procs
+from . import agent, bulk, interrupts, manifest, procs
+from .agent import AgentClient, AgentError, NoAgentError
 from .config import Config
 from .driver import Driver, DriverError, ProcessState
 from .errors import BusyError, ExitCode, NoDriverError, RolledBackError, TorporError
+from .files import tree_size
 from .journal import Entry, Journal, Operation
-from .progress import Progress
+from .progress import Progress, human_bytes, human_rate
 
 log = logging.getLogger(__name__)
 
 _drivers: dict[str, Driver | NoDriverError] = {}
 _drivers_lock = threading.Lock()
+T = TypeVar("T")
+STATUS_TIMEOUT_S = 30.0   # an agent answers at once, unless a prepare or resume is running
 
 
 def load_driver(path: str) -> Driver:
@@ -41,17 +61,74 @@ def load_driver(path: str) -> Driver:
     return found
 
 
-def _parallel(fn: Callable[[int], None], pids: list[int]) -> None:
-    """Run fn on every pid at once (ctypes drops the GIL); raise the first failure after all end."""
+def _parallel(fn: Callable[[int], T], pids: list[int]) -> dict[int, T]:
+    """Run fn on every pid at once (ctypes drops the GIL, agents work in their own processes);
+    raise the first failure after all end. Returns pid -> result."""
     if len(pids) <= 1:
-        for pid in pids:
-            fn(pid)
-        return
+        return {pid: fn(pid) for pid in pids}
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(pids)) as pool:
-        futures = [pool.submit(fn, pid) for pid in pids]
-        errors = [f.exception() for f in futures if f.exception() is not None]
+        futures = {pid: pool.submit(fn, pid) for pid in pids}
+        errors = [f.exception() for f in futures.values() if f.exception() is not None]
     if errors:
         raise errors[0]  # type: ignore[misc]
+    return {pid: f.result() for pid, f in futures.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentTarget:
+    """One program whose agent moves (or moved) its GPU memory: where its agent listens, and
+    its data files, <data>/<name>/gpu-memory-<k>.bin for k < files (name: its PID at
+    checkpoint, which a container's restore changes)."""
+
+    pid: int            # host PID now
+    socket: Path
+    data: Path          # the operation's bulk.DataDir root
+    name: int
+    files: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"socket": str(self.socket), "data": str(self.data), "name": self.name,
+                "files": self.files}
+
+    @classmethod
+    def from_json(cls, pid: int | str, d: Mapping[str, Any]) -> "AgentTarget":
+        return cls(int(pid), Path(d["socket"]), Path(d["data"]), int(d.get("name", pid)),
+                   int(d["files"]))
+
+
+def targets_of(agents: Mapping[str, Mapping[str, Any]]) -> dict[int, AgentTarget]:
+    """The AgentTargets a journal entry's (or a suspended record's) "agents" names."""
+    return {int(p): AgentTarget.from_json(p, d) for p, d in agents.items()}
+
+
+def restore_targets(entries: Mapping[int, Mapping[str, Any]], data: Path,
+                    agent_dir: Path | None, host_pids: Iterable[int] | None = None
+                    ) -> dict[int, AgentTarget]:
+    """The programs of a checkpoint whose memory their agents moved (torpor.json's "agent",
+    by PID at checkpoint), by host PID now: the same PID (CRIU restores PIDs), or, given
+    host_pids (a container's new host PIDs), the one with the same PID in its namespace."""
+    by_nspid: dict[int, int] | None = None
+    if host_pids is not None:
+        by_nspid = {}
+        for p in host_pids:
+            n = procs.nspid(p)
+            if n is not None:
+                by_nspid[n] = p
+    out = {}
+    for old, e in entries.items():
+        nspid = int(e["nspid"])
+        pid = old if by_nspid is None else by_nspid.get(nspid)
+        if pid is None:
+            raise TorporError(f"the checkpoint's PID {old} (PID {nspid} in its namespace), "
+                              "whose GPU memory its agent moved, is not among the restored "
+                              "processes")
+        out[pid] = AgentTarget(pid, agent.socket_path(nspid, agent_dir), data, old,
+                               len(e["files"]))
+    return out
+
+
+def _rate(nbytes: int, seconds: float) -> str:
+    return f"{human_bytes(nbytes)} in {seconds:.2f} s ({human_rate(nbytes, seconds)})"
 
 
 class Engine:
@@ -90,14 +167,26 @@ class Engine:
     def begin(self, kind: str, pids: list[int]) -> Operation:
         return self.journal.begin(kind, pids)
 
-    def lock_and_checkpoint(self, op: Operation, pids: list[int]) -> None:
-        """RUNNING -> CHECKPOINTED for every pid; on any failure all are rolled back first."""
+    def lock_and_checkpoint(self, op: Operation, pids: list[int],
+                            data: bulk.DataDir | None = None, agent_dir: Path | None = None,
+                            scratch: bool = False) -> dict[int, dict[str, Any]]:
+        """RUNNING -> CHECKPOINTED for every pid; on any failure all are rolled back first.
+
+        data: where the agents of the pids that have one (a socket in agent_dir, default
+        agent.default_dir()) put their GPU memory first (the directory is made here, when one
+        has); None: driver only. scratch: data is torpor's own (suspend): a recovery removes it.
+        Returns what each agent moved: pid -> {"nspid", "bytes", "chunks", "allocations",
+        "cache_released", "seconds", "files"} (torpor.json's "agent")."""
         if not pids:
-            return
+            return {}
         drv = self.driver
         timeout_ms = int(self.cfg.lock_timeout_s * 1000)
         n = f"{len(pids)} CUDA process{'es' if len(pids) > 1 else ''} ({', '.join(map(str, pids))})"
+        moved: dict[int, dict[str, Any]] = {}
         try:
+            sockets = self.agent_sockets(pids, agent_dir) if data is not None else {}
+            if sockets and data is not None:
+                moved = self._prepare_agents(op, sockets, data, scratch)
             op.phase("lock")
             with self.progress.phase("lock", n):
                 for pid in pids:
@@ -109,30 +198,42 @@ class Engine:
                 _parallel(drv.checkpoint, pids)
         except BaseException as e:
             self.fail(op, pids, e, during=op.entry.phase)
+        return moved
 
     def restore_and_unlock(self, op: Operation, pids: list[int],
-                           gpu_map: Mapping[str, str] | None = None) -> None:
-        """CHECKPOINTED -> RUNNING for every pid. Raises DriverError; the caller decides."""
-        if not pids:
-            return
-        drv = self.driver
-        n = f"{len(pids)} CUDA process{'es' if len(pids) > 1 else ''}"
-        op.phase("gpu-restore", gpu_map=dict(gpu_map or {}))
-        remap = ", ".join(f"{o} -> {m}" for o, m in (gpu_map or {}).items() if o != m)
-        with self.progress.phase("gpu-restore", n + (f", remapped {remap}" if remap else "")):
-            _parallel(lambda pid: drv.restore(pid, gpu_map), pids)
-        op.phase("unlock")
-        with self.progress.phase("unlock", n):
-            for pid in pids:
-                drv.unlock(pid)
+                           gpu_map: Mapping[str, str] | None = None,
+                           agents: Mapping[int, AgentTarget] | None = None
+                           ) -> dict[int, dict[str, Any]]:
+        """CHECKPOINTED -> RUNNING for every pid, then every program in agents gets the memory
+        its agent moved back (resume). Raises DriverError / AgentError; the caller decides.
+        Returns pid -> {"bytes", "seconds"} of each agent's resume."""
+        if not pids and not agents:
+            return {}
+        op.phase("gpu-restore", gpu_map=dict(gpu_map or {}),   # agents first: a recovery resumes
+                 agents=None if agents is None else {p: t.to_json() for p, t in agents.items()})
+        if pids:
+            drv = self.driver
+            n = f"{len(pids)} CUDA process{'es' if len(pids) > 1 else ''}"
+            remap = ", ".join(f"{o} -> {m}" for o, m in (gpu_map or {}).items() if o != m)
+            with self.progress.phase("gpu-restore", n + (f", remapped {remap}" if remap else "")):
+                _parallel(lambda pid: drv.restore(pid, gpu_map), pids)
+            op.phase("unlock")
+            with self.progress.phase("unlock", n):
+                for pid in pids:
+                    drv.unlock(pid)
+        if not agents:
+            return {}
+        op.phase("agent-resume")
+        return self._resume_agents(dict(agents))
 
-    def rollback(self, pids: Iterable[int], gpu_map: Mapping[str, str] | None = None) -> list[str]:
-        """Bring every live pid back to RUNNING; returns what could not be done."""
+    def rollback(self, pids: Iterable[int], gpu_map: Mapping[str, str] | None = None,
+                 agents: Mapping[int, AgentTarget] | None = None) -> list[str]:
+        """Bring every live pid back to RUNNING: driver restore + unlock, then the memory its
+        agent moved (agents) back through the agent. Returns what could not be done."""
         problems = []
+        stuck = []   # still locked or checkpointed: their agent would block, no resume for them
         drv = self.driver_or_none()
-        if drv is None:
-            return []  # no driver: nothing can be locked or checkpointed
-        for pid in pids:
+        for pid in pids if drv is not None else ():  # no driver: nothing locked or checkpointed
             if not procs.alive(pid):
                 continue
             try:
@@ -144,22 +245,177 @@ class Engine:
                     drv.unlock(pid)
             except DriverError as e:
                 problems.append(f"PID {pid}: {e}")
+                stuck.append(pid)
+        if agents:
+            problems += self.rollback_agents(agents, skip=stuck)
         return problems
 
     def fail(self, op: Operation, pids: list[int], error: BaseException, during: str) -> None:
         """A phase failed: roll every pid back to RUNNING, close op, raise RolledBackError.
-        If the rollback itself fails, the journal entry stays for the next torpor to retry."""
+        If the rollback itself fails, the journal entry stays for the next torpor to retry.
+        The data files of the failed operation's agents go once the agents are resumed."""
         with interrupts.deferred():  # a second Ctrl-C must not stop the rollback
-            problems = self.rollback(pids)
+            problems = self.rollback(pids, agents=targets_of(op.entry.agents))
         if problems:
             raise TorporError(f"{during} failed ({_describe(error)}) and rollback failed: "
                               + "; ".join(problems),
                               hint="run 'torpor ps' and 'torpor resume PID'") from error
+        if op.entry.data_root:
+            bulk.DataDir(Path(op.entry.data_root)).remove()
         op.close()
         code = ExitCode.INTERRUPTED if isinstance(error, KeyboardInterrupt) else None
         raise RolledBackError(f"{during} failed: {_describe(error)}; "
                               f"{len(pids)} process(es) rolled back to running",
                               exit_code=code) from error
+
+    # -- the agents -------------------------------------------------------------------------------
+    def agent_sockets(self, pids: Iterable[int], agent_dir: Path | None = None) -> dict[int, Path]:
+        """pid -> its agent's socket, for the pids whose program runs under the agent."""
+        if not self.cfg.use_agent:
+            return {}
+        found = {}
+        for pid in pids:
+            path = agent.socket_of(pid, agent_dir)
+            if path is not None:
+                found[pid] = path
+        return found
+
+    def _client(self, t: AgentTarget, timeout: float) -> AgentClient:
+        try:
+            uid = procs.owner_uid(t.pid)
+        except FileNotFoundError:
+            raise NoAgentError(f"PID {t.pid} is gone") from None
+        return AgentClient(t.socket, uid, timeout, expect_pid=t.pid)
+
+    def _probe(self, sockets: Mapping[int, Path]) -> dict[int, Path]:
+        """The sockets whose agent answers, can move memory and holds none out. A socket nobody
+        listens on (its program ended without removing it; the PID is another program's now)
+        is no agent, and an agent older than `prepare` (no "state" in its status) cannot move
+        memory: the driver's path for those, said. An agent that does not answer, or holds
+        memory out already (an earlier operation did not finish), fails the operation."""
+        live = {}
+        for pid, path in sorted(sockets.items()):
+            why = ""
+            try:
+                with self._client(AgentTarget(pid, path, Path(), pid, 1), STATUS_TIMEOUT_S) as a:
+                    status = a.status()
+                state = status.get("state")
+                if state is None:
+                    why = f"its agent ({path}) cannot move memory (no prepare)"
+            except NoAgentError as e:
+                why = str(e)
+            except TorporError as e:
+                raise AgentError(f"PID {pid}: {e}", exit_code=e.exit_code) from e
+            if why:
+                log.info("PID %d: %s: driver path", pid, why)
+                self.progress.say(f"PID {pid}: {why}: the driver moves all its GPU memory")
+                continue
+            if state != "running":
+                raise AgentError(f"PID {pid}: its agent is {state}, holding GPU memory out of "
+                                 "an operation that did not finish",
+                                 hint=f"'torpor resume {pid}' or 'torpor ps'")
+            live[pid] = path
+        return live
+
+    def _prepare_agents(self, op: Operation, sockets: Mapping[int, Path], data: bulk.DataDir,
+                        scratch: bool) -> dict[int, dict[str, Any]]:
+        op.phase("agent-prepare")
+        sockets = self._probe(sockets)
+        if not sockets:
+            return {}
+        count = bulk.file_count(self.cfg)
+        targets = {p: AgentTarget(p, s, data.root, p, count) for p, s in sockets.items()}
+        data.make()   # first: data_root in the journal is ours to remove, never what was there
+        # Journaled before the first prepare: whoever finds this entry resumes them.
+        op.phase("agent-prepare", agents={p: t.to_json() for p, t in targets.items()},
+                 data_root=str(data.root), scratch=scratch)
+        timeout_ms = int(self.cfg.lock_timeout_s * 1000)
+
+        untouched: set[int] = set()   # never reached: no prepare sent, nothing to resume
+
+        def prepare(pid: int) -> dict[str, Any]:
+            fds = data.for_prepare(pid, count)
+            try:
+                try:
+                    client = self._client(targets[pid], self.cfg.agent_timeout_s)
+                except TorporError:
+                    untouched.add(pid)
+                    raise
+                with client as a:
+                    reply = a.prepare(fds, timeout_ms)
+            except TorporError as e:
+                raise AgentError(f"PID {pid}: {e}", exit_code=e.exit_code) from e
+            finally:
+                for fd in fds:   # the agent has its own copies, kept until detach
+                    os.close(fd)
+            return {"nspid": procs.nspid(pid) or pid, **reply}
+
+        what = (f"GPU memory of {len(targets)} program(s) under the agent "
+                f"({', '.join(map(str, sorted(targets)))}) to {count} file(s) each in {data.root}")
+        start = time.monotonic()
+        try:
+            with self.progress.phase("agent-prepare", what, measure=lambda: tree_size(data.root)):
+                moved = _parallel(prepare, sorted(targets))
+        finally:
+            if untouched:   # a rollback does not look for what was never there
+                op.phase("agent-prepare", agents={p: t.to_json() for p, t in targets.items()
+                                                  if p not in untouched})
+        total = sum(r["bytes"] for r in moved.values())
+        self.progress.say(f"  agent-prepare: {_rate(total, time.monotonic() - start)}")
+        op.phase("agent-detach")
+        for pid in sorted(targets):
+            try:
+                with self._client(targets[pid], STATUS_TIMEOUT_S) as a:
+                    a.detach()
+            except TorporError as e:
+                raise AgentError(f"PID {pid}: {e}", exit_code=e.exit_code) from e
+        return moved
+
+    def _resume_one(self, t: AgentTarget) -> dict[str, Any]:
+        """Give t's program the memory its agent moved; nothing when the agent holds none
+        (never prepared, or resumed already: a rollback or recovery may come twice)."""
+        with self._client(t, STATUS_TIMEOUT_S) as a:
+            if a.state() == "running":
+                return {"bytes": 0, "seconds": 0.0}
+            fds = bulk.DataDir(t.data).for_resume(t.name, t.files)
+            try:
+                return a.resume(fds, self.cfg.agent_timeout_s)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+
+    def _resume_agents(self, targets: dict[int, AgentTarget]) -> dict[int, dict[str, Any]]:
+        def resume(pid: int) -> dict[str, Any]:
+            try:
+                return self._resume_one(targets[pid])
+            except TorporError as e:
+                raise AgentError(f"PID {pid}: agent resume failed ({e}); its GPU memory stays "
+                                 f"in {targets[pid].data}/{targets[pid].name}",
+                                 exit_code=e.exit_code) from e
+
+        start = time.monotonic()
+        with self.progress.phase("agent-resume", f"GPU memory of {len(targets)} program(s) "
+                                 f"under the agent ({', '.join(map(str, sorted(targets)))})"):
+            back = _parallel(resume, sorted(targets))
+        total = sum(r["bytes"] for r in back.values())
+        self.progress.say(f"  agent-resume: {_rate(total, time.monotonic() - start)}")
+        return back
+
+    def rollback_agents(self, targets: Mapping[int, AgentTarget],
+                        skip: Iterable[int] = ()) -> list[str]:
+        """Every live program in targets (but skip) gets the memory its agent moved back;
+        returns what failed."""
+        skipped = set(skip)
+        problems: list[str] = []
+
+        def resume(pid: int) -> None:
+            try:
+                self._resume_one(targets[pid])
+            except (TorporError, OSError) as e:
+                problems.append(f"PID {pid}: agent resume failed ({e}); its GPU memory stays "
+                                f"in {targets[pid].data}/{targets[pid].name}")
+        _parallel(resume, sorted(p for p in targets if p not in skipped and procs.alive(p)))
+        return problems
 
     # -- recovery -------------------------------------------------------------------------------
     def recover(self) -> list[str]:
@@ -187,9 +443,10 @@ class Engine:
         except BusyError:
             os.close(fd)  # a live operation owns these processes now; not ours to touch
             return []
+        agents = {p: t for p, t in targets_of(entry.agents).items() if p in live}
         try:
             with interrupts.deferred():
-                problems = self.rollback(live, entry.gpu_map or None) if live else []
+                problems = self.rollback(live, entry.gpu_map or None, agents) if live else []
         finally:
             for c in claims:
                 os.close(c)
@@ -200,6 +457,11 @@ class Engine:
         if live:
             messages.append(f"recovered {', '.join(map(str, live))} left by an interrupted "
                             f"{entry.kind} (phase {entry.phase}): running again")
+        if agents:
+            messages.append(f"gave {', '.join(map(str, sorted(agents)))} back the GPU memory "
+                            f"their agent had moved to {entry.data_root}")
+        if entry.scratch and entry.data_root:
+            bulk.DataDir(Path(entry.data_root)).remove()
         if entry.images_dir:
             messages += self._finish_images(Path(entry.images_dir), program_alive=bool(live))
         self.journal.forget(entry, fd)

@@ -9,8 +9,14 @@ to RUNNING: CHECKPOINTED -> restore + unlock, LOCKED -> unlock.
 Each process is also claimed with an flock on `locks/<pid>.lock` for the operation's life, so
 a second operation on the same PIDs is refused (BusyError) instead of racing the first.
 
+Programs under the in-process agent (agent.py) have their bulk GPU memory moved into data
+files (bulk.py) before the driver's lock: the entry names them (`agents`: PID -> its agent's
+socket, its data directory and how many files) before the first `prepare`, so that recovery,
+after the driver's rollback, can give each program its memory back (`resume` with the files).
+
 A suspended process (`torpor suspend`) is not an operation in flight: it is recorded in
-`suspended/<pid>.json` and left alone by recovery until `torpor resume`.
+`suspended/<pid>.json` (with its agent data directory, if any) and left alone by recovery
+until `torpor resume`.
 """
 
 from __future__ import annotations
@@ -51,6 +57,10 @@ class Entry:
     gpu_map: dict[str, str] = dataclasses.field(default_factory=dict)
     images_dir: str = ""           # a checkpoint's image directory, to seal it if we die
     starts: dict[str, int] = dataclasses.field(default_factory=dict)  # pid -> start time
+    # pid -> {"socket", "data", "files"}: the programs whose agent moves (or moved) memory out
+    agents: dict[str, dict] = dataclasses.field(default_factory=dict)
+    data_root: str = ""            # the agents' data files (bulk.DataDir) of this operation
+    scratch: bool = False          # data_root is torpor's own (suspend): removed once resumed
     owner: int = dataclasses.field(default_factory=os.getpid)
     started: float = dataclasses.field(default_factory=time.time)
 
@@ -75,6 +85,8 @@ class Entry:
                    phase=str(d.get("phase", "?")), gpu_map=dict(d.get("gpu_map", {})),
                    images_dir=str(d.get("images_dir", "")),
                    starts={str(k): int(v) for k, v in d.get("starts", {}).items()},
+                   agents={str(int(k)): dict(v) for k, v in d.get("agents", {}).items()},
+                   data_root=str(d.get("data_root", "")), scratch=bool(d.get("scratch", False)),
                    owner=int(d.get("owner", 0)), started=float(d.get("started", 0)))
 
 
@@ -85,7 +97,9 @@ class Operation:
         self.journal, self.entry, self._fds = journal, entry, fds
 
     def phase(self, name: str, *, pids: list[int] | None = None,
-              gpu_map: dict[str, str] | None = None, images_dir: str | None = None) -> None:
+              gpu_map: dict[str, str] | None = None, images_dir: str | None = None,
+              agents: dict[str, dict] | None = None, data_root: str | None = None,
+              scratch: bool | None = None) -> None:
         """Record the phase about to start (and new PIDs, e.g. after CRIU restore)."""
         if pids is not None:
             self.journal._claim_more(self, pids)  # BusyError before anything is recorded
@@ -96,6 +110,12 @@ class Operation:
             self.entry.gpu_map = dict(gpu_map)
         if images_dir is not None:
             self.entry.images_dir = images_dir
+        if agents is not None:
+            self.entry.agents = {str(int(k)): dict(v) for k, v in agents.items()}
+        if data_root is not None:
+            self.entry.data_root = data_root
+        if scratch is not None:
+            self.entry.scratch = scratch
         self.journal._save(self.entry)
 
     def close(self) -> None:

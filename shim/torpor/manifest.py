@@ -18,6 +18,12 @@ Optional:
   container         {"id", "minors": [int], "visible": [str], "cdi": [str]}: written by
                     torpor-runtime, what the container's spec named (torpor.oci.GpuUse)
   gpus[].minor      /dev/nvidia<minor> of that GPU, where NVML told
+  agent             {"<pid>": {"nspid", "bytes", "chunks", "allocations", "cache_released",
+                    "seconds", "files": [size of each data file]}}: the programs whose in-process
+                    agent moved their GPU memory into torpor-gpu/<pid>/gpu-memory-<k>.bin
+                    (bulk.py), k < len(files), before the driver's checkpoint; a restore gives
+                    it back through the agent (`resume`). pid: at checkpoint; nspid: in its own
+                    pid namespace (finds the agent of a container's restored process).
 
 Paths in `files` are never trusted: each must be a plain relative path that stays inside the
 checkpoint directory, or reading fails with CorruptCheckpointError.
@@ -33,6 +39,7 @@ import shutil
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from . import bulk
 from .errors import CorruptCheckpointError, NotFoundError
 from .files import require_trusted_file, write_json
 
@@ -121,11 +128,11 @@ def seal(images_dir: Path, checksums: bool, timings: dict[str, float] | None = N
     return draft
 
 
-def clear_partial(images_dir: Path) -> None:
+def clear_partial(images_dir: Path, keep: tuple[str, ...] = ()) -> None:
     """Remove what a failed dump left (it may fill the disk, and holds memory); keep CRIU's
-    log, which says why."""
+    log, which says why (and the names in keep: the agents' data, until they are resumed)."""
     for child in images_dir.iterdir():
-        if child.name != DUMP_LOG:
+        if child.name != DUMP_LOG and child.name not in keep:
             shutil.rmtree(child) if child.is_dir() else child.unlink(missing_ok=True)
 
 
@@ -192,7 +199,30 @@ def validate(m: Any) -> dict[str, Any]:
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool)
                for v in m["timings"].values()):
         raise CorruptCheckpointError("manifest timings are malformed")
+    if "agent" in m:
+        agents(m)
     return m
+
+
+def agents(m: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """The manifest's "agent" entries by PID at checkpoint ({} when none), checked."""
+    raw = m.get("agent", {})
+    if not isinstance(raw, dict):
+        raise CorruptCheckpointError("manifest field 'agent' is not an object")
+    out: dict[int, dict[str, Any]] = {}
+    for key, entry in raw.items():
+        if not (isinstance(key, str) and key.isdigit() and key == str(int(key)) and int(key) > 0):
+            raise CorruptCheckpointError(f"manifest agent entry {key!r} is not a PID")
+        _fields("agent", entry, {"nspid": int, "bytes": int, "files": list})
+        files = entry["files"]
+        if entry["nspid"] <= 0 or not 1 <= len(files) <= 16 or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in files):
+            raise CorruptCheckpointError(f"manifest agent entry {key} is malformed")
+        out[int(key)] = entry
+    nspids = [e["nspid"] for e in out.values()]
+    if len(set(nspids)) != len(nspids):
+        raise CorruptCheckpointError("manifest agent entries share a namespace PID")
+    return out
 
 
 def _fields(what: str, obj: Any, kinds: dict[str, type]) -> None:
@@ -258,6 +288,11 @@ def verify(images_dir: Path, m: dict[str, Any], checksums: bool = True) -> None:
         got = block_digests({rel: real for rel, (real, _want) in todo.items()})
         bad += [f"{rel} checksum mismatch" for rel, (_real, want) in todo.items()
                 if got[rel] != want]
+    for pid, entry in agents(m).items():   # the agents' data: all there, as the agent wrote it
+        for rel, size in zip(bulk.rel_paths(pid, len(entry["files"])), entry["files"]):
+            if m["files"].get(rel, {}).get("size") != size:
+                bad.append(f"{rel} (GPU memory of PID {pid}) is not in the file table with "
+                           f"the {size} bytes its agent wrote")
     if bad:
         more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
         raise CorruptCheckpointError(f"checkpoint {images_dir} is damaged: "

@@ -1,9 +1,15 @@
 """Checkpoint and restore of bare (non-container) process trees: engine + CRIU + manifest.
 
-checkpoint: lock -> checkpoint -> dump -> seal  (any failure before seal: rolled back)
-restore:    verify -> preflight -> restore -> gpu-restore -> unlock
-suspend:    lock -> checkpoint, and the process stays, its GPU memory released
-resume:     gpu-restore -> unlock
+checkpoint: [agent-prepare -> agent-detach ->] lock -> checkpoint -> dump -> seal
+            (any failure before seal: rolled back)
+restore:    verify -> preflight -> restore -> gpu-restore -> unlock [-> agent-resume]
+suspend:    [agent-prepare -> agent-detach ->] lock -> checkpoint, and the process stays, its
+            GPU memory released
+resume:     gpu-restore -> unlock [-> agent-resume]
+
+The agent phases are those of programs run under the in-process agent (`torpor run`): their
+GPU memory goes into <images dir>/torpor-gpu/ (bulk.py), or for a suspend into a private
+directory under suspend_dir (/dev/shm: host memory), removed at resume.
 """
 
 from __future__ import annotations
@@ -19,11 +25,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import __version__, criu, gpus, interrupts, manifest, placement, procs
+from . import __version__, agent, bulk, criu, gpus, interrupts, manifest, placement, procs
 from .driver import ProcessState
-from .engine import Engine
-from .errors import (BusyError, CorruptCheckpointError, CriuError, NoDriverError, NotFoundError, PreflightError, TorporError,
-                     UsageError)
+from .engine import Engine, restore_targets, targets_of
+from .errors import (BusyError, CorruptCheckpointError, CriuError, NoDriverError, NotFoundError,
+                     PreflightError, RolledBackError, TorporError, UsageError)
 from .files import private_dir, require_trusted_location, tree_size
 from .progress import human_bytes
 
@@ -103,9 +109,21 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
         # The draft (all but the file table) lets the next torpor seal these images should
         # this one die after the dump, when the program is gone and the images are all of it.
         # Written before any driver call: a failure here needs no rollback.
-        manifest.write_draft(images_dir, _manifest(tool, inv, engine, comms, states, pid,
-                                                   shell_job, leave_running, {}))
-        engine.lock_and_checkpoint(op, cuda_pids)
+        draft = _manifest(tool, inv, engine, comms, states, pid, shell_job, leave_running, {})
+        manifest.write_draft(images_dir, draft)
+        try:
+            moved = engine.lock_and_checkpoint(op, cuda_pids,
+                                               data=bulk.DataDir(images_dir / bulk.DATA_DIR))
+        except RolledBackError:
+            (images_dir / manifest.DRAFT).unlink(missing_ok=True)  # the directory is reusable
+            raise
+        agents = targets_of(op.entry.agents)
+        if moved:   # before the dump: a recovery seals what the draft says
+            draft["agent"] = {str(p): r for p, r in moved.items()}
+            try:
+                manifest.write_draft(images_dir, draft)
+            except BaseException as e:
+                engine.fail(op, cuda_pids, e, during="manifest")
         stack.enter_context(interrupts.deferred())  # from here on, Ctrl-C waits for the end
         dump_error: BaseException | None = None
         try:
@@ -116,14 +134,14 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
                           shell_job=shell_job)
         except BaseException as e:
             if not manifest.dump_succeeded(images_dir) and any(procs.alive(p) for p in tree):
-                manifest.clear_partial(images_dir)
+                manifest.clear_partial(images_dir, keep=(bulk.DATA_DIR,))  # until resumed
                 engine.fail(op, cuda_pids, e, during="dump")
             dump_error = e  # the program is gone: its images are all that is left of it
         if leave_running and cuda_pids:
             try:
-                engine.restore_and_unlock(op, cuda_pids)
+                engine.restore_and_unlock(op, cuda_pids, agents=agents)
             except TorporError:
-                if engine.rollback(cuda_pids):  # one more try from whatever state it reached
+                if engine.rollback(cuda_pids, agents=agents):  # one more try, from where it got
                     raise
         op.phase("seal")
         with progress.phase("seal", "manifest and checksums" if cfg.checksums else "manifest"):
@@ -177,6 +195,12 @@ def restore(engine: Engine, images_dir: Path, *, device_map: dict[str, str] | No
     if not set(cuda_pids) <= set(pids):
         raise CorruptCheckpointError(f"{images_dir}: the manifest's CUDA processes "
                                      f"{sorted(set(cuda_pids) - set(pids))} are not in the image")
+    moved = manifest.agents(m)
+    if not set(moved) <= set(cuda_pids):
+        raise CorruptCheckpointError(f"{images_dir}: the manifest's agent entries "
+                                     f"{sorted(set(moved) - set(cuda_pids))} are not CUDA "
+                                     "processes of the image")
+    agents = restore_targets(moved, images_dir.absolute() / bulk.DATA_DIR, agent.default_dir())
     with progress.phase("preflight", "PIDs, driver, GPU model and memory"):
         busy = [p for p in pids if procs.pid_taken(p)]
         if busy:
@@ -199,13 +223,14 @@ def restore(engine: Engine, images_dir: Path, *, device_map: dict[str, str] | No
     with engine.begin("restore", []) as op:
         # CRIU brings the CUDA processes back CHECKPOINTED under their old PIDs: journal them
         # first, so that a torpor dying right after CRIU leaves them for recovery to finish.
-        op.phase("restore", pids=cuda_pids, gpu_map=gpu_map or {})
+        op.phase("restore", pids=cuda_pids, gpu_map=gpu_map or {},
+                 agents={p: t.to_json() for p, t in agents.items()})
         try:
             with interrupts.deferred():  # a CRIU killed half-way would leave half a tree
                 with progress.phase("restore", f"CRIU {tool.version_text}, "
                                     f"{len(pids)} process(es)"):
                     root = criu.restore(tool, cfg, images_dir, work_dir, shell_job=m["shell_job"])
-                engine.restore_and_unlock(op, cuda_pids, gpu_map)
+                back = engine.restore_and_unlock(op, cuda_pids, gpu_map, agents)
         except CriuError:
             raise  # CRIU cleans up a failed restore itself
         except BaseException as e:
@@ -219,6 +244,7 @@ def restore(engine: Engine, images_dir: Path, *, device_map: dict[str, str] | No
                               f"were stopped, the checkpoint in {images_dir} is unchanged") from e
     shutil.rmtree(work_dir, ignore_errors=True)
     return {"root_pid": root, "pids": pids, "cuda_pids": cuda_pids, "gpu_map": gpu_map or {},
+            "agent": {str(p): r for p, r in back.items()},
             "timings": {k: round(v, 4) for k, v in progress.timings.items()}}
 
 
@@ -234,17 +260,25 @@ def suspend(engine: Engine, pid: int) -> dict[str, Any]:
         _require_running(states)
         cuda_pids = sorted(states)
         freed = sum(inv.memory_of(p) for p in cuda_pids) if inv else 0
-        engine.lock_and_checkpoint(op, cuda_pids)
+        moved = engine.lock_and_checkpoint(op, cuda_pids,
+                                           data=bulk.DataDir.scratch(engine.cfg, pid),
+                                           scratch=True)
         try:
             for p in cuda_pids:
-                engine.journal.mark_suspended(p, {"root": pid, "since": time.time(),
-                                                  "gpus": inv.gpus_of(p) if inv else [],
-                                                  "gpu_memory": inv.memory_of(p) if inv else 0})
+                record = {"root": pid, "since": time.time(),
+                          "gpus": inv.gpus_of(p) if inv else [],
+                          "gpu_memory": inv.memory_of(p) if inv else 0}
+                if str(p) in op.entry.agents:   # where its agent's data is, for resume
+                    record["agents"] = {str(p): op.entry.agents[str(p)]}
+                    record["data_root"] = op.entry.data_root
+                    record["agent"] = moved[p]
+                engine.journal.mark_suspended(p, record)
         except BaseException as e:  # e.g. a full disk: suspended unrecorded is suspended lost
             for p in cuda_pids:
                 engine.journal.clear_suspended(p)
             engine.fail(op, cuda_pids, e, during="suspend")
     return {"pids": cuda_pids, "gpu_memory_released": freed,
+            "agent": {str(p): r for p, r in moved.items()},
             "timings": {k: round(v, 4) for k, v in engine.progress.timings.items()}}
 
 
@@ -255,15 +289,25 @@ def resume(engine: Engine, pid: int) -> dict[str, Any]:
     if not states:
         engine.driver
         raise NotFoundError(f"process tree {pid} has no CUDA state")
-    todo = sorted(p for p, s in states.items() if s in (ProcessState.CHECKPOINTED, ProcessState.LOCKED))
+    locked = sorted(p for p, s in states.items()
+                    if s in (ProcessState.CHECKPOINTED, ProcessState.LOCKED))
+    records = {p: r for p, r in engine.journal.suspended().items() if p in states}
+    # A program whose agent moved its memory: also when a resume died after the driver's part
+    agents = {p: t for p, r in records.items() for t in targets_of(r.get("agents", {})).values()
+              if t.pid == p}
+    todo = sorted(set(locked) | set(agents))
     if not todo:
         raise UsageError(f"process tree {pid} is not suspended (all RUNNING)")
     with engine.begin("resume", todo) as op:
         try:
-            engine.restore_and_unlock(op, todo)
+            back = engine.restore_and_unlock(op, locked, agents=agents)
         except TorporError:
-            if engine.rollback(todo):  # one more try from whatever state it reached
+            back = {}
+            if engine.rollback(todo, agents=agents):  # one more try from whatever state it reached
                 raise
+    for root in {r["data_root"] for p, r in records.items() if p in todo and r.get("data_root")}:
+        bulk.DataDir(Path(root)).remove()
     for p in todo:
         engine.journal.clear_suspended(p)
-    return {"pids": todo, "timings": {k: round(v, 4) for k, v in engine.progress.timings.items()}}
+    return {"pids": todo, "agent": {str(p): r for p, r in back.items()},
+            "timings": {k: round(v, 4) for k, v in engine.progress.timings.items()}}

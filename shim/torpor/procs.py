@@ -139,3 +139,16 @@ def rss_bytes(pid: int) -> int:
 
 def owner_uid(pid: int) -> int:
     return os.stat(PROC / str(pid)).st_uid
+
+
+def nspid(pid: int) -> int | None:
+    """pid as its own, innermost pid namespace numbers it (the last field of NSpid: in
+    /proc/<pid>/status): getpid() inside a container, pid itself for a host process. None
+    when there is no such process."""
+    try:
+        for line in (PROC / str(pid) / "status").read_text().splitlines():
+            if line.startswith("NSpid:"):
+                return int(line.split()[-1])
+    except (FileNotFoundError, ProcessLookupError, ValueError, IndexError):
+        return None
+    return pid  # a kernel without NSpid (< 4.1) has no pid namespaces to speak of

@@ -17,6 +17,12 @@ def human_bytes(n: float) -> str:
     return f"{n} B"
 
 
+def human_rate(nbytes: float, seconds: float) -> str:
+    """Bytes per second in decimal GB/s (how PCIe and disks are rated), or MB/s below 1 GB/s."""
+    rate = nbytes / max(seconds, 1e-9)
+    return f"{rate / 1e9:.1f} GB/s" if rate >= 1e9 else f"{rate / 1e6:.0f} MB/s"
+
+
 class Progress:
     """Prints one line when a phase starts, a ticker while it runs long, one when it ends.
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from .. import procs
 from ..process import checkpoint
 from ..progress import human_bytes
-from .context import Context, timing_lines
+from .context import Context, agent_line, timing_lines
 
 NEEDS_RECOVERY = True
 
@@ -33,6 +33,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
              f"checkpointed PID {pid} ({len(m['processes'])} process(es), {len(cuda)} with CUDA "
              f"state, {human_bytes(m['sizes']['gpu_memory'])} GPU memory) into {args.images_dir}: "
              f"{human_bytes(m['sizes']['total'])}\n"
+             + agent_line(m.get("agent", {}))
              + ("the program is still running\n" if args.leave_running else "")
              + timing_lines(ctx.engine.progress.timings))  # torpor.json's, plus the seal
     return 0

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..config import Config
 from ..engine import Engine
-from ..progress import Progress
+from ..progress import Progress, human_bytes, human_rate
 
 
 @dataclasses.dataclass
@@ -34,6 +34,19 @@ class Context:
         else:
             sys.stdout.write(human.rstrip("\n") + "\n")
         sys.stdout.flush()
+
+
+def agent_line(moved: dict[str, dict[str, Any]], verb: str = "moved") -> str:
+    """One line on what the programs' agents moved ("" when none did); their own seconds, the
+    programs' copies running side by side."""
+    if not moved:
+        return ""
+    total = sum(int(r.get("bytes", 0)) for r in moved.values())
+    seconds = max(float(r.get("seconds", 0.0)) for r in moved.values())
+    if not total and not seconds:
+        return ""   # agents that had nothing to give back (resumed already)
+    return (f"the agent {verb} {human_bytes(total)} of GPU memory of {len(moved)} program(s) "
+            f"in {seconds:.2f} s ({human_rate(total, seconds)})\n")
 
 
 def timing_lines(timings: dict[str, float]) -> str:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .. import manifest
 from ..archive import read_any
-from ..progress import human_bytes
+from ..progress import human_bytes, human_rate
 from .context import Context, timing_lines
 
 NEEDS_RECOVERY = False
@@ -34,10 +34,15 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     for g in m["gpus"]:
         lines.append(f"  GPU {g.get('index', '?')}: {g['name']} {g['uuid']} "
                      f"({human_bytes(g.get('memory_total', 0))})")
+    moved = manifest.agents(m)
     for p in m["processes"]:
+        a = moved.get(p["pid"])
         lines.append(f"  PID {p['pid']:>7} {p.get('comm', ''):<16} "
                      + (f"CUDA on {', '.join(p['gpus']) or '?'}, {human_bytes(p['gpu_memory'])}"
-                        if p.get("cuda") else "no CUDA state"))
+                        if p.get("cuda") else "no CUDA state")
+                     + (f"; agent moved {human_bytes(a['bytes'])} into {len(a['files'])} "
+                        f"file(s) in {float(a.get('seconds', 0)):.2f} s "
+                        f"({human_rate(a['bytes'], float(a.get('seconds', 0)))})" if a else ""))
     if m["timings"]:
         lines.append("  timings:\n" + timing_lines(m["timings"]))
     if verified:

@@ -1,10 +1,12 @@
-"""torpor ps: GPU processes, their checkpoint state and their container."""
+"""torpor ps: GPU processes, their checkpoint state, their container and whether they run
+under the in-process agent (AGENT: its socket answers; "stale": a socket nobody listens on)."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from .. import gpus, procs
+from .. import agent, gpus, procs
 from ..config import Config
 from ..errors import NoDriverError, TorporError
 from ..progress import human_bytes
@@ -36,6 +38,21 @@ def containers_by_pid(cfg: Config) -> dict[int, str]:
     return out
 
 
+def agent_state(pid: int, agent_dir: Path | None) -> str:
+    """The agent's state (running, prepared, detached), "stale", "?" (it did not answer), or
+    "" when the program has no agent."""
+    path = agent.socket_of(pid, agent_dir)
+    if path is None:
+        return ""
+    try:
+        with agent.AgentClient(path, procs.owner_uid(pid), timeout=1.0, expect_pid=pid) as a:
+            return a.state()
+    except agent.NoAgentError:
+        return "stale"
+    except (TorporError, OSError):
+        return "?"
+
+
 def run(args: argparse.Namespace, ctx: Context) -> int:
     engine = ctx.engine
     inv = gpus.discover()  # NoDriverError: no NVIDIA driver, nothing to list
@@ -49,17 +66,21 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     rows = []
     for pid in pids:
         info = suspended.get(pid, {})
+        cid = containers.get(pid, "")
         rows.append({"pid": pid, "comm": procs.comm(pid),
                      "state": states[pid].name if pid in states else "?",
                      "gpus": inv.gpus_of(pid) or info.get("gpus", []),
                      "gpu_memory": inv.memory_of(pid) or 0,
-                     "suspended": pid in suspended, "container": containers.get(pid, "")})
+                     "suspended": pid in suspended, "container": cid,
+                     "agent": agent_state(pid, agent.container_dir(ctx.cfg.run_dir, cid)
+                                          if cid else None)})
     index = {g.uuid: g.index for g in inv.gpus}
-    lines = [f"{'PID':>8}  {'STATE':<13} {'GPU':<5} {'MEMORY':>11}  {'CONTAINER':<12}  COMMAND"]
+    lines = [f"{'PID':>8}  {'STATE':<13} {'GPU':<5} {'MEMORY':>11}  {'AGENT':<9} "
+             f"{'CONTAINER':<12}  COMMAND"]
     for r in rows:
         gpu = ",".join(str(index.get(u, "?")) for u in r["gpus"]) or "-"
         lines.append(f"{r['pid']:>8}  {r['state']:<13} {gpu:<5} {human_bytes(r['gpu_memory']):>11}"
-                     f"  {r['container'][:12] or '-':<12}  {r['comm']}")
+                     f"  {r['agent'] or '-':<9} {r['container'][:12] or '-':<12}  {r['comm']}")
     if not rows:
         lines.append("(no GPU processes)")
     ctx.emit({"driver_version": inv.driver_version, "processes": rows}, "\n".join(lines))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..placement import parse_device_map
 from ..process import restore
-from .context import Context, timing_lines
+from .context import Context, agent_line, timing_lines
 
 NEEDS_RECOVERY = True
 
@@ -29,5 +29,6 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     remap = ", ".join(f"{o} -> {n}" for o, n in r["gpu_map"].items())
     ctx.emit(r, f"restored {len(r['pids'])} process(es), root PID {r['root_pid']}"
              + (f", {len(r['cuda_pids'])} with CUDA state" if r["cuda_pids"] else "")
-             + (f"; GPUs {remap}" if remap else "") + "\n" + timing_lines(r["timings"]))
+             + (f"; GPUs {remap}" if remap else "") + "\n"
+             + agent_line(r["agent"], "gave back") + timing_lines(r["timings"]))
     return 0

@@ -7,7 +7,7 @@ import argparse
 from .. import procs
 from ..process import resume, suspend
 from ..progress import human_bytes
-from .context import Context, timing_lines
+from .context import Context, agent_line, timing_lines
 
 NEEDS_RECOVERY = True
 
@@ -28,8 +28,9 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         r = suspend(ctx.engine, pid)
         ctx.emit(r, f"suspended {', '.join(map(str, r['pids']))}: "
                  f"{human_bytes(r['gpu_memory_released'])} of GPU memory released\n"
-                 + timing_lines(r["timings"]))
+                 + agent_line(r["agent"]) + timing_lines(r["timings"]))
     else:
         r = resume(ctx.engine, pid)
-        ctx.emit(r, f"resumed {', '.join(map(str, r['pids']))}\n" + timing_lines(r["timings"]))
+        ctx.emit(r, f"resumed {', '.join(map(str, r['pids']))}\n"
+                 + agent_line(r["agent"], "gave back") + timing_lines(r["timings"]))
     return 0

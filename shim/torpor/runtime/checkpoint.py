@@ -10,6 +10,11 @@ runtime (runc/crun, through CRIU) dumps, torpor.json goes into the image directo
                                                                           seal torpor.json
 torpord is told our PID: should this process die before Finish/Rollback, torpord rolls the
 operation back itself once no dump holds the processes.
+
+Programs under the in-process agent: torpord has their agents move their GPU memory into
+<image-path>/torpor-gpu/ first (bulk.py), so the runtime's image directory, and with it
+podman's --export archive and containerd's checkpoint, carries it; torpor.json lists it
+("agent", and the file table's checksums). CRIU ignores the directory.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import __version__, gpus, interrupts, manifest, oci
+from .. import __version__, bulk, gpus, interrupts, manifest, oci
 from ..config import Config
 from ..errors import NoDriverError, TorporError, UsageError
 from ..files import private_dir
@@ -59,26 +64,33 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
     images = Path(inv.opt("image-path") or "checkpoint").absolute()
     leave_running = inv.flag("leave-running")
     private_dir(images)
+    data = bulk.DataDir(images / bulk.DATA_DIR)
+    data.remove()   # an earlier checkpoint's, into the same image path
     t0 = time.monotonic()
     ensure_running(cfg)
     timings: dict[str, float] = {}
     with Client(cfg) as c, interrupts.deferred():
-        ck = c.lock_and_checkpoint(pids=[pid], owner_pid=os.getpid())
+        ck = c.lock_and_checkpoint(pids=[pid], owner_pid=os.getpid(), gpu_data_dir=data.root,
+                                   agent_container_id=cid)
         op_id = ck["op_id"]
         timings.update(ck["timings"])
-        log.info("checkpoint %s: %s locked and checkpointed %s in %.2f s", cid, op_id,
-                 [p["pid"] for p in ck["cuda_processes"]], time.monotonic() - t0)
+        log.info("checkpoint %s: %s locked and checkpointed %s in %.2f s%s", cid, op_id,
+                 [p["pid"] for p in ck["cuda_processes"]], time.monotonic() - t0,
+                 "".join(f"; agent of {a['pid']} moved {a['bytes']} bytes in {a['seconds']:.2f} s"
+                         for a in ck["agents"]))
         try:
             manifest.write_draft(images, _draft(cid, spec, use, ck, pid, leave_running))
         except BaseException:
             c.rollback(op_id)
+            data.remove()
             raise
         t = time.monotonic()
         rc = runtime.run().wait()
         timings["dump"] = time.monotonic() - t
         if rc != 0:
-            c.rollback(op_id)
+            c.rollback(op_id)   # the agents have their memory back: their files can go
             (images / manifest.DRAFT).unlink(missing_ok=True)
+            data.remove()
             report = f"{Path(runtime.path).name} checkpoint failed (exit {rc}); the container's " \
                      "GPU state was rolled back, it keeps running"
             log.error("checkpoint %s: %s", cid, report)
@@ -119,7 +131,7 @@ def _draft(cid: str, spec: dict[str, Any], use: oci.GpuUse, ck: dict[str, Any], 
                 for g in (inv.gpus if inv else []) if g.uuid in used]
     processes = [{"pid": p["pid"], "comm": _comm(p["pid"]), "cuda": True, "gpus": p["gpu_uuids"],
                   "gpu_memory": int(p["gpu_memory"]), "state": p["state"]} for p in cuda]
-    return {
+    draft = {
         "schema": manifest.SCHEMA, "kind": "torpor-checkpoint",
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torpor_version": __version__, "criu_version": "",
@@ -131,6 +143,11 @@ def _draft(cid: str, spec: dict[str, Any], use: oci.GpuUse, ck: dict[str, Any], 
         "files": {},
         "container": {"id": cid, "minors": use.minors, "visible": use.visible, "cdi": use.cdi},
     }
+    if ck["agents"]:
+        draft["agent"] = {str(a["pid"]): {k: a[k] for k in (
+            "nspid", "bytes", "chunks", "allocations", "cache_released", "seconds", "files")}
+            for a in ck["agents"]}
+    return draft
 
 
 def _comm(pid: int) -> str:

@@ -67,13 +67,13 @@ def create(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
 
 def agent_dirs(cfg: Config) -> Path:
     """One socket directory per container under here (bound to /run/torpor/agents inside)."""
-    return cfg.run_dir / "agents"
+    return agent.container_dirs(cfg.run_dir)
 
 
 def agent_dir(cfg: Config, container_id: str, spec: dict) -> Path:
     """The container's socket directory, 0700 and owned by the host uid its process runs as
     (the agent creates its socket there, and accepts root and that uid)."""
-    path = private_dir(agent_dirs(cfg) / oci.validate_container_id(container_id))
+    path = private_dir(agent.container_dir(cfg.run_dir, container_id))
     os.chown(path, *oci.host_ids(spec))
     return path
 

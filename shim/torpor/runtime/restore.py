@@ -8,7 +8,9 @@ runtime restore, then torpord restores the GPU state on the new host PIDs and un
                                                                      in the driver) ──► device
                                                                      nodes ──► RestoreAndUnlock
 Everything before runc restore only reads and plans: a refusal starts nothing. A failure after
-it kills the half-restored container and says why.
+it kills the half-restored container and says why. RestoreAndUnlock also gives programs under
+the agent the GPU memory their agent moved into <image-path>/torpor-gpu/ (torpor.json's
+"agent"), found by their PID in the container's namespace.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import agent, gpus, manifest, oci, placement
+from .. import agent, bulk, gpus, manifest, oci, placement
 from ..config import Config
 from ..errors import NoDriverError, PreflightError, TorporError
 from ..sidecar.client import Client, ensure_running
@@ -57,6 +59,8 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
               "checkpoint could not finish it): image files not verified", file=sys.stderr)
     _repoint_agent(cfg, bundle, cid)
     cuda = [p for p in m["processes"] if p["cuda"]]
+    moved = [{"pid": p, "nspid": e["nspid"], "files": e["files"]}
+             for p, e in manifest.agents(m).items()]
     gpu_map: dict[str, str] = {}
     moves: list[oci.Move] = []
     explicit = False
@@ -81,7 +85,9 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
         # Same GPUs: the driver restores without pairs, unless a map was asked for.
         driver_map = gpu_map if explicit or any(o != n for o, n in gpu_map.items()) else {}
         with Client(cfg) as c:
-            out = c.restore_and_unlock(pids=[pid], gpu_map=driver_map)
+            out = c.restore_and_unlock(pids=[pid], gpu_map=driver_map, agents=moved,
+                                       gpu_data_dir=images / bulk.DATA_DIR if moved else "",
+                                       agent_container_id=cid)
     except TorporError as e:
         runtime.kill(cid)
         raise TorporError(f"GPU restore of container {cid} failed: {e.line()}; the restored "

@@ -108,14 +108,21 @@ class Client:
     # -- checkpoint -----------------------------------------------------------------------------
     def lock_and_checkpoint(self, pids: Iterable[int] = (), container_id: str = "", *,
                             lock_timeout_s: float | None = None, descendants: bool = True,
-                            owner_pid: int = 0, timeout: float | None = None) -> dict[str, Any]:
+                            owner_pid: int = 0, gpu_data_dir: str | os.PathLike = "",
+                            agent_container_id: str = "",
+                            timeout: float | None = None) -> dict[str, Any]:
         """Lock and checkpoint the CUDA processes among pids (and their descendants) or the
         container's; the operation stays open: end it with finish/rollback/restore_and_unlock.
         owner_pid: torpord rolls the operation back should that process die before ending it.
+        gpu_data_dir: programs under the agent move their GPU memory into files there first
+        (their sockets in agent_container_id's agent directory).
         Returns {op_id, pids, cuda_processes: [{pid, state, gpu_uuids, gpu_memory}], timings,
-        deadline, container_id}."""
+        deadline, container_id, agents: [{pid, nspid, files, bytes, chunks, allocations,
+        cache_released, seconds}]}."""
         req = self.pb.LockAndCheckpointRequest(pids=list(pids), container_id=container_id,
-                                               no_descendants=not descendants, owner_pid=owner_pid)
+                                               no_descendants=not descendants, owner_pid=owner_pid,
+                                               gpu_data_dir=str(gpu_data_dir),
+                                               agent_container_id=agent_container_id)
         if lock_timeout_s is not None:
             req.lock_timeout_s = lock_timeout_s
         return to_dict(self._call("LockAndCheckpoint", req, timeout))
@@ -132,16 +139,23 @@ class Client:
     # -- restore --------------------------------------------------------------------------------
     def restore_and_unlock(self, op_id: str = "", pids: Iterable[int] = (),
                            container_id: str = "", gpu_map: Mapping[str, str] | None = None, *,
-                           descendants: bool = True,
+                           descendants: bool = True, gpu_data_dir: str | os.PathLike = "",
+                           agents: Iterable[Mapping[str, Any]] = (),
+                           agent_container_id: str = "",
                            timeout: float | None = None) -> dict[str, Any]:
         """op_id: end an open checkpoint by giving the (still running) processes their GPU
         state back (--leave-running). pids/container_id: a restored container's new host PIDs
-        (CHECKPOINTED in the driver) get their GPU state (on gpu_map's GPUs) and run.
-        Returns {op_id, pids (the CUDA PIDs restored), timings, gpu_map}."""
-        req = self.pb.RestoreAndUnlockRequest(op_id=op_id, pids=list(pids),
-                                              container_id=container_id,
-                                              gpu_map=dict(gpu_map or {}),
-                                              no_descendants=not descendants)
+        (CHECKPOINTED in the driver) get their GPU state (on gpu_map's GPUs) and run; agents
+        ({pid, nspid, files} as lock_and_checkpoint returned them) their memory back from
+        gpu_data_dir through their agent (in agent_container_id's agent directory).
+        Returns {op_id, pids (the CUDA PIDs restored), timings, gpu_map,
+        agents: [{pid, bytes, seconds}]}."""
+        req = self.pb.RestoreAndUnlockRequest(
+            op_id=op_id, pids=list(pids), container_id=container_id, gpu_map=dict(gpu_map or {}),
+            no_descendants=not descendants, gpu_data_dir=str(gpu_data_dir),
+            agents=[self.pb.AgentData(pid=int(a["pid"]), nspid=int(a["nspid"]),
+                                      files=[int(n) for n in a["files"]]) for a in agents],
+            agent_container_id=agent_container_id)
         return to_dict(self._call("RestoreAndUnlock", req, timeout))
 
     # -- inspection -------------------------------------------------------------------------------

@@ -7,6 +7,11 @@ A container checkpoint is LockAndCheckpoint, then the runtime's CRIU dump, then 
 Rollback or RestoreAndUnlock; the operation stays open (journal entry and PID locks held by
 torpord) in between, and is rolled back by torpord when not ended within --op-timeout.
 
+Programs under the in-process agent: given a data directory (gpu_data_dir, torpor-runtime
+names <image-path>/torpor-gpu), LockAndCheckpoint has their agents move their bulk GPU memory
+there first, and every way an operation ends gives it back through the agent (engine.py has
+the order). The sockets are in the container's agent directory (agent.container_dir).
+
 At start torpord rolls back what dead torpor processes left locked or checkpointed
 (engine.recover()). On SIGTERM/SIGINT it stops accepting, lets calls in flight finish, rolls
 back its open operations and exits 0.
@@ -31,11 +36,11 @@ from typing import Any, Callable, Iterable
 
 import grpc
 
-from .. import __version__, config, gpus, procs
+from .. import __version__, agent, bulk, config, gpus, procs
 from ..oci import validate_container_id
 from ..doctor import run_checks
 from ..driver import ProcessState
-from ..engine import Engine
+from ..engine import Engine, restore_targets, targets_of
 from ..errors import (NoDriverError, NotFoundError, SidecarError, TorporError, UsageError)
 from ..files import private_dir, write_json
 from ..journal import Operation
@@ -249,7 +254,7 @@ class Service:
         engine = self.engine()
         live = [p for p in o.cuda_pids if procs.alive(p)]
         with engine.progress.phase("rollback"):
-            problems = engine.rollback(live)
+            problems = engine.rollback(live, agents=targets_of(o.op.entry.agents))
         if problems:
             o.op.release()
             raise TorporError(f"rollback of {o.id} failed: " + "; ".join(problems),
@@ -284,6 +289,19 @@ class Service:
         except NoDriverError as e:
             log.debug("no GPU inventory: %s", e)
             return None
+
+    def _agent_dir(self, *container_ids: str) -> Path:
+        """The agents' socket directory: the first container's given, else the bare one."""
+        cid = next((c for c in container_ids if c), "")
+        return agent.container_dir(self.cfg.run_dir, cid) if cid else agent.default_dir()
+
+    @staticmethod
+    def _data_dir(path: str) -> Path | None:
+        if not path:
+            return None
+        if not os.path.isabs(path):
+            raise UsageError(f"gpu_data_dir must be an absolute path, not {path!r}")
+        return Path(path)
 
     def _cuda_process(self, pid: int, state: ProcessState, inv: gpus.Inventory | None) -> Any:
         return self.pb.CudaProcess(pid=pid, state=state.name,
@@ -324,6 +342,8 @@ class Service:
                 raise UsageError("lock_timeout_s must be positive")
             cfg = dataclasses.replace(cfg, lock_timeout_s=request.lock_timeout_s)
         pids = self._resolve(request.pids, request.container_id, not request.no_descendants)
+        data = self._data_dir(request.gpu_data_dir)
+        agent_dir = self._agent_dir(request.agent_container_id, request.container_id)
         owner = None
         if request.owner_pid:
             owner = (request.owner_pid, procs.start_time(request.owner_pid))
@@ -340,7 +360,8 @@ class Service:
             cuda_pids = sorted(states)
             inv = self._gpu_info(cuda_pids)
             cuda = [self._cuda_process(p, states[p], inv) for p in cuda_pids]
-            engine.lock_and_checkpoint(op, cuda_pids)  # rolls back and closes op on failure
+            moved = engine.lock_and_checkpoint(  # rolls back and closes op on failure
+                op, cuda_pids, bulk.DataDir(data) if data else None, agent_dir)
             try:
                 # The processes are CHECKPOINTED now: until the operation is in the table (where
                 # Rollback, the reaper or shutdown find it), any failure rolls back at once.
@@ -361,7 +382,12 @@ class Service:
                  op.entry.id, len(cuda_pids), len(pids), ",".join(map(str, cuda_pids)) or "-")
         return self.pb.LockAndCheckpointResponse(
             op_id=op.entry.id, pids=pids, cuda_processes=cuda, timings=_timings(engine),
-            deadline=deadline, container_id=request.container_id)
+            deadline=deadline, container_id=request.container_id,
+            agents=[self.pb.AgentData(pid=p, nspid=r["nspid"], files=r["files"],
+                                      bytes=r["bytes"], chunks=r["chunks"],
+                                      allocations=r["allocations"],
+                                      cache_released=r["cache_released"], seconds=r["seconds"])
+                    for p, r in sorted(moved.items())])
 
     @_rpc
     def Finish(self, request: Any, context: Any) -> Any:
@@ -377,7 +403,7 @@ class Service:
         if alive:
             log.warning("%s finished with CUDA PIDs %s still alive: resuming them", o.id, alive)
             with engine.progress.phase("resume"):
-                problems = engine.rollback(alive)
+                problems = engine.rollback(alive, agents=targets_of(o.op.entry.agents))
             if problems:
                 o.op.release()
                 raise TorporError(f"finish of {o.id}: " + "; ".join(problems))
@@ -405,6 +431,9 @@ class Service:
                 raise UsageError("give an operation id or PIDs/container, not both")
             return self._restore_open(self._take(request.op_id), gpu_map)
         pids = self._resolve(request.pids, request.container_id, not request.no_descendants)
+        data = self._data_dir(request.gpu_data_dir)
+        if request.agents and data is None:
+            raise UsageError("agents given without the gpu_data_dir that holds their data")
         engine = self.engine()
         op = engine.begin("restore", pids)
         try:
@@ -415,6 +444,12 @@ class Service:
             if failed:
                 raise TorporError(f"PID {failed[0]} is in the driver's FAILED state: "
                                   "it cannot be restored")
+            agents = restore_targets(
+                {a.pid: {"nspid": a.nspid, "files": list(a.files)} for a in request.agents},
+                data or Path(), self._agent_dir(request.agent_container_id,
+                                                   request.container_id), host_pids=pids)
+            op.phase("gpu-restore", agents={p: t.to_json() for p, t in agents.items()})
+            back: dict[int, dict[str, Any]] = {}
             try:
                 engine.restore_and_unlock(op, checkpointed, gpu_map)
                 if locked:
@@ -422,8 +457,10 @@ class Service:
                     with engine.progress.phase("unlock", f"{len(locked)} locked"):
                         for p in locked:
                             engine.driver.unlock(p)
+                if agents:   # after every unlock: a locked program's agent cannot resume
+                    back = engine.restore_and_unlock(op, [], agents=agents)
             except TorporError as e:
-                problems = engine.rollback(checkpointed + locked, gpu_map)  # one more try
+                problems = engine.rollback(checkpointed + locked, gpu_map, agents)  # once more
                 if problems:
                     op.release()
                     raise TorporError(f"{op.entry.phase} failed: {e}; retry failed too: "
@@ -439,16 +476,23 @@ class Service:
         done = checkpointed + locked
         log.info("%s: %d CUDA process(es) restored and unlocked", op.entry.id, len(done))
         return self.pb.RestoreAndUnlockResponse(op_id=op.entry.id, pids=sorted(done),
-                                                timings=_timings(engine), gpu_map=gpu_map)
+                                                timings=_timings(engine), gpu_map=gpu_map,
+                                                agents=self._resumed(back))
+
+    def _resumed(self, back: dict[int, dict[str, Any]]) -> list[Any]:
+        return [self.pb.AgentResumed(pid=p, bytes=r["bytes"], seconds=r["seconds"])
+                for p, r in sorted(back.items())]
 
     def _restore_open(self, o: OpenOp, gpu_map: dict[str, str]) -> Any:
         """--leave-running: the dump is done and the processes still live; give them the GPU."""
         engine = self.engine()
         live = [p for p in o.cuda_pids if procs.alive(p)]
+        agents = {p: t for p, t in targets_of(o.op.entry.agents).items() if p in live}
+        back: dict[int, dict[str, Any]] = {}
         try:
-            engine.restore_and_unlock(o.op, live, gpu_map)
+            back = engine.restore_and_unlock(o.op, live, gpu_map, agents)
         except TorporError as e:
-            problems = engine.rollback(live, gpu_map)
+            problems = engine.rollback(live, gpu_map, agents)
             if problems:
                 o.op.release()
                 raise TorporError(f"restore of {o.id} failed: {e}; retry failed: "
@@ -457,7 +501,7 @@ class Service:
         o.op.close()
         log.info("%s: left running, %d CUDA process(es) restored and unlocked", o.id, len(live))
         return self.pb.RestoreAndUnlockResponse(op_id=o.id, pids=live, timings=_timings(engine),
-                                                gpu_map=gpu_map)
+                                                gpu_map=gpu_map, agents=self._resumed(back))
 
     # -- inspection ---------------------------------------------------------------------------------
     def _op_info(self, o: OpenOp) -> Any:

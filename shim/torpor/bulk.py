@@ -1,0 +1,183 @@
+"""The data files the in-process agent moves GPU memory into (agent/PROTOCOL.md, `prepare`).
+
+One directory (0700) per operation, one subdirectory (0700) per program named after its PID
+at checkpoint, N files (0600) in each:
+
+    <root>/<pid>/gpu-memory-0.bin ... gpu-memory-<N-1>.bin
+
+root is `<images dir>/torpor-gpu` for a checkpoint (CRIU ignores what it does not know in its
+images directory, the manifest's file table covers the files, podman's --export archive and
+containerd's checkpoint carry them), and a private directory under `suspend_dir` (host memory:
+/dev/shm) for `torpor suspend`.
+
+Every name is made here from integers (a PID, a file index): none comes from a manifest or an
+archive. Files are created with O_EXCL and opened through directory fds with O_NOFOLLOW, so a
+symbolic link planted anywhere below root is refused rather than followed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import stat
+from pathlib import Path
+from typing import Iterator
+
+from .config import Config
+from .errors import CorruptCheckpointError, TorporError, UsageError
+from .files import TRUSTED_UIDS, require_trusted_location
+
+DATA_DIR = "torpor-gpu"              # in a checkpoint's images directory
+MAX_FILES = 16                       # the agent takes 1-16 files per prepare
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def file_name(k: int) -> str:
+    return f"gpu-memory-{int(k)}.bin"
+
+
+def file_count(cfg: Config) -> int:
+    """Files per program: config agent_files, else one per two CPUs, 1 to 8 (the agent runs
+    one writer thread per file)."""
+    if cfg.agent_files:
+        return max(1, min(MAX_FILES, cfg.agent_files))
+    return min(8, max(1, (os.cpu_count() or 2) // 2))
+
+
+def rel_paths(pid: int, count: int) -> list[str]:
+    """The files of one program relative to an images directory (manifest file-table keys)."""
+    return [f"{DATA_DIR}/{int(pid)}/{file_name(k)}" for k in range(count)]
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+class DataDir:
+    """The root of one operation's data files (see the module's docstring)."""
+
+    def __init__(self, root: Path, private_parent: bool = False):
+        self.root = Path(os.path.abspath(root))
+        self.private_parent = private_parent   # make() makes the parent too, 0700 and ours
+
+    def __repr__(self) -> str:
+        return f"DataDir({str(self.root)!r})"
+
+    # -- the root -------------------------------------------------------------------------------
+    def make(self) -> "DataDir":
+        """Create the root (0700, empty) in an existing directory only root (or we) can change."""
+        if self.private_parent:
+            self._private(self.root.parent)
+        require_trusted_location(self.root, "GPU data directory")
+        try:
+            with self._open(self.root.parent, follow=True) as parent:
+                os.mkdir(self.root.name, 0o700, dir_fd=parent)
+                with self._open(self.root.name, dir_fd=parent) as fd:
+                    os.fchmod(fd, 0o700)
+        except FileExistsError:
+            raise UsageError(f"{self.root} exists already: the GPU data of an operation goes "
+                             "into a new directory") from None
+        except OSError as e:
+            raise TorporError(f"cannot make the GPU data directory {self.root}: {e}") from e
+        return self
+
+    @classmethod
+    def scratch(cls, cfg: Config, pid: int) -> "DataDir":
+        """Where a suspended program's data goes, in host memory: <suspend_dir>/<pid>-<random>,
+        suspend_dir made 0700 and checked ours (by make(): nothing is made before)."""
+        base = Path(os.path.abspath(cfg.suspend_dir))
+        return cls(base / f"{int(pid)}-{secrets.token_hex(6)}", private_parent=True)
+
+    @staticmethod
+    def _private(base: Path) -> None:
+        require_trusted_location(base, "suspend_dir")
+        try:
+            base.mkdir(mode=0o700, parents=True, exist_ok=True)
+            st = os.lstat(base)
+        except OSError as e:
+            raise TorporError(f"cannot make suspend_dir {base}: {e}") from e
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            raise UsageError(f"suspend_dir {base} is not a directory of uid {os.geteuid()} "
+                             f"(uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})")
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.chmod(base, 0o700)
+
+    def remove(self) -> None:
+        """Remove the root and everything under it (never following a link out of it)."""
+        try:
+            if stat.S_ISDIR(os.lstat(self.root).st_mode):
+                shutil.rmtree(self.root)
+        except FileNotFoundError:
+            pass
+
+    # -- one program's files --------------------------------------------------------------------
+    def for_prepare(self, pid: int, count: int) -> list[int]:
+        """Make <root>/<pid>/ and its `count` empty files; fds open read-write (close them)."""
+        if not 1 <= count <= MAX_FILES:
+            raise ValueError(f"{count} data files: 1 to {MAX_FILES} allowed")
+        fds: list[int] = []
+        try:
+            with self._open(self.root) as root:
+                os.mkdir(str(int(pid)), 0o700, dir_fd=root)
+                with self._open(str(int(pid)), dir_fd=root) as d:
+                    os.fchmod(d, 0o700)
+                    for k in range(count):
+                        fd = os.open(file_name(k), os.O_RDWR | os.O_CREAT | os.O_EXCL
+                                     | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=d)
+                        fds.append(fd)
+                        os.fchmod(fd, 0o600)
+        except OSError as e:
+            _close_all(fds)
+            raise TorporError(f"cannot make the GPU data files of PID {pid} in {self.root}: "
+                              f"{e}") from e
+        return fds
+
+    def for_resume(self, pid: int, count: int) -> list[int]:
+        """The `count` files of <root>/<pid>/, opened read-only (close them). Each must be a
+        regular file no other user could have written."""
+        if not 1 <= count <= MAX_FILES:
+            raise CorruptCheckpointError(f"{count} GPU data files for PID {pid}: 1 to "
+                                         f"{MAX_FILES} expected")
+        fds: list[int] = []
+        try:
+            with self._open(self.root) as root, self._open(str(int(pid)), dir_fd=root) as d:
+                for k in range(count):
+                    fd = os.open(file_name(k), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                 dir_fd=d)
+                    fds.append(fd)
+                    st = os.fstat(fd)
+                    if not stat.S_ISREG(st.st_mode) or st.st_uid not in TRUSTED_UIDS \
+                            or st.st_mode & 0o022:
+                        raise CorruptCheckpointError(
+                            f"{self.root}/{pid}/{file_name(k)} is not a private regular file "
+                            f"(uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})")
+        except FileNotFoundError as e:
+            _close_all(fds)
+            raise CorruptCheckpointError(f"GPU data of PID {pid} missing in {self.root}: "
+                                         f"{e.filename or e}") from e
+        except OSError as e:
+            _close_all(fds)
+            raise TorporError(f"cannot open the GPU data files of PID {pid} in {self.root}: "
+                              f"{e}") from e
+        except BaseException:
+            _close_all(fds)
+            raise
+        return fds
+
+    def path(self, pid: int) -> Path:
+        return self.root / str(int(pid))
+
+    # -- internals ------------------------------------------------------------------------------
+    @staticmethod
+    @contextlib.contextmanager
+    def _open(path: str | Path, dir_fd: int | None = None, follow: bool = False
+              ) -> Iterator[int]:
+        flags = _DIR_FLAGS & ~os.O_NOFOLLOW if follow else _DIR_FLAGS
+        fd = os.open(path, flags, dir_fd=dir_fd)
+        try:
+            yield fd
+        finally:
+            os.close(fd)

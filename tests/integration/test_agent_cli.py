@@ -1,0 +1,188 @@
+"""`torpor checkpoint/restore/suspend/resume` of a program under an agent, with real CRIU and
+the fake GPU: the program is tests/unit/fake_agent.py's, a CUDA program of the fake driver
+serving the Python fake of the agent's socket. The agent's data files travel in the images
+directory through CRIU's dump and restore, the program's connections from torpor are closed
+before the dump, and the restored program gets every byte back through its (restored) socket.
+The same against the C agent belongs with tests/gpu and the agent's own tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import alive, needs_criu, wait_for
+from torpor.agent import AgentClient
+
+pytestmark = needs_criu
+ROOT = Path(__file__).resolve().parents[2]
+PROGRAM = ROOT / "tests" / "unit" / "fake_agent.py"
+
+
+class Program:
+    def __init__(self, gpu, tmp_path: Path):
+        self.agents = tmp_path / "agents"
+        self.agents.mkdir(mode=0o700, exist_ok=True)
+        self.events = tmp_path / "events"
+        log = open(tmp_path / "program.log", "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PROGRAM), str(self.agents), str(self.events),
+             "--bytes", str(5 << 20), "--lib", gpu.libcuda],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+            env={**os.environ, **gpu.env(), "PYTHONPATH": os.pathsep.join(sys.path)})
+        log.close()
+        self.pid = self.proc.pid
+        self.sock = self.agents / f"agent-{self.pid}.sock"
+        wait_for(lambda: self.sock.exists() and gpu.state(self.pid), 15, "the program")
+
+    def log(self) -> list[str]:
+        lines = self.events.read_text().splitlines() if self.events.exists() else []
+        self.events.unlink(missing_ok=True)
+        return [line.rsplit(" ", 1)[0] for line in lines]
+
+    def status(self) -> dict:
+        with AgentClient(self.sock) as a:
+            return a.status()
+
+
+@pytest.fixture
+def program(gpu, tmp_path, reaper):
+    p = Program(gpu, tmp_path)
+    reaper.append(p.pid)
+    yield p
+
+
+@pytest.fixture
+def env(torpor, program, tmp_path):
+    torpor.env["TORPOR_AGENT_DIR"] = str(program.agents)
+    torpor.env["TORPOR_SUSPEND_DIR"] = str(tmp_path / "shm")
+    return torpor
+
+
+def test_checkpoint_and_restore_through_the_agent(env, program, gpu, tmp_path, reaper):
+    images = tmp_path / "ck"
+    out = env.json("checkpoint", str(program.pid), "-D", str(images))
+    program.proc.wait(timeout=10)
+    assert program.log() == ["agent status", "agent prepare", "agent detach"]
+    m = out["manifest"]
+    entry = m["agent"][str(program.pid)]
+    assert entry["bytes"] == 5 << 20 and entry["nspid"] == program.pid
+    files = sorted((images / "torpor-gpu" / str(program.pid)).iterdir())
+    assert [f.stat().st_size for f in files] == entry["files"]
+    assert all(m["files"][f"torpor-gpu/{program.pid}/{f.name}"]["sha256"] for f in files)
+    insp = env.json("inspect", str(images), "--verify")
+    assert insp["verified"] and insp["manifest"]["agent"] == m["agent"]
+
+    r = env.run("restore", "-D", str(images))
+    assert r.returncode == 0, r.stderr
+    reaper.append(program.pid)
+    assert "agent-resume" in r.stderr and "the agent gave back 5.00 MiB" in r.stdout
+    assert program.log() == ["agent status", "agent resume"]
+    st = program.status()
+    assert st["state"] == "running" and st["gate"] == "open" and st["intact"] is True
+    assert gpu.state(program.pid)["state"] == 0
+
+
+def test_leave_running(env, program, gpu, tmp_path):
+    r = env.run("checkpoint", str(program.pid), "-D", str(tmp_path / "ck"), "--leave-running")
+    assert r.returncode == 0, r.stderr
+    assert "the agent moved 5.00 MiB of GPU memory of 1 program(s)" in r.stdout
+    assert program.log() == ["agent status", "agent prepare", "agent detach", "agent status",
+                             "agent resume"]
+    assert alive(program.pid) and program.status()["intact"] is True
+
+
+@pytest.mark.parametrize("size", ["1m", "8m"])
+def test_a_full_disk_gives_the_memory_back(env, program, gpu, tmp_path, size):
+    """1 MiB: the agent's prepare fails (no room for 5 MiB); 8 MiB: the data fits, the dump
+    does not. Either way the program runs on with every byte, and only CRIU's log stays."""
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(small)],
+                   check=True)
+    try:
+        r = env.run("checkpoint", str(program.pid), "-D", str(small / "ck"))
+        assert r.returncode == 8, r.stderr
+        assert ("agent-prepare failed" if size == "1m" else "criu dump failed") in r.stderr
+        assert program.log() == ["agent status", "agent prepare"] + (
+            ["agent status"] if size == "1m"     # nothing moved: nothing to resume
+            else ["agent detach", "agent status", "agent resume"])
+        assert alive(program.pid) and program.status()["intact"] is True
+        assert gpu.state(program.pid)["state"] == 0
+        assert [p.name for p in (small / "ck").iterdir()] in ([], ["dump.log"])
+    finally:
+        subprocess.run(["umount", "-l", str(small)])
+
+
+def test_lock_failure_gives_the_memory_back(env, program, gpu, tmp_path):
+    gpu.fail("lock", "CUDA_ERROR_UNKNOWN")
+    r = env.run("checkpoint", str(program.pid), "-D", str(tmp_path / "ck"))
+    assert r.returncode == 8, r.stderr
+    assert "lock failed" in r.stderr
+    assert program.log() == ["agent status", "agent prepare", "agent detach", "agent status",
+                             "agent resume"]
+    assert program.status()["intact"] is True
+    assert not (tmp_path / "ck" / "torpor-gpu").exists()
+
+
+def test_suspend_and_resume_through_host_memory(env, program, gpu, tmp_path):
+    r = env.run("suspend", str(program.pid))
+    assert r.returncode == 0, r.stderr
+    assert "the agent moved 5.00 MiB" in r.stdout
+    (shm,) = (tmp_path / "shm").iterdir()
+    assert oct(shm.stat().st_mode & 0o777) == "0o700"
+    assert program.status()["state"] == "detached"
+    ps = env.json("ps")
+    row = next(p for p in ps["processes"] if p["pid"] == program.pid)
+    assert row["suspended"] and row["agent"] == "detached"
+    r = env.run("resume", str(program.pid))
+    assert r.returncode == 0, r.stderr
+    assert program.status()["intact"] is True and not shm.exists()
+    assert json.loads(env.run("--json", "ps").stdout)["processes"]
+
+
+def test_the_real_agent_through_checkpoint_and_restore(torpor, gpu, tmp_path, reaper):
+    """`torpor run` preloads libtorpor-agent.so into the fake CUDA program; its 64 MiB
+    allocation is movable: the checkpoint has the agent write it into the images, the restore
+    has it read back, and the program goes on ticking. Skipped with an agent library that
+    predates prepare (no "state" in its status), or a fake driver without the VMM API."""
+    from tests.fakes.fakegpu import PROGRAM
+    agents = tmp_path / "agents"
+    status = tmp_path / "status.json"
+    torpor.env["TORPOR_AGENT_DIR"] = str(agents)
+    log = open(tmp_path / "program.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "torpor.cli.main", "run", "--",
+                             sys.executable, str(PROGRAM), "--mem", str(64 << 20),
+                             "--status", str(status), "--lib", gpu.libcuda],
+                            env=torpor.env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                            start_new_session=True)
+    log.close()
+    reaper.append(proc.pid)
+    wait_for(lambda: status.exists() and (agents / f"agent-{proc.pid}.sock").exists(), 20,
+             "the program under the agent")
+    with AgentClient.for_pid(proc.pid, agents) as a:
+        st = a.status()
+    if "state" not in st:
+        pytest.skip("the agent library predates prepare")
+    if not st.get("movable_bytes"):
+        pytest.skip("the fake driver serves no VMM memory: nothing for the agent to move")
+    images = tmp_path / "ck"
+    m = torpor.json("checkpoint", str(proc.pid), "-D", str(images))["manifest"]
+    proc.wait(timeout=10)
+    entry = m["agent"][str(proc.pid)]
+    assert entry["bytes"] == 64 << 20 and sum(entry["files"]) >= 64 << 20
+    assert torpor.json("inspect", str(images), "--verify")["verified"]
+    r = torpor.json("restore", "-D", str(images))
+    assert r["agent"][str(proc.pid)]["bytes"] == 64 << 20
+    tick = json.loads(status.read_text())["tick"]
+    wait_for(lambda: json.loads(status.read_text() or "{}").get("tick", 0) > tick + 2, 10,
+             "the restored program ticking")
+    with AgentClient.for_pid(proc.pid, agents) as a:
+        st = a.status()
+    assert (st["state"], st["gate"]) == ("running", "open")
+    assert gpu.state(proc.pid)["state"] == 0

@@ -1,0 +1,74 @@
+"""A GPU container whose program runs under an agent, through podman, torpor-runtime, torpord,
+runc and CRIU, with the fake GPU: the program is tests/unit/fake_agent.py's (a fake CUDA
+program serving the Python fake of the agent's socket in /run/torpor/agents, which
+torpor-runtime binds to the container's agent directory on the host, org.torpor.agent=on).
+
+What is checked: torpord has the agent move the memory into the runtime's image directory
+before the driver's lock; the files travel in podman's --export archive, listed with checksums
+in torpor.json; CRIU neither minds them nor the program's socket; after the import the
+restored program (a new host PID, the same PID inside) gets every byte back through its
+restored socket, in the agent directory torpor-runtime made for the restored container.
+"""
+
+from __future__ import annotations
+
+import json
+import tarfile
+from pathlib import Path
+
+from tests.integration.conftest import wait_for
+from tests.integration.test_containers_gpu import (  # noqa: F401  (fixtures)
+    GIB, base, daemon, fake_nodes, gpu, name, needs_criu, podman, shim)
+from torpor.agent import AgentClient
+import pytest
+
+pytestmark = [needs_criu, pytest.mark.criu]
+PROGRAM = Path(__file__).resolve().parents[2] / "tests" / "unit" / "fake_agent.py"
+
+
+def test_podman_export_import_through_the_agent(podman, gpu, daemon, name, base):
+    nodes = fake_nodes(base)
+    events = gpu.state_dir / "agent-events"
+    _argv, env, mounts = gpu.container_workload("ag", 0, GIB)
+    argv = ["/usr/bin/python3", "-I", str(PROGRAM), "/run/torpor/agents", str(events),
+            "--bytes", str(5 << 20), "--lib", gpu.libcuda]
+    mounts = [m for m in mounts if m[0] != str(PROGRAM)] + [(str(PROGRAM), str(PROGRAM), True)]
+    # The annotation: torpor-runtime makes the container's agent directory and binds it to
+    # /run/torpor/agents (the program drops the real agent's preload and serves the fake).
+    podman.run(name, argv, mounts=mounts, env={**env, "NVIDIA_VISIBLE_DEVICES": gpu.uuid(0)},
+               annotations={"org.torpor.agent": "on"},
+               devices=[f"{nodes[0]}:/dev/nvidia0", f"{nodes[255]}:/dev/nvidiactl"])
+    try:
+        cid = podman.inspect(name, "{{.Id}}")
+        sock = daemon.cfg.run_dir / "agents" / cid / "agent-1.sock"   # PID 1 in the container
+        wait_for(lambda: sock.exists() and gpu.proc_entry("ag.1"), 20,
+                 "the program under its agent")
+        old_pid = podman.pid(name)
+
+        archive = base / "ck.tar"
+        podman.checkpoint(name, export=archive, compress="none")
+        assert [e.rsplit(" ", 1)[0] for e in events.read_text().splitlines()] == \
+            ["agent status", "agent prepare", "agent detach"]
+        events.unlink()
+        with tarfile.open(archive) as tf:
+            names = tf.getnames()
+            m = json.loads(tf.extractfile("checkpoint/torpor.json").read())
+        entry = m["agent"][str(old_pid)]
+        assert entry["nspid"] == 1 and entry["bytes"] == 5 << 20
+        for k, size in enumerate(entry["files"]):
+            rel = f"torpor-gpu/{old_pid}/gpu-memory-{k}.bin"
+            assert f"checkpoint/{rel}" in names
+            assert m["files"][rel]["size"] == size and m["files"][rel]["sha256"]
+        podman.rm(name)
+
+        podman.restore(import_=archive)
+        new_cid = podman.inspect(name, "{{.Id}}")
+        assert podman.pid(name) != old_pid
+        assert [e.rsplit(" ", 1)[0] for e in events.read_text().splitlines()] == \
+            ["agent status", "agent resume"]
+        new_dir = daemon.cfg.run_dir / "agents" / new_cid
+        with AgentClient(new_dir / "agent-1.sock") as a:
+            st = a.status()
+        assert (st["state"], st["gate"], st["intact"]) == ("running", "open", True)
+    finally:
+        podman.rm(name)

@@ -1,0 +1,378 @@
+"""A small Python fake of the in-process agent's control socket (agent/PROTOCOL.md), for
+testing torpor's side without the C agent: prepare / detach / resume / abort / status with
+data-file fds received by socket.recv_fds, the "GPU memory" a byte pattern striped over the
+files in chunks with a checksum each. It also checks what torpor sends: every fd a regular
+file, empty and read-write for prepare, read-only for resume, and (given a FakeDriver) that no
+resume comes while the driver holds the program locked (the real agent would block).
+
+    agent = FakeAgent(sock_dir / f"agent-{os.getpid()}.sock", log=events).start()
+    agent.fail["prepare"] = "out of memory"      # answer {"ok":false,"error":...}
+    agent.raw["detach"] = b"garbage\\n"           # answer this instead
+    agent.hang.add("prepare")                    # never answer
+    agent.stop()
+
+Also a program (python fake_agent.py DIR LOG [--bytes N] [--lib FAKE_LIBCUDA], main()): serves
+agent-<its pid>.sock in DIR until killed, logging to LOG; `agent.fail` etc. come from
+<socket>.faults.json if present.
+Events ("agent prepare 1234", "driver lock 1234") go to a shared list or file in call order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import stat
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+CHUNK = 1 << 20
+
+
+def pattern(nbytes: int, seed: int) -> bytes:
+    block = hashlib.sha256(f"torpor-fake-gpu-{seed}".encode()).digest() * 2048   # 64 KiB
+    return (block * (nbytes // len(block) + 1))[:nbytes]
+
+
+class Events:
+    """An ordered event log shared by the fake agent(s) and the fake driver: a list, mirrored
+    in a file (appends are atomic) when one is given, so that a program can add to it."""
+
+    def __init__(self, path: Path | None = None):
+        self.path = path
+        self._items: list[str] = []
+        self._lock = threading.Lock()
+
+    def add(self, text: str) -> None:
+        with self._lock:
+            self._items.append(text)
+            if self.path is not None:
+                with open(self.path, "a") as f:
+                    f.write(text + "\n")
+
+    def __call__(self) -> list[str]:
+        if self.path is not None and self.path.exists():
+            return self.path.read_text().splitlines()
+        with self._lock:
+            return list(self._items)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            if self.path is not None:
+                self.path.unlink(missing_ok=True)
+
+
+class FakeAgent:
+    def __init__(self, path: Path, memory: int = 3 * CHUNK + 12345, log: Events | None = None,
+                 driver: Any = None, pid: int | None = None):
+        self.path = Path(path)
+        self.pid = pid or os.getpid()
+        self.log = log or Events()
+        self.driver = driver                   # FakeDriver: resume refused while it holds a lock
+        self.original = pattern(memory, self.pid)
+        self.memory: bytes | None = self.original  # None while moved out
+        self.state, self.gate = "running", "open"
+        self.kept: list[int] = []              # the prepare's fds, until detach
+        self.sums: list[str] = []
+        self.fail: dict[str, str] = {}
+        self.raw: dict[str, bytes] = {}
+        self.hang: set[str] = set()
+        self.seen: list[dict[str, Any]] = []   # per command with fds: what each fd was
+        self.faults_file = self.path.with_name(self.path.name + ".faults.json")
+        self._stop = threading.Event()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.path.unlink(missing_ok=True)
+        self.sock.bind(str(self.path))
+        os.chmod(self.path, 0o600)
+        self.sock.listen(4)
+        self.sock.settimeout(0.1)
+        self._thread = threading.Thread(target=self._serve, daemon=True, name="fake-agent")
+
+    def start(self) -> "FakeAgent":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close()
+        self.path.unlink(missing_ok=True)
+        for fd in self.kept:
+            os.close(fd)
+        self.kept = []
+
+    # -- serving ------------------------------------------------------------------------------
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(0.1)
+                buf, fds = b"", []
+                while not self._stop.is_set():
+                    try:
+                        data, new_fds, _flags, _addr = socket.recv_fds(conn, 4096, 32)
+                    except socket.timeout:
+                        continue
+                    except OSError:
+                        break
+                    if not data:
+                        break
+                    buf += data
+                    fds += new_fds
+                    while b"\n" in buf:
+                        line, _, buf = buf.partition(b"\n")
+                        reply = self._command(line.decode(), fds)
+                        fds = []
+                        if reply is None:    # hang: no answer on this connection, ever
+                            buf = b""
+                            self._drain(conn)
+                            break
+                        conn.sendall(reply)
+                for fd in fds:
+                    os.close(fd)
+
+    def _drain(self, conn: socket.socket) -> None:
+        while not self._stop.is_set():
+            try:
+                if not conn.recv(4096):
+                    return
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+
+    def _load_faults(self) -> None:
+        try:
+            doc = json.loads(self.faults_file.read_text())
+        except (OSError, ValueError):
+            return
+        self.fail = dict(doc.get("fail", {}))
+        self.raw = {k: v.encode() for k, v in doc.get("raw", {}).items()}
+        self.hang = set(doc.get("hang", []))
+
+    def _command(self, line: str, fds: list[int]) -> bytes | None:
+        self._load_faults()
+        cmd, _, arg = line.partition(" ")
+        self.log.add(f"agent {cmd} {self.pid}")
+        if fds:
+            self.seen.append({"cmd": cmd, "fds": [self._describe(fd) for fd in fds]})
+        if cmd in self.hang:   # once: the next one is answered
+            self.hang.discard(cmd)
+            for fd in fds:
+                os.close(fd)
+            return None
+        if cmd in self.raw:
+            for fd in fds:
+                os.close(fd)
+            return self.raw[cmd]
+        if cmd in self.fail:
+            for fd in fds:
+                os.close(fd)
+            return self._reply(ok=False, error=self.fail[cmd])
+        handler = getattr(self, f"_do_{cmd}", None)
+        if handler is None:
+            for fd in fds:
+                os.close(fd)
+            return self._reply(ok=False, error="unknown command")
+        try:
+            return self._reply(**handler(arg, fds))
+        except (AssertionError, OSError) as e:
+            return self._reply(ok=False, error=str(e))
+
+    @staticmethod
+    def _reply(**doc: Any) -> bytes:
+        return (json.dumps(doc) + "\n").encode()
+
+    @staticmethod
+    def _describe(fd: int) -> dict[str, Any]:
+        import fcntl
+        st = os.fstat(fd)
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        try:   # a container does not see the host's path
+            dir_mode: int | None = stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode)
+        except OSError:
+            dir_mode = None
+        return {"regular": stat.S_ISREG(st.st_mode), "size": st.st_size,
+                "mode": stat.S_IMODE(st.st_mode), "access": fcntl.fcntl(fd, fcntl.F_GETFL)
+                & os.O_ACCMODE, "path": path, "dir_mode": dir_mode}
+
+    # -- the commands -------------------------------------------------------------------------
+    def _do_status(self, arg: str, fds: list[int]) -> dict[str, Any]:
+        return {"pid": self.pid, "state": self.state, "gate": self.gate, "in_flight": 0,
+                "waiting": 0, "allocations": 1, "bytes": len(self.original),
+                "movable_allocations": 1, "movable_bytes": len(self.original), "contexts": 1,
+                "intact": self.intact}   # the fake's own: every byte back
+
+    def _do_close(self, arg: str, fds: list[int]) -> dict[str, Any]:
+        self.gate = "closed"
+        return {"ok": True}
+
+    def _do_open(self, arg: str, fds: list[int]) -> dict[str, Any]:
+        self.gate = "open"
+        return {"ok": True}
+
+    def _do_prepare(self, arg: str, fds: list[int]) -> dict[str, Any]:
+        t = time.monotonic()
+        try:
+            assert self.state == "running", f"already {self.state}"
+            assert 1 <= len(fds) <= 16, f"{len(fds)} files"
+            for fd in fds:
+                d = self._describe(fd)
+                assert d["regular"] and d["size"] == 0 and d["access"] == os.O_RDWR, \
+                    f"not an empty read-write regular file: {d}"
+            assert self.memory is not None
+            self.sums = []
+            for i in range(0, len(self.memory), CHUNK):
+                chunk = self.memory[i:i + CHUNK]
+                k = (i // CHUNK) % len(fds)
+                os.pwrite(fds[k], chunk, (i // CHUNK // len(fds)) * CHUNK)
+                self.sums.append(hashlib.sha256(chunk).hexdigest())
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        self.kept, self.memory = list(fds), None
+        self.state, self.gate = "prepared", "closed"
+        return {"ok": True, "bytes": len(self.original), "chunks": len(self.sums),
+                "allocations": 1, "cache_released": 0, "seconds": time.monotonic() - t,
+                "files": [os.fstat(fd).st_size for fd in fds]}
+
+    def _do_detach(self, arg: str, fds: list[int]) -> dict[str, Any]:
+        assert self.state == "prepared", f"detach while {self.state}"
+        for fd in self.kept:
+            os.close(fd)
+        self.kept, self.state = [], "detached"
+        return {"ok": True}
+
+    def _do_resume(self, arg: str, fds: list[int]) -> dict[str, Any]:
+        t = time.monotonic()
+        try:
+            assert self.state in ("prepared", "detached"), f"resume while {self.state}"
+            if self.driver is not None:
+                assert self.driver.unlocked(self.pid), "the driver holds the program (would block)"
+            if not fds:
+                assert self.kept, "resume without files after detach"
+            for fd in fds:
+                assert self._describe(fd)["access"] == os.O_RDONLY, "a file not read-only"
+            files = fds or self.kept
+            out = bytearray()
+            for n, want in enumerate(self.sums):
+                size = min(CHUNK, len(self.original) - n * CHUNK)
+                chunk = os.pread(files[n % len(files)], size, (n // len(files)) * CHUNK)
+                assert hashlib.sha256(chunk).hexdigest() == want, f"chunk {n}: checksum mismatch"
+                out += chunk
+        finally:
+            for fd in fds:
+                os.close(fd)
+        for fd in self.kept:
+            os.close(fd)
+        self.kept, self.memory = [], bytes(out)
+        self.state, self.gate = "running", "open"
+        return {"ok": True, "bytes": len(out), "seconds": time.monotonic() - t}
+
+    def _do_abort(self, arg: str, fds: list[int]) -> dict[str, Any]:
+        assert self.state == "prepared", f"abort while {self.state}"
+        return self._do_resume(arg, [])
+
+    @property
+    def intact(self) -> bool:
+        """Its memory is back, every byte as before."""
+        return self.memory == self.original and self.state == "running" and self.gate == "open"
+
+
+class FakeDriver:
+    """torpor.driver.Driver's six calls on a dict of pid -> ProcessState, logging to Events;
+    fail[call] = pid (or 0: any) makes that call raise DriverError."""
+
+    def __init__(self, log: Events, pids: list[int] = ()):
+        from torpor.driver import ProcessState
+        self.S = ProcessState
+        self.log = log
+        self.states = {p: ProcessState.RUNNING for p in pids}
+        self.fail: dict[str, int] = {}
+        self.cuda_version = 13000
+
+    def unlocked(self, pid: int) -> bool:
+        return self.states.get(pid) == self.S.RUNNING
+
+    def _call(self, call: str, pid: int, want: Any, then: Any) -> None:
+        from torpor.driver import DriverError
+        self.log.add(f"driver {call} {pid}")
+        if call in self.fail and self.fail[call] in (0, pid):
+            raise DriverError(f"cuCheckpointProcess{call.title()}", pid, 999, "CUDA_ERROR_FAKE",
+                              "injected")
+        if self.states.get(pid) != want:
+            raise DriverError(f"cuCheckpointProcess{call.title()}", pid, 1,
+                              "CUDA_ERROR_INVALID_VALUE", f"{call} in state {self.states.get(pid)}")
+        self.states[pid] = then
+
+    def get_state(self, pid: int) -> Any:
+        from torpor.driver import DriverError
+        if pid not in self.states:
+            raise DriverError("cuCheckpointProcessGetState", pid, 1, "CUDA_ERROR_INVALID_VALUE",
+                              "not a CUDA process")
+        return self.states[pid]
+
+    def try_state(self, pid: int) -> Any:
+        return self.states.get(pid)
+
+    def lock(self, pid: int, timeout_ms: int) -> None:
+        self._call("lock", pid, self.S.RUNNING, self.S.LOCKED)
+
+    def checkpoint(self, pid: int) -> None:
+        self._call("checkpoint", pid, self.S.LOCKED, self.S.CHECKPOINTED)
+
+    def restore(self, pid: int, gpu_map: Any = None) -> None:
+        self._call("restore", pid, self.S.CHECKPOINTED, self.S.LOCKED)
+
+    def unlock(self, pid: int) -> None:
+        self._call("unlock", pid, self.S.LOCKED, self.S.RUNNING)
+
+
+def main(argv: list[str]) -> int:
+    """The program: serves agent-<its pid>.sock in DIR, events to LOG, until killed. With
+    --lib (the fake libcuda), it is also a CUDA program as tests/fakes/fake_cuda_program.py is
+    (a context, then cuCtxSynchronize in a loop, which waits while the driver holds it), so
+    that torpor and CRIU can checkpoint and restore it."""
+    import argparse
+    import ctypes
+    ap = argparse.ArgumentParser()
+    ap.add_argument("dir")
+    ap.add_argument("log")
+    ap.add_argument("--bytes", type=int, default=3 * CHUNK + 12345)
+    ap.add_argument("--lib", default="")
+    args = ap.parse_args(argv[1:])
+    preload = os.environ.get("LD_PRELOAD", "")
+    if "libtorpor-agent" in preload:   # a container preloads the real agent: be the only one
+        os.environ["LD_PRELOAD"] = " ".join(x for x in preload.split()
+                                            if "libtorpor-agent" not in x)
+        os.execv(sys.executable, [sys.executable, "-I", *argv])
+    agent = FakeAgent(Path(args.dir) / f"agent-{os.getpid()}.sock", args.bytes,
+                      log=Events(Path(args.log)))
+    if args.lib:
+        lib = ctypes.CDLL(args.lib)
+        dev, ctx = ctypes.c_int(0), ctypes.c_void_p()
+        assert lib.cuInit(0) == 0 and lib.cuDeviceGet(ctypes.byref(dev), 0) == 0
+        assert lib.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev) == 0
+    agent.start()
+    try:
+        while True:
+            if args.lib:
+                lib.cuCtxSynchronize()
+            time.sleep(0.05)
+    finally:
+        agent.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,512 @@
+"""Checkpoints, restores, suspends and resumes of a program under the agent: the order of the
+agent's and the driver's steps, rollback after any of them fails, recovery after a torpor that
+died, and torpord's side for containers.
+
+The "program" is this test process: the fake agent (fake_agent.py) serves its socket from a
+thread, a FakeDriver stands in for the driver, and CRIU's dump and restore are stubs (the
+images are what CRIU would leave). Events from both fakes go into one ordered log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.unit.fake_agent import Events, FakeAgent, FakeDriver
+from torpor import bulk, criu, engine as engine_mod, gpus, manifest, process, procs
+from torpor.engine import Engine
+from torpor.errors import CriuError, RolledBackError, TorporError
+from torpor.progress import Progress
+
+GPU = "GPU-8c6d2f4e-1b3a-4c5d-9e7f-0a1b2c3d4e5f"
+PID = os.getpid()
+
+
+@dataclasses.dataclass
+class World:
+    cfg: Any
+    events: Events
+    driver: FakeDriver
+    agent: FakeAgent
+    agents_dir: Path
+    tmp: Path
+    out: io.StringIO
+
+    def engine(self) -> Engine:
+        return Engine(self.cfg, Progress(stream=self.out))
+
+    def log(self) -> list[str]:
+        """The events so far, and forget them."""
+        ev = self.events()
+        self.events.clear()
+        return [e.replace(f" {PID}", "") for e in ev]
+
+    def journal_entries(self) -> list[Path]:
+        return list(self.cfg.journal_dir.glob("*.json"))
+
+
+@pytest.fixture
+def world(cfg, tmp_path, monkeypatch):
+    events = Events()
+    drv = FakeDriver(events, [PID])
+    monkeypatch.setattr(engine_mod, "load_driver", lambda path: drv)
+    inv = gpus.Inventory("999.0-fake", [gpus.Gpu(0, GPU, "Fake GPU", 8 << 30, 6 << 30)],
+                         [gpus.GpuProcess(PID, GPU, 1 << 30)])
+    monkeypatch.setattr(gpus, "discover", lambda: inv)
+    agents_dir = tmp_path / "agents"
+    agents_dir.mkdir(mode=0o700)
+    monkeypatch.setenv("TORPOR_AGENT_DIR", str(agents_dir))
+    c = dataclasses.replace(cfg, suspend_dir=tmp_path / "shm" / "torpor", agent_files=3)
+    fake = FakeAgent(agents_dir / f"agent-{PID}.sock", log=events, driver=drv).start()
+    w = World(c, events, drv, fake, agents_dir, tmp_path, io.StringIO())
+    yield w
+    fake.stop()
+
+
+@pytest.fixture
+def fake_criu(world, monkeypatch):
+    """CRIU stubs: a dump leaves the images CRIU would (and 'ends' nothing), a restore brings
+    back nothing but says it did; fail["dump"] makes the dump fail as CRIU would."""
+    fail: dict[str, bool] = {}
+
+    class Tool:
+        version_text = "4.0-fake"
+
+    def dump(tool, cfg, pid, images_dir, leave_running, shell_job):
+        world.events.add(f"criu dump {pid}")
+        if fail.get("dump"):
+            (images_dir / manifest.DUMP_LOG).write_text("Error (criu): fake\n")
+            (images_dir / "pages-1.img").write_bytes(b"partial")
+            raise CriuError("criu dump failed (fake)")
+        for name in manifest.REQUIRED_IMAGES:
+            (images_dir / name).write_bytes(b"image")
+        (images_dir / manifest.DUMP_LOG).write_text(manifest.DUMP_OK + "\n")
+
+    def restore(tool, cfg, images_dir, work_dir, shell_job):
+        world.events.add(f"criu restore {PID}")
+        return PID
+
+    monkeypatch.setattr(criu, "find", lambda cfg: Tool())
+    monkeypatch.setattr(criu, "dump", dump)
+    monkeypatch.setattr(criu, "restore", restore)
+    monkeypatch.setattr(criu, "pstree", lambda d: [{"pid": PID}])
+    monkeypatch.setattr(procs, "pid_taken", lambda pid, zombie_grace_s=3.0: False)
+    return fail
+
+
+def data_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file())
+
+
+# -- suspend / resume ---------------------------------------------------------------------------
+
+def test_suspend_moves_memory_through_the_agent_then_the_driver(world):
+    r = process.suspend(world.engine(), PID)
+    assert world.log() == ["agent status", "agent prepare", "agent detach", "driver lock",
+                           "driver checkpoint"]
+    assert r["agent"][str(PID)]["bytes"] == len(world.agent.original)
+    assert world.agent.memory is None and world.agent.state == "detached"
+    record = world.engine().journal.suspended()[PID]
+    root = Path(record["data_root"])
+    assert root.parent == world.cfg.suspend_dir and oct(root.stat().st_mode & 0o777) == "0o700"
+    files = data_files(root)
+    assert [f.name for f in files] == [bulk.file_name(k) for k in range(3)]
+    assert {oct(f.stat().st_mode & 0o777) for f in files} == {"0o600"}
+    assert sum(f.stat().st_size for f in files) == len(world.agent.original)
+    out = world.out.getvalue()
+    assert "agent-prepare: 3.01 MiB in " in out and ("GB/s)" in out or "MB/s)" in out)
+
+    back = process.resume(world.engine(), PID)
+    assert world.log() == ["driver restore", "driver unlock", "agent status", "agent resume"]
+    assert world.agent.intact and back["agent"][str(PID)]["bytes"] == len(world.agent.original)
+    assert [f["access"] for f in world.agent.seen[-1]["fds"]] == [os.O_RDONLY] * 3
+    assert not root.exists() and world.engine().journal.suspended() == {}
+    assert world.journal_entries() == []
+
+
+def test_a_program_without_agent_takes_the_driver_path(world):
+    world.agent.stop()
+    r = process.suspend(world.engine(), PID)
+    assert world.log() == ["driver lock", "driver checkpoint"] and r["agent"] == {}
+    assert not world.cfg.suspend_dir.exists() or not list(world.cfg.suspend_dir.iterdir())
+    process.resume(world.engine(), PID)
+    assert world.log() == ["driver restore", "driver unlock"]
+
+
+def test_use_agent_false_ignores_the_agent(world):
+    world.cfg = dataclasses.replace(world.cfg, use_agent=False)
+    process.suspend(world.engine(), PID)
+    assert world.log() == ["driver lock", "driver checkpoint"]
+    process.resume(world.engine(), PID)
+
+
+def test_a_stale_socket_is_the_driver_path_said(world):
+    world.agent.stop()
+    import socket
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(world.agent.path))       # what a program killed under the agent leaves
+    try:
+        process.suspend(world.engine(), PID)
+    finally:
+        s.close()
+    assert world.log() == ["driver lock", "driver checkpoint"]
+    assert "stale socket" in world.out.getvalue()
+    process.resume(world.engine(), PID)
+
+
+def test_lock_failure_after_prepare_gives_the_memory_back(world):
+    world.driver.fail["lock"] = 0
+    with pytest.raises(RolledBackError, match="lock failed: .*CUDA_ERROR_FAKE.*rolled back"):
+        process.suspend(world.engine(), PID)
+    assert world.log() == ["agent status", "agent prepare", "agent detach", "driver lock",
+                           "agent status", "agent resume"]
+    assert world.agent.intact and world.driver.unlocked(PID)
+    assert list(world.cfg.suspend_dir.iterdir()) == []        # the data went with it
+    assert world.journal_entries() == [] and world.engine().journal.suspended() == {}
+
+
+def test_checkpoint_failure_rolls_back_driver_first_then_agent(world):
+    world.driver.fail["checkpoint"] = PID
+    with pytest.raises(RolledBackError, match="checkpoint failed"):
+        process.suspend(world.engine(), PID)
+    assert world.log() == ["agent status", "agent prepare", "agent detach", "driver lock",
+                           "driver checkpoint", "driver unlock", "agent status", "agent resume"]
+    assert world.agent.intact
+
+
+@pytest.mark.parametrize("fault", [{"fail": "out of memory"}, {"raw": b"not json\n"},
+                                   {"raw": b'{"ok": true}\n'}])
+def test_a_failed_prepare_fails_the_operation_cleanly(world, fault):
+    if "fail" in fault:
+        world.agent.fail["prepare"] = fault["fail"]
+    else:
+        world.agent.raw["prepare"] = fault["raw"]
+    with pytest.raises(RolledBackError, match="agent-prepare failed: PID \\d+: .*rolled back"):
+        process.suspend(world.engine(), PID)
+    log = world.log()
+    assert "driver lock" not in log and "agent resume" not in log   # nothing was moved
+    assert world.agent.intact and list(world.cfg.suspend_dir.iterdir()) == []
+    assert world.journal_entries() == []
+
+
+def test_a_failed_detach_resumes_from_the_files(world):
+    world.agent.fail["detach"] = "cannot"
+    with pytest.raises(RolledBackError, match="agent-detach failed: PID \\d+: agent 'detach': "
+                                              "cannot"):
+        process.suspend(world.engine(), PID)
+    assert world.log()[-2:] == ["agent status", "agent resume"]
+    assert world.agent.intact
+
+
+def test_an_agent_that_does_not_answer_fails_the_checkpoint(world, monkeypatch):
+    monkeypatch.setattr(engine_mod, "STATUS_TIMEOUT_S", 0.3)
+    world.agent.hang.add("status")
+    with pytest.raises(RolledBackError, match="did not answer 'status'"):
+        process.suspend(world.engine(), PID)
+    assert "driver lock" not in world.log() and world.agent.intact
+
+
+def test_an_agent_holding_memory_out_is_refused(world):
+    process.suspend(world.engine(), PID)
+    world.driver.states[PID] = world.driver.S.RUNNING     # as if the driver had been resumed
+    world.engine().journal.clear_suspended(PID)
+    with pytest.raises(RolledBackError, match="its agent is detached"):
+        process.suspend(world.engine(), PID)
+
+
+def test_a_failed_agent_resume_is_reported_and_can_be_retried(world):
+    process.suspend(world.engine(), PID)
+    root = Path(world.engine().journal.suspended()[PID]["data_root"])
+    victim = data_files(root)[0]
+    good = victim.read_bytes()
+    victim.write_bytes(b"\0" * len(good))
+    with pytest.raises(TorporError, match="agent resume failed .*checksum mismatch.*its GPU "
+                                          f"memory stays in {root}"):
+        process.resume(world.engine(), PID)
+    assert world.driver.unlocked(PID) and world.agent.state == "detached"
+    assert root.exists() and PID in world.engine().journal.suspended()
+    victim.write_bytes(good)
+    r = process.resume(world.engine(), PID)     # the driver is RUNNING: the agent still is due
+    assert r["pids"] == [PID] and world.agent.intact and not root.exists()
+
+
+# -- checkpoint / restore (CRIU stubbed) ---------------------------------------------------------
+
+def test_checkpoint_and_restore_carry_the_memory_in_the_images(world, fake_criu):
+    images = world.tmp / "ckpt"
+    m = process.checkpoint(world.engine(), PID, images)
+    assert world.log() == ["agent status", "agent prepare", "agent detach", "driver lock",
+                           "driver checkpoint", "criu dump"]
+    entry = m["agent"][str(PID)]
+    assert entry["nspid"] == PID and entry["bytes"] == len(world.agent.original)
+    rels = bulk.rel_paths(PID, 3)
+    assert [m["files"][r]["size"] for r in rels] == entry["files"]
+    assert all(m["files"][r]["sha256"] for r in rels)                 # sealed like the rest
+    assert oct((images / bulk.DATA_DIR).stat().st_mode & 0o777) == "0o700"
+    manifest.verify(images, manifest.read(images))
+
+    r = process.restore(world.engine(), images)
+    assert world.log() == ["criu restore", "driver restore", "driver unlock", "agent status",
+                           "agent resume"]
+    assert world.agent.intact and r["agent"][str(PID)]["bytes"] == len(world.agent.original)
+    assert world.journal_entries() == []
+
+
+def test_leave_running_gives_the_memory_back_after_the_dump(world, fake_criu):
+    images = world.tmp / "ckpt"
+    m = process.checkpoint(world.engine(), PID, images, leave_running=True)
+    assert world.log() == ["agent status", "agent prepare", "agent detach", "driver lock",
+                           "driver checkpoint", "criu dump", "driver restore", "driver unlock",
+                           "agent status", "agent resume"]
+    assert world.agent.intact
+    assert sum(m["files"][r]["size"] for r in bulk.rel_paths(PID, 3)) == \
+        len(world.agent.original)
+
+
+def test_failed_dump_resumes_the_agent_then_clears_the_images(world, fake_criu):
+    fake_criu["dump"] = True
+    images = world.tmp / "ckpt"
+    with pytest.raises(RolledBackError, match="dump failed"):
+        process.checkpoint(world.engine(), PID, images)
+    assert world.log()[-4:] == ["driver restore", "driver unlock", "agent status",
+                                "agent resume"]
+    assert world.agent.intact
+    assert sorted(p.name for p in images.iterdir()) == [manifest.DUMP_LOG]
+
+
+def test_restore_refuses_damaged_agent_data_before_criu(world, fake_criu):
+    images = world.tmp / "ckpt"
+    process.checkpoint(world.engine(), PID, images)
+    world.log()
+    f = images / bulk.rel_paths(PID, 3)[0]
+    f.write_bytes(b"\1" + f.read_bytes()[1:])
+    with pytest.raises(TorporError, match="checksum mismatch"):
+        process.restore(world.engine(), images)
+    assert world.log() == []
+
+
+def test_restore_whose_agent_resume_fails_stops_the_program(world, fake_criu, monkeypatch):
+    images = world.tmp / "ckpt"
+    process.checkpoint(world.engine(), PID, images)
+    world.agent.fail["resume"] = "no memory on this GPU"
+    killed = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: killed.append((pid, sig)))
+    with pytest.raises(TorporError, match="restore failed in agent-resume: .*no memory on this "
+                                          "GPU.*checkpoint .* is unchanged"):
+        process.restore(world.engine(), images)
+    assert killed == [(PID, signal.SIGKILL)]
+    assert data_files(images / bulk.DATA_DIR)                       # the checkpoint is intact
+
+
+def test_cli_reports_what_the_agent_moved(world, fake_criu, capsys):
+    from torpor.cli import context, inspect
+    images = world.tmp / "ckpt"
+    m = process.checkpoint(world.engine(), PID, images)
+    line = context.agent_line(m["agent"])
+    assert line.startswith("the agent moved 3.01 MiB of GPU memory of 1 program(s) in ")
+    assert line.rstrip().endswith("/s)")
+    ctx = context.Context(cfg=world.cfg, json=False, progress=Progress(None))
+    inspect.run(type("A", (), {"path": images, "verify": False})(), ctx)
+    assert "agent moved 3.01 MiB into 3 file(s)" in capsys.readouterr().out
+
+
+# -- recovery -------------------------------------------------------------------------------------
+
+class Died(BaseException):
+    """torpor 'dies' here: nothing after it runs, the journal entry stays."""
+
+
+@pytest.mark.parametrize("where", ["after-prepare", "after-checkpoint"])
+def test_recovery_gives_the_memory_back(world, monkeypatch, where):
+    e = world.engine()
+    op = e.begin("suspend", [PID])
+    data = bulk.DataDir.scratch(world.cfg, PID)
+    if where == "after-prepare":   # prepared, never detached, driver untouched
+        monkeypatch.setattr("torpor.agent.AgentClient.detach",
+                            lambda self: (_ for _ in ()).throw(Died()))
+        with pytest.raises(Died):
+            e._prepare_agents(op, e.agent_sockets([PID]), data, scratch=True)
+        monkeypatch.undo()
+        monkeypatch.setattr(engine_mod, "load_driver", lambda path: world.driver)
+    else:                          # detached, locked and checkpointed by the driver
+        e.lock_and_checkpoint(op, [PID], data=data, scratch=True)
+    op.release()                   # its locks go, as with a SIGKILL
+    world.log()
+    messages = world.engine().recover()
+    want = ["agent status", "agent resume"]
+    if where == "after-checkpoint":
+        want = ["driver restore", "driver unlock"] + want
+    assert world.log() == want
+    assert world.agent.intact and world.driver.unlocked(PID)
+    assert any("back the GPU memory their agent had moved" in m for m in messages)
+    assert not data.root.exists() and world.journal_entries() == []
+    assert world.engine().recover() == []
+
+
+def test_recovery_after_a_torpor_killed_mid_checkpoint(world, tmp_path):
+    """A real death: another torpor process (its own FakeDriver, the same agent) is SIGKILLed
+    in its driver checkpoint; this one finds the journal entry and rolls back."""
+    code = textwrap.dedent(f"""
+        import dataclasses, os, signal
+        from pathlib import Path
+        from tests.unit.fake_agent import Events, FakeDriver
+        from torpor import config, engine, gpus, process
+        from torpor.errors import NoDriverError
+        drv = FakeDriver(Events(), [{PID}])
+        drv.checkpoint = lambda pid: os.kill(os.getpid(), signal.SIGKILL)
+        engine.load_driver = lambda path: drv
+        def nonvml(): raise NoDriverError("none")
+        gpus.discover = nonvml
+        cfg = dataclasses.replace(config.load(), suspend_dir=Path({str(world.cfg.suspend_dir)!r}),
+                                  agent_files=2)
+        process.suspend(engine.Engine(cfg), {PID})
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == -9, proc.stderr
+    assert world.log() == ["agent status", "agent prepare", "agent detach"]
+    assert world.agent.state == "detached"
+    world.driver.states[PID] = world.driver.S.LOCKED     # where the dead one left it
+    (entry,) = world.journal_entries()
+    doc = json.loads(entry.read_text())
+    assert doc["agents"][str(PID)]["files"] == 2 and doc["scratch"] is True
+    world.engine().recover()
+    assert world.log() == ["driver unlock", "agent status", "agent resume"]
+    assert world.agent.intact and world.journal_entries() == []
+    assert list(world.cfg.suspend_dir.iterdir()) == []
+
+
+# -- torpord (containers) ------------------------------------------------------------------------
+
+class Aborted(Exception):
+    pass
+
+
+class Ctx:
+    def set_trailing_metadata(self, md: Any) -> None:
+        self.md = md
+
+    def abort(self, status: Any, details: str) -> None:
+        raise Aborted(details)
+
+
+@pytest.fixture
+def torpord(world, monkeypatch):
+    from torpor.agent import container_dir
+    from torpor.sidecar.server import Service
+    cdir = container_dir(world.cfg.run_dir, "ctr1")
+    cdir.mkdir(parents=True, mode=0o700)
+    world.agent.stop()
+    world.agent = FakeAgent(cdir / f"agent-{PID}.sock", log=world.events,
+                            driver=world.driver).start()
+    s = Service(world.cfg, op_timeout_s=60)
+    yield s
+    world.agent.stop()
+
+
+def test_torpord_checkpoint_rollback_and_restore_of_a_container(world, torpord):
+    pb = torpord.pb
+    image = world.tmp / "image"
+    image.mkdir(mode=0o700)
+    data = image / bulk.DATA_DIR
+    req = pb.LockAndCheckpointRequest(pids=[PID], no_descendants=True, gpu_data_dir=str(data),
+                                      agent_container_id="ctr1")
+    ck = torpord.LockAndCheckpoint(req, Ctx())
+    assert world.log() == ["agent status", "agent prepare", "agent detach", "driver lock",
+                           "driver checkpoint"]
+    (a,) = ck.agents
+    assert a.pid == PID and a.nspid == PID and a.bytes == len(world.agent.original)
+    assert sum(a.files) == a.bytes and len(data_files(data)) == 3
+
+    torpord.Rollback(pb.OperationRequest(op_id=ck.op_id), Ctx())     # the dump failed
+    assert world.log() == ["driver restore", "driver unlock", "agent status", "agent resume"]
+    assert world.agent.intact
+    bulk.DataDir(data).remove()                                      # as torpor-runtime does
+
+    ck = torpord.LockAndCheckpoint(req, Ctx())                       # again; this dump works
+    agents = list(ck.agents)
+    torpord._take(ck.op_id).op.close()     # the container is gone; restored: CHECKPOINTED
+    world.log()
+    r = torpord.RestoreAndUnlock(pb.RestoreAndUnlockRequest(
+        pids=[PID], no_descendants=True, gpu_data_dir=str(data), agents=agents,
+        agent_container_id="ctr1"), Ctx())
+    assert world.log() == ["driver restore", "driver unlock", "agent status", "agent resume"]
+    assert world.agent.intact and [x.pid for x in r.agents] == [PID]
+    assert r.agents[0].bytes == len(world.agent.original)
+
+
+def test_torpord_leave_running_resumes_the_agent(world, torpord):
+    pb = torpord.pb
+    image = world.tmp / "image"
+    image.mkdir(mode=0o700)
+    ck = torpord.LockAndCheckpoint(pb.LockAndCheckpointRequest(
+        pids=[PID], no_descendants=True, gpu_data_dir=str(image / bulk.DATA_DIR),
+        agent_container_id="ctr1"), Ctx())
+    world.log()
+    torpord.RestoreAndUnlock(pb.RestoreAndUnlockRequest(op_id=ck.op_id), Ctx())
+    assert world.log() == ["driver restore", "driver unlock", "agent status", "agent resume"]
+    assert world.agent.intact and data_files(image / bulk.DATA_DIR)
+
+
+def test_torpord_lock_failure_resumes_and_removes_the_data(world, torpord):
+    pb = torpord.pb
+    image = world.tmp / "image"
+    image.mkdir(mode=0o700)
+    world.driver.fail["lock"] = 0
+    with pytest.raises(Aborted, match="lock failed"):
+        torpord.LockAndCheckpoint(pb.LockAndCheckpointRequest(
+            pids=[PID], no_descendants=True, gpu_data_dir=str(image / bulk.DATA_DIR),
+            agent_container_id="ctr1"), Ctx())
+    assert world.agent.intact and not (image / bulk.DATA_DIR).exists()
+
+
+def test_torpord_restore_without_the_program_is_an_error(world, torpord):
+    pb = torpord.pb
+    world.driver.states[PID] = world.driver.S.CHECKPOINTED
+    gone = pb.AgentData(pid=77, nspid=999999, files=[1])
+    with pytest.raises(Aborted, match="PID 77 .*not among the restored processes"):
+        torpord.RestoreAndUnlock(pb.RestoreAndUnlockRequest(
+            pids=[PID], no_descendants=True, gpu_data_dir=str(world.tmp), agents=[gone],
+            agent_container_id="ctr1"), Ctx())
+    with pytest.raises(Aborted, match="gpu_data_dir"):
+        torpord.RestoreAndUnlock(pb.RestoreAndUnlockRequest(
+            pids=[PID], no_descendants=True, agents=[gone]), Ctx())
+
+
+
+def test_an_agent_without_prepare_takes_the_driver_path_said(world):
+    """The agent before issue 4 answers status without a state: it cannot move memory."""
+    world.agent.raw["status"] = b'{"pid": 1, "gate": "open", "in_flight": 0, "waiting": 0, ' \
+                                b'"allocations": 0, "bytes": 0, "contexts": 1}\n'
+    process.suspend(world.engine(), PID)
+    assert world.log() == ["agent status", "driver lock", "driver checkpoint"]
+    assert "cannot move memory (no prepare)" in world.out.getvalue()
+    process.resume(world.engine(), PID)
+    assert world.log() == ["driver restore", "driver unlock"]
+
+
+def test_torpord_never_takes_an_existing_directory_for_its_data(world, torpord):
+    pb = torpord.pb
+    image = world.tmp / "image"
+    (image / bulk.DATA_DIR).mkdir(parents=True)
+    keep = image / bulk.DATA_DIR / "precious"
+    keep.write_text("x")
+    with pytest.raises(Aborted, match="exists already"):
+        torpord.LockAndCheckpoint(pb.LockAndCheckpointRequest(
+            pids=[PID], no_descendants=True, gpu_data_dir=str(image / bulk.DATA_DIR),
+            agent_container_id="ctr1"), Ctx())
+    assert keep.read_text() == "x" and world.agent.intact
+    with pytest.raises(Aborted, match="absolute"):
+        torpord.LockAndCheckpoint(pb.LockAndCheckpointRequest(
+            pids=[PID], gpu_data_dir="relative/dir", agent_container_id="ctr1"), Ctx())

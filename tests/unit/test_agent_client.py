@@ -1,0 +1,281 @@
+"""torpor's side of the agent protocol (torpor.agent.AgentClient) against the Python fake agent
+(tests/unit/fake_agent.py), the data files (torpor.bulk) and the manifest's "agent" entries."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.unit.fake_agent import FakeAgent
+from torpor import agent, bulk, manifest, procs
+from torpor.agent import AgentClient, AgentError, NoAgentError
+from torpor.errors import CorruptCheckpointError, UsageError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def agents_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "agents"
+    d.mkdir(mode=0o700)
+    return d
+
+
+@pytest.fixture
+def fake(agents_dir: Path):
+    a = FakeAgent(agents_dir / f"agent-{procs.nspid(os.getpid())}.sock").start()
+    yield a
+    a.stop()
+
+
+def data_dir(tmp_path: Path) -> bulk.DataDir:
+    return bulk.DataDir(tmp_path / "images" / bulk.DATA_DIR)
+
+
+# -- the client ---------------------------------------------------------------------------------
+
+def test_nspid_of_a_host_process_is_its_pid():
+    assert procs.nspid(os.getpid()) == os.getpid()
+    assert procs.nspid(2 ** 22 + 12345) is None
+
+
+def test_socket_of_finds_the_agent_by_nspid_and_none_without(fake, agents_dir):
+    assert agent.socket_of(os.getpid(), agents_dir) == fake.path
+    assert agent.socket_of(os.getpid(), agents_dir / "nowhere") is None
+    assert agent.container_dir(Path("/run/torpor"), "abc") == Path("/run/torpor/agents/abc")
+
+
+def test_prepare_detach_resume_round_trip(fake, tmp_path):
+    d = data_dir(tmp_path)
+    (tmp_path / "images").mkdir()
+    d.make()
+    fds = d.for_prepare(os.getpid(), 3)
+    with AgentClient.for_pid(os.getpid(), fake.path.parent) as a:
+        r = a.prepare(fds, 5000)
+        for fd in fds:
+            os.close(fd)
+        assert r["bytes"] == len(fake.original) and r["chunks"] == 4
+        assert sum(r["files"]) == len(fake.original) and len(r["files"]) == 3
+        assert a.state() == "prepared" and fake.memory is None
+        assert a.detach() == {"ok": True}
+        assert a.status()["state"] == "detached"
+        fds = d.for_resume(os.getpid(), 3)
+        back = a.resume(fds)
+        for fd in fds:
+            os.close(fd)
+    assert back["bytes"] == len(fake.original) and fake.intact
+    prep, res = fake.seen
+    assert all(f["access"] == os.O_RDWR and f["size"] == 0 and f["mode"] == 0o600
+               and f["dir_mode"] == 0o700 for f in prep["fds"])
+    assert all(f["access"] == os.O_RDONLY for f in res["fds"])
+    assert [Path(f["path"]).name for f in prep["fds"]] == [bulk.file_name(k) for k in range(3)]
+
+
+def test_abort_resumes_from_the_kept_files(fake, tmp_path):
+    (tmp_path / "images").mkdir()
+    d = data_dir(tmp_path).make()
+    fds = d.for_prepare(1, 2)
+    with AgentClient(fake.path) as a:
+        a.prepare(fds, 1000)
+        for fd in fds:
+            os.close(fd)
+        assert a.abort()["bytes"] == len(fake.original)
+    assert fake.intact
+
+
+@pytest.mark.parametrize("raw,match", [
+    (b"not json\n", "non-JSON reply"),
+    (b"[1, 2]\n", "sent \\[1, 2\\]"),
+    (b'{"ok": false, "error": "no\\nway"}\n', "agent 'prepare': no way"),
+    (b'{"ok": true, "bytes": -1, "chunks": 1, "allocations": 1, "seconds": 0.1, '
+     b'"files": [1]}\n', "no valid 'bytes'"),
+    (b'{"ok": true, "bytes": 1, "chunks": 1, "allocations": 1, "seconds": 0.1, '
+     b'"files": [1, 2]}\n', "no valid 'files' for 1 file"),
+    (b'{"ok": true, "bytes": 1, "chunks": 1, "allocations": 1, "seconds": true, '
+     b'"files": [1]}\n', "no valid 'seconds'"),
+])
+def test_bad_replies_are_one_clear_error(fake, tmp_path, raw, match):
+    fake.raw["prepare"] = raw
+    with open(tmp_path / "f", "w+") as f, AgentClient(fake.path) as a:
+        with pytest.raises(AgentError, match=match):
+            a.prepare([f.fileno()], 1000)
+
+
+def test_a_hung_agent_is_a_timeout_error(fake):
+    fake.hang.add("status")
+    with AgentClient(fake.path, timeout=0.3) as a, \
+            pytest.raises(AgentError, match="did not answer 'status' within"):
+        a.status()
+    with AgentClient(fake.path) as a:     # the next connection is served
+        assert a.state() == "running"
+
+
+def test_an_unknown_state_is_refused(fake):
+    fake.raw["status"] = b'{"pid": 1, "state": "confused"}\n'
+    with AgentClient(fake.path) as a, pytest.raises(AgentError, match="unknown state"):
+        a.state()
+
+
+def test_a_stale_socket_is_no_agent(agents_dir):
+    path = agents_dir / f"agent-{os.getpid()}.sock"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(path))           # bound, never listening: what a killed program leaves
+    try:
+        with pytest.raises(NoAgentError, match="stale"):
+            AgentClient.for_pid(os.getpid(), agents_dir)
+    finally:
+        s.close()
+
+
+def test_the_socket_of_another_live_process_is_refused(agents_dir, tmp_path):
+    """A program in another pid namespace may have our program's nspid: the process listening
+    on the socket must be the one we mean."""
+    other = subprocess.Popen([sys.executable, str(ROOT / "tests" / "unit" / "fake_agent.py"),
+                              str(agents_dir), str(tmp_path / "events")],
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        sock = agents_dir / f"agent-{other.pid}.sock"
+        deadline = time.monotonic() + 10
+        while not sock.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with AgentClient.for_pid(other.pid, agents_dir) as a:   # its own: fine
+            assert a.state() == "running"
+        mine = agents_dir / f"agent-{os.getpid()}.sock"
+        os.link(sock, mine)
+        with pytest.raises(AgentError, match=f"agent socket of PID {other.pid}, not of PID "
+                                             f"{os.getpid()}"):
+            AgentClient.for_pid(os.getpid(), agents_dir)
+    finally:
+        other.kill()
+        other.wait()
+
+
+# -- the data files -----------------------------------------------------------------------------
+
+def test_file_count(cfg):
+    assert 1 <= bulk.file_count(cfg) <= 8
+    assert bulk.file_count(dataclasses.replace(cfg, agent_files=12)) == 12
+
+
+def test_data_files_are_private_and_never_follow_links(tmp_path):
+    (tmp_path / "images").mkdir()
+    d = data_dir(tmp_path).make()
+    assert stat.S_IMODE(d.root.stat().st_mode) == 0o700
+    with pytest.raises(UsageError, match="exists already"):
+        data_dir(tmp_path).make()
+    fds = d.for_prepare(42, 2)
+    for fd in fds:
+        os.close(fd)
+    assert stat.S_IMODE((d.root / "42").stat().st_mode) == 0o700
+    assert [stat.S_IMODE((d.root / "42" / bulk.file_name(k)).stat().st_mode)
+            for k in range(2)] == [0o600, 0o600]
+    with pytest.raises(Exception, match="File exists"):
+        d.for_prepare(42, 2)                              # O_EXCL: never reuses a file
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (d.root / "43").symlink_to(elsewhere)                 # a planted link instead of a dir
+    with pytest.raises(Exception):
+        d.for_prepare(43, 1)
+    with pytest.raises(Exception):
+        d.for_resume(43, 1)
+    assert not list(elsewhere.iterdir())
+    os.unlink(d.root / "42" / bulk.file_name(1))
+    (d.root / "42" / bulk.file_name(1)).symlink_to(tmp_path / "secret")
+    (tmp_path / "secret").write_text("x")
+    with pytest.raises(Exception, match="Too many levels|symbolic"):
+        d.for_resume(42, 2)
+    with pytest.raises(CorruptCheckpointError, match="missing"):
+        d.for_resume(44, 1)
+    with pytest.raises(CorruptCheckpointError, match="1 to 16"):
+        d.for_resume(42, 17)
+    os.chmod(d.root / "42" / bulk.file_name(0), 0o666)
+    with pytest.raises(CorruptCheckpointError, match="not a private regular file"):
+        d.for_resume(42, 1)
+    d.remove()
+    assert not d.root.exists() and (tmp_path / "secret").exists()
+
+
+def test_scratch_dirs_are_private_and_unique(cfg, tmp_path):
+    c = dataclasses.replace(cfg, suspend_dir=tmp_path / "shm" / "torpor")
+    a, b = bulk.DataDir.scratch(c, 7).make(), bulk.DataDir.scratch(c, 7).make()
+    assert a.root != b.root and a.root.name.startswith("7-")
+    assert stat.S_IMODE((tmp_path / "shm" / "torpor").stat().st_mode) == 0o700
+    os.chown(tmp_path / "shm" / "torpor", 65534, 65534)
+    with pytest.raises(UsageError, match="can be changed by uid 65534"):
+        bulk.DataDir.scratch(c, 7).make()
+    c = dataclasses.replace(cfg, suspend_dir=tmp_path / "shm2")
+    bulk.DataDir.scratch(c, 7)
+    assert not (tmp_path / "shm2").exists()         # nothing made before an agent needs it
+
+
+# -- the manifest -------------------------------------------------------------------------------
+
+def _manifest(agents: dict) -> dict:
+    m = {"schema": 1, "kind": "torpor-checkpoint", "created": "x", "torpor_version": "x",
+         "criu_version": "x", "host": "h", "kernel": "k", "driver": {}, "root_pid": 5,
+         "shell_job": False, "leave_running": False, "gpus": [], "timings": {},
+         "processes": [{"pid": 5, "cuda": True, "gpus": [], "gpu_memory": 0}],
+         "sizes": {"total": 0, "gpu_memory": 0}, "files": {}}
+    if agents is not None:
+        m["agent"] = agents
+    return m
+
+
+@pytest.mark.parametrize("agents,match", [
+    ({"5x": {"nspid": 5, "bytes": 1, "files": [1]}}, "is not a PID"),
+    ({"05": {"nspid": 5, "bytes": 1, "files": [1]}}, "is not a PID"),
+    ({"5": {"nspid": 5, "bytes": 1, "files": []}}, "malformed"),
+    ({"5": {"nspid": 5, "bytes": 1, "files": [1] * 17}}, "malformed"),
+    ({"5": {"nspid": 0, "bytes": 1, "files": [1]}}, "malformed"),
+    ({"5": {"nspid": 5, "files": [1]}}, "'bytes' is missing"),
+    ({"5": {"nspid": 1, "bytes": 1, "files": [1]}, "6": {"nspid": 1, "bytes": 1,
+                                                        "files": [1]}}, "share"),
+    ([], "not an object"),
+])
+def test_bad_agent_entries_are_refused(agents, match):
+    with pytest.raises(CorruptCheckpointError, match=match):
+        manifest.validate(_manifest(agents))
+
+
+def test_verify_wants_the_agents_files_as_they_wrote_them(tmp_path):
+    m = _manifest({"5": {"nspid": 5, "bytes": 10, "files": [6, 4]}})
+    for rel, size in zip(bulk.rel_paths(5, 2), [6, 4]):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(b"x" * size)
+    for name in manifest.REQUIRED_IMAGES:
+        (tmp_path / name).write_bytes(b"img")
+    m["files"] = manifest.file_table(tmp_path, checksums=True)
+    manifest.verify(tmp_path, m)
+    assert manifest.agents(m)[5]["files"] == [6, 4]
+    del m["files"][bulk.rel_paths(5, 2)[1]]
+    (tmp_path / bulk.rel_paths(5, 2)[1]).unlink()
+    with pytest.raises(CorruptCheckpointError, match="GPU memory of PID 5"):
+        manifest.verify(tmp_path, m)
+
+
+
+# -- settings -----------------------------------------------------------------------------------
+
+def test_agent_settings(tmp_path):
+    from torpor import config
+    f = tmp_path / "c.toml"
+    f.write_text('use_agent = false\nagent_files = 4\nagent_timeout_s = 30\n'
+                 'suspend_dir = "/srv/shm"\n')
+    c = config.load(f, env={"TORPOR_SUSPEND_DIR": str(tmp_path / "s")})
+    assert (c.use_agent, c.agent_files, c.agent_timeout_s, c.suspend_dir) == \
+        (False, 4, 30.0, tmp_path / "s")
+    d = config.load(tmp_path / "absent.toml", env={})
+    assert (d.use_agent, d.agent_files, d.suspend_dir) == (True, 0, Path("/dev/shm/torpor"))
+    for text, match in [("agent_files = 17", "agent_files"), ("agent_timeout_s = 0",
+                                                                "agent_timeout_s")]:
+        f.write_text(text)
+        with pytest.raises(UsageError, match=match):
+            config.load(f, env={})
