@@ -173,6 +173,22 @@ static void access_record(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *d
 	}
 }
 
+/* The driver's handle now for the program's handle value (and its entry, or NULL when the
+ * agent does not know it: then the value goes to the driver as it is). */
+static CUmemGenericAllocationHandle translate(CUmemGenericAllocationHandle id, struct phys **out)
+{
+	struct phys *ph;
+
+	pthread_mutex_lock(&vm.lock);
+	ph = phys_by_id(id);
+	if (ph)
+		id = ph->real;
+	pthread_mutex_unlock(&vm.lock);
+	if (out)
+		*out = ph;
+	return id;
+}
+
 /* -- the program's calls ----------------------------------------------------------------------- */
 
 void vmm_create_pre(struct track *t, CUmemGenericAllocationHandle *handle, size_t size,
@@ -206,14 +222,9 @@ static void phys_maybe_free(struct phys *ph)
 void vmm_release_pre(struct track *t, CUmemGenericAllocationHandle handle)
 {
 	struct phys *ph;
-	CUmemGenericAllocationHandle h = handle;
+	CUmemGenericAllocationHandle h = translate(handle, &ph);
 
 	t->handled = 1;
-	pthread_mutex_lock(&vm.lock);
-	ph = phys_by_id(handle);
-	if (ph)
-		h = ph->real;
-	pthread_mutex_unlock(&vm.lock);
 	t->rc = real.cuMemRelease ? real.cuMemRelease(h) : CUDA_ERROR_NOT_SUPPORTED;
 	if (t->rc != CUDA_SUCCESS || !ph)
 		return;
@@ -229,14 +240,9 @@ void vmm_map_pre(struct track *t, CUdeviceptr ptr, size_t size, size_t offset,
 		 CUmemGenericAllocationHandle handle, unsigned long long flags)
 {
 	struct phys *ph;
-	CUmemGenericAllocationHandle h = handle;
+	CUmemGenericAllocationHandle h = translate(handle, &ph);
 
 	t->handled = 1;
-	pthread_mutex_lock(&vm.lock);
-	ph = phys_by_id(handle);
-	if (ph)
-		h = ph->real;
-	pthread_mutex_unlock(&vm.lock);
 	t->rc = real.cuMemMap ? real.cuMemMap(ptr, size, offset, h, flags)
 			      : CUDA_ERROR_NOT_SUPPORTED;
 	if (t->rc != CUDA_SUCCESS)
@@ -304,14 +310,8 @@ void vmm_retain_pre(struct track *t, CUmemGenericAllocationHandle *handle, void 
 
 void vmm_props_pre(struct track *t, CUmemAllocationProp *prop, CUmemGenericAllocationHandle handle)
 {
-	struct phys *ph;
-
 	t->handled = 1;
-	pthread_mutex_lock(&vm.lock);
-	ph = phys_by_id(handle);
-	if (ph)
-		handle = ph->real;
-	pthread_mutex_unlock(&vm.lock);
+	handle = translate(handle, NULL);
 	t->rc = real.cuMemGetAllocationPropertiesFromHandle
 			? real.cuMemGetAllocationPropertiesFromHandle(prop, handle)
 			: CUDA_ERROR_NOT_SUPPORTED;
@@ -323,11 +323,7 @@ void vmm_export_pre(struct track *t, void *shareable, CUmemGenericAllocationHand
 	struct phys *ph;
 
 	t->handled = 1;
-	pthread_mutex_lock(&vm.lock);
-	ph = phys_by_id(handle);
-	if (ph)
-		handle = ph->real;
-	pthread_mutex_unlock(&vm.lock);
+	handle = translate(handle, &ph);
 	t->rc = real.cuMemExportToShareableHandle
 			? real.cuMemExportToShareableHandle(shareable, handle, type, flags)
 			: CUDA_ERROR_NOT_SUPPORTED;
