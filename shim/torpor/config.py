@@ -36,7 +36,7 @@ class Config:
     device_map: str = ""                        # restores of containers: OLD_UUID=NEW_UUID,... (wins over placement)
     agent: bool = False                         # torpor-runtime preloads the agent into GPU containers
     use_agent: bool = True                      # checkpoints move GPU memory through a program's agent
-    agent_files: int = 0                        # data files per program (0: one per 2 CPUs, 1-8)
+    agent_files: int = 0                        # data files per program (0: one per CPU, 1-16)
     agent_timeout_s: float = 600.0              # how long one agent prepare/resume may take
     suspend_dir: Path = Path("/dev/shm/torpor")  # suspended programs' GPU data (host memory)
 
