@@ -155,6 +155,8 @@ class Bench:
               f"resume {out['resume']['wall_s']:.2f} s", flush=True)
         # checkpoint + restore, to host memory and to disk
         for where, root in (("shm", self.args.shm_root), ("disk", self.args.disk_root)):
+            if where not in self.args.where:
+                continue
             key = f"checkpoint_{where}"
             rss = int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGESIZE")
             why = self.room(where, root, path, used, rss)
@@ -331,6 +333,8 @@ def main() -> int:
     ap.add_argument("--disk-root", type=Path, default=Path("/var/tmp/torpor-abench"))
     ap.add_argument("--driver-disk-max-gib", type=float, default=16,
                     help="skip the driver path's checkpoint to disk above this size")
+    ap.add_argument("--where", nargs="+", choices=["shm", "disk"], default=["shm", "disk"],
+                    help="where checkpoints go (default both)")
     ap.add_argument("--cache-gib", type=float, default=8, help="0: no cache program")
     ap.add_argument("--overhead-reps", type=int, default=3, help="0: no overhead runs")
     ap.add_argument("--overhead-steps", type=int, default=1500)
