@@ -425,9 +425,14 @@ static void *load_main(struct worker *w)
 static void *worker_main(void *arg)
 {
 	struct worker *w = arg;
+	CUstream s[2];
 
 	gate_agent_thread();
-	if (staging_get(w) == 0)
+	if ((size_t)w->k >= plan.nchunks)
+		return NULL; /* fewer chunks than files */
+	/* a context current before the staging memory is registered (CUDA_ERROR_INVALID_CONTEXT
+	 * otherwise: this thread is new) */
+	if (use_device(w, plan.chunks[w->k].dev, s) == 0 && staging_get(w) == 0)
 		w->saving ? save_main(w) : load_main(w);
 	staging_put(w);
 	return NULL;

@@ -22,6 +22,7 @@ import os
 import secrets
 import shutil
 import stat
+import subprocess
 from pathlib import Path
 from typing import Iterator
 
@@ -106,11 +107,21 @@ class DataDir:
         if stat.S_IMODE(st.st_mode) != 0o700:
             os.chmod(base, 0o700)
 
-    def remove(self) -> None:
-        """Remove the root and everything under it (never following a link out of it)."""
+    def remove(self, background: bool = False) -> None:
+        """Remove the root and everything under it (never following a link out of it).
+        background: renamed away at once, deleted by a detached `rm` (giving back tens of GB of
+        /dev/shm takes seconds, and the program is running again already)."""
         try:
-            if stat.S_ISDIR(os.lstat(self.root).st_mode):
-                shutil.rmtree(self.root)
+            if not stat.S_ISDIR(os.lstat(self.root).st_mode):
+                return
+            if background:
+                trash = self.root.with_name(f".{self.root.name}.removed-{secrets.token_hex(4)}")
+                os.rename(self.root, trash)
+                subprocess.Popen(["rm", "-rf", "--one-file-system", "--", str(trash)],
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL, start_new_session=True)
+                return
+            shutil.rmtree(self.root)
         except FileNotFoundError:
             pass
 

@@ -14,6 +14,7 @@ Schema (version 1), all keys always present:
   timings           {phase: seconds}
   sizes             {"total": bytes, "gpu_memory": bytes}
   files             {relative path: {"size": bytes, "sha256": [hex per 64 MiB block] or null}}
+                    (null for the agents' GPU memory files: the agent checks its own chunk sums)
 Optional:
   container         {"id", "minors": [int], "visible": [str], "cdi": [str]}: written by
                     torpor-runtime, what the container's spec named (torpor.oci.GpuUse)
@@ -101,10 +102,20 @@ def _image_files(images_dir: Path) -> list[str]:
     return sorted(out)
 
 
+def _checked_by_agent(rel: str) -> bool:
+    """The agents' GPU memory files: their own checksum per 32 MiB chunk, kept in the process
+    image and verified by the agent as it reloads them, guards them; a sha256 here would read
+    tens of GB twice more (seal and verify) for what the resume checks anyway. Their sizes
+    are still listed and verified."""
+    return PurePosixPath(rel).parts[:1] == (bulk.DATA_DIR,)
+
+
 def file_table(images_dir: Path, checksums: bool) -> dict[str, dict[str, Any]]:
-    """Size and (optionally) per-block sha256 of every file in the image directory."""
+    """Size and (optionally) per-block sha256 of every file in the image directory (sizes only
+    for the agents' data, see _checked_by_agent)."""
     rels = _image_files(images_dir)
-    sums = block_digests({r: images_dir / r for r in rels}) if checksums else {}
+    sums = block_digests({r: images_dir / r for r in rels if not _checked_by_agent(r)}) \
+        if checksums else {}
     return {r: {"size": (images_dir / r).stat().st_size, "sha256": sums.get(r)} for r in rels}
 
 

@@ -306,7 +306,7 @@ def resume(engine: Engine, pid: int) -> dict[str, Any]:
             if engine.rollback(todo, agents=agents):  # one more try from whatever state it reached
                 raise
     for root in {r["data_root"] for p, r in records.items() if p in todo and r.get("data_root")}:
-        bulk.DataDir(Path(root)).remove()
+        bulk.DataDir(Path(root)).remove(background=True)
     for p in todo:
         engine.journal.clear_suspended(p)
     return {"pids": todo, "agent": {str(p): r for p, r in back.items()},

@@ -429,6 +429,15 @@ static void call_delay(const char *call)
  * its top replaced), cuCtxPush/PopCurrent_v2 and cuCtxSetCurrent work on it. */
 static __thread CUcontext t_ctx_stack[16];
 static __thread int t_ctx_top;
+
+/* Calls that act in the calling thread's current context, as the driver's do: none current is
+ * CUDA_ERROR_INVALID_CONTEXT (a new thread has none until it makes one current). The older
+ * calls of this fake (cuMemAlloc_v2, copies) do not check, as tests rely on. */
+#define NEED_CURRENT()                            \
+    do {                                          \
+        if (!t_ctx_top)                           \
+            return CUDA_ERROR_INVALID_CONTEXT;    \
+    } while (0)
 static __thread int t_in_primary; /* in cuDevicePrimaryCtxRetain, which makes nothing current */
 
 /* A context of this fake is 0xc0de0000 + its device: that device, else -1. */
@@ -1736,6 +1745,7 @@ EXPORT CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags)
     CUresult rc;
     if ((rc = enter("cuStreamCreate", &c)) != CUDA_SUCCESS)
         return rc;
+    NEED_CURRENT();
     if (!phStream || (Flags & ~1u))
         return CUDA_ERROR_INVALID_VALUE;
     return (*phStream = obj_new(FK_STREAM, Flags)) ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
@@ -1921,6 +1931,7 @@ EXPORT CUresult cuMemHostRegister_v2(void *p, size_t bytesize, unsigned int Flag
     CUresult rc;
     if ((rc = enter("cuMemHostRegister_v2", &c)) != CUDA_SUCCESS)
         return rc;
+    NEED_CURRENT();
     if (!p || !bytesize || (Flags & ~15u) || (uintptr_t)p + bytesize < (uintptr_t)p)
         return CUDA_ERROR_INVALID_VALUE;
     pthread_rwlock_wrlock(&g_mem);

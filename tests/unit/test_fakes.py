@@ -766,11 +766,11 @@ def test_streams_events_and_pinned_memory_move_the_data(gpu, program):
     a = p.call(f"alloc {40 * MIB} dlsym")["ptr"]
     v = p.call(f"vmm {2 * MIB}")
     for door in ("dlsym", "proc", "proc_v2"):
-        doc = p.call(f"streamcopy {a + 1} {40 * MIB - 1} 21 {door}")
+        doc = p.call(f"@streamcopy {a + 1} {40 * MIB - 1} 21 {door}")
         assert (doc["rc"], doc["ok"]) == (0, True)
         assert p.call(f"check {a + 1} {40 * MIB - 1} 21 {door}")["ok"]
-        assert p.call(f"streamcopy {v['ptr']} {2 * MIB} 22 {door}")["ok"]
-    assert p.call(f"streamcopy {a} {40 * MIB + 1} 21")["failed"] == "cuMemcpyHtoDAsync"
+        assert p.call(f"@streamcopy {v['ptr']} {2 * MIB} 22 {door}")["ok"]
+    assert p.call(f"@streamcopy {a} {40 * MIB + 1} 21")["failed"] == "cuMemcpyHtoDAsync"
 
 
 _SEMANTICS = r"""
@@ -924,7 +924,7 @@ def test_the_programs_calls_block_while_locked_and_take_delays(gpu, driver, prog
     driver.checkpoint(p.pid)
     held = [p.send(cmd) for cmd in (
         f"fill {a} 4096 1", f"check {v['ptr']} 4096 -1", "meminfo", f"range {a}",
-        f"streamcopy {a + 4 * MIB} {MIB} 2", f"vmm {2 * MIB}", f"unmap {w['ptr']} {w['size']}",
+        f"@streamcopy {a + 4 * MIB} {MIB} 2", f"vmm {2 * MIB}", f"unmap {w['ptr']} {w['size']}",
         "alloc 4096 proc", f"create {2 * MIB}", f"reserve {2 * MIB}")]
     time.sleep(0.5)
     assert not any(p.done(cid) for cid in held)
