@@ -74,7 +74,8 @@ def test_checkpoint_and_restore_through_the_agent(env, program, gpu, tmp_path, r
     assert entry["bytes"] == 5 << 20 and entry["nspid"] == program.pid
     files = sorted((images / "torpor-gpu" / str(program.pid)).iterdir())
     assert [f.stat().st_size for f in files] == entry["files"]
-    assert all(m["files"][f"torpor-gpu/{program.pid}/{f.name}"]["sha256"] for f in files)
+    # listed with their sizes; no sha256: the agent checks its own chunk sums as it reloads
+    assert all(m["files"][f"torpor-gpu/{program.pid}/{f.name}"]["sha256"] is None for f in files)
     insp = env.json("inspect", str(images), "--verify")
     assert insp["verified"] and insp["manifest"]["agent"] == m["agent"]
 

@@ -58,7 +58,7 @@ def test_podman_export_import_through_the_agent(podman, gpu, daemon, name, base)
         for k, size in enumerate(entry["files"]):
             rel = f"torpor-gpu/{old_pid}/gpu-memory-{k}.bin"
             assert f"checkpoint/{rel}" in names
-            assert m["files"][rel]["size"] == size and m["files"][rel]["sha256"]
+            assert m["files"][rel]["size"] == size and m["files"][rel]["sha256"] is None
         podman.rm(name)
 
         podman.restore(import_=archive)
