@@ -336,8 +336,8 @@ def main() -> int:
     ap.add_argument("--where", nargs="+", choices=["shm", "disk"], default=["shm", "disk"],
                     help="where checkpoints go (default both)")
     ap.add_argument("--cache-gib", type=float, default=8, help="0: no cache program")
-    ap.add_argument("--overhead-reps", type=int, default=3, help="0: no overhead runs")
-    ap.add_argument("--overhead-steps", type=int, default=1500)
+    ap.add_argument("--overhead-reps", type=int, default=5, help="0: no overhead runs")
+    ap.add_argument("--overhead-steps", type=int, default=3000)
     ap.add_argument("--overhead-gib", type=float, default=0.25)
     ap.add_argument("--agent-dir", type=Path, default=None)
     ap.add_argument("--seed", type=int, default=1234)
