@@ -22,6 +22,7 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -85,14 +86,17 @@ def control(path: Path, line: str, timeout: float = 15.0) -> dict:
 class Probe:
     """agent_probe.py under the agent: send() a command, result() its answer."""
 
-    def __init__(self, gpu: FakeGpu, workdir: Path, env: dict[str, str] | None = None):
+    def __init__(self, gpu: FakeGpu, workdir: Path, env: dict[str, str] | None = None,
+                 prefix: list[str] = ()):
+        """prefix: a command the probe runs under (e.g. unshare into namespaces)."""
         self.agent_dir = workdir / "agents"
         self.log_path = workdir / f"probe-{time.monotonic_ns()}.log"
         full_env = {**os.environ, **gpu.env(), "LD_PRELOAD": str(build_agent()),
                     "TORPOR_AGENT_DIR": str(self.agent_dir), "TORPOR_AGENT_LOG_LEVEL": "10",
                     **(env or {})}
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, str(PROBE), "--lib", gpu.libcuda],
+            self.proc = subprocess.Popen([*prefix, sys.executable, str(PROBE), "--lib",
+                                          gpu.libcuda],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=log, text=True, env=full_env)
         first = self.proc.stdout.readline()
@@ -664,6 +668,38 @@ else:
         out["reply"] = ""
 print(json.dumps(out))
 """
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_host_root_reaches_an_agent_in_a_user_namespace(tmp_path):
+    """A program in its own user and pid namespaces (a user-namespaced container: uid 1000
+    outside is root inside, host root is not mapped) still answers the host's root, which
+    SO_PEERCRED shows as the overflow uid with pid 0; another host user is kept out by the
+    socket's permissions."""
+    prefix = ["setpriv", "--reuid", "1000", "--regid", "1000", "--clear-groups",
+              "unshare", "--user", "--map-root-user", "--pid", "--fork", "--kill-child"]
+    if subprocess.run([*prefix, "true"], capture_output=True).returncode != 0:
+        pytest.skip("no unprivileged user namespaces here")
+    work = Path(tempfile.mkdtemp(prefix="torpor-userns-"))   # pytest's tmp is root's, 0700
+    try:
+        work.chmod(0o777)
+        with FakeGpu(work / "gpu") as g:
+            for d in [g.state_dir, *g.state_dir.rglob("*")]:
+                d.chmod(0o777 if d.is_dir() else 0o666)
+            p = Probe(g, work, prefix=prefix)
+            try:
+                assert p.pid == 1                              # its own pid namespace
+                assert p.call("init dlsym")["rc"] == 0
+                assert p.sock.stat().st_uid == 1000
+                st = p.ctl("status")                           # we are root, unmapped there
+                assert st["pid"] == 1 and st["gate"] == "open", st
+                out = subprocess.run([sys.executable, "-c", _PEER, str(p.sock), "uid"],
+                                     capture_output=True, text=True, timeout=30)
+                assert json.loads(out.stdout)["connect"] != 0   # EACCES: not the owner
+            finally:
+                p.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
