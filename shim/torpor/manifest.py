@@ -17,7 +17,9 @@ Schema (version 1), all keys always present:
                     (null for the agents' GPU memory files: the agent checks its own chunk sums)
 Optional:
   container         {"id", "minors": [int], "visible": [str], "cdi": [str]}: written by
-                    torpor-runtime, what the container's spec named (torpor.oci.GpuUse)
+                    torpor-runtime, what the container's spec named (torpor.oci.GpuUse);
+                    optional "agent": true when it had the agent's mounts (its restore needs
+                    them again: CRIU maps the dumped mounts onto the new spec's)
   gpus[].minor      /dev/nvidia<minor> of that GPU, where NVML told
   agent             {"<pid>": {"nspid", "bytes", "chunks", "allocations", "cache_released",
                     "seconds", "files": [size of each data file]}}: the programs whose in-process
@@ -207,6 +209,8 @@ def validate(m: Any) -> dict[str, Any]:
         if not all(isinstance(x, int) and not isinstance(x, bool) for x in c["minors"]) or \
                 not all(isinstance(x, str) for x in c["visible"] + c["cdi"]):
             raise CorruptCheckpointError("manifest container entry is malformed")
+        if not isinstance(c.get("agent", False), bool):
+            raise CorruptCheckpointError("manifest container field 'agent' is not a boolean")
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool)
                for v in m["timings"].values()):
         raise CorruptCheckpointError("manifest timings are malformed")

@@ -276,6 +276,11 @@ def add_agent(spec: dict[str, Any], library: Path, host_dir: Path) -> bool:
     return True
 
 
+def has_agent(spec: Mapping[str, Any]) -> bool:
+    """Does the spec bind the agent's socket directory (add_agent)?"""
+    return any(m.get("destination") == AGENT_DIR_IN_CONTAINER for m in _dicts(spec.get("mounts")))
+
+
 def repoint_agent(spec: dict[str, Any], library: Path, host_dir: Path) -> bool:
     """A restored container (maybe on another host, under another id) gets this host's agent
     library and its own socket directory. False when it has no agent."""

@@ -1,4 +1,5 @@
-"""A GPU container whose program runs under an agent, through podman, torpor-runtime, torpord,
+"""A GPU container whose program runs under an agent, through podman (and containerd),
+torpor-runtime, torpord,
 runc and CRIU, with the fake GPU: the program is tests/unit/fake_agent.py's (a fake CUDA
 program serving the Python fake of the agent's socket in /run/torpor/agents, which
 torpor-runtime binds to the container's agent directory on the host, org.torpor.agent=on).
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from tests.integration.conftest import wait_for
 from tests.integration.test_containers_gpu import (  # noqa: F401  (fixtures)
-    GIB, base, daemon, fake_nodes, gpu, name, needs_criu, podman, shim)
+    GIB, base, containerd, daemon, fake_nodes, gpu, name, needs_criu, podman, shim)
 from torpor.agent import AgentClient
 import pytest
 
@@ -72,3 +73,46 @@ def test_podman_export_import_through_the_agent(podman, gpu, daemon, name, base)
         assert (st["state"], st["gate"], st["intact"]) == ("running", "open", True)
     finally:
         podman.rm(name)
+
+
+def _events(path: Path) -> list[str]:
+    return [e.rsplit(" ", 1)[0] for e in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_containerd_checkpoint_restore_through_the_agent(containerd, gpu, daemon, name, base):
+    """ctr checkpoint (the task keeps running: the agent reloads from the image directory after
+    the dump) and ctr restore into a new container, whose agent reloads from the checkpoint
+    image containerd made of that directory."""
+    events = gpu.state_dir / "agent-events"
+    _argv, env, mounts = gpu.container_workload("agc", 0, GIB)
+    argv = ["/usr/bin/python3", "-I", str(PROGRAM), "/run/torpor/agents", str(events),
+            "--bytes", str(3 << 20), "--lib", gpu.libcuda]
+    mounts = [m for m in mounts if m[0] != str(PROGRAM)] + [(str(PROGRAM), str(PROGRAM), True)]
+    containerd.run(name, argv, mounts=mounts, env={**env, "NVIDIA_VISIBLE_DEVICES": gpu.uuid(0)},
+                   annotations={"org.torpor.agent": "on"})
+    ref = f"localhost/torpor-test-agent:{name.lower()}"
+    new = f"{name}-r"[:60]
+    try:
+        sock = daemon.cfg.run_dir / "agents" / name / "agent-1.sock"
+        wait_for(lambda: sock.exists() and gpu.proc_entry("agc.1"), 20,
+                 "the program under its agent")
+        old_pid = containerd.pid(name)
+        containerd.checkpoint(name, ref, leave_running=True)
+        assert _events(events) == ["agent status", "agent prepare", "agent detach",
+                                   "agent status", "agent resume"]
+        with AgentClient(sock) as a:
+            st = a.status()
+        assert (st["state"], st["gate"], st["intact"]) == ("running", "open", True)
+        events.unlink()
+        containerd.rm(name)
+
+        containerd.restore(ref, new)
+        assert containerd.state(new) == "running" and containerd.pid(new) != old_pid
+        assert _events(events) == ["agent status", "agent resume"]
+        with AgentClient(daemon.cfg.run_dir / "agents" / new / "agent-1.sock") as a:
+            st = a.status()
+        assert (st["state"], st["gate"], st["intact"]) == ("running", "open", True)
+    finally:
+        containerd.rm(name)
+        containerd.rm(new)
+        containerd.rm_image(ref)

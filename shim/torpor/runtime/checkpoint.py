@@ -63,6 +63,7 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
         raise TorporError(f"container {cid} has no host PID in its state ({st.get('pid')!r})")
     images = Path(inv.opt("image-path") or "checkpoint").absolute()
     leave_running = inv.flag("leave-running")
+    thawed = _Thaw(runtime, cid, st.get("status") == "paused")
     private_dir(images)
     data = bulk.DataDir(images / bulk.DATA_DIR)
     data.remove()   # an earlier checkpoint's, into the same image path
@@ -70,8 +71,9 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
     ensure_running(cfg)
     timings: dict[str, float] = {}
     with Client(cfg) as c, interrupts.deferred():
-        ck = c.lock_and_checkpoint(pids=[pid], owner_pid=os.getpid(), gpu_data_dir=data.root,
-                                   agent_container_id=cid)
+        with thawed:
+            ck = c.lock_and_checkpoint(pids=[pid], owner_pid=os.getpid(),
+                                       gpu_data_dir=data.root, agent_container_id=cid)
         op_id = ck["op_id"]
         timings.update(ck["timings"])
         log.info("checkpoint %s: %s locked and checkpointed %s in %.2f s%s", cid, op_id,
@@ -81,14 +83,16 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
         try:
             manifest.write_draft(images, _draft(cid, spec, use, ck, pid, leave_running))
         except BaseException:
-            c.rollback(op_id)
+            with thawed:
+                c.rollback(op_id)
             data.remove()
             raise
         t = time.monotonic()
         rc = runtime.run().wait()
         timings["dump"] = time.monotonic() - t
         if rc != 0:
-            c.rollback(op_id)   # the agents have their memory back: their files can go
+            with thawed:
+                c.rollback(op_id)   # the agents have their memory back: their files can go
             (images / manifest.DRAFT).unlink(missing_ok=True)
             data.remove()
             report = f"{Path(runtime.path).name} checkpoint failed (exit {rc}); the container's " \
@@ -97,10 +101,11 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
             print(f"torpor-runtime: {report}", flush=True, file=sys.stderr)
             return rc
         t = time.monotonic()
-        if leave_running:
-            out = c.restore_and_unlock(op_id=op_id)
-        else:
-            out = c.finish(op_id)
+        with thawed:
+            if leave_running:
+                out = c.restore_and_unlock(op_id=op_id)
+            else:
+                out = c.finish(op_id)
         timings.update(out["timings"])
         timings["finish"] = time.monotonic() - t
     try:
@@ -115,6 +120,29 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
     log.info("checkpoint %s: done in %.2f s, %d CUDA process(es), %d bytes of images", cid,
              time.monotonic() - t0, len(ck["cuda_processes"]), m["sizes"]["total"])
     return 0
+
+
+class _Thaw:
+    """`with thawed:` runs its body with a paused container thawed, and pauses it again after
+    (whatever the body did); nothing for a running one. A container that ended meanwhile (a
+    dump without --leave-running) is not paused again."""
+
+    def __init__(self, runtime: Runtime, cid: str, paused: bool):
+        self.runtime, self.cid, self.paused = runtime, cid, paused
+
+    def __enter__(self) -> None:
+        if self.paused:
+            log.info("checkpoint %s: paused; thawed for the GPU step", self.cid)
+            self.runtime.call("resume", self.cid)
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.paused:
+            return
+        try:
+            if self.runtime.state(self.cid).get("status") == "running":
+                self.runtime.call("pause", self.cid)
+        except TorporError as e:
+            log.error("checkpoint %s: could not pause it again: %s", self.cid, e)
 
 
 def _draft(cid: str, spec: dict[str, Any], use: oci.GpuUse, ck: dict[str, Any], pid: int,
@@ -141,7 +169,8 @@ def _draft(cid: str, spec: dict[str, Any], use: oci.GpuUse, ck: dict[str, Any], 
         "gpus": gpu_list, "processes": processes, "timings": {},
         "sizes": {"total": 0, "gpu_memory": sum(p["gpu_memory"] for p in processes)},
         "files": {},
-        "container": {"id": cid, "minors": use.minors, "visible": use.visible, "cdi": use.cdi},
+        "container": {"id": cid, "minors": use.minors, "visible": use.visible, "cdi": use.cdi,
+                      "agent": oci.has_agent(spec)},
     }
     if ck["agents"]:
         draft["agent"] = {str(a["pid"]): {k: a[k] for k in (

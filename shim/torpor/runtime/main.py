@@ -43,6 +43,13 @@ class Runtime:
             raise TorporError(f"{Path(self.path).name} state {container_id}: not JSON ({e})")
         return st
 
+    def call(self, *args: str) -> None:
+        """One command of the real runtime (pause, resume, ...); TorporError if it fails."""
+        out = subprocess.run(self.argv(*args), capture_output=True, text=True, timeout=60)
+        if out.returncode != 0:
+            raise TorporError(f"{Path(self.path).name} {' '.join(args)} failed: "
+                              f"{out.stderr.strip() or out.stdout.strip()}")
+
     def kill(self, container_id: str) -> None:
         subprocess.run(self.argv("kill", container_id, "KILL"), capture_output=True, timeout=60)
 

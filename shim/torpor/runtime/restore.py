@@ -57,7 +57,7 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
     else:
         print(f"torpor-runtime: warning: {images} holds an unsealed GPU manifest (the "
               "checkpoint could not finish it): image files not verified", file=sys.stderr)
-    _repoint_agent(cfg, bundle, cid)
+    _repoint_agent(cfg, bundle, cid, bool((m.get("container") or {}).get("agent")))
     cuda = [p for p in m["processes"] if p["cuda"]]
     moved = [{"pid": p, "nspid": e["nspid"], "files": e["files"]}
              for p, e in manifest.agents(m).items()]
@@ -122,14 +122,20 @@ def _place(cfg: Config, m: dict[str, Any], bundle: Path
     return gpu_map, moves, bool(explicit)
 
 
-def _repoint_agent(cfg: Config, bundle: Path, cid: str) -> None:
-    """The agent's mounts (if the container has the agent) to this host's library and a
-    socket directory of this container's (delete removed the old one)."""
+def _repoint_agent(cfg: Config, bundle: Path, cid: str, had_agent: bool) -> None:
+    """The agent's mounts (if the container had the agent) to this host's library and a
+    socket directory of this container's (delete removed the old one). A spec without them
+    (containerd makes the restored container's spec from its own record, which never saw what
+    create added) gets them back: CRIU maps every mount it dumped onto one of the new spec's."""
     spec = oci.load(bundle)
-    if any(isinstance(m, dict) and m.get("destination") == oci.AGENT_DIR_IN_CONTAINER
-           for m in spec.get("mounts") or []):
+    if oci.has_agent(spec):
         oci.repoint_agent(spec, agent.library(), agent_dir(cfg, cid, spec))
-        oci.save(bundle, spec)
+    elif had_agent:
+        oci.add_agent(spec, agent.library(), agent_dir(cfg, cid, spec))
+        log.info("restore %s: the agent's mounts added back to the spec", cid)
+    else:
+        return
+    oci.save(bundle, spec)
 
 
 def _read_pid(path: Path) -> int | None:
