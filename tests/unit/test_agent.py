@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from tests.fakes.fakegpu import FakeGpu
+from tests.fakes.probe_client import ProbeProcess
 from tests.integration.conftest import wait_for
 from torpor.agent import AgentClient, AgentError
 from torpor.errors import NotFoundError
@@ -37,7 +38,6 @@ from torpor.errors import NotFoundError
 ROOT = Path(__file__).resolve().parents[2]
 AGENT_DIR = ROOT / "agent"
 AGENT_LIB = AGENT_DIR / "build" / "libtorpor-agent.so"
-PROBE = ROOT / "tests" / "fakes" / "agent_probe.py"
 PLAIN_C = ROOT / "tests" / "fakes" / "agent_plain.c"
 CC = os.environ.get("CC", "gcc")
 NOT_SUPPORTED = 801
@@ -83,60 +83,18 @@ def control(path: Path, line: str, timeout: float = 15.0) -> dict:
     return json.loads(buf)
 
 
-class Probe:
-    """agent_probe.py under the agent: send() a command, result() its answer."""
+class Probe(ProbeProcess):
+    """agent_probe.py under the agent (its log at debug level), with the agent's socket."""
 
     def __init__(self, gpu: FakeGpu, workdir: Path, env: dict[str, str] | None = None,
                  prefix: list[str] = ()):
         """prefix: a command the probe runs under (e.g. unshare into namespaces)."""
         self.agent_dir = workdir / "agents"
-        self.log_path = workdir / f"probe-{time.monotonic_ns()}.log"
         full_env = {**os.environ, **gpu.env(), "LD_PRELOAD": str(build_agent()),
                     "TORPOR_AGENT_DIR": str(self.agent_dir), "TORPOR_AGENT_LOG_LEVEL": "10",
                     **(env or {})}
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen([*prefix, sys.executable, str(PROBE), "--lib",
-                                          gpu.libcuda],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=log, text=True, env=full_env)
-        first = self.proc.stdout.readline()
-        if not first:
-            self.proc.wait(timeout=10)
-            raise AssertionError(f"probe exited {self.proc.returncode}: {self.stderr()}")
-        self.pid = json.loads(first)["pid"]
-        self.results: dict[str, dict] = {}
-        self.cond = threading.Condition()
-        self.next_id = 0
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            doc = json.loads(line)
-            with self.cond:
-                self.results[doc["id"]] = doc
-                self.cond.notify_all()
-
-    def send(self, cmd: str) -> str:
-        self.next_id += 1
-        cid = str(self.next_id)
-        self.proc.stdin.write(f"{cid} {cmd}\n")
-        self.proc.stdin.flush()
-        return cid
-
-    def done(self, cid: str) -> bool:
-        with self.cond:
-            return cid in self.results
-
-    def result(self, cid: str, timeout: float = 15.0) -> dict:
-        with self.cond:
-            if not self.cond.wait_for(lambda: cid in self.results, timeout):
-                raise AssertionError(f"no answer to command {cid}; log:\n{self.stderr()}")
-            doc = self.results[cid]
-        assert "error" not in doc, doc["error"]
-        return doc
-
-    def call(self, cmd: str, timeout: float = 15.0) -> dict:
-        return self.result(self.send(cmd), timeout)
+        super().__init__(gpu.libcuda, full_env, workdir / f"probe-{time.monotonic_ns()}.log",
+                         prefix)
 
     @property
     def sock(self) -> Path:
@@ -150,17 +108,7 @@ class Probe:
             return a.status()
 
     def stderr(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write("0 quit\n")
-                self.proc.stdin.flush()
-                self.proc.wait(timeout=5)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
+        return self.log()
 
 
 @pytest.fixture
@@ -324,11 +272,13 @@ pid = os.fork()
 if pid == 0:                        # a child's first driver call: a socket of its own
     before = sorted(os.listdir(d))
     rc = lib.cuInit(0)
-    print(json.dumps({"pid": os.getpid(), "before": before, "rc": rc,
-                      "after": sorted(os.listdir(d))}), flush=True)
+    # one write(2) a line: parent and child share the pipe, and print() may write the text
+    # and its newline separately, letting the other's line in between
+    os.write(1, (json.dumps({"pid": os.getpid(), "before": before, "rc": rc,
+                             "after": sorted(os.listdir(d))}) + "\n").encode())
     sys.stdin.readline()
     sys.exit(0)
-print(json.dumps({"pid": os.getpid()}), flush=True)
+os.write(1, (json.dumps({"pid": os.getpid()}) + "\n").encode())
 os.waitpid(pid, 0)
 """
 

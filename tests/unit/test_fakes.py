@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -29,6 +28,7 @@ except ImportError:
 from tests.fakes.fakegpu import (  # noqa: E402
     CHECKPOINTED, LOCKED, PROGRAM, RUNNING, SYSTEM_PYTHON, FakeGpu, check_scope, key_of, nspid_of,
     pid_of, scoped_key)
+from tests.fakes.probe_client import ProbeProcess  # noqa: E402
 from torpor.driver import Driver, DriverError, ProcessState  # noqa: E402
 
 H200 = "NVIDIA H200"
@@ -539,64 +539,18 @@ def test_scoped_key_survives_criu_restore(gpu, driver, nvml, tmp_path):
 
 # -- the calls of a program and of torpor's agent: data, VMM, streams, faults ---------------------
 
-PROBE = ROOT / "tests" / "fakes" / "agent_probe.py"
 MIB = 1 << 20
 INVALID_VALUE, OUT_OF_MEMORY, NOT_SUPPORTED, NOT_FOUND, INVALID_HANDLE = 1, 2, 801, 500, 400
 
 
-class Probe:
-    """agent_probe.py over the fake driver, without the agent: send() a command, result() its
-    answer (each command runs in a thread of its own there)."""
+class Probe(ProbeProcess):
+    """agent_probe.py over the fake driver, without the agent."""
 
     def __init__(self, gpu: FakeGpu):
-        self.proc = subprocess.Popen([sys.executable, str(PROBE), "--lib", gpu.libcuda],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env={**os.environ, **gpu.env()})
-        self.pid = json.loads(self.proc.stdout.readline())["pid"]
-        self.results: dict[str, dict] = {}
-        self.cond = threading.Condition()
-        self.next_id = 0
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            doc = json.loads(line)
-            with self.cond:
-                self.results[doc["id"]] = doc
-                self.cond.notify_all()
-
-    def send(self, cmd: str) -> str:
-        self.next_id += 1
-        self.proc.stdin.write(f"{self.next_id} {cmd}\n")
-        self.proc.stdin.flush()
-        return str(self.next_id)
-
-    def done(self, cid: str) -> bool:
-        with self.cond:
-            return cid in self.results
+        super().__init__(gpu.libcuda, {**os.environ, **gpu.env()})
 
     def result(self, cid: str, timeout: float = 30.0) -> dict:
-        with self.cond:
-            assert self.cond.wait_for(lambda: cid in self.results, timeout), f"no answer to {cid}"
-            doc = self.results[cid]
-        assert "error" not in doc, doc["error"]
-        return doc
-
-    def call(self, cmd: str) -> dict:
-        return self.result(self.send(cmd))
-
-    def rc(self, cmd: str) -> int:
-        return self.call(cmd)["rc"]
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.write("0 quit\n")
-            self.proc.stdin.flush()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        return super().result(cid, timeout)
 
 
 @pytest.fixture
