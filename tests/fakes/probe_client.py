@@ -19,9 +19,9 @@ class ProbeProcess:
     (else inherited): send() a command, result() its answer, call() both."""
 
     def __init__(self, libcuda: str, env: Mapping[str, str], log_path: Path | None = None,
-                 prefix: Sequence[str] = ()):
+                 prefix: Sequence[str] = (), script: Path = PROBE):
         self.log_path = log_path
-        argv = [*prefix, sys.executable, str(PROBE), "--lib", libcuda]
+        argv = [*prefix, sys.executable, str(script), "--lib", libcuda]
         log = open(log_path, "w") if log_path else None
         try:
             self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

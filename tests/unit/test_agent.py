@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from tests.fakes.fakegpu import FakeGpu
-from tests.fakes.probe_client import ProbeProcess
+from tests.fakes.probe_client import PROBE, ProbeProcess
 from tests.integration.conftest import wait_for
 from torpor.agent import AgentClient, AgentError
 from torpor.errors import NotFoundError
@@ -87,14 +87,14 @@ class Probe(ProbeProcess):
     """agent_probe.py under the agent (its log at debug level), with the agent's socket."""
 
     def __init__(self, gpu: FakeGpu, workdir: Path, env: dict[str, str] | None = None,
-                 prefix: list[str] = ()):
+                 prefix: list[str] = (), script: Path = PROBE):
         """prefix: a command the probe runs under (e.g. unshare into namespaces)."""
         self.agent_dir = workdir / "agents"
         full_env = {**os.environ, **gpu.env(), "LD_PRELOAD": str(build_agent()),
                     "TORPOR_AGENT_DIR": str(self.agent_dir), "TORPOR_AGENT_LOG_LEVEL": "10",
                     **(env or {})}
         super().__init__(gpu.libcuda, full_env, workdir / f"probe-{time.monotonic_ns()}.log",
-                         prefix)
+                         prefix, script)
 
     @property
     def sock(self) -> Path:
@@ -633,10 +633,17 @@ def test_host_root_reaches_an_agent_in_a_user_namespace(tmp_path):
     work = Path(tempfile.mkdtemp(prefix="torpor-userns-"))   # pytest's tmp is root's, 0700
     try:
         work.chmod(0o777)
+        # what uid 1000 runs must be readable by it (the checkout may be in root's home)
+        lib, script = work / "libtorpor-agent.so", work / "agent_probe.py"
+        shutil.copy(build_agent(), lib)
+        shutil.copy(PROBE, script)
         with FakeGpu(work / "gpu") as g:
             for d in [g.state_dir, *g.state_dir.rglob("*")]:
                 d.chmod(0o777 if d.is_dir() else 0o666)
-            p = Probe(g, work, prefix=prefix)
+            fake = work / "libcuda.so.1"
+            shutil.copy(g.libcuda, fake)
+            g.libcuda = str(fake)
+            p = Probe(g, work, env={"LD_PRELOAD": str(lib)}, prefix=prefix, script=script)
             try:
                 assert p.pid == 1                              # its own pid namespace
                 assert p.call("init dlsym")["rc"] == 0
