@@ -202,9 +202,11 @@ void vmm_create_pre(struct track *t, CUmemGenericAllocationHandle *handle, size_
 	pthread_mutex_lock(&vm.lock);
 	/* A value the driver gives again may equal an id the program still holds from before
 	 * a re-creation: then the program could not tell the two apart. Rare (the driver's
-	 * handles are pointers); say so. */
+	 * handles are pointers); the newer one (first in the list) is what that value means
+	 * from now on. */
 	if (phys_by_id(*handle))
-		pr_warn("handle 0x%llx given twice: the older one is forgotten", *handle);
+		pr_warn("handle 0x%llx given again while the program holds an older handle of that "
+			"value: the value means the newer one from now on", *handle);
 	if (!phys_new(*handle, size, prop))
 		pr_err("out of memory: handle 0x%llx not tracked (not movable)", *handle);
 	pthread_mutex_unlock(&vm.lock);
