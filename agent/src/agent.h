@@ -243,6 +243,7 @@ int mover_save(const int *fds, int nfds, struct move_result *r);
 int mover_load(const int *fds, int nfds, struct move_result *r);
 /* Is there saved memory not yet reloaded? */
 int mover_pending(void);
+void mover_after_fork(void);
 
 /* -- allocator caches (caches.c) -------------------------------------------------------------- */
 

@@ -107,6 +107,7 @@ static void after_fork_child(void)
 	gate_after_fork();
 	track_after_fork();
 	vmm_after_fork();
+	mover_after_fork();
 	control_after_fork();
 }
 

@@ -597,3 +597,12 @@ int mover_load(const int *fds, int nfds, struct move_result *r)
 	plan_free();
 	return 0;
 }
+
+/* The child of fork() has no GPU memory of its own to reload (CUDA does not survive fork):
+ * it starts with nothing saved (the parent's tables are leaked, not freed: another thread may
+ * have been using them). */
+void mover_after_fork(void)
+{
+	memset(&plan, 0, sizeof(plan));
+	pthread_mutex_init(&err_lock, NULL);
+}
