@@ -19,7 +19,6 @@ PYTHONPATH, and no TORPOR_LIBCUDA pointing at a fake driver.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -27,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
+
+from integration.gpu import TorchStatus
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -106,8 +107,9 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-class Program:
-    """One program run: its steps, status and log files in workdir, named after name."""
+class Program(TorchStatus):
+    """One program run: its steps, status and log files in workdir, named after name (the
+    status file's format is torch_program.py's, which the other programs follow)."""
 
     def __init__(self, workdir: Path, name: str, argv: Sequence[str], *,
                  env: Mapping[str, str] | None = None, agent: bool = False):
@@ -126,15 +128,6 @@ class Program:
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                          start_new_session=True, cwd=workdir)
         self.pid = self.proc.pid
-
-    def status(self) -> dict:
-        try:
-            return json.loads(self.status_path.read_text())
-        except (OSError, ValueError):
-            return {}
-
-    def step(self) -> int:
-        return int(self.status().get("step", -1))
 
     def tail(self, n: int = 3000) -> str:
         try:
