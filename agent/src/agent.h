@@ -232,17 +232,22 @@ struct move_result {
 	long chunks, allocations;
 	double seconds;
 	unsigned long long file_size[16];
-	int nfiles;
+	int nfiles, in_memory;
 	char error[256];
 };
-/* Copies every movable allocation into the files (striped, one thread a file), then drops
- * their physical memory. The gate must be closed. 0, or -1 with r->error (nothing dropped). */
+/* Copies every movable allocation into the files (striped, one thread a file; nfds 0: into
+ * the agent's own memory, one thread a CPU), then drops their physical memory. The gate must
+ * be closed. 0, or -1 with r->error (nothing dropped). */
 int mover_save(const int *fds, int nfds, struct move_result *r);
-/* Re-creates and reloads what mover_save saved from the same files, verifying checksums.
- * 0, or -1 with r->error (what was re-created stays; a retry goes on from there). */
+/* Re-creates and reloads what mover_save saved from the same files (none: from the agent's
+ * memory), verifying checksums. 0, or -1 with r->error (what was re-created stays; a retry
+ * goes on from there). */
 int mover_load(const int *fds, int nfds, struct move_result *r);
-/* Is there saved memory not yet reloaded? */
+/* Is there saved memory not yet reloaded? Is it in the agent's memory? */
 int mover_pending(void);
+int mover_in_memory(void);
+/* Bytes of the agent's own memory holding saved GPU data. */
+unsigned long long mover_host_bytes(void);
 void mover_after_fork(void);
 
 /* -- allocator caches (caches.c) -------------------------------------------------------------- */

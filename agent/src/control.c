@@ -56,8 +56,10 @@ struct client {
 };
 
 /* Where the program's movable memory is: on the GPU (running), in the files given to prepare
- * and still held (prepared), or in files the agent no longer holds (detached: the CRIU dump
- * is next; only a resume with the files brings the memory back). */
+ * and still held or in the agent's own memory (prepared), or in files the agent no longer
+ * holds (detached: the CRIU dump is next; only a resume with the files brings the memory
+ * back) or still in the agent's memory (detached after a prepare without files: only the
+ * prepare deadline is off). */
 enum state { RUNNING, PREPARED, DETACHED };
 static const char *const STATE_NAMES[] = { "running", "prepared", "detached" };
 
@@ -315,10 +317,10 @@ static void status_reply(char *out, size_t size)
 		 "{\"pid\":%d,\"state\":\"%s\",\"gate\":\"%s\",\"in_flight\":%ld,"
 		 "\"waiting\":%ld,\"allocations\":%ld,\"bytes\":%llu,"
 		 "\"movable_allocations\":%ld,\"movable_bytes\":%llu,\"moved_allocations\":%ld,"
-		 "\"contexts\":%d}\n",
+		 "\"contexts\":%d,\"in_memory\":%s,\"host_bytes\":%llu}\n",
 		 (int)getpid(), STATE_NAMES[ctl.state], g.closed ? "closed" : "open", g.in_flight,
 		 g.waiting, t.allocations, t.bytes, v.movable, v.movable_bytes, v.dropped,
-		 t.contexts);
+		 t.contexts, mover_in_memory() ? "true" : "false", mover_host_bytes());
 }
 
 static int parse_timeout(const char *arg, long *timeout_ms)
@@ -355,10 +357,6 @@ static void prepare_reply(struct client *c, const char *arg, char *out, size_t s
 
 	if (ctl.state != RUNNING) {
 		error_reply(out, size, "already prepared: resume or abort first");
-		return;
-	}
-	if (!c->nfds) {
-		error_reply(out, size, "prepare needs the data files (file descriptors with the line)");
 		return;
 	}
 	if (parse_timeout(arg, &timeout_ms)) {
@@ -404,9 +402,10 @@ static void prepare_reply(struct client *c, const char *arg, char *out, size_t s
 	ctl.last_ms = now_ms();
 	n = snprintf(out, size,
 		     "{\"ok\":true,\"bytes\":%llu,\"chunks\":%ld,\"allocations\":%ld,"
-		     "\"cache_released\":%llu,\"seconds\":%.6f,\"files\":[",
+		     "\"cache_released\":%llu,\"seconds\":%.6f,\"in_memory\":%s,\"files\":[",
 		     r.bytes, r.chunks, r.allocations,
-		     before.bytes > after.bytes ? before.bytes - after.bytes : 0ULL, r.seconds);
+		     before.bytes > after.bytes ? before.bytes - after.bytes : 0ULL, r.seconds,
+		     r.in_memory ? "true" : "false");
 	used = n > 0 && (size_t)n < size ? (size_t)n : size - 1;
 	for (int k = 0; k < r.nfiles && used < size; k++) {
 		n = snprintf(out + used, size - used, "%s%llu", k ? "," : "", r.file_size[k]);
@@ -445,7 +444,7 @@ static void resume_reply(struct client *c, int abort, char *out, size_t size)
 		return;
 	}
 	if (abort || !c->nfds) {
-		if (ctl.state == DETACHED) {
+		if (ctl.state == DETACHED && !mover_in_memory()) {
 			error_reply(out, size, "detached: resume with the data files");
 			return;
 		}

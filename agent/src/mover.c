@@ -1,27 +1,36 @@
-/* The mover: the program's movable GPU memory (vmm.c) out to files and back, at PCIe speed.
+/* The mover: the program's movable GPU memory (vmm.c) out to host memory or files and back,
+ * at PCIe speed.
  *
  * Save: the movable allocations are cut into pieces and packed into chunks of up to CHUNK
- * bytes (a 2 MiB allocation does not cost a write of its own); chunk j goes to file j % nfiles,
- * appended. One worker thread a file, each with two pinned staging buffers and a stream for
- * each: while one buffer is written to the file, the GPU copies the next chunk into the other.
- * A 64-bit checksum of every chunk is kept in the agent's memory (it travels with the process
- * image: CRIU restores it with the rest of the agent). Once every chunk is written, the
- * physical memory of every movable allocation is released (vmm_drop); the addresses stay.
+ * bytes (a 2 MiB allocation does not cost a write of its own); chunk j goes to sink j % nsinks,
+ * appended. One worker thread a sink. A 64-bit checksum of every chunk is kept in the agent's
+ * memory (it travels with the process image: CRIU restores it with the rest of the agent).
+ * Once every chunk is out, the physical memory of every movable allocation is released
+ * (vmm_drop); the addresses stay.
  *
  * Load: every dropped allocation is re-created at its addresses (vmm_recreate), then each
- * worker reads its file's chunks in order into a staging buffer, checks the checksum, and
- * copies the pieces to the GPU while it reads the next chunk into its other buffer.
+ * worker brings its sink's chunks back, checking each checksum.
+ *
+ * A sink is a data file, or (a prepare without files: a suspend) a region of the agent's own
+ * anonymous memory, one a worker, populated by its worker (the kernel zeroes its pages in
+ * parallel) and kept until the load unmaps it. Either way each worker has two pinned staging
+ * buffers and a stream for each: while one buffer is summed and written to (read from) its
+ * sink, the GPU copies the next chunk into (out of) the other. Copying straight between the
+ * GPU and a registered region or a registered tmpfs mapping was measured slower on the H200
+ * host (bench/host_paths.c: registering 16 GB took 1.9-2.6 s and unregistering it 1.2-2.4 s,
+ * 4.5 s for tmpfs pages; the staged copy into /dev/shm moved the same 16 GB in 0.7 s).
  *
  * Staging buffers are anonymous memory with transparent huge pages, touched by their worker
- * and registered with the driver (cuMemHostRegister): that is faster to set up than
- * cuMemHostAlloc (measured on an H200 host: 4 GiB registered in 0.07 s after a 0.1 s parallel
- * touch, against 1.6 s for cuMemHostAlloc), and it is unmapped once the move is over, so the
- * process image stays as small as it was.
+ * and registered with the driver: that is faster to set up than cuMemHostAlloc (measured on
+ * an H200 host: 4 GiB registered in 0.07 s after a 0.1 s parallel touch, against 1.6 s for
+ * cuMemHostAlloc), and it is unmapped once the move is over, so the process image stays as
+ * small as it was.
  */
 #define LOG_PREFIX "mover: "
 #include "agent.h" /* first: _GNU_SOURCE */
 
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -31,9 +40,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23 /* Linux 5.14 */
+#endif
+
 #define CHUNK (32UL << 20)  /* bytes a chunk: a write, a checksum */
 #define SUB (1UL << 20)     /* written and summed this much at a time (stays in cache) */
-#define MAX_FILES 16
+#define MAX_FILES 16       /* sinks: files, or regions of the agent's memory */
+#define REGION_ALIGN (2UL << 20)
 #define MAX_DEVICES 64
 
 struct piece {
@@ -61,7 +75,10 @@ static struct {
 	size_t nchunks;
 	int nfiles;
 	unsigned long long bytes, file_size[MAX_FILES];
-	int pending; /* saved and (some) dropped: a load is owed */
+	int pending;   /* saved and (some) dropped: a load is owed */
+	int in_memory; /* the sinks are regions of the agent's memory, not files */
+	unsigned char *region[MAX_FILES];
+	size_t region_size[MAX_FILES];
 } plan;
 
 /* -- the checksum: four 64-bit lanes over 32-byte stripes (the round of xxHash64) ---------- */
@@ -125,6 +142,9 @@ static uint64_t sum_end(const struct sum *s)
 
 static void plan_free(void)
 {
+	for (int k = 0; k < MAX_FILES; k++)
+		if (plan.region[k])
+			munmap(plan.region[k], plan.region_size[k]);
 	free(plan.mv);
 	free(plan.pieces);
 	free(plan.chunks);
@@ -194,10 +214,11 @@ static int plan_build(int nfiles)
 
 struct worker {
 	pthread_t thread;
-	int k, fd, saving;
+	int k, fd, saving; /* fd: -1 for a region of the agent's memory */
 	unsigned char *buf[2];
 	size_t buf_size;
 	int registered;
+	unsigned char *region; /* fd -1: the sink, in the agent's memory */
 	CUstream stream[MAX_DEVICES][2];
 	CUcontext current;
 	unsigned long long bytes;
@@ -320,7 +341,64 @@ static int wait_stream(struct worker *w, CUstream s)
 	return 0;
 }
 
-/* Writes (saving) or reads one chunk's bytes between buf and the file, SUB at a time (each
+/* -- the agent's memory as a sink ----------------------------------------------------------- */
+
+static size_t round_up(size_t n, size_t to)
+{
+	return (n + to - 1) / to * to;
+}
+
+/* Faults a fresh region in from this thread (the kernel zeroes its pages: in parallel with
+ * the other workers). MADV_POPULATE_WRITE does it without a write from here; older kernels
+ * get a write a page. */
+static int populate(unsigned char *p, size_t size)
+{
+	if (madvise(p, size, MADV_POPULATE_WRITE) == 0)
+		return 0;
+	if (errno != EINVAL)
+		return -1;
+	for (size_t off = 0; off < size; off += 4096)
+		p[off] = 0;
+	return 0;
+}
+
+/* The region of sink k in the agent's memory (a save makes it, a load finds it). */
+static int region_get(struct worker *w)
+{
+	size_t size = round_up(plan.file_size[w->k], REGION_ALIGN);
+	unsigned char *p = plan.region[w->k];
+
+	if (!p) {
+		p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+			 -1, 0);
+		if (p == MAP_FAILED) {
+			fail(w, "host memory for %zu MiB of GPU data: %s", size >> 20, strerror(errno));
+			return -1;
+		}
+		madvise(p, size, MADV_HUGEPAGE);
+		madvise(p, size, MADV_DONTFORK); /* a child must not inherit (copy) the program's GPU data */
+		plan.region[w->k] = p;
+		plan.region_size[w->k] = size;
+		if (populate(p, size)) {
+			fail(w, "host memory for %zu MiB of GPU data: %s", size >> 20, strerror(errno));
+			return -1;
+		}
+	}
+	w->region = p;
+	return 0;
+}
+
+static void sync_streams(struct worker *w)
+{
+	for (int d = 0; d < MAX_DEVICES; d++)
+		for (int i = 0; i < 2; i++)
+			if (w->stream[d][i] && real.cuStreamSynchronize(w->stream[d][i]) != CUDA_SUCCESS &&
+			    !failed)
+				fail(w, "cuStreamSynchronize after the %s failed",
+				     w->saving ? "copy out" : "reload");
+}
+
+/* Writes (saving) or reads one chunk's bytes between buf and the sink, SUB at a time (each
  * block summed whole: the checksum's stripes must fall the same way on both sides), and returns
  * its checksum in *sum. */
 static int file_io(struct worker *w, const struct chunk *c, unsigned char *buf, uint64_t *sum)
@@ -333,6 +411,14 @@ static int file_io(struct worker *w, const struct chunk *c, unsigned char *buf, 
 
 		if (w->saving)
 			sum_add(&s, buf + block, n);
+		if (w->region) { /* the agent's memory: the block is still in cache */
+			unsigned char *at = w->region + c->file_off + block;
+
+			w->saving ? memcpy(at, buf + block, n) : memcpy(buf + block, at, n);
+			if (!w->saving)
+				sum_add(&s, buf + block, n);
+			continue;
+		}
 		for (size_t done = 0; done < n;) {
 			ssize_t r = w->saving ? pwrite(w->fd, buf + block + done, n - done,
 						       c->file_off + block + done)
@@ -405,8 +491,10 @@ static void *load_main(struct worker *w)
 		if (wait_stream(w, s[cur]) || file_io(w, c, w->buf[cur], &sum))
 			break;
 		if (sum != c->sum) {
-			fail(w, "chunk %zu (file %d, offset %llu, %zu bytes): checksum mismatch: the "
-			     "file is damaged or not this program's", j, c->file, c->file_off, c->len);
+			fail(w, "chunk %zu (%s %d, offset %llu, %zu bytes): checksum mismatch: %s", j,
+			     w->region ? "memory region" : "file", c->file, c->file_off, c->len,
+			     w->region ? "the program overwrote its saved GPU data"
+				       : "the file is damaged or not this program's");
 			break;
 		}
 		if (copy_chunk(w, c, w->buf[cur], s[cur], 0))
@@ -414,11 +502,6 @@ static void *load_main(struct worker *w)
 		w->bytes += c->len;
 		cur ^= 1;
 	}
-	for (int d = 0; d < MAX_DEVICES; d++)
-		for (int i = 0; i < 2; i++)
-			if (w->stream[d][i] && real.cuStreamSynchronize(w->stream[d][i]) != CUDA_SUCCESS &&
-			    !failed)
-				fail(w, "cuStreamSynchronize after the reload failed");
 	return NULL;
 }
 
@@ -432,13 +515,17 @@ static void *worker_main(void *arg)
 		return NULL; /* fewer chunks than files */
 	/* a context current before the staging memory is registered (CUDA_ERROR_INVALID_CONTEXT
 	 * otherwise: this thread is new) */
-	if (use_device(w, plan.chunks[w->k].dev, s) == 0 && staging_get(w) == 0)
-		w->saving ? save_main(w) : load_main(w);
+	if (use_device(w, plan.chunks[w->k].dev, s) == 0) {
+		if ((w->fd >= 0 || region_get(w) == 0) && staging_get(w) == 0)
+			w->saving ? save_main(w) : load_main(w);
+		sync_streams(w); /* nothing in flight once the staging memory goes */
+	}
 	staging_put(w);
 	return NULL;
 }
 
-/* Runs one worker a file; 0, or -1 with the first error in r->error. */
+/* Runs one worker a sink (fds: NULL for the agent's memory); 0, or -1 with the first error in
+ * r->error. */
 static int run_workers(const int *fds, int nfds, int saving, struct move_result *r)
 {
 	struct worker *w = calloc(nfds, sizeof(*w));
@@ -454,7 +541,7 @@ static int run_workers(const int *fds, int nfds, int saving, struct move_result 
 	pthread_sigmask(SIG_SETMASK, &all, &old);
 	for (int k = 0; k < nfds; k++) {
 		w[k].k = k;
-		w[k].fd = fds[k];
+		w[k].fd = fds ? fds[k] : -1;
 		w[k].saving = saving;
 		if (pthread_create(&w[k].thread, NULL, worker_main, &w[k])) {
 			snprintf(w[k].error, sizeof(w[k].error), "cannot start a mover thread");
@@ -491,19 +578,33 @@ int mover_pending(void)
 	return plan.pending;
 }
 
+/* Workers for a save into the agent's memory: one a CPU the program may run on, at most
+ * MAX_FILES. */
+static int memory_sinks(void)
+{
+	cpu_set_t set;
+	int n = 0;
+
+	if (sched_getaffinity(0, sizeof(set), &set) == 0)
+		n = CPU_COUNT(&set);
+	if (n < 1)
+		n = (int)sysconf(_SC_NPROCESSORS_ONLN);
+	return n < 1 ? 1 : n > MAX_FILES ? MAX_FILES : n;
+}
+
 int mover_save(const int *fds, int nfds, struct move_result *r)
 {
 	long long t0 = now_ms();
 	size_t dropped = 0;
-	int ret;
+	int ret, in_memory = nfds == 0;
 
 	memset(r, 0, sizeof(*r));
 	if (plan.pending) {
 		snprintf(r->error, sizeof(r->error), "already prepared");
 		return -1;
 	}
-	if (nfds < 1 || nfds > MAX_FILES) {
-		snprintf(r->error, sizeof(r->error), "give 1 to %d data files", MAX_FILES);
+	if (nfds < 0 || nfds > MAX_FILES) {
+		snprintf(r->error, sizeof(r->error), "give 0 to %d data files", MAX_FILES);
 		return -1;
 	}
 	for (int k = 0; k < nfds; k++) {
@@ -515,22 +616,23 @@ int mover_save(const int *fds, int nfds, struct move_result *r)
 		}
 	}
 	plan_free();
-	if (plan_build(nfds)) {
+	if (plan_build(in_memory ? memory_sinks() : nfds)) {
 		plan_free();
 		snprintf(r->error, sizeof(r->error), "out of memory");
 		return -1;
 	}
-	ret = plan.nchunks ? run_workers(fds, nfds, 1, r) : 0;
+	plan.in_memory = in_memory;
+	ret = plan.nchunks ? run_workers(in_memory ? NULL : fds, plan.nfiles, 1, r) : 0;
 	if (ret) {
-		plan_free();
+		plan_free(); /* the agent's regions too: nothing was released */
 		return -1;
 	}
-	/* every byte is in the files: release the GPU memory */
+	/* every byte is out: release the GPU memory */
 	for (size_t m = 0; m < plan.nmv; m++) {
 		if (vmm_drop(plan.mv[m].phys) != CUDA_SUCCESS) {
 			snprintf(r->error, sizeof(r->error), "releasing GPU memory failed after %zu of "
 				 "%zu allocations", dropped, plan.nmv);
-			plan.pending = 1; /* the caller reloads: the files are complete */
+			plan.pending = 1; /* the caller reloads: the copy is complete */
 			return -1;
 		}
 		dropped++;
@@ -538,12 +640,29 @@ int mover_save(const int *fds, int nfds, struct move_result *r)
 	plan.pending = 1;
 	r->chunks = plan.nchunks;
 	r->allocations = plan.nmv;
-	r->nfiles = nfds;
-	memcpy(r->file_size, plan.file_size, sizeof(r->file_size));
+	r->nfiles = in_memory ? 0 : nfds;
+	r->in_memory = in_memory;
+	if (!in_memory)
+		memcpy(r->file_size, plan.file_size, sizeof(r->file_size));
 	r->seconds = seconds_since(t0);
-	pr_info("saved %llu bytes (%zu allocations, %zu chunks, %d files) in %.3f s", r->bytes,
-		plan.nmv, plan.nchunks, nfds, r->seconds);
+	pr_info("saved %llu bytes (%zu allocations, %zu chunks, %d %s) in %.3f s", r->bytes,
+		plan.nmv, plan.nchunks, plan.nfiles, in_memory ? "regions of host memory" : "files",
+		r->seconds);
 	return 0;
+}
+
+int mover_in_memory(void)
+{
+	return plan.pending && plan.in_memory;
+}
+
+unsigned long long mover_host_bytes(void)
+{
+	unsigned long long n = 0;
+
+	for (int k = 0; k < MAX_FILES; k++)
+		n += plan.region[k] ? plan.region_size[k] : 0;
+	return n;
 }
 
 int mover_load(const int *fds, int nfds, struct move_result *r)
@@ -555,7 +674,12 @@ int mover_load(const int *fds, int nfds, struct move_result *r)
 		snprintf(r->error, sizeof(r->error), "nothing to resume");
 		return -1;
 	}
-	if (nfds != plan.nfiles) {
+	if (plan.in_memory && nfds) {
+		snprintf(r->error, sizeof(r->error), "the GPU data is in the agent's memory: resume "
+			 "without files");
+		return -1;
+	}
+	if (!plan.in_memory && nfds != plan.nfiles) {
 		snprintf(r->error, sizeof(r->error), "%d data files given, %d were saved to", nfds,
 			 plan.nfiles);
 		return -1;
@@ -585,7 +709,7 @@ int mover_load(const int *fds, int nfds, struct move_result *r)
 			return -1;
 		}
 	}
-	if (plan.nchunks && run_workers(fds, nfds, 0, r))
+	if (plan.nchunks && run_workers(plan.in_memory ? NULL : fds, plan.nfiles, 0, r))
 		return -1;
 	for (size_t m = 0; m < plan.nmv; m++)
 		vmm_reloaded(plan.mv[m].phys);

@@ -9,6 +9,8 @@ program, `<agent_dir>/agent-<nspid>.sock`, one command a line, one JSON object a
         a.prepare(fds, 10_000)   # movable GPU memory into the files (fds: empty, read-write)
         a.detach()               # the agent lets go of the files: the dump may come
         a.resume(fds)            # the memory back from the files (fds: read-only)
+        a.prepare([], 10_000)    # no files: into the program's own host memory (a suspend)
+        a.resume()               # ... and back from there
 
 <nspid> is the program's pid in its own pid namespace (a container's agent directory is one
 per container). The agent accepts only root and the program's own uid (SO_PEERCRED). We trust
@@ -240,12 +242,13 @@ class AgentClient:
     # -- moving GPU memory (PROTOCOL.md) --------------------------------------------------------
     def prepare(self, files: Sequence[int], timeout_ms: int, timeout: float | None = None
                 ) -> dict[str, Any]:
-        """Movable GPU memory into files (fds of empty regular files, read-write); the gate is
-        closed after. Returns the agent's reply: {"bytes", "chunks", "allocations",
-        "cache_released", "seconds", "files": [size of each]}. On failure (AgentError) the
-        agent released nothing and opened its gate again."""
-        if not 1 <= len(files) <= MAX_FILES:
-            raise ValueError(f"prepare takes 1 to {MAX_FILES} files, not {len(files)}")
+        """Movable GPU memory into files (fds of empty regular files, read-write), or with no
+        files into the program's own host memory; the gate is closed after. Returns the
+        agent's reply: {"bytes", "chunks", "allocations", "cache_released", "seconds",
+        "files": [size of each], "in_memory"}.
+        On failure (AgentError) the agent released nothing and opened its gate again."""
+        if not 0 <= len(files) <= MAX_FILES:
+            raise ValueError(f"prepare takes 0 to {MAX_FILES} files, not {len(files)}")
         reply = self.call(f"prepare {int(timeout_ms)}", files, timeout)
         sizes = reply.get("files")
         if not isinstance(sizes, list) or len(sizes) != len(files) or not all(
@@ -258,6 +261,10 @@ class AgentClient:
         cache = reply.get("cache_released", 0)
         out["cache_released"] = cache if isinstance(cache, int) and not isinstance(cache, bool) \
             and cache >= 0 else 0
+        if not files and reply.get("in_memory") is not True:
+            raise AgentError("the agent did not keep the GPU memory in the program as asked "
+                             "(an agent older than in-memory prepares?)")
+        out["in_memory"] = not files
         return out
 
     def detach(self) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""The data files the in-process agent moves GPU memory into (agent/PROTOCOL.md, `prepare`).
+"""Where the in-process agent moves GPU memory (agent/PROTOCOL.md, `prepare`): data files, or
+for a suspend the program's own host memory (InProcess: no files at all).
 
 One directory (0700) per operation, one subdirectory (0700) per program named after its PID
 at checkpoint, N files (0600) in each:
@@ -56,6 +57,18 @@ def rel_paths(pid: int, count: int) -> list[str]:
 def _close_all(fds: list[int]) -> None:
     for fd in fds:
         os.close(fd)
+
+
+class InProcess:
+    """A suspend's GPU data kept by the agent in the program's own host memory (config
+    suspend_in_process): copied straight from the GPU at PCIe speed, no files, nothing for
+    torpor to make, protect or remove. The program's memory grows by what moved out, as it
+    does when the driver checkpoints it."""
+
+    root = None
+
+    def __repr__(self) -> str:
+        return "InProcess()"
 
 
 class DataDir:

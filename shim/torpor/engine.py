@@ -78,13 +78,22 @@ def _parallel(fn: Callable[[int], T], pids: list[int]) -> dict[int, T]:
 class AgentTarget:
     """One program whose agent moves (or moved) its GPU memory: where its agent listens, and
     its data files, <data>/<name>/gpu-memory-<k>.bin for k < files (name: its PID at
-    checkpoint, which a container's restore changes)."""
+    checkpoint, which a container's restore changes); files 0: none, the agent keeps the
+    memory in the program (bulk.InProcess)."""
 
     pid: int            # host PID now
     socket: Path
-    data: Path          # the operation's bulk.DataDir root
+    data: Path          # the operation's bulk.DataDir root (unused when files is 0)
     name: int
     files: int
+
+    @property
+    def in_process(self) -> bool:
+        return self.files == 0
+
+    def where(self) -> str:
+        return "in the program's host memory (its agent holds it)" if self.in_process \
+            else f"in {self.data}/{self.name}"
 
     def to_json(self) -> dict[str, Any]:
         return {"socket": str(self.socket), "data": str(self.data), "name": self.name,
@@ -168,13 +177,15 @@ class Engine:
         return self.journal.begin(kind, pids)
 
     def lock_and_checkpoint(self, op: Operation, pids: list[int],
-                            data: bulk.DataDir | None = None, agent_dir: Path | None = None,
+                            data: bulk.DataDir | bulk.InProcess | None = None,
+                            agent_dir: Path | None = None,
                             scratch: bool = False) -> dict[int, dict[str, Any]]:
         """RUNNING -> CHECKPOINTED for every pid; on any failure all are rolled back first.
 
         data: where the agents of the pids that have one (a socket in agent_dir, default
         agent.default_dir()) put their GPU memory first (the directory is made here, when one
-        has); None: driver only. scratch: data is torpor's own (suspend): a recovery removes it.
+        has; bulk.InProcess: the program's own memory); None: driver only. scratch: data is
+        torpor's own (suspend): a recovery removes it.
         Returns what each agent moved: pid -> {"nspid", "bytes", "chunks", "allocations",
         "cache_released", "seconds", "files"} (torpor.json's "agent")."""
         if not pids:
@@ -317,24 +328,30 @@ class Engine:
             live[pid] = path
         return live
 
-    def _prepare_agents(self, op: Operation, sockets: Mapping[int, Path], data: bulk.DataDir,
-                        scratch: bool) -> dict[int, dict[str, Any]]:
+    def _prepare_agents(self, op: Operation, sockets: Mapping[int, Path],
+                        data: bulk.DataDir | bulk.InProcess, scratch: bool
+                        ) -> dict[int, dict[str, Any]]:
         op.phase("agent-prepare")
         sockets = self._probe(sockets)
         if not sockets:
             return {}
-        count = bulk.file_count(self.cfg)
-        targets = {p: AgentTarget(p, s, data.root, p, count) for p, s in sockets.items()}
-        data.make()   # first: data_root in the journal is ours to remove, never what was there
-        # Journaled before the first prepare: whoever finds this entry resumes them.
-        op.phase("agent-prepare", agents={p: t.to_json() for p, t in targets.items()},
-                 data_root=str(data.root), scratch=scratch)
+        in_process = isinstance(data, bulk.InProcess)
+        count = 0 if in_process else bulk.file_count(self.cfg)
+        root = Path() if data.root is None else data.root
+        targets = {p: AgentTarget(p, s, root, p, count) for p, s in sockets.items()}
+        if in_process:
+            op.phase("agent-prepare", agents={p: t.to_json() for p, t in targets.items()})
+        else:
+            data.make()   # first: data_root in the journal is ours to remove, never what was there
+            # Journaled before the first prepare: whoever finds this entry resumes them.
+            op.phase("agent-prepare", agents={p: t.to_json() for p, t in targets.items()},
+                     data_root=str(root), scratch=scratch)
         timeout_ms = int(self.cfg.lock_timeout_s * 1000)
 
         untouched: set[int] = set()   # never reached: no prepare sent, nothing to resume
 
         def prepare(pid: int) -> dict[str, Any]:
-            fds = data.for_prepare(pid, count)
+            fds = [] if in_process else data.for_prepare(pid, count)
             try:
                 try:
                     client = self._client(targets[pid], self.cfg.agent_timeout_s)
@@ -350,11 +367,18 @@ class Engine:
                     os.close(fd)
             return {"nspid": procs.nspid(pid) or pid, **reply}
 
-        what = (f"GPU memory of {len(targets)} program(s) under the agent "
-                f"({', '.join(map(str, sorted(targets)))}) to {count} file(s) each in {data.root}")
+        progs = (f"GPU memory of {len(targets)} program(s) under the agent "
+                 f"({', '.join(map(str, sorted(targets)))})")
+        if in_process:
+            what = progs + " to their own host memory"
+            before = {p: procs.rss_bytes(p) for p in targets}
+            measure = lambda: sum(procs.rss_bytes(p) - before[p] for p in targets)  # noqa: E731
+        else:
+            what = progs + f" to {count} file(s) each in {root}"
+            measure = lambda: tree_size(root)  # noqa: E731
         start = time.monotonic()
         try:
-            with self.progress.phase("agent-prepare", what, measure=lambda: tree_size(data.root)):
+            with self.progress.phase("agent-prepare", what, measure=measure):
                 moved = _parallel(prepare, sorted(targets))
         finally:
             if untouched:   # a rollback does not look for what was never there
@@ -377,6 +401,8 @@ class Engine:
         with self._client(t, STATUS_TIMEOUT_S) as a:
             if a.state() == "running":
                 return {"bytes": 0, "seconds": 0.0}
+            if t.in_process:
+                return a.resume(None, self.cfg.agent_timeout_s)
             fds = bulk.DataDir(t.data).for_resume(t.name, t.files)
             try:
                 return a.resume(fds, self.cfg.agent_timeout_s)
@@ -390,8 +416,7 @@ class Engine:
                 return self._resume_one(targets[pid])
             except TorporError as e:
                 raise AgentError(f"PID {pid}: agent resume failed ({e}); its GPU memory stays "
-                                 f"in {targets[pid].data}/{targets[pid].name}",
-                                 exit_code=e.exit_code) from e
+                                 f"{targets[pid].where()}", exit_code=e.exit_code) from e
 
         start = time.monotonic()
         with self.progress.phase("agent-resume", f"GPU memory of {len(targets)} program(s) "
@@ -413,7 +438,7 @@ class Engine:
                 self._resume_one(targets[pid])
             except (TorporError, OSError) as e:
                 problems.append(f"PID {pid}: agent resume failed ({e}); its GPU memory stays "
-                                f"in {targets[pid].data}/{targets[pid].name}")
+                                f"{targets[pid].where()}")
         _parallel(resume, sorted(p for p in targets if p not in skipped and procs.alive(p)))
         return problems
 
@@ -459,7 +484,9 @@ class Engine:
                             f"{entry.kind} (phase {entry.phase}): running again")
         if agents:
             messages.append(f"gave {', '.join(map(str, sorted(agents)))} back the GPU memory "
-                            f"their agent had moved to {entry.data_root}")
+                            f"their agent had moved "
+                            + (f"to {entry.data_root}" if entry.data_root
+                               else "into the program's host memory"))
         if entry.scratch and entry.data_root:
             bulk.DataDir(Path(entry.data_root)).remove()
         if entry.images_dir:

@@ -9,7 +9,8 @@ resume:     gpu-restore -> unlock [-> agent-resume]
 
 The agent phases are those of programs run under the in-process agent (`torpor run`): their
 GPU memory goes into <images dir>/torpor-gpu/ (bulk.py), or for a suspend into a private
-directory under suspend_dir (/dev/shm: host memory), removed at resume.
+directory under suspend_dir (/dev/shm: host memory), removed at resume; with
+suspend_in_process (the default) the agent keeps it in the program's own memory instead.
 """
 
 from __future__ import annotations
@@ -260,9 +261,15 @@ def suspend(engine: Engine, pid: int) -> dict[str, Any]:
         _require_running(states)
         cuda_pids = sorted(states)
         freed = sum(inv.memory_of(p) for p in cuda_pids) if inv else 0
-        moved = engine.lock_and_checkpoint(op, cuda_pids,
-                                           data=bulk.DataDir.scratch(engine.cfg, pid),
-                                           scratch=True)
+        # Its GPU memory goes to host memory (the program's, or /dev/shm): refused up front
+        # rather than leaving the kernel to kill the program half-way.
+        available = procs.mem_available()
+        if available is not None and freed > available:
+            raise UsageError(f"suspending {pid} needs {human_bytes(freed)} of host memory for "
+                             f"its GPU memory; {human_bytes(available)} is available")
+        data = bulk.InProcess() if engine.cfg.suspend_in_process \
+            else bulk.DataDir.scratch(engine.cfg, pid)
+        moved = engine.lock_and_checkpoint(op, cuda_pids, data=data, scratch=True)
         try:
             for p in cuda_pids:
                 record = {"root": pid, "since": time.time(),

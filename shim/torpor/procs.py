@@ -137,6 +137,17 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
+def mem_available() -> int | None:
+    """The kernel's estimate of memory available without swapping (MemAvailable), or None."""
+    try:
+        for line in (PROC / "meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def owner_uid(pid: int) -> int:
     return os.stat(PROC / str(pid)).st_uid
 

@@ -172,6 +172,7 @@ def suspend_resume(torpor: Torpor, prog: programs.Program, gib: float) -> dict:
     r = torpor.json("suspend", str(prog.pid), timeout=600)
     rec = moved_bytes(r, prog.pid, "suspend")
     assert rec.get("bytes", 0) >= gib * GiB, rec
+    assert rec.get("in_memory") is True, rec       # suspend_in_process: the default
     assert r["gpu_memory_released"] >= gib * GiB
     assert prog.pid not in nvml_pids()               # nothing of it left on the GPU
     time.sleep(0.5)                                 # a step past its GPU work may still write
@@ -189,6 +190,7 @@ def checkpoint_restore(torpor: Torpor, prog: programs.Program, images: Path, gib
     m = torpor.json("checkpoint", str(prog.pid), "-D", str(images), timeout=600)["manifest"]
     rec = moved_bytes(m, prog.pid, "checkpoint manifest")
     assert rec.get("bytes", 0) >= gib * GiB, rec
+    assert rec.get("in_memory") is True, rec       # suspend_in_process: the default
     data = images / "torpor-gpu"
     assert data.is_dir() and sum(f.stat().st_size for f in data.rglob("*") if f.is_file()) \
         >= gib * GiB
@@ -266,8 +268,10 @@ def test_prepare_releases_allocator_cache(torpor, progs, agent_dir, allocator):
 
 @pytest.mark.parametrize("after", ["recovery", "deadline"])
 def test_sigkill_of_torpor_mid_agent_prepare(torpor, progs, agent_dir, tmp_path, after):
-    """torpor killed while the agent moves 16 GiB out: the program gets its memory back, from
-    torpor's recovery (the next command) or from the agent's own prepare deadline."""
+    """torpor killed while the agent moves 16 GiB out to a checkpoint's data files (on disk:
+    seconds, a window to kill in; a suspend's copy into the program's memory is over in a
+    fraction of one): the program gets its memory back, from torpor's recovery (the next
+    command) or from the agent's own prepare deadline."""
     from torpor.agent import AgentClient, AgentError
     env = {"TORPOR_AGENT_PREPARE_TIMEOUT_S": str(PREPARE_TIMEOUT_S)}
     ref = progs("torch", "ref", KILL_GIB)
@@ -276,11 +280,11 @@ def test_sigkill_of_torpor_mid_agent_prepare(torpor, progs, agent_dir, tmp_path,
     prog.wait_step(5)
     under_agent(prog, agent_dir, KILL_GIB * GiB)
     journal = tmp_path / "state" / "journal"
-    t = torpor.start("suspend", str(prog.pid))
+    t = torpor.start("checkpoint", str(prog.pid), "-D", str(tmp_path / "images"))
 
     def journaled_prepare() -> bool:
         if t.poll() is not None:
-            raise AssertionError(f"torpor suspend ended before its agent-prepare: "
+            raise AssertionError(f"torpor checkpoint ended before its agent-prepare: "
                                  f"{t.communicate()}")
         for f in journal.glob("*.json"):
             try:
@@ -305,7 +309,7 @@ def test_sigkill_of_torpor_mid_agent_prepare(torpor, progs, agent_dir, tmp_path,
     why = wait_for(agent_busy, 60, "the agent to start preparing")
     t.kill()
     out, err = t.communicate()
-    print(f"\nkilled torpor suspend: {why}\n{err[-2000:]}", flush=True)
+    print(f"\nkilled torpor checkpoint: {why}\n{err[-2000:]}", flush=True)
     at = prog.step()
     st = agent_status(prog, agent_dir, timeout=120)      # after the prepare, if it was running
     show("agent status after the kill", st)

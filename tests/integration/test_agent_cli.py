@@ -131,19 +131,29 @@ def test_lock_failure_gives_the_memory_back(env, program, gpu, tmp_path):
     assert not (tmp_path / "ck" / "torpor-gpu").exists()
 
 
-def test_suspend_and_resume_through_host_memory(env, program, gpu, tmp_path):
+@pytest.mark.parametrize("in_process", [True, False], ids=["in-process", "files"])
+def test_suspend_and_resume_through_host_memory(env, program, gpu, tmp_path, in_process):
+    if not in_process:
+        config = tmp_path / "config.toml"
+        config.write_text("suspend_in_process = false\n")
+        env.env["TORPOR_CONFIG"] = str(config)
     r = env.run("suspend", str(program.pid))
     assert r.returncode == 0, r.stderr
     assert "the agent moved 5.00 MiB" in r.stdout
-    (shm,) = (tmp_path / "shm").iterdir()
-    assert oct(shm.stat().st_mode & 0o777) == "0o700"
+    if in_process:
+        assert "to their own host memory" in r.stderr
+        assert not (tmp_path / "shm").exists()
+    else:
+        (shm,) = (tmp_path / "shm").iterdir()
+        assert oct(shm.stat().st_mode & 0o777) == "0o700"
     assert program.status()["state"] == "detached"
     ps = env.json("ps")
     row = next(p for p in ps["processes"] if p["pid"] == program.pid)
     assert row["suspended"] and row["agent"] == "detached"
     r = env.run("resume", str(program.pid))
     assert r.returncode == 0, r.stderr
-    assert program.status()["intact"] is True and not shm.exists()
+    assert program.status()["intact"] is True
+    assert in_process or not shm.exists()
     assert json.loads(env.run("--json", "ps").stdout)["processes"]
 
 

@@ -78,6 +78,7 @@ class FakeAgent:
         self.memory: bytes | None = self.original  # None while moved out
         self.state, self.gate = "running", "open"
         self.kept: list[int] = []              # the prepare's fds, until detach
+        self.held: list[bytes] | None = None   # a prepare without files: the chunks, in memory
         self.sums: list[str] = []
         self.fail: dict[str, str] = {}
         self.raw: dict[str, bytes] = {}
@@ -225,17 +226,21 @@ class FakeAgent:
         t = time.monotonic()
         try:
             assert self.state == "running", f"already {self.state}"
-            assert 1 <= len(fds) <= 16, f"{len(fds)} files"
+            assert 0 <= len(fds) <= 16, f"{len(fds)} files"
             for fd in fds:
                 d = self._describe(fd)
                 assert d["regular"] and d["size"] == 0 and d["access"] == os.O_RDWR, \
                     f"not an empty read-write regular file: {d}"
             assert self.memory is not None
             self.sums = []
+            self.held = None if fds else []
             for i in range(0, len(self.memory), CHUNK):
                 chunk = self.memory[i:i + CHUNK]
-                k = (i // CHUNK) % len(fds)
-                os.pwrite(fds[k], chunk, (i // CHUNK // len(fds)) * CHUNK)
+                if self.held is not None:
+                    self.held.append(chunk)
+                else:
+                    k = (i // CHUNK) % len(fds)
+                    os.pwrite(fds[k], chunk, (i // CHUNK // len(fds)) * CHUNK)
                 self.sums.append(hashlib.sha256(chunk).hexdigest())
         except BaseException:
             for fd in fds:
@@ -245,7 +250,7 @@ class FakeAgent:
         self.state, self.gate = "prepared", "closed"
         return {"ok": True, "bytes": len(self.original), "chunks": len(self.sums),
                 "allocations": 1, "cache_released": 0, "seconds": time.monotonic() - t,
-                "files": [os.fstat(fd).st_size for fd in fds]}
+                "in_memory": not fds, "files": [os.fstat(fd).st_size for fd in fds]}
 
     def _do_detach(self, arg: str, fds: list[int]) -> dict[str, Any]:
         assert self.state == "prepared", f"detach while {self.state}"
@@ -260,7 +265,9 @@ class FakeAgent:
             assert self.state in ("prepared", "detached"), f"resume while {self.state}"
             if self.driver is not None:
                 assert self.driver.unlocked(self.pid), "the driver holds the program (would block)"
-            if not fds:
+            if self.held is not None:
+                assert not fds, "files given to resume what is held in memory"
+            elif not fds:
                 assert self.kept, "resume without files after detach"
             for fd in fds:
                 assert self._describe(fd)["access"] == os.O_RDONLY, "a file not read-only"
@@ -268,7 +275,8 @@ class FakeAgent:
             out = bytearray()
             for n, want in enumerate(self.sums):
                 size = min(CHUNK, len(self.original) - n * CHUNK)
-                chunk = os.pread(files[n % len(files)], size, (n // len(files)) * CHUNK)
+                chunk = self.held[n] if self.held is not None else \
+                    os.pread(files[n % len(files)], size, (n // len(files)) * CHUNK)
                 assert hashlib.sha256(chunk).hexdigest() == want, f"chunk {n}: checksum mismatch"
                 out += chunk
         finally:
@@ -276,7 +284,7 @@ class FakeAgent:
                 os.close(fd)
         for fd in self.kept:
             os.close(fd)
-        self.kept, self.memory = [], bytes(out)
+        self.kept, self.memory, self.held = [], bytes(out), None
         self.state, self.gate = "running", "open"
         return {"ok": True, "bytes": len(out), "seconds": time.monotonic() - t}
 

@@ -570,12 +570,12 @@ def test_protocol_answers(probe):
     assert p.call("init dlsym")["rc"] == 0
     st = p.status()
     assert set(st) == {"pid", "state", "gate", "in_flight", "waiting", "allocations", "bytes",
-                       "movable_allocations", "movable_bytes", "moved_allocations", "contexts"}
+                       "movable_allocations", "movable_bytes", "moved_allocations", "contexts",
+                       "in_memory", "host_bytes"}
     assert st["state"] == "running"
     for line in ("detach", "resume", "abort"):
         assert p.ctl(line) == {"ok": False, "error": "not prepared"}, line
-    assert p.ctl("prepare") == {"ok": False, "error": "prepare needs the data files (file "
-                                "descriptors with the line)"}
+    assert p.ctl("prepare soon") == {"ok": False, "error": "bad timeout"}
     for line in ("frobnicate", "status now", "open wide", ""):
         assert p.ctl(line) == {"ok": False, "error": "unknown command"}, line
     assert p.ctl("close soon") == {"ok": False, "error": "bad timeout"}

@@ -25,7 +25,7 @@ import pytest
 from tests.unit.fake_agent import Events, FakeAgent, FakeDriver
 from torpor import bulk, criu, engine as engine_mod, gpus, manifest, process, procs
 from torpor.engine import Engine
-from torpor.errors import CriuError, RolledBackError, TorporError
+from torpor.errors import CriuError, RolledBackError, TorporError, UsageError
 from torpor.progress import Progress
 
 GPU = "GPU-8c6d2f4e-1b3a-4c5d-9e7f-0a1b2c3d4e5f"
@@ -66,7 +66,8 @@ def world(cfg, tmp_path, monkeypatch):
     agents_dir = tmp_path / "agents"
     agents_dir.mkdir(mode=0o700)
     monkeypatch.setenv("TORPOR_AGENT_DIR", str(agents_dir))
-    c = dataclasses.replace(cfg, suspend_dir=tmp_path / "shm" / "torpor", agent_files=3)
+    c = dataclasses.replace(cfg, suspend_dir=tmp_path / "shm" / "torpor", agent_files=3,
+                            suspend_in_process=False)   # the files' tests; in_process() below
     fake = FakeAgent(agents_dir / f"agent-{PID}.sock", log=events, driver=drv).start()
     w = World(c, events, drv, fake, agents_dir, tmp_path, io.StringIO())
     yield w
@@ -132,6 +133,59 @@ def test_suspend_moves_memory_through_the_agent_then_the_driver(world):
     assert [f["access"] for f in world.agent.seen[-1]["fds"]] == [os.O_RDONLY] * 3
     assert not root.exists() and world.engine().journal.suspended() == {}
     assert world.journal_entries() == []
+
+
+def in_process(world: World) -> None:
+    """Suspends keep the agent's data in the program (the default)."""
+    world.cfg = dataclasses.replace(world.cfg, suspend_in_process=True)
+
+
+def test_suspend_in_process_keeps_the_memory_in_the_program(world):
+    in_process(world)
+    r = process.suspend(world.engine(), PID)
+    assert world.log() == ["agent status", "agent prepare", "agent detach", "driver lock",
+                           "driver checkpoint"]
+    assert r["agent"][str(PID)]["in_memory"] is True
+    assert all(seen["cmd"] != "prepare" for seen in world.agent.seen)   # sent no fds
+    assert world.agent.held is not None and world.agent.state == "detached"
+    record = world.engine().journal.suspended()[PID]
+    assert not record.get("data_root") and record["agents"][str(PID)]["files"] == 0
+    assert not world.cfg.suspend_dir.exists()                 # no files anywhere
+    assert "to their own host memory" in world.out.getvalue()
+
+    back = process.resume(world.engine(), PID)
+    assert world.log() == ["driver restore", "driver unlock", "agent status", "agent resume"]
+    assert world.agent.intact and back["agent"][str(PID)]["bytes"] == len(world.agent.original)
+    assert world.engine().journal.suspended() == {} and world.journal_entries() == []
+
+
+def test_suspend_in_process_rolls_back_from_memory_when_the_lock_fails(world):
+    in_process(world)
+    world.driver.fail["lock"] = 0
+    with pytest.raises(RolledBackError, match="lock failed: .*rolled back"):
+        process.suspend(world.engine(), PID)
+    assert world.log()[-2:] == ["agent status", "agent resume"]
+    assert world.agent.intact and world.driver.unlocked(PID)
+    assert world.journal_entries() == [] and world.engine().journal.suspended() == {}
+
+
+def test_a_failed_resume_from_memory_is_said_and_can_be_retried(world):
+    in_process(world)
+    process.suspend(world.engine(), PID)
+    world.agent.fail["resume"] = "re-creating GPU memory: out of memory"
+    with pytest.raises(TorporError, match="stays in the program's host memory"):
+        process.resume(world.engine(), PID)
+    del world.agent.fail["resume"]
+    process.resume(world.engine(), PID)
+    assert world.agent.intact and world.engine().journal.suspended() == {}
+
+
+def test_a_suspend_without_host_memory_for_it_is_refused_before_anything(world, monkeypatch):
+    in_process(world)
+    monkeypatch.setattr(procs, "mem_available", lambda: 512 << 20)   # the GPU holds 1 GiB
+    with pytest.raises(UsageError, match="needs 1.00 GiB of host memory .* 512"):
+        process.suspend(world.engine(), PID)
+    assert world.log() == [] and world.agent.intact and world.journal_entries() == []
 
 
 def test_a_program_without_agent_takes_the_driver_path(world):
@@ -361,7 +415,8 @@ def test_recovery_gives_the_memory_back(world, monkeypatch, where):
     assert world.engine().recover() == []
 
 
-def test_recovery_after_a_torpor_killed_mid_checkpoint(world, tmp_path):
+@pytest.mark.parametrize("in_proc", [False, True], ids=["files", "in-process"])
+def test_recovery_after_a_torpor_killed_mid_checkpoint(world, tmp_path, in_proc):
     """A real death: another torpor process (its own FakeDriver, the same agent) is SIGKILLed
     in its driver checkpoint; this one finds the journal entry and rolls back."""
     code = textwrap.dedent(f"""
@@ -376,7 +431,7 @@ def test_recovery_after_a_torpor_killed_mid_checkpoint(world, tmp_path):
         def nonvml(): raise NoDriverError("none")
         gpus.discover = nonvml
         cfg = dataclasses.replace(config.load(), suspend_dir=Path({str(world.cfg.suspend_dir)!r}),
-                                  agent_files=2)
+                                  agent_files=2, suspend_in_process={in_proc!r})
         process.suspend(engine.Engine(cfg), {PID})
     """)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -388,11 +443,18 @@ def test_recovery_after_a_torpor_killed_mid_checkpoint(world, tmp_path):
     world.driver.states[PID] = world.driver.S.LOCKED     # where the dead one left it
     (entry,) = world.journal_entries()
     doc = json.loads(entry.read_text())
-    assert doc["agents"][str(PID)]["files"] == 2 and doc["scratch"] is True
-    world.engine().recover()
+    if in_proc:
+        assert doc["agents"][str(PID)]["files"] == 0 and not doc.get("data_root")
+    else:
+        assert doc["agents"][str(PID)]["files"] == 2 and doc["scratch"] is True
+    messages = world.engine().recover()
     assert world.log() == ["driver unlock", "agent status", "agent resume"]
     assert world.agent.intact and world.journal_entries() == []
-    assert list(world.cfg.suspend_dir.iterdir()) == []
+    if in_proc:
+        assert any("into the program's host memory" in m for m in messages), messages
+        assert not world.cfg.suspend_dir.exists()
+    else:
+        assert list(world.cfg.suspend_dir.iterdir()) == []
 
 
 # -- torpord (containers) ------------------------------------------------------------------------

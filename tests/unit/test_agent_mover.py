@@ -1,7 +1,7 @@
 """The agent's mover (agent/src/mover.c, vmm.c) against the fake libcuda, whose device memory
-holds data: prepare moves the movable memory into the files it is given and releases it,
-resume re-creates and reloads it bit-exact; failures at each step leave the program's memory
-as it was. The protocol: agent/PROTOCOL.md.
+holds data: prepare moves the movable memory into the files it is given (or, given none, into
+the agent's own memory) and releases it, resume re-creates and reloads it bit-exact; failures
+at each step leave the program's memory as it was. The protocol: agent/PROTOCOL.md.
 """
 
 from __future__ import annotations
@@ -92,6 +92,7 @@ def test_prepare_moves_memory_out_and_resume_brings_it_back(gpu, probe, tmp_path
 
     r = files.send(p.sock, "prepare 5000", write=True)
     assert r["ok"] and r["bytes"] == movable and r["allocations"] == 3, r
+    assert r["in_memory"] is False, r
     assert sum(r["files"]) == movable and len(r["files"]) == 3
     assert [os.path.getsize(f) for f in files.paths] == r["files"]
     assert _gpu_mem(gpu, p) == held - movable       # the GPU memory is released
@@ -231,3 +232,73 @@ def test_vmm_served_allocations_free_and_count_like_any(gpu, probe):
     assert q.call("init dlsym")["rc"] == 0
     q.call(f"@alloc {16 * MIB} dlsym")
     assert q.status()["movable_bytes"] == 0
+
+
+# -- into the agent's own memory (a prepare without files: a suspend) -------------------------
+
+def test_prepare_without_files_keeps_the_memory_in_the_program(gpu, probe, tmp_path):
+    p = probe()
+    prog = _program(p)
+    movable = p.status()["movable_bytes"]
+    held = _gpu_mem(gpu, p)
+    r = p.ctl("prepare 5000")
+    assert r["ok"] and r["bytes"] == movable and r["in_memory"] is True, r
+    assert r["files"] == [], r
+    assert _gpu_mem(gpu, p) == held - movable                # released on the GPU ...
+    st = p.status()
+    assert (st["state"], st["gate"], st["in_memory"]) == ("prepared", "closed", True)
+    assert st["host_bytes"] >= movable                       # ... held in the program
+    held_check = p.send(f"@check {prog['mem']['big'][0]} {MIB} 1")   # waits at the gate
+    assert p.ctl("detach") == {"ok": True}                   # the deadline is off; nothing to close
+    assert p.status()["state"] == "detached"
+    r = Files(tmp_path / "x", 1).send(p.sock, "resume", write=True)
+    assert r["ok"] is False and "without files" in r["error"], r
+    assert not p.done(held_check)
+    r = p.ctl("resume")
+    assert r["ok"] and r["bytes"] == movable, r
+    assert p.result(held_check)["ok"]
+    assert _gpu_mem(gpu, p) == held
+    st = p.status()
+    assert (st["state"], st["in_memory"], st["host_bytes"]) == ("running", False, 0)
+    _intact(p, prog["mem"])
+    # and again, undone with abort this time
+    assert p.ctl("prepare")["ok"]
+    assert p.ctl("abort")["ok"]
+    _intact(p, prog["mem"])
+
+
+def test_a_prepare_into_memory_nobody_follows_up_resumes_by_itself(gpu, probe):
+    p = probe({"TORPOR_AGENT_PREPARE_TIMEOUT_S": "1.5"})
+    prog = _program(p)
+    assert p.ctl("prepare")["ok"]
+    wait_for(lambda: p.status()["state"] == "running", timeout=15, what="the deadline resume")
+    _intact(p, prog["mem"])
+
+
+def test_a_failed_copy_into_memory_releases_nothing(gpu, probe):
+    p = probe()
+    prog = _program(p)
+    held = _gpu_mem(gpu, p)
+    (gpu.state_dir / "fail" / "cuMemcpyDtoHAsync_v2").write_text(f"2 {p.pid} after=1\n")
+    r = p.ctl("prepare")
+    (gpu.state_dir / "fail" / "cuMemcpyDtoHAsync_v2").unlink()
+    assert r["ok"] is False and "copy out" in r["error"], r
+    assert (p.status()["state"], p.status()["gate"]) == ("running", "open")
+    assert _gpu_mem(gpu, p) == held
+    assert p.status()["host_bytes"] == 0                     # its host memory is unmapped
+    _intact(p, prog["mem"])
+
+
+def test_a_failed_reload_from_memory_can_be_retried(gpu, probe):
+    p = probe()
+    prog = _program(p)
+    assert p.ctl("prepare")["ok"]
+    assert p.ctl("detach")["ok"]
+    (gpu.state_dir / "fail" / "cuMemcpyHtoDAsync_v2").write_text(f"2 {p.pid} after=1\n")
+    r = p.ctl("resume")
+    (gpu.state_dir / "fail" / "cuMemcpyHtoDAsync_v2").unlink()
+    assert r["ok"] is False and "copy in" in r["error"], r
+    assert (p.status()["state"], p.status()["gate"]) == ("detached", "closed")
+    assert p.ctl("resume")["ok"]                             # the host copy is still there
+    _intact(p, prog["mem"])
+
