@@ -221,6 +221,7 @@ struct vmm_status {
 	long movable;
 	unsigned long long movable_bytes;
 	long dropped;
+	unsigned long long program_bytes; /* the program's own cuMemCreate handles (not moved) */
 };
 void vmm_status(struct vmm_status *st);
 void vmm_after_fork(void);
@@ -233,6 +234,7 @@ struct move_result {
 	double seconds;
 	unsigned long long file_size[16];
 	int nfiles, in_memory;
+	double host_alloc_seconds; /* in_memory: the slowest worker's populate of its region */
 	char error[256];
 };
 /* Copies every movable allocation into the files (striped, one thread a file; nfds 0: into

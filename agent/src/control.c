@@ -350,6 +350,8 @@ static void error_reply(char *out, size_t size, const char *error)
 static void prepare_reply(struct client *c, const char *arg, char *out, size_t size)
 {
 	struct track_status before, after;
+	struct vmm_status vbefore, vafter;
+	unsigned long long released;
 	struct move_result r;
 	long timeout_ms;
 	int ret, n;
@@ -364,8 +366,15 @@ static void prepare_reply(struct client *c, const char *arg, char *out, size_t s
 		return;
 	}
 	track_status(&before);
+	vmm_status(&vbefore);
 	caches_release(timeout_ms < 5000 ? timeout_ms : 5000);
 	track_status(&after);
+	vmm_status(&vafter);
+	/* what the allocators gave back: cuMemFree'd allocations, and the program's own VMM
+	 * handles released (PyTorch's expandable segments unmap and release) */
+	released = (before.bytes > after.bytes ? before.bytes - after.bytes : 0ULL) +
+		   (vbefore.program_bytes > vafter.program_bytes
+			    ? vbefore.program_bytes - vafter.program_bytes : 0ULL);
 	ret = gate_close(timeout_ms, (long long)(ctl.prepare_timeout_s * 1000));
 	if (ret) {
 		error_reply(out, size, ret == -ETIMEDOUT ? "timeout" : "synchronize failed");
@@ -402,10 +411,9 @@ static void prepare_reply(struct client *c, const char *arg, char *out, size_t s
 	ctl.last_ms = now_ms();
 	n = snprintf(out, size,
 		     "{\"ok\":true,\"bytes\":%llu,\"chunks\":%ld,\"allocations\":%ld,"
-		     "\"cache_released\":%llu,\"seconds\":%.6f,\"in_memory\":%s,\"files\":[",
-		     r.bytes, r.chunks, r.allocations,
-		     before.bytes > after.bytes ? before.bytes - after.bytes : 0ULL, r.seconds,
-		     r.in_memory ? "true" : "false");
+		     "\"cache_released\":%llu,\"seconds\":%.6f,\"in_memory\":%s,\"host_alloc_seconds\":%.6f,\"files\":[",
+		     r.bytes, r.chunks, r.allocations, released, r.seconds,
+		     r.in_memory ? "true" : "false", r.host_alloc_seconds);
 	used = n > 0 && (size_t)n < size ? (size_t)n : size - 1;
 	for (int k = 0; k < r.nfiles && used < size; k++) {
 		n = snprintf(out + used, size - used, "%s%llu", k ? "," : "", r.file_size[k]);

@@ -594,6 +594,8 @@ void vmm_status(struct vmm_status *st)
 	memset(st, 0, sizeof(*st));
 	pthread_mutex_lock(&vm.lock);
 	for (struct phys *ph = vm.phys; ph; ph = ph->next) {
+		if (!ph->moved && ph->real && !ph->own_va)
+			st->program_bytes += ph->size;
 		if (ph->moved) {
 			st->dropped++;
 		} else if (!ph->shared && ph->real) {
