@@ -333,8 +333,8 @@ def main() -> int:
     ap.add_argument("--disk-root", type=Path, default=Path("/var/tmp/torpor-abench"))
     ap.add_argument("--driver-disk-max-gib", type=float, default=16,
                     help="skip the driver path's checkpoint to disk above this size")
-    ap.add_argument("--where", nargs="+", choices=["shm", "disk"], default=["shm", "disk"],
-                    help="where checkpoints go (default both)")
+    ap.add_argument("--where", nargs="*", choices=["shm", "disk"], default=["shm", "disk"],
+                    help="where checkpoints go (default both; none: suspend/resume only)")
     ap.add_argument("--cache-gib", type=float, default=8, help="0: no cache program")
     ap.add_argument("--overhead-reps", type=int, default=5, help="0: no overhead runs")
     ap.add_argument("--overhead-steps", type=int, default=3000)

@@ -265,6 +265,10 @@ class AgentClient:
             raise AgentError("the agent did not keep the GPU memory in the program as asked "
                              "(an agent older than in-memory prepares?)")
         out["in_memory"] = not files
+        alloc = reply.get("host_alloc_seconds")
+        if not files and isinstance(alloc, (int, float)) and not isinstance(alloc, bool) \
+                and 0 <= alloc < 1e9:
+            out["host_alloc_seconds"] = float(alloc)
         return out
 
     def detach(self) -> dict[str, Any]:

@@ -61,9 +61,8 @@ def _close_all(fds: list[int]) -> None:
 
 class InProcess:
     """A suspend's GPU data kept by the agent in the program's own host memory (config
-    suspend_in_process): copied straight from the GPU at PCIe speed, no files, nothing for
-    torpor to make, protect or remove. The program's memory grows by what moved out, as it
-    does when the driver checkpoints it."""
+    suspend_in_process): no files, nothing for torpor to make, protect or remove. The
+    program's memory grows by what moved out, as it does when the driver checkpoints it."""
 
     root = None
 

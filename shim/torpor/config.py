@@ -39,7 +39,7 @@ class Config:
     agent_files: int = 0                        # data files per program (0: one per CPU, 1-16)
     agent_timeout_s: float = 600.0              # how long one agent prepare/resume may take
     suspend_dir: Path = Path("/dev/shm/torpor")  # suspended programs' GPU data (host memory)
-    suspend_in_process: bool = True             # a suspend keeps its agent's data in the program
+    suspend_in_process: bool = False            # a suspend keeps its agent's data in the program
 
     @property
     def journal_dir(self) -> Path:

@@ -10,7 +10,7 @@ resume:     gpu-restore -> unlock [-> agent-resume]
 The agent phases are those of programs run under the in-process agent (`torpor run`): their
 GPU memory goes into <images dir>/torpor-gpu/ (bulk.py), or for a suspend into a private
 directory under suspend_dir (/dev/shm: host memory), removed at resume; with
-suspend_in_process (the default) the agent keeps it in the program's own memory instead.
+suspend_in_process the agent keeps it in the program's own memory instead.
 """
 
 from __future__ import annotations

@@ -133,10 +133,9 @@ def test_lock_failure_gives_the_memory_back(env, program, gpu, tmp_path):
 
 @pytest.mark.parametrize("in_process", [True, False], ids=["in-process", "files"])
 def test_suspend_and_resume_through_host_memory(env, program, gpu, tmp_path, in_process):
-    if not in_process:
-        config = tmp_path / "config.toml"
-        config.write_text("suspend_in_process = false\n")
-        env.env["TORPOR_CONFIG"] = str(config)
+    config = tmp_path / "config.toml"
+    config.write_text(f"suspend_in_process = {str(in_process).lower()}\n")
+    env.env["TORPOR_CONFIG"] = str(config)
     r = env.run("suspend", str(program.pid))
     assert r.returncode == 0, r.stderr
     assert "the agent moved 5.00 MiB" in r.stdout

@@ -67,7 +67,7 @@ def world(cfg, tmp_path, monkeypatch):
     agents_dir.mkdir(mode=0o700)
     monkeypatch.setenv("TORPOR_AGENT_DIR", str(agents_dir))
     c = dataclasses.replace(cfg, suspend_dir=tmp_path / "shm" / "torpor", agent_files=3,
-                            suspend_in_process=False)   # the files' tests; in_process() below
+                            suspend_in_process=False)   # the default; in_process() below
     fake = FakeAgent(agents_dir / f"agent-{PID}.sock", log=events, driver=drv).start()
     w = World(c, events, drv, fake, agents_dir, tmp_path, io.StringIO())
     yield w
@@ -136,7 +136,7 @@ def test_suspend_moves_memory_through_the_agent_then_the_driver(world):
 
 
 def in_process(world: World) -> None:
-    """Suspends keep the agent's data in the program (the default)."""
+    """Suspends keep the agent's data in the program (config suspend_in_process)."""
     world.cfg = dataclasses.replace(world.cfg, suspend_in_process=True)
 
 
