@@ -10,7 +10,9 @@
  *            unregister; back: mmap read-only, register read-only, DMA in. What a checkpoint
  *            into host memory can do without a staging copy.
  *   staged   two pinned 32 MiB staging buffers per thread, pwrite into a /dev/shm file (what
- *            the mover did before: the yardstick); back: pread + DMA.
+ *            the mover does for files: the yardstick); back: pread + DMA.
+ *   staged-anon  the same buffers, memcpy into the thread's anonymous memory, populated first
+ *            (MADV_POPULATE_WRITE): what the mover does for a prepare without files.
  *
  * Every way runs twice (the first use of host memory on a VM is slower: its RAM grows as it is
  * used); the JSON has both rounds. Build and run on the GPU host:
@@ -155,17 +157,26 @@ static void direct(struct job *j, CUstream s)
 	}
 }
 
-/* staged (way 2): two pinned buffers, pwrite/pread */
+/* staged (way 2): two pinned buffers, pwrite/pread; staged-anon (way 3): memcpy to/from
+ * the thread's populated anonymous memory */
 static void staged(struct job *j, CUstream s2[2])
 {
 	size_t off = (size_t)j->k * share;
 	char path[256];
 	void *buf = mmap(NULL, 2 * STAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
 	double t = now();
+	int anon = j->way == 3;
 
+	if (anon && j->out) {
+		j->host = mmap(NULL, share, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+		if (j->host == MAP_FAILED || madvise(j->host, share, MADV_POPULATE_WRITE))
+			perror("anonymous memory"), exit(1);
+		j->t[POP] = now() - t;
+		t = now();
+	}
 	snprintf(path, sizeof(path), "%s/host-paths-st-%d-%d.bin", dir, getpid(), j->k);
-	j->fd = open(path, j->out ? O_RDWR | O_CREAT | O_TRUNC : O_RDONLY, 0600);
-	if (j->fd < 0)
+	j->fd = anon ? -1 : open(path, j->out ? O_RDWR | O_CREAT | O_TRUNC : O_RDONLY, 0600);
+	if (!anon && j->fd < 0)
 		perror("open"), exit(1);
 	madvise(buf, 2 * STAGE, MADV_HUGEPAGE);
 	memset(buf, 0, 2 * STAGE);
@@ -180,10 +191,14 @@ static void staged(struct job *j, CUstream s2[2])
 		if (j->out) {
 			dma(j, s2[i], b, off + o, n);
 			CK(cuStreamSynchronize(s2[i]));
-			if (pwrite(j->fd, b, n, o) != (ssize_t)n)
+			if (anon)
+				memcpy((char *)j->host + o, b, n);
+			else if (pwrite(j->fd, b, n, o) != (ssize_t)n)
 				perror("pwrite"), exit(1);
 		} else {
-			if (pread(j->fd, b, n, o) != (ssize_t)n)
+			if (anon)
+				memcpy(b, (char *)j->host + o, n);
+			else if (pread(j->fd, b, n, o) != (ssize_t)n)
 				perror("pread"), exit(1);
 			dma(j, s2[i], b, off + o, n);
 		}
@@ -193,6 +208,11 @@ static void staged(struct job *j, CUstream s2[2])
 	j->t[DMA] = now() - t;
 	CK(cuMemHostUnregister(buf));
 	munmap(buf, 2 * STAGE);
+	if (anon) {
+		if (!j->out)
+			munmap(j->host, share);
+		return;
+	}
 	close(j->fd);
 	if (!j->out)
 		unlink(path);
@@ -206,7 +226,7 @@ static void *run(void *arg)
 	CK(cuCtxSetCurrent(ctx));
 	CK(cuStreamCreate(&s[0], CU_STREAM_NON_BLOCKING));
 	CK(cuStreamCreate(&s[1], CU_STREAM_NON_BLOCKING));
-	if (j->way == 2)
+	if (j->way >= 2)
 		staged(j, s);
 	else
 		direct(j, s[0]);
@@ -219,7 +239,7 @@ static void one(struct job *jobs, int way, int out, int round, int first)
 {
 	pthread_t th[256];
 	double t = now(), worst[NSTAGE] = { 0 };
-	static const char *ways[] = { "anon", "tmpfs", "staged" };
+	static const char *ways[] = { "anon", "tmpfs", "staged", "staged-anon" };
 
 	for (int k = 0; k < nthreads; k++) {
 		jobs[k].k = k, jobs[k].way = way, jobs[k].out = out;
@@ -240,7 +260,7 @@ static void one(struct job *jobs, int way, int out, int round, int first)
 		printf("%s\"%s\": %.4f", i ? ", " : "", stage_name[i], worst[i]);
 	printf("}}");
 	fflush(stdout);
-	fprintf(stderr, "%-6s %-3s round %d: %6.3f s  %6.2f GB/s  (populate %.3f register %.3f "
+	fprintf(stderr, "%-11s %-3s round %d: %6.3f s  %6.2f GB/s  (populate %.3f register %.3f "
 		"dma %.3f checksum %.3f unregister %.3f)\n", ways[way], out ? "out" : "in", round,
 		t, total / t / 1e9, worst[POP], worst[REG], worst[DMA], worst[SUM], worst[UNREG]);
 }
@@ -250,7 +270,7 @@ int main(int argc, char **argv)
 	double gib = 16;
 	CUdevice d;
 	struct job *jobs;
-	int first = 1;
+	int first = 1, first_way = 0;
 
 	nthreads = 16;
 	for (int i = 1; i + 1 < argc; i += 2) {
@@ -260,6 +280,8 @@ int main(int argc, char **argv)
 			nthreads = atoi(argv[i + 1]);
 		else if (!strcmp(argv[i], "--dir"))
 			dir = argv[i + 1];
+		else if (!strcmp(argv[i], "--staged-only"))
+			first_way = atoi(argv[i + 1]) ? 2 : 0;
 	}
 	if (nthreads < 1 || nthreads > 256)
 		return 2;
@@ -276,7 +298,7 @@ int main(int argc, char **argv)
 	printf("{\"benchmark\": \"host_paths\", \"threads\": %d, \"bytes\": %zu, \"dir\": \"%s\", "
 	       "\"runs\": [\n", nthreads, total, dir);
 	for (int round = 1; round <= 2; round++)
-		for (int way = 0; way < 3; way++) {
+		for (int way = first_way; way < 4; way++) {
 			one(jobs, way, 1, round, first);
 			first = 0;
 			one(jobs, way, 0, round, 0);

@@ -302,3 +302,20 @@ def test_a_failed_reload_from_memory_can_be_retried(gpu, probe):
     assert p.ctl("resume")["ok"]                             # the host copy is still there
     _intact(p, prog["mem"])
 
+
+
+def test_a_failed_staging_registration_into_memory_fails_cleanly(gpu, probe):
+    """One worker cannot register its staging buffers: the others, waiting for every worker's
+    registration before they populate their regions, are not left waiting; nothing moves."""
+    p = probe()
+    prog = _program(p)
+    held = _gpu_mem(gpu, p)
+    (gpu.state_dir / "fail" / "cuMemHostRegister_v2").write_text(f"2 {p.pid}\n")
+    r = p.ctl("prepare")
+    (gpu.state_dir / "fail" / "cuMemHostRegister_v2").unlink()
+    assert r["ok"] is False and "cuMemHostRegister" in r["error"], r
+    st = p.status()
+    assert (st["state"], st["gate"], st["host_bytes"]) == ("running", "open", 0)
+    assert _gpu_mem(gpu, p) == held
+    assert p.ctl("prepare")["ok"] and p.ctl("resume")["ok"]
+    _intact(p, prog["mem"])
