@@ -25,6 +25,8 @@ CUDA runtime does in every thread it runs in; untimed):
   launch DOOR | htod PTR N DOOR | dtoh PTR N DOOR
   addr BASE DOOR                no call: "fn", the address the door gives, and "object", the
                                 file dladdr() says it lies in (rc 0, or -1 when not found)
+  cached PTR HANDLE BYTES       no call: a fake sys.modules["torch"] whose cuda.empty_cache()
+                                gives back that VMM mapping (vmmfree), once
   quit                          exits 0 (after answering)
 Memory commands: numbers (decimal or 0x...), then an optional DOOR (default dlsym). One that
 makes several calls stops at the first failing one: rc is its CUresult, "failed" its base name.
@@ -285,6 +287,9 @@ class Probe:
             rc = 0 if addr is not None else -1
             doc["fn"] = addr
             doc["object"] = self.object_of(addr) if addr else None
+        elif cmd == "cached":
+            self.fake_torch(args[:3])
+            rc = 0
         elif cmd == "quit":
             rc = 0
         else:
@@ -293,6 +298,19 @@ class Probe:
         if timed:
             doc["t0"], doc["t1"] = timed[0][0], timed[-1][1]
         return doc
+
+    def fake_torch(self, held: list[str]) -> None:
+        """sys.modules["torch"], as the agent's cache release sees it: its empty_cache() gives
+        back the VMM mapping PTR HANDLE BYTES (as PyTorch's expandable segments do)."""
+        import types
+
+        def empty_cache() -> None:
+            if held:
+                self.run("cache", "@vmmfree", list(held))
+                held.clear()
+        cuda = types.SimpleNamespace(is_initialized=lambda: True, synchronize=lambda: None,
+                                     empty_cache=empty_cache)
+        sys.modules["torch"] = types.SimpleNamespace(cuda=cuda)
 
     def memory(self, doc: dict, cmd: str, args: list[str], door: str, call) -> int:
         """The commands of MEMORY_COMMANDS; a failing driver call raises CallFailed."""

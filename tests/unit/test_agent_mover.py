@@ -319,3 +319,18 @@ def test_a_failed_staging_registration_into_memory_fails_cleanly(gpu, probe):
     assert _gpu_mem(gpu, p) == held
     assert p.ctl("prepare")["ok"] and p.ctl("resume")["ok"]
     _intact(p, prog["mem"])
+
+
+def test_a_prepare_counts_what_the_allocator_cache_gave_back(gpu, probe):
+    """PyTorch's expandable segments give cached memory back by unmapping and releasing their
+    own VMM handles: the prepare counts that as released, and it is not moved."""
+    p = probe()
+    prog = _program(p)
+    spare = p.call(f"@vmm {16 * MIB}")                 # the cache: the program's own VMM
+    assert p.call(f"cached {spare['ptr']} {spare['handle']} {spare['size']}")["rc"] == 0
+    movable = p.status()["movable_bytes"]
+    r = p.ctl("prepare")
+    assert r["ok"] and r["cache_released"] == spare["size"], r
+    assert r["bytes"] == movable - spare["size"], r
+    assert p.ctl("resume")["ok"]
+    _intact(p, prog["mem"])
