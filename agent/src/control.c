@@ -411,7 +411,8 @@ static void prepare_reply(struct client *c, const char *arg, char *out, size_t s
 	ctl.last_ms = now_ms();
 	n = snprintf(out, size,
 		     "{\"ok\":true,\"bytes\":%llu,\"chunks\":%ld,\"allocations\":%ld,"
-		     "\"cache_released\":%llu,\"seconds\":%.6f,\"in_memory\":%s,\"host_alloc_seconds\":%.6f,\"files\":[",
+		     "\"cache_released\":%llu,\"seconds\":%.6f,\"in_memory\":%s,"
+		     "\"host_alloc_seconds\":%.6f,\"files\":[",
 		     r.bytes, r.chunks, r.allocations, released, r.seconds,
 		     r.in_memory ? "true" : "false", r.host_alloc_seconds);
 	used = n > 0 && (size_t)n < size ? (size_t)n : size - 1;
