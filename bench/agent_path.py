@@ -40,7 +40,7 @@ sys.path[:0] = [str(ROOT / "shim"), str(ROOT)]
 
 from tests.gpu import programs  # noqa: E402
 from tests.gpu.compare_steps import compare  # noqa: E402
-from torpor import config, gpus, process  # noqa: E402
+from torpor import config, gpus, process, procs  # noqa: E402
 from torpor.engine import Engine  # noqa: E402
 from torpor.progress import Progress  # noqa: E402
 
@@ -51,14 +51,6 @@ OVERHEAD_TARGET_PCT = 1.0
 
 def tree_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
-
-
-def mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def wait_gone(pid: int, timeout: float = 120) -> None:
@@ -128,8 +120,9 @@ class Bench:
             return f"needs ~{need / GB:.1f} GB in {root}, {free / GB:.1f} GB free"
         if where == "shm":
             ram = need + (gpu_bytes if path == "driver" else 0)   # + the driver's host copy
-            if ram > mem_available():
-                return f"needs ~{ram / GB:.1f} GB of memory, {mem_available() / GB:.1f} GB " \
+            avail = procs.mem_available() or 0
+            if ram > avail:
+                return f"needs ~{ram / GB:.1f} GB of memory, {avail / GB:.1f} GB " \
                        "available"
         return ""
 

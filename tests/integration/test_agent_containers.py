@@ -27,16 +27,23 @@ pytestmark = [needs_criu, pytest.mark.criu]
 PROGRAM = Path(__file__).resolve().parents[2] / "tests" / "unit" / "fake_agent.py"
 
 
+def agent_workload(gpu, label: str, nbytes: int, events: Path):
+    """argv, env, mounts of a container running fake_agent.py on GPU 0, serving its socket in
+    /run/torpor/agents (the container's agent directory) and holding nbytes."""
+    _argv, env, mounts = gpu.container_workload(label, 0, GIB)
+    argv = ["/usr/bin/python3", "-I", str(PROGRAM), "/run/torpor/agents", str(events),
+            "--bytes", str(nbytes), "--lib", gpu.libcuda]
+    mounts = [m for m in mounts if m[0] != str(PROGRAM)] + [(str(PROGRAM), str(PROGRAM), True)]
+    return argv, {**env, "NVIDIA_VISIBLE_DEVICES": gpu.uuid(0)}, mounts
+
+
 def test_podman_export_import_through_the_agent(podman, gpu, daemon, name, base):
     nodes = fake_nodes(base)
     events = gpu.state_dir / "agent-events"
-    _argv, env, mounts = gpu.container_workload("ag", 0, GIB)
-    argv = ["/usr/bin/python3", "-I", str(PROGRAM), "/run/torpor/agents", str(events),
-            "--bytes", str(5 << 20), "--lib", gpu.libcuda]
-    mounts = [m for m in mounts if m[0] != str(PROGRAM)] + [(str(PROGRAM), str(PROGRAM), True)]
+    argv, env, mounts = agent_workload(gpu, "ag", 5 << 20, events)
     # The annotation: torpor-runtime makes the container's agent directory and binds it to
     # /run/torpor/agents (the program drops the real agent's preload and serves the fake).
-    podman.run(name, argv, mounts=mounts, env={**env, "NVIDIA_VISIBLE_DEVICES": gpu.uuid(0)},
+    podman.run(name, argv, mounts=mounts, env=env,
                annotations={"org.torpor.agent": "on"},
                devices=[f"{nodes[0]}:/dev/nvidia0", f"{nodes[255]}:/dev/nvidiactl"])
     try:
@@ -84,11 +91,8 @@ def test_containerd_checkpoint_restore_through_the_agent(containerd, gpu, daemon
     the dump) and ctr restore into a new container, whose agent reloads from the checkpoint
     image containerd made of that directory."""
     events = gpu.state_dir / "agent-events"
-    _argv, env, mounts = gpu.container_workload("agc", 0, GIB)
-    argv = ["/usr/bin/python3", "-I", str(PROGRAM), "/run/torpor/agents", str(events),
-            "--bytes", str(3 << 20), "--lib", gpu.libcuda]
-    mounts = [m for m in mounts if m[0] != str(PROGRAM)] + [(str(PROGRAM), str(PROGRAM), True)]
-    containerd.run(name, argv, mounts=mounts, env={**env, "NVIDIA_VISIBLE_DEVICES": gpu.uuid(0)},
+    argv, env, mounts = agent_workload(gpu, "agc", 3 << 20, events)
+    containerd.run(name, argv, mounts=mounts, env=env,
                    annotations={"org.torpor.agent": "on"})
     ref = f"localhost/torpor-test-agent:{name.lower()}"
     new = f"{name}-r"[:60]

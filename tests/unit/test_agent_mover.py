@@ -6,6 +6,7 @@ at each step leave the program's memory as it was. The protocol: agent/PROTOCOL.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -75,6 +76,17 @@ def _intact(p: Probe, mem: dict) -> None:
     for seed, (name, (ptr, n)) in enumerate(mem.items(), 1):
         r = p.call(f"@check {ptr} {n} {seed}")
         assert r["rc"] == 0 and r["ok"], (name, r)
+
+
+@contextlib.contextmanager
+def failing(gpu, call: str, how: str):
+    """The fake's fail/<call> ("<CUresult> [pid] [after=N]", fakegpu.py) while the block runs."""
+    f = gpu.state_dir / "fail" / call
+    f.write_text(how + "\n")
+    try:
+        yield
+    finally:
+        f.unlink()
 
 
 def _gpu_mem(gpu, p: Probe) -> int:
@@ -160,9 +172,8 @@ def test_a_failed_prepare_leaves_the_memory_and_reopens_the_gate(gpu, probe, tmp
     prog = _program(p)
     # the second copy out fails; or releasing the second allocation (the files are complete
     # then: what was released is reloaded at once)
-    (gpu.state_dir / "fail" / call).write_text(f"2 {p.pid} after=1\n")
-    r = Files(tmp_path / "data", 1).send(p.sock, "prepare", write=True)
-    (gpu.state_dir / "fail" / call).unlink()
+    with failing(gpu, call, f"2 {p.pid} after=1"):
+        r = Files(tmp_path / "data", 1).send(p.sock, "prepare", write=True)
     assert r["ok"] is False, r
     st = p.status()
     assert (st["state"], st["gate"]) == ("running", "open")
@@ -275,17 +286,22 @@ def test_a_prepare_into_memory_nobody_follows_up_resumes_by_itself(gpu, probe):
     _intact(p, prog["mem"])
 
 
-def test_a_failed_copy_into_memory_releases_nothing(gpu, probe):
+@pytest.mark.parametrize("call, after, error", [
+    ("cuMemcpyDtoHAsync_v2", " after=1", "copy out"),       # the second copy out
+    ("cuMemHostRegister_v2", "", "cuMemHostRegister")])     # every worker's staging
+def test_a_failed_prepare_into_memory_releases_nothing(gpu, probe, call, after, error):
+    """Nothing is released and the agent's regions are unmapped; workers that failed before
+    the wait for every staging registration still arrive there, so none is left waiting."""
     p = probe()
     prog = _program(p)
     held = _gpu_mem(gpu, p)
-    (gpu.state_dir / "fail" / "cuMemcpyDtoHAsync_v2").write_text(f"2 {p.pid} after=1\n")
-    r = p.ctl("prepare")
-    (gpu.state_dir / "fail" / "cuMemcpyDtoHAsync_v2").unlink()
-    assert r["ok"] is False and "copy out" in r["error"], r
-    assert (p.status()["state"], p.status()["gate"]) == ("running", "open")
+    with failing(gpu, call, f"2 {p.pid}{after}"):
+        r = p.ctl("prepare")
+    assert r["ok"] is False and error in r["error"], r
+    st = p.status()
+    assert (st["state"], st["gate"], st["host_bytes"]) == ("running", "open", 0)
     assert _gpu_mem(gpu, p) == held
-    assert p.status()["host_bytes"] == 0                     # its host memory is unmapped
+    assert p.ctl("prepare")["ok"] and p.ctl("resume")["ok"]
     _intact(p, prog["mem"])
 
 
@@ -294,31 +310,13 @@ def test_a_failed_reload_from_memory_can_be_retried(gpu, probe):
     prog = _program(p)
     assert p.ctl("prepare")["ok"]
     assert p.ctl("detach")["ok"]
-    (gpu.state_dir / "fail" / "cuMemcpyHtoDAsync_v2").write_text(f"2 {p.pid} after=1\n")
-    r = p.ctl("resume")
-    (gpu.state_dir / "fail" / "cuMemcpyHtoDAsync_v2").unlink()
+    with failing(gpu, "cuMemcpyHtoDAsync_v2", f"2 {p.pid} after=1"):
+        r = p.ctl("resume")
     assert r["ok"] is False and "copy in" in r["error"], r
     assert (p.status()["state"], p.status()["gate"]) == ("detached", "closed")
     assert p.ctl("resume")["ok"]                             # the host copy is still there
     _intact(p, prog["mem"])
 
-
-
-def test_a_failed_staging_registration_into_memory_fails_cleanly(gpu, probe):
-    """One worker cannot register its staging buffers: the others, waiting for every worker's
-    registration before they populate their regions, are not left waiting; nothing moves."""
-    p = probe()
-    prog = _program(p)
-    held = _gpu_mem(gpu, p)
-    (gpu.state_dir / "fail" / "cuMemHostRegister_v2").write_text(f"2 {p.pid}\n")
-    r = p.ctl("prepare")
-    (gpu.state_dir / "fail" / "cuMemHostRegister_v2").unlink()
-    assert r["ok"] is False and "cuMemHostRegister" in r["error"], r
-    st = p.status()
-    assert (st["state"], st["gate"], st["host_bytes"]) == ("running", "open", 0)
-    assert _gpu_mem(gpu, p) == held
-    assert p.ctl("prepare")["ok"] and p.ctl("resume")["ok"]
-    _intact(p, prog["mem"])
 
 
 def test_a_prepare_counts_what_the_allocator_cache_gave_back(gpu, probe):
