@@ -25,6 +25,7 @@ and the reason recorded; so is the driver path's checkpoint to disk above --driv
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -87,8 +88,15 @@ class Bench:
         self.started: list[programs.Program] = []
         self.gib_now = 0.0
 
-    def engine(self) -> Engine:
-        return Engine(self.cfg, Progress(None))
+    def engine(self, via: str = "") -> Engine:
+        """An engine whose suspends go the way `via` names (--suspend-via): "memory" (the
+        program's own memory), a directory (files under it), else the configured way."""
+        cfg = self.cfg
+        if via == "memory":
+            cfg = dataclasses.replace(cfg, suspend_in_process=True)
+        elif via.startswith("/"):
+            cfg = dataclasses.replace(cfg, suspend_in_process=False, suspend_dir=Path(via))
+        return Engine(cfg, Progress(None))
 
     def start(self, name: str, gib: float, *, agent: bool, extra=(), max_steps: int = 0,
               sleep: float = 0.02) -> programs.Program:
@@ -131,21 +139,29 @@ class Bench:
         pid = prog.pid
         used = gpus.discover().memory_of(pid)
         out["gpu_memory_bytes"] = used
-        # suspend / resume
-        t = time.perf_counter()
-        r = process.suspend(self.engine(), pid)
-        out["suspend"] = {"wall_s": time.perf_counter() - t, "timings": r.get("timings", {}),
-                          "gpu_memory_released": r.get("gpu_memory_released"),
-                          "agent": agent_of(r, pid)}
-        time.sleep(0.5)
-        at = prog.step()
-        t = time.perf_counter()
-        r = process.resume(self.engine(), pid)
-        out["resume"] = {"wall_s": time.perf_counter() - t, "timings": r.get("timings", {}),
-                         "agent": agent_of(r, pid)}
-        prog.wait_step(at + 5)
-        print(f"  {path:>6} {gib:g} GiB: suspend {out['suspend']['wall_s']:.2f} s, "
-              f"resume {out['resume']['wall_s']:.2f} s", flush=True)
+        # suspend / resume: the agent's program once per --suspend-via (the first is the one the
+        # ratios use), the driver's once
+        vias = self.args.suspend_via if path == "agent" else ["driver"]
+        out["suspend_via"] = {}
+        for via in vias:
+            eng = self.engine(via)
+            t = time.perf_counter()
+            r = process.suspend(eng, pid)
+            sus = {"wall_s": time.perf_counter() - t, "timings": r.get("timings", {}),
+                   "gpu_memory_released": r.get("gpu_memory_released"),
+                   "agent": agent_of(r, pid)}
+            time.sleep(0.5)
+            at = prog.step()
+            t = time.perf_counter()
+            r = process.resume(eng, pid)
+            res = {"wall_s": time.perf_counter() - t, "timings": r.get("timings", {}),
+                   "agent": agent_of(r, pid)}
+            prog.wait_step(at + 5)
+            out["suspend_via"][via] = {"suspend": sus, "resume": res}
+            print(f"  {path:>6} {gib:g} GiB: suspend {sus['wall_s']:.2f} s, "
+                  f"resume {res['wall_s']:.2f} s ({via})", flush=True)
+        first = out["suspend_via"][vias[0]]
+        out["suspend"], out["resume"] = first["suspend"], first["resume"]
         # checkpoint + restore, to host memory and to disk
         for where, root in (("shm", self.args.shm_root), ("disk", self.args.disk_root)):
             if where not in self.args.where:
@@ -218,6 +234,9 @@ class Bench:
             for k in ("checkpoint", "restore"):
                 if f"{k}_wall_s" in ca and f"{k}_wall_s" in cd:
                     ratios[f"{k}_{where}"] = cd[f"{k}_wall_s"] / ca[f"{k}_wall_s"]
+        for via, sr in a["suspend_via"].items():
+            for k in ("suspend", "resume"):
+                ratios[f"{k}_via_{via}"] = d[k]["wall_s"] / sr[k]["wall_s"]
         row["ratio_driver_over_agent"] = {k: round(v, 3) for k, v in ratios.items()}
         return row
 
@@ -295,6 +314,11 @@ def table(doc: dict) -> str:
                 f">= {target:g}x {'ok' if ratio >= target else 'MISSED'}"
             lines.append(f"{row['gib']:>5g} {name:<18} {fmt(ds)} {fmt(as_)} "
                          f"{(f'{ratio:7.1f}x' if ratio else '      -'):>8}  {verdict}")
+        for via, sr in a.get("suspend_via", {}).items():
+            lines.append(f"{row['gib']:>5g} agent suspend/resume via {via}: "
+                         f"{sr['suspend']['wall_s']:.2f} / {sr['resume']['wall_s']:.2f} s, "
+                         f"{r.get(f'suspend_via_{via}', 0):.1f}x / "
+                         f"{r.get(f'resume_via_{via}', 0):.1f}x")
         lines.append(f"{row['gib']:>5g} bit-exact: agent {a['bit_exact']} "
                      f"(via agent: {a['via_agent']}), driver {d['bit_exact']}")
         for p, res in (("driver", d), ("agent", a)):
@@ -328,6 +352,9 @@ def main() -> int:
                     help="skip the driver path's checkpoint to disk above this size")
     ap.add_argument("--where", nargs="*", choices=["shm", "disk"], default=["shm", "disk"],
                     help="where checkpoints go (default both; none: suspend/resume only)")
+    ap.add_argument("--suspend-via", nargs="+", default=["config"],
+                    help="the agent's suspends, each measured: 'memory' (the program's own "
+                         "memory), a directory (files under it), 'config' (as configured)")
     ap.add_argument("--cache-gib", type=float, default=8, help="0: no cache program")
     ap.add_argument("--overhead-reps", type=int, default=5, help="0: no overhead runs")
     ap.add_argument("--overhead-steps", type=int, default=3000)
