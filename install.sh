@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # ./install.sh: set torpor up on a Debian or Ubuntu machine, as root.
 #
-#   1. system packages: python3 + venv, a C compiler (the test suite builds its fakes)
+#   1. system packages: python3 + venv, a C compiler and xxHash's header (the agent; the test
+#      suite builds its fakes)
 #   2. CRIU >= 4 (packaging/criu/install-criu.sh: the distribution's, or built from Debian's
 #      source package) and CRIU's pycriu
 #   3. torpor itself in a virtual environment ($TORPOR_PREFIX, default /opt/torpor/venv),
@@ -24,7 +25,7 @@ command -v apt-get >/dev/null || die "this installer knows Debian and Ubuntu (ap
 
 export DEBIAN_FRONTEND=noninteractive
 missing=()
-for pkg in python3 python3-venv python3-dev gcc make procps; do
+for pkg in python3 python3-venv python3-dev gcc make procps libxxhash-dev; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
 done
 if ((${#missing[@]})); then

@@ -81,61 +81,32 @@ static struct {
 	size_t region_size[MAX_FILES];
 } plan;
 
-/* -- the checksum: four 64-bit lanes over 32-byte stripes (the round of xxHash64) ---------- */
-
-#define P1 0x9E3779B185EBCA87ULL
-#define P2 0xC2B2AE3D27D4EB4FULL
-#define P3 0x165667B19E3779F9ULL
+/* -- the checksum: XXH3, 64 bits (libxxhash, header-only: nothing to link) --------------------
+ * Every chunk is summed on its way out and checked on its way back, by the worker that moves
+ * it, block by block while the block is in cache. XXH3 runs at 11-12 GB/s a thread where the
+ * hand-written xxHash64 round used before ran at 5 (measured on a 2-core Xeon VM, 1 MiB
+ * blocks): at 16 workers moving 17 GB that was 0.2 s of every save and every load. */
+#define XXH_INLINE_ALL
+#define XXH_STATIC_LINKING_ONLY
+#include <xxhash.h>
 
 struct sum {
-	uint64_t lane[4];
-	unsigned long long n;
+	XXH3_state_t st;
 };
-
-static inline uint64_t rotl(uint64_t x, int r)
-{
-	return (x << r) | (x >> (64 - r));
-}
 
 static void sum_init(struct sum *s)
 {
-	s->lane[0] = P1 + P2;
-	s->lane[1] = P2;
-	s->lane[2] = 0;
-	s->lane[3] = -P1;
-	s->n = 0;
+	XXH3_64bits_reset(&s->st);
 }
 
-/* len: a multiple of 32 except for the last call */
 static void sum_add(struct sum *s, const void *data, size_t len)
 {
-	const unsigned char *p = data;
-	uint64_t a = s->lane[0], b = s->lane[1], c = s->lane[2], d = s->lane[3], w[4];
-	size_t i;
-
-	for (i = 0; i + 32 <= len; i += 32) {
-		memcpy(w, p + i, 32);
-		a = rotl(a + w[0] * P2, 31) * P1;
-		b = rotl(b + w[1] * P2, 31) * P1;
-		c = rotl(c + w[2] * P2, 31) * P1;
-		d = rotl(d + w[3] * P2, 31) * P1;
-	}
-	for (; i < len; i++)
-		a = rotl(a ^ (p[i] * P3), 11) * P1;
-	s->lane[0] = a, s->lane[1] = b, s->lane[2] = c, s->lane[3] = d;
-	s->n += len;
+	XXH3_64bits_update(&s->st, data, len);
 }
 
 static uint64_t sum_end(const struct sum *s)
 {
-	uint64_t h = rotl(s->lane[0], 1) + rotl(s->lane[1], 7) + rotl(s->lane[2], 12) +
-		     rotl(s->lane[3], 18) + s->n;
-
-	h ^= h >> 33;
-	h *= P2;
-	h ^= h >> 29;
-	h *= P3;
-	return h ^ (h >> 32);
+	return XXH3_64bits_digest(&s->st);
 }
 
 /* -- the plan ----------------------------------------------------------------------------------- */
@@ -273,7 +244,7 @@ struct worker {
 	size_t buf_size;
 	int registered;
 	unsigned char *region; /* fd -1: the sink, in the agent's memory */
-	long long populate_ms;
+	long long populate_ms, staging_ms;
 	CUstream stream[MAX_DEVICES][2];
 	CUcontext current;
 	unsigned long long bytes;
@@ -600,12 +571,14 @@ static void *worker_main(void *arg)
 	struct worker *w = arg;
 	CUstream s[2];
 	int ready = 0, active = (size_t)w->k < plan.nchunks; /* fewer chunks than sinks */
+	long long t0 = now_ms();
 
 	gate_agent_thread();
 	/* a context current before the staging memory is registered (CUDA_ERROR_INVALID_CONTEXT
 	 * otherwise: this thread is new) */
 	if (active && use_device(w, plan.chunks[w->k].dev, s) == 0)
 		ready = staging_get(w) == 0;
+	w->staging_ms = now_ms() - t0;
 	if (w->fd < 0)
 		pinned_wait();
 	if (ready && (w->fd >= 0 || region_get(w) == 0))
@@ -621,6 +594,7 @@ static void *worker_main(void *arg)
 static int run_workers(const int *fds, int nfds, int saving, struct move_result *r)
 {
 	struct worker *w = calloc(nfds, sizeof(*w));
+	long long t0 = now_ms();
 	sigset_t all, old;
 	int started = 0, ret = 0;
 
@@ -652,6 +626,8 @@ static int run_workers(const int *fds, int nfds, int saving, struct move_result 
 		r->bytes += w[k].bytes;
 		if (w[k].populate_ms / 1000.0 > r->host_alloc_seconds)
 			r->host_alloc_seconds = w[k].populate_ms / 1000.0;
+		if (w[k].staging_ms / 1000.0 > r->staging_seconds)
+			r->staging_seconds = w[k].staging_ms / 1000.0;
 		if (w[k].error[0] && !ret) {
 			snprintf(r->error, sizeof(r->error), "%s", w[k].error);
 			ret = -1;
@@ -662,6 +638,7 @@ static int run_workers(const int *fds, int nfds, int saving, struct move_result 
 		ret = -1;
 	}
 	free(w);
+	r->copy_seconds = (now_ms() - t0) / 1000.0;
 	return ret;
 }
 
@@ -691,7 +668,7 @@ static int memory_sinks(void)
 
 int mover_save(const int *fds, int nfds, struct move_result *r)
 {
-	long long t0 = now_ms();
+	long long t0 = now_ms(), t1;
 	size_t dropped = 0;
 	int ret, in_memory = nfds == 0;
 
@@ -725,6 +702,7 @@ int mover_save(const int *fds, int nfds, struct move_result *r)
 		return -1;
 	}
 	/* every byte is out: release the GPU memory */
+	t1 = now_ms();
 	for (size_t m = 0; m < plan.nmv; m++) {
 		if (vmm_drop(plan.mv[m].phys) != CUDA_SUCCESS) {
 			snprintf(r->error, sizeof(r->error), "releasing GPU memory failed after %zu of "
@@ -735,6 +713,7 @@ int mover_save(const int *fds, int nfds, struct move_result *r)
 		dropped++;
 	}
 	plan.pending = 1;
+	r->vmm_seconds = seconds_since(t1);
 	r->chunks = plan.nchunks;
 	r->allocations = plan.nmv;
 	r->nfiles = in_memory ? 0 : nfds;
@@ -764,7 +743,7 @@ unsigned long long mover_host_bytes(void)
 
 int mover_load(const int *fds, int nfds, struct move_result *r)
 {
-	long long t0 = now_ms();
+	long long t0 = now_ms(), t1;
 
 	memset(r, 0, sizeof(*r));
 	if (!plan.pending) {
@@ -791,6 +770,7 @@ int mover_load(const int *fds, int nfds, struct move_result *r)
 			return -1;
 		}
 	}
+	t1 = now_ms();
 	for (size_t m = 0; m < plan.nmv; m++) {
 		CUcontext ctx = track_context_of(plan.mv[m].dev);
 		CUresult rc;
@@ -806,6 +786,7 @@ int mover_load(const int *fds, int nfds, struct move_result *r)
 			return -1;
 		}
 	}
+	r->vmm_seconds = seconds_since(t1);
 	if (plan.nchunks && run_workers(plan.in_memory ? NULL : fds, plan.nfiles, 0, r))
 		return -1;
 	for (size_t m = 0; m < plan.nmv; m++)

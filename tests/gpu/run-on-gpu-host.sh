@@ -6,6 +6,7 @@
 #   .whl           protobuf and grpcio wheels matching the generated modules
 #   shim/torpor/_proto  proto/generate.py output
 #   .device/podman-bundle.tar.xz, .device/gpubase-rootfs.tar   podman 4.3 + runc (../shared/gpu-host)
+#   .device/include/xxhash.h   the agent's one build dependency (libxxhash-dev's header)
 # Usage: tests/gpu/run-on-gpu-host.sh [pytest args...]; BENCH_SIZES="1 8 32" to benchmark the
 # driver path, PODMAN_BENCH_SIZES="1 4 16" the podman path, AGENT_BENCH_SIZES="1 16" the
 # in-process agent against the driver path (bench/agent_path.py); TESTS=0 skips the tests.
@@ -18,7 +19,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 mkdir -p /etc/criu && echo "network-lock nftables" > /etc/criu/runc.conf
 ln -sf /opt/criu/bin/criu /usr/local/sbin/criu   # runc runs `criu` from PATH
 # the agent, where the package build would put it (gcc and make are on the GPU host)
-make -s -C agent BUILD=/tmp/agent-build && mkdir -p shim/torpor/_agent &&
+make -s -C agent BUILD=/tmp/agent-build EXTRA_CFLAGS="-I$PWD/.device/include" && mkdir -p shim/torpor/_agent &&
     cp /tmp/agent-build/libtorpor-agent.so shim/torpor/_agent/ || echo "agent build failed"
 export PYTHONPATH="/tmp/site:$PWD/shim:$PWD/.device/py:$PWD:$PWD/hooks" TORPOR_CRIU=/opt/criu/bin/criu
 export PYTHONUNBUFFERED=1
