@@ -235,6 +235,10 @@ struct move_result {
 	unsigned long long file_size[16];
 	int nfiles, in_memory;
 	double host_alloc_seconds; /* in_memory: the slowest worker's populate of its region */
+	/* where the seconds went: the slowest worker's staging set-up (map, touch, register),
+	 * the workers' copy (staging included), and the GPU memory released (save) or
+	 * re-created (load) */
+	double staging_seconds, copy_seconds, vmm_seconds;
 	char error[256];
 };
 /* Copies every movable allocation into the files (striped, one thread a file; nfds 0: into

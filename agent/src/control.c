@@ -412,9 +412,11 @@ static void prepare_reply(struct client *c, const char *arg, char *out, size_t s
 	n = snprintf(out, size,
 		     "{\"ok\":true,\"bytes\":%llu,\"chunks\":%ld,\"allocations\":%ld,"
 		     "\"cache_released\":%llu,\"seconds\":%.6f,\"in_memory\":%s,"
-		     "\"host_alloc_seconds\":%.6f,\"files\":[",
+		     "\"host_alloc_seconds\":%.6f,\"phases\":{\"staging\":%.6f,\"copy\":%.6f,"
+		     "\"release\":%.6f},\"files\":[",
 		     r.bytes, r.chunks, r.allocations, released, r.seconds,
-		     r.in_memory ? "true" : "false", r.host_alloc_seconds);
+		     r.in_memory ? "true" : "false", r.host_alloc_seconds, r.staging_seconds,
+		     r.copy_seconds, r.vmm_seconds);
 	used = n > 0 && (size_t)n < size ? (size_t)n : size - 1;
 	for (int k = 0; k < r.nfiles && used < size; k++) {
 		n = snprintf(out + used, size - used, "%s%llu", k ? "," : "", r.file_size[k]);
@@ -441,8 +443,10 @@ static int do_resume(int *fds, int nfds, char *out, size_t size)
 	ctl.state = RUNNING;
 	gate_open();
 	if (out)
-		snprintf(out, size, "{\"ok\":true,\"bytes\":%llu,\"chunks\":%ld,\"seconds\":%.6f}\n",
-			 r.bytes, r.chunks, r.seconds);
+		snprintf(out, size, "{\"ok\":true,\"bytes\":%llu,\"chunks\":%ld,\"seconds\":%.6f,"
+			 "\"phases\":{\"recreate\":%.6f,\"staging\":%.6f,\"copy\":%.6f}}\n",
+			 r.bytes, r.chunks, r.seconds, r.vmm_seconds, r.staging_seconds,
+			 r.copy_seconds);
 	return 0;
 }
 

@@ -124,6 +124,18 @@ def _number(reply: dict[str, Any], key: str, what: str) -> float:
     return float(v)
 
 
+def _with_phases(out: dict[str, Any], reply: dict[str, Any]) -> dict[str, Any]:
+    """out plus the reply's "phases" ({name: seconds}: where a move's time went), the valid
+    ones; an agent that sends none (or nonsense) costs nothing but the breakdown."""
+    phases = reply.get("phases")
+    if isinstance(phases, dict):
+        kept = {str(k): float(v) for k, v in phases.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e9}
+        if kept:
+            out["phases"] = kept
+    return out
+
+
 class AgentClient:
     """One connection to one program's agent. expect_pid: the host pid of the program; the
     connection is refused when another live process listens on the socket."""
@@ -269,7 +281,7 @@ class AgentClient:
         if not files and isinstance(alloc, (int, float)) and not isinstance(alloc, bool) \
                 and 0 <= alloc < 1e9:
             out["host_alloc_seconds"] = float(alloc)
-        return out
+        return _with_phases(out, reply)
 
     def detach(self) -> dict[str, Any]:
         """The agent closes the prepare's fds (the CRIU dump comes next)."""
@@ -284,8 +296,8 @@ class AgentClient:
         if len(fds) > MAX_FILES:
             raise ValueError(f"resume takes at most {MAX_FILES} files")
         reply = self.call("resume", fds, timeout)
-        return {"bytes": _int(reply, "bytes", "resume"),
-                "seconds": _number(reply, "seconds", "resume")}
+        return _with_phases({"bytes": _int(reply, "bytes", "resume"),
+                             "seconds": _number(reply, "seconds", "resume")}, reply)
 
     def abort(self, timeout: float | None = None) -> dict[str, Any]:
         """A prepare that no checkpoint follows: the memory back from the fds the agent kept."""

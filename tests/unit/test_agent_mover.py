@@ -105,6 +105,8 @@ def test_prepare_moves_memory_out_and_resume_brings_it_back(gpu, probe, tmp_path
     r = files.send(p.sock, "prepare 5000", write=True)
     assert r["ok"] and r["bytes"] == movable and r["allocations"] == 3, r
     assert r["in_memory"] is False, r
+    assert set(r["phases"]) == {"staging", "copy", "release"}, r
+    assert 0 <= r["phases"]["staging"] <= r["phases"]["copy"] <= r["seconds"], r
     assert sum(r["files"]) == movable and len(r["files"]) == 3
     assert [os.path.getsize(f) for f in files.paths] == r["files"]
     assert _gpu_mem(gpu, p) == held - movable       # the GPU memory is released
@@ -120,6 +122,8 @@ def test_prepare_moves_memory_out_and_resume_brings_it_back(gpu, probe, tmp_path
 
     r = files.send(p.sock, "resume", write=False)
     assert r["ok"] and r["bytes"] == movable, r
+    assert set(r["phases"]) == {"recreate", "staging", "copy"}, r
+    assert r["phases"]["recreate"] + r["phases"]["copy"] <= r["seconds"] + 0.002, r
     assert p.result(held_check)["ok"]
     assert _gpu_mem(gpu, p) == held
     st = p.status()
