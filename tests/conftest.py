@@ -20,6 +20,7 @@ def torpor_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str
         "TORPOR_RUN_DIR": str(tmp_path / "run"),
         "TORPOR_CONFIG": str(tmp_path / "no-config.toml"),
         "TORPOR_LIBCUDA": str(tmp_path / "no-libcuda.so.1"),
+        "TORPOR_SUSPEND_TMPFS": "false",   # no mounts under tmp_path (tests that want one say so)
     }
     for k, v in env.items():
         monkeypatch.setenv(k, v)

@@ -3,7 +3,7 @@
 The TOML file is optional. Every key is documented in packaging/config.toml, which is also
 what ./install.sh puts in /etc/torpor/. Environment variables exist for tests and one-off
 runs: TORPOR_STATE_DIR, TORPOR_RUN_DIR, TORPOR_LIBCUDA, TORPOR_CRIU, TORPOR_LOCK_TIMEOUT,
-TORPOR_OCI_RUNTIME, TORPOR_DEVICE_MAP, TORPOR_SUSPEND_DIR.
+TORPOR_OCI_RUNTIME, TORPOR_DEVICE_MAP, TORPOR_SUSPEND_DIR, TORPOR_SUSPEND_TMPFS (true/false).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class Config:
     agent_timeout_s: float = 600.0              # how long one agent prepare/resume may take
     suspend_dir: Path = Path("/dev/shm/torpor")  # suspended programs' GPU data (host memory)
     suspend_in_process: bool = False            # a suspend keeps its agent's data in the program
+    suspend_tmpfs: bool = True                  # mount a huge-page tmpfs on an empty suspend_dir
 
     @property
     def journal_dir(self) -> Path:
@@ -63,7 +64,9 @@ _ENV = {
     "TORPOR_OCI_RUNTIME": ("oci_runtime", str),
     "TORPOR_DEVICE_MAP": ("device_map", str),
     "TORPOR_SUSPEND_DIR": ("suspend_dir", Path),
+    "TORPOR_SUSPEND_TMPFS": ("suspend_tmpfs", bool),
 }
+_BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
 def load(path: Path | None = None, env: dict[str, str] | None = None) -> Config:
@@ -84,7 +87,8 @@ def load(path: Path | None = None, env: dict[str, str] | None = None) -> Config:
             values[key] = value
     for var, (key, conv) in _ENV.items():
         if var in env and env[var] != "":
-            values[key] = env[var]
+            values[key] = _BOOL_WORDS.get(env[var].lower(), env[var]) if conv is bool \
+                else env[var]
     try:
         for key, value in list(values.items()):
             default = getattr(Config, key)

@@ -180,6 +180,72 @@ def test_a_failed_resume_from_memory_is_said_and_can_be_retried(world):
     assert world.agent.intact and world.engine().journal.suspended() == {}
 
 
+def mounts_allowed(where: Path) -> bool:
+    """Can this test mount a tmpfs (root, and not forbidden by a container)?"""
+    where.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "probe",
+                                            str(where)], capture_output=True).returncode:
+        return False
+    subprocess.run(["umount", str(where)], check=True)
+    return True
+
+
+@pytest.fixture
+def huge_tmpfs(world):
+    """suspend_tmpfs on, the mount it makes taken away after the test."""
+    if not mounts_allowed(world.tmp / "probe"):
+        pytest.skip("mounting a tmpfs needs root outside a restricted container")
+    world.cfg = dataclasses.replace(world.cfg, suspend_tmpfs=True)
+    yield world.cfg.suspend_dir
+    while os.path.ismount(world.cfg.suspend_dir):
+        subprocess.run(["umount", str(world.cfg.suspend_dir)], check=True)
+
+
+def mount_of(path: Path) -> list[str]:
+    """The fields of /proc/self/mounts for the mount point path, or []."""
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        if line.split()[1] == str(path):
+            return line.split()
+    return []
+
+
+def test_a_suspend_mounts_a_huge_page_tmpfs_on_an_empty_suspend_dir(world, huge_tmpfs):
+    process.suspend(world.engine(), PID)
+    fields = mount_of(huge_tmpfs)
+    assert fields[2] == "tmpfs" and "huge=within_size" in fields[3].split(",")
+    assert {"nosuid", "nodev", "noexec"} <= set(fields[3].split(","))
+    root = Path(world.engine().journal.suspended()[PID]["data_root"])
+    assert root.parent == huge_tmpfs and oct(huge_tmpfs.stat().st_mode & 0o777) == "0o700"
+    assert sum(f.stat().st_size for f in data_files(root)) == len(world.agent.original)
+    process.resume(world.engine(), PID)
+    assert world.agent.intact
+    # the next suspend finds the mount and makes no second one over it
+    process.suspend(world.engine(), PID)
+    assert sum(1 for line in Path("/proc/self/mounts").read_text().splitlines()
+               if line.split()[1] == str(huge_tmpfs)) == 1
+    process.resume(world.engine(), PID)
+    assert world.agent.intact
+
+
+def test_no_mount_hides_what_suspend_dir_holds(world, huge_tmpfs):
+    huge_tmpfs.mkdir(parents=True, mode=0o700)
+    (huge_tmpfs / "older").write_bytes(b"a suspended program's data")
+    process.suspend(world.engine(), PID)
+    assert not mount_of(huge_tmpfs) and (huge_tmpfs / "older").read_bytes().startswith(b"a susp")
+    process.resume(world.engine(), PID)
+    assert world.agent.intact
+
+
+def test_a_mount_that_fails_leaves_a_plain_directory(world, huge_tmpfs, monkeypatch):
+    monkeypatch.setattr(bulk, "HUGE_TMPFS_OPTIONS", "huge=no-such-policy")
+    process.suspend(world.engine(), PID)
+    assert not mount_of(huge_tmpfs)
+    root = Path(world.engine().journal.suspended()[PID]["data_root"])
+    assert sum(f.stat().st_size for f in data_files(root)) == len(world.agent.original)
+    process.resume(world.engine(), PID)
+    assert world.agent.intact
+
+
 def test_a_suspend_without_host_memory_for_it_is_refused_before_anything(world, monkeypatch):
     in_process(world)
     monkeypatch.setattr(procs, "mem_available", lambda: 512 << 20)   # the GPU holds 1 GiB
