@@ -90,12 +90,17 @@ class Bench:
 
     def engine(self, via: str = "") -> Engine:
         """An engine whose suspends go the way `via` names (--suspend-via): "memory" (the
-        program's own memory), a directory (files under it), else the configured way."""
+        program's own memory), a directory (files under it, on the huge-page tmpfs torpor
+        mounts there unless suspend_tmpfs is off), "plain:DIR" (files under DIR as it is),
+        else the configured way."""
         cfg = self.cfg
         if via == "memory":
             cfg = dataclasses.replace(cfg, suspend_in_process=True)
-        elif via.startswith("/"):
-            cfg = dataclasses.replace(cfg, suspend_in_process=False, suspend_dir=Path(via))
+        elif via.startswith(("/", "plain:/")):
+            plain = via.startswith("plain:")
+            cfg = dataclasses.replace(cfg, suspend_in_process=False,
+                                      suspend_dir=Path(via.removeprefix("plain:")),
+                                      suspend_tmpfs=cfg.suspend_tmpfs and not plain)
         return Engine(cfg, Progress(None))
 
     def start(self, name: str, gib: float, *, agent: bool, extra=(), max_steps: int = 0,
@@ -354,7 +359,8 @@ def main() -> int:
                     help="where checkpoints go (default both; none: suspend/resume only)")
     ap.add_argument("--suspend-via", nargs="+", default=["config"],
                     help="the agent's suspends, each measured: 'memory' (the program's own "
-                         "memory), a directory (files under it), 'config' (as configured)")
+                         "memory), a directory (files under it, huge-page tmpfs mounted as "
+                         "configured), 'plain:DIR' (no mount), 'config' (as configured)")
     ap.add_argument("--cache-gib", type=float, default=8, help="0: no cache program")
     ap.add_argument("--overhead-reps", type=int, default=5, help="0: no overhead runs")
     ap.add_argument("--overhead-steps", type=int, default=3000)
