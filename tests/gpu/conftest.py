@@ -7,6 +7,7 @@ see tests/gpu/README.md for how the runs there are set up.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -38,6 +39,15 @@ def _gpu_reason() -> str | None:
 
 GPU_SKIP = _gpu_reason()
 pytestmark = pytest.mark.skipif(GPU_SKIP is not None, reason=GPU_SKIP or "")
+
+
+@pytest.fixture(autouse=True)
+def _tmp_path_removed(tmp_path: Path):
+    """Each test's checkpoints go with it: they hold GBs (a 16 GiB program's images are 17 GB)
+    and the GPU host's disk is 64 GB, so leftovers from earlier tests filled it under the later
+    podman tests. Set up first, so torn down last: after the test's programs are gone."""
+    yield
+    shutil.rmtree(tmp_path, ignore_errors=True)
 
 
 @pytest.fixture
