@@ -35,10 +35,11 @@ from .files import TRUSTED_UIDS, require_trusted_location
 DATA_DIR = "torpor-gpu"              # in a checkpoint's images directory
 MAX_FILES = 16                       # the agent takes 1-16 files per prepare
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-# suspend_tmpfs: a tmpfs of transparent huge pages. On the H200 host 16 writers filled one at
-# 30-35 GB/s where /dev/shm (4 KiB pages) took 16-23 GB/s, and read it back at 29-34 GB/s
-# against 16-17 (bench/results/host_paths-h200-2026-12-03-*.json); within_size keeps small
-# files in small pages. size=100%: the suspend checks available memory itself.
+# suspend_tmpfs: a tmpfs of transparent huge pages. On the H200 host 16 staged writers filled
+# one at 30-35 GB/s where /dev/shm (4 KiB pages) took 16-23 GB/s, and read it back at 29-34
+# GB/s against 16-17 (bench/results/host_paths-h200-2026-12-03-*.json); the agent's resumes
+# from it were 20 % faster (bench/README.md). within_size keeps small files in small pages.
+# size=100%: the suspend checks available memory itself.
 HUGE_TMPFS_OPTIONS = "huge=within_size,size=100%,mode=0700,nosuid,nodev,noexec"
 
 log = logging.getLogger(__name__)
