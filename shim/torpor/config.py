@@ -3,7 +3,7 @@
 The TOML file is optional. Every key is documented in packaging/config.toml, which is also
 what ./install.sh puts in /etc/torpor/. Environment variables exist for tests and one-off
 runs: TORPOR_STATE_DIR, TORPOR_RUN_DIR, TORPOR_LIBCUDA, TORPOR_CRIU, TORPOR_LOCK_TIMEOUT,
-TORPOR_OCI_RUNTIME, TORPOR_DEVICE_MAP, TORPOR_SUSPEND_DIR.
+TORPOR_OCI_RUNTIME, TORPOR_DEVICE_MAP, TORPOR_SUSPEND_DIR, TORPOR_STORE_DIR.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class Config:
     agent_timeout_s: float = 600.0              # how long one agent prepare/resume may take
     suspend_dir: Path = Path("/dev/shm/torpor")  # suspended programs' GPU data (host memory)
     suspend_in_process: bool = False            # a suspend keeps its agent's data in the program
+    store_dir: Path = Path("/var/lib/torpor/store")  # the deduplicating image store (0700)
 
     @property
     def journal_dir(self) -> Path:
@@ -63,6 +64,7 @@ _ENV = {
     "TORPOR_OCI_RUNTIME": ("oci_runtime", str),
     "TORPOR_DEVICE_MAP": ("device_map", str),
     "TORPOR_SUSPEND_DIR": ("suspend_dir", Path),
+    "TORPOR_STORE_DIR": ("store_dir", Path),
 }
 
 
