@@ -121,7 +121,8 @@ class Store:
         with self.backend.lock(False, self.lock_timeout):
             for rel, entry in doc["files"].items():
                 path = dest / rel
-                private_dir(path.parent)
+                for parent in reversed(Path(rel).parents[:-1]):  # each 0700, not only the last
+                    private_dir(dest / parent)
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                              | os.O_CLOEXEC, 0o600)
                 with open(fd, "wb") as out:
