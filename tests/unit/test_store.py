@@ -283,6 +283,10 @@ def test_export_import_fills_another_store(store, tmp_path):
     assert other.import_chunks(tmp_path / "export") == 0
     other.import_snapshot(store.backend.get_snapshot("s"), "export s")
     assert read(other, "s", "f") == data
+    with pytest.raises(UsageError, match="not an empty directory"):
+        store.export_chunks("s", tmp_path / "export")
+    with pytest.raises(NotFoundError, match="no chunk folder"):
+        other.import_chunks(tmp_path / "nowhere")
 
 
 def test_import_snapshot_refuses_missing_chunks(store, tmp_path):

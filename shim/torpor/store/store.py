@@ -41,6 +41,13 @@ from .writer import Writer, WriteStats
 CHUNK_SIZE = 4 << 20
 
 
+def _empty_dir(path: Path) -> None:
+    """path as a new or empty private directory; UsageError when it holds anything."""
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise UsageError(f"{path} is not an empty directory")
+    private_dir(path)
+
+
 @dataclasses.dataclass(frozen=True)
 class SnapshotInfo:
     name: str
@@ -124,11 +131,9 @@ class Store:
     def materialize(self, name: str, dest: Path) -> dict[str, Any]:
         """Write snapshot name's files under dest (a new or empty directory, 0700; files
         0600), every chunk verified; the snapshot."""
-        doc = self.load(name)
-        if dest.exists() and any(dest.iterdir()):
-            raise UsageError(f"{dest} is not empty")
-        private_dir(dest)
-        with self.backend.lock(False, self.lock_timeout):
+        with self.backend.lock(False, self.lock_timeout):  # loaded under it: no gc in between
+            doc = self.load(name)
+            _empty_dir(dest)
             for rel, entry in doc["files"].items():
                 path = dest / rel
                 for parent in reversed(Path(rel).parents[:-1]):  # each 0700, not only the last
@@ -215,10 +220,11 @@ class Store:
     def export_chunks(self, name: str, dest: Path) -> int:
         """Every chunk snapshot name needs, as files <64 hex> in dest (hard links when on the
         store's filesystem, else copies): a self-contained folder for import_chunks on another
-        host. The number of chunks."""
-        names = sorted(snapshot.chunk_names(self.load(name)))
-        private_dir(dest)
+        host (with the snapshot: import_snapshot). dest must be new or empty. The number of
+        chunks."""
         with self.backend.lock(False, self.lock_timeout), self._pool() as pool:
+            names = sorted(snapshot.chunk_names(self.load(name)))
+            _empty_dir(dest)
             for _ in pool.map(lambda c: self._export_one(c, dest / c), names):
                 pass
         return len(names)
@@ -238,7 +244,10 @@ class Store:
         """Bring every chunk file of an exported folder (untrusted) into the store; each is
         verified (name, format, content against its name) before it enters. The number of
         chunks new to the store."""
-        names = sorted(os.listdir(src))
+        try:
+            names = sorted(os.listdir(src))
+        except FileNotFoundError:
+            raise NotFoundError(f"no chunk folder {src}") from None
         for n in names:
             if not BLOB_NAME.fullmatch(n) or not (src / n).is_file() or (src / n).is_symlink():
                 raise CorruptCheckpointError(f"{src}: {n!r} is not a chunk (a regular file "
