@@ -85,9 +85,10 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
-    """Write to a temporary name in the same directory, fsync, rename, fsync the directory."""
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+def atomic_write(path: Path, data: bytes, mode: int = 0o600, tmp_dir: Path | None = None) -> None:
+    """Write to a temporary name, fsync, rename, fsync the directory. The temporary file is in
+    path's directory, or in tmp_dir (same filesystem) where leftovers are collected."""
+    tmp = (tmp_dir or path.parent) / f".{path.name}.tmp.{os.getpid()}"
     tmp.unlink(missing_ok=True)  # a leftover of ours
     write_new(tmp, data, mode)
     try:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ..errors import BusyError, UsageError
-from ..files import fsync_dir, private_dir, require_trusted_location, write_new
+from ..files import atomic_write, fsync_dir, private_dir, require_trusted_location, write_new
 
 BLOB_NAME = re.compile(r"[0-9a-f]{64}")
 SNAPSHOT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -127,12 +127,6 @@ class LocalBackend(Backend):
     def _snap(self, name: str) -> Path:
         return self.snaps / (check_snapshot_name(name) + SNAPSHOT_SUFFIX)
 
-    def _write_temp(self, data: bytes, hint: str) -> Path:
-        """data in a new fsynced file under tmp/ (none left if that fails)."""
-        tmp = self.tmp / f"{hint}.{os.getpid()}.{time.monotonic_ns()}"
-        write_new(tmp, data)
-        return tmp
-
     def has_blob(self, name: str) -> bool:
         return self._blob(name).exists()
 
@@ -140,7 +134,8 @@ class LocalBackend(Backend):
         final = self._blob(name)
         if final.exists():
             return False
-        tmp = self._write_temp(data, name[:16])
+        tmp = self.tmp / f"{name[:16]}.{os.getpid()}.{time.monotonic_ns()}"
+        write_new(tmp, data)  # fsynced: a crash never leaves a named blob with missing data
         try:
             final.parent.mkdir(mode=0o700, exist_ok=True)
             os.link(tmp, final)  # link, not rename: never replaces a blob another writer put
@@ -176,14 +171,7 @@ class LocalBackend(Backend):
             fsync_dir(d)
 
     def put_snapshot(self, name: str, data: bytes) -> None:
-        final = self._snap(name)
-        tmp = self._write_temp(data, f"snapshot-{name}")
-        try:
-            os.replace(tmp, final)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        fsync_dir(self.snaps)
+        atomic_write(self._snap(name), data, tmp_dir=self.tmp)
 
     def get_snapshot(self, name: str) -> bytes:
         return self._snap(name).read_bytes()
