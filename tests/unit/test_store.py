@@ -134,12 +134,12 @@ def test_store_is_private(store, tmp_path):
     src = tmp_path / "src"
     write(src / "a", os.urandom(CHUNK))
     ingest(store, src, "p")
-    for root, dirs, files in os.walk(store.root):
+    for root, dirs, files in os.walk(store.backend.root):
         for d in dirs:
             assert stat.S_IMODE(os.stat(os.path.join(root, d)).st_mode) == 0o700, d
         for f in files:
             assert stat.S_IMODE(os.stat(os.path.join(root, f)).st_mode) == 0o600, f
-    assert stat.S_IMODE(os.stat(store.root).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(store.backend.root).st_mode) == 0o700
 
 
 def test_gc_removes_exactly_what_no_snapshot_needs(store, tmp_path):
@@ -191,7 +191,7 @@ WRITER = textwrap.dedent("""
 
 def test_gc_waits_for_a_writer_in_another_process(store, tmp_path):
     write(tmp_path / "big", os.urandom(4 * CHUNK))
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(store.root), str(tmp_path / "big"),
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(store.backend.root), str(tmp_path / "big"),
                              str(CHUNK)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline() == "added\n"
@@ -219,7 +219,7 @@ def test_writer_killed_mid_ingest_harms_nothing(store, tmp_path):
     kept = blobs(store)
     write(tmp_path / "big", os.urandom(64 << 20))
     # the writer reads a pipe that is fed half the file and never closed: killed mid-ingest
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(store.root), "/dev/stdin",
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(store.backend.root), "/dev/stdin",
                              str(CHUNK)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
     with open(tmp_path / "big", "rb") as f:
         for _ in range(32):

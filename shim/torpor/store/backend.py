@@ -57,6 +57,10 @@ class Backend(abc.ABC):
     """Blobs and snapshots by name; see the module docstring."""
 
     @abc.abstractmethod
+    def __str__(self) -> str:
+        """Where the store is (a directory, a bucket), for messages."""
+
+    @abc.abstractmethod
     def has_blob(self, name: str) -> bool: ...
 
     @abc.abstractmethod
@@ -118,6 +122,9 @@ class LocalBackend(Backend):
         self.snaps = private_dir(root / "snapshots")
         self.tmp = private_dir(root / "tmp")
         self._dirty: set[Path] = set()   # chunk directories that gained names since sync()
+
+    def __str__(self) -> str:
+        return str(self.root)
 
     def _blob(self, name: str) -> Path:
         if not BLOB_NAME.fullmatch(name):

@@ -74,7 +74,7 @@ class Store:
         if not 0 < chunk_size <= chunk.MAX_CHUNK:
             raise UsageError(f"chunk size must be 1 to {chunk.MAX_CHUNK} bytes")
         self.backend = root if isinstance(root, Backend) else LocalBackend(root)
-        self.root = getattr(self.backend, "root", self.backend)
+        self.where = str(self.backend)
         self.chunk_size = chunk_size
         self.workers = workers or os.cpu_count() or 2
         self.lock_timeout = lock_timeout
@@ -93,7 +93,7 @@ class Store:
         try:
             data = self.backend.get_snapshot(name)
         except FileNotFoundError:
-            raise NotFoundError(f"no snapshot {name} in store {self.root}") from None
+            raise NotFoundError(f"no snapshot {name} in store {self.where}") from None
         doc = snapshot.parse(data, f"snapshot {name}")
         if doc["name"] != name:
             raise CorruptCheckpointError(f"snapshot {name} calls itself {doc['name']!r}")
@@ -107,7 +107,7 @@ class Store:
             blob = self.backend.read_blob(name)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"chunk {name} ({where}) is missing from store "
-                                         f"{self.root}") from None
+                                         f"{self.where}") from None
         data = chunk.decode(blob, name, where)
         if len(data) != length:
             raise CorruptCheckpointError(f"chunk {name} ({where}) holds {len(data)} bytes, "
@@ -189,7 +189,7 @@ class Store:
         known = set(self.backend.snapshots())
         missing = [n for n in names if check_snapshot_name(n) not in known]
         if missing:
-            raise NotFoundError(f"no snapshot {', '.join(missing)} in store {self.root}")
+            raise NotFoundError(f"no snapshot {', '.join(missing)} in store {self.where}")
         for n in names:
             self.backend.delete_snapshot(n)
 
@@ -272,8 +272,8 @@ class Store:
         missing = [c for c in sorted(snapshot.chunk_names(doc)) if not self.backend.has_blob(c)]
         if missing:
             raise CorruptCheckpointError(f"{origin}: {len(missing)} chunk(s) missing from store "
-                                         f"{self.root}, e.g. {missing[0]}")
+                                         f"{self.where}, e.g. {missing[0]}")
         if doc["name"] in self.backend.snapshots():
-            raise UsageError(f"snapshot {doc['name']} exists already in store {self.root}")
+            raise UsageError(f"snapshot {doc['name']} exists already in store {self.where}")
         self.backend.put_snapshot(doc["name"], snapshot.dump(doc))
         return doc

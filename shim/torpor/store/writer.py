@@ -129,7 +129,7 @@ class Writer:
                     self._pool, self._put, _pieces(f, self.store.chunk_size),
                     2 * self.store.workers)]
             except OSError as e:
-                raise TorporError(f"store {self.store.root}: cannot store {relpath}: "
+                raise TorporError(f"store {self.store.where}: cannot store {relpath}: "
                                   f"{e.strerror or e}; earlier snapshots are intact") from e
         entry = {"size": sum(r[1] for r in refs), "mode": mode, "chunks": refs}
         self.files[relpath] = entry
@@ -149,6 +149,6 @@ class Writer:
             backend.sync()
             backend.put_snapshot(name, snapshot.dump(doc))
         except OSError as e:
-            raise TorporError(f"store {self.store.root}: cannot write snapshot {name}: "
+            raise TorporError(f"store {self.store.where}: cannot write snapshot {name}: "
                               f"{e.strerror or e}; earlier snapshots are intact") from e
         return doc
