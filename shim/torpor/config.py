@@ -3,7 +3,8 @@
 The TOML file is optional. Every key is documented in packaging/config.toml, which is also
 what ./install.sh puts in /etc/torpor/. Environment variables exist for tests and one-off
 runs: TORPOR_STATE_DIR, TORPOR_RUN_DIR, TORPOR_LIBCUDA, TORPOR_CRIU, TORPOR_LOCK_TIMEOUT,
-TORPOR_OCI_RUNTIME, TORPOR_DEVICE_MAP, TORPOR_SUSPEND_DIR, TORPOR_SUSPEND_TMPFS (true/false).
+TORPOR_OCI_RUNTIME, TORPOR_DEVICE_MAP, TORPOR_SUSPEND_DIR, TORPOR_SUSPEND_TMPFS (true/false),
+TORPOR_STORE_DIR.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class Config:
     suspend_dir: Path = Path("/dev/shm/torpor")  # suspended programs' GPU data (host memory)
     suspend_in_process: bool = False            # a suspend keeps its agent's data in the program
     suspend_tmpfs: bool = True                  # mount a huge-page tmpfs on an empty suspend_dir
+    store_dir: Path = Path("/var/lib/torpor/store")  # the deduplicating image store (0700)
 
     @property
     def journal_dir(self) -> Path:
@@ -65,6 +67,7 @@ _ENV = {
     "TORPOR_DEVICE_MAP": ("device_map", str),
     "TORPOR_SUSPEND_DIR": ("suspend_dir", Path),
     "TORPOR_SUSPEND_TMPFS": ("suspend_tmpfs", bool),
+    "TORPOR_STORE_DIR": ("store_dir", Path),
 }
 _BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 

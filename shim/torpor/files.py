@@ -59,31 +59,44 @@ def require_trusted_file(path: Path) -> str | None:
     return None
 
 
-def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
-    """Write to a temporary name in the same directory, fsync, rename, fsync the directory."""
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    tmp.unlink(missing_ok=True)  # a leftover of ours; O_EXCL below refuses anything planted
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+def write_new(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Write data into a file that must not exist yet (O_EXCL refuses anything planted) and
+    fsync it; nothing is left behind if that fails."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     except BaseException:
-        os.close(fd)
-        tmp.unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
         raise
-    os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the names in a directory (a rename, a new link) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes, mode: int = 0o600, tmp_dir: Path | None = None) -> None:
+    """Write to a temporary name, fsync, rename, fsync the directory. The temporary file is in
+    path's directory, or in tmp_dir (same filesystem) where leftovers are collected."""
+    tmp = (tmp_dir or path.parent) / f".{path.name}.tmp.{os.getpid()}"
+    tmp.unlink(missing_ok=True)  # a leftover of ours
+    write_new(tmp, data, mode)
     try:
         os.replace(tmp, path)
     except OSError:
         tmp.unlink(missing_ok=True)
         raise
-    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    fsync_dir(path.parent)
 
 
 def write_json(path: Path, obj: object) -> None:

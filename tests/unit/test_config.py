@@ -26,3 +26,12 @@ def test_bad_config_is_one_clear_error(tmp_path, text, match):
     f.write_text(text)
     with pytest.raises(UsageError, match=match):
         config.load(f, env={})
+
+
+def test_store_dir_default_file_and_env(tmp_path):
+    assert config.load(tmp_path / "absent.toml", env={}).store_dir == Path("/var/lib/torpor/store")
+    f = tmp_path / "c.toml"
+    f.write_text('store_dir = "/srv/torpor-store"\n')
+    assert config.load(f, env={}).store_dir == Path("/srv/torpor-store")
+    env = {"TORPOR_STORE_DIR": str(tmp_path / "st")}
+    assert config.load(f, env=env).store_dir == tmp_path / "st"

@@ -18,12 +18,13 @@ from types import ModuleType
 from .. import __version__, config
 from ..errors import ExitCode, TorporError
 from ..progress import Progress
-from . import checkpoint, demo, doctor, inspect, ps, restore, run, suspend
+from . import checkpoint, demo, doctor, inspect, ps, restore, run, store, suspend
 from .context import Context
 
 COMMANDS: dict[str, ModuleType] = {
     "doctor": doctor, "ps": ps, "checkpoint": checkpoint, "restore": restore,
     "suspend": suspend, "resume": suspend, "inspect": inspect, "demo": demo, "run": run,
+    "ls": store, "rm": store, "gc": store,
 }
 
 

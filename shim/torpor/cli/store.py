@@ -1,0 +1,67 @@
+"""torpor ls / rm NAME... / gc: the checkpoints in the image store (config store_dir), removing
+some, and collecting the chunks none of them needs any more."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from ..errors import TorporError
+from ..progress import human_bytes
+from ..store import Store
+from .context import Context
+
+NEEDS_RECOVERY = False
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("ls", help="list the checkpoints in the store with their sizes")
+    p.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                   help="print the result as JSON")
+    p.set_defaults(action=list_snapshots)
+    p = sub.add_parser("rm", help="remove checkpoints from the store (their chunks go at gc)")
+    p.add_argument("names", nargs="+", metavar="NAME")
+    p.set_defaults(action=remove)
+    p = sub.add_parser("gc", help="remove the chunks no checkpoint needs, and leftovers of "
+                       "interrupted checkpoints")
+    p.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    p.set_defaults(action=collect)
+
+
+def open_store(ctx: Context) -> Store:
+    try:
+        return Store(ctx.cfg.store_dir)
+    except OSError as e:
+        raise TorporError(f"cannot open store {ctx.cfg.store_dir}: {e.strerror or e}") from e
+
+
+def list_snapshots(args: argparse.Namespace, ctx: Context) -> None:
+    rows = open_store(ctx).snapshots()
+    lines = [f"{'NAME':<32} {'CREATED':<25} {'FILES':>5} {'SIZE':>11} {'STORED':>11} "
+             f"{'UNIQUE':>11}"]
+    lines += [f"{r.name:<32} {r.created:<25} {r.files:>5} {human_bytes(r.logical):>11} "
+              f"{human_bytes(r.stored):>11} {human_bytes(r.unique):>11}" for r in rows]
+    if not rows:
+        lines.append(f"(no checkpoints in {ctx.cfg.store_dir})")
+    ctx.emit({"store": str(ctx.cfg.store_dir),
+              "snapshots": [dataclasses.asdict(r) for r in rows]}, "\n".join(lines))
+
+
+def remove(args: argparse.Namespace, ctx: Context) -> None:
+    open_store(ctx).remove(args.names)
+    ctx.emit({"removed": args.names}, f"removed {', '.join(args.names)} "
+             "(`torpor gc` frees the chunks no other checkpoint needs)")
+
+
+def collect(args: argparse.Namespace, ctx: Context) -> None:
+    r = open_store(ctx).gc(dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    kept = f"; kept {r.kept_linked} linked from checkpoint directories" if r.kept_linked else ""
+    ctx.emit({**dataclasses.asdict(r), "dry_run": args.dry_run},
+             f"{verb} {len(r.removed)} chunk(s) and {human_bytes(r.temp_freed)} of leftovers: "
+             f"{human_bytes(r.freed)} freed{kept}")
+
+
+def run(args: argparse.Namespace, ctx: Context) -> int:
+    args.action(args, ctx)
+    return 0

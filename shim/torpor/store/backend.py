@@ -1,0 +1,229 @@
+"""Where the store keeps its bytes: blobs (chunks) and snapshots (manifests), by name.
+
+`Backend` is the whole contract a store needs, so a shared-filesystem or S3-compatible backend
+can implement it: blobs by name (has / put, atomic and never overwriting / read / delete / list
+with size and link count), snapshots by name (put, atomic / get / delete / list), a lock that
+keeps gc away from writers, and the removal of temporary leftovers. Names reaching a backend
+are already checked by the store (chunk.NAME, SNAPSHOT_NAME); backends check them again where
+a bad one would escape their root.
+
+`LocalBackend(root)` lays a store out on one filesystem:
+
+    <root>/chunks/<2 hex>/<64 hex>   blobs (chunk.py's format), 0600
+    <root>/snapshots/<name>.json     snapshots, 0600
+    <root>/tmp/                      temporary files, renamed into place (same filesystem)
+    <root>/lock                      flock: writers shared, gc exclusive
+
+Directories are 0700: a store holds process memory.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import dataclasses
+import errno
+import fcntl
+import os
+import re
+import time
+from pathlib import Path
+from typing import Iterator
+
+from ..errors import BusyError, UsageError
+from ..files import atomic_write, fsync_dir, private_dir, require_trusted_location, write_new
+
+BLOB_NAME = re.compile(r"[0-9a-f]{64}")
+SNAPSHOT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+SNAPSHOT_SUFFIX = ".json"
+
+
+def check_snapshot_name(name: str) -> str:
+    """A snapshot name is a plain file name: letters, digits, '.', '_', '-'; 128 at most."""
+    if not isinstance(name, str) or not SNAPSHOT_NAME.fullmatch(name):
+        raise UsageError(f"bad snapshot name {name!r}: use letters, digits, '.', '_' and '-' "
+                         "(128 at most, starting with a letter or digit)")
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class BlobInfo:
+    name: str
+    size: int    # bytes the blob takes (compressed)
+    links: int   # > 1: a checkpoint directory holds a hard link to it (gc keeps it)
+
+
+class Backend(abc.ABC):
+    """Blobs and snapshots by name; see the module docstring."""
+
+    @abc.abstractmethod
+    def __str__(self) -> str:
+        """Where the store is (a directory, a bucket), for messages."""
+
+    @abc.abstractmethod
+    def has_blob(self, name: str) -> bool: ...
+
+    @abc.abstractmethod
+    def put_blob(self, name: str, data: bytes) -> bool:
+        """Store data under name atomically (readers see all of it or nothing, also after a
+        crash); False, writing nothing, when the name is already there."""
+
+    @abc.abstractmethod
+    def read_blob(self, name: str) -> bytes:
+        """The blob's bytes; FileNotFoundError when it is not there."""
+
+    @abc.abstractmethod
+    def delete_blob(self, name: str) -> None: ...
+
+    @abc.abstractmethod
+    def blobs(self) -> Iterator[BlobInfo]: ...
+
+    def blob_path(self, name: str) -> Path | None:
+        """A local file holding the blob, to hard-link it; None where there is none."""
+        return None
+
+    @abc.abstractmethod
+    def sync(self) -> None:
+        """Make every blob put so far durable: called before a snapshot names them."""
+
+    @abc.abstractmethod
+    def put_snapshot(self, name: str, data: bytes) -> None:
+        """Store (or replace) a snapshot atomically and durably."""
+
+    @abc.abstractmethod
+    def get_snapshot(self, name: str) -> bytes:
+        """The snapshot's bytes; FileNotFoundError when there is none by that name."""
+
+    @abc.abstractmethod
+    def delete_snapshot(self, name: str) -> None:
+        """Remove a snapshot; FileNotFoundError when there is none by that name."""
+
+    @abc.abstractmethod
+    def snapshots(self) -> list[str]: ...
+
+    @abc.abstractmethod
+    def lock(self, exclusive: bool, timeout: float) -> contextlib.AbstractContextManager[None]:
+        """Held shared by writers (from their first chunk to commit or abort) and exclusive by
+        gc; BusyError after timeout seconds."""
+
+    @abc.abstractmethod
+    def clean_temp(self, remove: bool) -> int:
+        """Temporary leftovers of writers that died (called under the exclusive lock): the
+        bytes they take, removed when remove is true."""
+
+
+class LocalBackend(Backend):
+    """A store in a local (or shared POSIX) directory; see the module docstring."""
+
+    def __init__(self, root: Path):
+        require_trusted_location(root, "store")
+        self.root = private_dir(root)
+        self.chunks = private_dir(root / "chunks")
+        self.snaps = private_dir(root / "snapshots")
+        self.tmp = private_dir(root / "tmp")
+        self._dirty: set[Path] = set()   # chunk directories that gained names since sync()
+
+    def __str__(self) -> str:
+        return str(self.root)
+
+    def _blob(self, name: str) -> Path:
+        if not BLOB_NAME.fullmatch(name):
+            raise UsageError(f"bad chunk name {name!r}")
+        return self.chunks / name[:2] / name
+
+    def _snap(self, name: str) -> Path:
+        return self.snaps / (check_snapshot_name(name) + SNAPSHOT_SUFFIX)
+
+    def has_blob(self, name: str) -> bool:
+        return self._blob(name).exists()
+
+    def put_blob(self, name: str, data: bytes) -> bool:
+        final = self._blob(name)
+        if final.exists():
+            return False
+        tmp = self.tmp / f"{name[:16]}.{os.getpid()}.{time.monotonic_ns()}"
+        write_new(tmp, data)  # fsynced: a crash never leaves a named blob with missing data
+        try:
+            final.parent.mkdir(mode=0o700, exist_ok=True)
+            os.link(tmp, final)  # link, not rename: never replaces a blob another writer put
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink()
+        self._dirty.add(final.parent)
+        return True
+
+    def read_blob(self, name: str) -> bytes:
+        with open(self._blob(name), "rb") as f:
+            return f.read()
+
+    def delete_blob(self, name: str) -> None:
+        self._blob(name).unlink()
+
+    def blobs(self) -> Iterator[BlobInfo]:
+        for sub in sorted(os.scandir(self.chunks), key=lambda e: e.name):
+            if not sub.is_dir(follow_symlinks=False):
+                continue
+            for e in os.scandir(sub.path):
+                if BLOB_NAME.fullmatch(e.name) and e.name[:2] == sub.name:
+                    st = e.stat(follow_symlinks=False)
+                    yield BlobInfo(e.name, st.st_size, st.st_nlink)
+
+    def blob_path(self, name: str) -> Path | None:
+        return self._blob(name)
+
+    def sync(self) -> None:
+        dirs, self._dirty = self._dirty, set()
+        for d in sorted(dirs | {self.chunks}):
+            fsync_dir(d)
+
+    def put_snapshot(self, name: str, data: bytes) -> None:
+        atomic_write(self._snap(name), data, tmp_dir=self.tmp)
+
+    def get_snapshot(self, name: str) -> bytes:
+        return self._snap(name).read_bytes()
+
+    def delete_snapshot(self, name: str) -> None:
+        self._snap(name).unlink()
+        fsync_dir(self.snaps)
+
+    def snapshots(self) -> list[str]:
+        return sorted(n[:-len(SNAPSHOT_SUFFIX)] for n in os.listdir(self.snaps)
+                      if n.endswith(SNAPSHOT_SUFFIX)
+                      and SNAPSHOT_NAME.fullmatch(n[:-len(SNAPSHOT_SUFFIX)]))
+
+    @contextlib.contextmanager
+    def lock(self, exclusive: bool, timeout: float) -> Iterator[None]:
+        fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        try:
+            _flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, timeout,
+                   f"store {self.root}")
+            yield
+        finally:
+            os.close(fd)  # drops the lock; the kernel drops it too when a holder dies
+
+    def clean_temp(self, remove: bool) -> int:
+        freed = 0
+        for e in os.scandir(self.tmp):
+            freed += e.stat(follow_symlinks=False).st_size
+            if remove:
+                os.unlink(e.path)
+        return freed
+
+
+def _flock(fd: int, how: int, timeout: float, what: str) -> None:
+    """flock, retried until timeout: a plain blocking flock could not be given up on."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fcntl.flock(fd, how | fcntl.LOCK_NB)
+            return
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+        if time.monotonic() >= deadline:
+            busy = "being written or read" if how == fcntl.LOCK_EX else "being collected (gc)"
+            raise BusyError(f"{what} is {busy}; gave up after {timeout:g} s")
+        time.sleep(0.05)
+

@@ -1,0 +1,98 @@
+"""The chunk format: a chunk is named by the sha256 of its raw data and stored as one blob.
+
+Name: sha256 of the RAW (uncompressed) data, 64 lowercase hex. Collision resistance matters:
+imported folders are untrusted, and a chunk that collided with another checkpoint's would be
+restored into it. hashlib's sha256 runs on OpenSSL (SHA-NI where the CPU has it, ~1.5 GB/s a
+core on this machine) and drops the GIL, so chunks hash in parallel.
+
+Blob: a 16-byte header, then the payload:
+    magic  b"TPC1"   (4 bytes)
+    codec  0 raw, 1 zstd  (1 byte), then 3 zero bytes
+    length of the raw data, little-endian (8 bytes)
+zstd (level 1: on GPU-shaped data levels 1 and 3 gave the same ratio, 1 ran faster) is used
+when it makes the chunk smaller, else the payload is the raw data: random bytes and dense
+float tensors barely compress, and storing them raw saves decompressing them at restore.
+The "several threads" are the store's worker pool, one chunk each, rather than zstd's own
+threads: the pool also hashes and writes, and zstandard releases the GIL while it works.
+
+Chunks of zeros are never stored: a snapshot records them as null (GPU memory holds many
+untouched or cleared regions).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import threading
+
+import zstandard
+
+from ..errors import CorruptCheckpointError
+
+MAGIC = b"TPC1"
+HEADER = struct.Struct("<4sB3xQ")
+RAW, ZSTD = 0, 1
+LEVEL = 1
+MAX_CHUNK = 256 << 20   # the largest chunk a blob may claim: refuses decompression bombs
+
+_local = threading.local()
+
+
+def _contexts() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
+    """zstd contexts are not thread-safe; each worker thread keeps its own pair."""
+    if not hasattr(_local, "ctx"):
+        _local.ctx = (zstandard.ZstdCompressor(level=LEVEL), zstandard.ZstdDecompressor())
+    return _local.ctx
+
+
+def name_of(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+_ZEROS: dict[int, bytes] = {}
+
+
+def zeros(length: int) -> bytes:
+    """A shared read-only buffer of length zero bytes (one per chunk length seen)."""
+    buf = _ZEROS.get(length)
+    if buf is None:
+        buf = _ZEROS.setdefault(length, bytes(length))
+    return buf
+
+
+def is_zero(data: bytes) -> bool:
+    return data == zeros(len(data))   # memcmp: ~9 GB/s, against ~1.7 GB/s for any()
+
+
+def encode(data: bytes) -> bytes:
+    """The blob for data: zstd when that is smaller, else raw."""
+    packed = _contexts()[0].compress(data)
+    if len(packed) < len(data):
+        return HEADER.pack(MAGIC, ZSTD, len(data)) + packed
+    return HEADER.pack(MAGIC, RAW, len(data)) + data
+
+
+def decode(blob: bytes, name: str, where: str) -> bytes:
+    """The raw data of a blob, verified against its name; CorruptCheckpointError naming the
+    chunk and where it was needed otherwise."""
+    def corrupt(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"chunk {name} ({where}) is damaged: {why}")
+
+    if len(blob) < HEADER.size:
+        raise corrupt(f"{len(blob)} bytes, shorter than its header")
+    magic, codec, length = HEADER.unpack_from(blob)
+    if magic != MAGIC or codec not in (RAW, ZSTD) or length > MAX_CHUNK:
+        raise corrupt("bad header")
+    payload = memoryview(blob)[HEADER.size:]
+    if codec == ZSTD:
+        try:
+            data = _contexts()[1].decompress(payload, max_output_size=length)
+        except zstandard.ZstdError as e:
+            raise corrupt(f"bad zstd data ({e})") from None
+    else:
+        data = bytes(payload)
+    if len(data) != length:
+        raise corrupt(f"{len(data)} bytes where the header says {length}")
+    if name_of(data) != name:
+        raise corrupt("its content does not match its sha256 name")
+    return data

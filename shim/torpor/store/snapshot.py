@@ -1,0 +1,83 @@
+"""A snapshot: one checkpoint's manifest in the store, naming the chunks of each file.
+
+    {"schema": 1, "kind": "torpor-snapshot", "name": str, "created": ISO 8601 UTC,
+     "meta": {...}  (the caller's, e.g. torpor.json's fields),
+     "files": {relative path: {"size": bytes, "mode": permission bits at ingest,
+                               "chunks": [[sha256 hex, or null for zeros, length], ...]}}}
+
+Chunks are listed in file order; their lengths add up to the size. Nothing read from a
+snapshot is trusted: paths must be plain relative paths (manifest.safe_relpath), chunk names
+64 lowercase hex, lengths positive and bounded, or reading it fails with
+CorruptCheckpointError.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..errors import CorruptCheckpointError
+from ..manifest import safe_relpath
+from .backend import BLOB_NAME, SNAPSHOT_NAME
+from .chunk import MAX_CHUNK
+
+SCHEMA = 1
+KIND = "torpor-snapshot"
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_chunk(ref: Any) -> int:
+    """The length of one [name or null, length] pair; ValueError when malformed."""
+    if not (isinstance(ref, list) and len(ref) == 2 and _is_int(ref[1])
+            and 0 < ref[1] <= MAX_CHUNK
+            and (ref[0] is None or (isinstance(ref[0], str) and BLOB_NAME.fullmatch(ref[0])))):
+        raise ValueError(f"malformed chunk {ref!r}")
+    return ref[1]
+
+
+def _check_file(rel: str, entry: Any) -> None:
+    safe_relpath(rel)
+    if not (isinstance(entry, dict) and _is_int(entry.get("size")) and entry["size"] >= 0
+            and _is_int(entry.get("mode")) and isinstance(entry.get("chunks"), list)):
+        raise ValueError(f"entry for {rel!r} is malformed")
+    if sum(_check_chunk(ref) for ref in entry["chunks"]) != entry["size"]:
+        raise ValueError(f"chunks of {rel!r} do not add up to its size")
+
+
+def validate(doc: Any, origin: str) -> dict[str, Any]:
+    try:
+        if not isinstance(doc, dict) or doc.get("kind") != KIND:
+            raise ValueError(f"not a torpor snapshot (kind is not '{KIND}')")
+        if doc.get("schema") != SCHEMA:
+            raise ValueError(f"schema {doc.get('schema')!r} is not supported (this torpor "
+                             f"reads schema {SCHEMA})")
+        if not (isinstance(doc.get("name"), str) and SNAPSHOT_NAME.fullmatch(doc["name"])
+                and isinstance(doc.get("created"), str) and isinstance(doc.get("meta"), dict)
+                and isinstance(doc.get("files"), dict)):
+            raise ValueError("name, created, meta or files is missing or malformed")
+        for rel, entry in doc["files"].items():
+            _check_file(rel, entry)
+    except (ValueError, CorruptCheckpointError) as e:
+        raise CorruptCheckpointError(f"{origin}: {e}") from None
+    return doc
+
+
+def parse(data: bytes, origin: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(f"{origin}: not valid JSON ({e})") from None
+    return validate(doc, origin)
+
+
+def dump(doc: dict[str, Any]) -> bytes:
+    return (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
+
+
+def chunk_names(doc: dict[str, Any]) -> set[str]:
+    """Every stored chunk the snapshot needs (zeros need none)."""
+    return {ref[0] for entry in doc["files"].values() for ref in entry["chunks"]
+            if ref[0] is not None}

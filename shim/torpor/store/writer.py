@@ -1,0 +1,154 @@
+"""Writing a snapshot: files cut into fixed-size chunks, each hashed, compressed and stored
+by a bounded pool of threads, then one snapshot naming them all.
+
+A writer holds the store's lock shared from its start to its end, so gc (exclusive) never
+removes the chunks of a checkpoint still being written. Chunks already in the store are not
+written again, zero chunks not at all. Until commit nothing names the new chunks: a writer
+that fails or is killed leaves only temporary files and unreferenced chunks, which gc removes;
+no earlier snapshot is touched.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import datetime
+import io
+import os
+import stat
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO, Iterator
+
+from ..errors import CorruptCheckpointError, TorporError, UsageError
+from ..manifest import safe_relpath
+from . import chunk, snapshot
+from .backend import check_snapshot_name
+from .parallel import ordered_map
+
+if TYPE_CHECKING:
+    from .store import Store
+
+
+@dataclasses.dataclass
+class WriteStats:
+    logical: int = 0        # bytes of the files added
+    chunks: int = 0
+    zero_chunks: int = 0    # stored as nothing
+    reused_chunks: int = 0  # already in the store: not written again
+    new_chunks: int = 0
+    new_bytes: int = 0      # what the new blobs take in the store (compressed)
+
+
+def _read_full(f: BinaryIO, size: int) -> bytes:
+    """size bytes, fewer only at the end (pipes and sockets return short reads)."""
+    data = f.read(size)
+    while data and len(data) < size:
+        more = f.read(size - len(data))
+        if not more:
+            break
+        data += more
+    return data
+
+
+def _pieces(f: BinaryIO, size: int) -> Iterator[bytes]:
+    while data := _read_full(f, size):
+        yield data
+
+
+def _mode(f: BinaryIO) -> int:
+    """Permission bits of the file behind f; 0600 for a stream that has none (a pipe's or an
+    in-memory buffer's bits say nothing about the data)."""
+    try:
+        st = os.fstat(f.fileno())
+    except (OSError, ValueError, io.UnsupportedOperation):
+        return 0o600
+    return stat.S_IMODE(st.st_mode) if stat.S_ISREG(st.st_mode) else 0o600
+
+
+class Writer:
+    """`with store.writer() as w: w.add_file(rel, src); w.commit(name, meta)`."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self.files: dict[str, dict[str, Any]] = {}
+        self.stats = WriteStats()
+        self._stack = contextlib.ExitStack()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def __enter__(self) -> Writer:
+        with self._stack.pop_all() as stack:  # undone if the pool cannot start
+            stack.enter_context(self.store.backend.lock(False, self.store.lock_timeout))
+            self._pool = stack.enter_context(concurrent.futures.ThreadPoolExecutor(
+                self.store.workers, thread_name_prefix="torpor-store"))
+            self._stack = stack.pop_all()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def _put(self, data: bytes) -> tuple[list[Any], int]:
+        """Store one chunk: ([name or None, length], bytes newly stored or -1 if reused)."""
+        if chunk.is_zero(data):
+            return [None, len(data)], 0
+        name = chunk.name_of(data)
+        backend = self.store.backend
+        if backend.has_blob(name):
+            return [name, len(data)], -1
+        blob = chunk.encode(data)
+        return [name, len(data)], len(blob) if backend.put_blob(name, blob) else -1
+
+    def _count(self, ref: list[Any], stored: int) -> list[Any]:
+        s = self.stats
+        s.chunks += 1
+        s.logical += ref[1]
+        if ref[0] is None:
+            s.zero_chunks += 1
+        elif stored < 0:
+            s.reused_chunks += 1
+        else:
+            s.new_chunks += 1
+            s.new_bytes += stored
+        return ref
+
+    def add_file(self, relpath: str, src: Path | BinaryIO) -> dict[str, Any]:
+        """Store one file (a path, or a binary stream read to its end) as relpath."""
+        if self._pool is None:
+            raise UsageError("a store writer is used outside its `with` block")
+        try:
+            safe_relpath(relpath)
+        except CorruptCheckpointError:
+            raise UsageError(f"bad file name for the store: {relpath!r}") from None
+        if relpath in self.files:
+            raise UsageError(f"{relpath} was added twice")
+        with contextlib.ExitStack() as stack:
+            f = stack.enter_context(open(src, "rb")) if isinstance(src, Path) else src
+            mode = _mode(f)
+            try:
+                refs = [self._count(*r) for r in ordered_map(
+                    self._pool, self._put, _pieces(f, self.store.chunk_size),
+                    2 * self.store.workers)]
+            except OSError as e:
+                raise TorporError(f"store {self.store.where}: cannot store {relpath}: "
+                                  f"{e.strerror or e}; earlier snapshots are intact") from e
+        entry = {"size": sum(r[1] for r in refs), "mode": mode, "chunks": refs}
+        self.files[relpath] = entry
+        return entry
+
+    def commit(self, name: str, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Name what was added: make the chunks durable, then write the snapshot."""
+        check_snapshot_name(name)
+        backend = self.store.backend
+        if name in backend.snapshots():
+            raise UsageError(f"snapshot {name} exists already (torpor rm {name} first)")
+        doc = {"schema": snapshot.SCHEMA, "kind": snapshot.KIND, "name": name,
+               "created": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                   timespec="seconds"),
+               "meta": dict(meta or {}), "files": self.files}
+        try:
+            backend.sync()
+            backend.put_snapshot(name, snapshot.dump(doc))
+        except OSError as e:
+            raise TorporError(f"store {self.store.where}: cannot write snapshot {name}: "
+                              f"{e.strerror or e}; earlier snapshots are intact") from e
+        return doc

@@ -1,0 +1,428 @@
+"""The image store on real files: round trips, dedup, gc safety, crashes, corruption, imports."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import is_root, torpor_cmd
+from torpor.errors import BusyError, CorruptCheckpointError, NotFoundError, TorporError, UsageError
+from torpor.store import Store, chunk
+
+CHUNK = 64 << 10
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    return Store(tmp_path / "store", chunk_size=CHUNK, workers=2, lock_timeout=5)
+
+
+def blobs(s: Store) -> set[str]:
+    return {b.name for b in s.backend.blobs()}
+
+
+def write(path: Path, data: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+def ingest(s: Store, src: Path, name: str):
+    return s.ingest_dir(src, name, {"why": "test"})
+
+
+def read(s: Store, name: str, rel: str) -> bytes:
+    return b"".join(s.read_file(name, rel))
+
+
+def test_round_trip_is_bit_exact(store, tmp_path):
+    src = tmp_path / "src"
+    sizes = {"empty": 0, "one": 1, "short": CHUNK - 1, "exact": CHUNK, "odd": 3 * CHUNK + 17,
+             "sub/dir/deep.img": 2 * CHUNK}
+    want = {rel: os.urandom(n) for rel, n in sizes.items()}
+    for rel, data in want.items():
+        write(src / rel, data)
+    doc, stats = ingest(store, src, "one")
+    assert stats.logical == sum(sizes.values()) and doc["meta"] == {"why": "test"}
+    for rel, data in want.items():
+        assert read(store, "one", rel) == data
+        assert doc["files"][rel]["size"] == len(data)
+    assert doc["files"]["odd"]["chunks"][-1][1] == 17
+    store.materialize("one", tmp_path / "out")
+    for rel, data in want.items():
+        out = tmp_path / "out" / rel
+        assert out.read_bytes() == data and stat.S_IMODE(out.stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / "out" / "sub").stat().st_mode) == 0o700
+
+
+def test_streams_are_stored_like_files(store, tmp_path):
+    data = os.urandom(2 * CHUNK + 5)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a writer that hands over the data in small pieces: short reads
+        os.close(r)
+        for i in range(0, len(data), 1000):
+            os.write(w, data[i:i + 1000])
+        os._exit(0)
+    os.close(w)
+    with store.writer() as wr, open(r, "rb", buffering=0) as f:
+        entry = wr.add_file("piped", f)
+        wr.commit("piped")
+    os.waitpid(pid, 0)
+    assert [c[1] for c in entry["chunks"]] == [CHUNK, CHUNK, 5] and entry["mode"] == 0o600
+    assert read(store, "piped", "piped") == data
+
+
+def test_same_data_twice_writes_nothing_new(store, tmp_path):
+    src = tmp_path / "src"
+    write(src / "a", os.urandom(4 * CHUNK))
+    _, first = ingest(store, src, "one")
+    before = blobs(store)
+    _, second = ingest(store, src, "two")
+    assert first.new_chunks == 4 and second.new_chunks == 0 and second.reused_chunks == 4
+    assert blobs(store) == before
+
+
+def test_second_snapshot_writes_only_the_changed_chunk(store, tmp_path):
+    src = tmp_path / "src"
+    data = bytearray(os.urandom(8 * CHUNK))
+    write(src / "gpu-memory.bin", bytes(data))
+    ingest(store, src, "one")
+    before = blobs(store)
+    data[5 * CHUNK + 3] ^= 0xFF
+    write(src / "gpu-memory.bin", bytes(data))
+    _, stats = ingest(store, src, "two")
+    assert stats.new_chunks == 1 and len(blobs(store) - before) == 1
+    assert read(store, "two", "gpu-memory.bin") == bytes(data)
+    assert read(store, "one", "gpu-memory.bin") != bytes(data)
+
+
+def test_zero_chunks_store_nothing(store, tmp_path):
+    src = tmp_path / "src"
+    write(src / "zeros", bytes(3 * CHUNK + 100))
+    doc, stats = ingest(store, src, "z")
+    assert blobs(store) == set() and stats.zero_chunks == 4
+    assert all(c[0] is None for c in doc["files"]["zeros"]["chunks"])
+    assert read(store, "z", "zeros") == bytes(3 * CHUNK + 100)
+
+
+def test_compressible_data_shrinks_and_random_data_stays_raw(store, tmp_path):
+    src = tmp_path / "src"
+    write(src / "text", b"torpor " * (CHUNK // 7) + b"!" * (CHUNK % 7))
+    write(src / "noise", os.urandom(CHUNK))
+    doc, _ = ingest(store, src, "c")
+    for rel, codec in (("text", chunk.ZSTD), ("noise", chunk.RAW)):
+        name = doc["files"][rel]["chunks"][0][0]
+        blob = store.backend.read_blob(name)
+        assert chunk.HEADER.unpack_from(blob)[1] == codec
+    text_blob = store.backend.read_blob(doc["files"]["text"]["chunks"][0][0])
+    assert len(text_blob) < CHUNK // 20
+    assert len(store.backend.read_blob(doc["files"]["noise"]["chunks"][0][0])) == \
+        chunk.HEADER.size + CHUNK
+
+
+def test_store_is_private(store, tmp_path):
+    src = tmp_path / "src"
+    write(src / "a", os.urandom(CHUNK))
+    ingest(store, src, "p")
+    for root, dirs, files in os.walk(store.backend.root):
+        for d in dirs:
+            assert stat.S_IMODE(os.stat(os.path.join(root, d)).st_mode) == 0o700, d
+        for f in files:
+            assert stat.S_IMODE(os.stat(os.path.join(root, f)).st_mode) == 0o600, f
+    assert stat.S_IMODE(os.stat(store.backend.root).st_mode) == 0o700
+
+
+def test_gc_removes_exactly_what_no_snapshot_needs(store, tmp_path):
+    shared, only_a, only_b = (os.urandom(2 * CHUNK) for _ in range(3))
+    write(tmp_path / "a" / "f", shared + only_a)
+    write(tmp_path / "b" / "f", shared + only_b)
+    doc_a, _ = ingest(store, tmp_path / "a", "a")
+    doc_b, _ = ingest(store, tmp_path / "b", "b")
+    a_only = {c[0] for c in doc_a["files"]["f"]["chunks"][2:]}
+    assert store.gc().removed == []
+    store.remove(["a"])
+    dry = store.gc(dry_run=True)
+    assert set(dry.removed) == a_only and a_only <= blobs(store)
+    result = store.gc()
+    assert set(result.removed) == a_only and not a_only & blobs(store)
+    assert result.freed == 2 * (chunk.HEADER.size + CHUNK)
+    assert read(store, "b", "f") == shared + only_b
+    info = store.snapshots()
+    assert [i.name for i in info] == ["b"] and info[0].unique == info[0].stored
+
+
+def test_gc_keeps_chunks_a_checkpoint_directory_links(store, tmp_path):
+    write(tmp_path / "src" / "f", os.urandom(3 * CHUNK))
+    ingest(store, tmp_path / "src", "s")
+    assert store.export_chunks("s", tmp_path / "ckpt" / "chunks") == 3
+    exported = set(os.listdir(tmp_path / "ckpt" / "chunks"))
+    assert exported == blobs(store)
+    assert os.stat(tmp_path / "ckpt" / "chunks" / exported.pop()).st_nlink == 2  # a hard link
+    store.remove(["s"])
+    r = store.gc()
+    assert r.removed == [] and r.kept_linked == 3
+    for f in (tmp_path / "ckpt" / "chunks").iterdir():
+        f.unlink()
+    assert len(store.gc().removed) == 3 and blobs(store) == set()
+
+
+WRITER = textwrap.dedent("""
+    import os, sys
+    from pathlib import Path
+    from torpor.store import Store
+    s = Store(Path(sys.argv[1]), chunk_size=int(sys.argv[3]), workers=2)
+    with s.writer() as w:
+        w.add_file("f", Path(sys.argv[2]))
+        print("added", flush=True)
+        sys.stdin.readline()
+        w.commit("late")
+""")
+
+
+def test_gc_waits_for_a_writer_in_another_process(store, tmp_path):
+    write(tmp_path / "big", os.urandom(4 * CHUNK))
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(store.backend.root), str(tmp_path / "big"),
+                             str(CHUNK)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "added\n"
+        pending = blobs(store)
+        assert len(pending) == 4   # written, named by no snapshot yet
+        start = time.monotonic()
+        with pytest.raises(BusyError, match="being written"):
+            store.gc(timeout=0.5)
+        assert time.monotonic() - start >= 0.5
+        assert blobs(store) == pending
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+    assert store.gc().removed == []
+    assert read(store, "late", "f") == (tmp_path / "big").read_bytes()
+
+
+def test_writer_killed_mid_ingest_harms_nothing(store, tmp_path):
+    base = os.urandom(3 * CHUNK)
+    write(tmp_path / "base" / "f", base)
+    ingest(store, tmp_path / "base", "base")
+    kept = blobs(store)
+    write(tmp_path / "big", os.urandom(64 << 20))
+    # the writer reads a pipe that is fed half the file and never closed: killed mid-ingest
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(store.backend.root), "/dev/stdin",
+                             str(CHUNK)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    with open(tmp_path / "big", "rb") as f:
+        for _ in range(32):
+            proc.stdin.write(f.read(1 << 20))
+    deadline = time.monotonic() + 30
+    while len(blobs(store)) < len(kept) + 100 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    proc.stdin.close()
+    orphans = blobs(store) - kept
+    assert len(orphans) >= 100 and store.backend.snapshots() == ["base"]
+    write(store.backend.tmp / "0123.999.1", b"half a chunk")  # what a kill mid-put leaves
+    assert read(store, "base", "f") == base
+    r = store.gc()
+    assert set(r.removed) == orphans and r.temp_freed >= 12
+    assert blobs(store) == kept and os.listdir(store.backend.tmp) == []
+    assert read(store, "base", "f") == base
+
+
+def _one_blob(store: Store, tmp_path: Path) -> tuple[str, Path]:
+    write(tmp_path / "src" / "f", os.urandom(2 * CHUNK))
+    doc, _ = ingest(store, tmp_path / "src", "s")
+    name = doc["files"]["f"]["chunks"][1][0]
+    return name, store.backend.blob_path(name)
+
+
+def test_flipped_byte_is_detected_naming_chunk_and_file(store, tmp_path):
+    name, path = _one_blob(store, tmp_path)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match=f"chunk {name} .snapshot s, file f.*match"):
+        read(store, "s", "f")
+    with pytest.raises(CorruptCheckpointError):
+        store.materialize("s", tmp_path / "out")
+
+
+@pytest.mark.parametrize("keep", [0, 10, chunk.HEADER.size + 100])
+def test_truncated_blob_is_detected(store, tmp_path, keep):
+    name, path = _one_blob(store, tmp_path)
+    path.write_bytes(path.read_bytes()[:keep])
+    with pytest.raises(CorruptCheckpointError, match=f"chunk {name}"):
+        read(store, "s", "f")
+
+
+def test_missing_blob_is_detected(store, tmp_path):
+    name, path = _one_blob(store, tmp_path)
+    path.unlink()
+    with pytest.raises(CorruptCheckpointError, match=f"chunk {name} .* missing"):
+        read(store, "s", "f")
+
+
+def test_export_import_fills_another_store(store, tmp_path):
+    data = os.urandom(3 * CHUNK) + bytes(CHUNK) + b"x" * CHUNK
+    write(tmp_path / "src" / "f", data)
+    ingest(store, tmp_path / "src", "s")
+    store.export_chunks("s", tmp_path / "export")
+    other = Store(tmp_path / "other", chunk_size=CHUNK, workers=2)
+    assert other.import_chunks(tmp_path / "export") == 4
+    assert other.import_chunks(tmp_path / "export") == 0
+    other.import_snapshot(store.backend.get_snapshot("s"), "export s")
+    assert read(other, "s", "f") == data
+    with pytest.raises(UsageError, match="not an empty directory"):
+        store.export_chunks("s", tmp_path / "export")
+    with pytest.raises(NotFoundError, match="no chunk folder"):
+        other.import_chunks(tmp_path / "nowhere")
+
+
+def test_import_snapshot_refuses_missing_chunks(store, tmp_path):
+    _one_blob(store, tmp_path)
+    other = Store(tmp_path / "other", chunk_size=CHUNK)
+    with pytest.raises(CorruptCheckpointError, match="2 chunk.s. missing"):
+        other.import_snapshot(store.backend.get_snapshot("s"), "export s")
+    assert other.backend.snapshots() == []
+
+
+@pytest.mark.parametrize("bad", ["ABCDEF" + "0" * 58, "0" * 63, "0" * 64 + ".tmp", "notes.txt"])
+def test_import_refuses_a_bad_blob_name(store, tmp_path, bad):
+    name, path = _one_blob(store, tmp_path)
+    folder = tmp_path / "export"
+    store.export_chunks("s", folder)
+    target = folder / bad
+    target.write_bytes(path.read_bytes())
+    other = Store(tmp_path / "other", chunk_size=CHUNK)
+    with pytest.raises(CorruptCheckpointError, match="is not a chunk"):
+        other.import_chunks(folder)
+    assert blobs(other) == set()
+
+
+def test_import_refuses_content_that_does_not_match_its_name(store, tmp_path):
+    name, path = _one_blob(store, tmp_path)
+    folder = tmp_path / "export"
+    folder.mkdir()
+    lie = "f" * 64
+    (folder / lie).write_bytes(path.read_bytes())
+    other = Store(tmp_path / "other", chunk_size=CHUNK)
+    with pytest.raises(CorruptCheckpointError, match=f"chunk {lie} .import.*match"):
+        other.import_chunks(folder)
+    assert blobs(other) == set()
+
+
+@pytest.mark.parametrize("kind", ["symlink", "directory"])
+def test_import_refuses_what_is_not_a_regular_file(store, tmp_path, kind):
+    name, path = _one_blob(store, tmp_path)
+    folder = tmp_path / "export"
+    folder.mkdir()
+    if kind == "symlink":
+        (folder / name).symlink_to(path)
+    else:
+        (folder / name).mkdir()
+    with pytest.raises(CorruptCheckpointError, match="is not a chunk"):
+        Store(tmp_path / "other").import_chunks(folder)
+
+
+def _plant(store: Store, name: str, files: dict) -> None:
+    doc = {"schema": 1, "kind": "torpor-snapshot", "name": name, "created": "now", "meta": {},
+           "files": files}
+    (store.backend.snaps / f"{name}.json").write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize("rel", ["../escape", "/etc/passwd", "a/../../b", "./a", ""])
+def test_snapshot_with_unsafe_paths_is_refused(store, tmp_path, rel):
+    _plant(store, "evil", {rel: {"size": 0, "mode": 0o600, "chunks": []}})
+    with pytest.raises(CorruptCheckpointError, match="unsafe path"):
+        store.materialize("evil", tmp_path / "out")
+    assert not (tmp_path / "escape").exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("chunks", [[["zz" * 32, 4]], [[None, 0]], [[None, 5]], [["0" * 64]],
+                                    [[None, True]]])
+def test_snapshot_with_malformed_chunks_is_refused(store, chunks):
+    _plant(store, "bad", {"f": {"size": 4, "mode": 0o600, "chunks": chunks}})
+    with pytest.raises(CorruptCheckpointError, match="snapshot bad"):
+        store.load("bad")
+    with pytest.raises(CorruptCheckpointError):
+        store.gc()   # it would not know which chunks that snapshot needs
+
+
+def test_bad_names_are_usage_errors(store, tmp_path):
+    write(tmp_path / "src" / "f", b"x")
+    for bad in ["../x", "a/b", "", ".hidden", "x" * 129]:
+        with pytest.raises(UsageError, match="bad snapshot name"):
+            ingest(store, tmp_path / "src", bad)
+    with store.writer() as w:
+        with pytest.raises(UsageError, match="bad file name"):
+            w.add_file("../outside", tmp_path / "src" / "f")
+    with pytest.raises(NotFoundError, match="no snapshot nope"):
+        store.load("nope")
+    with pytest.raises(NotFoundError, match="no snapshot nope"):
+        store.remove(["nope"])
+    ingest(store, tmp_path / "src", "dup")
+    with pytest.raises(UsageError, match="exists already"):
+        ingest(store, tmp_path / "src", "dup")
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path):
+    if not is_root():
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mount -t tmpfs is not permitted here")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_full_disk_is_a_clear_error_and_harms_nothing(small_fs, tmp_path):
+    s = Store(small_fs / "store", chunk_size=CHUNK, workers=2)
+    small = os.urandom(2 * CHUNK)
+    write(tmp_path / "small" / "f", small)
+    s.ingest_dir(tmp_path / "small", "small")
+    kept = blobs(s)
+    write(tmp_path / "big" / "f", os.urandom(8 << 20))
+    with pytest.raises(TorporError, match="cannot store f: No space left on device"):
+        s.ingest_dir(tmp_path / "big", "big")
+    assert os.listdir(s.backend.tmp) == [] and s.backend.snapshots() == ["small"]
+    assert b"".join(s.read_file("small", "f")) == small
+    s.gc()
+    assert blobs(s) == kept
+
+
+def test_cli_ls_rm_gc(tmp_path, torpor_env):
+    env = {**os.environ, "TORPOR_STORE_DIR": str(tmp_path / "store")}
+    s = Store(tmp_path / "store", chunk_size=CHUNK)
+    write(tmp_path / "src" / "f", os.urandom(2 * CHUNK))
+    s.ingest_dir(tmp_path / "src", "ckpt-1")
+
+    def torpor(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(torpor_cmd(*args), env=env, capture_output=True, text=True)
+
+    ls = torpor("ls", "--json")
+    assert ls.returncode == 0, ls.stderr
+    rows = json.loads(ls.stdout)["snapshots"]
+    assert [(r["name"], r["files"], r["logical"]) for r in rows] == [("ckpt-1", 1, 2 * CHUNK)]
+    assert "ckpt-1" in torpor("ls").stdout
+    missing = torpor("rm", "nope")
+    assert missing.returncode == 3 and missing.stderr.strip().count("\n") == 0
+    assert "no snapshot nope" in missing.stderr
+    assert torpor("rm", "ckpt-1").returncode == 0
+    dry = torpor("--json", "gc", "--dry-run")
+    assert len(json.loads(dry.stdout)["removed"]) == 2 and len(blobs(s)) == 2
+    gc = torpor("gc")
+    assert gc.returncode == 0 and "removed 2 chunk(s)" in gc.stdout and blobs(s) == set()
