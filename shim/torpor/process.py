@@ -33,6 +33,7 @@ from .errors import (BusyError, CorruptCheckpointError, CriuError, NoDriverError
                      PreflightError, RolledBackError, TorporError, UsageError)
 from .files import private_dir, require_trusted_location, tree_size
 from .progress import human_bytes
+from .store import Store, images
 
 
 def _claim_images_dir(images_dir: Path) -> int:
@@ -247,6 +248,43 @@ def restore(engine: Engine, images_dir: Path, *, device_map: dict[str, str] | No
     return {"root_pid": root, "pids": pids, "cuda_pids": cuda_pids, "gpu_map": gpu_map or {},
             "agent": {str(p): r for p, r in back.items()},
             "timings": {k: round(v, 4) for k, v in progress.timings.items()}}
+
+
+def store_checkpoint(engine: Engine, images_dir: Path, name: str) -> dict[str, Any]:
+    """Pack the sealed checkpoint in images_dir into the image store (config store_dir) as
+    snapshot name (store/images.py). A failure leaves images_dir the complete, unpacked
+    checkpoint it was. Returns what was written: {"name", "store", "chunks", "new_chunks",
+    "new_bytes", "reused_chunks", "zero_chunks", "logical"}."""
+    size = tree_size(images_dir)
+    try:
+        store = Store(engine.cfg.store_dir)
+        with engine.progress.phase("store", f"{human_bytes(size)} into {store.where} as {name}"):
+            _doc, st = images.pack(store, images_dir, name)
+    except TorporError as e:
+        raise type(e)(f"{e}; the checkpoint in {images_dir} is complete, not packed",
+                      exit_code=e.exit_code) from e
+    except OSError as e:
+        raise TorporError(f"storing {images_dir} as {name}: {e.strerror or e}; the checkpoint "
+                          f"in {images_dir} is complete, not packed") from e
+    return {"name": name, "store": store.where, "chunks": st.chunks, "new_chunks": st.new_chunks,
+            "new_bytes": st.new_bytes, "reused_chunks": st.reused_chunks,
+            "zero_chunks": st.zero_chunks, "logical": st.logical}
+
+
+def restore_any(engine: Engine, images_dir: Path, **kw: Any) -> dict[str, Any]:
+    """restore(), also of a checkpoint directory packed into the image store: its files are
+    written back (each chunk verified) into a private directory inside it first, and removed
+    after, whatever happened."""
+    if not images.is_packed(images_dir):
+        return restore(engine, images_dir, **kw)
+    require_trusted_location(images_dir, "checkpoint")
+    store = Store(engine.cfg.store_dir)
+    with engine.progress.phase("unpack", f"{images_dir} through {store.where}"):
+        unpacked = images.unpack(store, images_dir)
+    try:
+        return restore(engine, unpacked, **kw)
+    finally:
+        shutil.rmtree(unpacked, ignore_errors=True)
 
 
 def suspend(engine: Engine, pid: int) -> dict[str, Any]:

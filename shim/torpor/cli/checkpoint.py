@@ -1,4 +1,4 @@
-"""torpor checkpoint PID -D DIR [--leave-running]: checkpoint a process tree, GPU state included."""
+"""torpor checkpoint PID -D DIR [--leave-running] [--store NAME]: checkpoint a process tree, GPU state included."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import argparse
 from pathlib import Path
 
 from .. import procs
-from ..process import checkpoint
+from ..process import checkpoint, store_checkpoint
 from ..progress import human_bytes
+from ..store.backend import check_snapshot_name
 from .context import Context, agent_line, timing_lines
 
 NEEDS_RECOVERY = True
@@ -22,18 +23,32 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the program keeps running after the dump")
     p.add_argument("--shell-job", action=argparse.BooleanOptionalAction, default=None,
                    help="CRIU --shell-job (default: when the tree's session or tty lies outside it)")
+    p.add_argument("--store", metavar="NAME",
+                   help="then keep it in the image store (config store_dir) as NAME: DIR is "
+                        "left holding the manifest and the store's chunks (hard links), each "
+                        "stored once however many checkpoints hold it ('torpor ls')")
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
     pid = procs.parse_pid(args.pid)
+    if args.store:
+        check_snapshot_name(args.store)   # refused before the program is touched
     m = checkpoint(ctx.engine, pid, args.images_dir, leave_running=args.leave_running,
                    shell_job=args.shell_job)
+    stored = store_checkpoint(ctx.engine, args.images_dir, args.store) if args.store else None
     cuda = [p for p in m["processes"] if p["cuda"]]
-    ctx.emit({"images_dir": str(args.images_dir), "manifest": m},
+    ctx.emit({"images_dir": str(args.images_dir), "manifest": m, "stored": stored},
              f"checkpointed PID {pid} ({len(m['processes'])} process(es), {len(cuda)} with CUDA "
              f"state, {human_bytes(m['sizes']['gpu_memory'])} GPU memory) into {args.images_dir}: "
              f"{human_bytes(m['sizes']['total'])}\n"
              + agent_line(m.get("agent", {}))
+             + (store_line(stored) if stored else "")
              + ("the program is still running\n" if args.leave_running else "")
              + timing_lines(ctx.engine.progress.timings))  # torpor.json's, plus the seal
     return 0
+
+
+def store_line(s: dict) -> str:
+    return (f"kept in store {s['store']} as {s['name']}: {s['chunks']} chunk(s) of "
+            f"{human_bytes(s['logical'])}: {s['new_chunks']} new ({human_bytes(s['new_bytes'])} "
+            f"written), {s['reused_chunks']} already stored, {s['zero_chunks']} zero\n")

@@ -8,6 +8,7 @@ from pathlib import Path
 from .. import manifest
 from ..archive import read_any
 from ..progress import human_bytes, human_rate
+from ..store import images
 from .context import Context, timing_lines
 
 NEEDS_RECOVERY = False
@@ -22,8 +23,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
     m = read_any(args.path)
-    verified = None
-    if args.verify and args.path.is_dir():
+    verified, packed = None, args.path.is_dir() and images.is_packed(args.path)
+    if args.verify and packed:
+        verified = images.verify(args.path)   # the files are chunks now: each against its name
+    elif args.verify and args.path.is_dir():
         manifest.verify(args.path, m, checksums=True)
         verified = True
     lines = [f"torpor checkpoint (schema {m['schema']}) made {m['created']} on {m['host']}",
@@ -45,7 +48,12 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
                         f"({human_rate(a['bytes'], float(a.get('seconds', 0)))})" if a else ""))
     if m["timings"]:
         lines.append("  timings:\n" + timing_lines(m["timings"]))
-    if verified:
+    if packed:
+        lines.append(f"  packed into an image store: {images.PACKED}, {images.CHUNKS}/")
+    if verified and packed:
+        lines.append(f"  verified: every one of its {verified} chunks present and matching "
+                     "its sha256")
+    elif verified:
         lines.append("  verified: every file present with the right size and checksum")
     ctx.emit({"manifest": m, "verified": verified}, "\n".join(lines))
     return 0

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from ..placement import parse_device_map
-from ..process import restore
+from ..process import restore_any
 from .context import Context, agent_line, timing_lines
 
 NEEDS_RECOVERY = True
@@ -15,7 +15,8 @@ NEEDS_RECOVERY = True
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("restore", help=__doc__.split(":")[1].strip(), description=__doc__)
     p.add_argument("-D", "--images-dir", required=True, type=Path,
-                   help="directory written by 'torpor checkpoint'")
+                   help="directory written by 'torpor checkpoint' (packed into the image "
+                        "store with --store or not)")
     p.add_argument("--device-map", action="append", default=[], metavar="OLD=NEW",
                    help="restore GPU OLD (UUID from 'torpor inspect') onto GPU NEW; repeatable "
                         "or comma-separated. Default: same UUID, else same model with room")
@@ -25,7 +26,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
     device_map = parse_device_map(args.device_map)
-    r = restore(ctx.engine, args.images_dir, device_map=device_map, verify=not args.no_verify)
+    r = restore_any(ctx.engine, args.images_dir, device_map=device_map,
+                    verify=not args.no_verify)
     remap = ", ".join(f"{o} -> {n}" for o, n in r["gpu_map"].items())
     ctx.emit(r, f"restored {len(r['pids'])} process(es), root PID {r['root_pid']}"
              + (f", {len(r['cuda_pids'])} with CUDA state" if r["cuda_pids"] else "")

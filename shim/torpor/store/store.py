@@ -133,17 +133,26 @@ class Store:
         0600), every chunk verified; the snapshot."""
         with self.backend.lock(False, self.lock_timeout):  # loaded under it: no gc in between
             doc = self.load(name)
-            _empty_dir(dest)
-            for rel, entry in doc["files"].items():
-                path = dest / rel
-                for parent in reversed(Path(rel).parents[:-1]):  # each 0700, not only the last
-                    private_dir(dest / parent)
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                             | os.O_CLOEXEC, 0o600)
-                with open(fd, "wb") as out:
-                    for data in self.read_entry(entry, f"snapshot {name}, file {rel}"):
-                        out.write(data)
+            self._write_files(doc, dest)
         return doc
+
+    def materialize_doc(self, doc: dict[str, Any], dest: Path) -> None:
+        """materialize() for a snapshot validated elsewhere (one carried by a checkpoint
+        directory), its chunks in this store."""
+        with self.backend.lock(False, self.lock_timeout):
+            self._write_files(doc, dest)
+
+    def _write_files(self, doc: dict[str, Any], dest: Path) -> None:
+        _empty_dir(dest)
+        for rel, entry in doc["files"].items():
+            path = dest / rel
+            for parent in reversed(Path(rel).parents[:-1]):  # each 0700, not only the last
+                private_dir(dest / parent)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o600)
+            with open(fd, "wb") as out:
+                for data in self.read_entry(entry, f"snapshot {doc['name']}, file {rel}"):
+                    out.write(data)
 
     # --- writing ---------------------------------------------------------------------------
 

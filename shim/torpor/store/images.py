@@ -1,0 +1,134 @@
+"""A checkpoint directory kept in the image store (`torpor checkpoint --store NAME`).
+
+Packed, a checkpoint directory holds:
+
+    torpor.json              the manifest, as written (`torpor inspect` reads it as before)
+    torpor-store.json        the store snapshot naming the chunks of every file of the
+                             checkpoint (torpor.json included)
+    torpor-chunks/<sha256>   those chunks: hard links into the host's store (same filesystem),
+                             else copies
+
+So a packed directory stays self-contained: copied or archived, it carries every chunk it
+needs, and a restore on another host first brings them into that host's store, each verified.
+On the host that made it, a chunk costs its space once however many checkpoints hold it (a
+second checkpoint of a program whose weights did not change adds only what changed), and gc
+keeps every chunk such a directory links.
+
+A restore writes the files back into a private directory inside the checkpoint directory
+(UNPACKED_PREFIX, same filesystem), every chunk verified, restores from there and removes it.
+The checkpoint itself is written as before and packed after its seal: packing saves space and
+archive size, not checkpoint time (streaming into the store is issue 5's next step).
+
+Order, so that no interruption loses a checkpoint: the snapshot is committed, its chunks are
+linked into a temporary folder renamed to torpor-chunks, torpor-store.json is written
+(atomically), and only then are the original files removed. Until torpor-store.json exists the
+directory is an ordinary checkpoint; from then on its chunks are complete.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ..errors import CorruptCheckpointError, UsageError
+from ..files import write_json
+from ..manifest import MANIFEST
+from . import chunk, snapshot
+from .store import Store
+from .writer import WriteStats
+
+PACKED = "torpor-store.json"
+CHUNKS = "torpor-chunks"
+UNPACKED_PREFIX = ".torpor-unpacked-"
+
+
+def is_packed(images_dir: Path) -> bool:
+    return (images_dir / PACKED).is_file()
+
+
+def _files(images_dir: Path) -> list[str]:
+    """Every file of a checkpoint directory, relative, sorted; anything but regular files and
+    directories is refused (CRIU and torpor write nothing else)."""
+    rels = []
+    for root, dirs, names in os.walk(images_dir):
+        dirs.sort()
+        for n in sorted(names):
+            path = Path(root, n)
+            if path.is_symlink() or not path.is_file():
+                raise UsageError(f"{path} is not a regular file: a checkpoint directory holds "
+                                 "only those")
+            rels.append(path.relative_to(images_dir).as_posix())
+    return rels
+
+
+def pack(store: Store, images_dir: Path, name: str) -> tuple[dict[str, Any], WriteStats]:
+    """Put the sealed checkpoint in images_dir into the store as snapshot name and leave the
+    directory packed (module docstring). Returns (snapshot, what was written)."""
+    if is_packed(images_dir):
+        raise UsageError(f"{images_dir} is packed into a store already")
+    if not (images_dir / MANIFEST).is_file():
+        raise UsageError(f"{images_dir} holds no sealed checkpoint ({MANIFEST})")
+    rels = _files(images_dir)
+    with store.writer() as w:
+        for rel in rels:
+            w.add_file(rel, images_dir / rel)
+        doc = w.commit(name, {"kind": "torpor-checkpoint",
+                              "images_dir": str(images_dir.absolute())})
+    tmp = images_dir / f".{CHUNKS}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    store.export_chunks(name, tmp)
+    os.rename(tmp, images_dir / CHUNKS)
+    write_json(images_dir / PACKED, doc)
+    for rel in rels:
+        if rel != MANIFEST:
+            (images_dir / rel).unlink()
+    for root, dirs, _names in os.walk(images_dir, topdown=False):
+        for d in dirs:
+            path = Path(root, d)
+            if path != images_dir / CHUNKS and not any(path.iterdir()):
+                path.rmdir()
+    return doc, w.stats
+
+
+def verify(images_dir: Path) -> int:
+    """Check a packed checkpoint directory on its own: its snapshot, and every chunk it names
+    present in torpor-chunks/ and matching its name. The number of chunks checked."""
+    doc = snapshot.parse((images_dir / PACKED).read_bytes(), f"{images_dir}/{PACKED}")
+    names = sorted(snapshot.chunk_names(doc))
+    for name in names:
+        path = images_dir / CHUNKS / name
+        try:
+            blob = path.read_bytes()
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{images_dir}: chunk {name} is missing from "
+                                         f"{CHUNKS}/") from None
+        chunk.decode(blob, name, f"{images_dir}/{CHUNKS}")
+    return len(names)
+
+
+def unpack(store: Store, images_dir: Path) -> Path:
+    """The files of the packed checkpoint in images_dir, written into a new private directory
+    inside it (remove it when done). Chunks the host's store lacks come from torpor-chunks,
+    each verified before it enters; every chunk is verified again as it is read."""
+    doc = snapshot.parse((images_dir / PACKED).read_bytes(), f"{images_dir}/{PACKED}")
+    if not set(doc["files"]) >= {MANIFEST}:
+        raise CorruptCheckpointError(f"{images_dir}/{PACKED} names no {MANIFEST}")
+    missing = [c for c in snapshot.chunk_names(doc) if not store.backend.has_blob(c)]
+    if missing:
+        if not (images_dir / CHUNKS).is_dir():
+            raise CorruptCheckpointError(f"{images_dir}: {len(missing)} chunk(s) of the packed "
+                                         f"checkpoint are in neither {CHUNKS}/ nor store "
+                                         f"{store.where}, e.g. {missing[0]}")
+        store.import_chunks(images_dir / CHUNKS)
+    for leftover in images_dir.glob(f"{UNPACKED_PREFIX}*"):   # of a torpor that was killed
+        shutil.rmtree(leftover, ignore_errors=True)
+    dest = images_dir / f"{UNPACKED_PREFIX}{secrets.token_hex(6)}"
+    try:
+        store.materialize_doc(doc, dest)
+    except BaseException:
+        shutil.rmtree(dest, ignore_errors=True)
+        raise
+    return dest
