@@ -49,21 +49,6 @@ def is_packed(images_dir: Path) -> bool:
     return (images_dir / PACKED).is_file()
 
 
-def _files(images_dir: Path) -> list[str]:
-    """Every file of a checkpoint directory, relative, sorted; anything but regular files and
-    directories is refused (CRIU and torpor write nothing else)."""
-    rels = []
-    for root, dirs, names in os.walk(images_dir):
-        dirs.sort()
-        for n in sorted(names):
-            path = Path(root, n)
-            if path.is_symlink() or not path.is_file():
-                raise UsageError(f"{path} is not a regular file: a checkpoint directory holds "
-                                 "only those")
-            rels.append(path.relative_to(images_dir).as_posix())
-    return rels
-
-
 def pack(store: Store, images_dir: Path, name: str) -> tuple[dict[str, Any], WriteStats]:
     """Put the sealed checkpoint in images_dir into the store as snapshot name and leave the
     directory packed (module docstring). Returns (snapshot, what was written)."""
@@ -71,18 +56,14 @@ def pack(store: Store, images_dir: Path, name: str) -> tuple[dict[str, Any], Wri
         raise UsageError(f"{images_dir} is packed into a store already")
     if not (images_dir / MANIFEST).is_file():
         raise UsageError(f"{images_dir} holds no sealed checkpoint ({MANIFEST})")
-    rels = _files(images_dir)
-    with store.writer() as w:
-        for rel in rels:
-            w.add_file(rel, images_dir / rel)
-        doc = w.commit(name, {"kind": "torpor-checkpoint",
-                              "images_dir": str(images_dir.absolute())})
+    doc, stats = store.ingest_dir(images_dir, name, {"kind": "torpor-checkpoint",
+                                                     "images_dir": str(images_dir.absolute())})
     tmp = images_dir / f".{CHUNKS}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     store.export_chunks(name, tmp)
     os.rename(tmp, images_dir / CHUNKS)
     write_json(images_dir / PACKED, doc)
-    for rel in rels:
+    for rel in doc["files"]:
         if rel != MANIFEST:
             (images_dir / rel).unlink()
     for root, dirs, _names in os.walk(images_dir, topdown=False):
@@ -90,7 +71,7 @@ def pack(store: Store, images_dir: Path, name: str) -> tuple[dict[str, Any], Wri
             path = Path(root, d)
             if path != images_dir / CHUNKS and not any(path.iterdir()):
                 path.rmdir()
-    return doc, w.stats
+    return doc, stats
 
 
 def verify(images_dir: Path) -> int:
