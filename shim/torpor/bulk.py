@@ -19,6 +19,7 @@ symbolic link planted anywhere below root is refused rather than followed.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import secrets
@@ -79,16 +80,24 @@ def mount_huge_tmpfs(base: Path) -> bool:
     if _huge_mount(base):
         return True
     try:
-        if os.path.ismount(base):
-            return False
-        with os.scandir(base) as entries:
-            if next(entries, None) is not None:
+        # Two suspends at once must not both mount (the second mount would hide the first
+        # one's data): the directory's lock, then everything checked again under it.
+        with DataDir._open(base) as fd:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if _huge_mount(base):
+                return True
+            if os.path.ismount(base):
                 return False
-        if _private_mount_namespace():
-            log.info("suspend_dir %s: not in the host's mount namespace, no huge-page tmpfs", base)
-            return False
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", HUGE_TMPFS_OPTIONS, "torpor-suspend",
-                            str(base)], capture_output=True, text=True, timeout=30)
+            with os.scandir(base) as entries:
+                if next(entries, None) is not None:
+                    return False
+            if _private_mount_namespace():
+                log.info("suspend_dir %s: not in the host's mount namespace, no huge-page "
+                         "tmpfs", base)
+                return False
+            r = subprocess.run(["mount", "-t", "tmpfs", "-o", HUGE_TMPFS_OPTIONS,
+                                "torpor-suspend", str(base)], capture_output=True, text=True,
+                               timeout=30)
     except (OSError, subprocess.SubprocessError) as e:
         log.info("suspend_dir %s: no huge-page tmpfs: %s", base, e)
         return False

@@ -9,6 +9,7 @@ images are what CRIU would leave). Events from both fakes go into one ordered lo
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import io
 import json
@@ -225,6 +226,15 @@ def test_a_suspend_mounts_a_huge_page_tmpfs_on_an_empty_suspend_dir(world, huge_
                if line.split()[1] == str(huge_tmpfs)) == 1
     process.resume(world.engine(), PID)
     assert world.agent.intact
+
+
+def test_suspends_at_once_mount_one_tmpfs(world, huge_tmpfs):
+    huge_tmpfs.mkdir(parents=True, mode=0o700)
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        mounted = list(pool.map(lambda _: bulk.mount_huge_tmpfs(huge_tmpfs), range(6)))
+    assert mounted == [True] * 6
+    assert sum(1 for line in Path("/proc/self/mounts").read_text().splitlines()
+               if line.split()[1] == str(huge_tmpfs)) == 1
 
 
 def test_no_mount_hides_what_suspend_dir_holds(world, huge_tmpfs):
