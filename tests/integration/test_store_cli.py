@@ -145,6 +145,11 @@ def test_a_damaged_chunk_is_refused_before_anything_runs(torpor, gpu, store, tmp
     assert not alive(prog.pid) and not list(moved.glob(".torpor-unpacked-*"))
     assert _blobs(tmp_path / "other-store") == [] or victim.name not in \
         {b.name for b in _blobs(tmp_path / "other-store")}
+    victim.unlink()
+    victim.symlink_to(images / "torpor-chunks" / victim.name)    # a good chunk, through a link
+    for args in (["inspect", "--verify"], ["restore", "-D"]):
+        proc = torpor.run(*args, str(moved))
+        assert proc.returncode == 9 and victim.name in proc.stderr, (args, proc.stderr)
 
 
 def test_gc_keeps_the_chunks_a_checkpoint_directory_holds(torpor, gpu, store, tmp_path, reaper):

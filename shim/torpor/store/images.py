@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -80,12 +81,19 @@ def verify(images_dir: Path) -> int:
     doc = snapshot.parse((images_dir / PACKED).read_bytes(), f"{images_dir}/{PACKED}")
     names = sorted(snapshot.chunk_names(doc))
     for name in names:
-        path = images_dir / CHUNKS / name
-        try:
-            blob = path.read_bytes()
+        try:   # never through a link, never a FIFO: the directory may come from anywhere
+            fd = os.open(images_dir / CHUNKS / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+                         | os.O_CLOEXEC)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{images_dir}: chunk {name} is missing from "
                                          f"{CHUNKS}/") from None
+        except OSError as e:
+            raise CorruptCheckpointError(f"{images_dir}: chunk {name} cannot be read: "
+                                         f"{e.strerror}") from None
+        with open(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise CorruptCheckpointError(f"{images_dir}: chunk {name} is not a regular file")
+            blob = f.read(chunk.HEADER.size + chunk.MAX_CHUNK + 1024)
         chunk.decode(blob, name, f"{images_dir}/{CHUNKS}")
     return len(names)
 
