@@ -22,8 +22,11 @@ untouched or cleared regions).
 from __future__ import annotations
 
 import hashlib
+import os
+import stat
 import struct
 import threading
+from pathlib import Path
 
 import zstandard
 
@@ -70,6 +73,24 @@ def encode(data: bytes) -> bytes:
     if len(packed) < len(data):
         return HEADER.pack(MAGIC, ZSTD, len(data)) + packed
     return HEADER.pack(MAGIC, RAW, len(data)) + data
+
+
+def read_blob_file(path: Path, where: str) -> bytes:
+    """The bytes of a blob file that may come from anywhere (an imported folder, a copied
+    checkpoint directory): never through a link, never blocking on a FIFO, a regular file only,
+    and no more than a blob can hold (a chunk's worst-case zstd size). FileNotFoundError when
+    it is not there; CorruptCheckpointError when it is no plain file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise   # the caller says what a missing chunk means
+    except OSError as e:   # ELOOP: a link
+        raise CorruptCheckpointError(f"chunk {path.name} ({where}) cannot be read: "
+                                     f"{e.strerror}") from None
+    with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise CorruptCheckpointError(f"chunk {path.name} ({where}) is not a regular file")
+        return f.read(HEADER.size + MAX_CHUNK + 1024)
 
 
 def decode(blob: bytes, name: str, where: str) -> bytes:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import stat
 from pathlib import Path
 from typing import Any
 
@@ -81,19 +80,11 @@ def verify(images_dir: Path) -> int:
     doc = snapshot.parse((images_dir / PACKED).read_bytes(), f"{images_dir}/{PACKED}")
     names = sorted(snapshot.chunk_names(doc))
     for name in names:
-        try:   # never through a link, never a FIFO: the directory may come from anywhere
-            fd = os.open(images_dir / CHUNKS / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
-                         | os.O_CLOEXEC)
+        try:
+            blob = chunk.read_blob_file(images_dir / CHUNKS / name, f"{images_dir}/{CHUNKS}")
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{images_dir}: chunk {name} is missing from "
                                          f"{CHUNKS}/") from None
-        except OSError as e:
-            raise CorruptCheckpointError(f"{images_dir}: chunk {name} cannot be read: "
-                                         f"{e.strerror}") from None
-        with open(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise CorruptCheckpointError(f"{images_dir}: chunk {name} is not a regular file")
-            blob = f.read(chunk.HEADER.size + chunk.MAX_CHUNK + 1024)
         chunk.decode(blob, name, f"{images_dir}/{CHUNKS}")
     return len(names)
 
@@ -103,7 +94,7 @@ def unpack(store: Store, images_dir: Path) -> Path:
     inside it (remove it when done). Chunks the host's store lacks come from torpor-chunks,
     each verified before it enters; every chunk is verified again as it is read."""
     doc = snapshot.parse((images_dir / PACKED).read_bytes(), f"{images_dir}/{PACKED}")
-    if not set(doc["files"]) >= {MANIFEST}:
+    if MANIFEST not in doc["files"]:
         raise CorruptCheckpointError(f"{images_dir}/{PACKED} names no {MANIFEST}")
     missing = [c for c in snapshot.chunk_names(doc) if not store.backend.has_blob(c)]
     if missing:

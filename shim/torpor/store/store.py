@@ -269,10 +269,9 @@ class Store:
     def _import_one(self, path: Path) -> bool:
         if self.backend.has_blob(path.name):
             return False
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        with open(fd, "rb") as f:
-            blob = f.read(chunk.HEADER.size + chunk.MAX_CHUNK + 1024)  # zstd's worst case
-        chunk.decode(blob, path.name, f"import from {path.parent}")
+        where = f"import from {path.parent}"
+        blob = chunk.read_blob_file(path, where)
+        chunk.decode(blob, path.name, where)
         return self.backend.put_blob(path.name, blob)
 
     def import_snapshot(self, data: bytes, origin: str) -> dict[str, Any]:
