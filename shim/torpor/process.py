@@ -262,7 +262,7 @@ def store_checkpoint(engine: Engine, images_dir: Path, name: str) -> dict[str, A
             _doc, st = images.pack(store, images_dir, name)
     except TorporError as e:
         raise type(e)(f"{e}; the checkpoint in {images_dir} is complete, not packed",
-                      exit_code=e.exit_code) from e
+                      exit_code=e.exit_code, hint=e.hint) from e
     except OSError as e:
         raise TorporError(f"storing {images_dir} as {name}: {e.strerror or e}; the checkpoint "
                           f"in {images_dir} is complete, not packed") from e
@@ -283,6 +283,9 @@ def restore_any(engine: Engine, images_dir: Path, **kw: Any) -> dict[str, Any]:
         unpacked = images.unpack(store, images_dir)
     try:
         return restore(engine, unpacked, **kw)
+    except TorporError as e:   # name the directory the operator gave, not the one removed here
+        raise type(e)(str(e).replace(str(unpacked), str(images_dir)), exit_code=e.exit_code,
+                      hint=e.hint) from e
     finally:
         shutil.rmtree(unpacked, ignore_errors=True)
 
