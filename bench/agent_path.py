@@ -148,7 +148,7 @@ class Bench:
         # ratios use), the driver's once
         vias = self.args.suspend_via if path == "agent" else ["driver"]
         out["suspend_via"] = {}
-        for via in vias:
+        for n, via in enumerate(vias):
             eng = self.engine(via)
             t = time.perf_counter()
             r = process.suspend(eng, pid)
@@ -162,10 +162,12 @@ class Bench:
             res = {"wall_s": time.perf_counter() - t, "timings": r.get("timings", {}),
                    "agent": agent_of(r, pid)}
             prog.wait_step(at + 5)
-            out["suspend_via"][via] = {"suspend": sus, "resume": res}
+            # a target named twice (interleaved runs) keeps every run: "DIR", "DIR#3", ...
+            key = via if via not in out["suspend_via"] else f"{via}#{n + 1}"
+            out["suspend_via"][key] = {"suspend": sus, "resume": res}
             print(f"  {path:>6} {gib:g} GiB: suspend {sus['wall_s']:.2f} s, "
                   f"resume {res['wall_s']:.2f} s ({via})", flush=True)
-        first = out["suspend_via"][vias[0]]
+        first = next(iter(out["suspend_via"].values()))
         out["suspend"], out["resume"] = first["suspend"], first["resume"]
         # checkpoint + restore, to host memory and to disk
         for where, root in (("shm", self.args.shm_root), ("disk", self.args.disk_root)):
