@@ -17,7 +17,8 @@ from tests.integration.conftest import alive, checkpointed_and_reaped, needs_cri
 
 pytestmark = needs_criu
 
-PACKED = {"torpor.json", "torpor-store.json", "torpor-chunks"}
+PACKED = {"torpor.json", "torpor-store.json", "torpor-chunks", "inventory.img", "pstree.img",
+          "dump.log"}
 
 
 @pytest.fixture

@@ -16,7 +16,8 @@ from torpor.errors import CorruptCheckpointError
 from torpor.progress import Progress
 from torpor.store import Store, images
 
-FILES = {"torpor.json": b'{"kind": "torpor-checkpoint"}\n', "pages-1.img": os.urandom(5 << 20),
+FILES = {"torpor.json": b'{"kind": "torpor-checkpoint"}\n', "inventory.img": b"inventory",
+         "pages-1.img": os.urandom(5 << 20),
          "torpor-gpu/7/gpu-memory-0.bin": bytes(4 << 20) + b"tail"}
 
 
@@ -32,8 +33,8 @@ def sealed(tmp_path: Path) -> Path:
 def test_pack_leaves_a_self_contained_directory_and_unpack_gives_the_files_back(sealed, tmp_path):
     store = Store(tmp_path / "store")
     doc, stats = images.pack(store, sealed, "one")
-    assert sorted(p.name for p in sealed.iterdir()) == ["torpor-chunks", "torpor-store.json",
-                                                       "torpor.json"]
+    assert sorted(p.name for p in sealed.iterdir()) == ["inventory.img", "torpor-chunks",
+                                                       "torpor-store.json", "torpor.json"]
     assert stats.zero_chunks == 1 and images.verify(sealed) == stats.new_chunks
     other = Store(tmp_path / "other")                   # another host: chunks come from DIR
     out = images.unpack(other, sealed)
@@ -56,3 +57,23 @@ def test_restore_any_restores_from_the_unpacked_copy_then_removes_it(sealed, tmp
     (unpacked, intact), = seen
     assert intact and unpacked.parent == sealed and not unpacked.exists()
     assert str(e.value).startswith(f"{sealed}: ") and images.UNPACKED_PREFIX not in str(e.value)
+
+
+def test_unpack_in_place_puts_the_files_back_and_the_directory_is_ordinary_again(sealed, tmp_path):
+    images.pack(Store(tmp_path / "store"), sealed, "one")
+    other = Store(tmp_path / "other")
+    images.unpack_in_place(other, sealed)
+    assert {rel: (sealed / rel).read_bytes() for rel in FILES} == FILES
+    assert not images.is_packed(sealed) and not (sealed / images.CHUNKS).exists()
+    assert not list(sealed.glob(f"{images.UNPACKED_PREFIX}*"))
+    assert "one" in Store(tmp_path / "store").backend.snapshots()
+
+
+def test_unpack_in_place_never_writes_through_a_planted_link(sealed, tmp_path):
+    images.pack(Store(tmp_path / "store"), sealed, "one")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (sealed / "torpor-gpu").symlink_to(elsewhere)       # as a crafted archive could hold
+    with pytest.raises(CorruptCheckpointError, match="not a directory"):
+        images.unpack_in_place(Store(tmp_path / "store"), sealed)
+    assert list(elsewhere.iterdir()) == [] and images.is_packed(sealed)

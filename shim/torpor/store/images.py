@@ -3,6 +3,8 @@
 Packed, a checkpoint directory holds:
 
     torpor.json              the manifest, as written (`torpor inspect` reads it as before)
+    inventory.img, pstree.img, dump.log   CRIU's, small, kept as they are (KEPT): podman looks
+                             for inventory.img before it lets the runtime restore
     torpor-store.json        the store snapshot naming the chunks of every file of the
                              checkpoint (torpor.json included)
     torpor-chunks/<sha256>   those chunks: hard links into the host's store (same filesystem),
@@ -30,12 +32,13 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpointError, UsageError
 from ..files import write_json
-from ..manifest import MANIFEST
+from ..manifest import DUMP_LOG, MANIFEST, REQUIRED_IMAGES
 from . import chunk, snapshot
 from .store import Store
 from .writer import WriteStats
@@ -43,6 +46,7 @@ from .writer import WriteStats
 PACKED = "torpor-store.json"
 CHUNKS = "torpor-chunks"
 UNPACKED_PREFIX = ".torpor-unpacked-"
+KEPT = {MANIFEST, DUMP_LOG, *REQUIRED_IMAGES}   # stay in a packed directory (also in the snapshot)
 
 
 def is_packed(images_dir: Path) -> bool:
@@ -64,7 +68,7 @@ def pack(store: Store, images_dir: Path, name: str) -> tuple[dict[str, Any], Wri
     os.rename(tmp, images_dir / CHUNKS)
     write_json(images_dir / PACKED, doc)
     for rel in doc["files"]:
-        if rel != MANIFEST:
+        if rel not in KEPT:
             (images_dir / rel).unlink()
     for root, dirs, _names in os.walk(images_dir, topdown=False):
         for d in dirs:
@@ -112,3 +116,33 @@ def unpack(store: Store, images_dir: Path) -> Path:
         shutil.rmtree(dest, ignore_errors=True)
         raise
     return dest
+
+
+def unpack_in_place(store: Store, images_dir: Path) -> None:
+    """unpack(), for a runtime that restores from the directory itself (runc's --image-path):
+    the files go back where they were, then the snapshot and the chunk links leave the
+    directory, an ordinary checkpoint again (the store keeps its snapshot). Interrupted, it can
+    be run again: torpor-store.json goes only once every file is back."""
+    unpacked = unpack(store, images_dir)
+    try:
+        for root, _dirs, names in os.walk(unpacked):
+            for n in names:
+                rel = Path(root, n).relative_to(unpacked)
+                for parent in reversed(rel.parents[:-1]):
+                    _real_dir(images_dir / parent)
+                os.replace(unpacked / rel, images_dir / rel)
+    finally:
+        shutil.rmtree(unpacked, ignore_errors=True)
+    (images_dir / PACKED).unlink()
+    shutil.rmtree(images_dir / CHUNKS, ignore_errors=True)
+
+
+def _real_dir(path: Path) -> None:
+    """path as a directory of its own, made 0700 if missing: never a link planted by whoever
+    made the archive the directory came from (the files would be written where it points)."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            raise CorruptCheckpointError(f"{path} is not a directory (a link?): refused, the "
+                                         "checkpoint's files are not written through it") from None
