@@ -43,6 +43,7 @@ class Config:
     suspend_in_process: bool = False            # a suspend keeps its agent's data in the program
     suspend_tmpfs: bool = True                  # mount a huge-page tmpfs on an empty suspend_dir
     store_dir: Path = Path("/var/lib/torpor/store")  # the deduplicating image store (0700)
+    store_containers: bool = False              # torpor-runtime packs checkpoints into the store
 
     @property
     def journal_dir(self) -> Path:

@@ -30,6 +30,8 @@ VISIBLE = "NVIDIA_VISIBLE_DEVICES"
 DEVICE_MAP_ANNOTATION = "org.torpor.device-map"  # OLD_UUID=NEW_UUID,...: restore placement
 HOOK_ANNOTATION = "org.torpor.hooks"             # "off": the shim adds no hooks at create
 AGENT_ANNOTATION = "org.torpor.agent"            # "on"/"off": preload the agent (config `agent`)
+STORE_ANNOTATION = "org.torpor.store"            # "on"/"off": pack checkpoints into the image
+                                                 # store (config `store_containers`)
 AGENT_LIBRARY_IN_CONTAINER = "/run/torpor/agent/libtorpor-agent.so"
 AGENT_DIR_IN_CONTAINER = "/run/torpor/agents"
 
@@ -249,9 +251,18 @@ def add_hooks(spec: dict[str, Any], hook_path: str, env: Mapping[str, str] | Non
 
 # -- the in-process agent -----------------------------------------------------------------------
 
-def wants_agent(spec: Mapping[str, Any], default: bool) -> bool:
-    value = _section(spec, "annotations").get(AGENT_ANNOTATION)
+def _switch(spec: Mapping[str, Any], annotation: str, default: bool) -> bool:
+    """An "on"/"off" annotation, else the configured default."""
+    value = _section(spec, "annotations").get(annotation)
     return value == "on" if value in ("on", "off") else default
+
+
+def wants_agent(spec: Mapping[str, Any], default: bool) -> bool:
+    return _switch(spec, AGENT_ANNOTATION, default)
+
+
+def wants_store(spec: Mapping[str, Any], default: bool) -> bool:
+    return _switch(spec, STORE_ANNOTATION, default)
 
 
 def add_agent(spec: dict[str, Any], library: Path, host_dir: Path) -> bool:

@@ -279,6 +279,63 @@ def test_podman_restore_onto_other_gpu_rewrites_bundle(podman, gpu, daemon, shim
     assert stat.S_ISCHR(node.stat().st_mode) and node.stat().st_rdev == os.makedev(195, 1)
 
 
+def test_podman_export_import_through_the_image_store(podman, gpu, daemon, shim, name, base):
+    """org.torpor.store=on: the export carries the manifest, the snapshot and the store's
+    chunks instead of the image files; the import on a host whose store lacks them (removed
+    here) brings them in, each verified, and the container comes back on its GPU."""
+    store = base / "store"
+    shim.write(TORPOR_STORE_DIR=str(store))
+    nodes = fake_nodes(base)
+    w = Workload(gpu, "w")
+    podman.run(name, w.argv, mounts=w.mounts, env={**w.env, "NVIDIA_VISIBLE_DEVICES": gpu.uuid(0)},
+               devices=[f"{nodes[0]}:/dev/nvidia0", f"{nodes[255]}:/dev/nvidiactl"],
+               annotations={"org.torpor.store": "on"})
+    try:
+        w.wait_ticking()
+        archive, tick = _export_and_remove(podman, name, w, base)
+        with tarfile.open(archive) as tf:
+            names = tf.getnames()
+        chunks = [n for n in names if n.startswith("checkpoint/torpor-chunks/")]
+        assert "checkpoint/torpor-store.json" in names and "checkpoint/torpor.json" in names
+        assert chunks and not [n for n in names if n.startswith("checkpoint/pages-")], names
+        blobs = sorted(p.name for p in (store / "chunks").glob("*/*"))
+        assert blobs == sorted(n.rsplit("/", 1)[1] for n in chunks)
+        shutil.rmtree(store)                              # another host: an empty store
+        podman.restore(import_=archive)
+        assert podman.state(name) == "running"
+        w.wait_ticking(tick)
+        _assert_running_on(w, gpu.uuid(0))
+        assert sorted(p.name for p in (store / "chunks").glob("*/*")) == blobs
+        assert "unpacked through" in shim.log(daemon)
+    finally:
+        podman.rm(name)
+
+
+def test_podman_store_that_cannot_be_written_leaves_the_checkpoint_whole(podman, gpu, daemon,
+                                                                          shim, name, base):
+    blocker = base / "not-a-dir"
+    blocker.write_text("a file where the store should be")
+    shim.write(TORPOR_STORE_DIR=str(blocker / "store"))
+    nodes = fake_nodes(base)
+    w = Workload(gpu, "w")
+    podman.run(name, w.argv, mounts=w.mounts, env={**w.env, "NVIDIA_VISIBLE_DEVICES": gpu.uuid(0)},
+               devices=[f"{nodes[0]}:/dev/nvidia0", f"{nodes[255]}:/dev/nvidiactl"],
+               annotations={"org.torpor.store": "on"})
+    try:
+        w.wait_ticking()
+        archive, tick = _export_and_remove(podman, name, w, base)
+        with tarfile.open(archive) as tf:
+            names = tf.getnames()
+        assert "checkpoint/torpor-store.json" not in names
+        assert [n for n in names if n.startswith("checkpoint/pages-")], names
+        assert "not packed into the store" in shim.log(daemon)
+        podman.restore(import_=archive)
+        w.wait_ticking(tick)
+        _assert_running_on(w, gpu.uuid(0))
+    finally:
+        podman.rm(name)
+
+
 def test_podman_leave_running(podman, gpu, daemon, name, base, running):
     podman.checkpoint(name, leave_running=True, export=base / "ck.tar", compress="none")
     assert podman.state(name) == "running"
@@ -420,6 +477,36 @@ def test_containerd_checkpoint_restore_onto_other_gpu(containerd, gpu, daemon, s
         assert e["state"] == RUNNING and e["gpu"] == gpu.uuid(1)
         spec = json.loads((containerd.bundle(name) / "config.json").read_text())
         assert f"NVIDIA_VISIBLE_DEVICES={gpu.uuid(1)}" in spec["process"]["env"]
+    finally:
+        containerd.rm(name)
+        containerd.rm_image(ref)
+
+
+def test_containerd_checkpoint_restore_through_the_image_store(containerd, gpu, daemon, shim,
+                                                               name, base):
+    """Config store_containers (TORPOR_STORE_DIR's store): containerd's checkpoint image is made
+    from the packed directory, and its restore gets the files back through the store."""
+    store = base / "store"
+    config = base / "store-config.toml"
+    config.write_text("store_containers = true\n")
+    shim.write(TORPOR_STORE_DIR=str(store), TORPOR_CONFIG=str(config))
+    w = Workload(gpu, "ctrs")
+    containerd.run(name, w.argv, mounts=w.mounts,
+                   env={**w.env, "NVIDIA_VISIBLE_DEVICES": gpu.uuid(0)})
+    ref = f"localhost/torpor-test-ck:{name.lower()}"
+    try:
+        w.wait_ticking()
+        containerd.checkpoint(name, ref, leave_running=True)
+        assert list((store / "snapshots").glob("*.json")), shim.log(daemon)
+        w.wait_ticking(w.tick())
+        tick = w.tick()
+        containerd.rm(name)
+        shutil.rmtree(store)                              # the restore brings the chunks back
+        containerd.restore(ref, name)
+        assert containerd.state(name) == "running"
+        w.wait_ticking(tick)
+        assert w.entry()["state"] == RUNNING
+        assert list((store / "chunks").glob("*/*")) and "unpacked through" in shim.log(daemon)
     finally:
         containerd.rm(name)
         containerd.rm_image(ref)

@@ -33,6 +33,8 @@ from ..config import Config
 from ..errors import NoDriverError, TorporError, UsageError
 from ..files import private_dir
 from ..sidecar.client import Client, ensure_running
+from ..store import Store
+from ..store import images as store_images
 from .argv import Invocation
 from .main import Runtime
 
@@ -119,7 +121,26 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
         return 0
     log.info("checkpoint %s: done in %.2f s, %d CUDA process(es), %d bytes of images", cid,
              time.monotonic() - t0, len(ck["cuda_processes"]), m["sizes"]["total"])
+    if oci.wants_store(spec, cfg.store_containers):
+        _store(cfg, images, cid)
     return 0
+
+
+def _store(cfg: Config, images: Path, cid: str) -> None:
+    """Pack the sealed checkpoint into the image store (store/images.py). The checkpoint is
+    done whatever happens here: a failure leaves it unpacked and says why."""
+    name = f"{cid[:12]}-{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S%f}"
+    t = time.monotonic()
+    try:
+        _doc, st = store_images.pack(Store(cfg.store_dir), images, name)
+    except (OSError, TorporError) as e:
+        log.error("checkpoint %s: not packed into the store: %s", cid, e)
+        print(f"torpor-runtime: warning: {images}: not packed into the image store ({e}); the "
+              "checkpoint is complete without it", file=sys.stderr)
+        return
+    log.info("checkpoint %s: packed into %s as %s in %.2f s: %d chunks, %d new (%d bytes), %d "
+             "already stored, %d zero", cid, cfg.store_dir, name, time.monotonic() - t,
+             st.chunks, st.new_chunks, st.new_bytes, st.reused_chunks, st.zero_chunks)
 
 
 class _Thaw:

@@ -10,7 +10,9 @@ runtime restore, then torpord restores the GPU state on the new host PIDs and un
 Everything before runc restore only reads and plans: a refusal starts nothing. A failure after
 it kills the half-restored container and says why. RestoreAndUnlock also gives programs under
 the agent the GPU memory their agent moved into <image-path>/torpor-gpu/ (torpor.json's
-"agent"), found by their PID in the container's namespace.
+"agent"), found by their PID in the container's namespace. A checkpoint packed into the image
+store (config store_containers) first gets its files back, its chunks imported into this host's
+store and verified (store/images.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from .. import agent, bulk, gpus, manifest, oci, placement
 from ..config import Config
 from ..errors import NoDriverError, PreflightError, TorporError
 from ..sidecar.client import Client, ensure_running
+from ..store import Store
+from ..store import images as store_images
 from .argv import Invocation
 from .lifecycle import agent_dir
 from .main import Runtime
@@ -51,6 +55,10 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
         runtime.exec()   # not a torpor checkpoint: exactly what plain runc does
     bundle = Path(inv.opt("bundle", "b") or ".").absolute()
     t0 = time.monotonic()
+    if store_images.is_packed(images):   # packed at checkpoint (store_containers): files back
+        store_images.unpack_in_place(Store(cfg.store_dir), images)
+        log.info("restore %s: unpacked through %s in %.2f s", cid, cfg.store_dir,
+                 time.monotonic() - t0)
     m, sealed = read_manifest(images)
     if sealed:
         manifest.verify(images, m, checksums=cfg.checksums)
