@@ -48,12 +48,13 @@ def test_restore_any_restores_from_the_unpacked_copy_then_removes_it(sealed, tmp
     seen = []
 
     def restore(engine, images_dir, **kw):
-        seen.append((images_dir, (images_dir / "pages-1.img").read_bytes() == FILES["pages-1.img"]))
+        seen.append((images_dir, (images_dir / "pages-1.img").read_bytes() == FILES["pages-1.img"]
+                     and kw["verify"] is False))     # the chunks' sha256 did the checking
         raise CorruptCheckpointError(f"{images_dir}: the manifest's CUDA processes are missing")
     monkeypatch.setattr(process, "restore", restore)
     engine = Engine(dataclasses.replace(cfg, store_dir=tmp_path / "store"), Progress(io.StringIO()))
     with pytest.raises(CorruptCheckpointError) as e:
-        process.restore_any(engine, sealed)
+        process.restore_any(engine, sealed, verify=True)
     (unpacked, intact), = seen
     assert intact and unpacked.parent == sealed and not unpacked.exists()
     assert str(e.value).startswith(f"{sealed}: ") and images.UNPACKED_PREFIX not in str(e.value)

@@ -55,13 +55,16 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
         runtime.exec()   # not a torpor checkpoint: exactly what plain runc does
     bundle = Path(inv.opt("bundle", "b") or ".").absolute()
     t0 = time.monotonic()
-    if store_images.is_packed(images):   # packed at checkpoint (store_containers): files back
+    # packed at checkpoint (store_containers): the files back, every chunk's sha256 checked on
+    # the way, so the manifest's checksums need not be computed a second time (sizes are)
+    unpacked = store_images.is_packed(images)
+    if unpacked:
         store_images.unpack_in_place(Store(cfg.store_dir), images)
         log.info("restore %s: unpacked through %s in %.2f s", cid, cfg.store_dir,
                  time.monotonic() - t0)
     m, sealed = read_manifest(images)
     if sealed:
-        manifest.verify(images, m, checksums=cfg.checksums)
+        manifest.verify(images, m, checksums=cfg.checksums and not unpacked)
     else:
         print(f"torpor-runtime: warning: {images} holds an unsealed GPU manifest (the "
               "checkpoint could not finish it): image files not verified", file=sys.stderr)
