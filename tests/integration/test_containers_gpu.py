@@ -167,16 +167,24 @@ def podman(shim):
 def running(podman, gpu, base, name) -> Workload:
     """The fake CUDA program ticking in a podman container with GPU 0 (/dev/nvidia0,
     /dev/nvidiactl, NVIDIA_VISIBLE_DEVICES); removed after the test."""
-    nodes = fake_nodes(base)
-    w = Workload(gpu, "w")
-    podman.run(name, w.argv, mounts=w.mounts,
-               env={**w.env, "NVIDIA_VISIBLE_DEVICES": gpu.uuid(0)},
-               devices=[f"{nodes[0]}:/dev/nvidia0", f"{nodes[255]}:/dev/nvidiactl"])
+    w = _podman_workload(podman, gpu, base, name)
     try:
         w.wait_ticking()
         yield w
     finally:
         podman.rm(name)
+
+
+def _podman_workload(podman: Podman, gpu: FakeGpu, base: Path, name: str,
+                     annotations: dict[str, str] | None = None) -> Workload:
+    """The fake CUDA program started in a podman container with GPU 0 (remove it after)."""
+    nodes = fake_nodes(base)
+    w = Workload(gpu, "w")
+    podman.run(name, w.argv, mounts=w.mounts,
+               env={**w.env, "NVIDIA_VISIBLE_DEVICES": gpu.uuid(0)},
+               devices=[f"{nodes[0]}:/dev/nvidia0", f"{nodes[255]}:/dev/nvidiactl"],
+               annotations=annotations)
+    return w
 
 
 def _export_and_remove(podman: Podman, name: str, w: Workload, base: Path) -> tuple[Path, int]:
@@ -279,22 +287,23 @@ def test_podman_restore_onto_other_gpu_rewrites_bundle(podman, gpu, daemon, shim
     assert stat.S_ISCHR(node.stat().st_mode) and node.stat().st_rdev == os.makedev(195, 1)
 
 
+def _exported(podman: Podman, name: str, w: Workload, base: Path) -> tuple[Path, int, list[str]]:
+    """Once it ticks, _export_and_remove, and the archive's member names."""
+    w.wait_ticking()
+    archive, tick = _export_and_remove(podman, name, w, base)
+    with tarfile.open(archive) as tf:
+        return archive, tick, tf.getnames()
+
+
 def test_podman_export_import_through_the_image_store(podman, gpu, daemon, shim, name, base):
     """org.torpor.store=on: the export carries the manifest, the snapshot and the store's
     chunks instead of the image files; the import on a host whose store lacks them (removed
     here) brings them in, each verified, and the container comes back on its GPU."""
     store = base / "store"
     shim.write(TORPOR_STORE_DIR=str(store))
-    nodes = fake_nodes(base)
-    w = Workload(gpu, "w")
-    podman.run(name, w.argv, mounts=w.mounts, env={**w.env, "NVIDIA_VISIBLE_DEVICES": gpu.uuid(0)},
-               devices=[f"{nodes[0]}:/dev/nvidia0", f"{nodes[255]}:/dev/nvidiactl"],
-               annotations={"org.torpor.store": "on"})
+    w = _podman_workload(podman, gpu, base, name, {"org.torpor.store": "on"})
     try:
-        w.wait_ticking()
-        archive, tick = _export_and_remove(podman, name, w, base)
-        with tarfile.open(archive) as tf:
-            names = tf.getnames()
+        archive, tick, names = _exported(podman, name, w, base)
         chunks = [n for n in names if n.startswith("checkpoint/torpor-chunks/")]
         assert "checkpoint/torpor-store.json" in names and "checkpoint/torpor.json" in names
         assert chunks and not [n for n in names if n.startswith("checkpoint/pages-")], names
@@ -316,16 +325,9 @@ def test_podman_store_that_cannot_be_written_leaves_the_checkpoint_whole(podman,
     blocker = base / "not-a-dir"
     blocker.write_text("a file where the store should be")
     shim.write(TORPOR_STORE_DIR=str(blocker / "store"))
-    nodes = fake_nodes(base)
-    w = Workload(gpu, "w")
-    podman.run(name, w.argv, mounts=w.mounts, env={**w.env, "NVIDIA_VISIBLE_DEVICES": gpu.uuid(0)},
-               devices=[f"{nodes[0]}:/dev/nvidia0", f"{nodes[255]}:/dev/nvidiactl"],
-               annotations={"org.torpor.store": "on"})
+    w = _podman_workload(podman, gpu, base, name, {"org.torpor.store": "on"})
     try:
-        w.wait_ticking()
-        archive, tick = _export_and_remove(podman, name, w, base)
-        with tarfile.open(archive) as tf:
-            names = tf.getnames()
+        archive, tick, names = _exported(podman, name, w, base)
         assert "checkpoint/torpor-store.json" not in names
         assert [n for n in names if n.startswith("checkpoint/pages-")], names
         assert "not packed into the store" in shim.log(daemon)
