@@ -455,11 +455,18 @@ def containerd(shim):
     c.stop()
 
 
-def test_containerd_checkpoint_restore_onto_other_gpu(containerd, gpu, daemon, shim, name):
-    w = Workload(gpu, "ctrd")
+def _containerd_workload(containerd: Containerd, gpu: FakeGpu, name: str,
+                         scope: str) -> tuple[Workload, str]:
+    """The fake CUDA program started in a containerd task with GPU 0, and the checkpoint image
+    reference for it (remove both after)."""
+    w = Workload(gpu, scope)
     containerd.run(name, w.argv, mounts=w.mounts,
                    env={**w.env, "NVIDIA_VISIBLE_DEVICES": gpu.uuid(0)})
-    ref = f"localhost/torpor-test-ck:{name.lower()}"
+    return w, f"localhost/torpor-test-ck:{name.lower()}"
+
+
+def test_containerd_checkpoint_restore_onto_other_gpu(containerd, gpu, daemon, shim, name):
+    w, ref = _containerd_workload(containerd, gpu, name, "ctrd")
     try:
         w.wait_ticking()
         host_pid = containerd.pid(name)
@@ -492,10 +499,7 @@ def test_containerd_checkpoint_restore_through_the_image_store(containerd, gpu, 
     config = base / "store-config.toml"
     config.write_text("store_containers = true\n")
     shim.write(TORPOR_STORE_DIR=str(store), TORPOR_CONFIG=str(config))
-    w = Workload(gpu, "ctrs")
-    containerd.run(name, w.argv, mounts=w.mounts,
-                   env={**w.env, "NVIDIA_VISIBLE_DEVICES": gpu.uuid(0)})
-    ref = f"localhost/torpor-test-ck:{name.lower()}"
+    w, ref = _containerd_workload(containerd, gpu, name, "ctrs")
     try:
         w.wait_ticking()
         containerd.checkpoint(name, ref, leave_running=True)
