@@ -240,6 +240,25 @@ def test_writer_killed_mid_ingest_harms_nothing(store, tmp_path):
     assert read(store, "base", "f") == base
 
 
+def test_writer_killed_between_link_and_unlink_leaves_nothing_gc_keeps(store, tmp_path):
+    # put_blob links its temporary file to the blob's name, then unlinks the temporary file; a
+    # writer killed in between leaves a blob of two links, the second in tmp/ (the CI failure
+    # of stop 11: gc took that link for a checkpoint directory's and kept the orphan)
+    write(tmp_path / "src" / "f", os.urandom(2 * CHUNK))
+    doc, _ = ingest(store, tmp_path / "src", "s")
+    orphan = doc["files"]["f"]["chunks"][0][0]
+    store.remove(["s"])
+    os.link(store.backend.blob_path(orphan), store.backend.tmp / f"{orphan[:16]}.999.1")
+    linked_elsewhere = doc["files"]["f"]["chunks"][1][0]
+    os.link(store.backend.blob_path(linked_elsewhere), tmp_path / "held-by-a-checkpoint")
+    dry = store.gc(dry_run=True)
+    assert orphan in dry.removed and linked_elsewhere not in dry.removed and dry.kept_linked == 1
+    r = store.gc()
+    assert orphan in r.removed and linked_elsewhere not in r.removed
+    assert not store.backend.has_blob(orphan) and store.backend.has_blob(linked_elsewhere)
+    assert os.listdir(store.backend.tmp) == []
+
+
 def _one_blob(store: Store, tmp_path: Path) -> tuple[str, Path]:
     write(tmp_path / "src" / "f", os.urandom(2 * CHUNK))
     doc, _ = ingest(store, tmp_path / "src", "s")

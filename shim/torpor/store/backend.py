@@ -50,7 +50,8 @@ def check_snapshot_name(name: str) -> str:
 class BlobInfo:
     name: str
     size: int    # bytes the blob takes (compressed)
-    links: int   # > 1: a checkpoint directory holds a hard link to it (gc keeps it)
+    links: int   # > 1: a checkpoint directory holds a hard link to it (gc keeps it); the
+                 # store's own temporary files never count
 
 
 class Backend(abc.ABC):
@@ -161,13 +162,21 @@ class LocalBackend(Backend):
         self._blob(name).unlink()
 
     def blobs(self) -> Iterator[BlobInfo]:
+        # a writer killed between put_blob's link and unlink leaves its temporary file as a
+        # second link to the blob: that link is not a checkpoint directory's and must not keep
+        # the blob from gc
+        in_tmp: dict[tuple[int, int], int] = {}
+        for e in os.scandir(self.tmp):
+            st = e.stat(follow_symlinks=False)
+            in_tmp[st.st_dev, st.st_ino] = in_tmp.get((st.st_dev, st.st_ino), 0) + 1
         for sub in sorted(os.scandir(self.chunks), key=lambda e: e.name):
             if not sub.is_dir(follow_symlinks=False):
                 continue
             for e in os.scandir(sub.path):
                 if BLOB_NAME.fullmatch(e.name) and e.name[:2] == sub.name:
                     st = e.stat(follow_symlinks=False)
-                    yield BlobInfo(e.name, st.st_size, st.st_nlink)
+                    links = st.st_nlink - in_tmp.get((st.st_dev, st.st_ino), 0)
+                    yield BlobInfo(e.name, st.st_size, links)
 
     def blob_path(self, name: str) -> Path | None:
         return self._blob(name)
