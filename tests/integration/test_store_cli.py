@@ -63,23 +63,27 @@ def test_checkpoint_into_the_store_then_restore(torpor, gpu, store, tmp_path, re
     assert {p.name for p in images.iterdir()} == PACKED     # the unpacked copy is gone
 
 
-# 64 MiB of random bytes at a fixed low address: the first pages of CRIU's page image, so the
-# program's later changes (higher up: its heap, its stack) do not shift them. CRIU's page image
-# is the present pages back to back: a page added below a region moves it, and fixed-size
-# chunks then no longer match (a limit of this store for host memory; the agent's GPU data
-# files keep their layout).
+# 64 MiB of random bytes high in the address space, and below it memory that gains a page every
+# tick (as a heap does). CRIU writes the present pages back to back, so each new low page moves
+# the 64 MiB within the page image; the store cuts page images by address window (pages.py),
+# so its chunks match the first checkpoint's anyway. Cut by offset, none would.
 STABLE_PROGRAM = """
 import ctypes, os, random, sys, time
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mmap.restype = ctypes.c_void_p
 libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                       ctypes.c_long]
+def fixed(addr, size):   # RW, private anon, FIXED_NOREPLACE
+    at = libc.mmap(addr, size, 3, 0x22 | 0x100000, -1, 0)
+    assert at == addr, ctypes.get_errno()
+    return at
 size = 64 << 20
-at = libc.mmap(0x10000000, size, 3, 0x22 | 0x100000, -1, 0)   # RW, private anon, FIXED_NOREPLACE
-assert at == 0x10000000, ctypes.get_errno()
-ctypes.memmove(at, random.Random(7).randbytes(size), size)
+stable = fixed(0x200000000000, size)
+ctypes.memmove(stable, random.Random(7).randbytes(size), size)
+growing = fixed(0x10000000, 64 << 20)
 n = 0
 while True:
+    ctypes.memset(growing + n * 4096 * 7, n % 251 + 1, 1)   # a new page, every 7th
     n += 1
     open(sys.argv[1], "w").write(str(n))
     time.sleep(0.02)
@@ -101,7 +105,7 @@ def test_a_second_checkpoint_stores_only_what_changed(torpor, store, tmp_path, r
                          "--store", "two", "--leave-running")["stored"]
     assert first["new_bytes"] > 60 << 20, first                # random: stored as it is
     assert second["reused_chunks"] >= 16, second               # the 64 MiB, at least
-    assert second["new_bytes"] < first["new_bytes"] / 4, (first, second)
+    assert second["new_bytes"] < first["new_bytes"] * 0.05, (first, second)   # issue 5's target
     assert len(_blobs(store)) == first["new_chunks"] + second["new_chunks"]
     names = {r["name"]: r for r in torpor.json("ls")["snapshots"]}
     assert set(names) == {"one", "two"} and names["two"]["unique"] < names["two"]["stored"] / 4

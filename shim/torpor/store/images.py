@@ -10,6 +10,9 @@ Packed, a checkpoint directory holds:
     torpor-chunks/<sha256>   those chunks: hard links into the host's store (same filesystem),
                              else copies
 
+CRIU's page images are cut by virtual-address window (pages.py), the rest into fixed-size
+chunks, so host memory that did not change dedups too.
+
 So a packed directory stays self-contained: copied or archived, it carries every chunk it
 needs, and a restore on another host first brings them into that host's store, each verified.
 On the host that made it, a chunk costs its space once however many checkpoints hold it (a
@@ -39,7 +42,7 @@ from typing import Any
 from ..errors import CorruptCheckpointError, UsageError
 from ..files import write_json
 from ..manifest import DUMP_LOG, MANIFEST, REQUIRED_IMAGES
-from . import chunk, snapshot
+from . import chunk, pages, snapshot
 from .store import Store
 from .writer import WriteStats
 
@@ -61,7 +64,8 @@ def pack(store: Store, images_dir: Path, name: str) -> tuple[dict[str, Any], Wri
     if not (images_dir / MANIFEST).is_file():
         raise UsageError(f"{images_dir} holds no sealed checkpoint ({MANIFEST})")
     doc, stats = store.ingest_dir(images_dir, name, {"kind": "torpor-checkpoint",
-                                                     "images_dir": str(images_dir.absolute())})
+                                                     "images_dir": str(images_dir.absolute())},
+                                  pages.page_image_pieces(images_dir, store.chunk_size))
     tmp = images_dir / f".{CHUNKS}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     store.export_chunks(name, tmp)

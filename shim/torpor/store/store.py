@@ -156,10 +156,12 @@ class Store:
 
     # --- writing ---------------------------------------------------------------------------
 
-    def ingest_dir(self, src: Path, name: str,
-                   meta: dict[str, Any] | None = None) -> tuple[dict[str, Any], WriteStats]:
-        """Every regular file under src as snapshot name; (snapshot, WriteStats). Symlinks and
-        special files are refused rather than left out silently."""
+    def ingest_dir(self, src: Path, name: str, meta: dict[str, Any] | None = None,
+                   pieces: dict[str, list[int]] | None = None
+                   ) -> tuple[dict[str, Any], WriteStats]:
+        """Every regular file under src as snapshot name; (snapshot, WriteStats). pieces: where
+        to cut some files (Writer.add_file). Symlinks and special files are refused rather
+        than left out silently."""
         rels = []
         for root, dirs, names in os.walk(src):
             dirs.sort()
@@ -170,7 +172,7 @@ class Store:
                 rels.append(path.relative_to(src).as_posix())
         with self.writer() as w:
             for rel in rels:
-                w.add_file(rel, src / rel)
+                w.add_file(rel, src / rel, (pieces or {}).get(rel, ()))
             return w.commit(name, meta), w.stats
 
     # --- listing and removing --------------------------------------------------------------

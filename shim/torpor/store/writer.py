@@ -1,5 +1,6 @@
-"""Writing a snapshot: files cut into fixed-size chunks, each hashed, compressed and stored
-by a bounded pool of threads, then one snapshot naming them all.
+"""Writing a snapshot: files cut into chunks (fixed-size, or the caller's piece lengths, see
+pages.py), each hashed, compressed and stored by a bounded pool of threads, then one snapshot
+naming them all.
 
 A writer holds the store's lock shared from its start to its end, so gc (exclusive) never
 removes the chunks of a checkpoint still being written. Chunks already in the store are not
@@ -18,7 +19,7 @@ import io
 import os
 import stat
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Iterator
+from typing import TYPE_CHECKING, Any, BinaryIO, Iterator, Sequence
 
 from ..errors import CorruptCheckpointError, TorporError, UsageError
 from ..manifest import safe_relpath
@@ -51,7 +52,12 @@ def _read_full(f: BinaryIO, size: int) -> bytes:
     return data
 
 
-def _pieces(f: BinaryIO, size: int) -> Iterator[bytes]:
+def _pieces(f: BinaryIO, size: int, lengths: Sequence[int] = ()) -> Iterator[bytes]:
+    """The file cut at lengths first (each at most size), then into pieces of size."""
+    for n in lengths:
+        if not (data := _read_full(f, n)):
+            return
+        yield data
     while data := _read_full(f, size):
         yield data
 
@@ -111,10 +117,14 @@ class Writer:
             s.new_bytes += stored
         return ref
 
-    def add_file(self, relpath: str, src: Path | BinaryIO) -> dict[str, Any]:
-        """Store one file (a path, or a binary stream read to its end) as relpath."""
+    def add_file(self, relpath: str, src: Path | BinaryIO,
+                 pieces: Sequence[int] = ()) -> dict[str, Any]:
+        """Store one file (a path, or a binary stream read to its end) as relpath, cut at the
+        lengths in pieces first (each at most the chunk size), the rest into fixed chunks."""
         if self._pool is None:
             raise UsageError("a store writer is used outside its `with` block")
+        if any(not 0 < n <= self.store.chunk_size for n in pieces):
+            raise UsageError(f"pieces of {relpath} must be 1 to {self.store.chunk_size} bytes")
         try:
             safe_relpath(relpath)
         except CorruptCheckpointError:
@@ -126,7 +136,7 @@ class Writer:
             mode = _mode(f)
             try:
                 refs = [self._count(*r) for r in ordered_map(
-                    self._pool, self._put, _pieces(f, self.store.chunk_size),
+                    self._pool, self._put, _pieces(f, self.store.chunk_size, pieces),
                     2 * self.store.workers)]
             except OSError as e:
                 raise TorporError(f"store {self.store.where}: cannot store {relpath}: "
