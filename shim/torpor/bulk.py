@@ -133,6 +133,25 @@ def _huge_mount(base: Path) -> bool:
     return False
 
 
+def in_memory(path: Path) -> bool:
+    """Is path on a tmpfs (host memory): is the mount holding it, the longest mount point
+    above it, a tmpfs?"""
+    want = os.path.realpath(path)
+    try:
+        lines = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return False
+    best, fstype = "", ""
+    for line in lines:
+        f = line.split()
+        if len(f) < 3:
+            continue
+        point = _unescape(f[1])
+        if (want == point or want.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+            best, fstype = point, f[2]
+    return fstype == "tmpfs"
+
+
 def _unescape(field: str) -> str:
     """/proc/self/mounts writes space, tab, newline and backslash as octal escapes."""
     for code, ch in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):

@@ -280,8 +280,10 @@ def restore_any(engine: Engine, images_dir: Path, **kw: Any) -> dict[str, Any]:
         return restore(engine, images_dir, **kw)
     require_trusted_location(images_dir, "checkpoint")
     store = Store(engine.cfg.store_dir)
-    with engine.progress.phase("unpack", f"{images_dir} through {store.where}"):
-        unpacked = images.unpack(store, images_dir)
+    into = _unpack_in_memory(engine, images_dir)
+    where = f", into host memory ({into})" if into else ""
+    with engine.progress.phase("unpack", f"{images_dir} through {store.where}{where}"):
+        unpacked = images.unpack(store, images_dir, into)
     try:   # every chunk's sha256 was checked as it was read: the manifest's sizes suffice
         return restore(engine, unpacked, **{**kw, "verify": False})
     except TorporError as e:   # name the directory the operator gave, not the one removed here
@@ -289,6 +291,24 @@ def restore_any(engine: Engine, images_dir: Path, **kw: Any) -> dict[str, Any]:
                       hint=e.hint) from e
     finally:
         shutil.rmtree(unpacked, ignore_errors=True)
+
+
+def _unpack_in_memory(engine: Engine, images_dir: Path) -> Path | None:
+    """Where a packed checkpoint is unpacked for its restore: host memory (suspend_dir, a
+    tmpfs) when it fits in half of what is available, so a restore neither writes it all to
+    the disk again nor needs the disk space twice; else None (inside images_dir)."""
+    base = Path(os.path.abspath(engine.cfg.suspend_dir))
+    try:
+        need = images.unpacked_size(images_dir)
+        require_trusted_location(base.parent, "suspend_dir")
+        private_dir(base)
+        require_trusted_location(base, "suspend_dir")
+        vfs = os.statvfs(base)
+    except (TorporError, OSError):
+        return None
+    available = procs.mem_available()
+    room = min(vfs.f_bavail * vfs.f_frsize, available if available is not None else 0)
+    return base if need <= room // 2 and bulk.in_memory(base) else None
 
 
 def suspend(engine: Engine, pid: int) -> dict[str, Any]:

@@ -6,11 +6,14 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import shutil
+import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
 
-from torpor import process
+from torpor import process, procs
 from torpor.engine import Engine
 from torpor.errors import CorruptCheckpointError
 from torpor.progress import Progress
@@ -42,8 +45,16 @@ def test_pack_leaves_a_self_contained_directory_and_unpack_gives_the_files_back(
     assert {rel: (out / rel).read_bytes() for rel in FILES} == FILES
 
 
+@pytest.fixture
+def shm_dir():
+    d = Path(tempfile.mkdtemp(prefix="torpor-test-", dir="/dev/shm"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.parametrize("where", ["host memory", "disk suspend_dir", "too large for memory"])
 def test_restore_any_restores_from_the_unpacked_copy_then_removes_it(sealed, tmp_path, cfg,
-                                                                     monkeypatch):
+                                                                     monkeypatch, shm_dir, where):
     images.pack(Store(tmp_path / "store"), sealed, "one")
     seen = []
 
@@ -52,12 +63,33 @@ def test_restore_any_restores_from_the_unpacked_copy_then_removes_it(sealed, tmp
                      and kw["verify"] is False))     # the chunks' sha256 did the checking
         raise CorruptCheckpointError(f"{images_dir}: the manifest's CUDA processes are missing")
     monkeypatch.setattr(process, "restore", restore)
-    engine = Engine(dataclasses.replace(cfg, store_dir=tmp_path / "store"), Progress(io.StringIO()))
+    suspend_dir = tmp_path / "suspend" if where == "disk suspend_dir" else shm_dir / "torpor"
+    if where == "too large for memory":   # the copy may take half of what is available
+        monkeypatch.setattr(procs, "mem_available", lambda: 2 * sum(map(len, FILES.values())) - 1)
+    engine = Engine(dataclasses.replace(cfg, store_dir=tmp_path / "store", suspend_dir=suspend_dir),
+                    Progress(io.StringIO()))
     with pytest.raises(CorruptCheckpointError) as e:
         process.restore_any(engine, sealed, verify=True)
     (unpacked, intact), = seen
-    assert intact and unpacked.parent == sealed and not unpacked.exists()
+    assert intact and unpacked.parent == (suspend_dir if where == "host memory" else sealed)
+    assert not unpacked.exists()
     assert str(e.value).startswith(f"{sealed}: ") and images.UNPACKED_PREFIX not in str(e.value)
+
+
+def test_a_dead_restores_copy_is_removed_and_a_running_ones_kept(sealed, tmp_path, shm_dir):
+    images.pack(Store(tmp_path / "store"), sealed, "one")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    running = subprocess.Popen(["sleep", "60"])
+    try:
+        for pid in (dead.pid, running.pid):
+            (shm_dir / f"{images.UNPACKED_PREFIX}{pid}-0123456789ab" / "x").mkdir(parents=True)
+        out = images.unpack(Store(tmp_path / "store"), sealed, shm_dir)
+        assert sorted(p.name for p in shm_dir.iterdir()) == sorted(
+            [out.name, f"{images.UNPACKED_PREFIX}{running.pid}-0123456789ab"])
+    finally:
+        running.kill()
+        running.wait()
 
 
 def test_unpack_in_place_puts_the_files_back_and_the_directory_is_ordinary_again(sealed, tmp_path):

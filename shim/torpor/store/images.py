@@ -97,10 +97,17 @@ def verify(images_dir: Path) -> int:
     return len(names)
 
 
-def unpack(store: Store, images_dir: Path) -> Path:
+def unpacked_size(images_dir: Path) -> int:
+    """The bytes the packed checkpoint in images_dir takes once unpacked."""
+    doc = snapshot.parse((images_dir / PACKED).read_bytes(), f"{images_dir}/{PACKED}")
+    return sum(f["size"] for f in doc["files"].values())
+
+
+def unpack(store: Store, images_dir: Path, into: Path | None = None) -> Path:
     """The files of the packed checkpoint in images_dir, written into a new private directory
-    inside it (remove it when done). Chunks the host's store lacks come from torpor-chunks,
-    each verified before it enters; every chunk is verified again as it is read."""
+    (remove it when done) inside into (a private directory, e.g. in host memory), else inside
+    images_dir. Chunks the host's store lacks come from torpor-chunks, each verified before it
+    enters; every chunk is verified again as it is read."""
     doc = snapshot.parse((images_dir / PACKED).read_bytes(), f"{images_dir}/{PACKED}")
     if MANIFEST not in doc["files"]:
         raise CorruptCheckpointError(f"{images_dir}/{PACKED} names no {MANIFEST}")
@@ -111,15 +118,25 @@ def unpack(store: Store, images_dir: Path) -> Path:
                                          f"checkpoint are in neither {CHUNKS}/ nor store "
                                          f"{store.where}, e.g. {missing[0]}")
         store.import_chunks(images_dir / CHUNKS)
-    for leftover in images_dir.glob(f"{UNPACKED_PREFIX}*"):   # of a torpor that was killed
-        shutil.rmtree(leftover, ignore_errors=True)
-    dest = images_dir / f"{UNPACKED_PREFIX}{secrets.token_hex(6)}"
+    for base in {images_dir, into or images_dir}:
+        _remove_leftovers(base)
+    dest = (into or images_dir) / f"{UNPACKED_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
     try:
         store.materialize_doc(doc, dest)
     except BaseException:
         shutil.rmtree(dest, ignore_errors=True)
         raise
     return dest
+
+
+def _remove_leftovers(base: Path) -> None:
+    """Unpacked copies whose torpor died (killed mid-restore): their PID is gone. A shared base
+    (host memory) may hold the copies of restores running now, which are kept."""
+    for leftover in base.glob(f"{UNPACKED_PREFIX}*"):
+        owner = leftover.name[len(UNPACKED_PREFIX):].partition("-")[0]
+        if owner.isdigit() and int(owner) != os.getpid() and os.path.exists(f"/proc/{owner}"):
+            continue
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 def unpack_in_place(store: Store, images_dir: Path) -> None:
