@@ -1,0 +1,56 @@
+"""The image store (issue 5) on a real GPU: a PyTorch training program and an inference program
+(infer_program.py: random-init decoder, weights + KV cache), each under the agent, checkpointed
+into the store twice (the first leaving it running), restored from the second, continuing
+bit-exact beside an uninterrupted reference. What each checkpoint stored is printed (pytest -s)
+and the second must reuse the first's unchanged GPU memory: the training program's bulk tensors
+and the inference program's weights do not change between the two.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.gpu.test_agent_gpu import (AGENT_SKIP, GiB, agent_dir, agent_record,  # noqa: F401
+                                      bit_exact, progs, show, torpor, under_agent)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(AGENT_SKIP is not None, reason=AGENT_SKIP or "")]
+
+GIB = 2.0
+PACKED = {"torpor.json", "torpor-store.json", "torpor-chunks", "inventory.img", "pstree.img",
+          "dump.log"}
+
+
+@pytest.mark.parametrize("kind", ["torch", "infer"])
+def test_store_checkpoint_twice_then_restore_bit_exact(torpor, progs, agent_dir, tmp_path,  # noqa: F811
+                                                       kind):
+    torpor.env["TORPOR_STORE_DIR"] = str(tmp_path / "store")
+    ref = progs(kind, "ref", GIB)
+    prog = progs(kind, "prog", GIB, agent=True)
+    prog.wait_ready()
+    prog.wait_step(5)
+    under_agent(prog, agent_dir, GIB * GiB * 0.9)
+    ck1, ck2 = tmp_path / "ck1", tmp_path / "ck2"
+    one = torpor.json("checkpoint", str(prog.pid), "-D", str(ck1), "--store", "one",
+                      "--leave-running", timeout=600)
+    at = prog.wait_step(prog.step() + 5)
+    two = torpor.json("checkpoint", str(prog.pid), "-D", str(ck2), "--store", "two",
+                      timeout=600)
+    prog.reap()
+    first, second = one["stored"], two["stored"]
+    show(f"{kind}: first checkpoint stored", first)
+    show(f"{kind}: second checkpoint stored", second)
+    for d in (ck1, ck2):
+        assert {p.name for p in d.iterdir()} == PACKED, sorted(p.name for p in d.iterdir())
+    assert agent_record(two["manifest"], prog.pid).get("bytes", 0) >= GIB * GiB * 0.9
+    assert first["logical"] >= GIB * GiB and first["new_bytes"] > 0
+    # the GPU memory that did not change is not stored again (the agent's files keep their
+    # layout, CRIU's pages are cut by address): at most a quarter of the first is new
+    assert second["new_bytes"] < first["new_bytes"] / 4, (first, second)
+    r = torpor.json("restore", "-D", str(ck2), timeout=600)
+    show(f"{kind}: restore", r)
+    assert r["cuda_pids"] == [prog.pid] and agent_record(r, prog.pid)
+    assert {p.name for p in ck2.iterdir()} == PACKED      # the unpacked copy is gone
+    assert prog.step() >= at
+    bit_exact(ref, prog)
