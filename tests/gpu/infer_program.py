@@ -19,10 +19,8 @@ tokens. --status is torch_program.py's JSON ("ready", "step", "done", "gib", ...
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -30,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from torch_program import memory_figures, write_status  # noqa: E402
+from torch_program import (after_step, append_step, memory_figures,  # noqa: E402
+                           program_args, write_status)
 
 VOCAB, WIDTH, HEADS, MLP = 32000, 2048, 16, 4 * 2048
 BATCH, MAX_LEN, PROMPT = 4, 256, 16
@@ -89,14 +88,7 @@ def prompt(seed: int, sequence: int, device: torch.device) -> torch.Tensor:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--gib", type=float, default=1.0, help="GiB of weights")
-    p.add_argument("--steps-file", required=True)
-    p.add_argument("--status", required=True)
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--max-steps", type=int, default=0, help="exit after N steps (0: forever)")
-    p.add_argument("--sleep", type=float, default=0.05, help="seconds between steps")
-    args = p.parse_args(argv)
+    args = program_args(__doc__.splitlines()[0], "GiB of weights").parse_args(argv)
 
     torch.use_deterministic_algorithms(True)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -130,16 +122,9 @@ def main(argv=None) -> int:
             top, tokens = logits.max(dim=-1)
             line = (f"{step} {','.join(str(int(t)) for t in tokens.tolist())}:"
                     f"{float(top[0].item()).hex()} {model.checksum(step):016x}\n")
-            # open, append, fsync, close: no descriptor stays open across a checkpoint
-            with open(args.steps_file, "a") as f:
-                f.write(line)
-                f.flush()
-                os.fsync(f.fileno())
+            append_step(args.steps_file, line)
             state["step"] = step
-            memory_figures(state)
-            write_status(args.status, state)
-            if args.sleep:
-                time.sleep(args.sleep)
+            after_step(args, state)
     state["done"] = True
     write_status(args.status, state)
     return 0

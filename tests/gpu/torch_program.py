@@ -58,6 +58,37 @@ def write_status(path: str, state: dict) -> None:
     os.replace(tmp, path)
 
 
+def program_args(description: str, gib_help: str) -> argparse.ArgumentParser:
+    """The arguments every GPU test program takes (programs.py passes them)."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--gib", type=float, default=1.0, help=gib_help)
+    p.add_argument("--steps-file", required=True)
+    p.add_argument("--status", required=True)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--max-steps", type=int, default=0, help="exit after N steps (0: forever)")
+    p.add_argument("--sleep", type=float, default=0.05, help="seconds between steps")
+    return p
+
+
+def append_step(path: str, line: str) -> None:
+    """Open, append, fsync, close: no descriptor on the file stays open across a checkpoint,
+    so CRIU need not match its size at restore."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def after_step(args: argparse.Namespace, state: dict) -> None:
+    """The status with this step's memory figures, then the pause between steps."""
+    memory_figures(state)
+    write_status(args.status, state)
+    if args.sleep > 0:
+        time.sleep(args.sleep)
+
+
 def allocator_backend() -> str:
     try:
         return str(torch.cuda.get_allocator_backend())
@@ -106,13 +137,7 @@ def bulk_checksum(bulk: list[torch.Tensor], windows, step: int) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--gib", type=float, default=1.0, help="GiB of bulk GPU memory to hold")
-    p.add_argument("--steps-file", required=True)
-    p.add_argument("--status", required=True)
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--max-steps", type=int, default=0, help="exit after N steps (0: forever)")
-    p.add_argument("--sleep", type=float, default=0.05, help="seconds between steps")
+    p = program_args(__doc__.splitlines()[0], "GiB of bulk GPU memory to hold")
     p.add_argument("--graphs", action="store_true",
                    help="capture the training step in a CUDA graph and replay it")
     p.add_argument("--cache-gib", type=float, default=0.0,
@@ -196,24 +221,14 @@ def main(argv=None) -> int:
         else:
             loss = eager_step(x, y)
         line = f"{step} {float(loss.item()).hex()} {bulk_checksum(bulk, windows, step):016x}\n"
-        # Open, append, fsync, close: no descriptor on the file stays open across a checkpoint,
-        # so CRIU need not match its size at restore.
-        fd = os.open(args.steps_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, line.encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        append_step(args.steps_file, line)
         state["step"] = step
         now = time.perf_counter()
         if step == RATE_FROM:
             rate_t0 = now
         elif step > RATE_FROM:
             state["steps_per_s"] = (step - RATE_FROM) / max(now - rate_t0, 1e-9)
-        memory_figures(state)
-        write_status(args.status, state)
-        if args.sleep > 0:
-            time.sleep(args.sleep)
+        after_step(args, state)
     state["done"] = True
     write_status(args.status, state)
     return 0
