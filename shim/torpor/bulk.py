@@ -109,6 +109,23 @@ def mount_huge_tmpfs(base: Path) -> bool:
     return True
 
 
+def claim_suspend_dir(base: Path) -> Path:
+    """suspend_dir made (0700) or checked: in a location only root (or we) can change, a
+    directory of ours, tightened to 0700. UsageError or TorporError otherwise."""
+    require_trusted_location(base, "suspend_dir")
+    try:
+        base.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(base)
+    except OSError as e:
+        raise TorporError(f"cannot make suspend_dir {base}: {e}") from e
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise UsageError(f"suspend_dir {base} is not a directory of uid {os.geteuid()} "
+                         f"(uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(base, 0o700)
+    return base
+
+
 def _private_mount_namespace() -> bool:
     """Is this process in another mount namespace than PID 1's? (PID 1's unreadable, as in a
     sandbox whose PID 1 is not ours: taken as no, nothing says otherwise.)"""
@@ -118,38 +135,32 @@ def _private_mount_namespace() -> bool:
         return False
 
 
-def _huge_mount(base: Path) -> bool:
-    """Is base a tmpfs mount point with huge pages on?"""
-    want = os.path.realpath(base)
+def _mounts() -> list[tuple[str, str, list[str]]]:
+    """(mount point, filesystem type, options) of every mount this process sees; [] when
+    /proc/self/mounts cannot be read."""
     try:
         lines = Path("/proc/self/mounts").read_text().splitlines()
     except OSError:
-        return False
-    for line in lines:
-        f = line.split()
-        if len(f) >= 4 and f[2] == "tmpfs" and _unescape(f[1]) == want and \
-                any(o.startswith("huge=") and o != "huge=never" for o in f[3].split(",")):
-            return True
-    return False
+        return []
+    return [(_unescape(f[1]), f[2], f[3].split(","))
+            for f in map(str.split, lines) if len(f) >= 4]
+
+
+def _huge_mount(base: Path) -> bool:
+    """Is base a tmpfs mount point with huge pages on?"""
+    want = os.path.realpath(base)
+    return any(fstype == "tmpfs" and point == want
+               and any(o.startswith("huge=") and o != "huge=never" for o in options)
+               for point, fstype, options in _mounts())
 
 
 def in_memory(path: Path) -> bool:
     """Is path on a tmpfs (host memory): is the mount holding it, the longest mount point
     above it, a tmpfs?"""
     want = os.path.realpath(path)
-    try:
-        lines = Path("/proc/self/mounts").read_text().splitlines()
-    except OSError:
-        return False
-    best, fstype = "", ""
-    for line in lines:
-        f = line.split()
-        if len(f) < 3:
-            continue
-        point = _unescape(f[1])
-        if (want == point or want.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
-            best, fstype = point, f[2]
-    return fstype == "tmpfs"
+    holding = [(len(point), fstype) for point, fstype, _ in _mounts()
+               if want == point or want.startswith(point.rstrip("/") + "/")]
+    return bool(holding) and max(holding)[1] == "tmpfs"
 
 
 def _unescape(field: str) -> str:
@@ -185,7 +196,7 @@ class DataDir:
     def make(self) -> "DataDir":
         """Create the root (0700, empty) in an existing directory only root (or we) can change."""
         if self.private_parent:
-            self._private(self.root.parent)
+            claim_suspend_dir(self.root.parent)
             if self.huge_tmpfs:
                 mount_huge_tmpfs(self.root.parent)
         require_trusted_location(self.root, "GPU data directory")
@@ -208,20 +219,6 @@ class DataDir:
         base = Path(os.path.abspath(cfg.suspend_dir))
         return cls(base / f"{int(pid)}-{secrets.token_hex(6)}", private_parent=True,
                    huge_tmpfs=cfg.suspend_tmpfs)
-
-    @staticmethod
-    def _private(base: Path) -> None:
-        require_trusted_location(base, "suspend_dir")
-        try:
-            base.mkdir(mode=0o700, parents=True, exist_ok=True)
-            st = os.lstat(base)
-        except OSError as e:
-            raise TorporError(f"cannot make suspend_dir {base}: {e}") from e
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-            raise UsageError(f"suspend_dir {base} is not a directory of uid {os.geteuid()} "
-                             f"(uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})")
-        if stat.S_IMODE(st.st_mode) != 0o700:
-            os.chmod(base, 0o700)
 
     def remove(self, background: bool = False) -> None:
         """Remove the root and everything under it (never following a link out of it).

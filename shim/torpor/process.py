@@ -297,12 +297,9 @@ def _unpack_in_memory(engine: Engine, images_dir: Path) -> Path | None:
     """Where a packed checkpoint is unpacked for its restore: host memory (suspend_dir, a
     tmpfs) when it fits in half of what is available, so a restore neither writes it all to
     the disk again nor needs the disk space twice; else None (inside images_dir)."""
-    base = Path(os.path.abspath(engine.cfg.suspend_dir))
     try:
         need = images.unpacked_size(images_dir)
-        require_trusted_location(base.parent, "suspend_dir")
-        private_dir(base)
-        require_trusted_location(base, "suspend_dir")
+        base = bulk.claim_suspend_dir(Path(os.path.abspath(engine.cfg.suspend_dir)))
         vfs = os.statvfs(base)
     except (TorporError, OSError):
         return None
