@@ -12,6 +12,7 @@ between checkpoints changes --change-mib of it plus a page of new heap below it.
 Ways, each a `criu dump --leave-running` of the same program, made durable (fsync) on --disk:
   disk          criu dump -D DIR on the disk (what `torpor checkpoint -D DIR` does)
   page-server   criu page-server -D DIR on the disk, the dump sending pages over a local socket
+                (its time includes starting the server: start_seconds says how much)
   shm+store     criu dump into /dev/shm, then packed into a store on the disk (zstd, dedup)
   disk+store    criu dump -D DIR on the disk, then packed into a store there (today's --store)
 Then a second checkpoint after the change: the store's new bytes, against CRIU's own
@@ -123,6 +124,7 @@ def way_page_server(pid: int, work: Path, store: Store, tag: str) -> dict:
     criu("page-server", "-D", str(s), "--address", "127.0.0.1", "--port", str(port),
          "--daemon", "--pidfile", str(work / "ps.pid"), "-o", "ps.log")
     server = int((work / "ps.pid").read_text())
+    started = time.perf_counter() - t0
     dump(pid, d, "--page-server", "--address", "127.0.0.1", "--port", str(port))
     deadline = time.monotonic() + 60
     while os.path.exists(f"/proc/{server}") and time.monotonic() < deadline:
@@ -130,7 +132,8 @@ def way_page_server(pid: int, work: Path, store: Store, tag: str) -> dict:
     durable(d)
     durable(s)
     (work / "ps.pid").unlink()
-    return {"seconds": time.perf_counter() - t0, "bytes": tree_bytes(d) + tree_bytes(s)}
+    return {"seconds": time.perf_counter() - t0, "start_seconds": started,
+            "bytes": tree_bytes(d) + tree_bytes(s)}
 
 
 def _to_store(pid: int, d: Path, store: Store, name: str) -> dict:
