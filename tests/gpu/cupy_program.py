@@ -22,12 +22,13 @@ No TF32 (CuPy's default), one stream, no atomics on floats: two runs agree bit f
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 import cupy as cp
+
+from program_io import write_status
 
 CHUNK_BYTES = 1 << 30
 SLICE_BYTES = 256 << 20
@@ -38,15 +39,6 @@ SGD = cp.ElementwiseKernel("float32 g, float32 mu, float32 lr", "float32 w, floa
                            "v = mu * v + g; w = w - lr * v;", "torpor_sgd_momentum")
 DECAY = cp.ElementwiseKernel("float32 s", "float32 x", "x = x * 0.99951171875f + s",
                              "torpor_bulk_decay")
-
-
-def write_status(path: str, state: dict) -> None:
-    state["pid"], state["updated"] = os.getpid(), time.time()
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(state, f)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 def make_bulk(gib: float, seed: int) -> list:

@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from torch_program import (after_step, append_step, memory_figures,  # noqa: E402
-                           program_args, write_status)
+from program_io import after_step, append_step, program_args, write_status  # noqa: E402
+from torch_program import memory_figures  # noqa: E402
 
 VOCAB, WIDTH, HEADS, MLP = 32000, 2048, 16, 4 * 2048
 BATCH, MAX_LEN, PROMPT = 4, 256, 16
@@ -124,6 +124,7 @@ def main(argv=None) -> int:
                     f"{float(top[0].item()).hex()} {model.checksum(step):016x}\n")
             append_step(args.steps_file, line)
             state["step"] = step
+            memory_figures(state)
             after_step(args, state)
     state["done"] = True
     write_status(args.status, state)

@@ -31,8 +31,6 @@ comes from the environment and is recorded in the status.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import time
@@ -42,51 +40,13 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch  # noqa: E402
 
+from program_io import after_step, append_step, program_args, write_status  # noqa: E402
+
 CHUNK_BYTES = 1 << 30   # each bulk tensor holds at most 1 GiB
 SLICE_BYTES = 256 << 20  # one checksum covers 256 MiB
 WIDTH, BATCH = 1024, 256
 GRAPH_WARMUP = 3         # eager steps before --graphs captures the step
 RATE_FROM = 20           # steps_per_s counts from this step on
-
-
-def write_status(path: str, state: dict) -> None:
-    state["pid"], state["updated"] = os.getpid(), time.time()
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(state, f)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
-def program_args(description: str, gib_help: str) -> argparse.ArgumentParser:
-    """The arguments every GPU test program takes (programs.py passes them)."""
-    p = argparse.ArgumentParser(description=description)
-    p.add_argument("--gib", type=float, default=1.0, help=gib_help)
-    p.add_argument("--steps-file", required=True)
-    p.add_argument("--status", required=True)
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--max-steps", type=int, default=0, help="exit after N steps (0: forever)")
-    p.add_argument("--sleep", type=float, default=0.05, help="seconds between steps")
-    return p
-
-
-def append_step(path: str, line: str) -> None:
-    """Open, append, fsync, close: no descriptor on the file stays open across a checkpoint,
-    so CRIU need not match its size at restore."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def after_step(args: argparse.Namespace, state: dict) -> None:
-    """The status with this step's memory figures, then the pause between steps."""
-    memory_figures(state)
-    write_status(args.status, state)
-    if args.sleep > 0:
-        time.sleep(args.sleep)
 
 
 def allocator_backend() -> str:
@@ -228,6 +188,7 @@ def main(argv=None) -> int:
             rate_t0 = now
         elif step > RATE_FROM:
             state["steps_per_s"] = (step - RATE_FROM) / max(now - rate_t0, 1e-9)
+        memory_figures(state)
         after_step(args, state)
     state["done"] = True
     write_status(args.status, state)
