@@ -73,6 +73,16 @@ def agent_of(result: dict, pid: int) -> dict:
     return rec if isinstance(rec, dict) else {}
 
 
+def bit_exact(ref: programs.Program, prog: programs.Program) -> dict:
+    """prog 5 steps on, the reference there too, every step both wrote compared."""
+    last = prog.step() + 5
+    prog.wait_step(last)
+    ref.wait_step(last)
+    n, mismatch = compare(str(ref.steps), str(prog.steps))
+    return {"bit_exact": mismatch is None and n >= last, "steps_compared": n,
+            "mismatch": mismatch}
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace):
         self.args = args
@@ -208,14 +218,6 @@ class Bench:
                   f"images {size / GB:.2f} GB ({agent_data / GB:.2f} GB agent data)", flush=True)
         return out
 
-    def bit_exact(self, ref: programs.Program, prog: programs.Program) -> dict:
-        last = prog.step() + 5
-        prog.wait_step(last)
-        ref.wait_step(last)
-        n, mismatch = compare(str(ref.steps), str(prog.steps))
-        return {"bit_exact": mismatch is None and n >= last, "steps_compared": n,
-                "mismatch": mismatch}
-
     def one_size(self, gib: float) -> dict:
         self.gib_now = gib
         row: dict = {"gib": gib}
@@ -227,7 +229,7 @@ class Bench:
                     prog.wait_ready(900)
                     prog.wait_step(5)
                     row[path] = self.operations(prog, path, gib)
-                    row[path].update(self.bit_exact(ref, prog))
+                    row[path].update(bit_exact(ref, prog))
                     row[path]["via_agent"] = bool(row[path]["suspend"]["agent"])
                 finally:
                     self.stop(prog)
@@ -274,7 +276,7 @@ class Bench:
                    "cache_released": rec.get("cache_released"),
                    "bytes_saved": (used - rec["bytes"]) if "bytes" in rec else None,
                    "suspend_wall_s": sus, "resume_wall_s": res, "agent": rec}
-            out.update(self.bit_exact(ref, prog))
+            out.update(bit_exact(ref, prog))
             return out
         finally:
             self.stop(prog, ref)

@@ -5,10 +5,11 @@ tests/gpu/test_agent_gpu.py and bench/agent_path.py (no pytest here).
     p = Program(workdir, "prog", command("torch", 2.0, extra=["--graphs"]), env=env, agent=True)
     p.wait_ready(); p.wait_step(10)
 
-Four kinds, one steps-file and status format (compare_steps.py compares any two runs of the
+Five kinds, one steps-file and status format (compare_steps.py compares any two runs of the
 same kind, command line and seed):
   torch  torch_program.py   (PyTorch training; --graphs, --cache-gib, PYTORCH_CUDA_ALLOC_CONF)
   infer  infer_program.py   (PyTorch inference: random-init decoder, weights + KV cache)
+  cpu    cpu_program.py     (no GPU: host memory only, for the benchmarks' harness)
   cupy   cupy_program.py    (CuPy)
   cuda   cuda_streams.cu    (CUDA C runtime API, built with nvcc; --mib instead of --gib)
 
@@ -35,6 +36,7 @@ ROOT = HERE.parents[1]
 TORCH_PROGRAM = HERE / "torch_program.py"
 CUPY_PROGRAM = HERE / "cupy_program.py"
 INFER_PROGRAM = HERE / "infer_program.py"
+CPU_PROGRAM = HERE / "cpu_program.py"
 CUDA_SOURCE = HERE / "cuda_streams.cu"
 
 
@@ -72,8 +74,9 @@ def command(kind: str, gib: float, *, seed: int = 1234, max_steps: int = 0,
     """The program's argv, without --steps-file/--status (Program adds those)."""
     if kind == "torch":
         argv = [sys.executable, str(TORCH_PROGRAM), "--gib", f"{gib:g}"]
-    elif kind == "infer":
-        argv = [sys.executable, str(INFER_PROGRAM), "--gib", f"{gib:g}"]
+    elif kind in ("infer", "cpu"):
+        script = INFER_PROGRAM if kind == "infer" else CPU_PROGRAM
+        argv = [sys.executable, str(script), "--gib", f"{gib:g}"]
     elif kind == "cupy":
         argv = [sys.executable, str(CUPY_PROGRAM), "--gib", f"{gib:g}"]
     elif kind == "cuda":

@@ -9,7 +9,10 @@
 #   .device/include/xxhash.h   the agent's one build dependency (libxxhash-dev's header)
 # Usage: tests/gpu/run-on-gpu-host.sh [pytest args...]; BENCH_SIZES="1 8 32" to benchmark the
 # driver path, PODMAN_BENCH_SIZES="1 4 16" the podman path, AGENT_BENCH_SIZES="1 16" the
-# in-process agent against the driver path (bench/agent_path.py); TESTS=0 skips the tests.
+# in-process agent against the driver path (bench/agent_path.py), STORE_BENCH_SIZES="16" the
+# agent + image store against the driver path + CRIU (bench/store_e2e.py, training and
+# inference programs; bench/criu_share.py at CRIU_SHARE_MIB, default 8192); TESTS=0 skips the
+# tests.
 set -uo pipefail
 cd "$(dirname "$(readlink -f "$0")")/../.."
 OUT="${OUT:-/tmp/torpor-out}"; mkdir -p "$OUT"
@@ -55,6 +58,13 @@ if [[ -n "${AGENT_BENCH_SIZES:-}" ]]; then
     python3 bench/agent_path.py --sizes $AGENT_BENCH_SIZES --shm-root /dev/shm/torpor-abench \
         --disk-root /var/tmp/torpor-abench ${AGENT_BENCH_ARGS:-} \
         --out "$OUT/agent_path.json" 2>&1 | tee "$OUT/agent-bench.txt"
+fi
+if [[ -n "${STORE_BENCH_SIZES:-}" ]]; then
+    python3 bench/store_e2e.py --sizes $STORE_BENCH_SIZES --root /var/tmp/torpor-sbench \
+        --out "$OUT/store_e2e.json" 2>&1 | tee "$OUT/store-bench.txt"
+    python3 bench/criu_share.py --mib "${CRIU_SHARE_MIB:-8192}" --repeat 2 \
+        --disk /var/tmp/torpor-criu-bench --out "$OUT/criu_share.json" 2>&1 \
+        | tee "$OUT/criu-share.txt"
 fi
 cp /var/lib/torpor/*.log "$OUT/" 2>/dev/null
 exit "$rc"

@@ -1,0 +1,219 @@
+#!/usr/bin/env python3
+"""Benchmark: issue 5 end to end. A checkpoint through the agent and the image store, against the
+driver path + CRIU, of the same program, side by side in one run.
+
+For each --kind and size (GiB), beside an uninterrupted reference run of the same seed:
+  driver  the program without the agent: `torpor checkpoint -D DIR` (the driver's checkpoint,
+          then CRIU; images on --root), then restore, bit-exact.
+  store   the program under the agent (`torpor run --`): checkpoint --leave-running packed into
+          the store as "one", --steps-between steps on, checkpoint packed as "two" (this one
+          ends it), restore from "two", bit-exact.
+Kinds: torch (training, tests/gpu/torch_program.py), infer (inference: weights + KV cache,
+infer_program.py), cpu (no GPU, no agent: cpu_program.py; checks this harness on a machine
+without a GPU, its figures say nothing about GPUs).
+
+Ratios, with issue 5's targets:
+  checkpoint   driver checkpoint s / store's first checkpoint s, pack included   (>= 10)
+  image        store's first new bytes / driver's image bytes                   (<= 0.5)
+  incremental  store's second new bytes / its first new bytes                    (<= 0.05)
+  restore      driver restore s / store restore s, unpack included
+The store and both image directories are on --root (a disk), made fresh for every program.
+
+    python3 bench/store_e2e.py --kinds torch infer --sizes 16 --root /var/tmp/torpor-sbench \\
+        --out bench/results/store_e2e-h200-DATE.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "shim"), str(ROOT), str(ROOT / "bench")]
+
+from agent_path import agent_of, bit_exact, tree_bytes, wait_gone  # noqa: E402
+
+from tests.gpu import programs  # noqa: E402
+from torpor import config, process  # noqa: E402
+from torpor.engine import Engine  # noqa: E402
+from torpor.progress import Progress  # noqa: E402
+
+GB = 1e9
+TARGETS = {"checkpoint": (">=", 10.0), "image": ("<=", 0.5), "incremental": ("<=", 0.05)}
+
+
+class StoreBench:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.cfg = config.load()
+        self.work = Path(tempfile.mkdtemp(prefix="torpor-sbench-", dir="/var/tmp"))
+        self.agent_dir = Path(tempfile.mkdtemp(prefix="tpsb-", dir="/tmp"))
+        os.chmod(self.agent_dir, 0o700)
+        os.environ["TORPOR_AGENT_DIR"] = str(self.agent_dir)   # where process.* looks
+        self.env = programs.with_torpor_path(os.environ)
+        self.env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+        self.started: list[programs.Program] = []
+
+    def engine(self, store: Path) -> Engine:
+        return Engine(dataclasses.replace(self.cfg, store_dir=store), Progress(None))
+
+    def start(self, kind: str, name: str, gib: float, agent: bool) -> programs.Program:
+        argv = programs.command(kind, gib, seed=self.args.seed, sleep=0.02)
+        p = programs.Program(self.work, name, argv, env=self.env, agent=agent)
+        self.started.append(p)
+        p.wait_ready(900)
+        p.wait_step(5)
+        return p
+
+    def stop(self, *progs: programs.Program) -> None:
+        for p in progs:
+            p.kill()
+            if p in self.started:
+                self.started.remove(p)
+
+    def fresh(self, name: str) -> Path:
+        d = self.args.root / name
+        shutil.rmtree(d, ignore_errors=True)
+        return d
+
+    def driver(self, kind: str, gib: float, ref: programs.Program) -> dict:
+        prog = self.start(kind, f"{kind}{gib:g}-driver", gib, agent=False)
+        images = self.fresh("driver")
+        eng = self.engine(self.fresh("store-unused"))
+        try:
+            t = time.perf_counter()
+            m = process.checkpoint(eng, prog.pid, images)
+            ck = time.perf_counter() - t
+            prog.reap()
+            wait_gone(prog.pid)
+            size = tree_bytes(images)
+            at = prog.step()
+            t = time.perf_counter()
+            r = process.restore(eng, images)
+            rs = time.perf_counter() - t
+            prog.wait_step(at + 5)
+            out = {"checkpoint_s": ck, "restore_s": rs, "image_bytes": size,
+                   "checkpoint_timings": m.get("timings", {}),
+                   "restore_timings": r.get("timings", {})}
+            out.update(bit_exact(ref, prog))
+            return out
+        finally:
+            self.stop(prog)
+            shutil.rmtree(images, ignore_errors=True)
+
+    def store(self, kind: str, gib: float, ref: programs.Program) -> dict:
+        prog = self.start(kind, f"{kind}{gib:g}-store", gib, agent=kind != "cpu")
+        store = self.fresh("store")
+        ck1, ck2 = self.fresh("ck1"), self.fresh("ck2")
+        eng = self.engine(store)
+        try:
+            t = time.perf_counter()
+            m1 = process.checkpoint(eng, prog.pid, ck1, leave_running=True)
+            ck1_s = time.perf_counter() - t
+            s1 = process.store_checkpoint(eng, ck1, "one")
+            first_s = time.perf_counter() - t
+            prog.wait_step(prog.step() + self.args.steps_between)
+            t = time.perf_counter()
+            m2 = process.checkpoint(eng, prog.pid, ck2)
+            ck2_s = time.perf_counter() - t
+            s2 = process.store_checkpoint(eng, ck2, "two")
+            second_s = time.perf_counter() - t
+            prog.reap()
+            wait_gone(prog.pid)
+            at = prog.step()
+            t = time.perf_counter()
+            r = process.restore_any(eng, ck2)
+            rs = time.perf_counter() - t
+            prog.wait_step(at + 5)
+            out = {"first": {"seconds": first_s, "checkpoint_s": ck1_s, "stored": s1,
+                             "timings": m1.get("timings", {}), "agent": agent_of(m1, prog.pid)},
+                   "second": {"seconds": second_s, "checkpoint_s": ck2_s, "stored": s2,
+                              "timings": m2.get("timings", {}),
+                              "agent": agent_of(m2, prog.pid)},
+                   "restore_s": rs, "restore_timings": r.get("timings", {}),
+                   "store_chunk_bytes": tree_bytes(store / "chunks"),
+                   "steps_between": self.args.steps_between}
+            out.update(bit_exact(ref, prog))
+            return out
+        finally:
+            self.stop(prog)
+            for d in (store, ck1, ck2):
+                shutil.rmtree(d, ignore_errors=True)
+
+    def one(self, kind: str, gib: float) -> dict:
+        ref = programs.Program(self.work, f"{kind}{gib:g}-ref",
+                               programs.command(kind, gib, seed=self.args.seed, sleep=0.02),
+                               env=self.env)
+        self.started.append(ref)
+        try:
+            row = {"kind": kind, "gib": gib, "driver": self.driver(kind, gib, ref),
+                   "store": self.store(kind, gib, ref)}
+        finally:
+            self.stop(ref)
+        d, s = row["driver"], row["store"]
+        first, second = s["first"]["stored"], s["second"]["stored"]
+        row["ratios"] = {
+            "checkpoint": d["checkpoint_s"] / s["first"]["seconds"],
+            "second_checkpoint": d["checkpoint_s"] / s["second"]["seconds"],
+            "image": first["new_bytes"] / d["image_bytes"],
+            "incremental": second["new_bytes"] / max(1, first["new_bytes"]),
+            "restore": d["restore_s"] / s["restore_s"]}
+        row["targets_met"] = {k: (row["ratios"][k] >= v if op == ">=" else row["ratios"][k] <= v)
+                              for k, (op, v) in TARGETS.items()}
+        return row
+
+
+def line(row: dict) -> str:
+    d, s, r = row["driver"], row["store"], row["ratios"]
+    return (f"{row['kind']:>5} {row['gib']:g} GiB: driver {d['checkpoint_s']:.2f} s "
+            f"{d['image_bytes'] / GB:.2f} GB, restore {d['restore_s']:.2f} s | store first "
+            f"{s['first']['seconds']:.2f} s {s['first']['stored']['new_bytes'] / GB:.2f} GB, "
+            f"second {s['second']['seconds']:.2f} s "
+            f"{s['second']['stored']['new_bytes'] / GB:.3f} GB, restore {s['restore_s']:.2f} s "
+            f"| checkpoint {r['checkpoint']:.1f}x, image {r['image']:.2f}, incremental "
+            f"{r['incremental']:.3f}, restore {r['restore']:.1f}x | bit-exact "
+            f"{d['bit_exact']}/{s['bit_exact']}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kinds", nargs="+", choices=["torch", "infer", "cpu"],
+                    default=["torch", "infer"])
+    ap.add_argument("--sizes", type=float, nargs="+", default=[16])
+    ap.add_argument("--steps-between", type=int, default=20)
+    ap.add_argument("--root", type=Path, default=Path("/var/tmp/torpor-sbench"))
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--out", type=Path, default=Path("bench/results/store_e2e.json"))
+    args = ap.parse_args()
+    args.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    doc = {"host": platform.node(), "cpus": os.cpu_count(),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "targets": TARGETS, "rows": []}
+    bench = StoreBench(args)
+    try:
+        for kind in args.kinds:
+            for gib in args.sizes:
+                row = bench.one(kind, gib)
+                doc["rows"].append(row)
+                print(line(row), flush=True)
+                args.out.write_text(json.dumps(doc, indent=2) + "\n")
+    finally:
+        bench.stop(*list(bench.started))
+        shutil.rmtree(bench.work, ignore_errors=True)
+        shutil.rmtree(bench.agent_dir, ignore_errors=True)
+    return 0 if all(r["driver"]["bit_exact"] and r["store"]["bit_exact"]
+                    for r in doc["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

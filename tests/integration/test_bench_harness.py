@@ -1,0 +1,30 @@
+"""The store benchmark's harness on a machine without a GPU (bench/store_e2e.py --kind cpu): the
+driver path and the store path of one small CPU program, checkpointed with real CRIU, restored
+and bit-exact, the figures and ratios written. Its figures mean nothing here; that the GPU
+host's run will not fail on the harness is what this checks."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.integration.conftest import needs_criu
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = needs_criu
+
+
+def test_store_e2e_harness_runs_both_paths_bit_exact(torpor_env, tmp_path):
+    out = tmp_path / "store_e2e.json"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "store_e2e.py"), "--kinds", "cpu",
+                        "--sizes", "0.0625", "--steps-between", "5", "--root",
+                        str(tmp_path / "root"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["driver"]["bit_exact"] and row["store"]["bit_exact"], row
+    first, second = row["store"]["first"]["stored"], row["store"]["second"]["stored"]
+    assert first["new_bytes"] > 0 and second["reused_chunks"] > 0, (first, second)
+    assert set(row["ratios"]) == {"checkpoint", "second_checkpoint", "image", "incremental",
+                                  "restore"}
+    assert not list((tmp_path / "root").iterdir())      # stores and images removed
