@@ -33,17 +33,16 @@ import os
 import platform
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "shim"), str(ROOT), str(ROOT / "bench")]
 
-from agent_path import agent_of, bit_exact, tree_bytes, wait_gone  # noqa: E402
+from agent_path import Bench, agent_of, bit_exact, tree_bytes, wait_gone  # noqa: E402
 
 from tests.gpu import programs  # noqa: E402
-from torpor import config, process  # noqa: E402
+from torpor import process  # noqa: E402
 from torpor.engine import Engine  # noqa: E402
 from torpor.progress import Progress  # noqa: E402
 
@@ -51,22 +50,13 @@ GB = 1e9
 TARGETS = {"checkpoint": (">=", 10.0), "image": ("<=", 0.5), "incremental": ("<=", 0.05)}
 
 
-class StoreBench:
-    def __init__(self, args: argparse.Namespace):
-        self.args = args
-        self.cfg = config.load()
-        self.work = Path(tempfile.mkdtemp(prefix="torpor-sbench-", dir="/var/tmp"))
-        self.agent_dir = Path(tempfile.mkdtemp(prefix="tpsb-", dir="/tmp"))
-        os.chmod(self.agent_dir, 0o700)
-        os.environ["TORPOR_AGENT_DIR"] = str(self.agent_dir)   # where process.* looks
-        self.env = programs.with_torpor_path(os.environ)
-        self.env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-        self.started: list[programs.Program] = []
+class StoreBench(Bench):
+    """agent_path.Bench's set-up (program files, agent sockets, environment) and its stop."""
 
-    def engine(self, store: Path) -> Engine:
+    def store_engine(self, store: Path) -> Engine:
         return Engine(dataclasses.replace(self.cfg, store_dir=store), Progress(None))
 
-    def start(self, kind: str, name: str, gib: float, agent: bool) -> programs.Program:
+    def launch(self, kind: str, name: str, gib: float, agent: bool) -> programs.Program:
         argv = programs.command(kind, gib, seed=self.args.seed, sleep=0.02)
         p = programs.Program(self.work, name, argv, env=self.env, agent=agent)
         self.started.append(p)
@@ -74,21 +64,15 @@ class StoreBench:
         p.wait_step(5)
         return p
 
-    def stop(self, *progs: programs.Program) -> None:
-        for p in progs:
-            p.kill()
-            if p in self.started:
-                self.started.remove(p)
-
     def fresh(self, name: str) -> Path:
         d = self.args.root / name
         shutil.rmtree(d, ignore_errors=True)
         return d
 
     def driver(self, kind: str, gib: float, ref: programs.Program) -> dict:
-        prog = self.start(kind, f"{kind}{gib:g}-driver", gib, agent=False)
+        prog = self.launch(kind, f"{kind}{gib:g}-driver", gib, agent=False)
         images = self.fresh("driver")
-        eng = self.engine(self.fresh("store-unused"))
+        eng = self.store_engine(self.fresh("store-unused"))
         try:
             t = time.perf_counter()
             m = process.checkpoint(eng, prog.pid, images)
@@ -111,10 +95,10 @@ class StoreBench:
             shutil.rmtree(images, ignore_errors=True)
 
     def store(self, kind: str, gib: float, ref: programs.Program) -> dict:
-        prog = self.start(kind, f"{kind}{gib:g}-store", gib, agent=kind != "cpu")
+        prog = self.launch(kind, f"{kind}{gib:g}-store", gib, agent=kind != "cpu")
         store = self.fresh("store")
         ck1, ck2 = self.fresh("ck1"), self.fresh("ck2")
-        eng = self.engine(store)
+        eng = self.store_engine(store)
         try:
             t = time.perf_counter()
             m1 = process.checkpoint(eng, prog.pid, ck1, leave_running=True)
@@ -193,6 +177,7 @@ def main() -> int:
     ap.add_argument("--steps-between", type=int, default=20)
     ap.add_argument("--root", type=Path, default=Path("/var/tmp/torpor-sbench"))
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--agent-dir", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=Path("bench/results/store_e2e.json"))
     args = ap.parse_args()
     args.root.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -208,9 +193,10 @@ def main() -> int:
                 print(line(row), flush=True)
                 args.out.write_text(json.dumps(doc, indent=2) + "\n")
     finally:
-        bench.stop(*list(bench.started))
+        bench.stop_all()
         shutil.rmtree(bench.work, ignore_errors=True)
-        shutil.rmtree(bench.agent_dir, ignore_errors=True)
+        if args.agent_dir is None:               # made by Bench for this run
+            shutil.rmtree(bench.agent_dir, ignore_errors=True)
     return 0 if all(r["driver"]["bit_exact"] and r["store"]["bit_exact"]
                     for r in doc["rows"]) else 1
 

@@ -16,7 +16,7 @@ import os
 import random
 import sys
 
-from program_io import after_step, append_step, program_args, write_status
+from program_io import program_args, run_steps, write_status
 
 MiB = 1 << 20
 SLICE = 64 * MiB
@@ -41,21 +41,13 @@ def main(argv=None) -> int:
     slots = (size - work) // MiB
     state["ready"] = True
     write_status(args.status, state)
-    step = 0
-    with open(args.steps_file, "a"):
-        pass
-    while not args.max_steps or step < args.max_steps:
-        step += 1
-        at = work + (step % slots) * MiB
-        view[at:at + MiB] = random.Random(args.seed * 1_000_003 + step).randbytes(MiB)
-        first = (step * SLICE) % size
-        append_step(args.steps_file, f"{step} {digest(view[at:at + MiB])} "
-                                     f"{digest(view[first:first + SLICE])}\n")
-        state["step"] = step
-        after_step(args, state)
-    state["done"] = True
-    write_status(args.status, state)
-    return 0
+
+    def step(n: int) -> str:
+        at = work + (n % slots) * MiB
+        view[at:at + MiB] = random.Random(args.seed * 1_000_003 + n).randbytes(MiB)
+        first = (n * SLICE) % size
+        return f"{n} {digest(view[at:at + MiB])} {digest(view[first:first + SLICE])}\n"
+    return run_steps(args, state, step)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from program_io import after_step, append_step, program_args, write_status  # noqa: E402
+from program_io import program_args, run_steps, write_status  # noqa: E402
 from torch_program import memory_figures  # noqa: E402
 
 VOCAB, WIDTH, HEADS, MLP = 32000, 2048, 16, 4 * 2048
@@ -81,6 +81,31 @@ class Model:
         return int(words.sum(dtype=torch.int64).item()) & 0xFFFFFFFFFFFFFFFF
 
 
+class Generation:
+    """Greedy decoding of BATCH sequences, one token each a step; a sequence that reaches
+    MAX_LEN starts over from the next prompt."""
+
+    def __init__(self, model: Model, seed: int, device: torch.device):
+        self.model, self.seed, self.device = model, seed, device
+        self.sequence, self.pos, self.tokens = 0, 0, None
+
+    @torch.no_grad()
+    def step(self, n: int) -> str:
+        """Step n's steps-file line."""
+        if self.tokens is None or self.pos == MAX_LEN:      # a new sequence: prefill its prompt
+            self.sequence, self.pos = self.sequence + 1, 0
+            given = prompt(self.seed, self.sequence, self.device)
+            for t in range(PROMPT - 1):
+                self.model.forward(given[:, t], self.pos)
+                self.pos += 1
+            self.tokens = given[:, -1]
+        logits = self.model.forward(self.tokens, self.pos)
+        self.pos += 1
+        top, self.tokens = logits.max(dim=-1)
+        return (f"{n} {','.join(str(int(t)) for t in self.tokens.tolist())}:"
+                f"{float(top[0].item()).hex()} {self.model.checksum(n):016x}\n")
+
+
 def prompt(seed: int, sequence: int, device: torch.device) -> torch.Tensor:
     gen = torch.Generator(device=device)
     gen.manual_seed(seed * 1_000_003 + sequence)
@@ -104,31 +129,13 @@ def main(argv=None) -> int:
     print(f"infer_program: pid {os.getpid()} gib {args.gib} layers {len(model.layers)} seed "
           f"{args.seed} device {torch.cuda.get_device_name(0)}", flush=True)
 
-    with open(args.steps_file, "a"):
-        pass
-    step, sequence, pos, tokens = 0, 0, 0, None
-    with torch.no_grad():
-        while not args.max_steps or step < args.max_steps:
-            step += 1
-            if tokens is None or pos == MAX_LEN:          # a new sequence: prefill its prompt
-                sequence, pos = sequence + 1, 0
-                given = prompt(args.seed, sequence, device)
-                for t in range(PROMPT - 1):
-                    model.forward(given[:, t], pos)
-                    pos += 1
-                tokens = given[:, -1]
-            logits = model.forward(tokens, pos)
-            pos += 1
-            top, tokens = logits.max(dim=-1)
-            line = (f"{step} {','.join(str(int(t)) for t in tokens.tolist())}:"
-                    f"{float(top[0].item()).hex()} {model.checksum(step):016x}\n")
-            append_step(args.steps_file, line)
-            state["step"] = step
-            memory_figures(state)
-            after_step(args, state)
-    state["done"] = True
-    write_status(args.status, state)
-    return 0
+    gen = Generation(model, args.seed, device)
+
+    def step(n: int) -> str:
+        line = gen.step(n)
+        memory_figures(state)
+        return line
+    return run_steps(args, state, step)
 
 
 if __name__ == "__main__":

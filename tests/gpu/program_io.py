@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import time
+from typing import Callable
 
 
 def write_status(path: str, state: dict) -> None:
@@ -47,3 +48,19 @@ def after_step(args: argparse.Namespace, state: dict) -> None:
     write_status(args.status, state)
     if args.sleep > 0:
         time.sleep(args.sleep)
+
+
+def run_steps(args: argparse.Namespace, state: dict, step: Callable[[int], str]) -> int:
+    """Steps 1, 2, ... until --max-steps (0: forever): each line step(n) returns appended to
+    the steps file, then the status (step n in it) and the pause; at the end "done"."""
+    with open(args.steps_file, "a"):    # there from the start, even before the first step
+        pass
+    n = 0
+    while not args.max_steps or n < args.max_steps:
+        n += 1
+        append_step(args.steps_file, step(n))
+        state["step"] = n
+        after_step(args, state)
+    state["done"] = True
+    write_status(args.status, state)
+    return 0
