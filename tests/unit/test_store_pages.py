@@ -49,6 +49,34 @@ def test_pieces_come_from_the_pagemap_of_a_real_image_pair(tmp_path):
                                                                    14 * PAGE]}
 
 
+def varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append(n & 0x7F | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def test_a_criu_4_2_pagemap_is_read_whatever_pycriu_knows(tmp_path):
+    """CRIU 4.2 writes the page count into a 64-bit field 5 and leaves field 2 at 0 (seen on
+    the GPU host: CRIU 4.2.1 with a 4.1 pycriu gave every entry 0 pages, so no image was cut
+    and a second checkpoint stored everything again)."""
+    from pycriu.images import pb
+    with open(tmp_path / "pagemap-42.img", "wb") as f:
+        pycriu.images.dump({"magic": "PAGEMAP", "entries": [{"pages_id": 3}]}, f)
+        for vaddr, pages in ((0x7000 * PAGE, 5), (0x7010 * PAGE, 30)):
+            msg = pb.pagemap_entry(vaddr=vaddr, flags=PE_PRESENT)
+            for field in msg.DESCRIPTOR.fields:
+                if field.number == 2:      # required in both layouts, 0 in CRIU 4.2's
+                    setattr(msg, field.name, 0)
+            raw = msg.SerializeToString() + b"\x28" + varint(pages)     # field 5, varint
+            f.write(len(raw).to_bytes(4, "little") + raw)
+    (tmp_path / "pages-3.img").write_bytes(os.urandom(35 * PAGE))
+    assert page_image_pieces(tmp_path, WINDOW) == {"pages-3.img": [5 * PAGE, 16 * PAGE,
+                                                                   14 * PAGE]}
+
+
 @pytest.mark.parametrize("damage", ["size", "pagemap", "no pages"])
 def test_a_pagemap_that_does_not_describe_its_image_gives_no_cuts(tmp_path, damage):
     write_images(tmp_path, [entry(0, 20)], extra=PAGE if damage == "size" else 0)

@@ -28,10 +28,31 @@ PE_PRESENT = 4   # in this pages image
 
 
 def _entries(path: Path) -> list[dict[str, Any]] | None:
+    """The pagemap's head and entries, each entry with its page count in "nr_pages" whichever
+    CRIU wrote it. CRIU 4.2 moved the count to a 64-bit field (5, "nr_pages") and left field 2
+    ("compat_nr_pages") at 0; a pycriu older than the CRIU that wrote the image does not know
+    field 5, so it is read from the message's unknown fields."""
     try:
         import pycriu  # noqa: PLC0415 (CRIU's own image decoder; absent: fixed chunks)
+        from google.protobuf.unknown_fields import UnknownFieldSet  # noqa: PLC0415
+        from pycriu.images import pb  # noqa: PLC0415
         with open(path, "rb") as f:
-            return pycriu.images.load(f)["entries"]
+            entries = pycriu.images.load(f)["entries"]
+            if all(e.get("nr_pages") or e.get("compat_nr_pages") for e in entries[1:]):
+                for e in entries[1:]:
+                    e["nr_pages"] = e.get("nr_pages") or e["compat_nr_pages"]
+                return entries
+            # an older pycriu: the same records again (after the two magics: a 4-byte length,
+            # then the message), the count taken from field 5
+            f.seek(8)
+            for e in entries:
+                size = int.from_bytes(f.read(4), "little")
+                msg = (pb.pagemap_head if "pages_id" in e else pb.pagemap_entry)()
+                msg.ParseFromString(f.read(size))
+                wide = [u.data for u in UnknownFieldSet(msg) if u.field_number == 5]
+                if wide:
+                    e["nr_pages"] = wide[0]
+            return entries
     except Exception:  # noqa: BLE001 (any undecodable pagemap: fall back, never fail a pack)
         return None
 
