@@ -45,6 +45,7 @@ from tests.gpu import programs  # noqa: E402
 from torpor import process  # noqa: E402
 from torpor.engine import Engine  # noqa: E402
 from torpor.progress import Progress  # noqa: E402
+from torpor.store import Store, snapshot  # noqa: E402
 
 GB = 1e9
 TARGETS = {"checkpoint": (">=", 10.0), "image": ("<=", 0.5), "incremental": ("<=", 0.05)}
@@ -125,6 +126,7 @@ class StoreBench(Bench):
                               "agent": agent_of(m2, prog.pid)},
                    "restore_s": rs, "restore_timings": r.get("timings", {}),
                    "store_chunk_bytes": tree_bytes(store / "chunks"),
+                   "second_new_by_file": new_by_file(eng, "two", "one"),
                    "steps_between": self.args.steps_between}
             out.update(bit_exact(ref, prog))
             return out
@@ -154,6 +156,13 @@ class StoreBench(Bench):
         row["targets_met"] = {k: (row["ratios"][k] >= v if op == ">=" else row["ratios"][k] <= v)
                               for k, (op, v) in TARGETS.items()}
         return row
+
+
+def new_by_file(eng: Engine, name: str, base: str, top: int = 12) -> dict[str, int]:
+    """Where a checkpoint's new bytes lie: the files with the most, largest first."""
+    st = Store(eng.cfg.store_dir)
+    by = snapshot.new_bytes_by_file(st.load(name), st.load(base))
+    return dict(sorted(by.items(), key=lambda kv: -kv[1])[:top])
 
 
 def line(row: dict) -> str:

@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import is_root, torpor_cmd
 from torpor.errors import BusyError, CorruptCheckpointError, NotFoundError, TorporError, UsageError
-from torpor.store import Store, chunk
+from torpor.store import Store, chunk, snapshot
 
 CHUNK = 64 << 10
 
@@ -104,6 +104,11 @@ def test_second_snapshot_writes_only_the_changed_chunk(store, tmp_path):
     assert stats.new_chunks == 1 and len(blobs(store) - before) == 1
     assert read(store, "two", "gpu-memory.bin") == bytes(data)
     assert read(store, "one", "gpu-memory.bin") != bytes(data)
+    # where the new data lies, as the benchmark reports it: the one changed chunk's bytes
+    write(src / "zeros.bin", bytes(2 * CHUNK))
+    ingest(store, src, "three")
+    assert snapshot.new_bytes_by_file(store.load("three"), store.load("one")) == {
+        "gpu-memory.bin": CHUNK}
 
 
 def test_zero_chunks_store_nothing(store, tmp_path):

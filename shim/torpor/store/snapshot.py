@@ -81,3 +81,13 @@ def chunk_names(doc: dict[str, Any]) -> set[str]:
     """Every stored chunk the snapshot needs (zeros need none)."""
     return {ref[0] for entry in doc["files"].values() for ref in entry["chunks"]
             if ref[0] is not None}
+
+
+def new_bytes_by_file(doc: dict[str, Any], base: dict[str, Any]) -> dict[str, int]:
+    """For each file of doc, the logical bytes of its chunks that base does not have (zeros
+    are never new): where a second checkpoint's new data lies. Files with none are left out."""
+    have = chunk_names(base)
+    out = {rel: sum(ref[1] for ref in entry["chunks"]
+                    if ref[0] is not None and ref[0] not in have)
+           for rel, entry in doc["files"].items()}
+    return {rel: n for rel, n in out.items() if n}
