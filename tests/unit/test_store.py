@@ -120,6 +120,16 @@ def test_zero_chunks_store_nothing(store, tmp_path):
     assert read(store, "z", "zeros") == bytes(3 * CHUNK + 100)
 
 
+def test_zero_chunks_come_back_as_holes(store, tmp_path):
+    data = os.urandom(CHUNK) + bytes(6 * CHUNK) + os.urandom(CHUNK) + bytes(CHUNK + 7)
+    write(tmp_path / "src" / "gpu-memory-0.bin", data)
+    ingest(store, tmp_path / "src", "h")
+    store.materialize("h", tmp_path / "out")
+    out = tmp_path / "out" / "gpu-memory-0.bin"
+    assert out.read_bytes() == data
+    assert out.stat().st_blocks * 512 <= 4 * CHUNK      # the zeros cost no disk
+
+
 def test_compressible_data_shrinks_and_random_data_stays_raw(store, tmp_path):
     src = tmp_path / "src"
     write(src / "text", b"torpor " * (CHUNK // 7) + b"!" * (CHUNK % 7))

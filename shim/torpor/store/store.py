@@ -150,9 +150,14 @@ class Store:
                 private_dir(dest / parent)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                          | os.O_CLOEXEC, 0o600)
-            with open(fd, "wb") as out:
-                for data in self.read_entry(entry, f"snapshot {doc['name']}, file {rel}"):
-                    out.write(data)
+            with open(fd, "wb") as out:   # zero chunks become holes: no bytes written
+                for ref, data in zip(entry["chunks"],
+                                     self.read_entry(entry, f"snapshot {doc['name']}, file {rel}")):
+                    if ref[0] is None:
+                        out.seek(ref[1], os.SEEK_CUR)
+                    else:
+                        out.write(data)
+                out.truncate(entry["size"])
 
     # --- writing ---------------------------------------------------------------------------
 
