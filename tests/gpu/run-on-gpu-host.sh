@@ -66,5 +66,7 @@ if [[ -n "${STORE_BENCH_SIZES:-}" ]]; then
         --disk /var/tmp/torpor-criu-bench --out "$OUT/criu_share.json" 2>&1 \
         | tee "$OUT/criu-share.txt"
 fi
-cp /var/lib/torpor/*.log "$OUT/" 2>/dev/null
+# torpor's logs as one file: the device tool brings back at most 8 files, and four logs beside
+# the results once crowded out store_e2e.json
+tar czf "$OUT/torpor-logs.tar.gz" -C /var/lib/torpor $(cd /var/lib/torpor 2>/dev/null && ls *.log) 2>/dev/null
 exit "$rc"

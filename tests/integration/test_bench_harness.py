@@ -25,6 +25,11 @@ def test_store_e2e_harness_runs_both_paths_bit_exact(torpor_env, tmp_path):
     assert row["driver"]["bit_exact"] and row["store"]["bit_exact"], row
     first, second = row["store"]["first"]["stored"], row["store"]["second"]["stored"]
     assert first["new_bytes"] > 0 and second["reused_chunks"] > 0, (first, second)
+    # where the second's new bytes lie: the CPU program's heap, in CRIU's page image
+    by_file = row["store"]["second_new_by_file"]
+    assert by_file and any(f.startswith("pages-") for f in by_file), by_file
+    # each operation's timings are its own: the restore's hold no checkpoint phase
+    assert "dump" not in row["store"]["restore_timings"], row["store"]["restore_timings"]
     assert set(row["ratios"]) == {"checkpoint", "second_checkpoint", "image", "incremental",
                                   "restore"}
     assert not list((tmp_path / "root").iterdir())      # stores and images removed
