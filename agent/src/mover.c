@@ -7,10 +7,11 @@
  * at a multiple of FILE_ALIGN (the gap is a hole: no bytes written), so that the image store,
  * which cuts files into FILE_ALIGN pieces, sees a chunk's bytes the same way wherever it
  * lands: what a chunk holds depends on its window alone, so an allocation that appears or
- * goes away changes one chunk, not every chunk after it (the second checkpoint of an
- * inference program stored 7-9 % of the first with chunks packed back to back: its
- * allocator's segments differ between checkpoints). One worker thread a sink. A 64-bit checksum of every chunk is kept in the agent's
- * memory (it travels with the process image: CRIU restores it with the rest of the agent).
+ * goes away changes one chunk, not every chunk after it (packed back to back, one allocator
+ * segment freed between two checkpoints shifted every later chunk, and the store kept
+ * nothing after it). One worker thread a sink. A 64-bit checksum of every chunk is kept in
+ * the agent's memory (it travels with the process image: CRIU restores it with the rest of
+ * the agent).
  * Once every chunk is out, the physical memory of every movable allocation is released
  * (vmm_drop); the addresses stay.
  *
