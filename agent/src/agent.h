@@ -11,6 +11,7 @@
 #endif
 #include <errno.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <string.h>
 
 #include "cuda_types.h"
@@ -57,6 +58,8 @@ void hooks_resolve(void);
 /* Resolves the originals and starts the control socket (once per process): the first driver
  * call does. */
 void agent_start(void);
+/* A driver function the agent uses but does not hook (cuModuleLoadData...), or NULL. */
+void *driver_symbol(const char *name);
 /* Does the driver have this hooked symbol? (Resolves the originals.) */
 int driver_has(const char *name);
 /* The wrapper of a hooked symbol by name, or NULL when it is not hooked. */
@@ -239,12 +242,20 @@ struct move_result {
 	 * the workers' copy (staging included), and the GPU memory released (save) or
 	 * re-created (load) */
 	double staging_seconds, copy_seconds, vmm_seconds;
+	/* fingerprints (a save with an index): parts fingerprinted, skipped (the store has
+	 * them) and their bytes, the seconds it took; fp_error: why there are none */
+	long fp_parts, fp_skipped;
+	unsigned long long fp_skipped_bytes;
+	double fp_seconds;
+	char fp_error[160];
 	char error[256];
 };
 /* Copies every movable allocation into the files (striped, one thread a file; nfds 0: into
  * the agent's own memory, one thread a CPU), then drops their physical memory. The gate must
- * be closed. 0, or -1 with r->error (nothing dropped). */
-int mover_save(const int *fds, int nfds, struct move_result *r);
+ * be closed. index_fd >= 0: fingerprints every part on the GPU first, skips the parts whose
+ * fingerprints are in known_fd (-1: none), and writes the index to index_fd. 0, or -1 with
+ * r->error (nothing dropped). */
+int mover_save(const int *fds, int nfds, int known_fd, int index_fd, struct move_result *r);
 /* Re-creates and reloads what mover_save saved from the same files (none: from the agent's
  * memory), verifying checksums. 0, or -1 with r->error (what was re-created stays; a retry
  * goes on from there). */
@@ -255,6 +266,13 @@ int mover_in_memory(void);
 /* Bytes of the agent's own memory holding saved GPU data. */
 unsigned long long mover_host_bytes(void);
 void mover_after_fork(void);
+
+/* -- GPU fingerprints (fingerprint.c, fingerprint.h) ------------------------------------------ */
+
+struct fp_seg;
+/* Runs the fingerprint kernel over n segments of the current context's device: lanes gets
+ * n * FP_LANES * 2 accumulators. 0, or -1 with err (nothing changed on the GPU). */
+int fp_run(const struct fp_seg *segs, size_t n, uint64_t *lanes, char *err, size_t errsize);
 
 /* -- allocator caches (caches.c) -------------------------------------------------------------- */
 

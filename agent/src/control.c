@@ -44,8 +44,8 @@
 #define DEFAULT_CLOSE_TIMEOUT_MS 10000
 #define MAX_CLIENTS 16
 #define LINE_MAX_LEN 256
-#define MAX_FDS 16 /* data files a command may carry */
-#define REPLY_MAX 2048
+#define MAX_FDS 18 /* fds a command may carry: 16 data files, and prepare's fp pair */
+#define REPLY_MAX 2560
 
 struct client {
 	int fd;
@@ -354,14 +354,30 @@ static void prepare_reply(struct client *c, const char *arg, char *out, size_t s
 	unsigned long long released;
 	struct move_result r;
 	long timeout_ms;
-	int ret, n;
-	size_t used;
+	int ret, n, ndata = c->nfds, known_fd = -1, index_fd = -1;
+	size_t used, alen = strlen(arg);
+	char targ[32];
 
 	if (ctl.state != RUNNING) {
 		error_reply(out, size, "already prepared: resume or abort first");
 		return;
 	}
-	if (parse_timeout(arg, &timeout_ms)) {
+	/* "prepare [timeout_ms] [fp]": with fp, the last two fds are the known fingerprints and
+	 * the index to write (PROTOCOL.md) */
+	if (alen >= 2 && !strcmp(arg + alen - 2, "fp") && (alen == 2 || arg[alen - 3] == ' ')) {
+		if (c->nfds < 3) {
+			error_reply(out, size, "prepare ... fp takes the data files, then the known "
+				    "fingerprints and the index file");
+			return;
+		}
+		ndata = c->nfds - 2;
+		known_fd = c->fds[ndata];
+		index_fd = c->fds[ndata + 1];
+		alen = alen > 2 ? alen - 3 : 0;
+	}
+	snprintf(targ, sizeof(targ), "%.*s", (int)(alen < sizeof(targ) - 1 ? alen : sizeof(targ) - 1),
+		 arg);
+	if (alen >= sizeof(targ) || parse_timeout(targ, &timeout_ms)) {
 		error_reply(out, size, "bad timeout");
 		return;
 	}
@@ -384,11 +400,18 @@ static void prepare_reply(struct client *c, const char *arg, char *out, size_t s
 		error_reply(out, size, "timeout");
 		return;
 	}
-	if (mover_save(c->fds, c->nfds, &r)) {
+	ret = mover_save(c->fds, ndata, known_fd, index_fd, &r);
+	if (known_fd >= 0) { /* torpor's, read and written: not kept */
+		close(known_fd);
+		close(index_fd);
+		c->nfds = ndata;
+	}
+	if (ret) {
 		struct move_result back;
 
 		/* nothing released, or (releasing failed half-way) reloaded at once from the files,
-		 * which are complete */
+		 * which are complete but for skipped parts (their fingerprints then fail the reload:
+		 * torpor fills them from the store and resumes) */
 		if (mover_pending() && mover_load(c->fds, c->nfds, &back)) {
 			pr_err("%s; reloading failed too: %s; the gate stays closed", r.error,
 			       back.error);
@@ -413,10 +436,12 @@ static void prepare_reply(struct client *c, const char *arg, char *out, size_t s
 		     "{\"ok\":true,\"bytes\":%llu,\"chunks\":%ld,\"allocations\":%ld,"
 		     "\"cache_released\":%llu,\"seconds\":%.6f,\"in_memory\":%s,"
 		     "\"host_alloc_seconds\":%.6f,\"phases\":{\"staging\":%.6f,\"copy\":%.6f,"
-		     "\"release\":%.6f},\"files\":[",
+		     "\"release\":%.6f},\"fingerprints\":{\"parts\":%ld,\"skipped\":%ld,"
+		     "\"skipped_bytes\":%llu,\"seconds\":%.6f,\"error\":\"%s\"},\"files\":[",
 		     r.bytes, r.chunks, r.allocations, released, r.seconds,
 		     r.in_memory ? "true" : "false", r.host_alloc_seconds, r.staging_seconds,
-		     r.copy_seconds, r.vmm_seconds);
+		     r.copy_seconds, r.vmm_seconds, r.fp_parts, r.fp_skipped, r.fp_skipped_bytes,
+		     r.fp_seconds, r.fp_error);
 	used = n > 0 && (size_t)n < size ? (size_t)n : size - 1;
 	for (int k = 0; k < r.nfiles && used < size; k++) {
 		n = snprintf(out + used, size - used, "%s%llu", k ? "," : "", r.file_size[k]);

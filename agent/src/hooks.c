@@ -85,6 +85,8 @@ void *hook_map_proc(void *p)
 	return p;
 }
 
+static void *driver_handle; /* the driver's, kept open for good (resolve_real) */
+
 static const char *driver_path(void)
 {
 	const char *path = getenv("TORPOR_AGENT_LIBCUDA");
@@ -123,6 +125,7 @@ static void resolve_real(void)
 	h = dlopen(path, RTLD_LAZY | RTLD_LOCAL | RTLD_NOLOAD);
 	if (!h)
 		h = dlopen(path, RTLD_LAZY | RTLD_LOCAL);
+	driver_handle = h;
 	if (!h) {
 		pr_warn("cannot load the driver %s: %s; every hooked call answers "
 			"CUDA_ERROR_NOT_SUPPORTED", path, dlerror());
@@ -142,6 +145,12 @@ static void resolve_real(void)
 void hooks_resolve(void)
 {
 	pthread_once(&real_once, resolve_real);
+}
+
+void *driver_symbol(const char *name)
+{
+	hooks_resolve();
+	return driver_handle ? real_dlsym(driver_handle, name) : NULL;
 }
 
 int driver_has(const char *name)

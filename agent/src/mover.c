@@ -51,12 +51,18 @@
 #define MADV_POPULATE_WRITE 23 /* Linux 5.14 */
 #endif
 
+#define XXH_INLINE_ALL
+#define XXH_STATIC_LINKING_ONLY
+#include <xxhash.h>
+#include "fingerprint.h"
+
 #define CHUNK (32UL << 20)  /* bytes a chunk: a write, a checksum */
 #define SUB (1UL << 20)     /* written and summed this much at a time (stays in cache) */
 #define MAX_FILES 16       /* sinks: files, or regions of the agent's memory */
 #define REGION_ALIGN (2UL << 20)
 #define FILE_ALIGN (4UL << 20) /* the image store's chunk (store.CHUNK_SIZE): see the top */
 #define MAX_DEVICES 64
+#define PARTS ((int)(CHUNK / FILE_ALIGN)) /* a chunk's parts: one a store chunk, summed one by one */
 
 struct piece {
 	size_t mv;       /* index into plan.mv */
@@ -64,14 +70,30 @@ struct piece {
 	size_t at;       /* inside the chunk */
 };
 
+/* A part: FILE_ALIGN bytes of a chunk (the last one shorter), at a multiple of FILE_ALIGN in
+ * its file: exactly the bytes of one chunk of the image store. */
+struct part {
+	uint64_t sum;          /* XXH3 of its bytes, as written (not for a skipped part) */
+	XXH128_hash_t fp;      /* its GPU fingerprint (fingerprinted) */
+	unsigned long long store_len; /* the store chunk it is: its bytes and the hole after */
+	size_t seg, nseg;      /* its segments, into plan.segs */
+	unsigned char fingerprinted, skip; /* skip: the store has it: neither copied nor written */
+};
+
 struct chunk {
 	int file;
 	unsigned long long file_off;
 	size_t len;
-	uint64_t sum;
+	struct part part[PARTS];
 	size_t first, npieces; /* into plan.pieces */
 	CUdevice dev;
 	unsigned long long window; /* the device addresses it holds: [window, window + 1) * CHUNK */
+};
+
+/* One stretch of device memory inside a part (a part may span allocations). */
+struct seg {
+	CUdeviceptr ptr;
+	size_t len, at; /* at: its offset in the chunk */
 };
 
 /* What was saved: kept from a save until its load succeeds. */
@@ -88,6 +110,9 @@ static struct {
 	int in_memory; /* the sinks are regions of the agent's memory, not files */
 	unsigned char *region[MAX_FILES];
 	size_t region_size[MAX_FILES];
+	struct seg *segs; /* fingerprinted: the segments of every part */
+	size_t nsegs;
+	int fingerprinted; /* the parts have fingerprints (some may not: see part) */
 } plan;
 
 /* -- the checksum: XXH3, 64 bits (libxxhash, header-only: nothing to link) --------------------
@@ -95,9 +120,6 @@ static struct {
  * it, block by block while the block is in cache. XXH3 runs at 11-12 GB/s a thread where the
  * hand-written xxHash64 round used before ran at 5 (measured on a 2-core Xeon VM, 1 MiB
  * blocks): at 16 workers moving 17 GB that was 0.2 s of every save and every load. */
-#define XXH_INLINE_ALL
-#define XXH_STATIC_LINKING_ONLY
-#include <xxhash.h>
 
 struct sum {
 	XXH3_state_t st;
@@ -182,6 +204,7 @@ static void plan_free(void)
 	free(plan.mv);
 	free(plan.pieces);
 	free(plan.chunks);
+	free(plan.segs);
 	memset(&plan, 0, sizeof(plan));
 }
 
@@ -190,6 +213,11 @@ static int by_device(const void *a, const void *b)
 	const struct movable *x = a, *y = b;
 
 	return x->dev != y->dev ? (x->dev < y->dev ? -1 : 1) : (x->src < y->src ? -1 : x->src > y->src);
+}
+
+static double seconds_since(long long t0)
+{
+	return (now_ms() - t0) / 1000.0;
 }
 
 static size_t round_up(size_t n, size_t to)
@@ -250,6 +278,337 @@ static int plan_build(int nfiles, size_t align)
 	}
 	memcpy(plan.file_size, off, sizeof(off));
 	return 0;
+}
+
+/* -- fingerprints ----------------------------------------------------------------------------
+ * With an index file (prepare ... fp), every part gets a fingerprint on the GPU before anything
+ * moves (fingerprint.h), and a part whose fingerprint torpor named as known (the image store
+ * holds that chunk) is neither copied nor written: its bytes in the file stay a hole, which
+ * torpor fills from the store before the data is read back (a restore, or a rollback). The
+ * index lists every fingerprinted part; a reload checks each fingerprint again on the GPU,
+ * which is how the parts the store supplied are verified. */
+
+static size_t part_len(const struct chunk *c, int q)
+{
+	size_t start = (size_t)q * FILE_ALIGN;
+
+	if (start >= c->len)
+		return 0;
+	return c->len - start < FILE_ALIGN ? c->len - start : FILE_ALIGN;
+}
+
+/* The segments of every part (pieces cut at part boundaries) and each part's store length. */
+static int segs_build(void)
+{
+	size_t cap = plan.npieces + plan.nchunks * PARTS, n = 0;
+
+	plan.segs = calloc(cap ? cap : 1, sizeof(*plan.segs));
+	if (!plan.segs)
+		return -ENOMEM;
+	for (size_t j = 0; j < plan.nchunks; j++) {
+		struct chunk *c = &plan.chunks[j];
+		size_t i = c->first;
+
+		for (int q = 0; q < PARTS; q++) {
+			struct part *pt = &c->part[q];
+			size_t start = (size_t)q * FILE_ALIGN, end = start + part_len(c, q);
+			unsigned long long at = c->file_off + start;
+
+			pt->seg = n;
+			for (; end > start && i < c->first + c->npieces; i++) {
+				const struct piece *p = &plan.pieces[i];
+				size_t a = start > p->at ? start : p->at;
+				size_t b = end < p->at + p->len ? end : p->at + p->len;
+
+				if (b > a) {
+					if (n == cap)
+						return -ENOMEM; /* cannot happen: sized above */
+					plan.segs[n++] = (struct seg){ plan.mv[p->mv].src + p->off + (a - p->at),
+								       b - a, a };
+				}
+				if (p->at + p->len > end)
+					break; /* the piece goes on in the next part */
+			}
+			pt->nseg = n - pt->seg;
+			pt->store_len = plan.file_size[c->file] - at < FILE_ALIGN
+						? plan.file_size[c->file] - at : FILE_ALIGN;
+		}
+	}
+	plan.nsegs = n;
+	return 0;
+}
+
+/* Can the kernel read seg (whole aligned 64-bit words)? */
+static int seg_readable(const struct seg *g)
+{
+	return g->ptr % 8 == 0 && g->len % 8 == 0;
+}
+
+static int part_readable(const struct part *pt)
+{
+	for (size_t k = 0; k < pt->nseg; k++)
+		if (!seg_readable(&plan.segs[pt->seg + k]))
+			return 0;
+	return pt->nseg > 0;
+}
+
+/* The GPU's lanes of every segment (FP_LANES * 2 each), device by device; NULL with err. */
+static uint64_t *lanes_all(char *err, size_t errsize)
+{
+	uint64_t *lanes = malloc(plan.nsegs * FP_LANES * 2 * sizeof(uint64_t) + 1);
+	struct fp_seg *table = malloc(plan.nsegs * sizeof(*table) + 1);
+	size_t j = 0;
+
+	if (!lanes || !table) {
+		snprintf(err, errsize, "out of memory for fingerprints");
+		goto fail;
+	}
+	for (size_t k = 0; k < plan.nsegs; k++) /* an unreadable segment: nothing read */
+		table[k] = (struct fp_seg){ plan.segs[k].ptr,
+					    seg_readable(&plan.segs[k]) ? plan.segs[k].len / 8 : 0 };
+	while (j < plan.nchunks) { /* the chunks of one device are together (by_device) */
+		CUdevice dev = plan.chunks[j].dev;
+		CUcontext ctx = track_context_of(dev);
+		size_t from = plan.chunks[j].part[0].seg, to;
+
+		while (j < plan.nchunks && plan.chunks[j].dev == dev)
+			j++;
+		to = plan.chunks[j - 1].part[PARTS - 1].seg + plan.chunks[j - 1].part[PARTS - 1].nseg;
+		if (!ctx || real.cuCtxSetCurrent(ctx) != CUDA_SUCCESS) {
+			snprintf(err, errsize, "no context of device %d", dev);
+			goto fail;
+		}
+		if (fp_run(table + from, to - from, lanes + from * FP_LANES * 2, err, errsize))
+			goto fail;
+	}
+	free(table);
+	return lanes;
+fail:
+	free(table);
+	free(lanes);
+	return NULL;
+}
+
+/* A part's fingerprint from its segments' lanes: its lengths, each segment's, the lanes. */
+static XXH128_hash_t part_fp(const struct chunk *c, int q, const uint64_t *lanes)
+{
+	const struct part *pt = &c->part[q];
+	uint64_t head[3] = { part_len(c, q), pt->store_len, pt->nseg };
+	XXH3_state_t st;
+
+	XXH3_128bits_reset(&st);
+	XXH3_128bits_update(&st, head, sizeof(head));
+	for (size_t k = 0; k < pt->nseg; k++) {
+		uint64_t words = plan.segs[pt->seg + k].len / 8;
+
+		XXH3_128bits_update(&st, &words, sizeof(words));
+		XXH3_128bits_update(&st, lanes + (pt->seg + k) * FP_LANES * 2,
+				    FP_LANES * 2 * sizeof(uint64_t));
+	}
+	return XXH3_128bits_digest(&st);
+}
+
+/* The same fingerprint from the part's bytes in host memory (chunk c's buffer): the CPU
+ * reference, for TORPOR_AGENT_FP_CHECK. */
+static XXH128_hash_t part_fp_host(const struct chunk *c, int q, const unsigned char *buf)
+{
+	const struct part *pt = &c->part[q];
+	uint64_t *lanes = malloc(pt->nseg * FP_LANES * 2 * sizeof(uint64_t) + 1);
+	uint64_t *all = lanes - pt->seg * FP_LANES * 2; /* indexed as part_fp indexes */
+	XXH128_hash_t fp = { 0, 0 };
+
+	if (!lanes)
+		return fp;
+	for (size_t k = 0; k < pt->nseg; k++) {
+		const struct seg *g = &plan.segs[pt->seg + k];
+
+		for (unsigned t = 0; t < FP_LANES; t++)
+			fp_lane((const uint64_t *)(buf + g->at), g->len / 8, t,
+				lanes + (k * FP_LANES + t) * 2);
+	}
+	fp = part_fp(c, q, all);
+	free(lanes);
+	return fp;
+}
+
+static int by_bytes(const void *a, const void *b)
+{
+	return memcmp(a, b, sizeof(XXH128_canonical_t));
+}
+
+/* The fingerprints torpor knows (the store holds their chunks): 16 bytes each (XXH128's
+ * canonical form), in any order. Sorted into *known. */
+static int known_read(int fd, XXH128_canonical_t **known, size_t *n, char *err, size_t errsize)
+{
+	struct stat st;
+	size_t done = 0;
+	unsigned char *p;
+
+	*known = NULL;
+	*n = 0;
+	if (fd < 0)
+		return 0;
+	if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode) || st.st_size % 16 ||
+	    st.st_size > (64LL << 20)) {
+		snprintf(err, errsize, "the known-fingerprints file is not a regular file of 16-byte "
+			 "records (at most 64 MiB)");
+		return -1;
+	}
+	p = malloc(st.st_size + 1);
+	if (!p) {
+		snprintf(err, errsize, "out of memory");
+		return -1;
+	}
+	while (done < (size_t)st.st_size) {
+		ssize_t got = pread(fd, p + done, st.st_size - done, done);
+
+		if (got < 0 && errno == EINTR)
+			continue;
+		if (got <= 0) {
+			snprintf(err, errsize, "reading the known fingerprints: %s",
+				 got ? strerror(errno) : "short file");
+			free(p);
+			return -1;
+		}
+		done += got;
+	}
+	*known = (XXH128_canonical_t *)p;
+	*n = st.st_size / 16;
+	qsort(*known, *n, sizeof(**known), by_bytes);
+	return 0;
+}
+
+/* Fingerprints every part of the plan (a file save) on the GPU and marks the parts known
+ * holds as skipped. Failing, no part is fingerprinted or skipped (all are copied): r->fp_error
+ * says why. */
+static void fingerprint_parts(const XXH128_canonical_t *known, size_t nknown,
+			      struct move_result *r)
+{
+	long long t0 = now_ms();
+	uint64_t *lanes;
+
+	if (segs_build()) {
+		snprintf(r->fp_error, sizeof(r->fp_error), "out of memory");
+		return;
+	}
+	lanes = lanes_all(r->fp_error, sizeof(r->fp_error));
+	if (!lanes) {
+		pr_warn("no fingerprints, every chunk is copied: %s", r->fp_error);
+		return;
+	}
+	for (size_t j = 0; j < plan.nchunks; j++) {
+		struct chunk *c = &plan.chunks[j];
+
+		for (int q = 0; q < PARTS; q++) {
+			struct part *pt = &c->part[q];
+			XXH128_canonical_t key;
+
+			if (!part_readable(pt))
+				continue;
+			pt->fp = part_fp(c, q, lanes);
+			pt->fingerprinted = 1;
+			r->fp_parts++;
+			XXH128_canonicalFromHash(&key, pt->fp);
+			if (nknown && bsearch(&key, known, nknown, sizeof(key), by_bytes)) {
+				pt->skip = 1;
+				r->fp_skipped++;
+				r->fp_skipped_bytes += part_len(c, q);
+			}
+		}
+	}
+	free(lanes);
+	plan.fingerprinted = 1;
+	r->fp_seconds = seconds_since(t0);
+}
+
+/* After a reload: every fingerprinted part again, on the GPU. 0, or -1 with r->error. */
+static int fingerprints_verify(struct move_result *r)
+{
+	size_t bad = 0, bad_skipped = 0, skipped = 0;
+	char err[160];
+	uint64_t *lanes;
+
+	if (!plan.fingerprinted)
+		return 0;
+	for (size_t j = 0; j < plan.nchunks; j++)
+		for (int q = 0; q < PARTS; q++)
+			skipped += plan.chunks[j].part[q].skip;
+	lanes = lanes_all(err, sizeof(err));
+	if (!lanes) {
+		if (!skipped) { /* every part was written, and its sum checked */
+			pr_warn("fingerprints not checked: %s", err);
+			return 0;
+		}
+		snprintf(r->error, sizeof(r->error), "the %zu chunks the image store supplied cannot "
+			 "be checked: %s", skipped, err);
+		return -1;
+	}
+	for (size_t j = 0; j < plan.nchunks; j++) {
+		struct chunk *c = &plan.chunks[j];
+
+		for (int q = 0; q < PARTS; q++)
+			if (c->part[q].fingerprinted &&
+			    !XXH128_isEqual(part_fp(c, q, lanes), c->part[q].fp)) {
+				bad++;
+				bad_skipped += c->part[q].skip;
+			}
+	}
+	free(lanes);
+	if (bad) {
+		snprintf(r->error, sizeof(r->error), "%zu reloaded chunk(s) do not match their "
+			 "fingerprints (%zu of them supplied by the image store: %s)", bad, bad_skipped,
+			 bad_skipped ? "the data files' holes were not filled from the store, or with "
+				       "other data" : "none");
+		return -1;
+	}
+	return 0;
+}
+
+/* The index torpor reads (agent/PROTOCOL.md): one line a fingerprinted part. */
+static int index_write(int fd, char *err, size_t errsize)
+{
+	size_t cap = 64 + plan.nchunks * PARTS * 96, used = 0;
+	char *text = malloc(cap);
+	int ret = 0;
+
+	if (!text) {
+		snprintf(err, errsize, "out of memory");
+		return -1;
+	}
+	used += snprintf(text, cap, "torpor-gpu-fingerprints 1\n");
+	for (size_t j = 0; j < plan.nchunks; j++) {
+		const struct chunk *c = &plan.chunks[j];
+
+		for (int q = 0; q < PARTS; q++) {
+			const struct part *pt = &c->part[q];
+			XXH128_canonical_t key;
+
+			if (!pt->fingerprinted)
+				continue;
+			XXH128_canonicalFromHash(&key, pt->fp);
+			used += snprintf(text + used, cap - used, "%d %llu %zu %llu ", c->file,
+					 c->file_off + (unsigned long long)q * FILE_ALIGN, part_len(c, q),
+					 pt->store_len);
+			for (int b = 0; b < 16; b++)
+				used += snprintf(text + used, cap - used, "%02x", key.digest[b]);
+			used += snprintf(text + used, cap - used, " %d\n", pt->skip);
+		}
+	}
+	for (size_t done = 0; done < used;) {
+		ssize_t n = pwrite(fd, text + done, used - done, done);
+
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n <= 0) {
+			snprintf(err, errsize, "writing the fingerprint index: %s",
+				 n ? strerror(errno) : "nothing written");
+			ret = -1;
+			break;
+		}
+		done += n;
+	}
+	free(text);
+	return ret;
 }
 
 /* -- the workers ------------------------------------------------------------------------------ */
@@ -355,21 +714,61 @@ static void staging_put(struct worker *w)
 			}
 }
 
+static int copy_range(struct worker *w, unsigned char *host, CUdeviceptr dev, size_t len,
+		      CUstream s, int out)
+{
+	CUresult rc = out ? real.cuMemcpyDtoHAsync_v2(host, dev, len, s)
+			  : real.cuMemcpyHtoDAsync_v2(dev, host, len, s);
+
+	if (rc != CUDA_SUCCESS) {
+		fail(w, "%s of %zu bytes at 0x%llx: CUresult %d", out ? "copy out" : "copy in", len,
+		     dev, rc);
+		return -1;
+	}
+	return 0;
+}
+
+/* Every piece of chunk c between buf and the GPU; out of the GPU, the stretches in skipped
+ * parts stay behind (the store has them). */
 static int copy_chunk(struct worker *w, const struct chunk *c, unsigned char *buf, CUstream s,
 		      int out)
 {
 	for (size_t i = c->first; i < c->first + c->npieces; i++) {
 		const struct piece *p = &plan.pieces[i];
 		CUdeviceptr dev = plan.mv[p->mv].src + p->off;
-		CUresult rc = out ? real.cuMemcpyDtoHAsync_v2(buf + p->at, dev, p->len, s)
-				  : real.cuMemcpyHtoDAsync_v2(dev, buf + p->at, p->len, s);
+		size_t run = p->at; /* start of the stretch to copy */
 
-		if (rc != CUDA_SUCCESS) {
-			fail(w, "%s of %zu bytes at 0x%llx: CUresult %d", out ? "copy out" : "copy in",
-			     p->len, dev, rc);
+		for (size_t a = p->at; a < p->at + p->len;) {
+			size_t end = (a / FILE_ALIGN + 1) * FILE_ALIGN;
+
+			if (end > p->at + p->len)
+				end = p->at + p->len;
+			if (out && c->part[a / FILE_ALIGN].skip) {
+				if (a > run && copy_range(w, buf + run, dev + (run - p->at), a - run, s, out))
+					return -1;
+				run = end;
+			}
+			a = end;
+		}
+		if (p->at + p->len > run &&
+		    copy_range(w, buf + run, dev + (run - p->at), p->at + p->len - run, s, out))
+			return -1;
+	}
+	return 0;
+}
+
+/* TORPOR_AGENT_FP_CHECK: the GPU's fingerprint of every part copied out against the CPU's,
+ * from the bytes that arrived (what the GPU tests run with). */
+static int fp_check(struct worker *w, const struct chunk *c, const unsigned char *buf)
+{
+	for (int q = 0; q < PARTS; q++)
+		if (c->part[q].fingerprinted && !c->part[q].skip &&
+		    !XXH128_isEqual(part_fp_host(c, q, buf), c->part[q].fp)) {
+			fail(w, "fingerprint check: the GPU's fingerprint of %zu bytes at file %d "
+			     "offset %llu differs from the CPU's", part_len(c, q), c->file,
+			     c->file_off + (unsigned long long)q * FILE_ALIGN);
 			return -1;
 		}
-	}
 	return 0;
 }
 
@@ -441,16 +840,16 @@ static void sync_streams(struct worker *w)
 				     w->saving ? "copy out" : "reload");
 }
 
-/* Writes (saving) or reads one chunk's bytes between buf and the sink, SUB at a time (each
- * block summed whole: the checksum's stripes must fall the same way on both sides), and returns
- * its checksum in *sum. */
-static int file_io(struct worker *w, const struct chunk *c, unsigned char *buf, uint64_t *sum)
+/* One part of chunk c between buf and the sink (file_io) */
+static int part_io(struct worker *w, const struct chunk *c, unsigned char *buf, int q,
+		   uint64_t *sum)
 {
+	size_t first = (size_t)q * FILE_ALIGN, last = first + part_len(c, q);
 	struct sum s;
 
 	sum_init(&s);
-	for (size_t block = 0; block < c->len; block += SUB) {
-		size_t n = c->len - block < SUB ? c->len - block : SUB;
+	for (size_t block = first; block < last; block += SUB) {
+		size_t n = last - block < SUB ? last - block : SUB;
 
 		if (w->saving)
 			sum_add(&s, buf + block, n);
@@ -489,6 +888,47 @@ static int file_io(struct worker *w, const struct chunk *c, unsigned char *buf, 
 	return 0;
 }
 
+
+/* Writes (saving) or reads one chunk's bytes between buf and the sink, part by part and SUB
+ * at a time in a part (each block summed whole: the checksum's stripes must fall the same way
+ * on both sides), and returns each part's checksum in sums. Saving, skipped parts are not
+ * written (nor summed). */
+static int file_io(struct worker *w, const struct chunk *c, unsigned char *buf, uint64_t *sums)
+{
+	for (int q = 0; q < PARTS && (size_t)q * FILE_ALIGN < c->len; q++) {
+		if (w->saving && c->part[q].skip)
+			continue;
+		if (part_io(w, c, buf, q, &sums[q]))
+			return -1;
+	}
+	return 0;
+}
+
+static int fp_checking; /* TORPOR_AGENT_FP_CHECK, read at each save */
+
+/* The bytes of c a save moves: all but its skipped parts'. */
+static size_t moved_len(const struct chunk *c)
+{
+	size_t n = c->len;
+
+	for (int q = 0; q < PARTS; q++)
+		n -= c->part[q].skip ? part_len(c, q) : 0;
+	return n;
+}
+
+/* The previous chunk is in its buffer: checked (fp_check), written, summed. */
+static int save_one(struct worker *w, struct chunk *c, const unsigned char *buf)
+{
+	uint64_t sums[PARTS] = { 0 };
+
+	if ((fp_checking && fp_check(w, c, buf)) || file_io(w, c, (unsigned char *)buf, sums))
+		return -1;
+	for (int q = 0; q < PARTS; q++)
+		c->part[q].sum = sums[q];
+	w->bytes += moved_len(c);
+	return 0;
+}
+
 /* Copies chunk after chunk into the two buffers in turn; the previous chunk is written while
  * the next one copies. */
 static void *save_main(struct worker *w)
@@ -503,19 +943,14 @@ static void *save_main(struct worker *w)
 
 		if (use_device(w, c->dev, s) || copy_chunk(w, c, w->buf[cur], s[cur], 1))
 			return NULL;
-		if (prev) {
-			if (wait_stream(w, prev_s) ||
-			    file_io(w, prev, w->buf[cur ^ 1], &prev->sum))
-				return NULL;
-			w->bytes += prev->len;
-		}
+		if (prev && (wait_stream(w, prev_s) || save_one(w, prev, w->buf[cur ^ 1])))
+			return NULL;
 		prev = c;
 		prev_s = s[cur];
 		cur ^= 1;
 	}
-	if (prev && !failed && !wait_stream(w, prev_s) &&
-	    !file_io(w, prev, w->buf[cur ^ 1], &prev->sum))
-		w->bytes += prev->len;
+	if (prev && !failed && !wait_stream(w, prev_s))
+		save_one(w, prev, w->buf[cur ^ 1]);
 	return NULL;
 }
 
@@ -526,16 +961,21 @@ static void *load_main(struct worker *w)
 
 	for (size_t j = w->k; j < plan.nchunks && !failed; j += plan.nfiles) {
 		struct chunk *c = &plan.chunks[j];
-		uint64_t sum;
+		uint64_t sums[PARTS] = { 0 };
+		int q;
 
 		if (use_device(w, c->dev, s))
 			break;
 		/* the copy that used this buffer two chunks ago must be over */
-		if (wait_stream(w, s[cur]) || file_io(w, c, w->buf[cur], &sum))
+		if (wait_stream(w, s[cur]) || file_io(w, c, w->buf[cur], sums))
 			break;
-		if (sum != c->sum) {
+		for (q = 0; q < PARTS; q++) /* skipped parts: their fingerprints, after the load */
+			if (!c->part[q].skip && part_len(c, q) && sums[q] != c->part[q].sum)
+				break;
+		if (q < PARTS) {
 			fail(w, "chunk %zu (%s %d, offset %llu, %zu bytes): checksum mismatch: %s", j,
-			     w->region ? "memory region" : "file", c->file, c->file_off, c->len,
+			     w->region ? "memory region" : "file", c->file,
+			     c->file_off + (unsigned long long)q * FILE_ALIGN, part_len(c, q),
 			     w->region ? "the program overwrote its saved GPU data"
 				       : "the file is damaged or not this program's");
 			break;
@@ -654,11 +1094,6 @@ static int run_workers(const int *fds, int nfds, int saving, struct move_result 
 	return ret;
 }
 
-static double seconds_since(long long t0)
-{
-	return (now_ms() - t0) / 1000.0;
-}
-
 int mover_pending(void)
 {
 	return plan.pending;
@@ -678,11 +1113,13 @@ static int memory_sinks(void)
 	return n < 1 ? 1 : n > MAX_FILES ? MAX_FILES : n;
 }
 
-int mover_save(const int *fds, int nfds, struct move_result *r)
+int mover_save(const int *fds, int nfds, int known_fd, int index_fd, struct move_result *r)
 {
 	long long t0 = now_ms(), t1;
-	size_t dropped = 0;
+	size_t dropped = 0, nknown = 0;
+	XXH128_canonical_t *known = NULL;
 	int ret, in_memory = nfds == 0;
+	const char *check = getenv("TORPOR_AGENT_FP_CHECK");
 
 	memset(r, 0, sizeof(*r));
 	if (plan.pending) {
@@ -701,14 +1138,35 @@ int mover_save(const int *fds, int nfds, struct move_result *r)
 			return -1;
 		}
 	}
+	if (index_fd >= 0 && in_memory) {
+		snprintf(r->error, sizeof(r->error), "fingerprints are for data files only");
+		return -1;
+	}
+	if (known_read(known_fd, &known, &nknown, r->error, sizeof(r->error)))
+		return -1;
 	plan_free();
 	if (plan_build(in_memory ? memory_sinks() : nfds, in_memory ? 1 : FILE_ALIGN)) {
 		plan_free();
+		free(known);
 		snprintf(r->error, sizeof(r->error), "out of memory");
 		return -1;
 	}
 	plan.in_memory = in_memory;
+	fp_checking = check && *check && strcmp(check, "0");
+	if (index_fd >= 0)
+		fingerprint_parts(known, nknown, r);
+	free(known);
 	ret = plan.nchunks ? run_workers(in_memory ? NULL : fds, plan.nfiles, 1, r) : 0;
+	/* a file ending in skipped parts (or a hole) still has its full size */
+	for (int k = 0; !ret && !in_memory && k < nfds; k++)
+		if (ftruncate(fds[k], plan.file_size[k]) < 0) {
+			snprintf(r->error, sizeof(r->error), "sizing data file %d: %s", k,
+				 strerror(errno));
+			ret = -1;
+		}
+	/* the index before anything is released: without it the skipped parts are lost */
+	if (!ret && index_fd >= 0)
+		ret = index_write(index_fd, r->error, sizeof(r->error));
 	if (ret) {
 		plan_free(); /* the agent's regions too: nothing was released */
 		return -1;
@@ -800,6 +1258,8 @@ int mover_load(const int *fds, int nfds, struct move_result *r)
 	}
 	r->vmm_seconds = seconds_since(t1);
 	if (plan.nchunks && run_workers(plan.in_memory ? NULL : fds, plan.nfiles, 0, r))
+		return -1;
+	if (fingerprints_verify(r))
 		return -1;
 	for (size_t m = 0; m < plan.nmv; m++)
 		vmm_reloaded(plan.mv[m].phys);

@@ -1123,6 +1123,74 @@ EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t Wid
     return rc;
 }
 
+/* -- modules: the agent's fingerprint kernel ---------------------------------------------------
+ * One module there is: the agent's PTX (fingerprint.h), recognised by its kernel's name, whose
+ * one function cuLaunchKernel runs on the CPU with the same fold the PTX does: tests see the
+ * fingerprints the GPU would give (tests/gpu runs the PTX itself, checked against this fold by
+ * TORPOR_AGENT_FP_CHECK). Any other image: CUDA_ERROR_INVALID_IMAGE (200). */
+#include "../../agent/src/fingerprint.h"
+
+static char fp_module, fp_function; /* their addresses are the handles */
+
+EXPORT CUresult cuModuleLoadData(void **module, const void *image)
+{
+    fk_call c;
+    CUresult rc;
+    if ((rc = enter("cuModuleLoadData", &c)) != CUDA_SUCCESS)
+        return rc;
+    if (!module || !image)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!strstr((const char *)image, ".entry " FP_KERNEL "("))
+        return 200;
+    *module = &fp_module;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuModuleGetFunction(void **f, void *module, const char *name)
+{
+    fk_call c;
+    CUresult rc;
+    if ((rc = enter("cuModuleGetFunction", &c)) != CUDA_SUCCESS)
+        return rc;
+    if (module != &fp_module)
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (!f || !name || strcmp(name, FP_KERNEL))
+        return CUDA_ERROR_NOT_FOUND;
+    *f = &fp_function;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuModuleUnload(void *module)
+{
+    return module == &fp_module ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+/* torpor_fp(segs, out): block b folds segment b (device memory: readable by this process). */
+static CUresult run_fingerprints(unsigned int blocks, unsigned int threads, void **params)
+{
+    const struct fp_seg *segs;
+    uint64_t *out;
+    CUresult rc = CUDA_SUCCESS;
+    if (threads != FP_LANES || !params || !params[0] || !params[1])
+        return CUDA_ERROR_INVALID_VALUE;
+    segs = (const struct fp_seg *)(uintptr_t)*(CUdeviceptr *)params[0];
+    out = (uint64_t *)(uintptr_t)*(CUdeviceptr *)params[1];
+    pthread_rwlock_rdlock(&g_mem);
+    if (!dev_ok((CUdeviceptr)(uintptr_t)segs, blocks * sizeof(*segs), CU_MEM_ACCESS_FLAGS_PROT_READ)
+        || !dev_ok((CUdeviceptr)(uintptr_t)out, (size_t)blocks * FP_LANES * 2 * sizeof(uint64_t),
+                   CU_MEM_ACCESS_FLAGS_PROT_READ))
+        rc = CUDA_ERROR_ILLEGAL_ADDRESS;
+    for (unsigned int b = 0; b < blocks && rc == CUDA_SUCCESS; b++)
+        if (segs[b].words && !dev_ok(segs[b].ptr, segs[b].words * 8, CU_MEM_ACCESS_FLAGS_PROT_READ))
+            rc = CUDA_ERROR_ILLEGAL_ADDRESS;
+    for (unsigned int b = 0; b < blocks && rc == CUDA_SUCCESS; b++)
+        for (unsigned int t = 0; t < FP_LANES; t++)
+            fp_lane((const uint64_t *)(uintptr_t)segs[b].ptr, segs[b].words, t,
+                    out + ((size_t)b * FP_LANES + t) * 2);
+    pthread_rwlock_unlock(&g_mem);
+    return rc;
+}
+
 EXPORT CUresult cuLaunchKernel(void *f, unsigned int gridDimX, unsigned int gridDimY,
                                unsigned int gridDimZ, unsigned int blockDimX,
                                unsigned int blockDimY, unsigned int blockDimZ,
@@ -1138,6 +1206,8 @@ EXPORT CUresult cuLaunchKernel(void *f, unsigned int gridDimX, unsigned int grid
         return CUDA_ERROR_INVALID_HANDLE;
     if (!gridDimX || !gridDimY || !gridDimZ || !blockDimX || !blockDimY || !blockDimZ)
         return CUDA_ERROR_INVALID_VALUE;
+    if (f == &fp_function)
+        return run_fingerprints(gridDimX, blockDimX, kernelParams);
     return CUDA_SUCCESS;
 }
 
