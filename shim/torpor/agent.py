@@ -252,16 +252,23 @@ class AgentClient:
         return self.call("open")
 
     # -- moving GPU memory (PROTOCOL.md) --------------------------------------------------------
-    def prepare(self, files: Sequence[int], timeout_ms: int, timeout: float | None = None
-                ) -> dict[str, Any]:
+    def prepare(self, files: Sequence[int], timeout_ms: int, timeout: float | None = None,
+                fingerprints: tuple[int, int] | None = None) -> dict[str, Any]:
         """Movable GPU memory into files (fds of empty regular files, read-write), or with no
         files into the program's own host memory; the gate is closed after. Returns the
         agent's reply: {"bytes", "chunks", "allocations", "cache_released", "seconds",
         "files": [size of each], "in_memory"}.
+        fingerprints: (known, index) fds (fingerprints.py): every part fingerprinted on the
+        GPU, the known ones skipped, the index written; the reply then has "fingerprints":
+        {"parts", "skipped", "skipped_bytes", "seconds", "error"}.
         On failure (AgentError) the agent released nothing and opened its gate again."""
         if not 0 <= len(files) <= MAX_FILES:
             raise ValueError(f"prepare takes 0 to {MAX_FILES} files, not {len(files)}")
-        reply = self.call(f"prepare {int(timeout_ms)}", files, timeout)
+        if fingerprints is not None and not files:
+            raise ValueError("fingerprints are for a prepare into files")
+        fp = fingerprints is not None
+        reply = self.call(f"prepare {int(timeout_ms)}{' fp' if fp else ''}",
+                          [*files, *(fingerprints or ())], timeout)
         sizes = reply.get("files")
         if not isinstance(sizes, list) or len(sizes) != len(files) or not all(
                 isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in sizes):
@@ -277,6 +284,15 @@ class AgentClient:
             raise AgentError("the agent did not keep the GPU memory in the program as asked "
                              "(an agent older than in-memory prepares?)")
         out["in_memory"] = not files
+        if fp:
+            f = reply.get("fingerprints")
+            if not isinstance(f, dict):
+                raise AgentError("the agent's prepare reply has no 'fingerprints' (an agent "
+                                 "older than fingerprints?)")
+            out["fingerprints"] = {
+                "parts": _int(f, "parts", "prepare"), "skipped": _int(f, "skipped", "prepare"),
+                "skipped_bytes": _int(f, "skipped_bytes", "prepare"),
+                "seconds": _number(f, "seconds", "prepare"), "error": str(f.get("error", ""))}
         alloc = reply.get("host_alloc_seconds")
         if not files and isinstance(alloc, (int, float)) and not isinstance(alloc, bool) \
                 and 0 <= alloc < 1e9:

@@ -5,6 +5,8 @@ One directory (0700) per operation, one subdirectory (0700) per program named af
 at checkpoint, N files (0600) in each:
 
     <root>/<pid>/gpu-memory-0.bin ... gpu-memory-<N-1>.bin
+    <root>/<pid>/gpu-fingerprints.txt   (a checkpoint into the image store: the agent's index
+                                         of GPU fingerprints, store/fingerprints.py)
 
 root is `<images dir>/torpor-gpu` for a checkpoint (CRIU ignores what it does not know in its
 images directory, the manifest's file table covers the files, podman's --export archive and
@@ -34,6 +36,7 @@ from .errors import CorruptCheckpointError, TorporError, UsageError
 from .files import TRUSTED_UIDS, require_trusted_location
 
 DATA_DIR = "torpor-gpu"              # in a checkpoint's images directory
+INDEX = "gpu-fingerprints.txt"       # beside a program's files: store/fingerprints.py
 MAX_FILES = 16                       # the agent takes 1-16 files per prepare
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # suspend_tmpfs: a tmpfs of transparent huge pages. On the H200 host 16 staged writers filled
@@ -260,9 +263,9 @@ class DataDir:
                               f"{e}") from e
         return fds
 
-    def for_resume(self, pid: int, count: int) -> list[int]:
-        """The `count` files of <root>/<pid>/, opened read-only (close them). Each must be a
-        regular file no other user could have written."""
+    def for_resume(self, pid: int, count: int, write: bool = False) -> list[int]:
+        """The `count` files of <root>/<pid>/, opened read-only (write: read-write; close
+        them). Each must be a regular file no other user could have written."""
         if not 1 <= count <= MAX_FILES:
             raise CorruptCheckpointError(f"{count} GPU data files for PID {pid}: 1 to "
                                          f"{MAX_FILES} expected")
@@ -270,8 +273,8 @@ class DataDir:
         try:
             with self._open(self.root) as root, self._open(str(int(pid)), dir_fd=root) as d:
                 for k in range(count):
-                    fd = os.open(file_name(k), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                                 dir_fd=d)
+                    fd = os.open(file_name(k), (os.O_RDWR if write else os.O_RDONLY)
+                                 | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=d)
                     fds.append(fd)
                     st = os.fstat(fd)
                     if not stat.S_ISREG(st.st_mode) or st.st_uid not in TRUSTED_UIDS \
@@ -291,6 +294,22 @@ class DataDir:
             _close_all(fds)
             raise
         return fds
+
+    def new_index(self, pid: int) -> int:
+        """<root>/<pid>/INDEX (after for_prepare), new and empty; an fd open read-write."""
+        try:
+            with self._open(self.root) as root, self._open(str(int(pid)), dir_fd=root) as d:
+                fd = os.open(INDEX, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                             | os.O_CLOEXEC, 0o600, dir_fd=d)
+                os.fchmod(fd, 0o600)
+                return fd
+        except OSError as e:
+            raise TorporError(f"cannot make the GPU fingerprint index of PID {pid} in "
+                              f"{self.root}: {e}") from e
+
+    def for_fill(self, pid: int, count: int) -> list[int]:
+        """for_resume()'s files opened read-write: the holes of skipped parts get written."""
+        return self.for_resume(pid, count, write=True)
 
     def path(self, pid: int) -> Path:
         return self.root / str(int(pid))

@@ -28,7 +28,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, TypeVar
+from typing import Any, Callable, Collection, Iterable, Mapping, TypeVar
 
 from . import agent, bulk, interrupts, manifest, procs
 from .agent import AgentClient, AgentError, NoAgentError
@@ -38,6 +38,8 @@ from .errors import BusyError, ExitCode, NoDriverError, RolledBackError, TorporE
 from .files import tree_size
 from .journal import Entry, Journal, Operation
 from .progress import Progress, human_bytes, human_rate
+from .store import fingerprints
+from .store.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -179,13 +181,17 @@ class Engine:
     def lock_and_checkpoint(self, op: Operation, pids: list[int],
                             data: bulk.DataDir | bulk.InProcess | None = None,
                             agent_dir: Path | None = None,
-                            scratch: bool = False) -> dict[int, dict[str, Any]]:
+                            scratch: bool = False,
+                            known_fingerprints: Collection[str] | None = None
+                            ) -> dict[int, dict[str, Any]]:
         """RUNNING -> CHECKPOINTED for every pid; on any failure all are rolled back first.
 
         data: where the agents of the pids that have one (a socket in agent_dir, default
         agent.default_dir()) put their GPU memory first (the directory is made here, when one
         has; bulk.InProcess: the program's own memory); None: driver only. scratch: data is
-        torpor's own (suspend): a recovery removes it.
+        torpor's own (suspend): a recovery removes it. known_fingerprints: the agents
+        fingerprint their data on the GPU and skip these parts (the image store has them:
+        store/fingerprints.py; hold the store's lock until they are packed); None: they don't.
         Returns what each agent moved: pid -> {"nspid", "bytes", "chunks", "allocations",
         "cache_released", "seconds", "files"} (torpor.json's "agent")."""
         if not pids:
@@ -197,7 +203,7 @@ class Engine:
         try:
             sockets = self.agent_sockets(pids, agent_dir) if data is not None else {}
             if sockets and data is not None:
-                moved = self._prepare_agents(op, sockets, data, scratch)
+                moved = self._prepare_agents(op, sockets, data, scratch, known_fingerprints)
             op.phase("lock")
             with self.progress.phase("lock", n):
                 for pid in pids:
@@ -329,8 +335,8 @@ class Engine:
         return live
 
     def _prepare_agents(self, op: Operation, sockets: Mapping[int, Path],
-                        data: bulk.DataDir | bulk.InProcess, scratch: bool
-                        ) -> dict[int, dict[str, Any]]:
+                        data: bulk.DataDir | bulk.InProcess, scratch: bool,
+                        known: Collection[str] | None = None) -> dict[int, dict[str, Any]]:
         op.phase("agent-prepare")
         sockets = self._probe(sockets)
         if not sockets:
@@ -352,14 +358,19 @@ class Engine:
 
         def prepare(pid: int) -> dict[str, Any]:
             fds = [] if in_process else data.for_prepare(pid, count)
+            fp: tuple[int, int] | None = None
             try:
+                if known is not None and not in_process:
+                    fds.append(data.new_index(pid))
+                    fds.append(fingerprints.known_fd(known))
+                    fp = (fds[-1], fds[-2])
                 try:
                     client = self._client(targets[pid], self.cfg.agent_timeout_s)
                 except TorporError:
                     untouched.add(pid)
                     raise
                 with client as a:
-                    reply = a.prepare(fds, timeout_ms)
+                    reply = a.prepare(fds[:count], timeout_ms, fingerprints=fp)
             except TorporError as e:
                 raise AgentError(f"PID {pid}: {e}", exit_code=e.exit_code) from e
             finally:
@@ -403,12 +414,30 @@ class Engine:
                 return {"bytes": 0, "seconds": 0.0}
             if t.in_process:
                 return a.resume(None, self.cfg.agent_timeout_s)
+            self._fill_skipped(t)
             fds = bulk.DataDir(t.data).for_resume(t.name, t.files)
             try:
                 return a.resume(fds, self.cfg.agent_timeout_s)
             finally:
                 for fd in fds:
                     os.close(fd)
+
+    def _fill_skipped(self, t: AgentTarget) -> None:
+        """The parts t's agent skipped (the image store had them) written into its data files
+        from the store (config store_dir), before anything reads them back."""
+        data = bulk.DataDir(t.data)
+        if not fingerprints.has_skipped(data.path(t.name)):
+            return
+        fds = data.for_fill(t.name, t.files)
+        try:
+            sizes = [os.fstat(fd).st_size for fd in fds]
+            store = Store(self.cfg.store_dir)
+            with self.progress.phase("fill", f"GPU data of PID {t.pid} that the agent left in "
+                                     f"store {store.where}"):
+                fingerprints.fill(store, data.path(t.name), fds, sizes)
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def _resume_agents(self, targets: dict[int, AgentTarget]) -> dict[int, dict[str, Any]]:
         def resume(pid: int) -> dict[str, Any]:

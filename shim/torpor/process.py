@@ -33,7 +33,8 @@ from .errors import (BusyError, CorruptCheckpointError, CriuError, NoDriverError
                      PreflightError, RolledBackError, TorporError, UsageError)
 from .files import private_dir, require_trusted_location, tree_size
 from .progress import human_bytes
-from .store import Store, images
+from .store import Store, fingerprints, images
+from .store.backend import check_snapshot_name
 
 
 def _claim_images_dir(images_dir: Path) -> int:
@@ -84,8 +85,11 @@ def _gpu_view(engine: Engine, tree: list[int]) -> tuple[dict[int, ProcessState],
 
 
 def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: bool = False,
-               shell_job: bool | None = None) -> dict[str, Any]:
-    """Checkpoint the process tree rooted at pid into images_dir; returns the manifest."""
+               shell_job: bool | None = None, store: Store | None = None) -> dict[str, Any]:
+    """Checkpoint the process tree rooted at pid into images_dir; returns the manifest.
+    store: the image store it goes into next (store_checkpoint; hold its lock, shared, from
+    before this call until that one ends): agents skip the GPU data it has already
+    (store/fingerprints.py)."""
     cfg, progress = engine.cfg, engine.progress
     procs.require(pid)
     tool = criu.find(cfg)                       # before anything touches the program
@@ -114,8 +118,11 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
         draft = _manifest(tool, inv, engine, comms, states, pid, shell_job, leave_running, {})
         manifest.write_draft(images_dir, draft)
         try:
+            known = fingerprints.known(store) \
+                if store is not None and fingerprints.usable(store) else None
             moved = engine.lock_and_checkpoint(op, cuda_pids,
-                                               data=bulk.DataDir(images_dir / bulk.DATA_DIR))
+                                               data=bulk.DataDir(images_dir / bulk.DATA_DIR),
+                                               known_fingerprints=known)
         except RolledBackError:
             (images_dir / manifest.DRAFT).unlink(missing_ok=True)  # the directory is reusable
             raise
@@ -250,6 +257,22 @@ def restore(engine: Engine, images_dir: Path, *, device_map: dict[str, str] | No
             "timings": {k: round(v, 4) for k, v in progress.timings.items()}}
 
 
+def checkpoint_into_store(engine: Engine, pid: int, images_dir: Path, name: str, **kw: Any
+                          ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """checkpoint() then store_checkpoint() under the store's lock (shared: other checkpoints
+    may run, gc waits): the GPU data the agents skip because the store has it stays there
+    until this checkpoint's snapshot names it. Returns (manifest, what was stored)."""
+    check_snapshot_name(name)     # refused before the program is touched
+    try:
+        store = Store(engine.cfg.store_dir)
+    except OSError as e:
+        raise TorporError(f"cannot open the image store {engine.cfg.store_dir}: "
+                          f"{e.strerror or e}; the program was not touched") from e
+    with store.backend.lock(False, store.lock_timeout):
+        m = checkpoint(engine, pid, images_dir, store=store, **kw)
+        return m, store_checkpoint(engine, images_dir, name)
+
+
 def store_checkpoint(engine: Engine, images_dir: Path, name: str) -> dict[str, Any]:
     """Pack the sealed checkpoint in images_dir into the image store (config store_dir) as
     snapshot name (store/images.py). A failure leaves images_dir the complete, unpacked
@@ -260,12 +283,13 @@ def store_checkpoint(engine: Engine, images_dir: Path, name: str) -> dict[str, A
         store = Store(engine.cfg.store_dir)
         with engine.progress.phase("store", f"{human_bytes(size)} into {store.where} as {name}"):
             _doc, st = images.pack(store, images_dir, name)
-    except TorporError as e:
-        raise type(e)(f"{e}; the checkpoint in {images_dir} is complete, not packed",
-                      exit_code=e.exit_code, hint=e.hint) from e
-    except OSError as e:
-        raise TorporError(f"storing {images_dir} as {name}: {e.strerror or e}; the checkpoint "
-                          f"in {images_dir} is complete, not packed") from e
+    except (TorporError, OSError) as e:
+        state = (f"the checkpoint in {images_dir} is complete, not packed" +
+                 ("; GPU data its agents skipped stays in the store, which its restore reads"
+                  if fingerprints.any_skipped(images_dir) else ""))
+        if isinstance(e, TorporError):
+            raise type(e)(f"{e}; {state}", exit_code=e.exit_code, hint=e.hint) from e
+        raise TorporError(f"storing {images_dir} as {name}: {e.strerror or e}; {state}") from e
     return {"name": name, "store": store.where, "chunks": st.chunks, "new_chunks": st.new_chunks,
             "new_bytes": st.new_bytes, "reused_chunks": st.reused_chunks,
             "zero_chunks": st.zero_chunks, "logical": st.logical}

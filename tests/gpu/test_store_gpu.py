@@ -3,7 +3,10 @@
 into the store twice (the first leaving it running), restored from the second, continuing
 bit-exact beside an uninterrupted reference. What each checkpoint stored is printed (pytest -s)
 and the second must reuse the first's unchanged GPU memory: the training program's bulk tensors
-and the inference program's weights do not change between the two.
+and the inference program's weights do not change between the two. The agents fingerprint
+their GPU data on the GPU (TORPOR_AGENT_FP_CHECK: every part copied out is checked against the
+CPU's fold of its bytes), and the second checkpoint's agent skips what the store has: it does
+not cross PCIe.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ def test_store_checkpoint_twice_then_restore_bit_exact(torpor, progs, agent_dir,
                                                        kind):
     torpor.env["TORPOR_STORE_DIR"] = str(tmp_path / "store")
     ref = progs(kind, "ref", GIB)
-    prog = progs(kind, "prog", GIB, agent=True)
+    prog = progs(kind, "prog", GIB, agent=True, env={"TORPOR_AGENT_FP_CHECK": "1"})
     prog.wait_ready()
     prog.wait_step(5)
     under_agent(prog, agent_dir, GIB * GiB * 0.9)
@@ -43,7 +46,15 @@ def test_store_checkpoint_twice_then_restore_bit_exact(torpor, progs, agent_dir,
     show(f"{kind}: second checkpoint stored", second)
     for d in (ck1, ck2):
         assert {p.name for p in d.iterdir()} == PACKED, sorted(p.name for p in d.iterdir())
-    assert agent_record(two["manifest"], prog.pid).get("bytes", 0) >= GIB * GiB * 0.9
+    moved1 = agent_record(one["manifest"], prog.pid)
+    moved2 = agent_record(two["manifest"], prog.pid)
+    show(f"{kind}: the agents' fingerprints", [moved1.get("fingerprints"),
+                                               moved2.get("fingerprints")])
+    fp1, fp2 = moved1["fingerprints"], moved2["fingerprints"]
+    assert fp1["error"] == "" and fp1["parts"] > 0 and fp1["skipped"] == 0, fp1
+    assert moved1["bytes"] >= GIB * GiB * 0.9
+    # unchanged GPU memory does not cross PCIe again: at most a quarter of the first moves
+    assert fp2["skipped"] > 0 and moved2["bytes"] < moved1["bytes"] / 4, (moved1, moved2)
     assert first["logical"] >= GIB * GiB and first["new_bytes"] > 0
     # the GPU memory that did not change is not stored again (the agent's files keep their
     # layout, CRIU's pages are cut by address): at most a quarter of the first is new

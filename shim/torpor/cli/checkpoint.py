@@ -6,9 +6,8 @@ import argparse
 from pathlib import Path
 
 from .. import procs
-from ..process import checkpoint, store_checkpoint
+from ..process import checkpoint, checkpoint_into_store
 from ..progress import human_bytes
-from ..store.backend import check_snapshot_name
 from .context import Context, agent_line, timing_lines
 
 NEEDS_RECOVERY = True
@@ -31,11 +30,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
     pid = procs.parse_pid(args.pid)
+    kw = {"leave_running": args.leave_running, "shell_job": args.shell_job}
     if args.store:
-        check_snapshot_name(args.store)   # refused before the program is touched
-    m = checkpoint(ctx.engine, pid, args.images_dir, leave_running=args.leave_running,
-                   shell_job=args.shell_job)
-    stored = store_checkpoint(ctx.engine, args.images_dir, args.store) if args.store else None
+        m, stored = checkpoint_into_store(ctx.engine, pid, args.images_dir, args.store, **kw)
+    else:
+        m, stored = checkpoint(ctx.engine, pid, args.images_dir, **kw), None
     cuda = [p for p in m["processes"] if p["cuda"]]
     ctx.emit({"images_dir": str(args.images_dir), "manifest": m, "stored": stored},
              f"checkpointed PID {pid} ({len(m['processes'])} process(es), {len(cuda)} with CUDA "

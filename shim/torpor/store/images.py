@@ -42,7 +42,7 @@ from typing import Any
 from ..errors import CorruptCheckpointError, UsageError
 from ..files import write_json
 from ..manifest import DUMP_LOG, MANIFEST, REQUIRED_IMAGES
-from . import chunk, pages, snapshot
+from . import chunk, fingerprints, pages, snapshot
 from .store import Store
 from .writer import WriteStats
 
@@ -65,7 +65,8 @@ def pack(store: Store, images_dir: Path, name: str) -> tuple[dict[str, Any], Wri
         raise UsageError(f"{images_dir} holds no sealed checkpoint ({MANIFEST})")
     doc, stats = store.ingest_dir(images_dir, name, {"kind": "torpor-checkpoint",
                                                      "images_dir": str(images_dir.absolute())},
-                                  pages.page_image_pieces(images_dir, store.chunk_size))
+                                  pages.page_image_pieces(images_dir, store.chunk_size),
+                                  fingerprints.pack_arguments(store, images_dir))
     tmp = images_dir / f".{CHUNKS}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     store.export_chunks(name, tmp)

@@ -3,7 +3,10 @@
     {"schema": 1, "kind": "torpor-snapshot", "name": str, "created": ISO 8601 UTC,
      "meta": {...}  (the caller's, e.g. torpor.json's fields),
      "files": {relative path: {"size": bytes, "mode": permission bits at ingest,
-                               "chunks": [[sha256 hex, or null for zeros, length], ...]}}}
+                               "chunks": [[sha256 hex, or null for zeros, length], ...],
+                               "fingerprints": [[chunk index, 32 hex], ...]  (optional: an
+                               agent's data file, the GPU fingerprint of each chunk,
+                               fingerprints.py)}}}
 
 Chunks are listed in file order; their lengths add up to the size. Nothing read from a
 snapshot is trusted: paths must be plain relative paths (manifest.safe_relpath), chunk names
@@ -14,6 +17,7 @@ CorruptCheckpointError.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from ..errors import CorruptCheckpointError
@@ -22,6 +26,7 @@ from .backend import BLOB_NAME, SNAPSHOT_NAME
 from .chunk import MAX_CHUNK
 
 SCHEMA = 1
+FINGERPRINT = re.compile(r"[0-9a-f]{32}")
 KIND = "torpor-snapshot"
 
 
@@ -45,6 +50,12 @@ def _check_file(rel: str, entry: Any) -> None:
         raise ValueError(f"entry for {rel!r} is malformed")
     if sum(_check_chunk(ref) for ref in entry["chunks"]) != entry["size"]:
         raise ValueError(f"chunks of {rel!r} do not add up to its size")
+    fps = entry.get("fingerprints", [])
+    if not isinstance(fps, list) or not all(
+            isinstance(f, list) and len(f) == 2 and _is_int(f[0])
+            and 0 <= f[0] < len(entry["chunks"]) and isinstance(f[1], str)
+            and FINGERPRINT.fullmatch(f[1]) for f in fps):
+        raise ValueError(f"fingerprints of {rel!r} are malformed")
 
 
 def validate(doc: Any, origin: str) -> dict[str, Any]:

@@ -99,7 +99,8 @@ class Store:
             raise CorruptCheckpointError(f"snapshot {name} calls itself {doc['name']!r}")
         return doc
 
-    def _chunk(self, ref: list[Any], where: str) -> bytes:
+    def read_chunk(self, ref: list[Any], where: str) -> bytes:
+        """One chunk ([name or None, length]) verified; where names it in errors."""
         name, length = ref
         if name is None:
             return chunk.zeros(length)
@@ -118,7 +119,7 @@ class Store:
         """The chunks of one file entry of a validated snapshot, in order, each verified;
         where names it in errors. Reads ahead at most 2 chunks per worker."""
         with self._pool() as pool:
-            yield from ordered_map(pool, lambda ref: self._chunk(ref, where),
+            yield from ordered_map(pool, lambda ref: self.read_chunk(ref, where),
                                    entry["chunks"], 2 * self.workers)
 
     def read_file(self, name: str, relpath: str) -> Iterator[bytes]:
@@ -162,10 +163,12 @@ class Store:
     # --- writing ---------------------------------------------------------------------------
 
     def ingest_dir(self, src: Path, name: str, meta: dict[str, Any] | None = None,
-                   pieces: dict[str, list[int]] | None = None
+                   pieces: dict[str, list[int]] | None = None,
+                   extra: dict[str, dict[str, Any]] | None = None
                    ) -> tuple[dict[str, Any], WriteStats]:
         """Every regular file under src as snapshot name; (snapshot, WriteStats). pieces: where
-        to cut some files (Writer.add_file). Symlinks and special files are refused rather
+        to cut some files; extra: more Writer.add_file arguments for some files (given,
+        fingerprints; src: another content). Symlinks and special files are refused rather
         than left out silently."""
         rels = []
         for root, dirs, names in os.walk(src):
@@ -177,7 +180,8 @@ class Store:
                 rels.append(path.relative_to(src).as_posix())
         with self.writer() as w:
             for rel in rels:
-                w.add_file(rel, src / rel, (pieces or {}).get(rel, ()))
+                more = dict((extra or {}).get(rel, {}))
+                w.add_file(rel, more.pop("src", src / rel), (pieces or {}).get(rel, ()), **more)
             return w.commit(name, meta), w.stats
 
     # --- listing and removing --------------------------------------------------------------

@@ -19,7 +19,7 @@ import io
 import os
 import stat
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, BinaryIO, Iterator, Mapping, Sequence
 
 from ..errors import CorruptCheckpointError, TorporError, UsageError
 from ..manifest import safe_relpath
@@ -52,14 +52,24 @@ def _read_full(f: BinaryIO, size: int) -> bytes:
     return data
 
 
-def _pieces(f: BinaryIO, size: int, lengths: Sequence[int] = ()) -> Iterator[bytes]:
-    """The file cut at lengths first (each at most size), then into pieces of size."""
+def _pieces(f: BinaryIO, size: int, lengths: Sequence[int] = (),
+            given: Mapping[int, list[Any]] | None = None) -> Iterator[bytes | list[Any]]:
+    """The file cut at lengths first (each at most size), then into pieces of size; a piece
+    whose index is in given is not read: its ref (given[index]) comes instead."""
     for n in lengths:
         if not (data := _read_full(f, n)):
             return
         yield data
-    while data := _read_full(f, size):
-        yield data
+    index = len(lengths)
+    while True:
+        if given and index in given:
+            f.seek(given[index][1], os.SEEK_CUR)
+            yield given[index]
+        elif not (data := _read_full(f, size)):
+            return
+        else:
+            yield data
+        index += 1
 
 
 def _mode(f: BinaryIO) -> int:
@@ -93,8 +103,14 @@ class Writer:
     def __exit__(self, *exc: object) -> None:
         self._stack.close()
 
-    def _put(self, data: bytes) -> tuple[list[Any], int]:
-        """Store one chunk: ([name or None, length], bytes newly stored or -1 if reused)."""
+    def _put(self, data: bytes | list[Any]) -> tuple[list[Any], int]:
+        """Store one chunk: ([name or None, length], bytes newly stored or -1 if reused); a
+        ref (a given chunk) is taken as it is, once the store has it."""
+        if isinstance(data, list):
+            if data[0] is not None and not self.store.backend.has_blob(data[0]):
+                raise CorruptCheckpointError(f"chunk {data[0]} is not in store "
+                                             f"{self.store.where}")
+            return list(data), 0 if data[0] is None else -1
         if chunk.is_zero(data):
             return [None, len(data)], 0
         name = chunk.name_of(data)
@@ -117,10 +133,17 @@ class Writer:
             s.new_bytes += stored
         return ref
 
-    def add_file(self, relpath: str, src: Path | BinaryIO,
-                 pieces: Sequence[int] = ()) -> dict[str, Any]:
+    def add_file(self, relpath: str, src: Path | BinaryIO, pieces: Sequence[int] = (),
+                 given: Mapping[int, list[Any]] | None = None,
+                 fingerprints: Sequence[list[Any]] = ()) -> dict[str, Any]:
         """Store one file (a path, or a binary stream read to its end) as relpath, cut at the
-        lengths in pieces first (each at most the chunk size), the rest into fixed chunks."""
+        lengths in pieces first (each at most the chunk size), the rest into fixed chunks.
+        given: chunk index -> a chunk of the store that those bytes are (not read: a hole
+        the agent left, fingerprints.py); fingerprints: [[chunk index, fingerprint], ...],
+        recorded with the file."""
+        if any(not 0 < ref[1] <= self.store.chunk_size for ref in (given or {}).values()):
+            raise UsageError(f"given chunks of {relpath} must be 1 to "
+                             f"{self.store.chunk_size} bytes")
         if self._pool is None:
             raise UsageError("a store writer is used outside its `with` block")
         if any(not 0 < n <= self.store.chunk_size for n in pieces):
@@ -136,12 +159,14 @@ class Writer:
             mode = _mode(f)
             try:
                 refs = [self._count(*r) for r in ordered_map(
-                    self._pool, self._put, _pieces(f, self.store.chunk_size, pieces),
+                    self._pool, self._put, _pieces(f, self.store.chunk_size, pieces, given),
                     2 * self.store.workers)]
             except OSError as e:
                 raise TorporError(f"store {self.store.where}: cannot store {relpath}: "
                                   f"{e.strerror or e}; earlier snapshots are intact") from e
         entry = {"size": sum(r[1] for r in refs), "mode": mode, "chunks": refs}
+        if fingerprints:
+            entry["fingerprints"] = [list(f) for f in fingerprints]
         self.files[relpath] = entry
         return entry
 

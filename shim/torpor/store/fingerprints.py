@@ -1,0 +1,218 @@
+"""GPU fingerprints: the agent's GPU data that the image store holds already is neither copied
+over PCIe nor written (issue 5).
+
+A checkpoint into the store (`torpor checkpoint --store`) hands each agent the fingerprints of
+every GPU chunk the store's snapshots hold (`known`). The agent fingerprints every 4 MiB part
+of its data on the GPU; a known part is skipped: its bytes stay a hole in the data file. The
+agent's index (bulk.INDEX, beside the data files) lists every part:
+
+    torpor-gpu-fingerprints 1
+    <file k> <offset> <data length> <store chunk length> <32 hex: fingerprint> <skipped 0|1>
+
+A part is exactly one store chunk of its data file (offsets are multiples of PART, the store's
+chunk size), so its fingerprint names that chunk: a snapshot records, per data file, the
+fingerprint of each chunk ("fingerprints": [[chunk index, fingerprint], ...]); pack (images.py)
+takes the skipped chunks from there without reading them, and keeps a copy of the index with
+nothing skipped (the store's copy of the file is complete).
+
+Until a skipped part is filled, its data file is not the program's data: whatever reads it back
+(a rollback, a restore of a checkpoint the store did not take) fills it from the store first
+(fill). The agent checks every part against its fingerprint on the GPU as it reloads, so a hole
+left unfilled, or filled with other bytes, fails the resume and loses nothing.
+
+Nothing in an index is trusted: file numbers, offsets and lengths are checked against the files
+before anything is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+from .. import bulk
+from ..bulk import INDEX
+from ..errors import CorruptCheckpointError, TorporError
+from .snapshot import FINGERPRINT
+from .store import CHUNK_SIZE, Store
+
+PART = 4 << 20          # the agent's part (mover.c FILE_ALIGN): one store chunk
+HEADER = "torpor-gpu-fingerprints 1"
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    file: int
+    offset: int
+    length: int      # the data the agent fingerprinted
+    store_len: int   # the store chunk it is (data, and the hole after)
+    fp: str
+    skipped: bool
+
+    @property
+    def chunk(self) -> int:
+        return self.offset // PART
+
+
+def usable(store: Store) -> bool:
+    """Fingerprints name store chunks only where a chunk is an agent's part."""
+    return store.chunk_size == PART == CHUNK_SIZE
+
+
+def parse(text: str, origin: str, sizes: list[int]) -> list[Part]:
+    """The index text of a program with data files of these sizes; CorruptCheckpointError
+    when any line is malformed or points outside its file."""
+    lines = text.splitlines()
+    if not lines or lines[0] != HEADER:
+        raise CorruptCheckpointError(f"{origin}: not a GPU fingerprint index ({HEADER!r})")
+    parts = []
+    for n, line in enumerate(lines[1:], 2):
+        f = line.split()
+        try:
+            if len(f) != 6 or not FINGERPRINT.fullmatch(f[4]) or f[5] not in ("0", "1"):
+                raise ValueError
+            p = Part(int(f[0]), int(f[1]), int(f[2]), int(f[3]), f[4], f[5] == "1")
+            if not (0 <= p.file < len(sizes) and p.offset % PART == 0 and p.offset >= 0
+                    and 0 < p.length <= p.store_len <= PART
+                    and p.offset + p.store_len <= sizes[p.file]):
+                raise ValueError
+        except ValueError:
+            raise CorruptCheckpointError(f"{origin}, line {n}: malformed or outside the data "
+                                         f"files: {line[:120]!r}") from None
+        parts.append(p)
+    return parts
+
+
+def dump(parts: Iterable[Part]) -> str:
+    return "".join([HEADER + "\n"] + [
+        f"{p.file} {p.offset} {p.length} {p.store_len} {p.fp} {int(p.skipped)}\n"
+        for p in parts])
+
+
+def read(data_dir: Path, sizes: list[int]) -> list[Part] | None:
+    """The index of one program's data directory; None when it has none."""
+    path = data_dir / INDEX
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(f"{path}: unreadable ({e})") from None
+    return parse(text, str(path), sizes)
+
+
+def has_skipped(data_dir: Path) -> bool:
+    """Does the program in data_dir have parts still to fill (fill)?"""
+    try:
+        text = (data_dir / INDEX).read_text()
+    except FileNotFoundError:
+        return False
+    except (OSError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(f"{data_dir / INDEX}: unreadable ({e})") from None
+    return any(line.endswith(" 1") for line in text.splitlines()[1:])
+
+
+def any_skipped(images_dir: Path) -> bool:
+    """Does a checkpoint directory hold GPU data still to fill from the store?"""
+    return any(has_skipped(p) for p in (images_dir / bulk.DATA_DIR).glob("*")
+               if p.is_dir() and not p.is_symlink())
+
+
+def known(store: Store) -> dict[str, list[Any]]:
+    """fingerprint -> the chunk it names ([sha256 or None, length]), from every snapshot of the
+    store (hold the store's lock, shared, until what uses them is committed: gc then keeps
+    those chunks)."""
+    out: dict[str, list[Any]] = {}
+    for name in store.backend.snapshots():
+        for entry in store.load(name)["files"].values():
+            for index, fp in entry.get("fingerprints", ()):
+                out[fp] = entry["chunks"][index]
+    return out
+
+
+def known_fd(fps: Iterable[str]) -> int:
+    """The agent's `known` file: 16 bytes a fingerprint, in memory (memfd); close it."""
+    fd = os.memfd_create("torpor-known-fingerprints", os.MFD_CLOEXEC)
+    try:
+        os.write(fd, b"".join(bytes.fromhex(fp) for fp in fps)) if fps else None
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def given(parts: list[Part], refs: dict[str, list[Any]], file: int) -> dict[int, list[Any]]:
+    """For data file `file`: chunk index -> the stored chunk each skipped part is (Writer
+    takes them without reading). TorporError when the store no longer names one."""
+    out = {}
+    for p in parts:
+        if p.file == file and p.skipped:
+            ref = refs.get(p.fp)
+            if ref is None or ref[1] != p.store_len:
+                raise TorporError(f"GPU chunk {p.fp} (file {p.file}, offset {p.offset}) that "
+                                  "the agent skipped is not in the image store any more")
+            out[p.chunk] = ref
+    return out
+
+
+def fill(store: Store, data_dir: Path, fds: list[int], sizes: list[int]) -> int:
+    """Write every skipped part of the program in data_dir from the store into its hole (fds:
+    its data files, read-write, in order), then mark the index filled. The bytes written; 0
+    when there is no index or nothing is skipped."""
+    parts = read(data_dir, sizes)
+    if not parts or not any(p.skipped for p in parts):
+        return 0
+    with store.backend.lock(False, store.lock_timeout):
+        refs = known(store)
+        done = 0
+        for p in parts:
+            if not p.skipped:
+                continue
+            ref = refs.get(p.fp)
+            if ref is None or ref[1] != p.store_len:
+                raise TorporError(f"the GPU data of {data_dir} needs chunk {p.fp} (file "
+                                  f"{p.file}, offset {p.offset}) from store {store.where}, "
+                                  "which no longer has it")
+            data = store.read_chunk(ref, f"fingerprint {p.fp}")[:p.length]
+            if ref[0] is not None:
+                os.pwrite(fds[p.file], data, p.offset)
+            done += p.length
+        for fd in fds:
+            os.fsync(fd)
+    tmp = data_dir / (INDEX + ".tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with open(fd, "w") as f:
+        f.write(dump(dataclasses.replace(p, skipped=False) for p in parts))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, data_dir / INDEX)
+    return done
+
+
+def pack_arguments(store: Store, images_dir: Path) -> dict[str, dict[str, Any]]:
+    """For Store.ingest_dir's extra: every agent data file of the checkpoint in images_dir
+    that has an index gets its skipped chunks (given) and its fingerprints; each index goes
+    in with nothing skipped (the snapshot's file is complete)."""
+    out: dict[str, dict[str, Any]] = {}
+    root = images_dir / bulk.DATA_DIR
+    if not usable(store) or not root.is_dir():
+        return out
+    refs: dict[str, list[Any]] | None = None
+    for index in sorted(root.glob(f"*/{INDEX}")):
+        prog = index.parent
+        count = len(list(prog.glob("gpu-memory-*.bin")))
+        files = [prog / bulk.file_name(k) for k in range(count)]
+        parts = parse(index.read_text(), str(index), [f.stat().st_size for f in files])
+        if any(p.skipped for p in parts) and refs is None:
+            refs = known(store)
+        for k, f in enumerate(files):
+            rel = f.relative_to(images_dir).as_posix()
+            out[rel] = {"given": given(parts, refs or {}, k),
+                        "fingerprints": [[p.chunk, p.fp] for p in parts if p.file == k]}
+        out[index.relative_to(images_dir).as_posix()] = {"src": io.BytesIO(dump(
+            dataclasses.replace(p, skipped=False) for p in parts).encode())}
+    return out

@@ -1,0 +1,127 @@
+"""GPU fingerprints through the image store (store/fingerprints.py) with the real agent on the
+fake driver: the second checkpoint's agent skips what the store has, pack takes those chunks
+from the snapshots without reading the holes, a restore's unpack gives the complete files, and
+fill() completes a directory that was never packed (a rollback, a failed pack)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.unit.test_agent import gpu, probe  # noqa: F401  (fixtures)
+from tests.unit.test_agent_mover import ctl_fds
+from torpor import bulk
+from torpor.errors import CorruptCheckpointError, TorporError
+from torpor.store import Store, fingerprints, images, snapshot
+
+MIB = 1 << 20
+
+
+def _checkpoint_dir(tmp_path: Path, name: str, p, store: Store) -> tuple[Path, dict]:
+    """What `torpor checkpoint --store` leaves before its pack: a sealed directory (a stand-in
+    torpor.json) whose agent data went through a prepare with fingerprints."""
+    d = tmp_path / name
+    d.mkdir(mode=0o700)
+    (d / "torpor.json").write_text("{}")
+    data = bulk.DataDir(d / bulk.DATA_DIR).make()
+    fds = data.for_prepare(p.pid, 2)
+    fds += [data.new_index(p.pid), fingerprints.known_fd(fingerprints.known(store))]
+    try:
+        r = ctl_fds(p.sock, "prepare 5000 fp", [*fds[:2], fds[3], fds[2]])
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert r["ok"], r
+    return d, r
+
+
+def _program(p) -> tuple[int, int]:
+    assert p.call("init dlsym")["rc"] == 0
+    a = p.call(f"@alloc {48 * MIB} dlsym")["ptr"]
+    b = p.call(f"@alloc {8 * MIB} dlsym")["ptr"]
+    assert p.call(f"@fill {a} {48 * MIB} 3")["rc"] == 0
+    assert p.call(f"@fill {b} {8 * MIB} 4")["rc"] == 0
+    return a, b
+
+
+def test_a_second_checkpoint_skips_what_the_store_has_and_restores_whole(probe, tmp_path):
+    p = probe()
+    a, b = _program(p)
+    store = Store(tmp_path / "store")
+    one, r1 = _checkpoint_dir(tmp_path, "one", p, store)
+    assert r1["fingerprints"]["parts"] > 0 and r1["fingerprints"]["skipped"] == 0
+    whole = {f.name: f.read_bytes() for f in (one / bulk.DATA_DIR / str(p.pid)).iterdir()
+             if f.name.startswith("gpu-memory")}
+    doc1, _ = images.pack(store, one, "one")
+    fps = [f for e in doc1["files"].values() for f in e.get("fingerprints", [])]
+    assert len(fps) == r1["fingerprints"]["parts"]
+    assert ctl_fds(p.sock, "abort")["ok"]
+
+    assert p.call(f"@fill {b} {8 * MIB} 5")["rc"] == 0        # b changes, a does not
+    two, r2 = _checkpoint_dir(tmp_path, "two", p, store)
+    f2 = r2["fingerprints"]
+    assert f2["skipped"] > 0 and f2["skipped_bytes"] >= 40 * MIB, f2
+    assert r2["bytes"] <= 16 * MIB                            # b's parts crossed PCIe, not a's
+    assert fingerprints.any_skipped(two)
+    doc2, st = images.pack(store, two, "two")
+    assert st.new_bytes < 20 * MIB, st                       # b's chunks, the index, the rest
+    assert not any(e.get("fingerprints") is None for rel, e in doc2["files"].items()
+                   if rel.endswith(".bin"))
+    new = snapshot.new_bytes_by_file(doc2, doc1)
+    assert sum(n for rel, n in new.items() if rel.endswith(".bin")) <= 16 * MIB, new
+
+    # the restore's files: complete, and the agent's fingerprints check what the store gave
+    unpacked = images.unpack(store, two)
+    prog = unpacked / bulk.DATA_DIR / str(p.pid)
+    assert not fingerprints.has_skipped(prog)                 # the store's index is complete
+    fds = bulk.DataDir(unpacked / bulk.DATA_DIR).for_resume(p.pid, 2)
+    try:
+        assert ctl_fds(p.sock, "detach")["ok"]
+        r = ctl_fds(p.sock, "resume", fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert r["ok"], r
+    assert p.call(f"@check {a} {48 * MIB} 3")["ok"] and p.call(f"@check {b} {8 * MIB} 5")["ok"]
+    # the first checkpoint's files are unchanged by all this
+    for f in (images.unpack(store, one) / bulk.DATA_DIR / str(p.pid)).iterdir():
+        if f.name in whole:
+            assert f.read_bytes() == whole[f.name]
+
+
+def test_fill_completes_an_unpacked_directory_and_checks_the_index(probe, tmp_path):
+    p = probe()
+    a, b = _program(p)
+    store = Store(tmp_path / "store")
+    one, _ = _checkpoint_dir(tmp_path, "one", p, store)
+    images.pack(store, one, "one")
+    assert ctl_fds(p.sock, "abort")["ok"]
+    two, r2 = _checkpoint_dir(tmp_path, "two", p, store)      # nothing changed: all skipped
+    assert r2["bytes"] == 0 and r2["fingerprints"]["skipped"] == r2["fingerprints"]["parts"]
+    data = bulk.DataDir(two / bulk.DATA_DIR)
+    prog = data.path(p.pid)
+    index = (prog / bulk.INDEX).read_text()
+
+    # an index pointing outside its files is refused before anything is written
+    first = index.splitlines()[1].split()
+    bad = index.replace(" ".join(first), " ".join([first[0], str(1 << 40), *first[2:]]), 1)
+    (prog / bulk.INDEX).write_text(bad)
+    fds = data.for_fill(p.pid, 2)
+    sizes = [os.fstat(fd).st_size for fd in fds]
+    with pytest.raises(CorruptCheckpointError, match="outside the data files"):
+        fingerprints.fill(store, prog, fds, sizes)
+    (prog / bulk.INDEX).write_text(index)
+
+    # a store that lost the snapshot: fill says which chunk it needs
+    other = Store(tmp_path / "empty")
+    with pytest.raises(TorporError, match="no longer has it"):
+        fingerprints.fill(other, prog, fds, sizes)
+    assert fingerprints.fill(store, prog, fds, sizes) == 56 * MIB
+    for fd in fds:
+        os.close(fd)
+    assert not fingerprints.has_skipped(prog)
+    assert oct((prog / bulk.INDEX).stat().st_mode & 0o777) == "0o600"
+    assert ctl_fds(p.sock, "abort")["ok"]                      # from the kept, now filled, fds
+    assert p.call(f"@check {a} {48 * MIB} 3")["ok"] and p.call(f"@check {b} {8 * MIB} 4")["ok"]
