@@ -21,13 +21,15 @@ keeps every chunk such a directory links.
 
 A restore writes the files back into a private directory inside the checkpoint directory
 (UNPACKED_PREFIX, same filesystem), every chunk verified, restores from there and removes it.
-The checkpoint itself is written as before and packed after its seal: packing saves space and
-archive size, not checkpoint time (streaming into the store is issue 5's next step).
+The checkpoint itself is written as before and packed after its seal. Its agents' GPU data that
+the store holds already was skipped (fingerprints.py): holes in the data files, which the pack
+takes from the store's snapshots without reading them.
 
 Order, so that no interruption loses a checkpoint: the snapshot is committed, its chunks are
 linked into a temporary folder renamed to torpor-chunks, torpor-store.json is written
 (atomically), and only then are the original files removed. Until torpor-store.json exists the
-directory is an ordinary checkpoint; from then on its chunks are complete.
+directory is an ordinary checkpoint (whose skipped GPU parts a restore fills from the store);
+from then on its chunks are complete.
 """
 
 from __future__ import annotations
