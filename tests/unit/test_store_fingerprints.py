@@ -125,3 +125,34 @@ def test_fill_completes_an_unpacked_directory_and_checks_the_index(probe, tmp_pa
     assert oct((prog / bulk.INDEX).stat().st_mode & 0o777) == "0o600"
     assert ctl_fds(p.sock, "abort")["ok"]                      # from the kept, now filled, fds
     assert p.call(f"@check {a} {48 * MIB} 3")["ok"] and p.call(f"@check {b} {8 * MIB} 4")["ok"]
+
+
+def test_a_rollback_fills_what_the_agent_skipped_then_resumes(gpu, probe, tmp_path):
+    """The engine's own path, with the real agent on the fake driver: a checkpoint into the
+    store whose driver lock fails after the agent skipped every part; the rollback fills the
+    holes from the store before its resume, and the program has its memory back."""
+    from torpor import config
+    from torpor.engine import Engine
+    from torpor.errors import RolledBackError
+
+    gpu.activate()
+    p = probe()
+    a, b = _program(p)
+    store = Store(tmp_path / "store")
+    one, _ = _checkpoint_dir(tmp_path, "one", p, store)
+    images.pack(store, one, "one")
+    assert ctl_fds(p.sock, "abort")["ok"]
+    cfg = config.load(env={**gpu.env(), "TORPOR_STATE_DIR": str(tmp_path / "state"),
+                           "TORPOR_STORE_DIR": str(store.backend.root),
+                           "TORPOR_AGENT_FILES": "2"})
+    engine = Engine(cfg)
+    data = bulk.DataDir(tmp_path / "two-data")
+    gpu.fail("lock", "CUDA_ERROR_UNKNOWN", p.pid)
+    with store.backend.lock(False, 10), pytest.raises(RolledBackError):
+        with engine.begin("checkpoint", [p.pid]) as op:
+            engine.lock_and_checkpoint(op, [p.pid], data=data, agent_dir=p.sock.parent,
+                                       known_fingerprints=fingerprints.known(store))
+    assert "fill" in engine.progress.timings     # the skipped parts were filled, then resumed
+    st = p.status()
+    assert (st["state"], st["gate"]) == ("running", "open"), st
+    assert p.call(f"@check {a} {48 * MIB} 3")["ok"] and p.call(f"@check {b} {8 * MIB} 4")["ok"]
