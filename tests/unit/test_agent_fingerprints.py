@@ -21,14 +21,9 @@ def _prepare_fp(sock: Path, files: Files, known: list[str], index: Path) -> dict
     """prepare with fingerprints: known (hex fingerprints) as 16-byte records."""
     known_path = index.with_suffix(".known")
     known_path.write_bytes(b"".join(bytes.fromhex(k) for k in known))
-    fds = files.open(True) + [os.open(known_path, os.O_RDONLY | os.O_CLOEXEC),
-                              os.open(index, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
-                                      0o600)]
-    try:
-        return ctl_fds(sock, "prepare 5000 fp", fds)
-    finally:
-        for fd in fds:
-            os.close(fd)
+    return _send_closing(sock, "prepare 5000 fp", files.open(True) + [
+        os.open(known_path, os.O_RDONLY | os.O_CLOEXEC),
+        os.open(index, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)])
 
 
 def _index(path: Path) -> list[dict]:
@@ -138,26 +133,24 @@ def test_without_the_fingerprint_kernel_everything_is_copied(gpu, probe, tmp_pat
     assert p.call(f"@check {ptr} {8 * MIB} 3")["ok"]
 
 
+def _send_closing(sock: Path, line: str, fds: list[int]) -> dict:
+    try:
+        return ctl_fds(sock, line, fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 def test_fp_needs_its_two_files_and_a_bad_known_file_is_refused(probe, tmp_path):
     p = probe()
     ptr = _program(p, 8)
     one = Files(tmp_path / "one", 1)
-    fds = one.open(True)
-    try:
-        r = ctl_fds(p.sock, "prepare 5000 fp", fds)
-    finally:
-        for fd in fds:
-            os.close(fd)
+    r = _send_closing(p.sock, "prepare 5000 fp", one.open(True))
     assert not r["ok"] and "known fingerprints" in r["error"], r
     bad = tmp_path / "bad.known"
     bad.write_bytes(b"x" * 17)
-    fds = one.open(True) + [os.open(bad, os.O_RDONLY), os.open(tmp_path / "i", os.O_RDWR
-                                                               | os.O_CREAT, 0o600)]
-    try:
-        r = ctl_fds(p.sock, "prepare 5000 fp", fds)
-    finally:
-        for fd in fds:
-            os.close(fd)
+    r = _send_closing(p.sock, "prepare 5000 fp", one.open(True) + [
+        os.open(bad, os.O_RDONLY), os.open(tmp_path / "i", os.O_RDWR | os.O_CREAT, 0o600)])
     assert not r["ok"] and "16-byte records" in r["error"], r
     assert p.status()["state"] == "running" and p.status()["gate"] == "open"
     assert p.call(f"@check {ptr} {8 * MIB} 3")["ok"]

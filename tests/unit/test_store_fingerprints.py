@@ -37,6 +37,16 @@ def _checkpoint_dir(tmp_path: Path, name: str, p, store: Store) -> tuple[Path, d
     return d, r
 
 
+def _stored_once(p, tmp_path: Path) -> tuple[int, int, Store]:
+    """A program with 56 MiB, checkpointed into a new store once (packed), then running."""
+    a, b = _program(p)
+    store = Store(tmp_path / "store")
+    one, _ = _checkpoint_dir(tmp_path, "one", p, store)
+    images.pack(store, one, "one")
+    assert ctl_fds(p.sock, "abort")["ok"]
+    return a, b, store
+
+
 def _program(p) -> tuple[int, int]:
     assert p.call("init dlsym")["rc"] == 0
     a = p.call(f"@alloc {48 * MIB} dlsym")["ptr"]
@@ -93,11 +103,7 @@ def test_a_second_checkpoint_skips_what_the_store_has_and_restores_whole(probe, 
 
 def test_fill_completes_an_unpacked_directory_and_checks_the_index(probe, tmp_path):
     p = probe()
-    a, b = _program(p)
-    store = Store(tmp_path / "store")
-    one, _ = _checkpoint_dir(tmp_path, "one", p, store)
-    images.pack(store, one, "one")
-    assert ctl_fds(p.sock, "abort")["ok"]
+    a, b, store = _stored_once(p, tmp_path)
     two, r2 = _checkpoint_dir(tmp_path, "two", p, store)      # nothing changed: all skipped
     assert r2["bytes"] == 0 and r2["fingerprints"]["skipped"] == r2["fingerprints"]["parts"]
     data = bulk.DataDir(two / bulk.DATA_DIR)
@@ -137,11 +143,7 @@ def test_a_rollback_fills_what_the_agent_skipped_then_resumes(gpu, probe, tmp_pa
 
     gpu.activate()
     p = probe()
-    a, b = _program(p)
-    store = Store(tmp_path / "store")
-    one, _ = _checkpoint_dir(tmp_path, "one", p, store)
-    images.pack(store, one, "one")
-    assert ctl_fds(p.sock, "abort")["ok"]
+    a, b, store = _stored_once(p, tmp_path)
     cfg = config.load(env={**gpu.env(), "TORPOR_STATE_DIR": str(tmp_path / "state"),
                            "TORPOR_STORE_DIR": str(store.backend.root),
                            "TORPOR_AGENT_FILES": "2"})
