@@ -118,7 +118,10 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
         draft = _manifest(tool, inv, engine, comms, states, pid, shell_job, leave_running, {})
         manifest.write_draft(images_dir, draft)
         try:
-            known = fingerprints.known(store) \
+            # Left running, the program needs its data back at once: its agent copies it all
+            # (a skipped part would be filled from the store first, slower than the copy),
+            # and the fingerprints spare the pack reading what the store has.
+            known = (set() if leave_running else fingerprints.known(store)) \
                 if store is not None and fingerprints.usable(store) else None
             moved = engine.lock_and_checkpoint(op, cuda_pids,
                                                data=bulk.DataDir(images_dir / bulk.DATA_DIR),

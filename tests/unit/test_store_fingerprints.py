@@ -14,12 +14,13 @@ from tests.unit.test_agent import gpu, probe  # noqa: F401  (fixtures)
 from tests.unit.test_agent_mover import ctl_fds
 from torpor import bulk
 from torpor.errors import CorruptCheckpointError, TorporError
-from torpor.store import Store, fingerprints, images, snapshot
+from torpor.store import Store, chunk, fingerprints, images, snapshot
 
 MIB = 1 << 20
 
 
-def _checkpoint_dir(tmp_path: Path, name: str, p, store: Store) -> tuple[Path, dict]:
+def _checkpoint_dir(tmp_path: Path, name: str, p, store: Store, skip: bool = True
+                    ) -> tuple[Path, dict]:
     """What `torpor checkpoint --store` leaves before its pack: a sealed directory (a stand-in
     torpor.json) whose agent data went through a prepare with fingerprints."""
     d = tmp_path / name
@@ -27,7 +28,8 @@ def _checkpoint_dir(tmp_path: Path, name: str, p, store: Store) -> tuple[Path, d
     (d / "torpor.json").write_text("{}")
     data = bulk.DataDir(d / bulk.DATA_DIR).make()
     fds = data.for_prepare(p.pid, 2)
-    fds += [data.new_index(p.pid), fingerprints.known_fd(fingerprints.known(store))]
+    fds += [data.new_index(p.pid),
+            fingerprints.known_fd(fingerprints.known(store) if skip else ())]
     try:
         r = ctl_fds(p.sock, "prepare 5000 fp", [*fds[:2], fds[3], fds[2]])
     finally:
@@ -99,6 +101,24 @@ def test_a_second_checkpoint_skips_what_the_store_has_and_restores_whole(probe, 
     for f in (images.unpack(store, one) / bulk.DATA_DIR / str(p.pid)).iterdir():
         if f.name in whole:
             assert f.read_bytes() == whole[f.name]
+
+
+def test_copied_parts_the_store_knows_are_packed_without_being_read(probe, tmp_path,
+                                                                    monkeypatch):
+    """--leave-running: the agent skips nothing (its program needs the data back at once),
+    and the pack takes what the store has by fingerprint, neither reading nor hashing it."""
+    p = probe()
+    a, b, store = _stored_once(p, tmp_path)
+    two, r2 = _checkpoint_dir(tmp_path, "two", p, store, skip=False)
+    assert r2["fingerprints"]["skipped"] == 0 and r2["bytes"] == 56 * MIB
+    hashed: list[int] = []
+    real = chunk.name_of
+    monkeypatch.setattr(chunk, "name_of", lambda d: hashed.append(len(d)) or real(d))
+    doc, st = images.pack(store, two, "two")
+    assert sum(hashed) < 1 * MIB, hashed       # CRIU-less stand-in: the index and torpor.json
+    assert st.new_chunks <= 2 and st.reused_chunks >= 14, st
+    assert ctl_fds(p.sock, "abort")["ok"]
+    assert p.call(f"@check {a} {48 * MIB} 3")["ok"] and p.call(f"@check {b} {8 * MIB} 4")["ok"]
 
 
 def test_fill_completes_an_unpacked_directory_and_checks_the_index(probe, tmp_path):

@@ -145,16 +145,19 @@ def known_fd(fps: Iterable[str]) -> int:
 
 
 def given(parts: list[Part], refs: dict[str, list[Any]], file: int) -> dict[int, list[Any]]:
-    """For data file `file`: chunk index -> the stored chunk each skipped part is (Writer
-    takes them without reading). TorporError when the store no longer names one."""
+    """For data file `file`: chunk index -> the stored chunk each part the store knows is
+    (Writer takes them without reading: skipped, or copied and the same). TorporError when
+    the store no longer names a skipped one."""
     out = {}
     for p in parts:
-        if p.file == file and p.skipped:
-            ref = refs.get(p.fp)
-            if ref is None or ref[1] != p.store_len:
-                raise TorporError(f"GPU chunk {p.fp} (file {p.file}, offset {p.offset}) that "
-                                  "the agent skipped is not in the image store any more")
+        if p.file != file:
+            continue
+        ref = refs.get(p.fp)
+        if ref is not None and ref[1] == p.store_len:
             out[p.chunk] = ref
+        elif p.skipped:
+            raise TorporError(f"GPU chunk {p.fp} (file {p.file}, offset {p.offset}) that "
+                              "the agent skipped is not in the image store any more")
     return out
 
 
@@ -207,7 +210,7 @@ def pack_arguments(store: Store, images_dir: Path) -> dict[str, dict[str, Any]]:
         count = len(list(prog.glob("gpu-memory-*.bin")))
         files = [prog / bulk.file_name(k) for k in range(count)]
         parts = parse(index.read_text(), str(index), [f.stat().st_size for f in files])
-        if any(p.skipped for p in parts) and refs is None:
+        if refs is None:
             refs = known(store)
         for k, f in enumerate(files):
             rel = f.relative_to(images_dir).as_posix()
