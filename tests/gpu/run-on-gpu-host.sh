@@ -42,7 +42,9 @@ fi
 python3 -m torpor.cli.main doctor 2>&1 | tee "$OUT/doctor.txt"
 rc=0
 if [[ "${TESTS:-1}" != 0 ]]; then
-    python3 -m pytest -p no:cacheprovider -ra -v tests/gpu "$@" 2>&1 | tee "$OUT/gpu-tests.txt"
+    where=(tests/gpu)   # unless the arguments name tests themselves (node IDs, files)
+    for a in "$@"; do [[ "$a" == tests/* ]] && where=(); done
+    python3 -m pytest -p no:cacheprovider -ra -v "${where[@]}" "$@" 2>&1 | tee "$OUT/gpu-tests.txt"
     rc=${PIPESTATUS[0]}
 fi
 if [[ -n "${BENCH_SIZES:-}" ]]; then
