@@ -144,21 +144,40 @@ class Store:
             self._write_files(doc, dest)
 
     def _write_files(self, doc: dict[str, Any], dest: Path) -> None:
+        """Every file of doc under dest: made first (0600, at full size: zero chunks stay
+        holes), then every chunk of every file read, verified and written at its offset by
+        the pool at once, files and chunks in any order: a restore's GPU data is 16 files,
+        which one after another left most cores idle (8.8 s for 17 GB on the H200 host)."""
         _empty_dir(dest)
-        for rel, entry in doc["files"].items():
-            path = dest / rel
-            for parent in reversed(Path(rel).parents[:-1]):  # each 0700, not only the last
-                private_dir(dest / parent)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                         | os.O_CLOEXEC, 0o600)
-            with open(fd, "wb") as out:   # zero chunks become holes: no bytes written
-                for ref, data in zip(entry["chunks"],
-                                     self.read_entry(entry, f"snapshot {doc['name']}, file {rel}")):
-                    if ref[0] is None:
-                        out.seek(ref[1], os.SEEK_CUR)
-                    else:
-                        out.write(data)
-                out.truncate(entry["size"])
+        fds: dict[str, int] = {}
+        try:
+            jobs = []
+            for rel, entry in doc["files"].items():
+                for parent in reversed(Path(rel).parents[:-1]):  # each 0700, not only the last
+                    private_dir(dest / parent)
+                fd = os.open(dest / rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                             | os.O_CLOEXEC, 0o600)
+                fds[rel] = fd
+                os.ftruncate(fd, entry["size"])
+                at = 0
+                for ref in entry["chunks"]:
+                    if ref[0] is not None:
+                        jobs.append((fd, at, ref, f"snapshot {doc['name']}, file {rel}"))
+                    at += ref[1]
+
+            def write(job: tuple[int, int, list[Any], str]) -> None:
+                fd, at, ref, where = job
+                data = memoryview(self.read_chunk(ref, where))
+                done = 0
+                while done < len(data):           # a short write goes on where it stopped
+                    done += os.pwrite(fd, data[done:], at + done)
+
+            with self._pool() as pool:
+                for _ in ordered_map(pool, write, jobs, 2 * self.workers):
+                    pass
+        finally:
+            for fd in fds.values():
+                os.close(fd)
 
     # --- writing ---------------------------------------------------------------------------
 
