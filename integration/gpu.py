@@ -75,10 +75,12 @@ class TorchContainer(TorchStatus):
     """tests/gpu/torch_program.py in a podman container named `name`."""
 
     def __init__(self, podman: Podman, name: str, workdir: Path, gib: float, seed: int = 1234,
-                 max_steps: int = 0, annotations: dict[str, str] | None = None):
+                 max_steps: int = 0, annotations: dict[str, str] | None = None,
+                 env: dict[str, str] | None = None):
         self.podman, self.name, self.workdir = podman, name, Path(workdir)
         self.gib, self.seed, self.max_steps = gib, seed, max_steps
         self.annotations = annotations or {}
+        self.env = env or {}    # more of the program's environment
         self.steps = self.workdir / f"{name}.steps"
         self.status_path = self.workdir / f"{name}.status.json"
         self.log = self.workdir / f"{name}.log"
@@ -91,7 +93,7 @@ class TorchContainer(TorchStatus):
         shell = " ".join(f"'{a}'" for a in argv) + f" >>'{self.log}' 2>&1"
         # The image has no /etc/passwd: torch asks getpass for a cache directory name.
         env = {"USER": "root", "HOME": str(self.workdir),
-               "TORCHINDUCTOR_CACHE_DIR": str(self.workdir / "inductor")}
+               "TORCHINDUCTOR_CACHE_DIR": str(self.workdir / "inductor"), **self.env}
         return self.podman.run(self.name, ["/bin/sh", "-c", f"exec {shell}"], env=env,
                                devices=nvidia_devices(),
                                mounts=gpu_mounts(self.workdir, TORCH_PROGRAM.parent),

@@ -279,17 +279,23 @@ def checkpoint_into_store(engine: Engine, pid: int, images_dir: Path, name: str,
 def store_checkpoint(engine: Engine, images_dir: Path, name: str) -> dict[str, Any]:
     """Pack the sealed checkpoint in images_dir into the image store (config store_dir) as
     snapshot name (store/images.py). A failure leaves images_dir the complete, unpacked
-    checkpoint it was. Returns what was written: {"name", "store", "chunks", "new_chunks",
+    checkpoint it was (what its agents skipped filled in from the store). Returns what was written: {"name", "store", "chunks", "new_chunks",
     "new_bytes", "reused_chunks", "zero_chunks", "logical"}."""
     size = tree_size(images_dir)
+    store: Store | None = None
     try:
         store = Store(engine.cfg.store_dir)
         with engine.progress.phase("store", f"{human_bytes(size)} into {store.where} as {name}"):
             _doc, st = images.pack(store, images_dir, name)
     except (TorporError, OSError) as e:
-        state = (f"the checkpoint in {images_dir} is complete, not packed" +
-                 ("; GPU data its agents skipped stays in the store, which its restore reads"
-                  if fingerprints.any_skipped(images_dir) else ""))
+        state = f"the checkpoint in {images_dir} is complete, not packed"
+        try:   # what the agents skipped, back into the files: DIR stands on its own
+            if store is not None:
+                fingerprints.fill_dir(store, images_dir)
+        except (TorporError, OSError) as f:
+            state = (f"the checkpoint in {images_dir} is not packed, and GPU data its agents "
+                     f"skipped could not be filled in from the store ({f}): its restore reads "
+                     "the store")
         if isinstance(e, TorporError):
             raise type(e)(f"{e}; {state}", exit_code=e.exit_code, hint=e.hint) from e
         raise TorporError(f"storing {images_dir} as {name}: {e.strerror or e}; {state}") from e

@@ -17,6 +17,9 @@ import pytest
 
 from tests.gpu.test_agent_gpu import (AGENT_SKIP, GiB, agent_dir, agent_record,  # noqa: F401
                                       bit_exact, progs, show, torpor, under_agent)
+from tests.gpu.test_podman_gpu import _bit_exact as podman_bit_exact
+from tests.gpu.test_podman_gpu import _started as podman_started
+from tests.gpu.test_podman_gpu import containers, podman  # noqa: F401  (fixtures)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(AGENT_SKIP is not None, reason=AGENT_SKIP or "")]
 
@@ -65,3 +68,29 @@ def test_store_checkpoint_twice_then_restore_bit_exact(torpor, progs, agent_dir,
     assert {p.name for p in ck2.iterdir()} == PACKED      # the unpacked copy is gone
     assert prog.step() >= at
     bit_exact(ref, prog)
+
+
+def test_podman_store_checkpoints_skip_what_the_store_has(podman, containers, tmp_path):  # noqa: F811
+    """org.torpor.store=on, the agent preloaded: a checkpoint left running, then an export;
+    the export's agent skipped what the first put into the store, and its import continues
+    bit-exact."""
+    from torpor import archive
+    from torpor.oci import AGENT_ANNOTATION
+    ref, tc = podman_started(containers, "store1", GIB, last=59, at_step=10,
+                             annotations={AGENT_ANNOTATION: "on", "org.torpor.store": "on"},
+                             env={"TORPOR_AGENT_FP_CHECK": "1"})
+    podman.checkpoint(tc.name, leave_running=True)
+    tc.wait_step(tc.step() + 3)
+    arch = tmp_path / "store1.tar"
+    podman.checkpoint(tc.name, export=arch, compress="none")
+    m = archive.manifest_from_archive(arch)
+    show("the export's agent", m.get("agent"))
+    (rec,) = (m.get("agent") or {}).values()
+    fp = rec.get("fingerprints", {})
+    assert fp.get("parts", 0) > 0 and fp.get("skipped", 0) > fp["parts"] / 2, rec
+    assert rec["bytes"] < GIB * GiB / 4, rec              # what changed crossed PCIe, no more
+    at = tc.step()
+    podman.rm(tc.name)
+    podman.restore(import_=arch)
+    tc.wait_step(at + 10)
+    podman_bit_exact(ref, tc, 59)

@@ -120,3 +120,40 @@ def test_containerd_checkpoint_restore_through_the_agent(containerd, gpu, daemon
         containerd.rm(name)
         containerd.rm(new)
         containerd.rm_image(ref)
+
+
+def test_podman_store_checkpoint_asks_the_agent_for_fingerprints(podman, gpu, daemon, shim,
+                                                                 name, base):
+    """org.torpor.store=on with an agent: torpor-runtime holds the store's lock and torpord
+    asks the agent for GPU fingerprints (skip, or index only when left running); the
+    checkpoint is packed and the import resumes the agent from the store's chunks."""
+    store = base / "store"
+    shim.write(TORPOR_STORE_DIR=str(store))
+    nodes = fake_nodes(base)
+    events = gpu.state_dir / "agent-events"
+    argv, env, mounts = agent_workload(gpu, "ag", 5 << 20, events)
+    podman.run(name, argv, mounts=mounts, env=env,
+               annotations={"org.torpor.agent": "on", "org.torpor.store": "on"},
+               devices=[f"{nodes[0]}:/dev/nvidia0", f"{nodes[255]}:/dev/nvidiactl"])
+    try:
+        cid = podman.inspect(name, "{{.Id}}")
+        sock = daemon.cfg.run_dir / "agents" / cid / "agent-1.sock"
+        wait_for(lambda: sock.exists() and gpu.proc_entry("ag.1"), 20,
+                 "the program under its agent")
+        archive = base / "ck.tar"
+        podman.checkpoint(name, export=archive, compress="none")
+        assert "agent prepare-fp" in _events(events), _events(events)
+        with tarfile.open(archive) as tf:
+            names = tf.getnames()
+        assert "checkpoint/torpor-store.json" in names, names
+        assert sorted((store / "snapshots").glob("*.json")), "nothing packed"
+        events.unlink()
+        podman.rm(name)
+        podman.restore(import_=archive)
+        assert _events(events) == ["agent status", "agent resume"]
+        with AgentClient(daemon.cfg.run_dir / "agents" / podman.inspect(name, "{{.Id}}")
+                         / "agent-1.sock") as a:
+            st = a.status()
+        assert (st["state"], st["gate"], st["intact"]) == ("running", "open", True)
+    finally:
+        podman.rm(name)

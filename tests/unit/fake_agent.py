@@ -224,6 +224,19 @@ class FakeAgent:
 
     def _do_prepare(self, arg: str, fds: list[int]) -> dict[str, Any]:
         t = time.monotonic()
+        fingerprints = None
+        if arg.split()[-1:] == ["fp"]:
+            # The C agent fingerprints on the GPU; this fake has none: it says so, as the C
+            # agent does without its kernel, and writes an index of no parts.
+            known, index = fds[-2:]
+            fds = fds[:-2]
+            assert self._describe(index)["regular"] and self._describe(known)["regular"]
+            os.pwrite(index, b"torpor-gpu-fingerprints 1\n", 0)
+            os.close(known)
+            os.close(index)
+            fingerprints = {"parts": 0, "skipped": 0, "skipped_bytes": 0, "seconds": 0.0,
+                            "error": "the fake agent has no GPU to fingerprint on"}
+            self.log.add(f"agent prepare-fp {self.pid}")
         try:
             assert self.state == "running", f"already {self.state}"
             assert 0 <= len(fds) <= 16, f"{len(fds)} files"
@@ -250,7 +263,8 @@ class FakeAgent:
         self.state, self.gate = "prepared", "closed"
         return {"ok": True, "bytes": len(self.original), "chunks": len(self.sums),
                 "allocations": 1, "cache_released": 0, "seconds": time.monotonic() - t,
-                "in_memory": not fds, "files": [os.fstat(fd).st_size for fd in fds]}
+                "in_memory": not fds, "files": [os.fstat(fd).st_size for fd in fds],
+                **({"fingerprints": fingerprints} if fingerprints else {})}
 
     def _do_detach(self, arg: str, fds: list[int]) -> dict[str, Any]:
         assert self.state == "prepared", f"detach while {self.state}"

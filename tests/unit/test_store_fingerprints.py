@@ -144,9 +144,11 @@ def test_fill_completes_an_unpacked_directory_and_checks_the_index(probe, tmp_pa
     other = Store(tmp_path / "empty")
     with pytest.raises(TorporError, match="no longer has it"):
         fingerprints.fill(other, prog, fds, sizes)
-    assert fingerprints.fill(store, prog, fds, sizes) == 56 * MIB
     for fd in fds:
         os.close(fd)
+    assert fingerprints.any_skipped(two)
+    assert fingerprints.fill_dir(store, two) == 56 * MIB      # as a failed pack does
+    assert not fingerprints.any_skipped(two) and fingerprints.fill_dir(store, two) == 0
     assert not fingerprints.has_skipped(prog)
     assert oct((prog / bulk.INDEX).stat().st_mode & 0o777) == "0o600"
     assert ctl_fds(p.sock, "abort")["ok"]                      # from the kept, now filled, fds

@@ -33,7 +33,7 @@ from ..config import Config
 from ..errors import NoDriverError, TorporError, UsageError
 from ..files import private_dir
 from ..sidecar.client import Client, ensure_running
-from ..store import Store
+from ..store import Store, fingerprints
 from ..store import images as store_images
 from .argv import Invocation
 from .main import Runtime
@@ -69,13 +69,41 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
     private_dir(images)
     data = bulk.DataDir(images / bulk.DATA_DIR)
     data.remove()   # an earlier checkpoint's, into the same image path
+    store = _open_store(cfg, cid) if oci.wants_store(spec, cfg.store_containers) else None
+    if store is None:
+        return _checkpoint(cfg, runtime, cid, spec, use, pid, images, data, thawed,
+                           leave_running, None)
+    # the store's lock, shared, from the agents' skipping of what it holds to the pack: gc
+    # cannot take those chunks in between
+    with store.backend.lock(False, store.lock_timeout):
+        return _checkpoint(cfg, runtime, cid, spec, use, pid, images, data, thawed,
+                           leave_running, store)
+
+
+def _open_store(cfg: Config, cid: str) -> Store | None:
+    try:
+        return Store(cfg.store_dir)
+    except (OSError, TorporError) as e:
+        log.error("checkpoint %s: not packed into the store: %s cannot be opened: %s", cid,
+                  cfg.store_dir, e)
+        print(f"torpor-runtime: warning: the image store {cfg.store_dir} cannot be opened "
+              f"({e}); the checkpoint is not packed into it", file=sys.stderr)
+        return None
+
+
+def _checkpoint(cfg: Config, runtime: Runtime, cid: str, spec: dict[str, Any],
+                use: Any, pid: int, images: Path, data: bulk.DataDir, thawed: "_Thaw",
+                leave_running: bool, store: Store | None) -> int:
     t0 = time.monotonic()
     ensure_running(cfg)
     timings: dict[str, float] = {}
+    # left running, the program needs its data back at once: fingerprinted, nothing skipped
+    fps = "" if store is None else "index" if leave_running else "skip"
     with Client(cfg) as c, interrupts.deferred():
         with thawed:
             ck = c.lock_and_checkpoint(pids=[pid], owner_pid=os.getpid(),
-                                       gpu_data_dir=data.root, agent_container_id=cid)
+                                       gpu_data_dir=data.root, agent_container_id=cid,
+                                       fingerprints=fps)
         op_id = ck["op_id"]
         timings.update(ck["timings"])
         log.info("checkpoint %s: %s locked and checkpointed %s in %.2f s%s", cid, op_id,
@@ -121,25 +149,37 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
         return 0
     log.info("checkpoint %s: done in %.2f s, %d CUDA process(es), %d bytes of images", cid,
              time.monotonic() - t0, len(ck["cuda_processes"]), m["sizes"]["total"])
-    if oci.wants_store(spec, cfg.store_containers):
-        _store(cfg, images, cid)
+    if store is not None:
+        _store(store, images, cid)
     return 0
 
 
-def _store(cfg: Config, images: Path, cid: str) -> None:
+def _store(store: Store, images: Path, cid: str) -> None:
     """Pack the sealed checkpoint into the image store (store/images.py). The checkpoint is
-    done whatever happens here: a failure leaves it unpacked and says why."""
+    done whatever happens here: a failure leaves it unpacked, the GPU data its agents skipped
+    filled in from the store (podman may export the directory to another host), and says
+    why."""
     name = f"{cid[:12]}-{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S%f}"
     t = time.monotonic()
     try:
-        _doc, st = store_images.pack(Store(cfg.store_dir), images, name)
+        _doc, st = store_images.pack(store, images, name)
     except (OSError, TorporError) as e:
         log.error("checkpoint %s: not packed into the store: %s", cid, e)
+        try:
+            filled = fingerprints.fill_dir(store, images)
+        except (OSError, TorporError) as f:
+            log.error("checkpoint %s: skipped GPU data not filled in: %s", cid, f)
+            print(f"torpor-runtime: warning: {images}: not packed into the image store ({e}), "
+                  f"and the GPU data its agents skipped could not be filled in from it ({f}): "
+                  f"a restore needs store {store.where}", file=sys.stderr)
+            return
         print(f"torpor-runtime: warning: {images}: not packed into the image store ({e}); the "
-              "checkpoint is complete without it", file=sys.stderr)
+              "checkpoint is complete without it" + (f" ({filled} bytes of GPU data filled in "
+                                                     "from the store)" if filled else ""),
+              file=sys.stderr)
         return
     log.info("checkpoint %s: packed into %s as %s in %.2f s: %d chunks, %d new (%d bytes), %d "
-             "already stored, %d zero", cid, cfg.store_dir, name, time.monotonic() - t,
+             "already stored, %d zero", cid, store.where, name, time.monotonic() - t,
              st.chunks, st.new_chunks, st.new_bytes, st.reused_chunks, st.zero_chunks)
 
 
@@ -194,8 +234,12 @@ def _draft(cid: str, spec: dict[str, Any], use: oci.GpuUse, ck: dict[str, Any], 
                       "agent": oci.has_agent(spec)},
     }
     if ck["agents"]:
-        draft["agent"] = {str(a["pid"]): {k: a[k] for k in (
-            "nspid", "bytes", "chunks", "allocations", "cache_released", "seconds", "files")}
+        draft["agent"] = {str(a["pid"]): {
+            **{k: a[k] for k in ("nspid", "bytes", "chunks", "allocations", "cache_released",
+                                 "seconds", "files")},
+            **({"fingerprints": {"parts": a["fingerprinted"], "skipped": a["skipped"],
+                                 "skipped_bytes": a["skipped_bytes"]}}
+               if a.get("fingerprinted") else {})}
             for a in ck["agents"]}
     return draft
 

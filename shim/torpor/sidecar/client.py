@@ -61,6 +61,9 @@ def _repeated(field: Any) -> bool:
     return field.label == field.LABEL_REPEATED  # protobuf < 5.28
 
 
+FINGERPRINTS = {"": 0, "index": 1, "skip": 2}   # LockAndCheckpointRequest.fingerprints
+
+
 class Client:
     """One channel to torpord. Thread-safe; close() (or `with`) when done."""
 
@@ -109,20 +112,23 @@ class Client:
     def lock_and_checkpoint(self, pids: Iterable[int] = (), container_id: str = "", *,
                             lock_timeout_s: float | None = None, descendants: bool = True,
                             owner_pid: int = 0, gpu_data_dir: str | os.PathLike = "",
-                            agent_container_id: str = "",
+                            agent_container_id: str = "", fingerprints: str = "",
                             timeout: float | None = None) -> dict[str, Any]:
         """Lock and checkpoint the CUDA processes among pids (and their descendants) or the
         container's; the operation stays open: end it with finish/rollback/restore_and_unlock.
         owner_pid: torpord rolls the operation back should that process die before ending it.
         gpu_data_dir: programs under the agent move their GPU memory into files there first
-        (their sockets in agent_container_id's agent directory).
+        (their sockets in agent_container_id's agent directory). fingerprints: "skip" (the
+        agents skip what torpord's image store holds; hold its lock until the pack) or "index"
+        (fingerprinted only: the program is left running), "" none.
         Returns {op_id, pids, cuda_processes: [{pid, state, gpu_uuids, gpu_memory}], timings,
         deadline, container_id, agents: [{pid, nspid, files, bytes, chunks, allocations,
         cache_released, seconds}]}."""
         req = self.pb.LockAndCheckpointRequest(pids=list(pids), container_id=container_id,
                                                no_descendants=not descendants, owner_pid=owner_pid,
                                                gpu_data_dir=str(gpu_data_dir),
-                                               agent_container_id=agent_container_id)
+                                               agent_container_id=agent_container_id,
+                                               fingerprints=FINGERPRINTS[fingerprints])
         if lock_timeout_s is not None:
             req.lock_timeout_s = lock_timeout_s
         return to_dict(self._call("LockAndCheckpoint", req, timeout))

@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterable
 import grpc
 
 from .. import __version__, agent, bulk, config, gpus, procs
+from ..config import Config
 from ..oci import validate_container_id
 from ..doctor import run_checks
 from ..driver import ProcessState
@@ -45,6 +46,7 @@ from ..errors import (NoDriverError, NotFoundError, SidecarError, TorporError, U
 from ..files import private_dir, write_json
 from ..journal import Operation
 from ..progress import Progress
+from ..store import Store, fingerprints
 from . import grpc_status, proto
 from .peercred import PeerCredProxy
 
@@ -361,7 +363,8 @@ class Service:
             inv = self._gpu_info(cuda_pids)
             cuda = [self._cuda_process(p, states[p], inv) for p in cuda_pids]
             moved = engine.lock_and_checkpoint(  # rolls back and closes op on failure
-                op, cuda_pids, bulk.DataDir(data) if data else None, agent_dir)
+                op, cuda_pids, bulk.DataDir(data) if data else None, agent_dir,
+                known_fingerprints=self._known(cfg, request.fingerprints) if data else None)
             try:
                 # The processes are CHECKPOINTED now: until the operation is in the table (where
                 # Rollback, the reaper or shutdown find it), any failure rolls back at once.
@@ -386,8 +389,22 @@ class Service:
             agents=[self.pb.AgentData(pid=p, nspid=r["nspid"], files=r["files"],
                                       bytes=r["bytes"], chunks=r["chunks"],
                                       allocations=r["allocations"],
-                                      cache_released=r["cache_released"], seconds=r["seconds"])
+                                      cache_released=r["cache_released"], seconds=r["seconds"],
+                                      fingerprinted=r.get("fingerprints", {}).get("parts", 0),
+                                      skipped=r.get("fingerprints", {}).get("skipped", 0),
+                                      skipped_bytes=r.get("fingerprints", {}).get(
+                                          "skipped_bytes", 0))
                     for p, r in sorted(moved.items())])
+
+    def _known(self, cfg: Config, mode: int) -> set[str] | dict[str, Any] | None:
+        """The fingerprints the agents skip (LockAndCheckpointRequest.fingerprints): what
+        the image store holds (SKIP), none (INDEX: fingerprinted only), or no fingerprints."""
+        if mode == self.pb.FINGERPRINTS_NONE:
+            return None
+        store = Store(cfg.store_dir)
+        if not fingerprints.usable(store):
+            return None
+        return fingerprints.known(store) if mode == self.pb.FINGERPRINTS_SKIP else set()
 
     @_rpc
     def Finish(self, request: Any, context: Any) -> Any:

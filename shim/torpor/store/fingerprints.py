@@ -196,6 +196,23 @@ def fill(store: Store, data_dir: Path, fds: list[int], sizes: list[int]) -> int:
     return done
 
 
+def fill_dir(store: Store, images_dir: Path) -> int:
+    """fill() for every program of a checkpoint directory (its pack failed): the bytes."""
+    done = 0
+    data = bulk.DataDir(images_dir / bulk.DATA_DIR)
+    for prog in sorted(data.root.glob("*")):
+        if not prog.name.isdigit() or not has_skipped(prog):
+            continue
+        count = len(list(prog.glob("gpu-memory-*.bin")))
+        fds = data.for_fill(int(prog.name), count)
+        try:
+            done += fill(store, prog, fds, [os.fstat(fd).st_size for fd in fds])
+        finally:
+            for fd in fds:
+                os.close(fd)
+    return done
+
+
 def pack_arguments(store: Store, images_dir: Path) -> dict[str, dict[str, Any]]:
     """For Store.ingest_dir's extra: every agent data file of the checkpoint in images_dir
     that has an index gets its skipped chunks (given) and its fingerprints; each index goes
