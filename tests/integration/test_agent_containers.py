@@ -140,9 +140,13 @@ def test_podman_store_checkpoint_asks_the_agent_for_fingerprints(podman, gpu, da
         sock = daemon.cfg.run_dir / "agents" / cid / "agent-1.sock"
         wait_for(lambda: sock.exists() and gpu.proc_entry("ag.1"), 20,
                  "the program under its agent")
+        podman.checkpoint(name, leave_running=True)       # packed; then again, exported
+        assert "agent prepare-fp" in _events(events), _events(events)
+        events.unlink()
         archive = base / "ck.tar"
         podman.checkpoint(name, export=archive, compress="none")
         assert "agent prepare-fp" in _events(events), _events(events)
+        assert len(list((store / "snapshots").glob("*.json"))) == 2
         with tarfile.open(archive) as tf:
             names = tf.getnames()
         assert "checkpoint/torpor-store.json" in names, names

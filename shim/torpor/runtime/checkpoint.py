@@ -69,6 +69,7 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
     private_dir(images)
     data = bulk.DataDir(images / bulk.DATA_DIR)
     data.remove()   # an earlier checkpoint's, into the same image path
+    store_images.forget_packed(images)
     store = _open_store(cfg, cid) if oci.wants_store(spec, cfg.store_containers) else None
     if store is None:
         return _checkpoint(cfg, runtime, cid, spec, use, pid, images, data, thawed,

@@ -85,6 +85,14 @@ def pack(store: Store, images_dir: Path, name: str) -> tuple[dict[str, Any], Wri
     return doc, stats
 
 
+def forget_packed(images_dir: Path) -> None:
+    """A directory about to take a new checkpoint (a runtime's image path, used again) loses
+    what an earlier one packed there: its snapshot file and chunk links (the store keeps its
+    snapshot)."""
+    (images_dir / PACKED).unlink(missing_ok=True)
+    shutil.rmtree(images_dir / CHUNKS, ignore_errors=True)
+
+
 def verify(images_dir: Path) -> int:
     """Check a packed checkpoint directory on its own: its snapshot, and every chunk it names
     present in torpor-chunks/ and matching its name. The number of chunks checked."""
