@@ -389,7 +389,8 @@ fail:
 	return NULL;
 }
 
-/* A part's fingerprint from its segments' lanes: its lengths, each segment's, the lanes. */
+/* A part's fingerprint from its segments' lanes (lanes: its first segment's): its lengths,
+ * each segment's, the lanes. */
 static XXH128_hash_t part_fp(const struct chunk *c, int q, const uint64_t *lanes)
 {
 	const struct part *pt = &c->part[q];
@@ -402,8 +403,7 @@ static XXH128_hash_t part_fp(const struct chunk *c, int q, const uint64_t *lanes
 		uint64_t words = plan.segs[pt->seg + k].len / 8;
 
 		XXH3_128bits_update(&st, &words, sizeof(words));
-		XXH3_128bits_update(&st, lanes + (pt->seg + k) * FP_LANES * 2,
-				    FP_LANES * 2 * sizeof(uint64_t));
+		XXH3_128bits_update(&st, lanes + k * FP_LANES * 2, FP_LANES * 2 * sizeof(uint64_t));
 	}
 	return XXH3_128bits_digest(&st);
 }
@@ -414,7 +414,6 @@ static XXH128_hash_t part_fp_host(const struct chunk *c, int q, const unsigned c
 {
 	const struct part *pt = &c->part[q];
 	uint64_t *lanes = malloc(pt->nseg * FP_LANES * 2 * sizeof(uint64_t) + 1);
-	uint64_t *all = lanes - pt->seg * FP_LANES * 2; /* indexed as part_fp indexes */
 	XXH128_hash_t fp = { 0, 0 };
 
 	if (!lanes)
@@ -426,7 +425,7 @@ static XXH128_hash_t part_fp_host(const struct chunk *c, int q, const unsigned c
 			fp_lane((const uint64_t *)(buf + g->at), g->len / 8, t,
 				lanes + (k * FP_LANES + t) * 2);
 	}
-	fp = part_fp(c, q, all);
+	fp = part_fp(c, q, lanes);
 	free(lanes);
 	return fp;
 }
@@ -505,7 +504,7 @@ static void fingerprint_parts(const XXH128_canonical_t *known, size_t nknown,
 
 			if (!part_readable(pt))
 				continue;
-			pt->fp = part_fp(c, q, lanes);
+			pt->fp = part_fp(c, q, lanes + pt->seg * FP_LANES * 2);
 			pt->fingerprinted = 1;
 			r->fp_parts++;
 			XXH128_canonicalFromHash(&key, pt->fp);
@@ -548,7 +547,8 @@ static int fingerprints_verify(struct move_result *r)
 
 		for (int q = 0; q < PARTS; q++)
 			if (c->part[q].fingerprinted &&
-			    !XXH128_isEqual(part_fp(c, q, lanes), c->part[q].fp)) {
+			    !XXH128_isEqual(part_fp(c, q, lanes + c->part[q].seg * FP_LANES * 2),
+					    c->part[q].fp)) {
 				bad++;
 				bad_skipped += c->part[q].skip;
 			}

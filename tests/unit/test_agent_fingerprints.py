@@ -56,7 +56,7 @@ def _program(p, size_mib: int = 40) -> int:
 
 
 def test_every_part_gets_a_fingerprint_and_unchanged_parts_are_not_moved_again(probe, tmp_path):
-    p = probe()
+    p = probe(env={"TORPOR_AGENT_FP_CHECK": "1"})    # the CPU fold checked on every part too
     a = _program(p, 32)
     b = p.call(f"@alloc {8 * MIB} dlsym")["ptr"]
     assert p.call(f"@fill {b} {8 * MIB} 4")["rc"] == 0
