@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from .. import bulk
-from ..bulk import INDEX
 from ..errors import CorruptCheckpointError, TorporError
 from .snapshot import FINGERPRINT
 from .store import CHUNK_SIZE, Store
@@ -93,7 +92,7 @@ def dump(parts: Iterable[Part]) -> str:
 
 def read(data_dir: Path, sizes: list[int]) -> list[Part] | None:
     """The index of one program's data directory; None when it has none."""
-    path = data_dir / INDEX
+    path = data_dir / bulk.INDEX
     try:
         text = path.read_text()
     except FileNotFoundError:
@@ -106,11 +105,11 @@ def read(data_dir: Path, sizes: list[int]) -> list[Part] | None:
 def has_skipped(data_dir: Path) -> bool:
     """Does the program in data_dir have parts still to fill (fill)?"""
     try:
-        text = (data_dir / INDEX).read_text()
+        text = (data_dir / bulk.INDEX).read_text()
     except FileNotFoundError:
         return False
     except (OSError, UnicodeDecodeError) as e:
-        raise CorruptCheckpointError(f"{data_dir / INDEX}: unreadable ({e})") from None
+        raise CorruptCheckpointError(f"{data_dir / bulk.INDEX}: unreadable ({e})") from None
     return any(line.endswith(" 1") for line in text.splitlines()[1:])
 
 
@@ -179,20 +178,22 @@ def fill(store: Store, data_dir: Path, fds: list[int], sizes: list[int]) -> int:
                 raise TorporError(f"the GPU data of {data_dir} needs chunk {p.fp} (file "
                                   f"{p.file}, offset {p.offset}) from store {store.where}, "
                                   "which no longer has it")
-            data = store.read_chunk(ref, f"fingerprint {p.fp}")[:p.length]
             if ref[0] is not None:
-                os.pwrite(fds[p.file], data, p.offset)
+                data = memoryview(store.read_chunk(ref, f"fingerprint {p.fp}"))[:p.length]
+                at = 0
+                while at < len(data):          # a short write goes on where it stopped
+                    at += os.pwrite(fds[p.file], data[at:], p.offset + at)
             done += p.length
         for fd in fds:
             os.fsync(fd)
-    tmp = data_dir / (INDEX + ".tmp")
+    tmp = data_dir / (bulk.INDEX + ".tmp")
     tmp.unlink(missing_ok=True)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     with open(fd, "w") as f:
         f.write(dump(dataclasses.replace(p, skipped=False) for p in parts))
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, data_dir / INDEX)
+    os.replace(tmp, data_dir / bulk.INDEX)
     return done
 
 
@@ -222,7 +223,7 @@ def pack_arguments(store: Store, images_dir: Path) -> dict[str, dict[str, Any]]:
     if not usable(store) or not root.is_dir():
         return out
     refs: dict[str, list[Any]] | None = None
-    for index in sorted(root.glob(f"*/{INDEX}")):
+    for index in sorted(root.glob(f"*/{bulk.INDEX}")):
         prog = index.parent
         count = len(list(prog.glob("gpu-memory-*.bin")))
         files = [prog / bulk.file_name(k) for k in range(count)]
