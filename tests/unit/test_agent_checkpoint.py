@@ -453,6 +453,10 @@ def test_cli_reports_what_the_agent_moved(world, fake_criu, capsys):
     line = context.agent_line(m["agent"])
     assert line.startswith("the agent moved 3.01 MiB of GPU memory of 1 program(s) in ")
     assert line.rstrip().endswith("/s)")
+    skipping = {k: {**r, "fingerprints": {"parts": 4, "skipped": 3, "skipped_bytes": 12 << 20}}
+                for k, r in m["agent"].items()}
+    assert context.agent_line(skipping).rstrip().endswith(
+        "; 12.00 MiB more the image store had already stayed where it was (GPU fingerprints)")
     ctx = context.Context(cfg=world.cfg, json=False, progress=Progress(None))
     inspect.run(type("A", (), {"path": images, "verify": False})(), ctx)
     assert "agent moved 3.01 MiB into 3 file(s)" in capsys.readouterr().out

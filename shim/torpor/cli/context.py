@@ -43,10 +43,14 @@ def agent_line(moved: dict[str, dict[str, Any]], verb: str = "moved") -> str:
         return ""
     total = sum(int(r.get("bytes", 0)) for r in moved.values())
     seconds = max(float(r.get("seconds", 0.0)) for r in moved.values())
-    if not total and not seconds:
+    skipped = sum(int((r.get("fingerprints") or {}).get("skipped_bytes", 0))
+                  for r in moved.values())
+    if not total and not seconds and not skipped:
         return ""   # agents that had nothing to give back (resumed already)
     return (f"the agent {verb} {human_bytes(total)} of GPU memory of {len(moved)} program(s) "
-            f"in {seconds:.2f} s ({human_rate(total, seconds)})\n")
+            f"in {seconds:.2f} s ({human_rate(total, seconds)})"
+            + (f"; {human_bytes(skipped)} more the image store had already stayed where it "
+               "was (GPU fingerprints)" if skipped else "") + "\n")
 
 
 def timing_lines(timings: dict[str, float]) -> str:
