@@ -34,7 +34,8 @@ from . import agent, bulk, interrupts, manifest, procs
 from .agent import AgentClient, AgentError, NoAgentError
 from .config import Config
 from .driver import Driver, DriverError, ProcessState
-from .errors import BusyError, ExitCode, NoDriverError, RolledBackError, TorporError
+from .errors import (BusyError, CorruptCheckpointError, ExitCode, NoDriverError,
+                     RolledBackError, TorporError)
 from .files import tree_size
 from .journal import Entry, Journal, Operation
 from .progress import Progress, human_bytes, human_rate
@@ -406,15 +407,24 @@ class Engine:
                 raise AgentError(f"PID {pid}: {e}", exit_code=e.exit_code) from e
         return moved
 
-    def _resume_one(self, t: AgentTarget) -> dict[str, Any]:
+    def _resume_one(self, t: AgentTarget, fill: bool = False) -> dict[str, Any]:
         """Give t's program the memory its agent moved; nothing when the agent holds none
-        (never prepared, or resumed already: a rollback or recovery may come twice)."""
+        (never prepared, or resumed already: a rollback or recovery may come twice). fill:
+        the parts its agent skipped are filled from the image store first (a rollback of the
+        checkpoint that skipped them); otherwise data with skipped parts is refused: an index
+        from an archive must not make this host's store hand out what it holds."""
         with self._client(t, STATUS_TIMEOUT_S) as a:
             if a.state() == "running":
                 return {"bytes": 0, "seconds": 0.0}
             if t.in_process:
                 return a.resume(None, self.cfg.agent_timeout_s)
-            self._fill_skipped(t)
+            if fill:
+                self._fill_skipped(t)
+            elif fingerprints.has_skipped(bulk.DataDir(t.data).path(t.name)):
+                raise CorruptCheckpointError(
+                    f"the GPU data in {t.data}/{t.name} lacks parts its agent skipped because "
+                    "the image store had them, and only the checkpoint that skipped them fills "
+                    "them in (its pack, or its rollback): refused")
             fds = bulk.DataDir(t.data).for_resume(t.name, t.files)
             try:
                 return a.resume(fds, self.cfg.agent_timeout_s)
@@ -464,7 +474,7 @@ class Engine:
 
         def resume(pid: int) -> None:
             try:
-                self._resume_one(targets[pid])
+                self._resume_one(targets[pid], fill=True)
             except (TorporError, OSError) as e:
                 problems.append(f"PID {pid}: agent resume failed ({e}); its GPU memory stays "
                                 f"{targets[pid].where()}")

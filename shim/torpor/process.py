@@ -294,8 +294,7 @@ def store_checkpoint(engine: Engine, images_dir: Path, name: str) -> dict[str, A
                 fingerprints.fill_dir(store, images_dir)
         except (TorporError, OSError) as f:
             state = (f"the checkpoint in {images_dir} is not packed, and GPU data its agents "
-                     f"skipped could not be filled in from the store ({f}): its restore reads "
-                     "the store")
+                     f"skipped could not be filled in from the store ({f}): it is incomplete")
         if isinstance(e, TorporError):
             raise type(e)(f"{e}; {state}", exit_code=e.exit_code, hint=e.hint) from e
         raise TorporError(f"storing {images_dir} as {name}: {e.strerror or e}; {state}") from e

@@ -180,3 +180,30 @@ def test_a_rollback_fills_what_the_agent_skipped_then_resumes(gpu, probe, tmp_pa
     st = p.status()
     assert (st["state"], st["gate"]) == ("running", "open"), st
     assert p.call(f"@check {a} {48 * MIB} 3")["ok"] and p.call(f"@check {b} {8 * MIB} 4")["ok"]
+
+
+def test_a_restore_does_not_fill_skipped_parts_from_the_store(gpu, probe, tmp_path):
+    """Only the checkpoint that skipped parts fills them (its pack, or its rollback): an index
+    in an imported directory must not make this host's store hand its chunks to a program."""
+    from torpor import config
+    from torpor.engine import AgentTarget, Engine
+
+    gpu.activate()
+    p = probe()
+    a, b, store = _stored_once(p, tmp_path)
+    two, r2 = _checkpoint_dir(tmp_path, "two", p, store)
+    assert r2["fingerprints"]["skipped"] > 0
+    assert ctl_fds(p.sock, "detach")["ok"]
+    cfg = config.load(env={**gpu.env(), "TORPOR_STATE_DIR": str(tmp_path / "state"),
+                           "TORPOR_STORE_DIR": str(store.backend.root)})
+    engine = Engine(cfg)
+    target = AgentTarget(p.pid, p.sock, two / bulk.DATA_DIR, p.pid, 2)
+    with engine.begin("restore", [p.pid]) as op, \
+            pytest.raises(TorporError, match="only the checkpoint that skipped them fills"):
+        engine.restore_and_unlock(op, [], agents={p.pid: target})
+    assert fingerprints.any_skipped(two) and "fill" not in engine.progress.timings
+    assert p.status()["state"] == "detached"                  # nothing reloaded: nothing lost
+    assert fingerprints.fill_dir(store, two) > 0             # what its pack does on failure
+    with engine.begin("restore", [p.pid]) as op:
+        engine.restore_and_unlock(op, [], agents={p.pid: target})
+    assert p.call(f"@check {a} {48 * MIB} 3")["ok"] and p.call(f"@check {b} {8 * MIB} 4")["ok"]

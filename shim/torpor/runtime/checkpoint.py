@@ -172,7 +172,7 @@ def _store(store: Store, images: Path, cid: str) -> None:
             log.error("checkpoint %s: skipped GPU data not filled in: %s", cid, f)
             print(f"torpor-runtime: warning: {images}: not packed into the image store ({e}), "
                   f"and the GPU data its agents skipped could not be filled in from it ({f}): "
-                  f"a restore needs store {store.where}", file=sys.stderr)
+                  "the checkpoint is incomplete", file=sys.stderr)
             return
         print(f"torpor-runtime: warning: {images}: not packed into the image store ({e}); the "
               "checkpoint is complete without it" + (f" ({filled} bytes of GPU data filled in "

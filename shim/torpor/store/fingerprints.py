@@ -15,10 +15,13 @@ fingerprint of each chunk ("fingerprints": [[chunk index, fingerprint], ...]); p
 takes the skipped chunks from there without reading them, and keeps a copy of the index with
 nothing skipped (the store's copy of the file is complete).
 
-Until a skipped part is filled, its data file is not the program's data: whatever reads it back
-(a rollback, a restore of a checkpoint the store did not take) fills it from the store first
-(fill). The agent checks every part against its fingerprint on the GPU as it reloads, so a hole
-left unfilled, or filled with other bytes, fails the resume and loses nothing.
+Until a skipped part is filled, its data file is not the program's data. Only the checkpoint
+that skipped it fills it from the store (fill): its rollback, before the agent's resume, and a
+pack that fails (fill_dir), so the directory stands on its own. A restore does not: an index
+from an archive must not make this host's store hand its chunks to a program (the engine
+refuses data with skipped parts). The agent checks every part against its fingerprint on the
+GPU as it reloads, so a hole left unfilled, or filled with other bytes, fails the resume and
+loses nothing.
 
 Nothing in an index is trusted: file numbers, offsets and lengths are checked against the files
 before anything is written.

@@ -28,8 +28,8 @@ takes from the store's snapshots without reading them.
 Order, so that no interruption loses a checkpoint: the snapshot is committed, its chunks are
 linked into a temporary folder renamed to torpor-chunks, torpor-store.json is written
 (atomically), and only then are the original files removed. Until torpor-store.json exists the
-directory is an ordinary checkpoint (whose skipped GPU parts a restore fills from the store);
-from then on its chunks are complete.
+directory is an ordinary checkpoint (with holes where its agents skipped GPU data, which a
+failed pack fills in: fingerprints.fill_dir); from then on its chunks are complete.
 """
 
 from __future__ import annotations
