@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import logging
 import os
 import platform
 import shutil
@@ -191,6 +192,10 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("bench/results/store_e2e.json"))
     args = ap.parse_args()
     args.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    # the store's own account of each unpack (thread-seconds reading, verifying, writing)
+    store_log = logging.getLogger("torpor.store.store")
+    store_log.setLevel(logging.INFO)
+    store_log.addHandler(logging.StreamHandler(sys.stderr))
     doc = {"host": platform.node(), "cpus": os.cpu_count(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "targets": TARGETS, "rows": []}
