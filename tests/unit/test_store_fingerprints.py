@@ -207,3 +207,28 @@ def test_a_restore_does_not_fill_skipped_parts_from_the_store(gpu, probe, tmp_pa
     with engine.begin("restore", [p.pid]) as op:
         engine.restore_and_unlock(op, [], agents={p.pid: target})
     assert p.call(f"@check {a} {48 * MIB} 3")["ok"] and p.call(f"@check {b} {8 * MIB} 4")["ok"]
+
+
+def test_a_pack_that_fails_fills_the_skipped_parts_back_in(gpu, probe, tmp_path, monkeypatch):
+    """torpor checkpoint --store whose pack fails (a full disk, say): the directory is left
+    unpacked and whole, what its agent skipped written back from the store."""
+    import errno
+
+    from torpor import config, process
+    from torpor.engine import Engine
+
+    p = probe()
+    a, b, store = _stored_once(p, tmp_path)
+    two, r2 = _checkpoint_dir(tmp_path, "two", p, store)
+    assert r2["fingerprints"]["skipped"] > 0 and fingerprints.any_skipped(two)
+    cfg = config.load(env={**gpu.env(), "TORPOR_STATE_DIR": str(tmp_path / "state"),
+                           "TORPOR_STORE_DIR": str(store.backend.root)})
+
+    def full(*_a, **_k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(images, "pack", full)
+    with pytest.raises(TorporError, match="is complete, not packed"):
+        process.store_checkpoint(Engine(cfg), two, "two")
+    assert not fingerprints.any_skipped(two) and not images.is_packed(two)
+    assert ctl_fds(p.sock, "abort")["ok"]               # from its own files, now whole
+    assert p.call(f"@check {a} {48 * MIB} 3")["ok"] and p.call(f"@check {b} {8 * MIB} 4")["ok"]
