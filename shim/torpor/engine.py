@@ -89,6 +89,7 @@ class AgentTarget:
     data: Path          # the operation's bulk.DataDir root (unused when files is 0)
     name: int
     files: int
+    owner: str = ""     # whose store fingerprints its agent was handed (fingerprints.py)
 
     @property
     def in_process(self) -> bool:
@@ -100,12 +101,12 @@ class AgentTarget:
 
     def to_json(self) -> dict[str, Any]:
         return {"socket": str(self.socket), "data": str(self.data), "name": self.name,
-                "files": self.files}
+                "files": self.files, **({"owner": self.owner} if self.owner else {})}
 
     @classmethod
     def from_json(cls, pid: int | str, d: Mapping[str, Any]) -> "AgentTarget":
         return cls(int(pid), Path(d["socket"]), Path(d["data"]), int(d.get("name", pid)),
-                   int(d["files"]))
+                   int(d["files"]), str(d.get("owner", "")))
 
 
 def targets_of(agents: Mapping[str, Mapping[str, Any]]) -> dict[int, AgentTarget]:
@@ -183,16 +184,17 @@ class Engine:
                             data: bulk.DataDir | bulk.InProcess | None = None,
                             agent_dir: Path | None = None,
                             scratch: bool = False,
-                            known_fingerprints: Collection[str] | None = None
-                            ) -> dict[int, dict[str, Any]]:
+                            known_fingerprints: Collection[str] | None = None,
+                            owner: str = "") -> dict[int, dict[str, Any]]:
         """RUNNING -> CHECKPOINTED for every pid; on any failure all are rolled back first.
 
         data: where the agents of the pids that have one (a socket in agent_dir, default
         agent.default_dir()) put their GPU memory first (the directory is made here, when one
         has; bulk.InProcess: the program's own memory); None: driver only. scratch: data is
         torpor's own (suspend): a recovery removes it. known_fingerprints: the agents
-        fingerprint their data on the GPU and skip these parts (the image store has them:
-        store/fingerprints.py; hold the store's lock until they are packed); None: they don't.
+        fingerprint their data on the GPU and skip these parts (owner's snapshots in the image
+        store have them: store/fingerprints.py; hold the store's lock until they are packed);
+        None: they don't.
         Returns what each agent moved: pid -> {"nspid", "bytes", "chunks", "allocations",
         "cache_released", "seconds", "files"} (torpor.json's "agent")."""
         if not pids:
@@ -204,7 +206,8 @@ class Engine:
         try:
             sockets = self.agent_sockets(pids, agent_dir) if data is not None else {}
             if sockets and data is not None:
-                moved = self._prepare_agents(op, sockets, data, scratch, known_fingerprints)
+                moved = self._prepare_agents(op, sockets, data, scratch, known_fingerprints,
+                                             owner)
             op.phase("lock")
             with self.progress.phase("lock", n):
                 for pid in pids:
@@ -337,7 +340,8 @@ class Engine:
 
     def _prepare_agents(self, op: Operation, sockets: Mapping[int, Path],
                         data: bulk.DataDir | bulk.InProcess, scratch: bool,
-                        known: Collection[str] | None = None) -> dict[int, dict[str, Any]]:
+                        known: Collection[str] | None = None, owner: str = ""
+                        ) -> dict[int, dict[str, Any]]:
         op.phase("agent-prepare")
         sockets = self._probe(sockets)
         if not sockets:
@@ -345,7 +349,10 @@ class Engine:
         in_process = isinstance(data, bulk.InProcess)
         count = 0 if in_process else bulk.file_count(self.cfg)
         root = Path() if data.root is None else data.root
-        targets = {p: AgentTarget(p, s, root, p, count) for p, s in sockets.items()}
+        if known is not None and not owner:
+            raise ValueError("fingerprints need their owner")
+        targets = {p: AgentTarget(p, s, root, p, count, owner if known is not None else "")
+                   for p, s in sockets.items()}
         if in_process:
             op.phase("agent-prepare", agents={p: t.to_json() for p, t in targets.items()})
         else:
@@ -438,13 +445,17 @@ class Engine:
         data = bulk.DataDir(t.data)
         if not fingerprints.has_skipped(data.path(t.name)):
             return
+        if not t.owner:
+            raise CorruptCheckpointError(f"the GPU data in {t.data}/{t.name} lacks parts its "
+                                         "agent skipped, and no owner is on record to fill "
+                                         "them from the store")
         fds = data.for_fill(t.name, t.files)
         try:
             sizes = [os.fstat(fd).st_size for fd in fds]
             store = Store(self.cfg.store_dir)
             with self.progress.phase("fill", f"GPU data of PID {t.pid} that the agent left in "
                                      f"store {store.where}"):
-                fingerprints.fill(store, data.path(t.name), fds, sizes)
+                fingerprints.fill(store, data.path(t.name), fds, sizes, t.owner)
         finally:
             for fd in fds:
                 os.close(fd)

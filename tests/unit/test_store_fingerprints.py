@@ -13,10 +13,11 @@ import pytest
 from tests.unit.test_agent import gpu, probe  # noqa: F401  (fixtures)
 from tests.unit.test_agent_mover import ctl_fds
 from torpor import bulk
-from torpor.errors import CorruptCheckpointError, TorporError
+from torpor.errors import CorruptCheckpointError, TorporError, UsageError
 from torpor.store import Store, chunk, fingerprints, images, snapshot
 
 MIB = 1 << 20
+OWNER = "uid:0"      # whose snapshots these checkpoints' fingerprints are matched against
 
 
 def _checkpoint_dir(tmp_path: Path, name: str, p, store: Store, skip: bool = True
@@ -29,7 +30,7 @@ def _checkpoint_dir(tmp_path: Path, name: str, p, store: Store, skip: bool = Tru
     data = bulk.DataDir(d / bulk.DATA_DIR).make()
     fds = data.for_prepare(p.pid, 2)
     fds += [data.new_index(p.pid),
-            fingerprints.known_fd(fingerprints.known(store) if skip else ())]
+            fingerprints.known_fd(fingerprints.known(store, OWNER) if skip else ())]
     try:
         r = ctl_fds(p.sock, "prepare 5000 fp", [*fds[:2], fds[3], fds[2]])
     finally:
@@ -44,7 +45,7 @@ def _stored_once(p, tmp_path: Path) -> tuple[int, int, Store]:
     a, b = _program(p)
     store = Store(tmp_path / "store")
     one, _ = _checkpoint_dir(tmp_path, "one", p, store)
-    images.pack(store, one, "one")
+    images.pack(store, one, "one", OWNER)
     assert ctl_fds(p.sock, "abort")["ok"]
     return a, b, store
 
@@ -66,7 +67,7 @@ def test_a_second_checkpoint_skips_what_the_store_has_and_restores_whole(probe, 
     assert r1["fingerprints"]["parts"] > 0 and r1["fingerprints"]["skipped"] == 0
     whole = {f.name: f.read_bytes() for f in (one / bulk.DATA_DIR / str(p.pid)).iterdir()
              if f.name.startswith("gpu-memory")}
-    doc1, _ = images.pack(store, one, "one")
+    doc1, _ = images.pack(store, one, "one", OWNER)
     fps = [f for e in doc1["files"].values() for f in e.get("fingerprints", [])]
     assert len(fps) == r1["fingerprints"]["parts"]
     assert ctl_fds(p.sock, "abort")["ok"]
@@ -77,7 +78,7 @@ def test_a_second_checkpoint_skips_what_the_store_has_and_restores_whole(probe, 
     assert f2["skipped"] > 0 and f2["skipped_bytes"] >= 40 * MIB, f2
     assert r2["bytes"] <= 16 * MIB                            # b's parts crossed PCIe, not a's
     assert fingerprints.any_skipped(two)
-    doc2, st = images.pack(store, two, "two")
+    doc2, st = images.pack(store, two, "two", OWNER)
     assert st.new_bytes < 20 * MIB, st                       # b's chunks, the index, the rest
     assert not any(e.get("fingerprints") is None for rel, e in doc2["files"].items()
                    if rel.endswith(".bin"))
@@ -114,7 +115,7 @@ def test_copied_parts_the_store_knows_are_packed_without_being_read(probe, tmp_p
     hashed: list[int] = []
     real = chunk.name_of
     monkeypatch.setattr(chunk, "name_of", lambda d: hashed.append(len(d)) or real(d))
-    doc, st = images.pack(store, two, "two")
+    doc, st = images.pack(store, two, "two", OWNER)
     assert sum(hashed) < 1 * MIB, hashed       # CRIU-less stand-in: the index and torpor.json
     assert st.new_chunks <= 2 and st.reused_chunks >= 14, st
     assert ctl_fds(p.sock, "abort")["ok"]
@@ -137,18 +138,18 @@ def test_fill_completes_an_unpacked_directory_and_checks_the_index(probe, tmp_pa
     fds = data.for_fill(p.pid, 2)
     sizes = [os.fstat(fd).st_size for fd in fds]
     with pytest.raises(CorruptCheckpointError, match="outside the data files"):
-        fingerprints.fill(store, prog, fds, sizes)
+        fingerprints.fill(store, prog, fds, sizes, OWNER)
     (prog / bulk.INDEX).write_text(index)
 
     # a store that lost the snapshot: fill says which chunk it needs
     other = Store(tmp_path / "empty")
     with pytest.raises(TorporError, match="no longer has it"):
-        fingerprints.fill(other, prog, fds, sizes)
+        fingerprints.fill(other, prog, fds, sizes, OWNER)
     for fd in fds:
         os.close(fd)
     assert fingerprints.any_skipped(two)
-    assert fingerprints.fill_dir(store, two) == 56 * MIB      # as a failed pack does
-    assert not fingerprints.any_skipped(two) and fingerprints.fill_dir(store, two) == 0
+    assert fingerprints.fill_dir(store, two, OWNER) == 56 * MIB    # as a failed pack does
+    assert not fingerprints.any_skipped(two) and fingerprints.fill_dir(store, two, OWNER) == 0
     assert not fingerprints.has_skipped(prog)
     assert oct((prog / bulk.INDEX).stat().st_mode & 0o777) == "0o600"
     assert ctl_fds(p.sock, "abort")["ok"]                      # from the kept, now filled, fds
@@ -175,7 +176,8 @@ def test_a_rollback_fills_what_the_agent_skipped_then_resumes(gpu, probe, tmp_pa
     with store.backend.lock(False, 10), pytest.raises(RolledBackError):
         with engine.begin("checkpoint", [p.pid]) as op:
             engine.lock_and_checkpoint(op, [p.pid], data=data, agent_dir=p.sock.parent,
-                                       known_fingerprints=fingerprints.known(store))
+                                       known_fingerprints=fingerprints.known(store, OWNER),
+                                       owner=OWNER)
     assert "fill" in engine.progress.timings     # the skipped parts were filled, then resumed
     st = p.status()
     assert (st["state"], st["gate"]) == ("running", "open"), st
@@ -203,7 +205,7 @@ def test_a_restore_does_not_fill_skipped_parts_from_the_store(gpu, probe, tmp_pa
         engine.restore_and_unlock(op, [], agents={p.pid: target})
     assert fingerprints.any_skipped(two) and "fill" not in engine.progress.timings
     assert p.status()["state"] == "detached"                  # nothing reloaded: nothing lost
-    assert fingerprints.fill_dir(store, two) > 0             # what its pack does on failure
+    assert fingerprints.fill_dir(store, two, OWNER) > 0     # what its pack does on failure
     with engine.begin("restore", [p.pid]) as op:
         engine.restore_and_unlock(op, [], agents={p.pid: target})
     assert p.call(f"@check {a} {48 * MIB} 3")["ok"] and p.call(f"@check {b} {8 * MIB} 4")["ok"]
@@ -228,7 +230,24 @@ def test_a_pack_that_fails_fills_the_skipped_parts_back_in(gpu, probe, tmp_path,
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(images, "pack", full)
     with pytest.raises(TorporError, match="is complete, not packed"):
-        process.store_checkpoint(Engine(cfg), two, "two")
+        process.store_checkpoint(Engine(cfg), two, "two", OWNER)
     assert not fingerprints.any_skipped(two) and not images.is_packed(two)
     assert ctl_fds(p.sock, "abort")["ok"]               # from its own files, now whole
     assert p.call(f"@check {a} {48 * MIB} 3")["ok"] and p.call(f"@check {b} {8 * MIB} 4")["ok"]
+
+
+def test_fingerprints_are_the_owners_own(probe, tmp_path):
+    """The agent runs in the program: it is handed only its owner's fingerprints, and its
+    index resolves only against them, so no program learns of, or gets, another's chunks."""
+    p = probe()
+    a, b, store = _stored_once(p, tmp_path)                  # OWNER's snapshot "one"
+    assert fingerprints.known(store, OWNER)
+    assert fingerprints.known(store, "uid:4242") == {} == fingerprints.known(store,
+                                                                            "container:x")
+    two, r2 = _checkpoint_dir(tmp_path, "two", p, store)      # skipped: OWNER's chunks
+    with pytest.raises(TorporError, match="not in the image store"):
+        fingerprints.pack_arguments(store, two, "uid:4242")   # another owner cannot name them
+    with pytest.raises(UsageError, match="needs their owner"):
+        images.pack(store, two, "anyone")
+    doc, _ = images.pack(store, two, "two", OWNER)
+    assert doc["meta"]["owner"] == OWNER

@@ -163,11 +163,11 @@ def _store(store: Store, images: Path, cid: str) -> None:
     name = f"{cid[:12]}-{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S%f}"
     t = time.monotonic()
     try:
-        _doc, st = store_images.pack(store, images, name)
+        _doc, st = store_images.pack(store, images, name, fingerprints.owner_of(cid))
     except (OSError, TorporError) as e:
         log.error("checkpoint %s: not packed into the store: %s", cid, e)
         try:
-            filled = fingerprints.fill_dir(store, images)
+            filled = fingerprints.fill_dir(store, images, fingerprints.owner_of(cid))
         except (OSError, TorporError) as f:
             log.error("checkpoint %s: skipped GPU data not filled in: %s", cid, f)
             print(f"torpor-runtime: warning: {images}: not packed into the image store ({e}), "

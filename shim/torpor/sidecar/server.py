@@ -362,9 +362,13 @@ class Service:
             cuda_pids = sorted(states)
             inv = self._gpu_info(cuda_pids)
             cuda = [self._cuda_process(p, states[p], inv) for p in cuda_pids]
+            # a container's fingerprints are its own only (store/fingerprints.py)
+            fp_owner = fingerprints.owner_of(request.agent_container_id or request.container_id,
+                                             procs.owner_uid(cuda_pids[0]) if cuda_pids else 0)
             moved = engine.lock_and_checkpoint(  # rolls back and closes op on failure
                 op, cuda_pids, bulk.DataDir(data) if data else None, agent_dir,
-                known_fingerprints=self._known(cfg, request.fingerprints) if data else None)
+                known_fingerprints=self._known(cfg, request.fingerprints, fp_owner)
+                if data else None, owner=fp_owner)
             try:
                 # The processes are CHECKPOINTED now: until the operation is in the table (where
                 # Rollback, the reaper or shutdown find it), any failure rolls back at once.
@@ -396,15 +400,16 @@ class Service:
                                           "skipped_bytes", 0))
                     for p, r in sorted(moved.items())])
 
-    def _known(self, cfg: Config, mode: int) -> set[str] | dict[str, Any] | None:
+    def _known(self, cfg: Config, mode: int, owner: str) -> set[str] | dict[str, Any] | None:
         """The fingerprints the agents skip (LockAndCheckpointRequest.fingerprints): what
-        the image store holds (SKIP), none (INDEX: fingerprinted only), or no fingerprints."""
+        owner's snapshots in the image store hold (SKIP), none (INDEX: fingerprinted only),
+        or no fingerprints."""
         if mode == self.pb.FINGERPRINTS_NONE:
             return None
         store = Store(cfg.store_dir)
         if not fingerprints.usable(store):
             return None
-        return fingerprints.known(store) if mode == self.pb.FINGERPRINTS_SKIP else set()
+        return fingerprints.known(store, owner) if mode == self.pb.FINGERPRINTS_SKIP else set()
 
     @_rpc
     def Finish(self, request: Any, context: Any) -> Any:

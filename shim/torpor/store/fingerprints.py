@@ -24,7 +24,13 @@ GPU as it reloads, so a hole left unfilled, or filled with other bytes, fails th
 loses nothing.
 
 Nothing in an index is trusted: file numbers, offsets and lengths are checked against the files
-before anything is written.
+before anything is written. Fingerprints are scoped by **owner** (a container's ID, or a bare
+program's uid: owner_of): the agent runs inside the program, so whatever fingerprints it is
+handed, the program can read, and whatever its index names, the program can write. Handed the
+whole store's, a program could learn which chunks other tenants hold and, crafting data to
+match one (the fold is not cryptographic), have its checkpoint name another tenant's chunk and
+read it back at restore. So a checkpoint is only ever handed, and its index only ever resolved
+against, the fingerprints of its owner's own snapshots (their meta's "owner").
 """
 
 from __future__ import annotations
@@ -122,13 +128,27 @@ def any_skipped(images_dir: Path) -> bool:
                if p.is_dir() and not p.is_symlink())
 
 
-def known(store: Store) -> dict[str, list[Any]]:
-    """fingerprint -> the chunk it names ([sha256 or None, length]), from every snapshot of the
-    store (hold the store's lock, shared, until what uses them is committed: gc then keeps
-    those chunks)."""
+def owner_of(container_id: str = "", uid: int | None = None) -> str:
+    """The owner key of a container's checkpoints, or of a bare program's (by its uid)."""
+    if container_id:
+        return f"container:{container_id}"
+    if uid is None:
+        raise ValueError("an owner is a container or a uid")
+    return f"uid:{int(uid)}"
+
+
+def known(store: Store, owner: str) -> dict[str, list[Any]]:
+    """fingerprint -> the chunk it names ([sha256 or None, length]), from every snapshot of
+    owner in the store (hold the store's lock, shared, until what uses them is committed: gc
+    then keeps those chunks)."""
+    if not owner:
+        raise ValueError("fingerprints need an owner")
     out: dict[str, list[Any]] = {}
     for name in store.backend.snapshots():
-        for entry in store.load(name)["files"].values():
+        doc = store.load(name)
+        if doc["meta"].get("owner") != owner:
+            continue
+        for entry in doc["files"].values():
             for index, fp in entry.get("fingerprints", ()):
                 out[fp] = entry["chunks"][index]
     return out
@@ -163,7 +183,7 @@ def given(parts: list[Part], refs: dict[str, list[Any]], file: int) -> dict[int,
     return out
 
 
-def fill(store: Store, data_dir: Path, fds: list[int], sizes: list[int]) -> int:
+def fill(store: Store, data_dir: Path, fds: list[int], sizes: list[int], owner: str) -> int:
     """Write every skipped part of the program in data_dir from the store into its hole (fds:
     its data files, read-write, in order), then mark the index filled. The bytes written; 0
     when there is no index or nothing is skipped."""
@@ -171,7 +191,7 @@ def fill(store: Store, data_dir: Path, fds: list[int], sizes: list[int]) -> int:
     if not parts or not any(p.skipped for p in parts):
         return 0
     with store.backend.lock(False, store.lock_timeout):
-        refs = known(store)
+        refs = known(store, owner)
         done = 0
         for p in parts:
             if not p.skipped:
@@ -200,7 +220,7 @@ def fill(store: Store, data_dir: Path, fds: list[int], sizes: list[int]) -> int:
     return done
 
 
-def fill_dir(store: Store, images_dir: Path) -> int:
+def fill_dir(store: Store, images_dir: Path, owner: str) -> int:
     """fill() for every program of a checkpoint directory (its pack failed): the bytes."""
     done = 0
     data = bulk.DataDir(images_dir / bulk.DATA_DIR)
@@ -210,14 +230,14 @@ def fill_dir(store: Store, images_dir: Path) -> int:
         count = len(list(prog.glob("gpu-memory-*.bin")))
         fds = data.for_fill(int(prog.name), count)
         try:
-            done += fill(store, prog, fds, [os.fstat(fd).st_size for fd in fds])
+            done += fill(store, prog, fds, [os.fstat(fd).st_size for fd in fds], owner)
         finally:
             for fd in fds:
                 os.close(fd)
     return done
 
 
-def pack_arguments(store: Store, images_dir: Path) -> dict[str, dict[str, Any]]:
+def pack_arguments(store: Store, images_dir: Path, owner: str) -> dict[str, dict[str, Any]]:
     """For Store.ingest_dir's extra: every agent data file of the checkpoint in images_dir
     that has an index gets its skipped chunks (given) and its fingerprints; each index goes
     in with nothing skipped (the snapshot's file is complete)."""
@@ -232,7 +252,7 @@ def pack_arguments(store: Store, images_dir: Path) -> dict[str, dict[str, Any]]:
         files = [prog / bulk.file_name(k) for k in range(count)]
         parts = parse(index.read_text(), str(index), [f.stat().st_size for f in files])
         if refs is None:
-            refs = known(store)
+            refs = known(store, owner)
         for k, f in enumerate(files):
             rel = f.relative_to(images_dir).as_posix()
             out[rel] = {"given": given(parts, refs or {}, k),

@@ -58,17 +58,25 @@ def is_packed(images_dir: Path) -> bool:
     return (images_dir / PACKED).is_file()
 
 
-def pack(store: Store, images_dir: Path, name: str) -> tuple[dict[str, Any], WriteStats]:
+def pack(store: Store, images_dir: Path, name: str, owner: str = ""
+         ) -> tuple[dict[str, Any], WriteStats]:
     """Put the sealed checkpoint in images_dir into the store as snapshot name and leave the
-    directory packed (module docstring). Returns (snapshot, what was written)."""
+    directory packed (module docstring). owner (fingerprints.owner_of): whose GPU
+    fingerprints its agents' data may be matched against, recorded in the snapshot; "" none.
+    Returns (snapshot, what was written)."""
     if is_packed(images_dir):
         raise UsageError(f"{images_dir} is packed into a store already")
     if not (images_dir / MANIFEST).is_file():
         raise UsageError(f"{images_dir} holds no sealed checkpoint ({MANIFEST})")
-    doc, stats = store.ingest_dir(images_dir, name, {"kind": "torpor-checkpoint",
-                                                     "images_dir": str(images_dir.absolute())},
+    if not owner and fingerprints.any_skipped(images_dir):
+        raise UsageError(f"{images_dir} holds GPU data its agents skipped: packing it needs "
+                         "their owner")
+    meta = {"kind": "torpor-checkpoint", "images_dir": str(images_dir.absolute()),
+            **({"owner": owner} if owner else {})}
+    doc, stats = store.ingest_dir(images_dir, name, meta,
                                   pages.page_image_pieces(images_dir, store.chunk_size),
-                                  fingerprints.pack_arguments(store, images_dir))
+                                  fingerprints.pack_arguments(store, images_dir, owner)
+                                  if owner else None)
     tmp = images_dir / f".{CHUNKS}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     store.export_chunks(name, tmp)
