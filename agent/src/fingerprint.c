@@ -11,23 +11,12 @@
 #include "agent.h" /* first: _GNU_SOURCE */
 #include "fingerprint.h"
 
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 
 typedef struct CUmod_st *CUmodule;
 
 #define BATCH 2048 /* segments a launch: 32 KiB of table, 8 MiB of lanes on the GPU */
-
-static void say(char *err, size_t size, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static void say(char *err, size_t size, const char *fmt, ...)
-{
-	va_list ap;
-
-	va_start(ap, fmt);
-	vsnprintf(err, size, fmt, ap);
-	va_end(ap);
-}
 
 int fp_run(const struct fp_seg *segs, size_t n, uint64_t *lanes, char *err, size_t errsize)
 {
@@ -45,20 +34,20 @@ int fp_run(const struct fp_seg *segs, size_t n, uint64_t *lanes, char *err, size
 		return 0;
 	if (!load || !get || !unload || !real.cuLaunchKernel || !real.cuMemAlloc_v2 ||
 	    !real.cuMemFree_v2 || !real.cuMemcpyHtoD_v2 || !real.cuMemcpyDtoH_v2) {
-		say(err, errsize, "the driver lacks the module API");
+		snprintf(err, errsize, "the driver lacks the module API");
 		return -1;
 	}
 	if ((rc = load(&mod, FP_PTX)) != CUDA_SUCCESS) {
-		say(err, errsize, "cuModuleLoadData of the fingerprint kernel: CUresult %d", rc);
+		snprintf(err, errsize, "cuModuleLoadData of the fingerprint kernel: CUresult %d", rc);
 		return -1;
 	}
 	if ((rc = get(&fn, mod, FP_KERNEL)) != CUDA_SUCCESS) {
-		say(err, errsize, "cuModuleGetFunction: CUresult %d", rc);
+		snprintf(err, errsize, "cuModuleGetFunction: CUresult %d", rc);
 		goto out;
 	}
 	if ((rc = real.cuMemAlloc_v2(&table, batch * sizeof(*segs))) != CUDA_SUCCESS ||
 	    (rc = real.cuMemAlloc_v2(&out, batch * lane_bytes)) != CUDA_SUCCESS) {
-		say(err, errsize, "%zu KiB of GPU memory for fingerprints: CUresult %d%s",
+		snprintf(err, errsize, "%zu KiB of GPU memory for fingerprints: CUresult %d%s",
 		    batch * (sizeof(*segs) + lane_bytes) >> 10, rc,
 		    rc == CUDA_ERROR_OUT_OF_MEMORY ? " (the GPU is full)" : "");
 		goto out;
@@ -71,7 +60,7 @@ int fp_run(const struct fp_seg *segs, size_t n, uint64_t *lanes, char *err, size
 		    (rc = real.cuLaunchKernel(fn, (unsigned)k, 1, 1, FP_LANES, 1, 1, 0, NULL, params,
 					      NULL)) ||
 		    (rc = real.cuMemcpyDtoH_v2(lanes + done * FP_LANES * 2, out, k * lane_bytes))) {
-			say(err, errsize, "fingerprint kernel over %zu segments: CUresult %d", k, rc);
+			snprintf(err, errsize, "fingerprint kernel over %zu segments: CUresult %d", k, rc);
 			goto out;
 		}
 	}

@@ -220,6 +220,14 @@ def fill(store: Store, data_dir: Path, fds: list[int], sizes: list[int], owner: 
     return done
 
 
+def _file_count(prog: Path) -> int:
+    """How many data files a program's directory holds (gpu-memory-0.bin ...)."""
+    k = 0
+    while (prog / bulk.file_name(k)).is_file():
+        k += 1
+    return k
+
+
 def fill_dir(store: Store, images_dir: Path, owner: str) -> int:
     """fill() for every program of a checkpoint directory (its pack failed): the bytes."""
     done = 0
@@ -227,8 +235,7 @@ def fill_dir(store: Store, images_dir: Path, owner: str) -> int:
     for prog in sorted(data.root.glob("*")):
         if not prog.name.isdigit() or not has_skipped(prog):
             continue
-        count = len(list(prog.glob("gpu-memory-*.bin")))
-        fds = data.for_fill(int(prog.name), count)
+        fds = data.for_fill(int(prog.name), _file_count(prog))
         try:
             done += fill(store, prog, fds, [os.fstat(fd).st_size for fd in fds], owner)
         finally:
@@ -248,8 +255,7 @@ def pack_arguments(store: Store, images_dir: Path, owner: str) -> dict[str, dict
     refs: dict[str, list[Any]] | None = None
     for index in sorted(root.glob(f"*/{bulk.INDEX}")):
         prog = index.parent
-        count = len(list(prog.glob("gpu-memory-*.bin")))
-        files = [prog / bulk.file_name(k) for k in range(count)]
+        files = [prog / bulk.file_name(k) for k in range(_file_count(prog))]
         parts = parse(index.read_text(), str(index), [f.stat().st_size for f in files])
         if refs is None:
             refs = known(store, owner)
