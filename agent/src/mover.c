@@ -520,12 +520,43 @@ static void fingerprint_parts(const XXH128_canonical_t *known, size_t nknown,
 	r->fp_seconds = seconds_since(t0);
 }
 
-/* After a reload: every fingerprinted part again, on the GPU. 0, or -1 with r->error. */
-static int fingerprints_verify(struct move_result *r)
+/* The fingerprint of part q of c as reloaded: from the GPU's lanes, or (lanes NULL) from its
+ * bytes read back from its file into buf (CHUNK bytes, the part at its place in the chunk)
+ * and folded on the CPU. 0, or -errno. */
+static int reloaded_fp(const struct chunk *c, int q, const uint64_t *lanes, const int *fds,
+		       unsigned char *buf, XXH128_hash_t *fp)
+{
+	size_t first = (size_t)q * FILE_ALIGN, n = part_len(c, q);
+
+	if (lanes) {
+		*fp = part_fp(c, q, lanes + c->part[q].seg * FP_LANES * 2);
+		return 0;
+	}
+	for (size_t done = 0; done < n;) {
+		ssize_t got = pread(fds[c->file], buf + first + done, n - done,
+				    c->file_off + first + done);
+
+		if (got < 0 && errno == EINTR)
+			continue;
+		if (got <= 0)
+			return got ? -errno : -EIO;
+		done += got;
+	}
+	*fp = part_fp_host(c, q, buf);
+	return 0;
+}
+
+/* After a reload: every fingerprinted part again, on the GPU; the parts the store supplied
+ * (skipped) are checked this way only. When the GPU cannot run the kernel now (full after the
+ * re-creation, say), those are checked on the CPU from their files instead (fds; slower),
+ * rather than leaving the program held at a closed gate. 0, or -1 with r->error. */
+static int fingerprints_verify(const int *fds, struct move_result *r)
 {
 	size_t bad = 0, bad_skipped = 0, skipped = 0;
+	unsigned char *buf = NULL;
 	char err[160];
 	uint64_t *lanes;
+	int ret = 0;
 
 	if (!plan.fingerprinted)
 		return 0;
@@ -538,30 +569,45 @@ static int fingerprints_verify(struct move_result *r)
 			pr_warn("fingerprints not checked: %s", err);
 			return 0;
 		}
-		snprintf(r->error, sizeof(r->error), "the %zu chunks the image store supplied cannot "
-			 "be checked: %s", skipped, err);
-		return -1;
+		buf = fds ? malloc(CHUNK) : NULL;
+		if (!buf) {
+			snprintf(r->error, sizeof(r->error), "the %zu chunks the image store supplied "
+				 "cannot be checked: %s", skipped, err);
+			return -1;
+		}
+		pr_warn("no fingerprint kernel now (%s): the %zu parts the image store supplied are "
+			"checked on the CPU", err, skipped);
 	}
-	for (size_t j = 0; j < plan.nchunks; j++) {
+	for (size_t j = 0; j < plan.nchunks && !ret; j++) {
 		struct chunk *c = &plan.chunks[j];
 
-		for (int q = 0; q < PARTS; q++)
-			if (c->part[q].fingerprinted &&
-			    !XXH128_isEqual(part_fp(c, q, lanes + c->part[q].seg * FP_LANES * 2),
-					    c->part[q].fp)) {
+		for (int q = 0; q < PARTS && !ret; q++) {
+			XXH128_hash_t fp;
+			int rc;
+
+			if (!c->part[q].fingerprinted || (!lanes && !c->part[q].skip))
+				continue;
+			rc = reloaded_fp(c, q, lanes, fds, buf, &fp);
+			if (rc) {
+				snprintf(r->error, sizeof(r->error), "reading data file %d again: %s",
+					 c->file, strerror(-rc));
+				ret = -1;
+			} else if (!XXH128_isEqual(fp, c->part[q].fp)) {
 				bad++;
 				bad_skipped += c->part[q].skip;
 			}
+		}
 	}
 	free(lanes);
-	if (bad) {
+	free(buf);
+	if (!ret && bad) {
 		snprintf(r->error, sizeof(r->error), "%zu reloaded chunk(s) do not match their "
 			 "fingerprints (%zu of them supplied by the image store: %s)", bad, bad_skipped,
 			 bad_skipped ? "the data files' holes were not filled from the store, or with "
 				       "other data" : "none");
-		return -1;
+		ret = -1;
 	}
-	return 0;
+	return ret;
 }
 
 /* The index torpor reads (agent/PROTOCOL.md): one line a fingerprinted part. */
@@ -1259,7 +1305,7 @@ int mover_load(const int *fds, int nfds, struct move_result *r)
 	r->vmm_seconds = seconds_since(t1);
 	if (plan.nchunks && run_workers(plan.in_memory ? NULL : fds, plan.nfiles, 0, r))
 		return -1;
-	if (fingerprints_verify(r))
+	if (fingerprints_verify(plan.in_memory ? NULL : fds, r))
 		return -1;
 	for (size_t m = 0; m < plan.nmv; m++)
 		vmm_reloaded(plan.mv[m].phys);

@@ -154,3 +154,28 @@ def test_fp_needs_its_two_files_and_a_bad_known_file_is_refused(probe, tmp_path)
     assert not r["ok"] and "16-byte records" in r["error"], r
     assert p.status()["state"] == "running" and p.status()["gate"] == "open"
     assert p.call(f"@check {ptr} {8 * MIB} 3")["ok"]
+
+
+def test_without_the_kernel_at_resume_the_stores_parts_are_checked_on_the_cpu(gpu, probe,
+                                                                            tmp_path):
+    """A GPU that cannot run the kernel at the resume (full after the re-creation, say) does
+    not leave the program at a closed gate: the parts the store supplied are folded on the CPU
+    from their files, and a hole is still caught."""
+    p = probe()
+    ptr = _program(p, 16)
+    one = Files(tmp_path / "one", 1)
+    assert _prepare_fp(p.sock, one, [], tmp_path / "one.fp")["ok"]
+    first = _index(tmp_path / "one.fp")
+    assert ctl_fds(p.sock, "abort")["ok"]
+    two = Files(tmp_path / "two", 1)
+    r = _prepare_fp(p.sock, two, [e["fp"] for e in first], tmp_path / "two.fp")
+    assert r["ok"] and r["fingerprints"]["skipped"] == len(first), r
+    second = _index(tmp_path / "two.fp")
+    assert ctl_fds(p.sock, "detach")["ok"]
+    with failing(gpu, "cuModuleLoadData", "801"):      # CUDA_ERROR_NOT_SUPPORTED
+        r = two.send(p.sock, "resume", write=False)      # the holes are not filled yet
+        assert not r["ok"] and f"{len(second)} reloaded chunk(s) do not match" in r["error"], r
+        _fill(two, second, one)
+        r = two.send(p.sock, "resume", write=False)
+    assert r["ok"], r
+    assert p.call(f"@check {ptr} {16 * MIB} 3")["ok"]
