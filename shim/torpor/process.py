@@ -122,7 +122,7 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
             # Left running, the program needs its data back at once: its agent copies it all
             # (a skipped part would be filled from the store first, slower than the copy),
             # and the fingerprints spare the pack reading what the store has.
-            known = (set() if leave_running else fingerprints.known(store, owner)) \
+            known = (set() if leave_running else fingerprints.known(store, owner).gpu) \
                 if store is not None and owner and fingerprints.usable(store) else None
             moved = engine.lock_and_checkpoint(op, cuda_pids,
                                                data=bulk.DataDir(images_dir / bulk.DATA_DIR),
@@ -284,7 +284,7 @@ def store_checkpoint(engine: Engine, images_dir: Path, name: str, owner: str = "
     snapshot name (store/images.py), its GPU fingerprints owner's (fingerprints.owner_of). A
     failure leaves images_dir the complete, unpacked checkpoint it was (what its agents
     skipped filled in from the store). Returns what was written: {"name", "store", "chunks",
-    "new_chunks", "new_bytes", "reused_chunks", "zero_chunks", "logical"}."""
+    "new_chunks", "new_bytes", "reused_chunks", "by_fingerprint", "zero_chunks", "logical"}."""
     size = tree_size(images_dir)
     store: Store | None = None
     try:
@@ -304,6 +304,7 @@ def store_checkpoint(engine: Engine, images_dir: Path, name: str, owner: str = "
         raise TorporError(f"storing {images_dir} as {name}: {e.strerror or e}; {state}") from e
     return {"name": name, "store": store.where, "chunks": st.chunks, "new_chunks": st.new_chunks,
             "new_bytes": st.new_bytes, "reused_chunks": st.reused_chunks,
+            "by_fingerprint": st.by_fingerprint,
             "zero_chunks": st.zero_chunks, "logical": st.logical}
 
 

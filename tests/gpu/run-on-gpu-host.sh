@@ -3,7 +3,7 @@
 # driver but no CRIU and no package access. What it needs travels in ignored folders:
 #   .device/criu   CRIU >= 4 bundle (../shared/gpu-host/criu)      -> /opt/criu
 #   .device/py     CRIU's pycriu, generated for the protobuf below
-#   .whl           protobuf and grpcio wheels matching the generated modules
+#   .whl           protobuf, grpcio, zstandard and xxhash wheels (cp312, manylinux)
 #   shim/torpor/_proto  proto/generate.py output
 #   .device/podman-bundle.tar.xz, .device/gpubase-rootfs.tar   podman 4.3 + runc (../shared/gpu-host)
 #   .device/include/xxhash.h   the agent's one build dependency (libxxhash-dev's header)

@@ -106,6 +106,7 @@ def test_a_second_checkpoint_stores_only_what_changed(torpor, store, tmp_path, r
                          "--store", "two", "--leave-running")["stored"]
     assert first["new_bytes"] > 60 << 20, first                # random: stored as it is
     assert second["reused_chunks"] >= 16, second               # the 64 MiB, at least
+    assert second["by_fingerprint"] >= 16, second              # ... and not hashed again
     assert second["new_bytes"] < first["new_bytes"] * 0.05, (first, second)   # issue 5's target
     assert len(_blobs(store)) == first["new_chunks"] + second["new_chunks"]
     names = {r["name"]: r for r in torpor.json("ls")["snapshots"]}

@@ -30,7 +30,7 @@ def _checkpoint_dir(tmp_path: Path, name: str, p, store: Store, skip: bool = Tru
     data = bulk.DataDir(d / bulk.DATA_DIR).make()
     fds = data.for_prepare(p.pid, 2)
     fds += [data.new_index(p.pid),
-            fingerprints.known_fd(fingerprints.known(store, OWNER) if skip else ())]
+            fingerprints.known_fd(fingerprints.known(store, OWNER).gpu if skip else ())]
     try:
         r = ctl_fds(p.sock, "prepare 5000 fp", [*fds[:2], fds[3], fds[2]])
     finally:
@@ -176,7 +176,7 @@ def test_a_rollback_fills_what_the_agent_skipped_then_resumes(gpu, probe, tmp_pa
     with store.backend.lock(False, 10), pytest.raises(RolledBackError):
         with engine.begin("checkpoint", [p.pid]) as op:
             engine.lock_and_checkpoint(op, [p.pid], data=data, agent_dir=p.sock.parent,
-                                       known_fingerprints=fingerprints.known(store, OWNER),
+                                       known_fingerprints=fingerprints.known(store, OWNER).gpu,
                                        owner=OWNER)
     assert "fill" in engine.progress.timings     # the skipped parts were filled, then resumed
     st = p.status()
@@ -241,13 +241,91 @@ def test_fingerprints_are_the_owners_own(probe, tmp_path):
     index resolves only against them, so no program learns of, or gets, another's chunks."""
     p = probe()
     a, b, store = _stored_once(p, tmp_path)                  # OWNER's snapshot "one"
-    assert fingerprints.known(store, OWNER)
-    assert fingerprints.known(store, "uid:4242") == {} == fingerprints.known(store,
-                                                                            "container:x")
+    assert fingerprints.known(store, OWNER).gpu and fingerprints.known(store, OWNER).host
+    assert fingerprints.known(store, "uid:4242") == fingerprints.Known({}, {}) \
+        == fingerprints.known(store, "container:x")
     two, r2 = _checkpoint_dir(tmp_path, "two", p, store)      # skipped: OWNER's chunks
     with pytest.raises(TorporError, match="not in the image store"):
-        fingerprints.pack_arguments(store, two, "uid:4242")   # another owner cannot name them
+        # another owner cannot name them
+        fingerprints.pack_arguments(store, two, fingerprints.known(store, "uid:4242").gpu)
     with pytest.raises(UsageError, match="needs their owner"):
         images.pack(store, two, "anyone")
     doc, _ = images.pack(store, two, "two", OWNER)
     assert doc["meta"]["owner"] == OWNER
+
+
+# -- host fingerprints: what the host reads (CRIU's page images) --------------------------------
+
+HOST_CHUNK = 64 << 10
+
+
+def _hashing(monkeypatch) -> list[int]:
+    """The lengths chunk.name_of (sha256) is asked for from now on."""
+    hashed: list[int] = []
+    real = chunk.name_of
+    monkeypatch.setattr(chunk, "name_of", lambda d: hashed.append(len(d)) or real(d))
+    return hashed
+
+
+def _host_store(tmp_path: Path) -> tuple[Store, Path, bytearray]:
+    store = Store(tmp_path / "store", chunk_size=HOST_CHUNK, workers=2, lock_timeout=5)
+    data = bytearray(os.urandom(6 * HOST_CHUNK + 100))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "pages-1.img").write_bytes(data)
+    doc, st = store.ingest_dir(src, "one", {"owner": OWNER}, known={})
+    assert st.new_chunks == 7 and st.by_fingerprint == 0
+    assert [i for i, _ in doc["files"]["pages-1.img"]["host_fingerprints"]] == list(range(7))
+    return store, src, data
+
+
+def test_host_fingerprints_spare_a_second_pack_the_sha256_of_what_did_not_change(
+        tmp_path, monkeypatch):
+    store, src, data = _host_store(tmp_path)
+    data[2 * HOST_CHUNK + 5] ^= 0xFF
+    (src / "pages-1.img").write_bytes(data)
+    hashed = _hashing(monkeypatch)
+    doc, st = store.ingest_dir(src, "two", {"owner": OWNER},
+                               known=fingerprints.known(store, OWNER).host)
+    assert hashed == [HOST_CHUNK], hashed                  # the changed chunk only
+    assert (st.new_chunks, st.by_fingerprint, st.reused_chunks) == (1, 6, 6), st
+    store.materialize("two", tmp_path / "out")
+    assert (tmp_path / "out" / "pages-1.img").read_bytes() == data
+
+
+def test_a_fingerprint_stands_only_for_its_owners_chunk_that_the_store_still_has(
+        tmp_path, monkeypatch):
+    store, src, data = _host_store(tmp_path)
+    hashed = _hashing(monkeypatch)
+    _, st = store.ingest_dir(src, "other", {"owner": "uid:4242"},
+                             known=fingerprints.known(store, "uid:4242").host)
+    assert len(hashed) == 7 and st.by_fingerprint == 0     # another owner: all hashed
+    first = chunk.fingerprint(bytes(data[:HOST_CHUNK]))
+    stale = {first: ["f" * 64, HOST_CHUNK],                # a chunk the store lacks
+             chunk.fingerprint(bytes(data[HOST_CHUNK:2 * HOST_CHUNK])):
+                 [chunk.name_of(bytes(data[:HOST_CHUNK])), HOST_CHUNK + 1]}   # wrong length
+    hashed.clear()
+    doc, st = store.ingest_dir(src, "three", {"owner": OWNER}, known=stale)
+    assert len(hashed) == 7 and st.by_fingerprint == 0, st
+    store.materialize("three", tmp_path / "out")
+    assert (tmp_path / "out" / "pages-1.img").read_bytes() == data
+
+
+def test_an_imported_snapshot_lends_no_fingerprints(tmp_path):
+    """Its fingerprints were never checked against its chunks: it loses its owner."""
+    store, _src, _data = _host_store(tmp_path)
+    other = Store(tmp_path / "other", chunk_size=HOST_CHUNK, workers=2)
+    store.export_chunks("one", tmp_path / "export")
+    other.import_chunks(tmp_path / "export")
+    doc = other.import_snapshot(store.backend.get_snapshot("one"), "export of one")
+    assert "owner" not in doc["meta"] and "owner" not in other.load("one")["meta"]
+    assert fingerprints.known(other, OWNER) == fingerprints.Known({}, {})
+
+
+@pytest.mark.parametrize("bad", [[[7, "0" * 32]], [[0, "0" * 31]], [[0, "X" * 32]], [0], "x"])
+def test_a_snapshot_with_malformed_host_fingerprints_is_refused(tmp_path, bad):
+    store, _src, _data = _host_store(tmp_path)
+    doc = store.load("one")
+    doc["files"]["pages-1.img"]["host_fingerprints"] = bad
+    with pytest.raises(CorruptCheckpointError, match="host_fingerprints of 'pages-1.img'"):
+        snapshot.parse(snapshot.dump(doc), "test")

@@ -50,4 +50,5 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
 def store_line(s: dict) -> str:
     return (f"kept in store {s['store']} as {s['name']}: {s['chunks']} chunk(s) of "
             f"{human_bytes(s['logical'])}: {s['new_chunks']} new ({human_bytes(s['new_bytes'])} "
-            f"written), {s['reused_chunks']} already stored, {s['zero_chunks']} zero\n")
+            f"written), {s['reused_chunks']} already stored ({s['by_fingerprint']} known by "
+            f"fingerprint), {s['zero_chunks']} zero\n")

@@ -180,8 +180,9 @@ def _store(store: Store, images: Path, cid: str) -> None:
               file=sys.stderr)
         return
     log.info("checkpoint %s: packed into %s as %s in %.2f s: %d chunks, %d new (%d bytes), %d "
-             "already stored, %d zero", cid, store.where, name, time.monotonic() - t,
-             st.chunks, st.new_chunks, st.new_bytes, st.reused_chunks, st.zero_chunks)
+             "already stored (%d known by fingerprint), %d zero", cid, store.where, name,
+             time.monotonic() - t, st.chunks, st.new_chunks, st.new_bytes, st.reused_chunks,
+             st.by_fingerprint, st.zero_chunks)
 
 
 class _Thaw:

@@ -409,7 +409,7 @@ class Service:
         store = Store(cfg.store_dir)
         if not fingerprints.usable(store):
             return None
-        return fingerprints.known(store, owner) if mode == self.pb.FINGERPRINTS_SKIP else set()
+        return fingerprints.known(store, owner).gpu if mode == self.pb.FINGERPRINTS_SKIP else set()
 
     @_rpc
     def Finish(self, request: Any, context: Any) -> Any:

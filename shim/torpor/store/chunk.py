@@ -17,6 +17,11 @@ threads: the pool also hashes and writes, and zstandard releases the GIL while i
 
 Chunks of zeros are never stored: a snapshot records them as null (GPU memory holds many
 untouched or cleared regions).
+
+Fingerprint: XXH3-128 of the raw data, 32 lowercase hex; ~17x sha256's speed (28 GB/s a core
+against 1.7 on this machine). Not a name: it is not collision resistant, so it only ever
+stands for a chunk of the same owner's own snapshots (fingerprints.py), to spare a second
+checkpoint the sha256 of what did not change.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import struct
 import threading
 from pathlib import Path
 
+import xxhash
 import zstandard
 
 from ..errors import CorruptCheckpointError
@@ -50,6 +56,10 @@ def _contexts() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
 
 def name_of(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def fingerprint(data: bytes | memoryview) -> str:
+    return xxhash.xxh3_128_hexdigest(data)
 
 
 _ZEROS: dict[int, bytes] = {}

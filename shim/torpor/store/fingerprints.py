@@ -1,5 +1,5 @@
-"""GPU fingerprints: the agent's GPU data that the image store holds already is neither copied
-over PCIe nor written (issue 5).
+"""Fingerprints: what the image store holds already is neither copied over PCIe nor written
+(the agent's GPU data), nor hashed again (everything else a checkpoint holds) (issue 5).
 
 A checkpoint into the store (`torpor checkpoint --store`) hands each agent the fingerprints of
 every GPU chunk the store's snapshots hold (`known`). The agent fingerprints every 4 MiB part
@@ -31,6 +31,13 @@ whole store's, a program could learn which chunks other tenants hold and, crafti
 match one (the fold is not cryptographic), have its checkpoint name another tenant's chunk and
 read it back at restore. So a checkpoint is only ever handed, and its index only ever resolved
 against, the fingerprints of its owner's own snapshots (their meta's "owner").
+
+Host fingerprints do for the rest of a checkpoint (CRIU's page images above all) what the
+agent's do for GPU data, on the host: the pack fingerprints every chunk it reads (XXH3-128,
+chunk.fingerprint, ~17x sha256's speed), and a chunk whose fingerprint one of the owner's
+snapshots records is taken from there without its sha256 (writer.py). A program controls its
+own memory, so the owner scoping above holds for these too; the worst a crafted collision can
+do is give its own checkpoint its own older bytes.
 """
 
 from __future__ import annotations
@@ -137,20 +144,28 @@ def owner_of(container_id: str = "", uid: int | None = None) -> str:
     return f"uid:{int(uid)}"
 
 
-def known(store: Store, owner: str) -> dict[str, list[Any]]:
-    """fingerprint -> the chunk it names ([sha256 or None, length]), from every snapshot of
-    owner in the store (hold the store's lock, shared, until what uses them is committed: gc
-    then keeps those chunks)."""
+@dataclasses.dataclass(frozen=True)
+class Known:
+    """The chunks of an owner's snapshots by fingerprint: fingerprint -> [sha256 or None,
+    length]."""
+    gpu: dict[str, list[Any]]    # the agents' ("fingerprints")
+    host: dict[str, list[Any]]   # chunk.fingerprint of what the host read ("host_fingerprints")
+
+
+def known(store: Store, owner: str) -> Known:
+    """The fingerprints of every snapshot of owner in the store (hold the store's lock,
+    shared, until what uses them is committed: gc then keeps those chunks)."""
     if not owner:
         raise ValueError("fingerprints need an owner")
-    out: dict[str, list[Any]] = {}
+    out = Known({}, {})
     for name in store.backend.snapshots():
         doc = store.load(name)
         if doc["meta"].get("owner") != owner:
             continue
         for entry in doc["files"].values():
-            for index, fp in entry.get("fingerprints", ()):
-                out[fp] = entry["chunks"][index]
+            for field, into in (("fingerprints", out.gpu), ("host_fingerprints", out.host)):
+                for index, fp in entry.get(field, ()):
+                    into[fp] = entry["chunks"][index]
     return out
 
 
@@ -191,7 +206,7 @@ def fill(store: Store, data_dir: Path, fds: list[int], sizes: list[int], owner: 
     if not parts or not any(p.skipped for p in parts):
         return 0
     with store.backend.lock(False, store.lock_timeout):
-        refs = known(store, owner)
+        refs = known(store, owner).gpu
         done = 0
         for p in parts:
             if not p.skipped:
@@ -244,24 +259,23 @@ def fill_dir(store: Store, images_dir: Path, owner: str) -> int:
     return done
 
 
-def pack_arguments(store: Store, images_dir: Path, owner: str) -> dict[str, dict[str, Any]]:
+def pack_arguments(store: Store, images_dir: Path, refs: dict[str, list[Any]]
+                   ) -> dict[str, dict[str, Any]]:
     """For Store.ingest_dir's extra: every agent data file of the checkpoint in images_dir
-    that has an index gets its skipped chunks (given) and its fingerprints; each index goes
-    in with nothing skipped (the snapshot's file is complete)."""
+    that has an index gets its skipped chunks (given, from refs: its owner's known GPU
+    fingerprints) and its fingerprints; each index goes in with nothing skipped (the
+    snapshot's file is complete)."""
     out: dict[str, dict[str, Any]] = {}
     root = images_dir / bulk.DATA_DIR
     if not usable(store) or not root.is_dir():
         return out
-    refs: dict[str, list[Any]] | None = None
     for index in sorted(root.glob(f"*/{bulk.INDEX}")):
         prog = index.parent
         files = [prog / bulk.file_name(k) for k in range(_file_count(prog))]
         parts = parse(index.read_text(), str(index), [f.stat().st_size for f in files])
-        if refs is None:
-            refs = known(store, owner)
         for k, f in enumerate(files):
             rel = f.relative_to(images_dir).as_posix()
-            out[rel] = {"given": given(parts, refs or {}, k),
+            out[rel] = {"given": given(parts, refs, k),
                         "fingerprints": [[p.chunk, p.fp] for p in parts if p.file == k]}
         out[index.relative_to(images_dir).as_posix()] = {"src": io.BytesIO(dump(
             dataclasses.replace(p, skipped=False) for p in parts).encode())}

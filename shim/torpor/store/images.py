@@ -61,8 +61,9 @@ def is_packed(images_dir: Path) -> bool:
 def pack(store: Store, images_dir: Path, name: str, owner: str = ""
          ) -> tuple[dict[str, Any], WriteStats]:
     """Put the sealed checkpoint in images_dir into the store as snapshot name and leave the
-    directory packed (module docstring). owner (fingerprints.owner_of): whose GPU
-    fingerprints its agents' data may be matched against, recorded in the snapshot; "" none.
+    directory packed (module docstring). owner (fingerprints.owner_of): whose snapshots' chunks
+    it may take by fingerprint (its agents' GPU data, and on the host), recorded in the
+    snapshot; "" none.
     Returns (snapshot, what was written)."""
     if is_packed(images_dir):
         raise UsageError(f"{images_dir} is packed into a store already")
@@ -73,10 +74,12 @@ def pack(store: Store, images_dir: Path, name: str, owner: str = ""
                          "their owner")
     meta = {"kind": "torpor-checkpoint", "images_dir": str(images_dir.absolute()),
             **({"owner": owner} if owner else {})}
+    known = fingerprints.known(store, owner) if owner else None
     doc, stats = store.ingest_dir(images_dir, name, meta,
                                   pages.page_image_pieces(images_dir, store.chunk_size),
-                                  fingerprints.pack_arguments(store, images_dir, owner)
-                                  if owner else None)
+                                  fingerprints.pack_arguments(store, images_dir, known.gpu)
+                                  if known else None,
+                                  known.host if known else None)
     tmp = images_dir / f".{CHUNKS}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     store.export_chunks(name, tmp)

@@ -6,7 +6,9 @@
                                "chunks": [[sha256 hex, or null for zeros, length], ...],
                                "fingerprints": [[chunk index, 32 hex], ...]  (optional: an
                                agent's data file, the GPU fingerprint of each chunk,
-                               fingerprints.py)}}}
+                               fingerprints.py),
+                               "host_fingerprints": [[chunk index, 32 hex], ...]  (optional:
+                               the host fingerprint of each chunk read, chunk.fingerprint)}}}
 
 Chunks are listed in file order; their lengths add up to the size. Nothing read from a
 snapshot is trusted: paths must be plain relative paths (manifest.safe_relpath), chunk names
@@ -27,6 +29,7 @@ from .chunk import MAX_CHUNK
 
 SCHEMA = 1
 FINGERPRINT = re.compile(r"[0-9a-f]{32}")
+FINGERPRINT_FIELDS = ("fingerprints", "host_fingerprints")   # GPU (agent's), host (chunk.py)
 KIND = "torpor-snapshot"
 
 
@@ -50,12 +53,13 @@ def _check_file(rel: str, entry: Any) -> None:
         raise ValueError(f"entry for {rel!r} is malformed")
     if sum(_check_chunk(ref) for ref in entry["chunks"]) != entry["size"]:
         raise ValueError(f"chunks of {rel!r} do not add up to its size")
-    fps = entry.get("fingerprints", [])
-    if not isinstance(fps, list) or not all(
-            isinstance(f, list) and len(f) == 2 and _is_int(f[0])
-            and 0 <= f[0] < len(entry["chunks"]) and isinstance(f[1], str)
-            and FINGERPRINT.fullmatch(f[1]) for f in fps):
-        raise ValueError(f"fingerprints of {rel!r} are malformed")
+    for field in FINGERPRINT_FIELDS:
+        fps = entry.get(field, [])
+        if not isinstance(fps, list) or not all(
+                isinstance(f, list) and len(f) == 2 and _is_int(f[0])
+                and 0 <= f[0] < len(entry["chunks"]) and isinstance(f[1], str)
+                and FINGERPRINT.fullmatch(f[1]) for f in fps):
+            raise ValueError(f"{field} of {rel!r} are malformed")
 
 
 def validate(doc: Any, origin: str) -> dict[str, Any]:

@@ -32,7 +32,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 from ..errors import CorruptCheckpointError, NotFoundError, UsageError
 from ..files import private_dir, write_new
@@ -83,8 +83,9 @@ class Store:
         self.workers = workers or os.cpu_count() or 2
         self.lock_timeout = lock_timeout
 
-    def writer(self) -> Writer:
-        return Writer(self)
+    def writer(self, known: Mapping[str, list[Any]] | None = None) -> Writer:
+        """A Writer; known: host fingerprints of its owner's chunks (writer.py)."""
+        return Writer(self, known)
 
     def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
         return concurrent.futures.ThreadPoolExecutor(self.workers, "torpor-store")
@@ -207,12 +208,13 @@ class Store:
 
     def ingest_dir(self, src: Path, name: str, meta: dict[str, Any] | None = None,
                    pieces: dict[str, list[int]] | None = None,
-                   extra: dict[str, dict[str, Any]] | None = None
+                   extra: dict[str, dict[str, Any]] | None = None,
+                   known: Mapping[str, list[Any]] | None = None
                    ) -> tuple[dict[str, Any], WriteStats]:
         """Every regular file under src as snapshot name; (snapshot, WriteStats). pieces: where
         to cut some files; extra: more Writer.add_file arguments for some files (given,
-        fingerprints; src: another content). Symlinks and special files are refused rather
-        than left out silently."""
+        fingerprints; src: another content); known: the writer's (writer.py). Symlinks and
+        special files are refused rather than left out silently."""
         rels = []
         for root, dirs, names in os.walk(src):
             dirs.sort()
@@ -221,7 +223,7 @@ class Store:
                 if path.is_symlink() or not path.is_file():
                     raise UsageError(f"{path} is not a regular file: the store keeps only those")
                 rels.append(path.relative_to(src).as_posix())
-        with self.writer() as w:
+        with self.writer(known) as w:
             for rel in rels:
                 more = dict((extra or {}).get(rel, {}))
                 w.add_file(rel, more.pop("src", src / rel), (pieces or {}).get(rel, ()), **more)
@@ -329,8 +331,11 @@ class Store:
         return self.backend.put_blob(path.name, blob)
 
     def import_snapshot(self, data: bytes, origin: str) -> dict[str, Any]:
-        """Add an exported snapshot (untrusted bytes) once all its chunks are in the store."""
+        """Add an exported snapshot (untrusted bytes) once all its chunks are in the store.
+        It loses its owner: fingerprints it brings were never checked against its chunks, so
+        no checkpoint may take chunks by them (fingerprints.py)."""
         doc = snapshot.parse(data, origin)
+        doc["meta"].pop("owner", None)
         missing = [c for c in sorted(snapshot.chunk_names(doc)) if not self.backend.has_blob(c)]
         if missing:
             raise CorruptCheckpointError(f"{origin}: {len(missing)} chunk(s) missing from store "

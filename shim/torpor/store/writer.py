@@ -4,7 +4,10 @@ naming them all.
 
 A writer holds the store's lock shared from its start to its end, so gc (exclusive) never
 removes the chunks of a checkpoint still being written. Chunks already in the store are not
-written again, zero chunks not at all. Until commit nothing names the new chunks: a writer
+written again, zero chunks not at all. A writer handed `known` (host fingerprint -> chunk, of
+its owner's snapshots: fingerprints.py) fingerprints every chunk it reads, takes a chunk whose
+fingerprint is known without computing its sha256, and records the fingerprints (the file's
+"host_fingerprints"). Until commit nothing names the new chunks: a writer
 that fails or is killed leaves only temporary files and unreferenced chunks, which gc removes;
 no earlier snapshot is touched.
 """
@@ -39,6 +42,7 @@ class WriteStats:
     reused_chunks: int = 0  # already in the store: not written again
     new_chunks: int = 0
     new_bytes: int = 0      # what the new blobs take in the store (compressed)
+    by_fingerprint: int = 0  # of the reused, taken by fingerprint: not read, or not hashed
 
 
 def _read_full(f: BinaryIO, size: int) -> bytes:
@@ -85,8 +89,9 @@ def _mode(f: BinaryIO) -> int:
 class Writer:
     """`with store.writer() as w: w.add_file(rel, src); w.commit(name, meta)`."""
 
-    def __init__(self, store: Store):
+    def __init__(self, store: Store, known: Mapping[str, list[Any]] | None = None):
         self.store = store
+        self.known = known
         self.files: dict[str, dict[str, Any]] = {}
         self.stats = WriteStats()
         self._stack = contextlib.ExitStack()
@@ -103,24 +108,32 @@ class Writer:
     def __exit__(self, *exc: object) -> None:
         self._stack.close()
 
-    def _put(self, data: bytes | list[Any]) -> tuple[list[Any], int]:
-        """Store one chunk: ([name or None, length], bytes newly stored or -1 if reused); a
-        ref (a given chunk) is taken as it is, once the store has it."""
+    def _put(self, data: bytes | list[Any]) -> tuple[list[Any], int, str]:
+        """Store one chunk: ([name or None, length], bytes newly stored, -1 if reused or -2 if
+        reused by fingerprint, and its host fingerprint or ""); a ref (a given chunk) is taken
+        as it is, once the store has it."""
+        backend = self.store.backend
         if isinstance(data, list):
-            if data[0] is not None and not self.store.backend.has_blob(data[0]):
+            if data[0] is not None and not backend.has_blob(data[0]):
                 raise CorruptCheckpointError(f"chunk {data[0]} is not in store "
                                              f"{self.store.where}")
-            return list(data), 0 if data[0] is None else -1
+            return list(data), 0 if data[0] is None else -2, ""
         if chunk.is_zero(data):
-            return [None, len(data)], 0
+            return [None, len(data)], 0, ""
+        fp = ""
+        if self.known is not None:
+            fp = chunk.fingerprint(data)
+            ref = self.known.get(fp)
+            if ref is not None and ref[0] is not None and ref[1] == len(data) \
+                    and backend.has_blob(ref[0]):
+                return list(ref), -2, fp
         name = chunk.name_of(data)
-        backend = self.store.backend
         if backend.has_blob(name):
-            return [name, len(data)], -1
+            return [name, len(data)], -1, fp
         blob = chunk.encode(data)
-        return [name, len(data)], len(blob) if backend.put_blob(name, blob) else -1
+        return [name, len(data)], len(blob) if backend.put_blob(name, blob) else -1, fp
 
-    def _count(self, ref: list[Any], stored: int) -> list[Any]:
+    def _count(self, ref: list[Any], stored: int, fp: str) -> tuple[list[Any], str]:
         s = self.stats
         s.chunks += 1
         s.logical += ref[1]
@@ -128,10 +141,11 @@ class Writer:
             s.zero_chunks += 1
         elif stored < 0:
             s.reused_chunks += 1
+            s.by_fingerprint += stored == -2
         else:
             s.new_chunks += 1
             s.new_bytes += stored
-        return ref
+        return ref, fp
 
     def add_file(self, relpath: str, src: Path | BinaryIO, pieces: Sequence[int] = (),
                  given: Mapping[int, list[Any]] | None = None,
@@ -158,15 +172,18 @@ class Writer:
             f = stack.enter_context(open(src, "rb")) if isinstance(src, Path) else src
             mode = _mode(f)
             try:
-                refs = [self._count(*r) for r in ordered_map(
+                done = [self._count(*r) for r in ordered_map(
                     self._pool, self._put, _pieces(f, self.store.chunk_size, pieces, given),
                     2 * self.store.workers)]
             except OSError as e:
                 raise TorporError(f"store {self.store.where}: cannot store {relpath}: "
                                   f"{e.strerror or e}; earlier snapshots are intact") from e
+        refs = [ref for ref, _fp in done]
         entry = {"size": sum(r[1] for r in refs), "mode": mode, "chunks": refs}
         if fingerprints:
             entry["fingerprints"] = [list(f) for f in fingerprints]
+        if host := [[i, fp] for i, (_ref, fp) in enumerate(done) if fp]:
+            entry["host_fingerprints"] = host
         self.files[relpath] = entry
         return entry
 
