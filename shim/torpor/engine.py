@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterable, Mapping, TypeVar
 
-from . import agent, bulk, interrupts, manifest, procs
+from . import agent, bulk, interrupts, manifest, packing, procs
 from .agent import AgentClient, AgentError, NoAgentError
 from .config import Config
 from .driver import Driver, DriverError, ProcessState
@@ -539,7 +539,9 @@ class Engine:
                                else "into the program's host memory"))
         if entry.scratch and entry.data_root:
             bulk.DataDir(Path(entry.data_root)).remove()
-        if entry.images_dir:
+        if entry.kind == "pack":
+            messages += packing.finish_interrupted(self.cfg, entry)
+        elif entry.images_dir:
             messages += self._finish_images(Path(entry.images_dir), program_alive=bool(live))
         self.journal.forget(entry, fd)
         return messages

@@ -14,6 +14,10 @@ files (bulk.py) before the driver's lock: the entry names them (`agents`: PID ->
 socket, its data directory and how many files) before the first `prepare`, so that recovery,
 after the driver's rollback, can give each program its memory back (`resume` with the files).
 
+A pack of a checkpoint into the image store (packing.py) is an operation with no PIDs: should
+its torpor die, recovery fills in the GPU data the checkpoint's agents skipped, so that the
+directory stands on its own.
+
 A suspended process (`torpor suspend`) is not an operation in flight: it is recorded in
 `suspended/<pid>.json` (with its agent data directory, if any) and left alone by recovery
 until `torpor resume`.
@@ -61,6 +65,7 @@ class Entry:
     agents: dict[str, dict] = dataclasses.field(default_factory=dict)
     data_root: str = ""            # the agents' data files (bulk.DataDir) of this operation
     scratch: bool = False          # data_root is torpor's own (suspend): removed once resumed
+    store_owner: str = ""          # a pack's: whose fingerprints (store/fingerprints.owner_of)
     owner: int = dataclasses.field(default_factory=os.getpid)
     started: float = dataclasses.field(default_factory=time.time)
 
@@ -87,6 +92,7 @@ class Entry:
                    starts={str(k): int(v) for k, v in d.get("starts", {}).items()},
                    agents={str(int(k)): dict(v) for k, v in d.get("agents", {}).items()},
                    data_root=str(d.get("data_root", "")), scratch=bool(d.get("scratch", False)),
+                   store_owner=str(d.get("store_owner", "")),
                    owner=int(d.get("owner", 0)), started=float(d.get("started", 0)))
 
 
@@ -99,7 +105,7 @@ class Operation:
     def phase(self, name: str, *, pids: list[int] | None = None,
               gpu_map: dict[str, str] | None = None, images_dir: str | None = None,
               agents: dict[str, dict] | None = None, data_root: str | None = None,
-              scratch: bool | None = None) -> None:
+              scratch: bool | None = None, store_owner: str | None = None) -> None:
         """Record the phase about to start (and new PIDs, e.g. after CRIU restore)."""
         if pids is not None:
             self.journal._claim_more(self, pids)  # BusyError before anything is recorded
@@ -116,6 +122,8 @@ class Operation:
             self.entry.data_root = data_root
         if scratch is not None:
             self.entry.scratch = scratch
+        if store_owner is not None:
+            self.entry.store_owner = store_owner
         self.journal._save(self.entry)
 
     def close(self) -> None:

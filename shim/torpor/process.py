@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import __version__, agent, bulk, criu, gpus, interrupts, manifest, placement, procs
+from . import (__version__, agent, bulk, criu, gpus, interrupts, manifest, packing, placement,
+               procs)
 from .driver import ProcessState
 from .engine import Engine, restore_targets, targets_of
 from .errors import (BusyError, CorruptCheckpointError, CriuError, NoDriverError, NotFoundError,
@@ -86,11 +87,11 @@ def _gpu_view(engine: Engine, tree: list[int]) -> tuple[dict[int, ProcessState],
 
 def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: bool = False,
                shell_job: bool | None = None, store: Store | None = None,
-               owner: str = "") -> dict[str, Any]:
+               owner: str = "", known: fingerprints.Known | None = None) -> dict[str, Any]:
     """Checkpoint the process tree rooted at pid into images_dir; returns the manifest.
     store: the image store it goes into next (store_checkpoint; hold its lock, shared, from
-    before this call until that one ends): agents skip the GPU data owner's snapshots there
-    have already (store/fingerprints.py)."""
+    before this call until that one ends), known: owner's fingerprints there: agents skip
+    the GPU data owner's snapshots have already (store/fingerprints.py)."""
     cfg, progress = engine.cfg, engine.progress
     procs.require(pid)
     tool = criu.find(cfg)                       # before anything touches the program
@@ -122,11 +123,12 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
             # Left running, the program needs its data back at once: its agent copies it all
             # (a skipped part would be filled from the store first, slower than the copy),
             # and the fingerprints spare the pack reading what the store has.
-            known = (set() if leave_running else fingerprints.known(store, owner).gpu) \
-                if store is not None and owner and fingerprints.usable(store) else None
+            skip = (set() if leave_running else known.gpu) \
+                if store is not None and known is not None and owner \
+                and fingerprints.usable(store) else None
             moved = engine.lock_and_checkpoint(op, cuda_pids,
                                                data=bulk.DataDir(images_dir / bulk.DATA_DIR),
-                                               known_fingerprints=known, owner=owner)
+                                               known_fingerprints=skip, owner=owner)
         except RolledBackError:
             (images_dir / manifest.DRAFT).unlink(missing_ok=True)  # the directory is reusable
             raise
@@ -274,34 +276,24 @@ def checkpoint_into_store(engine: Engine, pid: int, images_dir: Path, name: str,
                           f"{e.strerror or e}; the program was not touched") from e
     owner = fingerprints.owner_of(uid=procs.owner_uid(pid))   # the program's own only
     with store.backend.lock(False, store.lock_timeout):
-        m = checkpoint(engine, pid, images_dir, store=store, owner=owner, **kw)
-        return m, store_checkpoint(engine, images_dir, name, owner)
+        known = fingerprints.known(store, owner)   # once, for the agents and the pack
+        m = checkpoint(engine, pid, images_dir, store=store, owner=owner, known=known, **kw)
+        return m, store_checkpoint(engine, store, images_dir, name, owner, known)
 
 
-def store_checkpoint(engine: Engine, images_dir: Path, name: str, owner: str = ""
+def store_checkpoint(engine: Engine, store: Store, images_dir: Path, name: str,
+                     owner: str = "", known: fingerprints.Known | None = None
                      ) -> dict[str, Any]:
-    """Pack the sealed checkpoint in images_dir into the image store (config store_dir) as
-    snapshot name (store/images.py), its GPU fingerprints owner's (fingerprints.owner_of). A
-    failure leaves images_dir the complete, unpacked checkpoint it was (what its agents
-    skipped filled in from the store). Returns what was written: {"name", "store", "chunks",
+    """Pack the sealed checkpoint in images_dir into store (config store_dir) as
+    snapshot name (store/images.py), its fingerprints owner's (fingerprints.owner_of; known:
+    theirs, when the store's lock was held since they were read). A failure, or Ctrl-C,
+    leaves images_dir the complete, unpacked checkpoint it was (what its agents skipped
+    filled in from the store; should torpor die, its recovery does that: packing.py).
+    Returns what was written: {"name", "store", "chunks",
     "new_chunks", "new_bytes", "reused_chunks", "by_fingerprint", "zero_chunks", "logical"}."""
     size = tree_size(images_dir)
-    store: Store | None = None
-    try:
-        store = Store(engine.cfg.store_dir)
-        with engine.progress.phase("store", f"{human_bytes(size)} into {store.where} as {name}"):
-            _doc, st = images.pack(store, images_dir, name, owner)
-    except (TorporError, OSError) as e:
-        state = f"the checkpoint in {images_dir} is complete, not packed"
-        try:   # what the agents skipped, back into the files: DIR stands on its own
-            if store is not None and owner:
-                fingerprints.fill_dir(store, images_dir, owner)
-        except (TorporError, OSError) as f:
-            state = (f"the checkpoint in {images_dir} is not packed, and GPU data its agents "
-                     f"skipped could not be filled in from the store ({f}): it is incomplete")
-        if isinstance(e, TorporError):
-            raise type(e)(f"{e}; {state}", exit_code=e.exit_code, hint=e.hint) from e
-        raise TorporError(f"storing {images_dir} as {name}: {e.strerror or e}; {state}") from e
+    with engine.progress.phase("store", f"{human_bytes(size)} into {store.where} as {name}"):
+        _doc, st = packing.pack(engine.journal, store, images_dir, name, owner, known)
     return {"name": name, "store": store.where, "chunks": st.chunks, "new_chunks": st.new_chunks,
             "new_bytes": st.new_bytes, "reused_chunks": st.reused_chunks,
             "by_fingerprint": st.by_fingerprint,

@@ -5,6 +5,7 @@ fill() completes a directory that was never packed (a rollback, a failed pack)."
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -214,10 +215,24 @@ def test_a_restore_does_not_fill_skipped_parts_from_the_store(gpu, probe, tmp_pa
 def test_a_pack_that_fails_fills_the_skipped_parts_back_in(gpu, probe, tmp_path, monkeypatch):
     """torpor checkpoint --store whose pack fails (a full disk, say): the directory is left
     unpacked and whole, what its agent skipped written back from the store."""
-    import errno
-
-    from torpor import config, process
+    from torpor import process
     from torpor.engine import Engine
+
+    p, ab, store, two, cfg = _skipping_checkpoint(gpu, probe, tmp_path)
+
+    def full(*_a, **_k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(images, "pack", full)
+    with pytest.raises(TorporError, match="No space left on device; the checkpoint in .* is "
+                                          "complete, not packed"):
+        process.store_checkpoint(Engine(cfg), store, two, "two", OWNER)
+    _whole_and_resumes(p, two, ab)
+
+
+def _skipping_checkpoint(gpu, probe, tmp_path):
+    """A program stored once, then checkpointed with parts skipped, not yet packed; a config
+    with the store and a journal."""
+    from torpor import config
 
     p = probe()
     a, b, store = _stored_once(p, tmp_path)
@@ -225,15 +240,103 @@ def test_a_pack_that_fails_fills_the_skipped_parts_back_in(gpu, probe, tmp_path,
     assert r2["fingerprints"]["skipped"] > 0 and fingerprints.any_skipped(two)
     cfg = config.load(env={**gpu.env(), "TORPOR_STATE_DIR": str(tmp_path / "state"),
                            "TORPOR_STORE_DIR": str(store.backend.root)})
+    return p, (a, b), store, two, cfg
+
+
+def _whole_and_resumes(p, two: Path, ab: tuple[int, int]) -> None:
+    a, b = ab
+    assert not fingerprints.any_skipped(two) and not images.is_packed(two)
+    assert ctl_fds(p.sock, "abort")["ok"]               # from its own files, now whole
+    assert p.call(f"@check {a} {48 * MIB} 3")["ok"] and p.call(f"@check {b} {8 * MIB} 4")["ok"]
+
+
+def test_ctrl_c_during_the_pack_leaves_the_checkpoint_whole(gpu, probe, tmp_path, monkeypatch):
+    from torpor import process
+    from torpor.engine import Engine
+    from torpor.errors import ExitCode
+
+    p, ab, store, two, cfg = _skipping_checkpoint(gpu, probe, tmp_path)
+
+    def interrupted(*_a, **_k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(images, "pack", interrupted)
+    engine = Engine(cfg)
+    with pytest.raises(TorporError, match="interrupted; the checkpoint in .* is complete, not "
+                                          "packed") as e:
+        process.store_checkpoint(engine, store, two, "two", OWNER)
+    assert e.value.exit_code == ExitCode.INTERRUPTED
+    assert list(engine.journal.orphans()) == []         # nothing left for recovery
+    _whole_and_resumes(p, two, ab)
+
+
+def test_a_fill_that_fails_is_left_to_recovery(gpu, probe, tmp_path, monkeypatch):
+    from torpor import process
+    from torpor.engine import Engine
+
+    p, ab, store, two, cfg = _skipping_checkpoint(gpu, probe, tmp_path)
+    fill_dir = fingerprints.fill_dir
 
     def full(*_a, **_k):
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(images, "pack", full)
-    with pytest.raises(TorporError, match="is complete, not packed"):
-        process.store_checkpoint(Engine(cfg), two, "two", OWNER)
-    assert not fingerprints.any_skipped(two) and not images.is_packed(two)
-    assert ctl_fds(p.sock, "abort")["ok"]               # from its own files, now whole
-    assert p.call(f"@check {a} {48 * MIB} 3")["ok"] and p.call(f"@check {b} {8 * MIB} 4")["ok"]
+    monkeypatch.setattr(fingerprints, "fill_dir", full)
+    with pytest.raises(TorporError, match="could not be filled in .*the next torpor command "
+                                          "tries again"):
+        process.store_checkpoint(Engine(cfg), store, two, "two", OWNER)
+    assert fingerprints.any_skipped(two)
+    monkeypatch.setattr(fingerprints, "fill_dir", fill_dir)   # the disk has room again
+    messages = Engine(cfg).recover()
+    assert any("pack into the image store was interrupted" in m and "filled in" in m
+               for m in messages), messages
+    assert Engine(cfg).recover() == []                  # done: the entry is gone
+    _whole_and_resumes(p, two, ab)
+
+
+KILLED_PACK = """
+import sys, time
+from pathlib import Path
+from torpor import config, process
+from torpor.engine import Engine
+from torpor.store import Store, images
+def stuck(store, images_dir, *a, **k):   # the pack's chunks half written, then torpor dies
+    (images_dir / images.CHUNKS).mkdir()
+    Path(sys.argv[2]).write_text("packing")
+    time.sleep(60)
+images.pack = stuck
+cfg = config.load()
+process.store_checkpoint(Engine(cfg), Store(cfg.store_dir), Path(sys.argv[1]), "two",
+                         sys.argv[3])
+"""
+
+
+def test_torpor_killed_mid_pack_the_next_one_makes_the_checkpoint_whole(gpu, probe, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from torpor.engine import Engine
+
+    p, ab, store, two, cfg = _skipping_checkpoint(gpu, probe, tmp_path)
+    marker = tmp_path / "packing"
+    env = {**os.environ, **gpu.env(), "TORPOR_STATE_DIR": str(tmp_path / "state"),
+           "TORPOR_STORE_DIR": str(store.backend.root),
+           "PYTHONPATH": os.pathsep.join(sys.path)}
+    child = subprocess.Popen([sys.executable, "-c", KILLED_PACK, str(two), str(marker), OWNER],
+                             env=env)
+    deadline = time.monotonic() + 30
+    while not marker.exists():
+        assert child.poll() is None and time.monotonic() < deadline, "the pack did not start"
+        time.sleep(0.02)
+    assert Engine(cfg).recover() == []                  # a live pack is not recovered
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert fingerprints.any_skipped(two) and (two / images.CHUNKS).is_dir()
+    messages = Engine(cfg).recover()
+    assert any("interrupted" in m and "filled in from the store" in m for m in messages), \
+        messages
+    assert not (two / images.CHUNKS).exists()           # the dead pack's links are gone
+    _whole_and_resumes(p, two, ab)
 
 
 def test_fingerprints_are_the_owners_own(probe, tmp_path):

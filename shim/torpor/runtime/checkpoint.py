@@ -28,11 +28,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import __version__, bulk, gpus, interrupts, manifest, oci
+from .. import __version__, bulk, gpus, interrupts, manifest, oci, packing
 from ..config import Config
 from ..errors import NoDriverError, TorporError, UsageError
 from ..files import private_dir
 from ..sidecar.client import Client, ensure_running
+from ..journal import Journal
 from ..store import Store, fingerprints
 from ..store import images as store_images
 from .argv import Invocation
@@ -151,33 +152,22 @@ def _checkpoint(cfg: Config, runtime: Runtime, cid: str, spec: dict[str, Any],
     log.info("checkpoint %s: done in %.2f s, %d CUDA process(es), %d bytes of images", cid,
              time.monotonic() - t0, len(ck["cuda_processes"]), m["sizes"]["total"])
     if store is not None:
-        _store(store, images, cid)
+        _store(cfg, store, images, cid)
     return 0
 
 
-def _store(store: Store, images: Path, cid: str) -> None:
-    """Pack the sealed checkpoint into the image store (store/images.py). The checkpoint is
-    done whatever happens here: a failure leaves it unpacked, the GPU data its agents skipped
+def _store(cfg: Config, store: Store, images: Path, cid: str) -> None:
+    """Pack the sealed checkpoint into the image store (packing.py). The checkpoint is done
+    whatever happens here: a failure leaves it unpacked, the GPU data its agents skipped
     filled in from the store (podman may export the directory to another host), and says
     why."""
     name = f"{cid[:12]}-{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S%f}"
     t = time.monotonic()
     try:
-        _doc, st = store_images.pack(store, images, name, fingerprints.owner_of(cid))
-    except (OSError, TorporError) as e:
+        _doc, st = packing.pack(Journal(cfg), store, images, name, fingerprints.owner_of(cid))
+    except TorporError as e:
         log.error("checkpoint %s: not packed into the store: %s", cid, e)
-        try:
-            filled = fingerprints.fill_dir(store, images, fingerprints.owner_of(cid))
-        except (OSError, TorporError) as f:
-            log.error("checkpoint %s: skipped GPU data not filled in: %s", cid, f)
-            print(f"torpor-runtime: warning: {images}: not packed into the image store ({e}), "
-                  f"and the GPU data its agents skipped could not be filled in from it ({f}): "
-                  "the checkpoint is incomplete", file=sys.stderr)
-            return
-        print(f"torpor-runtime: warning: {images}: not packed into the image store ({e}); the "
-              "checkpoint is complete without it" + (f" ({filled} bytes of GPU data filled in "
-                                                     "from the store)" if filled else ""),
-              file=sys.stderr)
+        print(f"torpor-runtime: warning: {e}", file=sys.stderr)
         return
     log.info("checkpoint %s: packed into %s as %s in %.2f s: %d chunks, %d new (%d bytes), %d "
              "already stored (%d known by fingerprint), %d zero", cid, store.where, name,

@@ -58,13 +58,13 @@ def is_packed(images_dir: Path) -> bool:
     return (images_dir / PACKED).is_file()
 
 
-def pack(store: Store, images_dir: Path, name: str, owner: str = ""
-         ) -> tuple[dict[str, Any], WriteStats]:
+def pack(store: Store, images_dir: Path, name: str, owner: str = "",
+         known: fingerprints.Known | None = None) -> tuple[dict[str, Any], WriteStats]:
     """Put the sealed checkpoint in images_dir into the store as snapshot name and leave the
     directory packed (module docstring). owner (fingerprints.owner_of): whose snapshots' chunks
     it may take by fingerprint (its agents' GPU data, and on the host), recorded in the
-    snapshot; "" none.
-    Returns (snapshot, what was written)."""
+    snapshot; "" none. known: owner's fingerprints, read under the store's lock held since
+    (else read here). Returns (snapshot, what was written)."""
     if is_packed(images_dir):
         raise UsageError(f"{images_dir} is packed into a store already")
     if not (images_dir / MANIFEST).is_file():
@@ -74,7 +74,10 @@ def pack(store: Store, images_dir: Path, name: str, owner: str = ""
                          "their owner")
     meta = {"kind": "torpor-checkpoint", "images_dir": str(images_dir.absolute()),
             **({"owner": owner} if owner else {})}
-    known = fingerprints.known(store, owner) if owner else None
+    if not owner:
+        known = None
+    elif known is None:
+        known = fingerprints.known(store, owner)
     doc, stats = store.ingest_dir(images_dir, name, meta,
                                   pages.page_image_pieces(images_dir, store.chunk_size),
                                   fingerprints.pack_arguments(store, images_dir, known.gpu)

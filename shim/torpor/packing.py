@@ -1,0 +1,91 @@
+"""A sealed checkpoint packed into the image store (store/images.py), journaled so that nothing
+is lost however the pack ends.
+
+A checkpoint whose agents skipped GPU data the store had (store/fingerprints.py) is not whole
+until its pack names those chunks. If the pack fails, or is interrupted (Ctrl-C), the skipped
+parts are filled in from the store before the error is raised, so the directory stands on its
+own, unpacked. If torpor dies (SIGKILL, a power cut), its journal entry (kind "pack",
+journal.py) stays, and the next torpor command or torpord fills them in (finish_interrupted).
+Used by `torpor checkpoint --store` (process.py) and torpor-runtime (runtime/checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from . import interrupts
+from .config import Config
+from .errors import ExitCode, TorporError
+from .journal import Entry, Journal
+from .progress import human_bytes
+from .store import Store, fingerprints, images
+from .store.writer import WriteStats
+
+
+def pack(journal: Journal, store: Store, images_dir: Path, name: str, owner: str,
+         known: fingerprints.Known | None = None) -> tuple[dict[str, Any], WriteStats]:
+    """images.pack(), journaled. Any failure, Ctrl-C included, raises TorporError saying what
+    became of images_dir: unpacked and whole (what its agents skipped filled in), or, when
+    even that failed, left to recovery."""
+    if images.is_packed(images_dir):   # not this pack's to undo
+        return images.pack(store, images_dir, name, owner, known)   # refuses it
+    with journal.begin("pack", []) as op:
+        op.phase("pack", images_dir=str(images_dir.absolute()), store_owner=owner)
+        try:
+            return images.pack(store, images_dir, name, owner, known)
+        except BaseException as e:
+            why = _describe(e)
+            with interrupts.deferred():       # a second Ctrl-C must not stop the fill
+                try:
+                    stand_alone(store, images_dir, owner)
+                except (TorporError, OSError) as f:   # op kept: recovery tries again
+                    raise TorporError(
+                        f"storing {images_dir} as {name}: {why}; it is not packed, and GPU data "
+                        f"its agents skipped could not be filled in from store {store.where} "
+                        f"({f}): the next torpor command tries again",
+                        exit_code=_code(e)) from e
+                op.close()
+            cls = type(e) if isinstance(e, TorporError) else TorporError
+            raise cls(f"storing {images_dir} as {name}: {why}; the checkpoint in {images_dir} "
+                      "is complete, not packed", exit_code=_code(e),
+                      hint=e.hint if isinstance(e, TorporError) else None) from e
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, KeyboardInterrupt):
+        return "interrupted"
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return str(e) or type(e).__name__
+
+
+def _code(e: BaseException) -> int | None:
+    if isinstance(e, KeyboardInterrupt):
+        return ExitCode.INTERRUPTED
+    return e.exit_code if isinstance(e, TorporError) else None
+
+
+def stand_alone(store: Store, images_dir: Path, owner: str) -> int:
+    """A checkpoint directory that is not packed made whole: what a pack left of itself goes
+    (its chunk links) and what its agents skipped is filled in from the store. The bytes
+    filled."""
+    if images.is_packed(images_dir):
+        return 0
+    for leftover in (images_dir / images.CHUNKS, images_dir / f".{images.CHUNKS}.tmp"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    if not owner or not fingerprints.any_skipped(images_dir):
+        return 0
+    return fingerprints.fill_dir(store, images_dir, owner)
+
+
+def finish_interrupted(cfg: Config, entry: Entry) -> list[str]:
+    """Recovery of a pack whose torpor died: its directory made whole (stand_alone)."""
+    images_dir = Path(entry.images_dir)
+    if not entry.images_dir or not images_dir.is_dir() or images.is_packed(images_dir):
+        return []
+    filled = stand_alone(Store(cfg.store_dir), images_dir, entry.store_owner)
+    return [f"the checkpoint in {images_dir}, whose pack into the image store was interrupted, "
+            "is complete, not packed" + (f" ({human_bytes(filled)} of GPU data its agents "
+                                        "skipped filled in from the store)" if filled else "")]
