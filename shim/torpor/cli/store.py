@@ -11,7 +11,9 @@ from ..progress import human_bytes
 from ..store import Store
 from .context import Context
 
-NEEDS_RECOVERY = False
+# A pack that a dead torpor left is finished first (packing.py): its directory's holes are
+# filled from chunks that rm and gc could otherwise take away.
+NEEDS_RECOVERY = True
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
