@@ -3,7 +3,6 @@ real CRIU and a fake GPU program: the checkpoint directory keeps the manifest an
 the store's chunks, restores from it (on this host, or on another with another store), and
 refuses a damaged chunk before CRIU runs."""
 
-import json
 import shutil
 import subprocess
 import sys

@@ -32,8 +32,8 @@ from .. import __version__, bulk, gpus, interrupts, manifest, oci, packing
 from ..config import Config
 from ..errors import NoDriverError, TorporError, UsageError
 from ..files import private_dir
-from ..sidecar.client import Client, ensure_running
 from ..journal import Journal
+from ..sidecar.client import Client, ensure_running
 from ..store import Store, fingerprints
 from ..store import images as store_images
 from .argv import Invocation
