@@ -255,6 +255,25 @@ def test_writer_killed_mid_ingest_harms_nothing(store, tmp_path):
     assert read(store, "base", "f") == base
 
 
+def test_listing_blobs_skips_files_that_vanish_meanwhile(store, tmp_path, monkeypatch):
+    # ls holds no lock: a writer's temporary file renamed, or a blob gc takes, between the
+    # listing and its stat (a CI failure of session 9: FileNotFoundError from a test's poll)
+    write(tmp_path / "src" / "f", os.urandom(3 * CHUNK))
+    ingest(store, tmp_path / "src", "s")
+    write(store.backend.tmp / "0123.999.1", b"a writer's temporary file")
+    victim = sorted(blobs(store))[0]
+    real = os.scandir
+
+    def vanishing(path):
+        entries = list(real(path))
+        for e in entries:
+            if e.name in ("0123.999.1", victim):
+                os.unlink(e.path)
+        return iter(entries)
+    monkeypatch.setattr(os, "scandir", vanishing)
+    assert len(list(store.backend.blobs())) == 2
+
+
 def test_writer_killed_between_link_and_unlink_leaves_nothing_gc_keeps(store, tmp_path):
     # put_blob links its temporary file to the blob's name, then unlinks the temporary file; a
     # writer killed in between leaves a blob of two links, the second in tmp/ (the CI failure

@@ -165,16 +165,18 @@ class LocalBackend(Backend):
         # a writer killed between put_blob's link and unlink leaves its temporary file as a
         # second link to the blob: that link is not a checkpoint directory's and must not keep
         # the blob from gc
+        # Writers may run meanwhile (ls holds no lock): an entry gone between the listing and
+        # its stat (a writer's temporary file renamed or removed, a blob gc took) is skipped.
         in_tmp: dict[tuple[int, int], int] = {}
         for e in os.scandir(self.tmp):
-            st = e.stat(follow_symlinks=False)
-            in_tmp[st.st_dev, st.st_ino] = in_tmp.get((st.st_dev, st.st_ino), 0) + 1
+            if (st := _stat(e)) is not None:
+                in_tmp[st.st_dev, st.st_ino] = in_tmp.get((st.st_dev, st.st_ino), 0) + 1
         for sub in sorted(os.scandir(self.chunks), key=lambda e: e.name):
             if not sub.is_dir(follow_symlinks=False):
                 continue
             for e in os.scandir(sub.path):
-                if BLOB_NAME.fullmatch(e.name) and e.name[:2] == sub.name:
-                    st = e.stat(follow_symlinks=False)
+                if BLOB_NAME.fullmatch(e.name) and e.name[:2] == sub.name \
+                        and (st := _stat(e)) is not None:
                     links = st.st_nlink - in_tmp.get((st.st_dev, st.st_ino), 0)
                     yield BlobInfo(e.name, st.st_size, links)
 
@@ -219,6 +221,13 @@ class LocalBackend(Backend):
             if remove:
                 os.unlink(e.path)
         return freed
+
+
+def _stat(e: os.DirEntry[str]) -> os.stat_result | None:
+    try:
+        return e.stat(follow_symlinks=False)
+    except FileNotFoundError:
+        return None
 
 
 def _flock(fd: int, how: int, timeout: float, what: str) -> None:
