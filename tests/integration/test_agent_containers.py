@@ -14,6 +14,7 @@ restored socket, in the agent directory torpor-runtime made for the restored con
 from __future__ import annotations
 
 import json
+import re
 import tarfile
 from pathlib import Path
 
@@ -147,6 +148,9 @@ def test_podman_store_checkpoint_asks_the_agent_for_fingerprints(podman, gpu, da
         podman.checkpoint(name, export=archive, compress="none")
         assert "agent prepare-fp" in _events(events), _events(events)
         assert len(list((store / "snapshots").glob("*.json"))) == 2
+        # the export's pack took the unchanged page images by host fingerprint
+        packs = re.findall(r"already stored \((\d+) known by fingerprint\)", shim.log(daemon))
+        assert len(packs) == 2 and int(packs[1]) > 0, packs
         with tarfile.open(archive) as tf:
             names = tf.getnames()
         assert "checkpoint/torpor-store.json" in names, names
