@@ -3,6 +3,7 @@ real CRIU and a fake GPU program: the checkpoint directory keeps the manifest an
 the store's chunks, restores from it (on this host, or on another with another store), and
 refuses a damaged chunk before CRIU runs."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -51,6 +52,8 @@ def test_checkpoint_into_the_store_then_restore(torpor, gpu, store, tmp_path, re
     assert {oct(b.stat().st_mode & 0o777) for b in _blobs(store)} == {"0o600"}
     ls = torpor.json("ls")["snapshots"]
     assert [r["name"] for r in ls] == ["first"] and ls[0]["logical"] == s["logical"]
+    assert ls[0]["owner"] == f"uid:{os.getuid()}"           # whose fingerprints these are
+    assert f"uid:{os.getuid()}" in torpor.run("ls").stdout.splitlines()[1]
     assert torpor.json("inspect", str(images))["manifest"]["root_pid"] == prog.pid
     assert torpor.json("inspect", "--verify", str(images))["verified"] == s["new_chunks"]
 

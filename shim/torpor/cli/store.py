@@ -40,13 +40,20 @@ def open_store(ctx: Context) -> Store:
 def list_snapshots(args: argparse.Namespace, ctx: Context) -> None:
     rows = open_store(ctx).snapshots()
     lines = [f"{'NAME':<32} {'CREATED':<25} {'FILES':>5} {'SIZE':>11} {'STORED':>11} "
-             f"{'UNIQUE':>11}"]
+             f"{'UNIQUE':>11}  OWNER"]
     lines += [f"{r.name:<32} {r.created:<25} {r.files:>5} {human_bytes(r.logical):>11} "
-              f"{human_bytes(r.stored):>11} {human_bytes(r.unique):>11}" for r in rows]
+              f"{human_bytes(r.stored):>11} {human_bytes(r.unique):>11}  {_short(r.owner)}"
+              for r in rows]
     if not rows:
         lines.append(f"(no checkpoints in {ctx.cfg.store_dir})")
     ctx.emit({"store": str(ctx.cfg.store_dir),
               "snapshots": [dataclasses.asdict(r) for r in rows]}, "\n".join(lines))
+
+
+def _short(owner: str) -> str:
+    """container:<64 hex> as podman shows a container: its ID's first 12 digits."""
+    kind, _, key = owner.partition(":")
+    return f"{kind}:{key[:12]}" if kind == "container" else owner or "-"
 
 
 def remove(args: argparse.Namespace, ctx: Context) -> None:

@@ -60,6 +60,8 @@ class SnapshotInfo:
     logical: int   # bytes of its files
     stored: int    # bytes its chunks take in the store (each chunk once)
     unique: int    # of those, bytes no other snapshot needs: what removing it frees
+    owner: str     # whose checkpoint it is: its chunks are matched by fingerprint for
+                   # that owner's only (fingerprints.owner_of); "" none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,7 +247,8 @@ class Store:
                 doc["name"], doc["created"], len(doc["files"]),
                 sum(e["size"] for e in doc["files"].values()),
                 sum(sizes.get(c, 0) for c in names),
-                sum(sizes.get(c, 0) for c in names if users[c] == 1)))
+                sum(sizes.get(c, 0) for c in names if users[c] == 1),
+                str(doc["meta"].get("owner", ""))))
         return out
 
     def remove(self, names: list[str]) -> None:
