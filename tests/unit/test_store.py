@@ -479,3 +479,27 @@ def test_cli_ls_rm_gc(tmp_path, torpor_env):
     assert len(json.loads(dry.stdout)["removed"]) == 2 and len(blobs(s)) == 2
     gc = torpor("gc")
     assert gc.returncode == 0 and "removed 2 chunk(s)" in gc.stdout and blobs(s) == set()
+
+
+def test_ordered_map_keeps_order_with_items_done_inline():
+    import concurrent.futures
+    import threading
+
+    from torpor.store.parallel import ordered_map
+
+    where: dict[int, str] = {}
+
+    def fn(i: int) -> int:
+        if i == 7:
+            raise ValueError("seven")
+        where[i] = threading.current_thread().name
+        time.sleep(0.001 * (i % 3))    # pool items finish out of order
+        return i * i
+
+    with concurrent.futures.ThreadPoolExecutor(2, "pool") as pool:
+        it = ordered_map(pool, fn, range(10), 4, inline=lambda i: i % 2 == 0)
+        assert [next(it) for _ in range(7)] == [i * i for i in range(7)]
+        with pytest.raises(ValueError, match="seven"):   # an error comes at its own place
+            next(it)
+    assert {where[i] for i in (0, 2, 4, 6)} == {threading.main_thread().name}
+    assert all(where[i].startswith("pool") for i in (1, 3, 5))

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpointError, UsageError
-from ..files import write_json
+from ..files import atomic_write
 from ..manifest import DUMP_LOG, MANIFEST, REQUIRED_IMAGES
 from . import chunk, fingerprints, pages, snapshot
 from .store import Store
@@ -87,7 +87,7 @@ def pack(store: Store, images_dir: Path, name: str, owner: str = "",
     shutil.rmtree(tmp, ignore_errors=True)
     store.export_chunks(name, tmp)
     os.rename(tmp, images_dir / CHUNKS)
-    write_json(images_dir / PACKED, doc)
+    atomic_write(images_dir / PACKED, snapshot.dump(doc))
     for rel in doc["files"]:
         if rel not in KEPT:
             (images_dir / rel).unlink()

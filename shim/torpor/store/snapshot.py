@@ -89,7 +89,10 @@ def parse(data: bytes, origin: str) -> dict[str, Any]:
 
 
 def dump(doc: dict[str, Any]) -> bytes:
-    return (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
+    """One line: json's C encoder (an indent makes it fall back to Python, 8x slower on a
+    16 GiB program's snapshot of ~4,700 chunks). The separators stay json's defaults
+    (fingerprints.known looks for its owner's '"owner": ' entry)."""
+    return (json.dumps(doc, sort_keys=True) + "\n").encode()
 
 
 def chunk_names(doc: dict[str, Any]) -> set[str]:

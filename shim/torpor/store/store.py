@@ -290,23 +290,32 @@ class Store:
         store's filesystem, else copies): a self-contained folder for import_chunks on another
         host (with the snapshot: import_snapshot). dest must be new or empty. The number of
         chunks."""
-        with self.backend.lock(False, self.lock_timeout), self._pool() as pool:
+        with self.backend.lock(False, self.lock_timeout):
             names = sorted(snapshot.chunk_names(self.load(name)))
             _empty_dir(dest)
-            for _ in pool.map(lambda c: self._export_one(c, dest / c), names):
-                pass
+            # links one after another: they change one directory, which takes them one at a
+            # time whatever the threads (a pool only added its overhead: 0.2 s for 4,160)
+            copies = [c for c in names if not self._link(c, dest / c)]
+            if copies:
+                with self._pool() as pool:
+                    for _ in pool.map(lambda c: write_new(dest / c, self.backend.read_blob(c)),
+                                      copies):
+                        pass
         return len(names)
 
-    def _export_one(self, name: str, target: Path) -> None:
+    def _link(self, name: str, target: Path) -> bool:
+        """Hard-link blob name to target; False where it must be copied instead (another
+        filesystem, or a backend with no local files)."""
         src = self.backend.blob_path(name)
-        if src is not None:
-            try:
-                os.link(src, target)
-                return
-            except OSError as e:
-                if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
-                    raise
-        write_new(target, self.backend.read_blob(name))
+        if src is None:
+            return False
+        try:
+            os.link(src, target)
+        except OSError as e:
+            if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
+                raise
+            return False
+        return True
 
     def import_chunks(self, src: Path) -> int:
         """Bring every chunk file of an exported folder (untrusted) into the store; each is

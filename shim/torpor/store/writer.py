@@ -174,7 +174,7 @@ class Writer:
             try:
                 done = [self._count(*r) for r in ordered_map(
                     self._pool, self._put, _pieces(f, self.store.chunk_size, pieces, given),
-                    2 * self.store.workers)]
+                    2 * self.store.workers, inline=lambda piece: isinstance(piece, list))]
             except OSError as e:
                 raise TorporError(f"store {self.store.where}: cannot store {relpath}: "
                                   f"{e.strerror or e}; earlier snapshots are intact") from e
