@@ -13,6 +13,10 @@ is packed into a store; a second one, left running, is dumped once. Each round c
 store and the second dump twice and packs one copy with fingerprints, the other without, in
 alternating order; the copies are read once before timing, so both packs find them in the
 page cache (as a pack does, right after CRIU wrote them).
+
+Then the whole second `checkpoint --store` (dump, seal, pack), also in alternating rounds, each
+into a fresh copy of the first store: "now", against "before" (sealed with checksums of every
+image file, packed with no fingerprints: what it did before both changes).
 """
 
 from __future__ import annotations
@@ -70,12 +74,13 @@ def one_pack(base: Path, store0: Path, ck0: Path, with_fp: bool) -> dict:
     shutil.copytree(store0, store_dir, symlinks=True)
     shutil.copytree(ck0, ck, symlinks=True)
     warm(ck)
+    os.sync()
     store = Store(store_dir)
     t = time.perf_counter()
     if with_fp:
         _doc, st = images.pack(store, ck, "two", OWNER)
     else:   # the same pack with no fingerprints known (what it was before them)
-        known, fingerprints.known = fingerprints.known, lambda s, o: None
+        known = no_fingerprints()
         try:
             _doc, st = images.pack(store, ck, "two", OWNER)
         finally:
@@ -84,6 +89,36 @@ def one_pack(base: Path, store0: Path, ck0: Path, with_fp: bool) -> dict:
     return {"seconds": round(seconds, 4), "logical": st.logical, "chunks": st.chunks,
             "new_chunks": st.new_chunks, "reused_chunks": st.reused_chunks,
             "by_fingerprint": st.by_fingerprint}
+
+
+def no_fingerprints() -> object:
+    """fingerprints.known answering None: a pack as it was before them."""
+    known, fingerprints.known = fingerprints.known, lambda s, o: None
+    return known
+
+
+def one_checkpoint(base: Path, store0: Path, pid: int, variant: str) -> dict:
+    """A whole second `checkpoint --store` of the live program into a copy of store0: "now",
+    or "before" (sealed with checksums, packed without fingerprints)."""
+    store_dir, ck = base / "store", base / "ck"
+    shutil.rmtree(base, ignore_errors=True)
+    base.mkdir(mode=0o700)
+    shutil.copytree(store0, store_dir, symlinks=True)
+    engine = Engine(config.load(env={"TORPOR_STORE_DIR": str(store_dir),
+                                     "TORPOR_STATE_DIR": str(base / "state")}))
+    os.sync()   # the copy's writeback must not land in the dump's time
+    t = time.perf_counter()
+    if variant == "now":
+        process.checkpoint_into_store(engine, pid, ck, "two", leave_running=True)
+    else:
+        process.checkpoint(engine, pid, ck, leave_running=True)     # seals with checksums
+        known = no_fingerprints()
+        try:
+            images.pack(Store(store_dir), ck, "two", OWNER)
+        finally:
+            fingerprints.known = known
+    return {"seconds": round(time.perf_counter() - t, 4),
+            "timings": {k: round(v, 4) for k, v in engine.progress.timings.items()}}
 
 
 def main() -> None:
@@ -108,6 +143,11 @@ def main() -> None:
         t = time.perf_counter()
         process.checkpoint(engine, prog.pid, args.root / "ck2", leave_running=True)
         dump_s = time.perf_counter() - t
+        whole: dict[str, list[dict]] = {"now": [], "before": []}
+        for r in range(args.rounds):
+            for variant in (["now", "before"] if r % 2 == 0 else ["before", "now"]):
+                whole[variant].append(one_checkpoint(args.root / "whole", args.root / "store0",
+                                                     prog.pid, variant))
     finally:
         prog.kill()
     runs: dict[str, list[dict]] = {"fingerprints": [], "sha256": []}
@@ -118,17 +158,22 @@ def main() -> None:
                                           args.root / "ck2", variant == "fingerprints"))
     shutil.rmtree(args.root, ignore_errors=True)
     median = {v: statistics.median(x["seconds"] for x in rs) for v, rs in runs.items()}
+    median_whole = {v: statistics.median(x["seconds"] for x in rs) for v, rs in whole.items()}
     result = {
         "bench": "incremental_pack", "host": platform.node(), "cpus": os.cpu_count(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "mib": args.mib, "first_checkpoint_s": round(first_s, 3),
         "second_dump_s": round(dump_s, 3), "runs": runs,
         "median_pack_s": median, "ratio_pack": round(median["sha256"] / median["fingerprints"], 2),
+        "second_checkpoint": whole, "median_second_checkpoint_s": median_whole,
+        "ratio_second_checkpoint": round(median_whole["before"] / median_whole["now"], 2),
     }
     for v, rs in runs.items():
         print(f"{v:13s} pack {median[v]:.3f} s (median of {len(rs)}), {rs[0]['logical'] / 1e9:.2f} "
               f"GB, {rs[0]['by_fingerprint']} of {rs[0]['chunks']} chunks by fingerprint")
     print(f"second dump {dump_s:.3f} s; pack without / with fingerprints: {result['ratio_pack']}x")
+    print(f"whole second checkpoint --store: before {median_whole['before']:.3f} s, now "
+          f"{median_whole['now']:.3f} s: {result['ratio_second_checkpoint']}x")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
 

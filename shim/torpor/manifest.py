@@ -141,6 +141,19 @@ def seal(images_dir: Path, checksums: bool, timings: dict[str, float] | None = N
     return draft
 
 
+def add_checksums(images_dir: Path) -> bool:
+    """Give a sealed checkpoint the checksums it was sealed without (it was to go into the
+    image store, which names every chunk by its sha256, and did not: packing.py). False when
+    it had them."""
+    m = read(images_dir)
+    if all(f["sha256"] is not None or _checked_by_agent(rel) for rel, f in m["files"].items()):
+        return False
+    m["files"] = file_table(images_dir, True)
+    m["sizes"]["total"] = sum(f["size"] for f in m["files"].values())
+    write(images_dir, m)
+    return True
+
+
 def clear_partial(images_dir: Path, keep: tuple[str, ...] = ()) -> None:
     """Remove what a failed dump left (it may fill the disk, and holds memory); keep CRIU's
     log, which says why (and the names in keep: the agents' data, until they are resumed)."""

@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from . import interrupts
+from . import interrupts, manifest
 from .config import Config
 from .errors import ExitCode, TorporError
 from .journal import Entry, Journal
@@ -25,10 +25,12 @@ from .store.writer import WriteStats
 
 
 def pack(journal: Journal, store: Store, images_dir: Path, name: str, owner: str,
-         known: fingerprints.Known | None = None) -> tuple[dict[str, Any], WriteStats]:
+         known: fingerprints.Known | None = None, checksums: bool = True
+         ) -> tuple[dict[str, Any], WriteStats]:
     """images.pack(), journaled. Any failure, Ctrl-C included, raises TorporError saying what
-    became of images_dir: unpacked and whole (what its agents skipped filled in), or, when
-    even that failed, left to recovery."""
+    became of images_dir: unpacked and whole (what its agents skipped filled in, and with
+    checksums: a checkpoint into the store is sealed without them), or, when even that
+    failed, left to recovery."""
     if images.is_packed(images_dir):   # not this pack's to undo
         return images.pack(store, images_dir, name, owner, known)   # refuses it
     with journal.begin("pack", []) as op:
@@ -39,7 +41,7 @@ def pack(journal: Journal, store: Store, images_dir: Path, name: str, owner: str
             why = _describe(e)
             with interrupts.deferred():       # a second Ctrl-C must not stop the fill
                 try:
-                    stand_alone(store, images_dir, owner)
+                    stand_alone(store, images_dir, owner, checksums)
                 except (TorporError, OSError) as f:   # op kept: recovery tries again
                     raise TorporError(
                         f"storing {images_dir} as {name}: {why}; it is not packed, and GPU data "
@@ -67,17 +69,19 @@ def _code(e: BaseException) -> int | None:
     return e.exit_code if isinstance(e, TorporError) else None
 
 
-def stand_alone(store: Store, images_dir: Path, owner: str) -> int:
+def stand_alone(store: Store, images_dir: Path, owner: str, checksums: bool) -> int:
     """A checkpoint directory that is not packed made whole: what a pack left of itself goes
-    (its chunk links) and what its agents skipped is filled in from the store. The bytes
-    filled."""
+    (its chunk links), what its agents skipped is filled in from the store, and, with
+    checksums, torpor.json gets the checksums it was sealed without. The bytes filled."""
     if images.is_packed(images_dir):
         return 0
     for leftover in (images_dir / images.CHUNKS, images_dir / f".{images.CHUNKS}.tmp"):
         shutil.rmtree(leftover, ignore_errors=True)
-    if not owner or not fingerprints.any_skipped(images_dir):
-        return 0
-    return fingerprints.fill_dir(store, images_dir, owner)
+    filled = fingerprints.fill_dir(store, images_dir, owner) \
+        if owner and fingerprints.any_skipped(images_dir) else 0
+    if checksums:
+        manifest.add_checksums(images_dir)
+    return filled
 
 
 def finish_interrupted(cfg: Config, entry: Entry) -> list[str]:
@@ -85,7 +89,7 @@ def finish_interrupted(cfg: Config, entry: Entry) -> list[str]:
     images_dir = Path(entry.images_dir)
     if not entry.images_dir or not images_dir.is_dir() or images.is_packed(images_dir):
         return []
-    filled = stand_alone(Store(cfg.store_dir), images_dir, entry.store_owner)
+    filled = stand_alone(Store(cfg.store_dir), images_dir, entry.store_owner, cfg.checksums)
     return [f"the checkpoint in {images_dir}, whose pack into the image store was interrupted, "
             "is complete, not packed" + (f" ({human_bytes(filled)} of GPU data its agents "
                                         "skipped filled in from the store)" if filled else "")]

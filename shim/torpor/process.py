@@ -159,8 +159,10 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
                 if engine.rollback(cuda_pids, agents=agents):  # one more try, from where it got
                     raise
         op.phase("seal")
-        with progress.phase("seal", "manifest and checksums" if cfg.checksums else "manifest"):
-            m = manifest.seal(images_dir, cfg.checksums, progress.timings)
+        # into the store: its sha256 names every chunk, and a pack that fails adds them
+        checksums = cfg.checksums and store is None
+        with progress.phase("seal", "manifest and checksums" if checksums else "manifest"):
+            m = manifest.seal(images_dir, checksums, progress.timings)
         if dump_error is not None and not manifest.dump_succeeded(images_dir):
             raise TorporError(f"criu dump failed after it ended the program ({dump_error}); "
                               f"its images in {images_dir} were kept and sealed, but may be "
@@ -293,7 +295,8 @@ def store_checkpoint(engine: Engine, store: Store, images_dir: Path, name: str,
     "new_chunks", "new_bytes", "reused_chunks", "by_fingerprint", "zero_chunks", "logical"}."""
     size = tree_size(images_dir)
     with engine.progress.phase("store", f"{human_bytes(size)} into {store.where} as {name}"):
-        _doc, st = packing.pack(engine.journal, store, images_dir, name, owner, known)
+        _doc, st = packing.pack(engine.journal, store, images_dir, name, owner, known,
+                                engine.cfg.checksums)
     return {"name": name, "store": store.where, "chunks": st.chunks, "new_chunks": st.new_chunks,
             "new_bytes": st.new_bytes, "reused_chunks": st.reused_chunks,
             "by_fingerprint": st.by_fingerprint,

@@ -14,7 +14,8 @@ import pytest
 from tests.conftest import torpor_cmd
 from tests.unit.test_agent import gpu, probe  # noqa: F401  (fixtures)
 from tests.unit.test_agent_mover import ctl_fds
-from torpor import bulk
+from tests.unit.test_manifest import _manifest as sealed
+from torpor import bulk, manifest
 from torpor.errors import CorruptCheckpointError, TorporError, UsageError
 from torpor.store import Store, chunk, fingerprints, images, snapshot
 
@@ -24,11 +25,13 @@ OWNER = "uid:0"      # whose snapshots these checkpoints' fingerprints are match
 
 def _checkpoint_dir(tmp_path: Path, name: str, p, store: Store, skip: bool = True
                     ) -> tuple[Path, dict]:
-    """What `torpor checkpoint --store` leaves before its pack: a sealed directory (a stand-in
-    torpor.json) whose agent data went through a prepare with fingerprints."""
+    """What `torpor checkpoint --store` leaves before its pack: a directory (a stand-in page
+    image) whose agent data went through a prepare with fingerprints, sealed without
+    checksums (the store names every chunk by its sha256)."""
     d = tmp_path / name
     d.mkdir(mode=0o700)
-    (d / "torpor.json").write_text("{}")
+    for image in ("pages-1.img", *manifest.REQUIRED_IMAGES):
+        (d / image).write_bytes(f"a stand-in {image}".encode())
     data = bulk.DataDir(d / bulk.DATA_DIR).make()
     fds = data.for_prepare(p.pid, 2)
     fds += [data.new_index(p.pid),
@@ -39,6 +42,7 @@ def _checkpoint_dir(tmp_path: Path, name: str, p, store: Store, skip: bool = Tru
         for fd in fds:
             os.close(fd)
     assert r["ok"], r
+    manifest.write(d, sealed(manifest.file_table(d, checksums=False)))
     return d, r
 
 
@@ -224,9 +228,12 @@ def test_a_pack_that_fails_fills_the_skipped_parts_back_in(gpu, probe, tmp_path,
     def full(*_a, **_k):
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(images, "pack", full)
+    assert manifest.read(two)["files"]["pages-1.img"]["sha256"] is None
     with pytest.raises(TorporError, match="No space left on device; the checkpoint in .* is "
                                           "complete, not packed"):
         process.store_checkpoint(Engine(cfg), store, two, "two", OWNER)
+    manifest.verify(two, manifest.read(two))     # with the checksums it was sealed without
+    assert manifest.read(two)["files"]["pages-1.img"]["sha256"]
     _whole_and_resumes(p, two, ab)
 
 

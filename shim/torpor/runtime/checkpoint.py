@@ -141,7 +141,8 @@ def _checkpoint(cfg: Config, runtime: Runtime, cid: str, spec: dict[str, Any],
         timings.update(out["timings"])
         timings["finish"] = time.monotonic() - t
     try:
-        m = manifest.seal(images, cfg.checksums, timings)
+        # into the store: its sha256 names every chunk, and a pack that fails adds them
+        m = manifest.seal(images, cfg.checksums and store is None, timings)
     except (OSError, TorporError) as e:
         # The images are complete and the draft names the GPUs: a restore still works (it
         # warns that nothing was verified). The dump itself succeeded: not an error for podman.
@@ -164,7 +165,8 @@ def _store(cfg: Config, store: Store, images: Path, cid: str) -> None:
     name = f"{cid[:12]}-{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S%f}"
     t = time.monotonic()
     try:
-        _doc, st = packing.pack(Journal(cfg), store, images, name, fingerprints.owner_of(cid))
+        _doc, st = packing.pack(Journal(cfg), store, images, name, fingerprints.owner_of(cid),
+                                checksums=cfg.checksums)
     except TorporError as e:
         log.error("checkpoint %s: not packed into the store: %s", cid, e)
         print(f"torpor-runtime: warning: {e}", file=sys.stderr)
