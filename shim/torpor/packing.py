@@ -31,28 +31,36 @@ def pack(journal: Journal, store: Store, images_dir: Path, name: str, owner: str
     became of images_dir: unpacked and whole (what its agents skipped filled in, and with
     checksums: a checkpoint into the store is sealed without them), or, when even that
     failed, left to recovery."""
-    if images.is_packed(images_dir):   # not this pack's to undo
-        return images.pack(store, images_dir, name, owner, known)   # refuses it
-    with journal.begin("pack", []) as op:
+    packed_before = images.is_packed(images_dir)   # refused by images.pack: nothing to undo
+    op = None
+    try:
+        op = journal.begin("pack", [])
         op.phase("pack", images_dir=str(images_dir.absolute()), store_owner=owner)
-        try:
-            return images.pack(store, images_dir, name, owner, known)
-        except BaseException as e:
-            why = _describe(e)
-            with interrupts.deferred():       # a second Ctrl-C must not stop the fill
-                try:
-                    stand_alone(store, images_dir, owner, checksums)
-                except (TorporError, OSError) as f:   # op kept: recovery tries again
-                    raise TorporError(
-                        f"storing {images_dir} as {name}: {why}; it is not packed, and GPU data "
-                        f"its agents skipped could not be filled in from store {store.where} "
-                        f"({f}): the next torpor command tries again",
-                        exit_code=_code(e)) from e
+        result = images.pack(store, images_dir, name, owner, known)
+    except BaseException as e:
+        if packed_before:
+            raise
+        why = _describe(e)
+        with interrupts.deferred():       # a second Ctrl-C must not stop the fill
+            try:
+                stand_alone(store, images_dir, owner, checksums)
+            except (TorporError, OSError) as f:
+                if op is not None:
+                    op.release()          # kept: recovery tries again
+                raise TorporError(
+                    f"storing {images_dir} as {name}: {why}; it is not packed, and could not "
+                    f"be made whole from store {store.where} ({_describe(f)}): "
+                    + ("the next torpor command tries again" if op is not None else
+                       "it lacks the GPU data its agents skipped"),
+                    exit_code=_code(e)) from e
+            if op is not None:
                 op.close()
-            cls = type(e) if isinstance(e, TorporError) else TorporError
-            raise cls(f"storing {images_dir} as {name}: {why}; the checkpoint in {images_dir} "
-                      "is complete, not packed", exit_code=_code(e),
-                      hint=e.hint if isinstance(e, TorporError) else None) from e
+        cls = type(e) if isinstance(e, TorporError) else TorporError
+        raise cls(f"storing {images_dir} as {name}: {why}; the checkpoint in {images_dir} is "
+                  "complete, not packed", exit_code=_code(e),
+                  hint=e.hint if isinstance(e, TorporError) else None) from e
+    op.close()
+    return result
 
 
 def _describe(e: BaseException) -> str:

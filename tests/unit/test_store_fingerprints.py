@@ -288,7 +288,7 @@ def test_a_fill_that_fails_is_left_to_recovery(gpu, probe, tmp_path, monkeypatch
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(images, "pack", full)
     monkeypatch.setattr(fingerprints, "fill_dir", full)
-    with pytest.raises(TorporError, match="could not be filled in .*the next torpor command "
+    with pytest.raises(TorporError, match="could not be made whole .*the next torpor command "
                                           "tries again"):
         process.store_checkpoint(Engine(cfg), store, two, "two", OWNER)
     assert fingerprints.any_skipped(two)
@@ -297,6 +297,23 @@ def test_a_fill_that_fails_is_left_to_recovery(gpu, probe, tmp_path, monkeypatch
     assert any("pack into the image store was interrupted" in m and "filled in" in m
                for m in messages), messages
     assert Engine(cfg).recover() == []                  # done: the entry is gone
+    _whole_and_resumes(p, two, ab)
+
+
+def test_a_journal_that_cannot_be_written_still_leaves_the_checkpoint_whole(
+        gpu, probe, tmp_path, monkeypatch):
+    from torpor import process
+    from torpor.engine import Engine
+
+    p, ab, store, two, cfg = _skipping_checkpoint(gpu, probe, tmp_path)
+    engine = Engine(cfg)
+
+    def full(*_a, **_k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(engine.journal, "begin", full)
+    with pytest.raises(TorporError, match="No space left on device; the checkpoint in .* is "
+                                          "complete, not packed"):
+        process.store_checkpoint(engine, store, two, "two", OWNER)
     _whole_and_resumes(p, two, ab)
 
 

@@ -167,7 +167,7 @@ def _store(cfg: Config, store: Store, images: Path, cid: str) -> None:
     try:
         _doc, st = packing.pack(Journal(cfg), store, images, name, fingerprints.owner_of(cid),
                                 checksums=cfg.checksums)
-    except TorporError as e:
+    except (OSError, TorporError) as e:
         log.error("checkpoint %s: not packed into the store: %s", cid, e)
         print(f"torpor-runtime: warning: {e}", file=sys.stderr)
         return
