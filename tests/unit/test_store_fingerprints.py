@@ -366,6 +366,29 @@ def test_torpor_killed_mid_pack_the_next_one_makes_the_checkpoint_whole(gpu, pro
     _whole_and_resumes(p, two, ab)
 
 
+def test_gc_waits_for_a_pack_its_recovery_could_not_finish(gpu, probe, tmp_path):
+    """A dead torpor's pack whose recovery fails (here: its chunks' snapshot was removed
+    meanwhile) keeps its entry, and gc refuses to take the chunks its holes need."""
+    import subprocess
+    import sys
+
+    from torpor.engine import Engine
+    from torpor.errors import ExitCode
+
+    p, ab, store, two, cfg = _skipping_checkpoint(gpu, probe, tmp_path)
+    op = Engine(cfg).journal.begin("pack", [])
+    op.phase("pack", images_dir=str(two), store_owner=OWNER)
+    op.release()                                         # its torpor is gone
+    store.remove(["one"])
+    before = {b.name for b in store.backend.blobs()}
+    env = {**os.environ, **gpu.env(), "TORPOR_STATE_DIR": str(tmp_path / "state"),
+           "TORPOR_STORE_DIR": str(store.backend.root), "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run(torpor_cmd("gc"), env=env, capture_output=True, text=True)
+    assert r.returncode == ExitCode.BUSY and "could not recover interrupted pack" in r.stderr \
+        and "is not whole yet" in r.stderr, r.stderr
+    assert {b.name for b in store.backend.blobs()} == before and fingerprints.any_skipped(two)
+
+
 def test_fingerprints_are_the_owners_own(probe, tmp_path):
     """The agent runs in the program: it is handed only its owner's fingerprints, and its
     index resolves only against them, so no program learns of, or gets, another's chunks."""

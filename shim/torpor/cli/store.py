@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
-from ..errors import TorporError
+from ..errors import BusyError, TorporError
 from ..progress import human_bytes
 from ..store import Store
 from .context import Context
@@ -56,13 +57,29 @@ def _short(owner: str) -> str:
     return f"{kind}:{key[:12]}" if kind == "container" else owner or "-"
 
 
+def _refuse_while_a_pack_is_unfinished(ctx: Context) -> None:
+    """rm and gc could take chunks that the directory of a pack a dead torpor left still
+    needs. Recovery ran first (NEEDS_RECOVERY): a pack entry left now is one it could not
+    finish (its reason was printed above)."""
+    for entry, fd in ctx.engine.journal.orphans():
+        os.close(fd)
+        if entry.kind == "pack":
+            raise BusyError(f"the checkpoint in {entry.images_dir} was being packed into the "
+                            "store when its torpor died, and is not whole yet: removing "
+                            "chunks now could lose it",
+                            hint="see why above; once fixed, any torpor command finishes it")
+
+
 def remove(args: argparse.Namespace, ctx: Context) -> None:
+    _refuse_while_a_pack_is_unfinished(ctx)
     open_store(ctx).remove(args.names)
     ctx.emit({"removed": args.names}, f"removed {', '.join(args.names)} "
              "(`torpor gc` frees the chunks no other checkpoint needs)")
 
 
 def collect(args: argparse.Namespace, ctx: Context) -> None:
+    if not args.dry_run:
+        _refuse_while_a_pack_is_unfinished(ctx)
     r = open_store(ctx).gc(dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     kept = f"; kept {r.kept_linked} linked from checkpoint directories" if r.kept_linked else ""
