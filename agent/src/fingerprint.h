@@ -18,19 +18,36 @@
 
 #include <stdint.h>
 
+/* Each constant is written once, in hex digits, for the C fold and the PTX alike: the fake
+ * driver runs the C fold, so only a GPU would notice the two disagreeing. */
 #define FP_LANES 256
-#define FP_P1 0x9E3779B185EBCA87ULL
-#define FP_P2 0xC2B2AE3D27D4EB4FULL
-#define FP_P3 0x165667B19E3779F9ULL
-#define FP_P4 0x85EBCA77C2B2AE63ULL
-#define FP_SEED1 0x60EA27EEADC0B5D6ULL
-#define FP_SEED2 0x2D358DCCAA6C78A5ULL
+#define FP_P1_HEX 9E3779B185EBCA87
+#define FP_P2_HEX C2B2AE3D27D4EB4F
+#define FP_P3_HEX 165667B19E3779F9
+#define FP_P4_HEX 85EBCA77C2B2AE63
+#define FP_SEED1_HEX 60EA27EEADC0B5D6
+#define FP_SEED2_HEX 2D358DCCAA6C78A5
 
-/* One segment as the kernel reads it: its device address and its length in words. */
+#define FP_C_(hex) 0x##hex##ULL
+#define FP_C(hex) FP_C_(hex)         /* the C constant */
+#define FP_S_(x) #x
+#define FP_S(x) FP_S_(x)             /* the text of a macro's value */
+#define FP_PTX_C(hex) "0x" FP_S(hex) "U" /* the PTX constant */
+
+#define FP_P1 FP_C(FP_P1_HEX)
+#define FP_P2 FP_C(FP_P2_HEX)
+#define FP_P3 FP_C(FP_P3_HEX)
+#define FP_P4 FP_C(FP_P4_HEX)
+#define FP_SEED1 FP_C(FP_SEED1_HEX)
+#define FP_SEED2 FP_C(FP_SEED2_HEX)
+
+/* One segment as the kernel reads it (16 bytes: the PTX's table stride): its device address
+ * and its length in words. */
 struct fp_seg {
 	uint64_t ptr;
 	uint64_t words;
 };
+_Static_assert(sizeof(struct fp_seg) == 16, "the PTX reads the segment table 16 bytes a row");
 
 static inline uint64_t fp_rotl(uint64_t x, int r)
 {
@@ -67,18 +84,18 @@ static inline void fp_lane(const uint64_t *w, uint64_t n, unsigned t, uint64_t o
 	"  cvta.to.global.u64 rout, rout;\n"                                        \
 	"  mov.u32 blk, %ctaid.x;\n"                                              \
 	"  mov.u32 tid, %tid.x;\n"                                                \
-	"  mul.wide.u32 at, blk, 16;\n"                                           \
+	"  mul.wide.u32 at, blk, 16;\n" /* sizeof(struct fp_seg) */               \
 	"  add.s64 at, rsegs, at;\n"                                               \
 	"  ld.global.u64 ptr, [at];\n"                                            \
 	"  ld.global.u64 n, [at+8];\n"                                            \
 	"  cvta.to.global.u64 ptr, ptr;\n"                                        \
-	"  mov.u64 p1, 0x9E3779B185EBCA87U;\n"                                     \
-	"  mov.u64 p2, 0xC2B2AE3D27D4EB4FU;\n"                                     \
-	"  mov.u64 p3, 0x165667B19E3779F9U;\n"                                     \
-	"  mov.u64 p4, 0x85EBCA77C2B2AE63U;\n"                                     \
+	"  mov.u64 p1, " FP_PTX_C(FP_P1_HEX) ";\n"                                 \
+	"  mov.u64 p2, " FP_PTX_C(FP_P2_HEX) ";\n"                                 \
+	"  mov.u64 p3, " FP_PTX_C(FP_P3_HEX) ";\n"                                 \
+	"  mov.u64 p4, " FP_PTX_C(FP_P4_HEX) ";\n"                                 \
 	"  cvt.u64.u32 i, tid;\n"                                                 \
-	"  add.u64 a, i, 0x60EA27EEADC0B5D6U;\n"                                   \
-	"  xor.b64 b, i, 0x2D358DCCAA6C78A5U;\n"                                   \
+	"  add.u64 a, i, " FP_PTX_C(FP_SEED1_HEX) ";\n"                            \
+	"  xor.b64 b, i, " FP_PTX_C(FP_SEED2_HEX) ";\n"                            \
 	"  setp.ge.u64 p, i, n;\n"                                                \
 	"  @p bra DONE;\n"                                                        \
 	"LOOP:\n"                                                                 \
@@ -96,11 +113,11 @@ static inline void fp_lane(const uint64_t *w, uint64_t n, unsigned t, uint64_t o
 	"  shr.u64 x, x, 37;\n"                                                   \
 	"  or.b64 x, x, y;\n"                                                     \
 	"  mad.lo.u64 b, x, p1, p4;\n"                                            \
-	"  add.u64 i, i, 256;\n"                                                  \
+	"  add.u64 i, i, " FP_S(FP_LANES) ";\n"                                    \
 	"  setp.lt.u64 p, i, n;\n"                                                \
 	"  @p bra LOOP;\n"                                                        \
 	"DONE:\n"                                                                 \
-	"  mul.wide.u32 at, blk, 256;\n"                                          \
+	"  mul.wide.u32 at, blk, " FP_S(FP_LANES) ";\n"                            \
 	"  cvt.u64.u32 i, tid;\n"                                                 \
 	"  add.u64 at, at, i;\n"                                                  \
 	"  shl.b64 at, at, 4;\n"                                                  \
