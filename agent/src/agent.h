@@ -248,6 +248,7 @@ struct move_result {
 	unsigned long long fp_skipped_bytes;
 	double fp_seconds;
 	char fp_error[160];
+	int streamed; /* through the image store's stream (a ring and a socket), not files */
 	char error[256];
 };
 /* Copies every movable allocation into the files (striped, one thread a file; nfds 0: into
@@ -255,11 +256,17 @@ struct move_result {
  * be closed. index_fd >= 0: fingerprints every part on the GPU first, skips the parts whose
  * fingerprints are in known_fd (-1: none), and writes the index to index_fd. 0, or -1 with
  * r->error (nothing dropped). */
-int mover_save(const int *fds, int nfds, int known_fd, int index_fd, struct move_result *r);
+int mover_save(const int *fds, int nfds, int known_fd, int index_fd, int ring_fd, int sock_fd,
+	       struct move_result *r);
 /* Re-creates and reloads what mover_save saved from the same files (none: from the agent's
  * memory), verifying checksums. 0, or -1 with r->error (what was re-created stays; a retry
  * goes on from there). */
-int mover_load(const int *fds, int nfds, struct move_result *r);
+int mover_load(const int *fds, int nfds, int ring_fd, int sock_fd, struct move_result *r);
+/* ring_fd >= 0 (with sock_fd, a SOCK_SEQPACKET socket): the data goes to (comes from) torpor's
+ * image store through the ring instead of the files' bytes (PROTOCOL.md, "Streaming"): a save
+ * still sizes the files (holes) and releases nothing before torpor commits; a load takes the
+ * parts in any order. How long a stream waits for torpor: */
+void mover_stream_timeout(long long ms);
 /* Is there saved memory not yet reloaded? Is it in the agent's memory? */
 int mover_pending(void);
 int mover_in_memory(void);

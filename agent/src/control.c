@@ -44,7 +44,7 @@
 #define DEFAULT_CLOSE_TIMEOUT_MS 10000
 #define MAX_CLIENTS 16
 #define LINE_MAX_LEN 256
-#define MAX_FDS 18 /* fds a command may carry: 16 data files, and prepare's fp pair */
+#define MAX_FDS 20 /* fds a command may carry: 16 data files, prepare's fp pair, a stream's pair */
 #define REPLY_MAX 2560
 
 struct client {
@@ -347,6 +347,18 @@ static void error_reply(char *out, size_t size, const char *error)
 	snprintf(out, size, "{\"ok\":false,\"error\":\"%s\"}\n", clean);
 }
 
+/* Does arg (its first *alen characters) end in the word w? If so, *alen drops it and the
+ * space before it. */
+static int word_at_end(const char *arg, size_t *alen, const char *w)
+{
+	size_t n = strlen(w);
+
+	if (*alen < n || strncmp(arg + *alen - n, w, n) || (*alen > n && arg[*alen - n - 1] != ' '))
+		return 0;
+	*alen = *alen > n ? *alen - n - 1 : 0;
+	return 1;
+}
+
 static void prepare_reply(struct client *c, const char *arg, char *out, size_t size)
 {
 	struct track_status before, after;
@@ -354,7 +366,7 @@ static void prepare_reply(struct client *c, const char *arg, char *out, size_t s
 	unsigned long long released;
 	struct move_result r;
 	long timeout_ms;
-	int ret, n, ndata = c->nfds, known_fd = -1, index_fd = -1;
+	int ret, n, ndata = c->nfds, known_fd = -1, index_fd = -1, ring_fd = -1, sock_fd = -1;
 	size_t used, alen = strlen(arg);
 	char targ[32];
 
@@ -362,18 +374,29 @@ static void prepare_reply(struct client *c, const char *arg, char *out, size_t s
 		error_reply(out, size, "already prepared: resume or abort first");
 		return;
 	}
-	/* "prepare [timeout_ms] [fp]": with fp, the last two fds are the known fingerprints and
-	 * the index to write (PROTOCOL.md) */
-	if (alen >= 2 && !strcmp(arg + alen - 2, "fp") && (alen == 2 || arg[alen - 3] == ' ')) {
+	/* "prepare [timeout_ms] [fp [stream]]": with fp, the last two fds are the known
+	 * fingerprints and the index to write; with stream, two more after them: the image
+	 * store's ring and socket (PROTOCOL.md) */
+	if (word_at_end(arg, &alen, "stream")) {
+		if (!word_at_end(arg, &alen, "fp") || c->nfds < 5) {
+			error_reply(out, size, "prepare ... fp stream takes the data files, the known "
+				    "fingerprints, the index file, the ring and the socket");
+			return;
+		}
+		ndata = c->nfds - 4;
+		ring_fd = c->fds[ndata + 2];
+		sock_fd = c->fds[ndata + 3];
+	} else if (word_at_end(arg, &alen, "fp")) {
 		if (c->nfds < 3) {
 			error_reply(out, size, "prepare ... fp takes the data files, then the known "
 				    "fingerprints and the index file");
 			return;
 		}
 		ndata = c->nfds - 2;
+	}
+	if (ndata != c->nfds) {
 		known_fd = c->fds[ndata];
 		index_fd = c->fds[ndata + 1];
-		alen = alen > 2 ? alen - 3 : 0;
 	}
 	snprintf(targ, sizeof(targ), "%.*s", (int)(alen < sizeof(targ) - 1 ? alen : sizeof(targ) - 1),
 		 arg);
@@ -400,10 +423,11 @@ static void prepare_reply(struct client *c, const char *arg, char *out, size_t s
 		error_reply(out, size, "timeout");
 		return;
 	}
-	ret = mover_save(c->fds, ndata, known_fd, index_fd, &r);
+	mover_stream_timeout((long long)(ctl.prepare_timeout_s * 1000));
+	ret = mover_save(c->fds, ndata, known_fd, index_fd, ring_fd, sock_fd, &r);
 	if (known_fd >= 0) { /* torpor's, read and written: not kept */
-		close(known_fd);
-		close(index_fd);
+		for (int k = ndata; k < c->nfds; k++)
+			close(c->fds[k]);
 		c->nfds = ndata;
 	}
 	if (ret) {
@@ -412,7 +436,7 @@ static void prepare_reply(struct client *c, const char *arg, char *out, size_t s
 		/* nothing released, or (releasing failed half-way) reloaded at once from the files,
 		 * which are complete but for skipped parts (their fingerprints then fail the reload:
 		 * torpor fills them from the store and resumes) */
-		if (mover_pending() && mover_load(c->fds, c->nfds, &back)) {
+		if (mover_pending() && mover_load(c->fds, c->nfds, -1, -1, &back)) {
 			pr_err("%s; reloading failed too: %s; the gate stays closed", r.error,
 			       back.error);
 			ctl.state = PREPARED;
@@ -437,11 +461,12 @@ static void prepare_reply(struct client *c, const char *arg, char *out, size_t s
 		     "\"cache_released\":%llu,\"seconds\":%.6f,\"in_memory\":%s,"
 		     "\"host_alloc_seconds\":%.6f,\"phases\":{\"staging\":%.6f,\"copy\":%.6f,"
 		     "\"release\":%.6f},\"fingerprints\":{\"parts\":%ld,\"skipped\":%ld,"
-		     "\"skipped_bytes\":%llu,\"seconds\":%.6f,\"error\":\"%s\"},\"files\":[",
+		     "\"skipped_bytes\":%llu,\"seconds\":%.6f,\"error\":\"%s\"},\"streamed\":%s,"
+		     "\"files\":[",
 		     r.bytes, r.chunks, r.allocations, released, r.seconds,
 		     r.in_memory ? "true" : "false", r.host_alloc_seconds, r.staging_seconds,
 		     r.copy_seconds, r.vmm_seconds, r.fp_parts, r.fp_skipped, r.fp_skipped_bytes,
-		     r.fp_seconds, r.fp_error);
+		     r.fp_seconds, r.fp_error, r.streamed ? "true" : "false");
 	used = n > 0 && (size_t)n < size ? (size_t)n : size - 1;
 	for (int k = 0; k < r.nfiles && used < size; k++) {
 		n = snprintf(out + used, size - used, "%s%llu", k ? "," : "", r.file_size[k]);
@@ -452,12 +477,14 @@ static void prepare_reply(struct client *c, const char *arg, char *out, size_t s
 		snprintf(out + used, size - used, "]}\n");
 }
 
-/* Reloads from fds (the client's, else the held ones); the gate opens on success. */
-static int do_resume(int *fds, int nfds, char *out, size_t size)
+/* Reloads from fds (the client's, else the held ones), or from the image store's stream
+ * (ring_fd, sock_fd); the gate opens on success. */
+static int do_resume(int *fds, int nfds, int ring_fd, int sock_fd, char *out, size_t size)
 {
 	struct move_result r;
 
-	if (mover_load(fds, nfds, &r)) {
+	mover_stream_timeout((long long)(ctl.prepare_timeout_s * 1000));
+	if (mover_load(fds, nfds, ring_fd, sock_fd, &r)) {
 		if (out)
 			error_reply(out, size, r.error);
 		else
@@ -469,16 +496,27 @@ static int do_resume(int *fds, int nfds, char *out, size_t size)
 	gate_open();
 	if (out)
 		snprintf(out, size, "{\"ok\":true,\"bytes\":%llu,\"chunks\":%ld,\"seconds\":%.6f,"
-			 "\"phases\":{\"recreate\":%.6f,\"staging\":%.6f,\"copy\":%.6f}}\n",
-			 r.bytes, r.chunks, r.seconds, r.vmm_seconds, r.staging_seconds,
+			 "\"streamed\":%s,\"phases\":{\"recreate\":%.6f,\"staging\":%.6f,"
+			 "\"copy\":%.6f}}\n", r.bytes, r.chunks, r.seconds,
+			 r.streamed ? "true" : "false", r.vmm_seconds, r.staging_seconds,
 			 r.copy_seconds);
 	return 0;
 }
 
-static void resume_reply(struct client *c, int abort, char *out, size_t size)
+/* "resume" (the client's files, or the held ones), "resume stream" (the ring and the socket:
+ * from the image store), "abort" (the held ones). */
+static void resume_reply(struct client *c, int abort, int streamed, char *out, size_t size)
 {
 	if (ctl.state == RUNNING) {
 		error_reply(out, size, "not prepared");
+		return;
+	}
+	if (streamed) {
+		if (c->nfds != 2) {
+			error_reply(out, size, "resume stream takes the ring and the socket");
+			return;
+		}
+		do_resume(NULL, 0, c->fds[0], c->fds[1], out, size);
 		return;
 	}
 	if (abort || !c->nfds) {
@@ -486,10 +524,10 @@ static void resume_reply(struct client *c, int abort, char *out, size_t size)
 			error_reply(out, size, "detached: resume with the data files");
 			return;
 		}
-		do_resume(ctl.held, ctl.nheld, out, size);
+		do_resume(ctl.held, ctl.nheld, -1, -1, out, size);
 		return;
 	}
-	do_resume(c->fds, c->nfds, out, size); /* the client's fds are closed after the command */
+	do_resume(c->fds, c->nfds, -1, -1, out, size); /* the client's fds are closed after */
 }
 
 /* The prepare deadline: a prepared program whose caller went away resumes by itself. */
@@ -505,7 +543,7 @@ static long prepared_tick(void)
 	if (ctl.elapsed_ms < limit)
 		return limit - ctl.elapsed_ms > 1000 ? 1000 : limit - ctl.elapsed_ms;
 	pr_warn("prepared %lld ms ago and neither detached nor aborted: resuming", ctl.elapsed_ms);
-	if (do_resume(ctl.held, ctl.nheld, NULL, 0)) {
+	if (do_resume(ctl.held, ctl.nheld, -1, -1, NULL, 0)) {
 		ctl.elapsed_ms = 0; /* try again after another period */
 		return 1000;
 	}
@@ -571,10 +609,10 @@ static void handle_line(struct client *c, char *line, char *out, size_t size)
 			ctl.state = DETACHED;
 			snprintf(out, size, "{\"ok\":true}\n");
 		}
-	} else if (!strcmp(line, "resume") && !*arg) {
-		resume_reply(c, 0, out, size);
+	} else if (!strcmp(line, "resume") && (!*arg || !strcmp(arg, "stream"))) {
+		resume_reply(c, 0, *arg != 0, out, size);
 	} else if (!strcmp(line, "abort") && !*arg) {
-		resume_reply(c, 1, out, size);
+		resume_reply(c, 1, 0, out, size);
 	} else {
 		snprintf(out, size, "{\"ok\":false,\"error\":\"unknown command\"}\n");
 	}

@@ -253,7 +253,8 @@ class AgentClient:
 
     # -- moving GPU memory (PROTOCOL.md) --------------------------------------------------------
     def prepare(self, files: Sequence[int], timeout_ms: int, timeout: float | None = None,
-                fingerprints: tuple[int, int] | None = None) -> dict[str, Any]:
+                fingerprints: tuple[int, int] | None = None,
+                stream: Sequence[int] = ()) -> dict[str, Any]:
         """Movable GPU memory into files (fds of empty regular files, read-write), or with no
         files into the program's own host memory; the gate is closed after. Returns the
         agent's reply: {"bytes", "chunks", "allocations", "cache_released", "seconds",
@@ -261,14 +262,23 @@ class AgentClient:
         fingerprints: (known, index) fds (fingerprints.py): every part fingerprinted on the
         GPU, the known ones skipped, the index written; the reply then has "fingerprints":
         {"parts", "skipped", "skipped_bytes", "seconds", "error"}.
+        stream: the ring and the socket of a store.stream.Intake (with fingerprints): the data
+        goes through them into the image store, the files stay holes; the reply then has
+        "streamed": true.
         On failure (AgentError) the agent released nothing and opened its gate again."""
         if not 0 <= len(files) <= MAX_FILES:
             raise ValueError(f"prepare takes 0 to {MAX_FILES} files, not {len(files)}")
         if fingerprints is not None and not files:
             raise ValueError("fingerprints are for a prepare into files")
+        if stream and (fingerprints is None or len(stream) != 2):
+            raise ValueError("a stream is a ring and a socket, with fingerprints")
         fp = fingerprints is not None
-        reply = self.call(f"prepare {int(timeout_ms)}{' fp' if fp else ''}",
-                          [*files, *(fingerprints or ())], timeout)
+        reply = self.call(f"prepare {int(timeout_ms)}{' fp' if fp else ''}"
+                          f"{' stream' if stream else ''}",
+                          [*files, *(fingerprints or ()), *stream], timeout)
+        if stream and reply.get("streamed") is not True:
+            raise AgentError("the agent did not stream the GPU data as asked (an agent older "
+                             "than streaming?)")
         sizes = reply.get("files")
         if not isinstance(sizes, list) or len(sizes) != len(files) or not all(
                 isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in sizes):
@@ -312,6 +322,19 @@ class AgentClient:
         if len(fds) > MAX_FILES:
             raise ValueError(f"resume takes at most {MAX_FILES} files")
         reply = self.call("resume", fds, timeout)
+        return _with_phases({"bytes": _int(reply, "bytes", "resume"),
+                             "seconds": _number(reply, "seconds", "resume")}, reply)
+
+    def resume_stream(self, stream: Sequence[int], timeout: float | None = None
+                      ) -> dict[str, Any]:
+        """resume(), the memory coming from the image store through a ring and a socket
+        (store.stream.feed sends it meanwhile) rather than from files."""
+        if len(stream) != 2:
+            raise ValueError("a stream is a ring and a socket")
+        reply = self.call("resume stream", list(stream), timeout)
+        if reply.get("streamed") is not True:
+            raise AgentError("the agent did not resume from the stream (an agent older than "
+                             "streaming?)")
         return _with_phases({"bytes": _int(reply, "bytes", "resume"),
                              "seconds": _number(reply, "seconds", "resume")}, reply)
 

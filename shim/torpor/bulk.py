@@ -37,6 +37,7 @@ from .files import TRUSTED_UIDS, require_trusted_location
 
 DATA_DIR = "torpor-gpu"              # in a checkpoint's images directory
 INDEX = "gpu-fingerprints.txt"       # beside a program's files: store/fingerprints.py
+STREAMED = "gpu-streamed.txt"        # beside them: the parts streamed into the store (stream.py)
 MAX_FILES = 16                       # the agent takes 1-16 files per prepare
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # suspend_tmpfs: a tmpfs of transparent huge pages. On the H200 host 16 staged writers filled

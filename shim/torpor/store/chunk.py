@@ -73,11 +73,22 @@ def zeros(length: int) -> bytes:
     return buf
 
 
+_ZERO_NAMES: dict[int, str] = {}
+
+
+def zero_name(length: int) -> str:
+    """The sha256 name of length zero bytes: data with that name is zeros (no second pass)."""
+    name = _ZERO_NAMES.get(length)
+    if name is None:
+        name = _ZERO_NAMES.setdefault(length, name_of(zeros(length)))
+    return name
+
+
 def is_zero(data: bytes) -> bool:
     return data == zeros(len(data))   # memcmp: ~9 GB/s, against ~1.7 GB/s for any()
 
 
-def encode(data: bytes) -> bytes:
+def encode(data: bytes | memoryview) -> bytes:
     """The blob for data: zstd when that is smaller, else raw."""
     packed = _contexts()[0].compress(data)
     if len(packed) < len(data):
@@ -101,6 +112,59 @@ def read_blob_file(path: Path, where: str) -> bytes:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
             raise CorruptCheckpointError(f"chunk {path.name} ({where}) is not a regular file")
         return f.read(HEADER.size + MAX_CHUNK + 1024)
+
+
+def read_blob_into(path: Path, name: str, dest: memoryview, where: str) -> None:
+    """The raw data of the blob file at path into dest (exactly its length), verified against
+    its name: a raw chunk read straight into dest, a zstd one decompressed into it, without a
+    copy of the data in between (a restore streams tens of GB through here). Same checks as
+    read_blob_file and decode; FileNotFoundError when the file is not there."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise CorruptCheckpointError(f"chunk {name} ({where}) cannot be read: "
+                                     f"{e.strerror}") from None
+
+    def corrupt(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"chunk {name} ({where}) is damaged: {why}")
+
+    with open(fd, "rb", buffering=0) as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpointError(f"chunk {name} ({where}) is not a regular file")
+        head = os.pread(fd, HEADER.size, 0)
+        if len(head) < HEADER.size:
+            raise corrupt(f"{len(head)} bytes, shorter than its header")
+        magic, codec, length = HEADER.unpack(head)
+        if magic != MAGIC or codec not in (RAW, ZSTD) or length > MAX_CHUNK:
+            raise corrupt("bad header")
+        if length != len(dest):
+            raise corrupt(f"it holds {length} bytes, {len(dest)} were expected")
+        if codec == RAW:
+            if st.st_size != HEADER.size + length:
+                raise corrupt(f"{st.st_size - HEADER.size} bytes where the header says {length}")
+            done = 0
+            while done < length:
+                n = os.preadv(fd, [dest[done:]], HEADER.size + done)
+                if n <= 0:
+                    raise corrupt("it ends early")
+                done += n
+        else:
+            payload = os.pread(fd, min(st.st_size, HEADER.size + MAX_CHUNK + 1024), HEADER.size)
+            try:
+                with _contexts()[1].stream_reader(payload, read_across_frames=True) as r:
+                    done = 0
+                    while done < length and (n := r.readinto(dest[done:])):
+                        done += n
+                    extra = r.read(1)
+            except zstandard.ZstdError as e:
+                raise corrupt(f"bad zstd data ({e})") from None
+            if done != length or extra:
+                raise corrupt(f"its data is not the {length} bytes the header says")
+    if name_of(dest) != name:
+        raise corrupt("its content does not match its sha256 name")
 
 
 def decode(blob: bytes, name: str, where: str) -> bytes:

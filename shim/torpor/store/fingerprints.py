@@ -32,6 +32,15 @@ match one (the fold is not cryptographic), have its checkpoint name another tena
 read it back at restore. So a checkpoint is only ever handed, and its index only ever resolved
 against, the fingerprints of its owner's own snapshots (their meta's "owner").
 
+A checkpoint whose agents streamed their data straight into the store (stream.py) leaves
+every part a hole, and records beside the index which chunk each part is (bulk.STREAMED):
+
+    torpor-gpu-streamed 1
+    <file k> <offset> <data length> <store chunk length> <sha256, or - for zeros>
+
+Those holes are filled, and packed, like skipped ones (fill, pack_arguments), from the record
+rather than from fingerprints: its chunks are named by sha256, and are this checkpoint's own.
+
 Host fingerprints do for the rest of a checkpoint (CRIU's page images above all) what the
 agent's do for GPU data, on the host: the pack fingerprints every chunk it reads (XXH3-128,
 chunk.fingerprint, ~17x sha256's speed), and a chunk whose fingerprint one of the owner's
@@ -51,11 +60,15 @@ from typing import Any, Iterable
 
 from .. import bulk
 from ..errors import CorruptCheckpointError, TorporError
+from ..files import fsync_dir
+from .backend import BLOB_NAME
 from .snapshot import FINGERPRINT
 from .store import CHUNK_SIZE, Store
+from .writer import StreamedRef
 
 PART = 4 << 20          # the agent's part (mover.c FILE_ALIGN): one store chunk
 HEADER = "torpor-gpu-fingerprints 1"
+STREAMED_HEADER = "torpor-gpu-streamed 1"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +83,24 @@ class Part:
     @property
     def chunk(self) -> int:
         return self.offset // PART
+
+
+@dataclasses.dataclass(frozen=True)
+class Streamed:
+    """A part the agent streamed into the store (stream.py): its place, and its chunk."""
+    file: int
+    offset: int
+    length: int
+    store_len: int
+    sha: str | None   # None: zeros, stored as nothing
+
+    @property
+    def chunk(self) -> int:
+        return self.offset // PART
+
+    @property
+    def ref(self) -> list[Any]:
+        return [self.sha, self.store_len]
 
 
 def usable(store: Store) -> bool:
@@ -101,6 +132,47 @@ def parse(text: str, origin: str, sizes: list[int]) -> list[Part]:
     return parts
 
 
+def parse_streamed(text: str, origin: str, sizes: list[int]) -> list[Streamed]:
+    """A stream record's parts, checked as parse() checks an index's."""
+    lines = text.splitlines()
+    if not lines or lines[0] != STREAMED_HEADER:
+        raise CorruptCheckpointError(f"{origin}: not a stream record ({STREAMED_HEADER!r})")
+    parts = []
+    for n, line in enumerate(lines[1:], 2):
+        f = line.split()
+        try:
+            if len(f) != 5 or not (f[4] == "-" or BLOB_NAME.fullmatch(f[4])):
+                raise ValueError
+            p = Streamed(int(f[0]), int(f[1]), int(f[2]), int(f[3]),
+                         None if f[4] == "-" else f[4])
+            if not (0 <= p.file < len(sizes) and p.offset % PART == 0 and p.offset >= 0
+                    and 0 < p.length <= p.store_len <= PART
+                    and p.offset + p.store_len <= sizes[p.file]):
+                raise ValueError
+        except ValueError:
+            raise CorruptCheckpointError(f"{origin}, line {n}: malformed or outside the data "
+                                         f"files: {line[:120]!r}") from None
+        parts.append(p)
+    return parts
+
+
+def dump_streamed(parts: Iterable[Streamed]) -> str:
+    return "".join([STREAMED_HEADER + "\n"] + [
+        f"{p.file} {p.offset} {p.length} {p.store_len} {p.sha or '-'}\n" for p in parts])
+
+
+def read_streamed(data_dir: Path, sizes: list[int]) -> list[Streamed] | None:
+    """The stream record of one program's data directory; None when it has none."""
+    path = data_dir / bulk.STREAMED
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(f"{path}: unreadable ({e})") from None
+    return parse_streamed(text, str(path), sizes)
+
+
 def dump(parts: Iterable[Part]) -> str:
     return "".join([HEADER + "\n"] + [
         f"{p.file} {p.offset} {p.length} {p.store_len} {p.fp} {int(p.skipped)}\n"
@@ -120,7 +192,9 @@ def read(data_dir: Path, sizes: list[int]) -> list[Part] | None:
 
 
 def has_skipped(data_dir: Path) -> bool:
-    """Does the program in data_dir have parts still to fill (fill)?"""
+    """Does the program in data_dir have parts still to fill (fill): skipped, or streamed?"""
+    if os.path.lexists(data_dir / bulk.STREAMED):
+        return True
     try:
         text = (data_dir / bulk.INDEX).read_text()
     except FileNotFoundError:
@@ -205,32 +279,54 @@ def given(parts: list[Part], refs: dict[str, list[Any]], file: int) -> dict[int,
     return out
 
 
+def _write_part(store: Store, fd: int, ref: list[Any], offset: int, length: int,
+                where: str) -> None:
+    if ref[0] is None:
+        return                                 # zeros: the hole reads as them
+    data = memoryview(store.read_chunk(ref, where))[:length]
+    at = 0
+    while at < len(data):                      # a short write goes on where it stopped
+        at += os.pwrite(fd, data[at:], offset + at)
+
+
 def fill(store: Store, data_dir: Path, fds: list[int], sizes: list[int], owner: str) -> int:
-    """Write every skipped part of the program in data_dir from the store into its hole (fds:
-    its data files, read-write, in order), then mark the index filled. The bytes written; 0
-    when there is no index or nothing is skipped."""
-    parts = read(data_dir, sizes)
-    if not parts or not any(p.skipped for p in parts):
+    """Write every skipped or streamed part of the program in data_dir from the store into its
+    hole (fds: its data files, read-write, in order), then mark the index filled and drop the
+    stream record. The bytes written; 0 when nothing is to fill."""
+    parts = read(data_dir, sizes) or []
+    streamed = read_streamed(data_dir, sizes)
+    if not any(p.skipped for p in parts) and streamed is None:
         return 0
+    done = 0
     with store.backend.lock(False, store.lock_timeout):
-        refs = known(store, owner).gpu
-        done = 0
-        for p in parts:
-            if not p.skipped:
-                continue
-            ref = refs.get(p.fp)
-            if ref is None or ref[1] != p.store_len:
-                raise TorporError(f"the GPU data of {data_dir} needs chunk {p.fp} (file "
-                                  f"{p.file}, offset {p.offset}) from store {store.where}, "
-                                  "which no longer has it")
-            if ref[0] is not None:
-                data = memoryview(store.read_chunk(ref, f"fingerprint {p.fp}"))[:p.length]
-                at = 0
-                while at < len(data):          # a short write goes on where it stopped
-                    at += os.pwrite(fds[p.file], data[at:], p.offset + at)
-            done += p.length
+        if any(p.skipped for p in parts):
+            refs = known(store, owner).gpu
+            for p in parts:
+                if not p.skipped:
+                    continue
+                ref = refs.get(p.fp)
+                if ref is None or ref[1] != p.store_len:
+                    raise TorporError(f"the GPU data of {data_dir} needs chunk {p.fp} (file "
+                                      f"{p.file}, offset {p.offset}) from store {store.where}, "
+                                      "which no longer has it")
+                _write_part(store, fds[p.file], ref, p.offset, p.length, f"fingerprint {p.fp}")
+                done += p.length
+        for s in streamed or ():
+            _write_part(store, fds[s.file], s.ref, s.offset, s.length,
+                        f"streamed GPU data of {data_dir}")
+            done += s.length
         for fd in fds:
             os.fsync(fd)
+    if parts:
+        _rewrite_index(data_dir, parts)
+    if streamed is not None:
+        (data_dir / bulk.STREAMED).unlink()
+        fsync_dir(data_dir)
+    return done
+
+
+def _rewrite_index(data_dir: Path, parts: list[Part]) -> None:
+    """The index with nothing skipped (every part is in the files now)."""
     tmp = data_dir / (bulk.INDEX + ".tmp")
     tmp.unlink(missing_ok=True)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -239,7 +335,6 @@ def fill(store: Store, data_dir: Path, fds: list[int], sizes: list[int], owner: 
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, data_dir / bulk.INDEX)
-    return done
 
 
 def _file_count(prog: Path) -> int:
@@ -279,11 +374,17 @@ def pack_arguments(store: Store, images_dir: Path, refs: dict[str, list[Any]]
     for index in sorted(root.glob(f"*/{bulk.INDEX}")):
         prog = index.parent
         files = [prog / bulk.file_name(k) for k in range(_file_count(prog))]
-        parts = parse(index.read_text(), str(index), [f.stat().st_size for f in files])
+        sizes = [f.stat().st_size for f in files]
+        parts = parse(index.read_text(), str(index), sizes)
+        streamed = read_streamed(prog, sizes) or []
         for k, f in enumerate(files):
             rel = f.relative_to(images_dir).as_posix()
-            out[rel] = {"given": given(parts, refs, k),
+            chunks = given(parts, refs, k)
+            chunks.update({s.chunk: StreamedRef(s.ref) for s in streamed if s.file == k})
+            out[rel] = {"given": chunks,
                         "fingerprints": [[p.chunk, p.fp] for p in parts if p.file == k]}
+        if streamed:   # the snapshot's files are whole: no record of holes goes with them
+            out[(prog / bulk.STREAMED).relative_to(images_dir).as_posix()] = {"leave_out": True}
         out[index.relative_to(images_dir).as_posix()] = {"src": io.BytesIO(dump(
             dataclasses.replace(p, skipped=False) for p in parts).encode())}
     return out

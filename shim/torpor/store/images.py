@@ -41,6 +41,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from .. import bulk
 from ..errors import CorruptCheckpointError, UsageError
 from ..files import atomic_write
 from ..manifest import DUMP_LOG, MANIFEST, REQUIRED_IMAGES
@@ -91,6 +92,8 @@ def pack(store: Store, images_dir: Path, name: str, owner: str = "",
     for rel in doc["files"]:
         if rel not in KEPT:
             (images_dir / rel).unlink()
+    for record in images_dir.glob(f"{bulk.DATA_DIR}/*/{bulk.STREAMED}"):   # left out of doc
+        record.unlink()
     for root, dirs, _names in os.walk(images_dir, topdown=False):
         for d in dirs:
             path = Path(root, d)

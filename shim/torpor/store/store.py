@@ -129,6 +129,23 @@ class Store:
                                          f"the snapshot says {length}")
         return data
 
+    def read_chunk_into(self, ref: list[Any], dest: memoryview, where: str) -> None:
+        """read_chunk() into dest (exactly the chunk's length), without an intermediate copy
+        where the backend has local files (store/stream.py feeds GPU data this way)."""
+        name, length = ref
+        if len(dest) != length:
+            raise CorruptCheckpointError(f"chunk {name} ({where}): {length} bytes do not fit "
+                                         f"{len(dest)}")
+        path = None if name is None else self.backend.blob_path(name)
+        if path is None:
+            dest[:] = self.read_chunk(ref, where)
+            return
+        try:
+            chunk.read_blob_into(path, name, dest, where)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"chunk {name} ({where}) is missing from store "
+                                         f"{self.where}") from None
+
     def read_entry(self, entry: dict[str, Any], where: str) -> Iterator[bytes]:
         """The chunks of one file entry of a validated snapshot, in order, each verified;
         where names it in errors. Reads ahead at most 2 chunks per worker."""
@@ -215,7 +232,8 @@ class Store:
                    ) -> tuple[dict[str, Any], WriteStats]:
         """Every regular file under src as snapshot name; (snapshot, WriteStats). pieces: where
         to cut some files; extra: more Writer.add_file arguments for some files (given,
-        fingerprints; src: another content); known: the writer's (writer.py). Symlinks and
+        fingerprints; src: another content; leave_out: not stored); known: the writer's
+        (writer.py). Symlinks and
         special files are refused rather than left out silently."""
         rels = []
         for root, dirs, names in os.walk(src):
@@ -228,6 +246,8 @@ class Store:
         with self.writer(known) as w:
             for rel in rels:
                 more = dict((extra or {}).get(rel, {}))
+                if more.pop("leave_out", False):
+                    continue
                 w.add_file(rel, more.pop("src", src / rel), (pieces or {}).get(rel, ()), **more)
             return w.commit(name, meta), w.stats
 

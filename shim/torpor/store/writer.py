@@ -43,6 +43,12 @@ class WriteStats:
     new_chunks: int = 0
     new_bytes: int = 0      # what the new blobs take in the store (compressed)
     by_fingerprint: int = 0  # of the reused, taken by fingerprint: not read, or not hashed
+    streamed: int = 0       # given chunks the agent's stream stored already (StreamedRef)
+
+
+class StreamedRef(list):  # type: ignore[type-arg]
+    """A given chunk ([name or None, length]) that this checkpoint's own stream put into the
+    store (store/stream.py): the stream counted it (new, reused or zero), the pack does not."""
 
 
 def _read_full(f: BinaryIO, size: int) -> bytes:
@@ -110,14 +116,15 @@ class Writer:
 
     def _put(self, data: bytes | list[Any]) -> tuple[list[Any], int, str]:
         """Store one chunk: ([name or None, length], bytes newly stored, -1 if reused or -2 if
-        reused by fingerprint, and its host fingerprint or ""); a ref (a given chunk) is taken
-        as it is, once the store has it."""
+        reused by fingerprint, -3 if streamed, and its host fingerprint or ""); a ref (a given
+        chunk) is taken as it is, once the store has it."""
         backend = self.store.backend
         if isinstance(data, list):
             if data[0] is not None and not backend.has_blob(data[0]):
                 raise CorruptCheckpointError(f"chunk {data[0]} is not in store "
                                              f"{self.store.where}")
-            return list(data), 0 if data[0] is None else -2, ""
+            return list(data), -3 if isinstance(data, StreamedRef) else \
+                0 if data[0] is None else -2, ""
         if chunk.is_zero(data):
             return [None, len(data)], 0, ""
         fp = ""
@@ -133,11 +140,32 @@ class Writer:
         blob = chunk.encode(data)
         return [name, len(data)], len(blob) if backend.put_blob(name, blob) else -1, fp
 
+    def put_data(self, data: bytes | memoryview) -> tuple[list[Any], int]:
+        """One chunk's data stored, and nothing else: its ref, and the bytes newly stored (-1:
+        the store had it). For a caller that names chunks itself (store/stream.py), from any
+        thread; no file names it until the caller's snapshot does."""
+        length = len(data)
+        name = chunk.name_of(data)
+        if name == chunk.zero_name(length):
+            return [None, length], 0
+        if self.store.backend.has_blob(name):
+            return [name, length], -1
+        blob = chunk.encode(data)
+        return [name, length], len(blob) if self.store.backend.put_blob(name, blob) else -1
+
+    def submit(self, fn: Any, *args: Any) -> concurrent.futures.Future[Any]:
+        """fn(*args) on the writer's pool."""
+        if self._pool is None:
+            raise UsageError("a store writer is used outside its `with` block")
+        return self._pool.submit(fn, *args)
+
     def _count(self, ref: list[Any], stored: int, fp: str) -> tuple[list[Any], str]:
         s = self.stats
         s.chunks += 1
         s.logical += ref[1]
-        if ref[0] is None:
+        if stored == -3:
+            s.streamed += 1
+        elif ref[0] is None:
             s.zero_chunks += 1
         elif stored < 0:
             s.reused_chunks += 1

@@ -1,0 +1,342 @@
+"""The image store's stream (issue 5, item 2): an agent's GPU data straight into the store at a
+checkpoint, and straight out of it onto the GPU at a restore, through a bounded ring of shared
+memory (agent/PROTOCOL.md, "Streaming").
+
+Saving (Intake): the agent copies each 4 MiB part of its data from its pinned staging buffers
+into a free slot of the ring and sends a record (slot, file, offset, length, store length) on
+a SOCK_SEQPACKET socket; torpor's pool names, compresses and writes the part as a chunk
+straight from the slot, then sends the slot's number back. Host memory holds at most the ring,
+however large the program; the data files stay holes, and no GPU byte is written twice
+(before, the agent wrote the data files and the pack read them back). Once the agent has sent
+every part, torpor makes the chunks durable and writes the program's stream record
+(bulk.STREAMED: the chunk each part is, store/fingerprints.py fills holes from it), and only
+then commits. The agent releases nothing before the commit, so a torpor that fails or dies
+mid-stream costs the program nothing: it runs on from its GPU memory.
+
+Loading (feed): torpor's pool reads each chunk of the program's data from the store into a
+free slot (a raw chunk straight from its file, a zstd one decompressed into it), checks it
+against its sha256 there and sends its record; the agent copies the part onto the GPU and
+sends the slot back. Reading, decompressing and copying to the GPU overlap, and nothing is
+unpacked into files first.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import mmap
+import os
+import socket
+import struct
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+from .. import bulk
+from ..errors import CorruptCheckpointError, TorporError
+from ..files import atomic_write
+from . import fingerprints
+from .fingerprints import PART, Streamed
+from .store import Store
+from .writer import Writer
+
+SLOTS = 64                          # 256 MiB of ring: 4 parts in flight per pool thread at 16
+RECORD = struct.Struct("<IIQQQ")    # slot, file, offset, length, store length (mover.c)
+SLOT_NO = struct.Struct("<I")
+END = 0xFFFFFFFF                    # a record: no more parts; a slot number: commit
+
+
+class StreamError(TorporError):
+    pass
+
+
+class Ring:
+    """The shared slots (a memfd, mapped here and in the agent) and our end of the socket."""
+
+    def __init__(self, slots: int = SLOTS):
+        self.slots = slots
+        fd = os.memfd_create("torpor-stream-ring", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, slots * PART)
+            self.map = mmap.mmap(fd, slots * PART)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd: int | None = fd
+        self.sock, self._theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+
+    def agent_fds(self) -> list[int]:
+        """The ring and the agent's end of the socket, for the command that hands them over."""
+        if self._fd is None:
+            raise StreamError("the stream was handed over already")
+        return [self._fd, self._theirs.fileno()]
+
+    def handed(self) -> None:
+        """Drop our copies of what the agent got: its going away is then our EOF."""
+        self._theirs.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def slot(self, n: int, length: int) -> memoryview:
+        if not 0 <= n < self.slots or not 0 <= length <= PART:
+            raise StreamError(f"the agent named slot {n} ({length} bytes) of a ring of "
+                              f"{self.slots}")
+        return memoryview(self.map)[n * PART:n * PART + length]
+
+    def close(self) -> None:
+        self.handed()
+        self.sock.close()
+        try:
+            self.map.close()
+        except BufferError:   # a view still held by a thread that failed: the GC frees it
+            pass
+
+
+def _recv(sock: socket.socket, size: int, what: str) -> bytes | None:
+    """One message of size bytes; None at EOF."""
+    msg = sock.recv(size + 1)
+    if not msg:
+        return None
+    if len(msg) != size:
+        raise StreamError(f"the agent sent a {len(msg)}-byte message where {what} "
+                          f"({size} bytes) was due")
+    return msg
+
+
+@dataclasses.dataclass
+class IntakeStats:
+    parts: int = 0
+    bytes: int = 0          # of GPU data received
+    new_chunks: int = 0
+    new_bytes: int = 0      # what they take in the store
+    reused_chunks: int = 0
+    zero_chunks: int = 0
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: round(v, 6) if isinstance(v, float) else v
+                for k, v in dataclasses.asdict(self).items()}
+
+
+class Intake:
+    """One program's GPU data, streamed by its agent during a `prepare ... fp stream`, into
+    the store; data_dir: the program's data directory, where the stream record goes.
+
+        intake = Intake(store, data_dir)
+        try:
+            intake.start()
+            agent.prepare(..., stream=intake.agent_fds())
+        finally:
+            intake.finish()      # raises StreamError if the store did not take it all
+    """
+
+    def __init__(self, store: Store, data_dir: Path, slots: int = SLOTS):
+        self.store = store
+        self.data_dir = data_dir
+        self.ring = Ring(slots)
+        self.parts: list[Streamed] = []
+        self.stats = IntakeStats()
+        self.committed = False
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="torpor-intake", daemon=True)
+        try:
+            for n in range(slots):              # every slot free (fits the socket's buffer)
+                self.ring.sock.send(SLOT_NO.pack(n))
+        except BaseException:
+            self.ring.close()
+            raise
+
+    def agent_fds(self) -> list[int]:
+        return self.ring.agent_fds()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def finish(self) -> IntakeStats:
+        """After the agent's prepare (answered or failed): the intake is over. StreamError
+        when it did not commit (the agent then released nothing)."""
+        self.ring.handed()
+        self._thread.join()
+        self.ring.close()
+        if not self.committed:
+            why = self.error
+            raise StreamError("the GPU data did not reach the image store"
+                              + (f": {_describe(why)}" if why else " (the agent stopped)"))
+        return self.stats
+
+    def _run(self) -> None:
+        start = time.monotonic()
+        try:
+            with self.store.writer() as w:
+                futures = []
+                while (msg := _recv(self.ring.sock, RECORD.size, "a part's record")) is not None:
+                    slot, file, offset, length, store_len = RECORD.unpack(msg)
+                    if slot == END:
+                        break
+                    if not (file < bulk.MAX_FILES and offset % PART == 0
+                            and 0 < length <= store_len <= PART):
+                        raise StreamError(f"the agent sent a malformed record: {file} "
+                                          f"{offset} {length} {store_len}")
+                    f = w.submit(self._take, w, slot, file, offset, length, store_len)
+                    f.add_done_callback(self._done)
+                    futures.append(f)
+                else:   # EOF: the agent stopped (its prepare fails and says why)
+                    concurrent.futures.wait(futures)
+                    return
+                concurrent.futures.wait(futures)
+                if self.error is not None:
+                    return
+                self.store.backend.sync()
+                self._record()
+            self.stats.seconds = time.monotonic() - start
+            self.ring.sock.send(SLOT_NO.pack(END))   # commit: the agent may release now
+            self.committed = True
+        except BaseException as e:   # noqa: BLE001 - finish() says it
+            self._stop(e)
+
+    def _done(self, f: concurrent.futures.Future[None]) -> None:
+        if not f.cancelled() and f.exception() is not None:
+            self._stop(f.exception())  # type: ignore[arg-type]
+
+    def _stop(self, e: BaseException) -> None:
+        """The first failure stops the stream: the agent's wait ends at once (EOF), and so
+        does ours."""
+        with self._lock:
+            if self.error is None:
+                self.error = e
+        try:
+            self.ring.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def _take(self, w: Writer, slot: int, file: int, offset: int, length: int,
+              store_len: int) -> None:
+        view = self.ring.slot(slot, length)
+        try:
+            # the store chunk is the part and the hole after it (zeros), as the pack reads it
+            data: Any = view if store_len == length else bytes(view) + bytes(store_len - length)
+            ref, stored = w.put_data(data)
+        finally:
+            view.release()
+        self.ring.sock.send(SLOT_NO.pack(slot))
+        with self._lock:
+            s = self.stats
+            s.parts += 1
+            s.bytes += length
+            if ref[0] is None:
+                s.zero_chunks += 1
+            elif stored < 0:
+                s.reused_chunks += 1
+            else:
+                s.new_chunks += 1
+                s.new_bytes += stored
+            self.parts.append(Streamed(file, offset, length, store_len, ref[0]))
+
+    def _record(self) -> None:
+        """The stream record, durable, before the commit: without it the holes the parts
+        left could not be filled (a rollback) nor packed."""
+        self.parts.sort(key=lambda p: (p.file, p.offset))
+        atomic_write(self.data_dir / bulk.STREAMED,
+                     fingerprints.dump_streamed(self.parts).encode())
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return str(e) or type(e).__name__
+
+
+# -- loading ------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """One part the agent needs: where it goes, and the store chunk it is."""
+    file: int
+    offset: int
+    length: int
+    store_len: int
+    ref: list[Any]   # [sha256 or None, store_len]
+
+
+def sources(doc: dict[str, Any], prog_rel: str, count: int) -> list[Source]:
+    """The parts of one program's data files (prog_rel: torpor-gpu/<pid> in the snapshot doc,
+    count files), from the snapshot's chunks: each data file is cut into PART chunks, one a
+    part (mover.c), so chunk i of file k is the part at offset i * PART. A chunk that is only
+    the hole between two of the agent's chunks is skipped: it holds no part."""
+    out = []
+    for k in range(count):
+        rel = f"{prog_rel}/{bulk.file_name(k)}"
+        entry = doc["files"].get(rel)
+        if entry is None:
+            raise CorruptCheckpointError(f"snapshot {doc['name']} holds no {rel}")
+        at = 0
+        for ref in entry["chunks"]:
+            if ref[1] > PART or (at % PART and ref[1]):
+                raise CorruptCheckpointError(f"snapshot {doc['name']}: {rel} is not cut into "
+                                             f"{PART}-byte chunks, so it cannot be streamed")
+            out.append(Source(k, at, ref[1], ref[1], list(ref)))
+            at += ref[1]
+    return out
+
+
+def feed(store: Store, ring: Ring, parts: Iterable[Source], where: str) -> int:
+    """Send every part to the agent through the ring (its `resume stream` runs meanwhile), each
+    chunk read from the store straight into a free slot and verified there; then EOF. The
+    bytes sent. StreamError/CorruptCheckpointError on failure (the agent's resume then fails:
+    its gate stays closed, nothing lost)."""
+    free: list[int] = []
+    cond = threading.Condition()
+    closed = [False]
+
+    def slots_back() -> None:            # the agent's freed slots, as they come
+        try:
+            while (msg := _recv(ring.sock, SLOT_NO.size, "a slot number")) is not None:
+                with cond:
+                    free.append(SLOT_NO.unpack(msg)[0])
+                    cond.notify()
+        except (OSError, StreamError):
+            pass
+        with cond:
+            closed[0] = True
+            cond.notify_all()
+
+    def take_slot() -> int:
+        with cond:
+            while not free and not closed[0]:
+                cond.wait()
+            if not free:
+                raise StreamError("the agent stopped taking GPU data")
+            return free.pop()
+
+    def send(part: Source) -> int:
+        n = take_slot()
+        if n >= ring.slots:
+            raise StreamError(f"the agent returned slot {n} of a ring of {ring.slots}")
+        view = ring.slot(n, part.length)
+        try:
+            store.read_chunk_into(part.ref, view, where)
+        finally:
+            view.release()
+        ring.sock.send(RECORD.pack(n, part.file, part.offset, part.length, part.store_len))
+        return part.length
+
+    with cond:
+        free.extend(range(ring.slots))
+    back = threading.Thread(target=slots_back, name="torpor-feed", daemon=True)
+    back.start()
+    total = 0
+    try:
+        with store.backend.lock(False, store.lock_timeout), \
+                concurrent.futures.ThreadPoolExecutor(store.workers, "torpor-feed") as pool:
+            for n in pool.map(send, [p for p in parts if p.length]):
+                total += n
+    finally:
+        try:
+            ring.sock.shutdown(socket.SHUT_WR)   # EOF: every part sent (or none will be)
+        except OSError:
+            pass
+    back.join(timeout=1)
+    return total

@@ -1,0 +1,216 @@
+"""The image store's stream (store/stream.py; agent/PROTOCOL.md "Streaming"), the agent on the
+fake libcuda: a `prepare ... fp stream` puts the program's GPU data straight into the store
+through the ring (the data files stay holes, a stream record says which chunk each part is),
+and a `resume stream` brings it back from the store through the ring; every failure on either
+side leaves the program its data. tests/gpu runs the same on an H200 (test_store_gpu.py)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+
+from tests.unit.test_agent import gpu, probe  # noqa: F401  (fixtures)
+from tests.unit.test_agent_mover import Files, ctl_fds
+from torpor import bulk
+from torpor.agent import AgentClient, AgentError
+from torpor.store import fingerprints, stream
+from torpor.store.store import Store
+
+MIB = 1 << 20
+
+
+def _program(p, sizes_mib=(24, 10)) -> list[tuple[int, int, int]]:
+    """Allocations filled with patterns: (ptr, bytes, pattern)."""
+    assert p.call("init dlsym")["rc"] == 0
+    out = []
+    for n, mib in enumerate(sizes_mib):
+        ptr = p.call(f"@alloc {mib * MIB} dlsym")["ptr"]
+        assert p.call(f"@fill {ptr} {mib * MIB} {n + 3}")["rc"] == 0
+        out.append((ptr, mib * MIB, n + 3))
+    return out
+
+
+def _intact(p, mem) -> bool:
+    return all(p.call(f"@check {ptr} {n} {pat}")["ok"] for ptr, n, pat in mem)
+
+
+def _prepare_streamed(p, store: Store, data: Path, nfiles: int = 2,
+                      slots: int = 4) -> tuple[dict, stream.Intake]:
+    """What the engine does: data files, an index, an Intake; the agent's reply."""
+    files = Files(data, nfiles)
+    fds = files.open(True)
+    fds.append(os.open(data / bulk.INDEX, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+    fds.append(fingerprints.known_fd([]))
+    intake = stream.Intake(store, data, slots=slots)
+    try:
+        intake.start()
+        with AgentClient(p.sock) as a:
+            try:
+                reply = a.prepare(fds[:nfiles], 5000, fingerprints=(fds[-1], fds[-2]),
+                                  stream=intake.agent_fds())
+            except AgentError as e:
+                reply = {"error": str(e)}
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return reply, intake
+
+
+def _resume_streamed(p, store: Store, data: Path, nfiles: int = 2, slots: int = 4) -> dict:
+    """What a restore does: the parts from the stream record (as a snapshot would name them)
+    fed through a ring while the agent's `resume stream` runs."""
+    sizes = [os.path.getsize(data / bulk.file_name(k)) for k in range(nfiles)]
+    parts = [stream.Source(s.file, s.offset, s.store_len, s.store_len, s.ref)
+             for s in fingerprints.read_streamed(data, sizes)]
+    ring = stream.Ring(slots)
+    fed: list = []
+    t = threading.Thread(target=lambda: fed.append(stream.feed(store, ring, parts, "test")))
+    t.start()
+    try:
+        with AgentClient(p.sock) as a:
+            reply = a.resume_stream(ring.agent_fds(), 30)
+    finally:
+        ring.handed()
+        t.join(10)
+        ring.close()
+    return reply
+
+
+def test_a_streamed_prepare_stores_every_part_and_a_streamed_resume_brings_it_back(
+        probe, tmp_path):
+    p = probe(env={"TORPOR_AGENT_FP_CHECK": "1"})
+    mem = _program(p)
+    store = Store(tmp_path / "store", workers=3)
+    data = tmp_path / "data"
+    reply, intake = _prepare_streamed(p, store, data)
+    stats = intake.finish()
+    assert reply.get("bytes") == 34 * MIB, reply
+    assert stats.bytes == 34 * MIB and stats.new_chunks == stats.parts >= 9
+    # the data files are holes of their full sizes; the record names every part's chunk
+    sizes = reply["files"]
+    for k, size in enumerate(sizes):
+        path = data / bulk.file_name(k)
+        assert path.stat().st_size == size and path.stat().st_blocks == 0
+    parts = fingerprints.read_streamed(data, sizes)
+    assert sum(s.length for s in parts) == 34 * MIB
+    assert all(store.backend.has_blob(s.sha) for s in parts)
+    assert fingerprints.has_skipped(data)             # holes to fill before a file resume
+    assert ctl_fds(p.sock, "detach")["ok"]
+    assert p.status()["state"] == "detached"
+
+    back = _resume_streamed(p, store, data)
+    assert back["bytes"] == 34 * MIB
+    assert p.status()["state"] == "running" and _intact(p, mem)
+
+
+def test_a_rollback_fills_the_holes_from_the_store_and_resumes_from_the_files(probe, tmp_path):
+    p = probe()
+    mem = _program(p, (12,))
+    store = Store(tmp_path / "store", workers=2)
+    data = tmp_path / "data"
+    reply, intake = _prepare_streamed(p, store, data, nfiles=1)
+    intake.finish()
+    assert reply.get("files"), reply
+    fds = [os.open(data / bulk.file_name(0), os.O_RDWR | os.O_CLOEXEC)]
+    try:
+        assert fingerprints.fill(store, data, fds, reply["files"], "uid:0") == 12 * MIB
+    finally:
+        os.close(fds[0])
+    assert not fingerprints.has_skipped(data)
+    assert ctl_fds(p.sock, "abort")["ok"]
+    assert _intact(p, mem)
+
+
+def test_a_store_that_fails_mid_stream_costs_the_program_nothing(probe, tmp_path):
+    p = probe()
+    mem = _program(p)
+    store = Store(tmp_path / "store", workers=2)
+    original = store.backend.put_blob
+    calls = [0]
+
+    def full(name, blob):
+        calls[0] += 1
+        if calls[0] > 3:
+            raise OSError(28, "No space left on device")
+        return original(name, blob)
+    store.backend.put_blob = full
+    data = tmp_path / "data"
+    reply, intake = _prepare_streamed(p, store, data)
+    assert "error" in reply, reply
+    with pytest.raises(stream.StreamError, match="No space left"):
+        intake.finish()
+    assert not (data / bulk.STREAMED).exists()
+    st = p.status()
+    assert (st["state"], st["gate"]) == ("running", "open")   # nothing was released
+    assert _intact(p, mem)
+
+
+def test_a_torpor_that_dies_mid_stream_costs_the_program_nothing(probe, tmp_path):
+    """Our end of the socket closes mid-stream (torpor killed): the agent's prepare fails at
+    once, nothing is released, the gate opens."""
+    p = probe()
+    mem = _program(p)
+    ring = stream.Ring(2)
+    for n in range(2):
+        ring.sock.send(stream.SLOT_NO.pack(n))
+    data = tmp_path / "data"
+    files = Files(data, 1)
+    fds = files.open(True) + [os.open(data / bulk.INDEX, os.O_RDWR | os.O_CREAT, 0o600),
+                              fingerprints.known_fd([])]
+    got = []
+
+    def torpor_dies():
+        got.append(ring.sock.recv(64))      # one part arrives, then torpor is gone
+        ring.sock.close()
+    t = threading.Thread(target=torpor_dies)
+    t.start()
+    try:
+        r = ctl_fds(p.sock, "prepare 5000 fp stream", fds[:1] + [fds[2], fds[1]]
+                    + ring.agent_fds())
+    finally:
+        for fd in fds:
+            os.close(fd)
+        ring.handed()
+        t.join(10)
+    assert got and not r["ok"], r
+    assert "image store" in r["error"], r
+    assert (p.status()["state"], p.status()["gate"]) == ("running", "open")
+    assert _intact(p, mem)
+
+
+def test_a_stream_that_ends_short_or_sends_damage_leaves_the_memory_out(probe, tmp_path):
+    p = probe()
+    mem = _program(p, (12,))
+    store = Store(tmp_path / "store", workers=2)
+    data = tmp_path / "data"
+    reply, intake = _prepare_streamed(p, store, data, nfiles=1)
+    intake.finish()
+    assert ctl_fds(p.sock, "detach")["ok"]
+    # a stream of no parts at all: the resume fails, the gate stays closed
+    ring = stream.Ring(2)
+    try:
+        ring.sock.shutdown(socket.SHUT_WR)
+        r = ctl_fds(p.sock, "resume stream", ring.agent_fds())
+    finally:
+        ring.close()
+    assert not r["ok"] and "part(s) short" in r["error"], r
+    assert (p.status()["state"], p.status()["gate"]) == ("detached", "closed")
+    # a part with other bytes: refused by its checksum
+    ring = stream.Ring(2)
+    try:
+        first = fingerprints.read_streamed(data, reply["files"])[0]
+        ring.map[0:first.length] = b"\x07" * first.length
+        ring.sock.send(stream.RECORD.pack(0, first.file, first.offset, first.length,
+                                          first.store_len))
+        ring.sock.shutdown(socket.SHUT_WR)
+        r = ctl_fds(p.sock, "resume stream", ring.agent_fds())
+    finally:
+        ring.close()
+    assert not r["ok"] and "checksum" in r["error"], r
+    assert p.status()["state"] == "detached"
+    assert _resume_streamed(p, store, data, nfiles=1)["bytes"] == 12 * MIB
+    assert _intact(p, mem)
