@@ -44,6 +44,7 @@ class Config:
     suspend_tmpfs: bool = True                  # mount a huge-page tmpfs on an empty suspend_dir
     store_dir: Path = Path("/var/lib/torpor/store")  # the deduplicating image store (0700)
     store_containers: bool = False              # torpor-runtime packs checkpoints into the store
+    store_stream: bool = True                   # agents stream GPU data into and out of the store
 
     @property
     def journal_dir(self) -> Path:
@@ -69,6 +70,7 @@ _ENV = {
     "TORPOR_SUSPEND_DIR": ("suspend_dir", Path),
     "TORPOR_SUSPEND_TMPFS": ("suspend_tmpfs", bool),
     "TORPOR_STORE_DIR": ("store_dir", Path),
+    "TORPOR_STORE_STREAM": ("store_stream", bool),
 }
 _BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 

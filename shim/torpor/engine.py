@@ -39,7 +39,7 @@ from .errors import (BusyError, CorruptCheckpointError, ExitCode, NoDriverError,
 from .files import tree_size
 from .journal import Entry, Journal, Operation
 from .progress import Progress, human_bytes, human_rate
-from .store import fingerprints
+from .store import fingerprints, images, stream
 from .store.store import Store
 
 log = logging.getLogger(__name__)
@@ -90,23 +90,28 @@ class AgentTarget:
     name: int
     files: int
     owner: str = ""     # whose store fingerprints its agent was handed (fingerprints.py)
+    packed: str = ""    # a packed checkpoint directory: its data comes from the image store
+                        # (store/stream.py), not from files
 
     @property
     def in_process(self) -> bool:
         return self.files == 0
 
     def where(self) -> str:
+        if self.packed:
+            return f"in the image store (the checkpoint packed in {self.packed})"
         return "in the program's host memory (its agent holds it)" if self.in_process \
             else f"in {self.data}/{self.name}"
 
     def to_json(self) -> dict[str, Any]:
         return {"socket": str(self.socket), "data": str(self.data), "name": self.name,
-                "files": self.files, **({"owner": self.owner} if self.owner else {})}
+                "files": self.files, **({"owner": self.owner} if self.owner else {}),
+                **({"packed": self.packed} if self.packed else {})}
 
     @classmethod
     def from_json(cls, pid: int | str, d: Mapping[str, Any]) -> "AgentTarget":
         return cls(int(pid), Path(d["socket"]), Path(d["data"]), int(d.get("name", pid)),
-                   int(d["files"]), str(d.get("owner", "")))
+                   int(d["files"]), str(d.get("owner", "")), str(d.get("packed", "")))
 
 
 def targets_of(agents: Mapping[str, Mapping[str, Any]]) -> dict[int, AgentTarget]:
@@ -115,11 +120,12 @@ def targets_of(agents: Mapping[str, Mapping[str, Any]]) -> dict[int, AgentTarget
 
 
 def restore_targets(entries: Mapping[int, Mapping[str, Any]], data: Path,
-                    agent_dir: Path | None, host_pids: Iterable[int] | None = None
-                    ) -> dict[int, AgentTarget]:
+                    agent_dir: Path | None, host_pids: Iterable[int] | None = None,
+                    packed: Path | None = None) -> dict[int, AgentTarget]:
     """The programs of a checkpoint whose memory their agents moved (torpor.json's "agent",
     by PID at checkpoint), by host PID now: the same PID (CRIU restores PIDs), or, given
-    host_pids (a container's new host PIDs), the one with the same PID in its namespace."""
+    host_pids (a container's new host PIDs), the one with the same PID in its namespace.
+    packed: the checkpoint is packed there: the data files come from the image store."""
     by_nspid: dict[int, int] | None = None
     if host_pids is not None:
         by_nspid = {}
@@ -136,7 +142,8 @@ def restore_targets(entries: Mapping[int, Mapping[str, Any]], data: Path,
                               "whose GPU memory its agent moved, is not among the restored "
                               "processes")
         out[pid] = AgentTarget(pid, agent.socket_path(nspid, agent_dir), data, old,
-                               len(e["files"]))
+                               len(e["files"]),
+                               packed=str(packed) if packed and e["files"] else "")
     return out
 
 
@@ -185,7 +192,8 @@ class Engine:
                             agent_dir: Path | None = None,
                             scratch: bool = False,
                             known_fingerprints: Collection[str] | None = None,
-                            owner: str = "") -> dict[int, dict[str, Any]]:
+                            owner: str = "", stream_into: Store | None = None
+                            ) -> dict[int, dict[str, Any]]:
         """RUNNING -> CHECKPOINTED for every pid; on any failure all are rolled back first.
 
         data: where the agents of the pids that have one (a socket in agent_dir, default
@@ -194,7 +202,8 @@ class Engine:
         torpor's own (suspend): a recovery removes it. known_fingerprints: the agents
         fingerprint their data on the GPU and skip these parts (owner's snapshots in the image
         store have them: store/fingerprints.py; hold the store's lock until they are packed);
-        None: they don't.
+        None: they don't. stream_into (with known_fingerprints): the agents stream their data
+        straight into this store (store/stream.py), the data files stay holes.
         Returns what each agent moved: pid -> {"nspid", "bytes", "chunks", "allocations",
         "cache_released", "seconds", "files"} (torpor.json's "agent")."""
         if not pids:
@@ -207,7 +216,7 @@ class Engine:
             sockets = self.agent_sockets(pids, agent_dir) if data is not None else {}
             if sockets and data is not None:
                 moved = self._prepare_agents(op, sockets, data, scratch, known_fingerprints,
-                                             owner)
+                                             owner, stream_into)
             op.phase("lock")
             with self.progress.phase("lock", n):
                 for pid in pids:
@@ -340,8 +349,8 @@ class Engine:
 
     def _prepare_agents(self, op: Operation, sockets: Mapping[int, Path],
                         data: bulk.DataDir | bulk.InProcess, scratch: bool,
-                        known: Collection[str] | None = None, owner: str = ""
-                        ) -> dict[int, dict[str, Any]]:
+                        known: Collection[str] | None = None, owner: str = "",
+                        stream_into: Store | None = None) -> dict[int, dict[str, Any]]:
         op.phase("agent-prepare")
         sockets = self._probe(sockets)
         if not sockets:
@@ -367,21 +376,34 @@ class Engine:
         def prepare(pid: int) -> dict[str, Any]:
             fds = [] if in_process else data.for_prepare(pid, count)
             fp: tuple[int, int] | None = None
+            intake: stream.Intake | None = None
             try:
                 if known is not None and not in_process:
                     fds.append(data.new_index(pid))
                     fds.append(fingerprints.known_fd(known))
                     fp = (fds[-1], fds[-2])
+                    if stream_into is not None:
+                        intake = stream.Intake(stream_into, data.path(pid))
+                        intake.start()
                 try:
                     client = self._client(targets[pid], self.cfg.agent_timeout_s)
                 except TorporError:
                     untouched.add(pid)
                     raise
                 with client as a:
-                    reply = a.prepare(fds[:count], timeout_ms, fingerprints=fp)
+                    reply = a.prepare(fds[:count], timeout_ms, fingerprints=fp,
+                                      stream=intake.agent_fds() if intake else ())
+                if intake is not None:   # answered ok: the store committed every part
+                    reply["streamed"] = intake.finish().to_json()
+                    intake = None
             except TorporError as e:
-                raise AgentError(f"PID {pid}: {e}", exit_code=e.exit_code) from e
+                why = intake.abandon() if intake is not None else ""
+                intake = None
+                raise AgentError(f"PID {pid}: {e}" + (f" (the image store: {why})" if why
+                                                      else ""), exit_code=e.exit_code) from e
             finally:
+                if intake is not None:
+                    intake.abandon()
                 for fd in fds:   # the agent has its own copies, kept until detach
                     os.close(fd)
             return {"nspid": procs.nspid(pid) or pid, **reply}
@@ -425,6 +447,11 @@ class Engine:
                 return {"bytes": 0, "seconds": 0.0}
             if t.in_process:
                 return a.resume(None, self.cfg.agent_timeout_s)
+            if t.packed:
+                return self._resume_streamed(a, t, self._packed_sources(t))
+            data = bulk.DataDir(t.data)
+            if fill and (data.path(t.name) / bulk.STREAMED).exists():
+                return self._resume_streamed(a, t, self._own_sources(t))
             if fill:
                 self._fill_skipped(t)
             elif fingerprints.has_skipped(bulk.DataDir(t.data).path(t.name)):
@@ -438,6 +465,57 @@ class Engine:
             finally:
                 for fd in fds:
                     os.close(fd)
+
+    def _resume_streamed(self, a: AgentClient, t: AgentTarget,
+                         sources: tuple[Store, list[stream.Source]]) -> dict[str, Any]:
+        """t's memory back through the image store's stream: its agent's `resume stream`
+        while torpor feeds it the parts from the store."""
+        store, parts = sources
+        ring = stream.Ring()
+        try:
+            with concurrent.futures.ThreadPoolExecutor(1, "torpor-feed") as ex:
+                fed = ex.submit(stream.feed, store, ring, parts, f"GPU data of PID {t.pid}")
+                try:
+                    reply = a.resume_stream(ring.agent_fds(), self.cfg.agent_timeout_s)
+                except TorporError as e:
+                    ring.handed()
+                    why = fed.exception()   # the feed's failure says more than the agent's
+                    raise AgentError(f"{e}" + (f" (the image store: {why})" if why else ""),
+                                     exit_code=e.exit_code) from e
+                ring.handed()
+                fed.result()
+        finally:
+            ring.close()
+        return {**reply, "streamed": True}
+
+    def _packed_sources(self, t: AgentTarget) -> tuple[Store, list[stream.Source]]:
+        """The parts of t's data files in the packed checkpoint t.packed names (its chunks
+        are in this host's store: the restore's unpack brought in any it lacked)."""
+        doc = images.packed_doc(Path(t.packed))
+        prog = f"{bulk.DATA_DIR}/{t.name}"
+        return Store(self.cfg.store_dir), stream.sources(doc, prog, t.files)
+
+    def _own_sources(self, t: AgentTarget) -> tuple[Store, list[stream.Source]]:
+        """The parts of t's data that this operation's own prepare streamed into the store
+        (its stream record), and those its agent skipped (its owner's fingerprints)."""
+        store = Store(self.cfg.store_dir)
+        prog = bulk.DataDir(t.data).path(t.name)
+        sizes = [os.path.getsize(prog / bulk.file_name(k)) for k in range(t.files)]
+        parts = [stream.Source(s.file, s.offset, s.ref)
+                 for s in fingerprints.read_streamed(prog, sizes) or ()]
+        skipped = [p for p in fingerprints.read(prog, sizes) or () if p.skipped]
+        if skipped:
+            if not t.owner:
+                raise CorruptCheckpointError(f"the GPU data in {prog} lacks parts its agent "
+                                             "skipped, and no owner is on record")
+            refs = fingerprints.known(store, t.owner).gpu
+            for p in skipped:
+                ref = refs.get(p.fp)
+                if ref is None or ref[1] != p.store_len:
+                    raise TorporError(f"the GPU data of {prog} needs chunk {p.fp} from store "
+                                      f"{store.where}, which no longer has it")
+                parts.append(stream.Source(p.file, p.offset, ref))
+        return store, parts
 
     def _fill_skipped(self, t: AgentTarget) -> None:
         """The parts t's agent skipped (the image store had them) written into its data files

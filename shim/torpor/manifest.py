@@ -40,7 +40,7 @@ import json
 import os
 import shutil
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, Mapping
 
 from . import bulk
 from .errors import CorruptCheckpointError, NotFoundError
@@ -285,15 +285,24 @@ def read(images_dir: Path) -> dict[str, Any]:
     return parse(data, str(path))
 
 
-def verify(images_dir: Path, m: dict[str, Any], checksums: bool = True) -> None:
-    """Every listed file present, inside the directory, of the right size and hash."""
+def verify(images_dir: Path, m: dict[str, Any], checksums: bool = True,
+           elsewhere: Mapping[str, int] | None = None) -> None:
+    """Every listed file present, inside the directory, of the right size and hash.
+    elsewhere: files kept out of the directory (the GPU data a restore streams from the image
+    store) -> their sizes there."""
     root = images_dir.resolve()
+    elsewhere = elsewhere or {}
     bad: list[str] = [f"{rel} is not listed in the manifest"
                       for rel in _image_files(images_dir) if rel not in m["files"]]
     bad += [f"{name} is not listed in the manifest" for name in REQUIRED_IMAGES
             if name not in m["files"]]
     todo: dict[str, tuple[Path, list[str]]] = {}
     for rel, info in m["files"].items():
+        if rel in elsewhere:
+            if elsewhere[rel] != info["size"]:
+                bad.append(f"{rel} has {elsewhere[rel]} bytes in the image store, manifest "
+                           f"says {info['size']}")
+            continue
         path = (images_dir / safe_relpath(rel))
         try:
             real = path.resolve(strict=True)

@@ -24,7 +24,7 @@ import signal
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from . import (__version__, agent, bulk, criu, gpus, interrupts, manifest, packing, placement,
                procs)
@@ -126,9 +126,15 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
             skip = (set() if leave_running else known.gpu) \
                 if store is not None and known is not None and owner \
                 and fingerprints.usable(store) else None
+            # A program that ends with its checkpoint has its GPU data streamed straight into
+            # the store (store/stream.py); one left running keeps the shorter pause of data
+            # files in the page cache, read back at once, and packed while it runs.
+            stream_into = store if skip is not None and cfg.store_stream \
+                and not leave_running else None
             moved = engine.lock_and_checkpoint(op, cuda_pids,
                                                data=bulk.DataDir(images_dir / bulk.DATA_DIR),
-                                               known_fingerprints=skip, owner=owner)
+                                               known_fingerprints=skip, owner=owner,
+                                               stream_into=stream_into)
         except RolledBackError:
             (images_dir / manifest.DRAFT).unlink(missing_ok=True)  # the directory is reusable
             raise
@@ -198,13 +204,17 @@ def _manifest(tool: criu.Criu, inv: gpus.Inventory | None, engine: Engine, comms
 
 
 def restore(engine: Engine, images_dir: Path, *, device_map: dict[str, str] | None = None,
-            verify: bool = True) -> dict[str, Any]:
-    """Restore a checkpoint made by checkpoint(); returns {root_pid, pids, gpu_map, timings}."""
+            verify: bool = True, packed: Path | None = None,
+            in_store: dict[str, int] | None = None) -> dict[str, Any]:
+    """Restore a checkpoint made by checkpoint(); returns {root_pid, pids, gpu_map, timings}.
+    packed, in_store (restore_any): images_dir was unpacked from the checkpoint packed in
+    packed but for the agents' data files in_store (-> their sizes), which stream from the
+    image store onto the GPU."""
     cfg, progress = engine.cfg, engine.progress
     require_trusted_location(images_dir, "checkpoint")
     m = manifest.read(images_dir)
     with progress.phase("verify", "sizes and checksums" if verify and cfg.checksums else "sizes"):
-        manifest.verify(images_dir, m, checksums=verify and cfg.checksums)
+        manifest.verify(images_dir, m, checksums=verify and cfg.checksums, elsewhere=in_store)
     tool = criu.find(cfg)
     entries = criu.pstree(images_dir)
     pids = [int(e["pid"]) for e in entries]
@@ -217,7 +227,8 @@ def restore(engine: Engine, images_dir: Path, *, device_map: dict[str, str] | No
         raise CorruptCheckpointError(f"{images_dir}: the manifest's agent entries "
                                      f"{sorted(set(moved) - set(cuda_pids))} are not CUDA "
                                      "processes of the image")
-    agents = restore_targets(moved, images_dir.absolute() / bulk.DATA_DIR, agent.default_dir())
+    agents = restore_targets(moved, images_dir.absolute() / bulk.DATA_DIR, agent.default_dir(),
+                             packed=packed if in_store else None)
     with progress.phase("preflight", "PIDs, driver, GPU model and memory"):
         busy = [p for p in pids if procs.pid_taken(p)]
         if busy:
@@ -294,13 +305,23 @@ def store_checkpoint(engine: Engine, store: Store, images_dir: Path, name: str,
     Returns what was written: {"name", "store", "chunks",
     "new_chunks", "new_bytes", "reused_chunks", "by_fingerprint", "zero_chunks", "logical"}."""
     size = tree_size(images_dir)
+    # what the agents streamed into the store at the checkpoint (store/stream.py) was counted
+    # there: the pack takes those chunks as given
+    streamed = [e["streamed"] for e in manifest.agents(manifest.read(images_dir)).values()
+                if isinstance(e.get("streamed"), dict)]
+
+    def by_stream(key: str) -> int:
+        return sum(int(s.get(key, 0)) for s in streamed)
     with engine.progress.phase("store", f"{human_bytes(size)} into {store.where} as {name}"):
         _doc, st = packing.pack(engine.journal, store, images_dir, name, owner, known,
                                 engine.cfg.checksums)
-    return {"name": name, "store": store.where, "chunks": st.chunks, "new_chunks": st.new_chunks,
-            "new_bytes": st.new_bytes, "reused_chunks": st.reused_chunks,
+    return {"name": name, "store": store.where, "chunks": st.chunks,
+            "new_chunks": st.new_chunks + by_stream("new_chunks"),
+            "new_bytes": st.new_bytes + by_stream("new_bytes"),
+            "reused_chunks": st.reused_chunks + by_stream("reused_chunks"),
             "by_fingerprint": st.by_fingerprint,
-            "zero_chunks": st.zero_chunks, "logical": st.logical}
+            "zero_chunks": st.zero_chunks + by_stream("zero_chunks"), "logical": st.logical,
+            "streamed": st.streamed}
 
 
 def restore_any(engine: Engine, images_dir: Path, **kw: Any) -> dict[str, Any]:
@@ -312,12 +333,17 @@ def restore_any(engine: Engine, images_dir: Path, **kw: Any) -> dict[str, Any]:
         return restore(engine, images_dir, **kw)
     require_trusted_location(images_dir, "checkpoint")
     store = Store(engine.cfg.store_dir)
-    into = _unpack_in_memory(engine, images_dir)
+    # the agents' GPU data goes from the store straight onto the GPU (store/stream.py)
+    in_store = images.gpu_data_files(images.packed_doc(images_dir)) \
+        if engine.cfg.store_stream else {}
+    into = _unpack_in_memory(engine, images_dir, in_store)
     where = f", into host memory ({into})" if into else ""
-    with engine.progress.phase("unpack", f"{images_dir} through {store.where}{where}"):
-        unpacked = images.unpack(store, images_dir, into)
+    left = "; its GPU data streams from there" if in_store else ""
+    with engine.progress.phase("unpack", f"{images_dir} through {store.where}{where}{left}"):
+        unpacked = images.unpack(store, images_dir, into, leave_out=in_store)
     try:   # every chunk's sha256 was checked as it was read: the manifest's sizes suffice
-        return restore(engine, unpacked, **{**kw, "verify": False})
+        return restore(engine, unpacked, **{**kw, "verify": False, "packed": images_dir,
+                                           "in_store": in_store})
     except TorporError as e:   # name the directory the operator gave, not the one removed here
         raise type(e)(str(e).replace(str(unpacked), str(images_dir)), exit_code=e.exit_code,
                       hint=e.hint) from e
@@ -325,12 +351,13 @@ def restore_any(engine: Engine, images_dir: Path, **kw: Any) -> dict[str, Any]:
         shutil.rmtree(unpacked, ignore_errors=True)
 
 
-def _unpack_in_memory(engine: Engine, images_dir: Path) -> Path | None:
+def _unpack_in_memory(engine: Engine, images_dir: Path, leave_out: Iterable[str] = ()
+                      ) -> Path | None:
     """Where a packed checkpoint is unpacked for its restore: host memory (suspend_dir, a
     tmpfs) when it fits in half of what is available, so a restore neither writes it all to
     the disk again nor needs the disk space twice; else None (inside images_dir)."""
     try:
-        need = images.unpacked_size(images_dir)
+        need = images.unpacked_size(images_dir, leave_out)
         base = bulk.claim_suspend_dir(Path(os.path.abspath(engine.cfg.suspend_dir)))
         vfs = os.statvfs(base)
     except (TorporError, OSError):

@@ -64,7 +64,7 @@ def _resume_streamed(p, store: Store, data: Path, nfiles: int = 2, slots: int = 
     """What a restore does: the parts from the stream record (as a snapshot would name them)
     fed through a ring while the agent's `resume stream` runs."""
     sizes = [os.path.getsize(data / bulk.file_name(k)) for k in range(nfiles)]
-    parts = [stream.Source(s.file, s.offset, s.store_len, s.store_len, s.ref)
+    parts = [stream.Source(s.file, s.offset, s.ref)
              for s in fingerprints.read_streamed(data, sizes)]
     ring = stream.Ring(slots)
     fed: list = []
@@ -213,4 +213,103 @@ def test_a_stream_that_ends_short_or_sends_damage_leaves_the_memory_out(probe, t
     assert not r["ok"] and "checksum" in r["error"], r
     assert p.status()["state"] == "detached"
     assert _resume_streamed(p, store, data, nfiles=1)["bytes"] == 12 * MIB
+    assert _intact(p, mem)
+
+
+# -- the engine's own paths -------------------------------------------------------------------
+
+OWNER = "uid:0"
+
+
+def _engine(gpu, tmp_path: Path, store: Store):
+    from torpor import config
+    from torpor.engine import Engine
+    gpu.activate()
+    return Engine(config.load(env={**gpu.env(), "TORPOR_STATE_DIR": str(tmp_path / "state"),
+                                   "TORPOR_STORE_DIR": str(store.backend.root),
+                                   "TORPOR_AGENT_FILES": "2"}))
+
+
+def test_the_engine_streams_a_checkpoint_into_the_store_and_restores_it_from_there(
+        gpu, probe, tmp_path):
+    from tests.unit.test_manifest import _manifest as sealed
+    from torpor import manifest
+    from torpor.engine import AgentTarget
+    from torpor.store import images
+
+    p = probe()
+    mem = _program(p, (24, 10))
+    store = Store(tmp_path / "store")
+    engine = _engine(gpu, tmp_path, store)
+    d = tmp_path / "ck"
+    d.mkdir(mode=0o700)
+    for image in ("pages-1.img", *manifest.REQUIRED_IMAGES):
+        (d / image).write_bytes(f"a stand-in {image}".encode())
+    with store.backend.lock(False, 10), engine.begin("checkpoint", [p.pid]) as op:
+        moved = engine.lock_and_checkpoint(
+            op, [p.pid], data=bulk.DataDir(d / bulk.DATA_DIR), agent_dir=p.sock.parent,
+            known_fingerprints=fingerprints.known(store, OWNER).gpu, owner=OWNER,
+            stream_into=store)
+    streamed = moved[p.pid]["streamed"]
+    assert streamed["bytes"] == 34 * MIB and streamed["new_chunks"] >= 9, streamed
+    prog = d / bulk.DATA_DIR / str(p.pid)
+    assert sum(f.stat().st_blocks for f in prog.glob("gpu-memory-*")) == 0   # holes only
+    assert fingerprints.any_skipped(d)
+    manifest.write(d, sealed(manifest.file_table(d, checksums=False)))
+    doc, st = images.pack(store, d, "one", OWNER)
+    assert st.streamed == streamed["parts"] and st.new_bytes < MIB, st   # taken, not read
+    assert not list(d.glob(f"{bulk.DATA_DIR}/*/{bulk.STREAMED}"))
+    assert bulk.STREAMED not in "".join(doc["files"])
+
+    # the restore: nothing of the GPU data is unpacked; it streams from the store
+    in_store = images.gpu_data_files(doc)
+    assert len(in_store) == 2
+    unpacked = images.unpack(store, d, leave_out=in_store)
+    assert not list(unpacked.glob(f"{bulk.DATA_DIR}/*/gpu-memory-*"))
+    target = AgentTarget(p.pid, p.sock, unpacked / bulk.DATA_DIR, p.pid, 2, packed=str(d))
+    with engine.begin("restore", [p.pid]) as op:
+        back = engine.restore_and_unlock(op, [p.pid], agents={p.pid: target})
+    assert back[p.pid]["streamed"] and back[p.pid]["bytes"] == 34 * MIB
+    assert p.status()["state"] == "running" and _intact(p, mem)
+
+
+def test_a_rollback_of_a_streamed_checkpoint_streams_the_memory_back(gpu, probe, tmp_path):
+    from torpor.errors import RolledBackError
+
+    p = probe()
+    mem = _program(p, (16, 6))
+    store = Store(tmp_path / "store")
+    engine = _engine(gpu, tmp_path, store)
+    data = bulk.DataDir(tmp_path / "data")
+    gpu.fail("lock", "CUDA_ERROR_UNKNOWN", p.pid)
+    with store.backend.lock(False, 10), pytest.raises(RolledBackError):
+        with engine.begin("checkpoint", [p.pid]) as op:
+            engine.lock_and_checkpoint(op, [p.pid], data=data, agent_dir=p.sock.parent,
+                                       known_fingerprints=(), owner=OWNER, stream_into=store)
+    assert "fill" not in engine.progress.timings      # nothing written to the data files
+    st = p.status()
+    assert (st["state"], st["gate"]) == ("running", "open"), st
+    assert _intact(p, mem)
+    assert not data.root.exists()                      # the failed operation's files went
+
+
+def test_a_failed_stream_fails_the_checkpoint_and_the_program_runs_on(gpu, probe, tmp_path):
+    from torpor.errors import RolledBackError
+
+    p = probe()
+    mem = _program(p, (16,))
+    store = Store(tmp_path / "store")
+    engine = _engine(gpu, tmp_path, store)
+
+    def full(name, blob):
+        raise OSError(28, "No space left on device")
+    store.backend.put_blob = full
+    with store.backend.lock(False, 10), \
+            pytest.raises(RolledBackError, match="No space left on device"):
+        with engine.begin("checkpoint", [p.pid]) as op:
+            engine.lock_and_checkpoint(op, [p.pid], data=bulk.DataDir(tmp_path / "data"),
+                                       agent_dir=p.sock.parent, known_fingerprints=(),
+                                       owner=OWNER, stream_into=store)
+    st = p.status()
+    assert (st["state"], st["gate"]) == ("running", "open"), st
     assert _intact(p, mem)

@@ -51,4 +51,6 @@ def store_line(s: dict) -> str:
     return (f"kept in store {s['store']} as {s['name']}: {s['chunks']} chunk(s) of "
             f"{human_bytes(s['logical'])}: {s['new_chunks']} new ({human_bytes(s['new_bytes'])} "
             f"written), {s['reused_chunks']} already stored ({s['by_fingerprint']} known by "
-            f"fingerprint), {s['zero_chunks']} zero\n")
+            f"fingerprint), {s['zero_chunks']} zero"
+            + (f"; {s['streamed']} streamed by the agents straight into the store"
+               if s.get("streamed") else "") + "\n")

@@ -47,8 +47,10 @@ def agent_line(moved: dict[str, dict[str, Any]], verb: str = "moved") -> str:
                   for r in moved.values())
     if not total and not seconds and not skipped:
         return ""   # agents that had nothing to give back (resumed already)
+    streamed = any(r.get("streamed") for r in moved.values())
     return (f"the agent {verb} {human_bytes(total)} of GPU memory of {len(moved)} program(s) "
-            f"in {seconds:.2f} s ({human_rate(total, seconds)})"
+            + ("through the image store's stream " if streamed else "")
+            + f"in {seconds:.2f} s ({human_rate(total, seconds)})"
             + (f"; {human_bytes(skipped)} more the image store had already stayed where it "
                "was (GPU fingerprints)" if skipped else "") + "\n")
 

@@ -130,7 +130,7 @@ def read_blob_into(path: Path, name: str, dest: memoryview, where: str) -> None:
     def corrupt(why: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"chunk {name} ({where}) is damaged: {why}")
 
-    with open(fd, "rb", buffering=0) as f:
+    with open(fd, "rb", buffering=0):   # closes fd
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise CorruptCheckpointError(f"chunk {name} ({where}) is not a regular file")

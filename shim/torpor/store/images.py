@@ -39,7 +39,7 @@ import secrets
 import shutil
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from .. import bulk
 from ..errors import CorruptCheckpointError, UsageError
@@ -125,18 +125,38 @@ def verify(images_dir: Path) -> int:
     return len(names)
 
 
-def unpacked_size(images_dir: Path) -> int:
-    """The bytes the packed checkpoint in images_dir takes once unpacked."""
-    doc = snapshot.parse((images_dir / PACKED).read_bytes(), f"{images_dir}/{PACKED}")
-    return sum(f["size"] for f in doc["files"].values())
+def packed_doc(images_dir: Path) -> dict[str, Any]:
+    """The snapshot of the packed checkpoint in images_dir, validated."""
+    return snapshot.parse((images_dir / PACKED).read_bytes(), f"{images_dir}/{PACKED}")
 
 
-def unpack(store: Store, images_dir: Path, into: Path | None = None) -> Path:
-    """The files of the packed checkpoint in images_dir, written into a new private directory
-    (remove it when done) inside into (a private directory, e.g. in host memory), else inside
-    images_dir. Chunks the host's store lacks come from torpor-chunks, each verified before it
-    enters; every chunk is verified again as it is read."""
-    doc = snapshot.parse((images_dir / PACKED).read_bytes(), f"{images_dir}/{PACKED}")
+def unpacked_size(images_dir: Path, leave_out: Iterable[str] = ()) -> int:
+    """The bytes the packed checkpoint in images_dir takes once unpacked (but leave_out)."""
+    out = set(leave_out)
+    return sum(f["size"] for rel, f in packed_doc(images_dir)["files"].items() if rel not in out)
+
+
+def gpu_data_files(doc: dict[str, Any]) -> dict[str, int]:
+    """The agents' data files a packed checkpoint's snapshot holds -> their sizes: what a
+    restore streams from the store to the GPU (store/stream.py) rather than unpacking."""
+    prefix = f"{bulk.DATA_DIR}/"
+    out = {}
+    for rel, entry in doc["files"].items():
+        parts = rel.split("/")
+        if rel.startswith(prefix) and len(parts) == 3 and parts[1].isdigit() \
+                and parts[2].startswith("gpu-memory-"):
+            out[rel] = entry["size"]
+    return out
+
+
+def unpack(store: Store, images_dir: Path, into: Path | None = None,
+           leave_out: Iterable[str] = ()) -> Path:
+    """The files of the packed checkpoint in images_dir (but leave_out), written into a new
+    private directory (remove it when done) inside into (a private directory, e.g. in host
+    memory), else inside images_dir. Chunks the host's store lacks come from torpor-chunks,
+    each verified before it enters (those of leave_out too: they are read from the store
+    later); every chunk is verified again as it is read."""
+    doc = packed_doc(images_dir)
     if MANIFEST not in doc["files"]:
         raise CorruptCheckpointError(f"{images_dir}/{PACKED} names no {MANIFEST}")
     missing = [c for c in snapshot.chunk_names(doc) if not store.backend.has_blob(c)]
@@ -150,7 +170,7 @@ def unpack(store: Store, images_dir: Path, into: Path | None = None) -> Path:
         _remove_leftovers(base)
     dest = (into or images_dir) / f"{UNPACKED_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
     try:
-        store.materialize_doc(doc, dest)
+        store.materialize_doc(doc, dest, set(leave_out))
     except BaseException:
         shutil.rmtree(dest, ignore_errors=True)
         raise

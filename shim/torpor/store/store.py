@@ -32,7 +32,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Collection, Iterator, Mapping
 
 from ..errors import CorruptCheckpointError, NotFoundError, UsageError
 from ..files import private_dir, write_new
@@ -168,13 +168,15 @@ class Store:
             self._write_files(doc, dest)
         return doc
 
-    def materialize_doc(self, doc: dict[str, Any], dest: Path) -> None:
+    def materialize_doc(self, doc: dict[str, Any], dest: Path,
+                        leave_out: Collection[str] = ()) -> None:
         """materialize() for a snapshot validated elsewhere (one carried by a checkpoint
-        directory), its chunks in this store."""
+        directory), its chunks in this store; the files in leave_out are not written."""
         with self.backend.lock(False, self.lock_timeout):
-            self._write_files(doc, dest)
+            self._write_files(doc, dest, leave_out)
 
-    def _write_files(self, doc: dict[str, Any], dest: Path) -> None:
+    def _write_files(self, doc: dict[str, Any], dest: Path,
+                     leave_out: Collection[str] = ()) -> None:
         """Every file of doc under dest: made first (0600, at full size: zero chunks stay
         holes), then every chunk of every file read, verified and written at its offset by
         the pool at once, files and chunks in any order: a restore's GPU data is 16 files,
@@ -187,6 +189,8 @@ class Store:
         try:
             jobs = []
             for rel, entry in doc["files"].items():
+                if rel in leave_out:
+                    continue
                 for parent in reversed(Path(rel).parents[:-1]):  # each 0700, not only the last
                     private_dir(dest / parent)
                 fd = os.open(dest / rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW

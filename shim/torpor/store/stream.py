@@ -167,6 +167,19 @@ class Intake:
                               + (f": {_describe(why)}" if why else " (the agent stopped)"))
         return self.stats
 
+    def abandon(self) -> str:
+        """The agent's prepare failed, or ours gave up on it: stop the intake (the agent's
+        wait ends at once, unless it has the commit already) and say what went wrong in the
+        store, if anything did."""
+        error = self.error
+        if not self.committed:
+            self._stop(StreamError("torpor gave up on the prepare"))
+        try:
+            self.finish()
+        except StreamError:
+            pass
+        return _describe(error) if error is not None else ""
+
     def _run(self) -> None:
         start = time.monotonic()
         try:
@@ -253,19 +266,18 @@ def _describe(e: BaseException) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Source:
-    """One part the agent needs: where it goes, and the store chunk it is."""
+    """One part the agent needs: where it goes, and the store chunk it is (the part and the
+    hole after it: the agent takes the part's bytes)."""
     file: int
     offset: int
-    length: int
-    store_len: int
-    ref: list[Any]   # [sha256 or None, store_len]
+    ref: list[Any]   # [sha256 or None, length]
 
 
 def sources(doc: dict[str, Any], prog_rel: str, count: int) -> list[Source]:
     """The parts of one program's data files (prog_rel: torpor-gpu/<pid> in the snapshot doc,
-    count files), from the snapshot's chunks: each data file is cut into PART chunks, one a
-    part (mover.c), so chunk i of file k is the part at offset i * PART. A chunk that is only
-    the hole between two of the agent's chunks is skipped: it holds no part."""
+    count files), from the snapshot's chunks: each data file is cut into PART chunks, and
+    every one is a part (mover.c: chunks start at multiples of PART, and a part's store chunk
+    runs on to the next), so chunk i of file k is the part at offset i * PART."""
     out = []
     for k in range(count):
         rel = f"{prog_rel}/{bulk.file_name(k)}"
@@ -277,7 +289,7 @@ def sources(doc: dict[str, Any], prog_rel: str, count: int) -> list[Source]:
             if ref[1] > PART or (at % PART and ref[1]):
                 raise CorruptCheckpointError(f"snapshot {doc['name']}: {rel} is not cut into "
                                              f"{PART}-byte chunks, so it cannot be streamed")
-            out.append(Source(k, at, ref[1], ref[1], list(ref)))
+            out.append(Source(k, at, list(ref)))
             at += ref[1]
     return out
 
@@ -313,15 +325,14 @@ def feed(store: Store, ring: Ring, parts: Iterable[Source], where: str) -> int:
 
     def send(part: Source) -> int:
         n = take_slot()
-        if n >= ring.slots:
-            raise StreamError(f"the agent returned slot {n} of a ring of {ring.slots}")
-        view = ring.slot(n, part.length)
+        length = part.ref[1]
+        view = ring.slot(n, length)
         try:
             store.read_chunk_into(part.ref, view, where)
         finally:
             view.release()
-        ring.sock.send(RECORD.pack(n, part.file, part.offset, part.length, part.store_len))
-        return part.length
+        ring.sock.send(RECORD.pack(n, part.file, part.offset, length, length))
+        return length
 
     with cond:
         free.extend(range(ring.slots))
@@ -331,7 +342,7 @@ def feed(store: Store, ring: Ring, parts: Iterable[Source], where: str) -> int:
     try:
         with store.backend.lock(False, store.lock_timeout), \
                 concurrent.futures.ThreadPoolExecutor(store.workers, "torpor-feed") as pool:
-            for n in pool.map(send, [p for p in parts if p.length]):
+            for n in pool.map(send, [p for p in parts if p.ref[1]]):
                 total += n
     finally:
         try:
