@@ -8,6 +8,11 @@ For each --kind and size (GiB), beside an uninterrupted reference run of the sam
   store   the program under the agent (`torpor run --`): checkpoint --leave-running packed into
           the store as "one", --steps-between steps on, checkpoint packed as "two" (this one
           ends it), restore from "two", bit-exact.
+  ends    (unless --no-ends) the program under the agent checkpointed once into a new store,
+          ending it, then restored, twice: its GPU data streamed straight into the store and
+          back out onto the GPU (store/stream.py, the default), and through data files
+          (config store_stream off: the agent writes files, the pack reads them, the restore
+          unpacks them), each bit-exact.
 Kinds: torch (training, tests/gpu/torch_program.py), infer (inference: weights + KV cache,
 infer_program.py), cpu (no GPU, no agent: cpu_program.py; checks this harness on a machine
 without a GPU, its figures say nothing about GPUs).
@@ -17,6 +22,8 @@ Ratios, with issue 5's targets:
   image        store's first new bytes / driver's image bytes                   (<= 0.5)
   incremental  store's second new bytes / its first new bytes                    (<= 0.05)
   restore      driver restore s / store restore s, unpack included
+  ends         driver checkpoint s / streamed first checkpoint s (ends the program), and
+               the same for the restore; stream_vs_files: files s / streamed s, both ways
 The store and both image directories are on --root (a disk), made fresh for every program.
 
     python3 bench/store_e2e.py --kinds torch infer --sizes 16 --root /var/tmp/torpor-sbench \\
@@ -137,6 +144,36 @@ class StoreBench(Bench):
             for d in (store, ck1, ck2):
                 shutil.rmtree(d, ignore_errors=True)
 
+    def ends(self, kind: str, gib: float, ref: programs.Program, stream: bool) -> dict:
+        """A first checkpoint into a new store that ends the program, then its restore."""
+        how = "stream" if stream else "files"
+        prog = self.launch(kind, f"{kind}{gib:g}-ends-{how}", gib, agent=kind != "cpu")
+        store, ck = self.fresh(f"store-{how}"), self.fresh(f"ck-{how}")
+
+        def eng() -> Engine:
+            return Engine(dataclasses.replace(self.cfg, store_dir=store, store_stream=stream),
+                          Progress(None))
+        try:
+            t = time.perf_counter()
+            m, stored = process.checkpoint_into_store(eng(), prog.pid, ck, "one")
+            ck_s = time.perf_counter() - t
+            prog.reap()
+            wait_gone(prog.pid)
+            at = prog.step()
+            t = time.perf_counter()
+            r = process.restore_any(eng(), ck)
+            rs = time.perf_counter() - t
+            prog.wait_step(at + 5)
+            out = {"checkpoint_s": ck_s, "stored": stored, "timings": m.get("timings", {}),
+                   "agent": agent_of(m, prog.pid), "restore_s": rs,
+                   "restore_timings": r.get("timings", {})}
+            out.update(bit_exact(ref, prog))
+            return out
+        finally:
+            self.stop(prog)
+            for d in (store, ck):
+                shutil.rmtree(d, ignore_errors=True)
+
     def one(self, kind: str, gib: float) -> dict:
         ref = programs.Program(self.work, f"{kind}{gib:g}-ref",
                                programs.command(kind, gib, seed=self.args.seed, sleep=0.02),
@@ -145,6 +182,9 @@ class StoreBench(Bench):
         try:
             row = {"kind": kind, "gib": gib, "driver": self.driver(kind, gib, ref),
                    "store": self.store(kind, gib, ref)}
+            if self.args.ends:   # files first: the streamed run gets no warmer a machine
+                row["ends"] = {("stream" if st else "files"): self.ends(kind, gib, ref, st)
+                               for st in (False, True)}
         finally:
             self.stop(ref)
         d, s = row["driver"], row["store"]
@@ -155,6 +195,13 @@ class StoreBench(Bench):
             "image": first["new_bytes"] / d["image_bytes"],
             "incremental": second["new_bytes"] / max(1, first["new_bytes"]),
             "restore": d["restore_s"] / s["restore_s"]}
+        if "ends" in row:
+            st, fi = row["ends"]["stream"], row["ends"]["files"]
+            row["ratios"].update({
+                "ends_checkpoint": d["checkpoint_s"] / st["checkpoint_s"],
+                "ends_restore": d["restore_s"] / st["restore_s"],
+                "stream_vs_files_checkpoint": fi["checkpoint_s"] / st["checkpoint_s"],
+                "stream_vs_files_restore": fi["restore_s"] / st["restore_s"]})
         row["targets_met"] = {k: (row["ratios"][k] >= v if op == ">=" else row["ratios"][k] <= v)
                               for k, (op, v) in TARGETS.items()}
         return row
@@ -176,7 +223,16 @@ def line(row: dict) -> str:
             f"{s['second']['stored']['new_bytes'] / GB:.3f} GB, restore {s['restore_s']:.2f} s "
             f"| checkpoint {r['checkpoint']:.1f}x, image {r['image']:.2f}, incremental "
             f"{r['incremental']:.3f}, restore {r['restore']:.1f}x | bit-exact "
-            f"{d['bit_exact']}/{s['bit_exact']}")
+            f"{d['bit_exact']}/{s['bit_exact']}"
+            + ("" if "ends" not in row else
+               f"\n      ending the program: streamed {row['ends']['stream']['checkpoint_s']:.2f} s"
+               f" / restore {row['ends']['stream']['restore_s']:.2f} s, through files "
+               f"{row['ends']['files']['checkpoint_s']:.2f} s / restore "
+               f"{row['ends']['files']['restore_s']:.2f} s | driver/streamed "
+               f"{r['ends_checkpoint']:.1f}x / {r['ends_restore']:.1f}x, files/streamed "
+               f"{r['stream_vs_files_checkpoint']:.2f}x / {r['stream_vs_files_restore']:.2f}x"
+               f" | bit-exact {row['ends']['stream']['bit_exact']}/"
+               f"{row['ends']['files']['bit_exact']}"))
 
 
 def main() -> int:
@@ -190,6 +246,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--agent-dir", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=Path("bench/results/store_e2e.json"))
+    ap.add_argument("--no-ends", dest="ends", action="store_false",
+                    help="skip the first checkpoints that end the program (streamed / files)")
     args = ap.parse_args()
     args.root.mkdir(parents=True, exist_ok=True, mode=0o700)
     # the store's own account of each unpack (thread-seconds reading, verifying, writing)
@@ -213,6 +271,7 @@ def main() -> int:
         if args.agent_dir is None:               # made by Bench for this run
             shutil.rmtree(bench.agent_dir, ignore_errors=True)
     return 0 if all(r["driver"]["bit_exact"] and r["store"]["bit_exact"]
+                    and all(e["bit_exact"] for e in r.get("ends", {}).values())
                     for r in doc["rows"]) else 1
 
 

@@ -621,8 +621,23 @@ class Engine:
             messages += packing.finish_interrupted(self.cfg, entry)
         elif entry.images_dir:
             messages += self._finish_images(Path(entry.images_dir), program_alive=bool(live))
+            messages += self._fill_images(Path(entry.images_dir), entry)
         self.journal.forget(entry, fd)
         return messages
+
+    def _fill_images(self, images_dir: Path, entry: Entry) -> list[str]:
+        """A sealed checkpoint into the store whose torpor died before its pack began: what
+        its agents skipped or streamed into the store is written into its data files, so the
+        directory stands on its own (else it could never be restored, and gc could take the
+        streamed chunks no snapshot names)."""
+        if not (images_dir / manifest.MANIFEST).is_file() \
+                or not fingerprints.any_skipped(images_dir) or images.is_packed(images_dir):
+            return []
+        owners = {t.owner for t in targets_of(entry.agents).values() if t.owner}
+        filled = packing.stand_alone(Store(self.cfg.store_dir), images_dir,
+                                     next(iter(owners), ""), self.cfg.checksums)
+        return [f"filled {human_bytes(filled)} of GPU data into the checkpoint in {images_dir} "
+                "from the image store: its torpor died before packing it"]
 
     def _finish_images(self, images_dir: Path, program_alive: bool) -> list[str]:
         """An interrupted checkpoint's images: seal them if CRIU finished (or ended the

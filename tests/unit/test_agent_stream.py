@@ -313,3 +313,38 @@ def test_a_failed_stream_fails_the_checkpoint_and_the_program_runs_on(gpu, probe
     st = p.status()
     assert (st["state"], st["gate"]) == ("running", "open"), st
     assert _intact(p, mem)
+
+
+def test_a_torpor_that_dies_between_a_streamed_checkpoint_and_its_pack_leaves_it_whole(
+        gpu, probe, tmp_path):
+    """The checkpoint is sealed (its program gone with the dump), its GPU data only in the
+    store (holes, and the stream record), and its torpor dies before the pack begins: the next
+    torpor's recovery fills the directory from the store, so it restores on its own."""
+    from tests.unit.test_manifest import _manifest as sealed
+    from torpor import manifest
+
+    p = probe()
+    _program(p, (12,))
+    store = Store(tmp_path / "store")
+    engine = _engine(gpu, tmp_path, store)
+    d = tmp_path / "ck"
+    d.mkdir(mode=0o700)
+    for image in ("pages-1.img", *manifest.REQUIRED_IMAGES):
+        (d / image).write_bytes(f"a stand-in {image}".encode())
+    op = engine.begin("checkpoint", [p.pid])
+    with store.backend.lock(False, 10):
+        engine.lock_and_checkpoint(op, [p.pid], data=bulk.DataDir(d / bulk.DATA_DIR),
+                                   agent_dir=p.sock.parent, known_fingerprints=(),
+                                   owner=OWNER, stream_into=store)
+    op.phase("dump", images_dir=str(d))
+    manifest.write(d, sealed(manifest.file_table(d, checksums=False)))   # sealed, then:
+    p.proc.kill()                                      # the dump ended the program
+    p.proc.wait()
+    op.release()                                       # and its torpor died
+    assert fingerprints.any_skipped(d)
+    messages = _engine(gpu, tmp_path, store).recover()
+    assert any("filled 12.00 MiB of GPU data" in m for m in messages), messages
+    assert not fingerprints.any_skipped(d)
+    prog = d / bulk.DATA_DIR / str(p.pid)
+    assert sum(f.stat().st_blocks for f in prog.glob("gpu-memory-*")) > 0
+    manifest.verify(d, manifest.read(d))               # whole, with its checksums

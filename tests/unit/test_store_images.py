@@ -58,14 +58,20 @@ def test_restore_any_restores_from_the_unpacked_copy_then_removes_it(sealed, tmp
     images.pack(Store(tmp_path / "store"), sealed, "one")
     seen = []
 
+    gpu_file = "torpor-gpu/7/gpu-memory-0.bin"
+
     def restore(engine, images_dir, **kw):
         seen.append((images_dir, (images_dir / "pages-1.img").read_bytes() == FILES["pages-1.img"]
-                     and kw["verify"] is False))     # the chunks' sha256 did the checking
+                     and kw["verify"] is False     # the chunks' sha256 did the checking
+                     # the agent's data streams from the store (store/stream.py): not unpacked
+                     and kw["in_store"] == {gpu_file: len(FILES[gpu_file])}
+                     and kw["packed"] == sealed and not (images_dir / gpu_file).exists()))
         raise CorruptCheckpointError(f"{images_dir}: the manifest's CUDA processes are missing")
     monkeypatch.setattr(process, "restore", restore)
     suspend_dir = tmp_path / "suspend" if where == "disk suspend_dir" else shm_dir / "torpor"
     if where == "too large for memory":   # the copy may take half of what is available
-        monkeypatch.setattr(procs, "mem_available", lambda: 2 * sum(map(len, FILES.values())) - 1)
+        unpacked = sum(len(v) for rel, v in FILES.items() if rel != gpu_file)
+        monkeypatch.setattr(procs, "mem_available", lambda: 2 * unpacked - 1)
     engine = Engine(dataclasses.replace(cfg, store_dir=tmp_path / "store", suspend_dir=suspend_dir),
                     Progress(io.StringIO()))
     with pytest.raises(CorruptCheckpointError) as e:

@@ -7,6 +7,8 @@ import argparse
 import dataclasses
 import os
 
+from .. import bulk
+from ..engine import targets_of
 from ..errors import BusyError, TorporError
 from ..progress import human_bytes
 from ..store import Store
@@ -67,6 +69,13 @@ def _refuse_while_a_pack_is_unfinished(ctx: Context) -> None:
             raise BusyError(f"the checkpoint in {entry.images_dir} was being packed into the "
                             "store when its torpor died, and is not whole yet: removing "
                             "chunks now could lose it",
+                            hint="see why above; once fixed, any torpor command finishes it")
+        streamed = [p for p, t in targets_of(entry.agents).items() if not t.in_process
+                    and (bulk.DataDir(t.data).path(t.name) / bulk.STREAMED).exists()]
+        if streamed:
+            raise BusyError(f"the GPU data of PID {streamed[0]}, streamed into the store by "
+                            f"an interrupted {entry.kind}, is in no snapshot yet and its "
+                            "recovery has not finished: removing chunks now could lose it",
                             hint="see why above; once fixed, any torpor command finishes it")
 
 
