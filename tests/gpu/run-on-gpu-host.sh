@@ -11,7 +11,7 @@
 # driver path, PODMAN_BENCH_SIZES="1 4 16" the podman path, AGENT_BENCH_SIZES="1 16" the
 # in-process agent against the driver path (bench/agent_path.py), STORE_BENCH_SIZES="16" the
 # agent + image store against the driver path + CRIU (bench/store_e2e.py, training and
-# inference programs, or STORE_BENCH_KINDS; bench/criu_share.py at CRIU_SHARE_MIB, default 8192, 0 for none); TESTS=0 skips the
+# inference programs, or STORE_BENCH_KINDS; more arguments in STORE_BENCH_ARGS, e.g. --no-ends; bench/criu_share.py at CRIU_SHARE_MIB, default 8192, 0 for none); TESTS=0 skips the
 # tests.
 set -uo pipefail
 cd "$(dirname "$(readlink -f "$0")")/../.."
@@ -63,7 +63,7 @@ if [[ -n "${AGENT_BENCH_SIZES:-}" ]]; then
 fi
 if [[ -n "${STORE_BENCH_SIZES:-}" ]]; then
     python3 bench/store_e2e.py --sizes $STORE_BENCH_SIZES --kinds ${STORE_BENCH_KINDS:-torch infer} \
-        --root /var/tmp/torpor-sbench \
+        --root /var/tmp/torpor-sbench ${STORE_BENCH_ARGS:-} \
         --out "$OUT/store_e2e.json" 2>&1 | tee "$OUT/store-bench.txt"
     if [[ "${CRIU_SHARE_MIB:-8192}" != 0 ]]; then
         python3 bench/criu_share.py --mib "${CRIU_SHARE_MIB:-8192}" --repeat 2 \
