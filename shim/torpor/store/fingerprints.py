@@ -56,7 +56,7 @@ import io
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from .. import bulk
 from ..errors import CorruptCheckpointError, TorporError
@@ -108,19 +108,18 @@ def usable(store: Store) -> bool:
     return store.chunk_size == PART == CHUNK_SIZE
 
 
-def parse(text: str, origin: str, sizes: list[int]) -> list[Part]:
-    """The index text of a program with data files of these sizes; CorruptCheckpointError
-    when any line is malformed or points outside its file."""
+def _lines(text: str, origin: str, sizes: list[int], header: str, what: str,
+           make: Callable[[list[str]], Part | Streamed]) -> list[Any]:
+    """The records of an index or a stream record (header, then one a line; make builds one
+    from its fields or raises ValueError), each checked against the data files' sizes;
+    CorruptCheckpointError when any line is malformed or points outside its file."""
     lines = text.splitlines()
-    if not lines or lines[0] != HEADER:
-        raise CorruptCheckpointError(f"{origin}: not a GPU fingerprint index ({HEADER!r})")
+    if not lines or lines[0] != header:
+        raise CorruptCheckpointError(f"{origin}: not a {what} ({header!r})")
     parts = []
     for n, line in enumerate(lines[1:], 2):
-        f = line.split()
         try:
-            if len(f) != 6 or not FINGERPRINT.fullmatch(f[4]) or f[5] not in ("0", "1"):
-                raise ValueError
-            p = Part(int(f[0]), int(f[1]), int(f[2]), int(f[3]), f[4], f[5] == "1")
+            p = make(line.split())
             if not (0 <= p.file < len(sizes) and p.offset % PART == 0 and p.offset >= 0
                     and 0 < p.length <= p.store_len <= PART
                     and p.offset + p.store_len <= sizes[p.file]):
@@ -130,47 +129,33 @@ def parse(text: str, origin: str, sizes: list[int]) -> list[Part]:
                                          f"files: {line[:120]!r}") from None
         parts.append(p)
     return parts
+
+
+def _part(f: list[str]) -> Part:
+    if len(f) != 6 or not FINGERPRINT.fullmatch(f[4]) or f[5] not in ("0", "1"):
+        raise ValueError
+    return Part(int(f[0]), int(f[1]), int(f[2]), int(f[3]), f[4], f[5] == "1")
+
+
+def _streamed(f: list[str]) -> Streamed:
+    if len(f) != 5 or not (f[4] == "-" or BLOB_NAME.fullmatch(f[4])):
+        raise ValueError
+    return Streamed(int(f[0]), int(f[1]), int(f[2]), int(f[3]), None if f[4] == "-" else f[4])
+
+
+def parse(text: str, origin: str, sizes: list[int]) -> list[Part]:
+    """The index text of a program with data files of these sizes, checked."""
+    return _lines(text, origin, sizes, HEADER, "GPU fingerprint index", _part)
 
 
 def parse_streamed(text: str, origin: str, sizes: list[int]) -> list[Streamed]:
-    """A stream record's parts, checked as parse() checks an index's."""
-    lines = text.splitlines()
-    if not lines or lines[0] != STREAMED_HEADER:
-        raise CorruptCheckpointError(f"{origin}: not a stream record ({STREAMED_HEADER!r})")
-    parts = []
-    for n, line in enumerate(lines[1:], 2):
-        f = line.split()
-        try:
-            if len(f) != 5 or not (f[4] == "-" or BLOB_NAME.fullmatch(f[4])):
-                raise ValueError
-            p = Streamed(int(f[0]), int(f[1]), int(f[2]), int(f[3]),
-                         None if f[4] == "-" else f[4])
-            if not (0 <= p.file < len(sizes) and p.offset % PART == 0 and p.offset >= 0
-                    and 0 < p.length <= p.store_len <= PART
-                    and p.offset + p.store_len <= sizes[p.file]):
-                raise ValueError
-        except ValueError:
-            raise CorruptCheckpointError(f"{origin}, line {n}: malformed or outside the data "
-                                         f"files: {line[:120]!r}") from None
-        parts.append(p)
-    return parts
+    """A stream record's parts, checked as an index's are."""
+    return _lines(text, origin, sizes, STREAMED_HEADER, "stream record", _streamed)
 
 
 def dump_streamed(parts: Iterable[Streamed]) -> str:
     return "".join([STREAMED_HEADER + "\n"] + [
         f"{p.file} {p.offset} {p.length} {p.store_len} {p.sha or '-'}\n" for p in parts])
-
-
-def read_streamed(data_dir: Path, sizes: list[int]) -> list[Streamed] | None:
-    """The stream record of one program's data directory; None when it has none."""
-    path = data_dir / bulk.STREAMED
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return None
-    except (OSError, UnicodeDecodeError) as e:
-        raise CorruptCheckpointError(f"{path}: unreadable ({e})") from None
-    return parse_streamed(text, str(path), sizes)
 
 
 def dump(parts: Iterable[Part]) -> str:
@@ -179,16 +164,25 @@ def dump(parts: Iterable[Part]) -> str:
         for p in parts])
 
 
-def read(data_dir: Path, sizes: list[int]) -> list[Part] | None:
-    """The index of one program's data directory; None when it has none."""
-    path = data_dir / bulk.INDEX
+def _read(path: Path, sizes: list[int], parser: Callable[[str, str, list[int]], list[Any]]
+          ) -> list[Any] | None:
     try:
         text = path.read_text()
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError) as e:
         raise CorruptCheckpointError(f"{path}: unreadable ({e})") from None
-    return parse(text, str(path), sizes)
+    return parser(text, str(path), sizes)
+
+
+def read(data_dir: Path, sizes: list[int]) -> list[Part] | None:
+    """The index of one program's data directory; None when it has none."""
+    return _read(data_dir / bulk.INDEX, sizes, parse)
+
+
+def read_streamed(data_dir: Path, sizes: list[int]) -> list[Streamed] | None:
+    """The stream record of one program's data directory; None when it has none."""
+    return _read(data_dir / bulk.STREAMED, sizes, parse_streamed)
 
 
 def has_skipped(data_dir: Path) -> bool:
