@@ -95,13 +95,22 @@ def block_digests(paths: dict[str, Path]) -> dict[str, list[str]]:
 
 
 def _image_files(images_dir: Path) -> list[str]:
+    """The checkpoint's files. Not a stream record (bulk.STREAMED): it says which store chunk
+    each of a program's parts is while its data files are holes, torpor's state until the
+    pack or a fill, never part of the checkpoint (the pack leaves it out of the snapshot)."""
     out = []
     for root, _dirs, names in os.walk(images_dir):
         for n in names:
             rel = os.path.relpath(os.path.join(root, n), images_dir)
-            if rel not in NOT_CHECKSUMMED and not os.path.islink(os.path.join(root, n)):
+            if rel not in NOT_CHECKSUMMED and not os.path.islink(os.path.join(root, n)) \
+                    and not _stream_record(rel):
                 out.append(rel)
     return sorted(out)
+
+
+def _stream_record(rel: str) -> bool:
+    parts = PurePosixPath(rel).parts
+    return len(parts) == 3 and parts[0] == bulk.DATA_DIR and parts[2] == bulk.STREAMED
 
 
 def _checked_by_agent(rel: str) -> bool:

@@ -156,11 +156,14 @@ def test_suspend_and_resume_through_host_memory(env, program, gpu, tmp_path, in_
     assert json.loads(env.run("--json", "ps").stdout)["processes"]
 
 
-def test_the_real_agent_through_checkpoint_and_restore(torpor, gpu, tmp_path, reaper):
+@pytest.mark.parametrize("store", [False, True], ids=["files", "store"])
+def test_the_real_agent_through_checkpoint_and_restore(torpor, gpu, tmp_path, reaper, store):
     """`torpor run` preloads libtorpor-agent.so into the fake CUDA program; its 64 MiB
     allocation is movable: the checkpoint has the agent write it into the images, the restore
-    has it read back, and the program goes on ticking. Skipped with an agent library that
-    predates prepare (no "state" in its status), or a fake driver without the VMM API."""
+    has it read back, and the program goes on ticking. Into the image store (--store), the
+    agent streams it straight into the store, and back from there (store/stream.py). Skipped
+    with an agent library that predates prepare (no "state" in its status), or a fake driver
+    without the VMM API."""
     from tests.fakes.fakegpu import PROGRAM
     agents = tmp_path / "agents"
     status = tmp_path / "status.json"
@@ -182,13 +185,22 @@ def test_the_real_agent_through_checkpoint_and_restore(torpor, gpu, tmp_path, re
     if not st.get("movable_bytes"):
         pytest.skip("the fake driver serves no VMM memory: nothing for the agent to move")
     images = tmp_path / "ck"
-    m = torpor.json("checkpoint", str(proc.pid), "-D", str(images))["manifest"]
+    torpor.env["TORPOR_STORE_DIR"] = str(tmp_path / "store")
+    ck = torpor.json("checkpoint", str(proc.pid), "-D", str(images),
+                     *(["--store", "one"] if store else []))
+    m = ck["manifest"]
     proc.wait(timeout=10)
     entry = m["agent"][str(proc.pid)]
     assert entry["bytes"] == 64 << 20 and sum(entry["files"]) >= 64 << 20
-    assert torpor.json("inspect", str(images), "--verify")["verified"]
+    if store:
+        assert entry["streamed"]["bytes"] == 64 << 20, entry
+        assert ck["stored"]["streamed"] == entry["streamed"]["parts"] >= 16, ck["stored"]
+    else:
+        assert "streamed" not in entry
+        assert torpor.json("inspect", str(images), "--verify")["verified"]
     r = torpor.json("restore", "-D", str(images))
     assert r["agent"][str(proc.pid)]["bytes"] == 64 << 20
+    assert r["agent"][str(proc.pid)].get("streamed", False) is store
     tick = json.loads(status.read_text())["tick"]
     wait_for(lambda: json.loads(status.read_text() or "{}").get("tick", 0) > tick + 2, 10,
              "the restored program ticking")

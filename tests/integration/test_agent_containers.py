@@ -143,10 +143,13 @@ def test_podman_store_checkpoint_asks_the_agent_for_fingerprints(podman, gpu, da
                  "the program under its agent")
         podman.checkpoint(name, leave_running=True)       # packed; then again, exported
         assert "agent prepare-fp" in _events(events), _events(events)
+        assert "agent prepare-stream" not in _events(events)   # left running: data files
         events.unlink()
         archive = base / "ck.tar"
         podman.checkpoint(name, export=archive, compress="none")
-        assert "agent prepare-fp" in _events(events), _events(events)
+        # ending the container, its GPU data streamed straight into the store (stream.py)
+        assert {"agent prepare-fp", "agent prepare-stream"} <= set(_events(events)), \
+            _events(events)
         assert len(list((store / "snapshots").glob("*.json"))) == 2
         # the export's pack took the unchanged page images by host fingerprint
         packs = re.findall(r"already stored \((\d+) known by fingerprint\)", shim.log(daemon))

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import socket
 import stat
+import struct
 import sys
 import threading
 import time
@@ -31,6 +33,9 @@ from pathlib import Path
 from typing import Any
 
 CHUNK = 1 << 20
+PART = 4 << 20                              # the stream's slot: one image-store chunk
+RECORD = struct.Struct("<IIQQQ")            # slot, file, offset, length, store length
+END = 0xFFFFFFFF
 
 
 def pattern(nbytes: int, seed: int) -> bytes:
@@ -80,6 +85,7 @@ class FakeAgent:
         self.kept: list[int] = []              # the prepare's fds, until detach
         self.held: list[bytes] | None = None   # a prepare without files: the chunks, in memory
         self.sums: list[str] = []
+        self.sizes: list[int] = []             # the data files' sizes at the prepare
         self.fail: dict[str, str] = {}
         self.raw: dict[str, bytes] = {}
         self.hang: set[str] = set()
@@ -225,6 +231,12 @@ class FakeAgent:
     def _do_prepare(self, arg: str, fds: list[int]) -> dict[str, Any]:
         t = time.monotonic()
         fingerprints = None
+        stream: list[int] = []
+        if arg.split()[-1:] == ["stream"]:   # the ring and the socket come last
+            assert arg.split()[-2:] == ["fp", "stream"], "a stream without fingerprints"
+            stream, fds = fds[-2:], fds[:-2]
+            arg = arg.rsplit(" ", 1)[0]
+            self.log.add(f"agent prepare-stream {self.pid}")
         if arg.split()[-1:] == ["fp"]:
             # The C agent fingerprints on the GPU; this fake has none: it says so, as the C
             # agent does without its kernel, and writes an index of no parts.
@@ -247,24 +259,80 @@ class FakeAgent:
             assert self.memory is not None
             self.sums = []
             self.held = None if fds else []
+            content = [bytearray() for _ in fds]   # what each file gets
             for i in range(0, len(self.memory), CHUNK):
                 chunk = self.memory[i:i + CHUNK]
                 if self.held is not None:
                     self.held.append(chunk)
                 else:
                     k = (i // CHUNK) % len(fds)
-                    os.pwrite(fds[k], chunk, (i // CHUNK // len(fds)) * CHUNK)
+                    content[k] += chunk
                 self.sums.append(hashlib.sha256(chunk).hexdigest())
+            for fd, data in zip(fds, content):
+                if stream:                          # through the ring: the files stay holes
+                    os.ftruncate(fd, len(data))
+                else:
+                    os.pwrite(fd, data, 0)
+            if stream:
+                self._stream_out(content, *stream)
         except BaseException:
             for fd in fds:
                 os.close(fd)
             raise
+        finally:
+            for fd in stream:
+                os.close(fd)
         self.kept, self.memory = list(fds), None
         self.state, self.gate = "prepared", "closed"
+        self.sizes = [os.fstat(fd).st_size for fd in fds]
         return {"ok": True, "bytes": len(self.original), "chunks": len(self.sums),
                 "allocations": 1, "cache_released": 0, "seconds": time.monotonic() - t,
-                "in_memory": not fds, "files": [os.fstat(fd).st_size for fd in fds],
-                **({"fingerprints": fingerprints} if fingerprints else {})}
+                "in_memory": not fds, "files": list(self.sizes),
+                **({"fingerprints": fingerprints} if fingerprints else {}),
+                **({"streamed": True} if stream else {})}
+
+    # -- the image store's stream (agent/PROTOCOL.md "Streaming"), in 4 MiB parts -------------
+    def _stream_out(self, content: list[bytearray], ring_fd: int, sock_fd: int) -> None:
+        ring = mmap.mmap(ring_fd, os.fstat(ring_fd).st_size)
+        sock = socket.socket(fileno=os.dup(sock_fd))
+        sock.settimeout(30)
+        try:
+            for k, data in enumerate(content):
+                for off in range(0, len(data), PART):
+                    msg = sock.recv(4)
+                    assert msg, "the image store stopped taking GPU data"
+                    (slot,) = struct.unpack("<I", msg)
+                    piece = data[off:off + PART]
+                    ring[slot * PART:slot * PART + len(piece)] = piece
+                    sock.send(RECORD.pack(slot, k, off, len(piece), len(piece)))
+            sock.send(RECORD.pack(END, 0, 0, 0, 0))
+            while (msg := sock.recv(4)) and struct.unpack("<I", msg)[0] != END:
+                pass                                # slots handed back meanwhile
+            assert msg, "the image store did not take the GPU data: torpor closed the stream"
+        finally:
+            ring.close()
+            sock.close()
+
+    def _stream_in(self, ring_fd: int, sock_fd: int) -> list[bytearray]:
+        ring = mmap.mmap(ring_fd, os.fstat(ring_fd).st_size)
+        sock = socket.socket(fileno=os.dup(sock_fd))
+        sock.settimeout(30)
+        content = [bytearray(n) for n in self.sizes]
+        got = set()
+        try:
+            while msg := sock.recv(RECORD.size + 1):
+                slot, k, off, length, _ = RECORD.unpack(msg)
+                n = min(length, self.sizes[k] - off)
+                content[k][off:off + n] = ring[slot * PART:slot * PART + n]
+                got.add((k, off))
+                sock.send(struct.pack("<I", slot))
+        finally:
+            ring.close()
+            sock.close()
+        missing = sum(1 for k, n in enumerate(self.sizes) for off in range(0, n, PART)
+                      if (k, off) not in got)
+        assert not missing, f"the image store's stream ended {missing} part(s) short"
+        return content
 
     def _do_detach(self, arg: str, fds: list[int]) -> dict[str, Any]:
         assert self.state == "prepared", f"detach while {self.state}"
@@ -275,22 +343,31 @@ class FakeAgent:
 
     def _do_resume(self, arg: str, fds: list[int]) -> dict[str, Any]:
         t = time.monotonic()
+        streamed: list[bytearray] | None = None
         try:
             assert self.state in ("prepared", "detached"), f"resume while {self.state}"
             if self.driver is not None:
                 assert self.driver.unlocked(self.pid), "the driver holds the program (would block)"
-            if self.held is not None:
+            if arg == "stream":
+                assert len(fds) == 2 and self.held is None, "resume stream: a ring and a socket"
+                streamed = self._stream_in(*fds)
+            elif self.held is not None:
                 assert not fds, "files given to resume what is held in memory"
             elif not fds:
                 assert self.kept, "resume without files after detach"
-            for fd in fds:
+            for fd in fds if streamed is None else ():
                 assert self._describe(fd)["access"] == os.O_RDONLY, "a file not read-only"
             files = fds or self.kept
             out = bytearray()
             for n, want in enumerate(self.sums):
                 size = min(CHUNK, len(self.original) - n * CHUNK)
-                chunk = self.held[n] if self.held is not None else \
-                    os.pread(files[n % len(files)], size, (n // len(files)) * CHUNK)
+                if self.held is not None:
+                    chunk = self.held[n]
+                elif streamed is not None:
+                    at = (n // len(streamed)) * CHUNK
+                    chunk = bytes(streamed[n % len(streamed)][at:at + size])
+                else:
+                    chunk = os.pread(files[n % len(files)], size, (n // len(files)) * CHUNK)
                 assert hashlib.sha256(chunk).hexdigest() == want, f"chunk {n}: checksum mismatch"
                 out += chunk
         finally:
@@ -300,7 +377,8 @@ class FakeAgent:
             os.close(fd)
         self.kept, self.memory, self.held = [], bytes(out), None
         self.state, self.gate = "running", "open"
-        return {"ok": True, "bytes": len(out), "seconds": time.monotonic() - t}
+        return {"ok": True, "bytes": len(out), "seconds": time.monotonic() - t,
+                **({"streamed": True} if streamed is not None else {})}
 
     def _do_abort(self, arg: str, fds: list[int]) -> dict[str, Any]:
         assert self.state == "prepared", f"abort while {self.state}"

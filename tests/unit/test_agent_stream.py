@@ -256,6 +256,7 @@ def test_the_engine_streams_a_checkpoint_into_the_store_and_restores_it_from_the
     assert sum(f.stat().st_blocks for f in prog.glob("gpu-memory-*")) == 0   # holes only
     assert fingerprints.any_skipped(d)
     manifest.write(d, sealed(manifest.file_table(d, checksums=False)))
+    assert not any(bulk.STREAMED in rel for rel in manifest.read(d)["files"])  # not the images
     doc, st = images.pack(store, d, "one", OWNER)
     assert st.streamed == streamed["parts"] and st.new_bytes < MIB, st   # taken, not read
     assert not list(d.glob(f"{bulk.DATA_DIR}/*/{bulk.STREAMED}"))
@@ -266,6 +267,7 @@ def test_the_engine_streams_a_checkpoint_into_the_store_and_restores_it_from_the
     assert len(in_store) == 2
     unpacked = images.unpack(store, d, leave_out=in_store)
     assert not list(unpacked.glob(f"{bulk.DATA_DIR}/*/gpu-memory-*"))
+    manifest.verify(unpacked, manifest.read(unpacked), checksums=False, elsewhere=in_store)
     target = AgentTarget(p.pid, p.sock, unpacked / bulk.DATA_DIR, p.pid, 2, packed=str(d))
     with engine.begin("restore", [p.pid]) as op:
         back = engine.restore_and_unlock(op, [p.pid], agents={p.pid: target})

@@ -172,9 +172,10 @@ def _store(cfg: Config, store: Store, images: Path, cid: str) -> None:
         print(f"torpor-runtime: warning: {e}", file=sys.stderr)
         return
     log.info("checkpoint %s: packed into %s as %s in %.2f s: %d chunks, %d new (%d bytes), %d "
-             "already stored (%d known by fingerprint), %d zero", cid, store.where, name,
-             time.monotonic() - t, st.chunks, st.new_chunks, st.new_bytes, st.reused_chunks,
-             st.by_fingerprint, st.zero_chunks)
+             "already stored (%d known by fingerprint), %d zero, %d streamed into the store by "
+             "the agents at the checkpoint", cid, store.where, name, time.monotonic() - t,
+             st.chunks, st.new_chunks, st.new_bytes, st.reused_chunks, st.by_fingerprint,
+             st.zero_chunks, st.streamed)
 
 
 class _Thaw:

@@ -365,10 +365,14 @@ class Service:
             # a container's fingerprints are its own only (store/fingerprints.py)
             fp_owner = fingerprints.owner_of(request.agent_container_id or request.container_id,
                                              procs.owner_uid(cuda_pids[0]) if cuda_pids else 0)
+            known = self._known(cfg, request.fingerprints, fp_owner) if data else None
+            # a checkpoint that ends the container (SKIP) streams its agents' GPU data
+            # straight into the store (store/stream.py), as `torpor checkpoint --store` does
+            stream_into = Store(cfg.store_dir) if known is not None and cfg.store_stream \
+                and request.fingerprints == self.pb.FINGERPRINTS_SKIP else None
             moved = engine.lock_and_checkpoint(  # rolls back and closes op on failure
                 op, cuda_pids, bulk.DataDir(data) if data else None, agent_dir,
-                known_fingerprints=self._known(cfg, request.fingerprints, fp_owner)
-                if data else None, owner=fp_owner)
+                known_fingerprints=known, owner=fp_owner, stream_into=stream_into)
             try:
                 # The processes are CHECKPOINTED now: until the operation is in the table (where
                 # Rollback, the reaper or shutdown find it), any failure rolls back at once.
