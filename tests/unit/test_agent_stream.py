@@ -17,6 +17,7 @@ from tests.unit.test_agent import gpu, probe  # noqa: F401  (fixtures)
 from tests.unit.test_agent_mover import Files, ctl_fds
 from torpor import bulk
 from torpor.agent import AgentClient, AgentError
+from torpor.errors import CorruptCheckpointError
 from torpor.store import fingerprints, stream
 from torpor.store.store import Store
 
@@ -68,11 +69,23 @@ def _resume_streamed(p, store: Store, data: Path, nfiles: int = 2, slots: int = 
              for s in fingerprints.read_streamed(data, sizes)]
     ring = stream.Ring(slots)
     fed: list = []
-    t = threading.Thread(target=lambda: fed.append(stream.feed(store, ring, parts, "test")))
+
+    def feed():
+        try:
+            fed.append(stream.feed(store, ring, parts, "test"))
+        except Exception as e:   # noqa: BLE001 - raised below, as the engine does
+            fed.append(e)
+    t = threading.Thread(target=feed)
     t.start()
     try:
         with AgentClient(p.sock) as a:
             reply = a.resume_stream(ring.agent_fds(), 30)
+    except AgentError:
+        ring.handed()
+        t.join(10)
+        if fed and isinstance(fed[0], Exception):
+            raise fed[0] from None          # the feed's failure says more than the agent's
+        raise
     finally:
         ring.handed()
         t.join(10)
@@ -350,3 +363,27 @@ def test_a_torpor_that_dies_between_a_streamed_checkpoint_and_its_pack_leaves_it
     prog = d / bulk.DATA_DIR / str(p.pid)
     assert sum(f.stat().st_blocks for f in prog.glob("gpu-memory-*")) > 0
     manifest.verify(d, manifest.read(d))               # whole, with its checksums
+
+
+def test_a_damaged_chunk_in_the_store_stops_the_stream_and_the_memory_stays_out(
+        probe, tmp_path):
+    p = probe()
+    mem = _program(p, (24,))
+    store = Store(tmp_path / "store", workers=2)
+    data = tmp_path / "data"
+    reply, intake = _prepare_streamed(p, store, data, nfiles=1)
+    intake.finish()
+    assert ctl_fds(p.sock, "detach")["ok"]
+    first = fingerprints.read_streamed(data, reply["files"])[0]
+    blob = store.backend.blob_path(first.sha)
+    damaged = bytearray(blob.read_bytes())
+    damaged[-1] ^= 0xFF
+    os.chmod(blob, 0o600)
+    blob.write_bytes(bytes(damaged))
+    with pytest.raises(CorruptCheckpointError, match="does not match its sha256 name"):
+        _resume_streamed(p, store, data, nfiles=1)
+    assert (p.status()["state"], p.status()["gate"]) == ("detached", "closed")
+    damaged[-1] ^= 0xFF                                  # repaired: the retry brings it back
+    blob.write_bytes(bytes(damaged))
+    assert _resume_streamed(p, store, data, nfiles=1)["bytes"] == 24 * MIB
+    assert _intact(p, mem)

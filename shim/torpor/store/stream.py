@@ -319,7 +319,7 @@ def feed(store: Store, ring: Ring, parts: Iterable[Source], where: str) -> int:
         with cond:
             while not free and not closed[0]:
                 cond.wait()
-            if not free:
+            if not free or closed[0]:
                 raise StreamError("the agent stopped taking GPU data")
             return free.pop()
 
@@ -342,8 +342,17 @@ def feed(store: Store, ring: Ring, parts: Iterable[Source], where: str) -> int:
     try:
         with store.backend.lock(False, store.lock_timeout), \
                 concurrent.futures.ThreadPoolExecutor(store.workers, "torpor-feed") as pool:
-            for n in pool.map(send, [p for p in parts if p.ref[1]]):
-                total += n
+            futures = [pool.submit(send, p) for p in parts if p.ref[1]]
+            try:
+                for f in futures:
+                    total += f.result()
+            except BaseException:
+                for f in futures:            # the first failure stops the rest at once
+                    f.cancel()
+                with cond:
+                    closed[0] = True
+                    cond.notify_all()
+                raise
     finally:
         try:
             ring.sock.shutdown(socket.SHUT_WR)   # EOF: every part sent (or none will be)
