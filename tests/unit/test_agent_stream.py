@@ -387,3 +387,56 @@ def test_a_damaged_chunk_in_the_store_stops_the_stream_and_the_memory_stays_out(
     blob.write_bytes(bytes(damaged))
     assert _resume_streamed(p, store, data, nfiles=1)["bytes"] == 24 * MIB
     assert _intact(p, mem)
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["published", "store full"])
+def test_group_sync_names_the_chunks_only_after_one_sync(probe, tmp_path, monkeypatch, fail):
+    """store_group_sync: the stream's chunks are written without an fsync each and named after
+    one syncfs; a stream that fails leaves neither names nor temporary files."""
+    from torpor.store import backend as backend_mod
+    p = probe()
+    mem = _program(p, (16,))
+    store = Store(tmp_path / "store", workers=2)
+    syncs = []
+    real = backend_mod._syncfs
+    monkeypatch.setattr(backend_mod, "_syncfs", lambda path: (syncs.append(
+        sorted(store.backend.chunks.rglob("*/*"))), real(path)))
+    if fail:
+        original, calls = store.backend.stage_blob, [0]
+
+        def full(name, blob):
+            calls[0] += 1
+            if calls[0] > 2:
+                raise OSError(28, "No space left on device")
+            return original(name, blob)
+        store.backend.stage_blob = full
+    data = tmp_path / "data"
+    files = Files(data, 1)
+    fds = files.open(True) + [os.open(data / bulk.INDEX, os.O_RDWR | os.O_CREAT, 0o600),
+                              fingerprints.known_fd([])]
+    intake = stream.Intake(store, data, slots=4, group_sync=True)
+    try:
+        intake.start()
+        with AgentClient(p.sock) as a:
+            try:
+                a.prepare(fds[:1], 5000, fingerprints=(fds[2], fds[1]), stream=intake.agent_fds())
+            except AgentError:
+                pass
+    finally:
+        for fd in fds:
+            os.close(fd)
+    if fail:
+        with pytest.raises(stream.StreamError, match="No space left"):
+            intake.finish()
+        assert not syncs and not list(store.backend.chunks.rglob("*/*"))
+        assert not list(store.backend.tmp.iterdir())     # the staged blobs went too
+        assert (p.status()["state"], p.status()["gate"]) == ("running", "open")
+    else:
+        stats = intake.finish()
+        assert syncs == [[]]                              # one sync, before any name
+        assert len(list(store.backend.chunks.rglob("*/*"))) == stats.new_chunks == 4
+        assert not list(store.backend.tmp.iterdir())
+        assert stats.threads >= 1 and stats.hash_s > 0 and stats.publish_s > 0
+        assert ctl_fds(p.sock, "detach")["ok"]
+        assert _resume_streamed(p, store, data, nfiles=1)["bytes"] == 16 * MIB
+    assert _intact(p, mem)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import mmap
 import os
 import socket
@@ -45,6 +46,9 @@ SLOTS = 64                          # 256 MiB of ring: 4 parts in flight per poo
 RECORD = struct.Struct("<IIQQQ")    # slot, file, offset, length, store length (mover.c)
 SLOT_NO = struct.Struct("<I")
 END = 0xFFFFFFFF                    # a record: no more parts; a slot number: commit
+
+
+log = logging.getLogger(__name__)
 
 
 class StreamError(TorporError):
@@ -114,6 +118,14 @@ class IntakeStats:
     reused_chunks: int = 0
     zero_chunks: int = 0
     seconds: float = 0.0
+    # where the time went, summed over the pool's threads (to find what bounds a stream):
+    # naming (sha256), compressing, writing (with its fsync unless group_sync); then the one
+    # sync and naming of a group_sync (publish) and the stream record, in seconds of wall time
+    hash_s: float = 0.0
+    compress_s: float = 0.0
+    write_s: float = 0.0
+    publish_s: float = 0.0
+    threads: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {k: round(v, 6) if isinstance(v, float) else v
@@ -132,7 +144,8 @@ class Intake:
             intake.finish()      # raises StreamError if the store did not take it all
     """
 
-    def __init__(self, store: Store, data_dir: Path, slots: int = SLOTS):
+    def __init__(self, store: Store, data_dir: Path, slots: int = SLOTS,
+                 group_sync: bool = False):
         self.store = store
         self.data_dir = data_dir
         self.ring = Ring(slots)
@@ -140,6 +153,11 @@ class Intake:
         self.stats = IntakeStats()
         self.committed = False
         self.error: BaseException | None = None
+        # group_sync: new chunks are written without an fsync each, and made durable by one
+        # sync of the store's filesystem before they are named (Backend.stage_blob/publish)
+        self._staged: list[Any] | None = [] if group_sync else None
+        self._clocks: list[list[float]] = []
+        self._local = threading.local()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="torpor-intake", daemon=True)
         try:
@@ -202,13 +220,24 @@ class Intake:
                 concurrent.futures.wait(futures)
                 if self.error is not None:
                     return
+                t = time.monotonic()
+                if self._staged:
+                    self.store.backend.publish(self._staged)
+                    self._staged = []
                 self.store.backend.sync()
                 self._record()
+                self.stats.publish_s = time.monotonic() - t
             self.stats.seconds = time.monotonic() - start
+            for i, field in enumerate(("hash_s", "compress_s", "write_s")):
+                setattr(self.stats, field, sum(c[i] for c in self._clocks))
+            self.stats.threads = len(self._clocks)
             self.ring.sock.send(SLOT_NO.pack(END))   # commit: the agent may release now
             self.committed = True
         except BaseException as e:   # noqa: BLE001 - finish() says it
             self._stop(e)
+        finally:
+            if self._staged:              # written, never to be named
+                self.store.backend.discard(self._staged)
 
     def _done(self, f: concurrent.futures.Future[None]) -> None:
         if not f.cancelled() and f.exception() is not None:
@@ -227,11 +256,15 @@ class Intake:
 
     def _take(self, w: Writer, slot: int, file: int, offset: int, length: int,
               store_len: int) -> None:
+        if not hasattr(self._local, "clock"):
+            self._local.clock = [0.0, 0.0, 0.0]
+            with self._lock:
+                self._clocks.append(self._local.clock)
         view = self.ring.slot(slot, length)
         try:
             # the store chunk is the part and the hole after it (zeros), as the pack reads it
             data: Any = view if store_len == length else bytes(view) + bytes(store_len - length)
-            ref, stored = w.put_data(data)
+            ref, stored = w.put_data(data, self._local.clock, self._staged)
         finally:
             view.release()
         self.ring.sock.send(SLOT_NO.pack(slot))
@@ -323,8 +356,16 @@ def feed(store: Store, ring: Ring, parts: Iterable[Source], where: str) -> int:
                 raise StreamError("the agent stopped taking GPU data")
             return free.pop()
 
+    clocks: list[list[float]] = []       # per thread: waiting for a slot, reading into it
+    local = threading.local()
+
     def send(part: Source) -> int:
+        if not hasattr(local, "clock"):
+            local.clock = [0.0, 0.0]
+            clocks.append(local.clock)    # list.append: atomic
+        t0 = time.perf_counter()
         n = take_slot()
+        t1 = time.perf_counter()
         length = part.ref[1]
         view = ring.slot(n, length)
         try:
@@ -332,6 +373,8 @@ def feed(store: Store, ring: Ring, parts: Iterable[Source], where: str) -> int:
         finally:
             view.release()
         ring.sock.send(RECORD.pack(n, part.file, part.offset, length, length))
+        local.clock[0] += t1 - t0
+        local.clock[1] += time.perf_counter() - t1
         return length
 
     with cond:
@@ -339,6 +382,7 @@ def feed(store: Store, ring: Ring, parts: Iterable[Source], where: str) -> int:
     back = threading.Thread(target=slots_back, name="torpor-feed", daemon=True)
     back.start()
     total = 0
+    start = time.perf_counter()
     try:
         with store.backend.lock(False, store.lock_timeout), \
                 concurrent.futures.ThreadPoolExecutor(store.workers, "torpor-feed") as pool:
@@ -359,4 +403,8 @@ def feed(store: Store, ring: Ring, parts: Iterable[Source], where: str) -> int:
         except OSError:
             pass
     back.join(timeout=1)
+    # where a stream's time goes (what bounds it), as the store logs its unpacks
+    log.info("fed %d bytes of %s in %.2f s by %d threads; thread-seconds: waiting for a slot "
+             "%.2f, reading and verifying %.2f", total, where, time.perf_counter() - start,
+             len(clocks), sum(c[0] for c in clocks), sum(c[1] for c in clocks))
     return total
