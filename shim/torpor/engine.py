@@ -455,7 +455,7 @@ class Engine:
                 return self._resume_streamed(a, t, self._own_sources(t))
             if fill:
                 self._fill_skipped(t)
-            elif fingerprints.has_skipped(bulk.DataDir(t.data).path(t.name)):
+            elif fingerprints.has_skipped(data.path(t.name)):
                 raise CorruptCheckpointError(
                     f"the GPU data in {t.data}/{t.name} lacks parts its agent skipped because "
                     "the image store had them, and only the checkpoint that skipped them fills "
@@ -502,21 +502,9 @@ class Engine:
         store = Store(self.cfg.store_dir)
         prog = bulk.DataDir(t.data).path(t.name)
         sizes = [os.path.getsize(prog / bulk.file_name(k)) for k in range(t.files)]
-        parts = [stream.Source(s.file, s.offset, s.ref)
-                 for s in fingerprints.read_streamed(prog, sizes) or ()]
-        skipped = [p for p in fingerprints.read(prog, sizes) or () if p.skipped]
-        if skipped:
-            if not t.owner:
-                raise CorruptCheckpointError(f"the GPU data in {prog} lacks parts its agent "
-                                             "skipped, and no owner is on record")
-            refs = fingerprints.known(store, t.owner).gpu
-            for p in skipped:
-                ref = refs.get(p.fp)
-                if ref is None or ref[1] != p.store_len:
-                    raise TorporError(f"the GPU data of {prog} needs chunk {p.fp} from store "
-                                      f"{store.where}, which no longer has it")
-                parts.append(stream.Source(p.file, p.offset, ref))
-        return store, parts
+        with store.backend.lock(False, store.lock_timeout):
+            return store, [stream.Source(p.file, p.offset, ref)
+                           for p, ref in fingerprints.holes(store, prog, sizes, t.owner)]
 
     def _fill_skipped(self, t: AgentTarget) -> None:
         """The parts t's agent skipped (the image store had them) written into its data files

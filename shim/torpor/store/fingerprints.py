@@ -273,47 +273,47 @@ def given(parts: list[Part], refs: dict[str, list[Any]], file: int) -> dict[int,
     return out
 
 
-def _write_part(store: Store, fd: int, ref: list[Any], offset: int, length: int,
-                where: str) -> None:
-    if ref[0] is None:
-        return                                 # zeros: the hole reads as them
-    data = memoryview(store.read_chunk(ref, where))[:length]
-    at = 0
-    while at < len(data):                      # a short write goes on where it stopped
-        at += os.pwrite(fd, data[at:], offset + at)
+def holes(store: Store, data_dir: Path, sizes: list[int], owner: str
+          ) -> list[tuple[Part | Streamed, list[Any]]]:
+    """Every part of the program in data_dir that is a hole the store fills (skipped: found by
+    its owner's fingerprints; streamed: named by its stream record), with its chunk's ref.
+    TorporError when the store no longer has one. Hold the store's lock meanwhile."""
+    out: list[tuple[Part | Streamed, list[Any]]] = []
+    skipped = [p for p in read(data_dir, sizes) or () if p.skipped]
+    if skipped:
+        refs = known(store, owner).gpu
+        for p in skipped:
+            ref = refs.get(p.fp)
+            if ref is None or ref[1] != p.store_len:
+                raise TorporError(f"the GPU data of {data_dir} needs chunk {p.fp} (file "
+                                  f"{p.file}, offset {p.offset}) from store {store.where}, "
+                                  "which no longer has it")
+            out.append((p, ref))
+    out += [(s, s.ref) for s in read_streamed(data_dir, sizes) or ()]
+    return out
 
 
 def fill(store: Store, data_dir: Path, fds: list[int], sizes: list[int], owner: str) -> int:
     """Write every skipped or streamed part of the program in data_dir from the store into its
     hole (fds: its data files, read-write, in order), then mark the index filled and drop the
     stream record. The bytes written; 0 when nothing is to fill."""
-    parts = read(data_dir, sizes) or []
-    streamed = read_streamed(data_dir, sizes)
-    if not any(p.skipped for p in parts) and streamed is None:
+    if not has_skipped(data_dir):
         return 0
     done = 0
     with store.backend.lock(False, store.lock_timeout):
-        if any(p.skipped for p in parts):
-            refs = known(store, owner).gpu
-            for p in parts:
-                if not p.skipped:
-                    continue
-                ref = refs.get(p.fp)
-                if ref is None or ref[1] != p.store_len:
-                    raise TorporError(f"the GPU data of {data_dir} needs chunk {p.fp} (file "
-                                      f"{p.file}, offset {p.offset}) from store {store.where}, "
-                                      "which no longer has it")
-                _write_part(store, fds[p.file], ref, p.offset, p.length, f"fingerprint {p.fp}")
-                done += p.length
-        for s in streamed or ():
-            _write_part(store, fds[s.file], s.ref, s.offset, s.length,
-                        f"streamed GPU data of {data_dir}")
-            done += s.length
+        for p, ref in holes(store, data_dir, sizes, owner):
+            if ref[0] is not None:             # zeros: the hole reads as them
+                data = memoryview(store.read_chunk(ref, f"GPU data of {data_dir}"))[:p.length]
+                at = 0
+                while at < len(data):          # a short write goes on where it stopped
+                    at += os.pwrite(fds[p.file], data[at:], p.offset + at)
+            done += p.length
         for fd in fds:
             os.fsync(fd)
-    if parts:
+    parts = read(data_dir, sizes)
+    if parts and any(p.skipped for p in parts):
         _rewrite_index(data_dir, parts)
-    if streamed is not None:
+    if (data_dir / bulk.STREAMED).exists():
         (data_dir / bulk.STREAMED).unlink()
         fsync_dir(data_dir)
     return done
