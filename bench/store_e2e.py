@@ -9,11 +9,10 @@ For each --kind and size (GiB), beside an uninterrupted reference run of the sam
           the store as "one", --steps-between steps on, checkpoint packed as "two" (this one
           ends it), restore from "two", bit-exact.
   ends    (unless --no-ends) the program under the agent checkpointed once into a new store,
-          ending it, then restored, three ways: through data files (config store_stream
-          off: the agent writes files, the pack reads them, the restore unpacks them), its GPU
+          ending it, then restored, two ways: through data files (config store_stream off:
+          the agent writes files, the pack reads them, the restore unpacks them), and its GPU
           data streamed straight into the store and back out onto the GPU (store/stream.py,
-          the default), and streamed with the chunks synced once (store_group_sync) rather
-          than with an fsync each; each bit-exact.
+          the default); each bit-exact.
 Kinds: torch (training, tests/gpu/torch_program.py), infer (inference: weights + KV cache,
 infer_program.py), cpu (no GPU, no agent: cpu_program.py; checks this harness on a machine
 without a GPU, its figures say nothing about GPUs).
@@ -24,8 +23,7 @@ Ratios, with issue 5's targets:
   incremental  store's second new bytes / its first new bytes                    (<= 0.05)
   restore      driver restore s / store restore s, unpack included
   ends         driver checkpoint s / streamed first checkpoint s (ends the program), and
-               the same for the restore; stream_vs_files: files s / streamed s, both ways;
-               group_vs_each_sync: streamed s / streamed, synced once s
+               the same for the restore; stream_vs_files: files s / streamed s, both ways
 The store and both image directories are on --root (a disk), made fresh for every program.
 
     python3 bench/store_e2e.py --kinds torch infer --sizes 16 --root /var/tmp/torpor-sbench \\
@@ -148,15 +146,13 @@ class StoreBench(Bench):
 
     def ends(self, kind: str, gib: float, ref: programs.Program, how: str) -> dict:
         """A first checkpoint into a new store that ends the program, then its restore; how:
-        files, stream, or stream_group (the stream's chunks synced once: store_group_sync)."""
+        files or stream."""
         prog = self.launch(kind, f"{kind}{gib:g}-ends-{how}", gib, agent=kind != "cpu")
         store, ck = self.fresh(f"store-{how}"), self.fresh(f"ck-{how}")
 
         def eng() -> Engine:
             return Engine(dataclasses.replace(self.cfg, store_dir=store,
-                                              store_stream=how != "files",
-                                              store_group_sync=how == "stream_group"),
-                          Progress(None))
+                                              store_stream=how == "stream"), Progress(None))
         try:
             t = time.perf_counter()
             m, stored = process.checkpoint_into_store(eng(), prog.pid, ck, "one")
@@ -188,7 +184,7 @@ class StoreBench(Bench):
                    "store": self.store(kind, gib, ref)}
             if self.args.ends:   # files first: the streamed runs get no warmer a machine
                 row["ends"] = {how: self.ends(kind, gib, ref, how)
-                               for how in ("files", "stream", "stream_group")}
+                               for how in ("files", "stream")}
         finally:
             self.stop(ref)
         d, s = row["driver"], row["store"]
@@ -205,9 +201,7 @@ class StoreBench(Bench):
                 "ends_checkpoint": d["checkpoint_s"] / st["checkpoint_s"],
                 "ends_restore": d["restore_s"] / st["restore_s"],
                 "stream_vs_files_checkpoint": fi["checkpoint_s"] / st["checkpoint_s"],
-                "stream_vs_files_restore": fi["restore_s"] / st["restore_s"],
-                "group_vs_each_sync_checkpoint":
-                    st["checkpoint_s"] / row["ends"]["stream_group"]["checkpoint_s"]})
+                "stream_vs_files_restore": fi["restore_s"] / st["restore_s"]})
         row["targets_met"] = {k: (row["ratios"][k] >= v if op == ">=" else row["ratios"][k] <= v)
                               for k, (op, v) in TARGETS.items()}
         return row
@@ -238,10 +232,7 @@ def line(row: dict) -> str:
                f"{r['ends_checkpoint']:.1f}x / {r['ends_restore']:.1f}x, files/streamed "
                f"{r['stream_vs_files_checkpoint']:.2f}x / {r['stream_vs_files_restore']:.2f}x"
                f" | bit-exact {row['ends']['stream']['bit_exact']}/"
-               f"{row['ends']['files']['bit_exact']}"
-               f"\n      streamed, synced once: {row['ends']['stream_group']['checkpoint_s']:.2f} s"
-               f" (fsync each / synced once {r['group_vs_each_sync_checkpoint']:.2f}x) | "
-               f"bit-exact {row['ends']['stream_group']['bit_exact']}"))
+               f"{row['ends']['files']['bit_exact']}"))
 
 
 def main() -> int:

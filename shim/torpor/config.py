@@ -45,7 +45,6 @@ class Config:
     store_dir: Path = Path("/var/lib/torpor/store")  # the deduplicating image store (0700)
     store_containers: bool = False              # torpor-runtime packs checkpoints into the store
     store_stream: bool = True                   # agents stream GPU data into and out of the store
-    store_group_sync: bool = False              # a stream's chunks made durable by one sync, not an fsync each
 
     @property
     def journal_dir(self) -> Path:
@@ -72,7 +71,6 @@ _ENV = {
     "TORPOR_SUSPEND_TMPFS": ("suspend_tmpfs", bool),
     "TORPOR_STORE_DIR": ("store_dir", Path),
     "TORPOR_STORE_STREAM": ("store_stream", bool),
-    "TORPOR_STORE_GROUP_SYNC": ("store_group_sync", bool),
 }
 _BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 

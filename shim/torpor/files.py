@@ -59,17 +59,16 @@ def require_trusted_file(path: Path) -> str | None:
     return None
 
 
-def write_new(path: Path, data: bytes, mode: int = 0o600, sync: bool = True) -> None:
+def write_new(path: Path, data: bytes, mode: int = 0o600) -> None:
     """Write data into a file that must not exist yet (O_EXCL refuses anything planted) and
-    fsync it (unless sync is false: the caller syncs); nothing is left behind if that fails."""
+    fsync it; nothing is left behind if that fails."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
         try:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
-            if sync:
-                os.fsync(fd)
+            os.fsync(fd)
         finally:
             os.close(fd)
     except BaseException:

@@ -32,10 +32,9 @@ def test_store_e2e_harness_runs_both_paths_bit_exact(torpor_env, tmp_path):
     assert "dump" not in row["store"]["restore_timings"], row["store"]["restore_timings"]
     assert set(row["ratios"]) == {"checkpoint", "second_checkpoint", "image", "incremental",
                                   "restore", "ends_checkpoint", "ends_restore",
-                                  "stream_vs_files_checkpoint", "stream_vs_files_restore",
-                                  "group_vs_each_sync_checkpoint"}
+                                  "stream_vs_files_checkpoint", "stream_vs_files_restore"}
     # the first checkpoints that end the program, streamed and through files (the CPU
     # program has no agent: both take the same path here)
-    assert set(row["ends"]) == {"stream", "files", "stream_group"}
+    assert set(row["ends"]) == {"stream", "files"}
     assert all(e["bit_exact"] and e["stored"]["new_bytes"] > 0 for e in row["ends"].values())
     assert not list((tmp_path / "root").iterdir())      # stores and images removed

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import ctypes
 import dataclasses
 import errno
 import fcntl
@@ -29,7 +28,7 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 from ..errors import BusyError, UsageError
 from ..files import atomic_write, fsync_dir, private_dir, require_trusted_location, write_new
@@ -83,20 +82,6 @@ class Backend(abc.ABC):
     def blob_path(self, name: str) -> Path | None:
         """A local file holding the blob, to hard-link it; None where there is none."""
         return None
-
-    def stage_blob(self, name: str, data: bytes) -> Any:
-        """put_blob() in two steps, for many blobs at once (a stream's): the data is written
-        now, neither durable nor named; publish() makes every staged blob durable with one
-        sync, then names it. Returns a token for publish(), None when the name is there
-        already. This default puts the blob at once."""
-        self.put_blob(name, data)
-        return None
-
-    def publish(self, staged: list[Any]) -> None:
-        """Name what stage_blob() wrote, durably (the data before the names)."""
-
-    def discard(self, staged: list[Any]) -> None:
-        """Drop what stage_blob() wrote and will not be published (a stream that failed)."""
 
     @abc.abstractmethod
     def sync(self) -> None:
@@ -169,35 +154,6 @@ class LocalBackend(Backend):
         self._dirty.add(final.parent)
         return True
 
-    def stage_blob(self, name: str, data: bytes) -> Any:
-        final = self._blob(name)
-        if final.exists():
-            return None
-        tmp = self.tmp / f"{name[:16]}.{os.getpid()}.{time.monotonic_ns()}"
-        write_new(tmp, data, sync=False)
-        return (name, tmp)
-
-    def publish(self, staged: list[Any]) -> None:
-        """One sync of the store's filesystem for all the staged data (against an fsync a
-        blob), then the names: a crash never leaves a named blob with missing data."""
-        if not staged:
-            return
-        _syncfs(self.root)
-        for name, tmp in staged:
-            final = self._blob(name)
-            try:
-                final.parent.mkdir(mode=0o700, exist_ok=True)
-                os.link(tmp, final)
-                self._dirty.add(final.parent)
-            except FileExistsError:
-                pass                      # another writer (or part) put the same chunk
-            finally:
-                tmp.unlink()
-
-    def discard(self, staged: list[Any]) -> None:
-        for _name, tmp in staged:
-            tmp.unlink(missing_ok=True)
-
     def read_blob(self, name: str) -> bytes:
         with open(self._blob(name), "rb") as f:
             return f.read()
@@ -265,22 +221,6 @@ class LocalBackend(Backend):
             if remove:
                 os.unlink(e.path)
         return freed
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _syncfs(path: Path) -> None:
-    """syncfs(2) of the filesystem holding path (os.sync where there is none)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        if getattr(_libc, "syncfs", None) is None:
-            os.sync()
-        elif _libc.syncfs(fd) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err), str(path))
-    finally:
-        os.close(fd)
 
 
 def _stat(e: os.DirEntry[str]) -> os.stat_result | None:

@@ -119,8 +119,8 @@ class IntakeStats:
     zero_chunks: int = 0
     seconds: float = 0.0
     # where the time went, summed over the pool's threads (to find what bounds a stream):
-    # naming (sha256), compressing, writing (with its fsync unless group_sync); then the one
-    # sync and naming of a group_sync (publish) and the stream record, in seconds of wall time
+    # naming (sha256), compressing, writing (with its fsync); then, in seconds of wall time,
+    # the store's sync and the stream record before the commit
     hash_s: float = 0.0
     compress_s: float = 0.0
     write_s: float = 0.0
@@ -144,8 +144,7 @@ class Intake:
             intake.finish()      # raises StreamError if the store did not take it all
     """
 
-    def __init__(self, store: Store, data_dir: Path, slots: int = SLOTS,
-                 group_sync: bool = False):
+    def __init__(self, store: Store, data_dir: Path, slots: int = SLOTS):
         self.store = store
         self.data_dir = data_dir
         self.ring = Ring(slots)
@@ -153,9 +152,6 @@ class Intake:
         self.stats = IntakeStats()
         self.committed = False
         self.error: BaseException | None = None
-        # group_sync: new chunks are written without an fsync each, and made durable by one
-        # sync of the store's filesystem before they are named (Backend.stage_blob/publish)
-        self._staged: list[Any] | None = [] if group_sync else None
         self._clocks: list[list[float]] = []
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -221,9 +217,6 @@ class Intake:
                 if self.error is not None:
                     return
                 t = time.monotonic()
-                if self._staged:
-                    self.store.backend.publish(self._staged)
-                    self._staged = []
                 self.store.backend.sync()
                 self._record()
                 self.stats.publish_s = time.monotonic() - t
@@ -235,9 +228,6 @@ class Intake:
             self.committed = True
         except BaseException as e:   # noqa: BLE001 - finish() says it
             self._stop(e)
-        finally:
-            if self._staged:              # written, never to be named
-                self.store.backend.discard(self._staged)
 
     def _done(self, f: concurrent.futures.Future[None]) -> None:
         if not f.cancelled() and f.exception() is not None:
@@ -264,7 +254,7 @@ class Intake:
         try:
             # the store chunk is the part and the hole after it (zeros), as the pack reads it
             data: Any = view if store_len == length else bytes(view) + bytes(store_len - length)
-            ref, stored = w.put_data(data, self._local.clock, self._staged)
+            ref, stored = w.put_data(data, self._local.clock)
         finally:
             view.release()
         self.ring.sock.send(SLOT_NO.pack(slot))

@@ -141,13 +141,12 @@ class Writer:
         blob = chunk.encode(data)
         return [name, len(data)], len(blob) if backend.put_blob(name, blob) else -1, fp
 
-    def put_data(self, data: bytes | memoryview, clock: list[float] | None = None,
-                 staged: list[Any] | None = None) -> tuple[list[Any], int]:
+    def put_data(self, data: bytes | memoryview, clock: list[float] | None = None
+                 ) -> tuple[list[Any], int]:
         """One chunk's data stored, and nothing else: its ref, and the bytes newly stored (-1:
         the store had it). For a caller that names chunks itself (store/stream.py), from any
         thread; no file names it until the caller's snapshot does. clock: the seconds spent
-        naming, compressing and writing are added to its first three items. staged: the blob
-        is staged (Backend.stage_blob), its token appended; the caller publishes them."""
+        naming, compressing and writing are added to its first three items."""
         length = len(data)
         t0 = time.perf_counter()
         name = chunk.name_of(data)
@@ -161,13 +160,7 @@ class Writer:
             return [name, length], -1
         blob = chunk.encode(data)
         t2 = time.perf_counter()
-        if staged is None:
-            stored = len(blob) if backend.put_blob(name, blob) else -1
-        elif (token := backend.stage_blob(name, blob)) is not None:
-            staged.append(token)   # list.append: atomic
-            stored = len(blob)
-        else:
-            stored = -1
+        stored = len(blob) if backend.put_blob(name, blob) else -1
         if clock is not None:
             clock[1] += t2 - t1
             clock[2] += time.perf_counter() - t2
