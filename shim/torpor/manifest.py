@@ -97,13 +97,18 @@ def block_digests(paths: dict[str, Path]) -> dict[str, list[str]]:
 def _image_files(images_dir: Path) -> list[str]:
     """The checkpoint's files. Not a stream record (bulk.STREAMED): it says which store chunk
     each of a program's parts is while its data files are holes, torpor's state until the
-    pack or a fill, never part of the checkpoint (the pack leaves it out of the snapshot)."""
+    pack or a fill, never part of the checkpoint (the pack leaves it out of the snapshot). Nor
+    a packed directory's snapshot and chunk links (store/images.py): a runtime's restore
+    unpacks the rest beside them and streams the GPU data from the store."""
+    from .store.images import CHUNKS, PACKED
     out = []
-    for root, _dirs, names in os.walk(images_dir):
+    for root, dirs, names in os.walk(images_dir):
+        if root == str(images_dir) and CHUNKS in dirs:
+            dirs.remove(CHUNKS)
         for n in names:
             rel = os.path.relpath(os.path.join(root, n), images_dir)
-            if rel not in NOT_CHECKSUMMED and not os.path.islink(os.path.join(root, n)) \
-                    and not _stream_record(rel):
+            if rel not in NOT_CHECKSUMMED and rel != PACKED \
+                    and not os.path.islink(os.path.join(root, n)) and not _stream_record(rel):
                 out.append(rel)
     return sorted(out)
 

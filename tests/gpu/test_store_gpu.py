@@ -11,6 +11,7 @@ not cross PCIe.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -173,6 +174,13 @@ def test_podman_store_checkpoints_skip_what_the_store_has(podman, containers, tm
     assert rec["bytes"] < GIB * GiB / 4, rec              # what changed crossed PCIe, no more
     at = tc.step()
     podman.rm(tc.name)
+    log = Path(os.environ.get("TORPOR_STATE_DIR", "/var/lib/torpor")) / "runtime.log"
+    seen = log.stat().st_size if log.exists() else 0
     podman.restore(import_=arch)
+    with open(log) as f:      # torpor-runtime's own account of this restore
+        f.seek(seen)
+        said = f.read()
+    print(f"\ntorpor-runtime on the import:\n{said[-3000:]}", flush=True)
+    assert "they stream from the store" in said, said[-3000:]   # the GPU data, not unpacked
     tc.wait_step(at + 10)
     podman_bit_exact(ref, tc, 59)

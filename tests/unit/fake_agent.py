@@ -350,6 +350,7 @@ class FakeAgent:
                 assert self.driver.unlocked(self.pid), "the driver holds the program (would block)"
             if arg == "stream":
                 assert len(fds) == 2 and self.held is None, "resume stream: a ring and a socket"
+                self.log.add(f"agent resume-stream {self.pid}")
                 streamed = self._stream_in(*fds)
             elif self.held is not None:
                 assert not fds, "files given to resume what is held in memory"

@@ -58,13 +58,18 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
     # packed at checkpoint (store_containers): the files back, every chunk's sha256 checked on
     # the way, so the manifest's checksums need not be computed a second time (sizes are)
     unpacked = store_images.is_packed(images)
+    in_store: dict[str, int] = {}   # the agents' GPU data: streamed from the store to the GPU
     if unpacked:
-        store_images.unpack_in_place(Store(cfg.store_dir), images)
-        log.info("restore %s: unpacked through %s in %.2f s", cid, cfg.store_dir,
-                 time.monotonic() - t0)
+        if cfg.store_stream:
+            in_store = store_images.gpu_data_files(store_images.packed_doc(images))
+        store_images.unpack_in_place(Store(cfg.store_dir), images, leave_out=in_store)
+        log.info("restore %s: unpacked through %s in %.2f s%s", cid, cfg.store_dir,
+                 time.monotonic() - t0,
+                 f" (not its {len(in_store)} GPU data file(s): they stream from the store)"
+                 if in_store else "")
     m, sealed = read_manifest(images)
     if sealed:
-        manifest.verify(images, m, checksums=cfg.checksums and not unpacked)
+        manifest.verify(images, m, checksums=cfg.checksums and not unpacked, elsewhere=in_store)
     else:
         print(f"torpor-runtime: warning: {images} holds an unsealed GPU manifest (the "
               "checkpoint could not finish it): image files not verified", file=sys.stderr)
@@ -98,7 +103,8 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
         with Client(cfg) as c:
             out = c.restore_and_unlock(pids=[pid], gpu_map=driver_map, agents=moved,
                                        gpu_data_dir=images / bulk.DATA_DIR if moved else "",
-                                       agent_container_id=cid)
+                                       agent_container_id=cid,
+                                       gpu_data_packed=images if moved and in_store else "")
     except TorporError as e:
         runtime.kill(cid)
         raise TorporError(f"GPU restore of container {cid} failed: {e.line()}; the restored "

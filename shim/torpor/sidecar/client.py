@@ -148,12 +148,14 @@ class Client:
                            descendants: bool = True, gpu_data_dir: str | os.PathLike = "",
                            agents: Iterable[Mapping[str, Any]] = (),
                            agent_container_id: str = "",
+                           gpu_data_packed: str | os.PathLike = "",
                            timeout: float | None = None) -> dict[str, Any]:
         """op_id: end an open checkpoint by giving the (still running) processes their GPU
         state back (--leave-running). pids/container_id: a restored container's new host PIDs
         (CHECKPOINTED in the driver) get their GPU state (on gpu_map's GPUs) and run; agents
         ({pid, nspid, files} as lock_and_checkpoint returned them) their memory back from
-        gpu_data_dir through their agent (in agent_container_id's agent directory).
+        gpu_data_dir through their agent (in agent_container_id's agent directory), or, given
+        gpu_data_packed (the packed checkpoint directory), from the image store.
         Returns {op_id, pids (the CUDA PIDs restored), timings, gpu_map,
         agents: [{pid, bytes, seconds}]}."""
         req = self.pb.RestoreAndUnlockRequest(
@@ -161,7 +163,7 @@ class Client:
             no_descendants=not descendants, gpu_data_dir=str(gpu_data_dir),
             agents=[self.pb.AgentData(pid=int(a["pid"]), nspid=int(a["nspid"]),
                                       files=[int(n) for n in a["files"]]) for a in agents],
-            agent_container_id=agent_container_id)
+            agent_container_id=agent_container_id, gpu_data_packed=str(gpu_data_packed))
         return to_dict(self._call("RestoreAndUnlock", req, timeout))
 
     # -- inspection -------------------------------------------------------------------------------

@@ -43,10 +43,11 @@ from ..doctor import run_checks
 from ..driver import ProcessState
 from ..engine import Engine, restore_targets, targets_of
 from ..errors import (NoDriverError, NotFoundError, SidecarError, TorporError, UsageError)
-from ..files import private_dir, write_json
+from ..files import private_dir, require_trusted_location, write_json
 from ..journal import Operation
 from ..progress import Progress
 from ..store import Store, fingerprints
+from ..store import images as store_images
 from . import grpc_status, proto
 from .peercred import PeerCredProxy
 
@@ -460,6 +461,11 @@ class Service:
         data = self._data_dir(request.gpu_data_dir)
         if request.agents and data is None:
             raise UsageError("agents given without the gpu_data_dir that holds their data")
+        packed = self._data_dir(request.gpu_data_packed)
+        if packed is not None:      # its snapshot names the chunks torpord streams to them
+            require_trusted_location(packed, "checkpoint")
+            if not store_images.is_packed(packed):
+                raise UsageError(f"gpu_data_packed {packed} is not a packed checkpoint")
         engine = self.engine()
         op = engine.begin("restore", pids)
         try:
@@ -473,7 +479,8 @@ class Service:
             agents = restore_targets(
                 {a.pid: {"nspid": a.nspid, "files": list(a.files)} for a in request.agents},
                 data or Path(), self._agent_dir(request.agent_container_id,
-                                                   request.container_id), host_pids=pids)
+                                                   request.container_id), host_pids=pids,
+                packed=packed)
             op.phase("gpu-restore", agents={p: t.to_json() for p, t in agents.items()})
             back: dict[int, dict[str, Any]] = {}
             try:

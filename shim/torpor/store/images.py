@@ -187,12 +187,15 @@ def _remove_leftovers(base: Path) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
 
 
-def unpack_in_place(store: Store, images_dir: Path) -> None:
+def unpack_in_place(store: Store, images_dir: Path, leave_out: Iterable[str] = ()) -> None:
     """unpack(), for a runtime that restores from the directory itself (runc's --image-path):
     the files go back where they were, then the snapshot and the chunk links leave the
     directory, an ordinary checkpoint again (the store keeps its snapshot). Interrupted, it can
-    be run again: torpor-store.json goes only once every file is back."""
-    unpacked = unpack(store, images_dir)
+    be run again: torpor-store.json goes only once every file is back. With leave_out (the
+    agents' data files, which stream from the store: gpu_data_files), the directory stays
+    packed: those files are only in its chunks."""
+    leave_out = set(leave_out)
+    unpacked = unpack(store, images_dir, leave_out=leave_out)
     try:
         for root, _dirs, names in os.walk(unpacked):
             for n in names:
@@ -202,6 +205,8 @@ def unpack_in_place(store: Store, images_dir: Path) -> None:
                 os.replace(unpacked / rel, images_dir / rel)
     finally:
         shutil.rmtree(unpacked, ignore_errors=True)
+    if leave_out:
+        return
     (images_dir / PACKED).unlink()
     shutil.rmtree(images_dir / CHUNKS, ignore_errors=True)
 
