@@ -121,13 +121,7 @@ class StoreBench(Bench):
             m2, s2 = process.checkpoint_into_store(e, prog.pid, ck2, "two")
             second_s = time.perf_counter() - t
             ck2_s = second_s - e.progress.timings.get("store", 0.0)
-            prog.reap()
-            wait_gone(prog.pid)
-            at = prog.step()
-            t = time.perf_counter()
-            r = process.restore_any(eng(), ck2)
-            rs = time.perf_counter() - t
-            prog.wait_step(at + 5)
+            rs, r = self.restore_ended(prog, ck2, eng())
             out = {"first": {"seconds": first_s, "checkpoint_s": ck1_s, "stored": s1,
                              "timings": m1.get("timings", {}), "agent": agent_of(m1, prog.pid)},
                    "second": {"seconds": second_s, "checkpoint_s": ck2_s, "stored": s2,
@@ -144,6 +138,19 @@ class StoreBench(Bench):
             for d in (store, ck1, ck2):
                 shutil.rmtree(d, ignore_errors=True)
 
+    @staticmethod
+    def restore_ended(prog: programs.Program, ck: Path, engine: Engine) -> tuple[float, dict]:
+        """prog, which its checkpoint into ck ended, restored from there: (seconds, result)
+        once it has gone 5 steps on."""
+        prog.reap()
+        wait_gone(prog.pid)
+        at = prog.step()
+        t = time.perf_counter()
+        r = process.restore_any(engine, ck)
+        rs = time.perf_counter() - t
+        prog.wait_step(at + 5)
+        return rs, r
+
     def ends(self, kind: str, gib: float, ref: programs.Program, how: str) -> dict:
         """A first checkpoint into a new store that ends the program, then its restore; how:
         files or stream."""
@@ -157,13 +164,7 @@ class StoreBench(Bench):
             t = time.perf_counter()
             m, stored = process.checkpoint_into_store(eng(), prog.pid, ck, "one")
             ck_s = time.perf_counter() - t
-            prog.reap()
-            wait_gone(prog.pid)
-            at = prog.step()
-            t = time.perf_counter()
-            r = process.restore_any(eng(), ck)
-            rs = time.perf_counter() - t
-            prog.wait_step(at + 5)
+            rs, r = self.restore_ended(prog, ck, eng())
             out = {"checkpoint_s": ck_s, "stored": stored, "timings": m.get("timings", {}),
                    "agent": agent_of(m, prog.pid), "restore_s": rs,
                    "restore_timings": r.get("timings", {})}

@@ -61,6 +61,17 @@ def _prepare_streamed(p, store: Store, data: Path, nfiles: int = 2,
     return reply, intake
 
 
+def _streamed_out(p, tmp_path: Path, sizes_mib: tuple[int, ...]):
+    """A program holding sizes_mib, its data streamed into a new store through one data file:
+    (its allocations, the store, the data directory, the agent's reply)."""
+    mem = _program(p, sizes_mib)
+    store = Store(tmp_path / "store", workers=2)
+    data = tmp_path / "data"
+    reply, intake = _prepare_streamed(p, store, data, nfiles=1)
+    intake.finish()
+    return mem, store, data, reply
+
+
 def _resume_streamed(p, store: Store, data: Path, nfiles: int = 2, slots: int = 4) -> dict:
     """What a restore does: the parts from the stream record (as a snapshot would name them)
     fed through a ring while the agent's `resume stream` runs."""
@@ -122,11 +133,7 @@ def test_a_streamed_prepare_stores_every_part_and_a_streamed_resume_brings_it_ba
 
 def test_a_rollback_fills_the_holes_from_the_store_and_resumes_from_the_files(probe, tmp_path):
     p = probe()
-    mem = _program(p, (12,))
-    store = Store(tmp_path / "store", workers=2)
-    data = tmp_path / "data"
-    reply, intake = _prepare_streamed(p, store, data, nfiles=1)
-    intake.finish()
+    mem, store, data, reply = _streamed_out(p, tmp_path, (12,))
     assert reply.get("files"), reply
     fds = [os.open(data / bulk.file_name(0), os.O_RDWR | os.O_CLOEXEC)]
     try:
@@ -197,11 +204,7 @@ def test_a_torpor_that_dies_mid_stream_costs_the_program_nothing(probe, tmp_path
 
 def test_a_stream_that_ends_short_or_sends_damage_leaves_the_memory_out(probe, tmp_path):
     p = probe()
-    mem = _program(p, (12,))
-    store = Store(tmp_path / "store", workers=2)
-    data = tmp_path / "data"
-    reply, intake = _prepare_streamed(p, store, data, nfiles=1)
-    intake.finish()
+    mem, store, data, reply = _streamed_out(p, tmp_path, (12,))
     assert ctl_fds(p.sock, "detach")["ok"]
     # a stream of no parts at all: the resume fails, the gate stays closed
     ring = stream.Ring(2)
@@ -243,6 +246,16 @@ def _engine(gpu, tmp_path: Path, store: Store):
                                    "TORPOR_AGENT_FILES": "2"}))
 
 
+def _images_dir(tmp_path: Path) -> Path:
+    """A checkpoint directory with stand-ins for CRIU's images (the engine's part only)."""
+    from torpor import manifest
+    d = tmp_path / "ck"
+    d.mkdir(mode=0o700)
+    for image in ("pages-1.img", *manifest.REQUIRED_IMAGES):
+        (d / image).write_bytes(f"a stand-in {image}".encode())
+    return d
+
+
 def test_the_engine_streams_a_checkpoint_into_the_store_and_restores_it_from_there(
         gpu, probe, tmp_path):
     from tests.unit.test_manifest import _manifest as sealed
@@ -254,10 +267,7 @@ def test_the_engine_streams_a_checkpoint_into_the_store_and_restores_it_from_the
     mem = _program(p, (24, 10))
     store = Store(tmp_path / "store")
     engine = _engine(gpu, tmp_path, store)
-    d = tmp_path / "ck"
-    d.mkdir(mode=0o700)
-    for image in ("pages-1.img", *manifest.REQUIRED_IMAGES):
-        (d / image).write_bytes(f"a stand-in {image}".encode())
+    d = _images_dir(tmp_path)
     with store.backend.lock(False, 10), engine.begin("checkpoint", [p.pid]) as op:
         moved = engine.lock_and_checkpoint(
             op, [p.pid], data=bulk.DataDir(d / bulk.DATA_DIR), agent_dir=p.sock.parent,
@@ -342,10 +352,7 @@ def test_a_torpor_that_dies_between_a_streamed_checkpoint_and_its_pack_leaves_it
     _program(p, (12,))
     store = Store(tmp_path / "store")
     engine = _engine(gpu, tmp_path, store)
-    d = tmp_path / "ck"
-    d.mkdir(mode=0o700)
-    for image in ("pages-1.img", *manifest.REQUIRED_IMAGES):
-        (d / image).write_bytes(f"a stand-in {image}".encode())
+    d = _images_dir(tmp_path)
     op = engine.begin("checkpoint", [p.pid])
     with store.backend.lock(False, 10):
         engine.lock_and_checkpoint(op, [p.pid], data=bulk.DataDir(d / bulk.DATA_DIR),
@@ -368,11 +375,7 @@ def test_a_torpor_that_dies_between_a_streamed_checkpoint_and_its_pack_leaves_it
 def test_a_damaged_chunk_in_the_store_stops_the_stream_and_the_memory_stays_out(
         probe, tmp_path):
     p = probe()
-    mem = _program(p, (24,))
-    store = Store(tmp_path / "store", workers=2)
-    data = tmp_path / "data"
-    reply, intake = _prepare_streamed(p, store, data, nfiles=1)
-    intake.finish()
+    mem, store, data, reply = _streamed_out(p, tmp_path, (24,))
     assert ctl_fds(p.sock, "detach")["ok"]
     first = fingerprints.read_streamed(data, reply["files"])[0]
     blob = store.backend.blob_path(first.sha)

@@ -139,12 +139,12 @@ def unpacked_size(images_dir: Path, leave_out: Iterable[str] = ()) -> int:
 def gpu_data_files(doc: dict[str, Any]) -> dict[str, int]:
     """The agents' data files a packed checkpoint's snapshot holds -> their sizes: what a
     restore streams from the store to the GPU (store/stream.py) rather than unpacking."""
-    prefix = f"{bulk.DATA_DIR}/"
+    names = {bulk.file_name(k) for k in range(bulk.MAX_FILES)}
     out = {}
     for rel, entry in doc["files"].items():
         parts = rel.split("/")
-        if rel.startswith(prefix) and len(parts) == 3 and parts[1].isdigit() \
-                and parts[2].startswith("gpu-memory-"):
+        if len(parts) == 3 and parts[0] == bulk.DATA_DIR and parts[1].isdigit() \
+                and parts[2] in names:
             out[rel] = entry["size"]
     return out
 
