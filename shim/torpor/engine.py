@@ -479,7 +479,9 @@ class Engine:
                     reply = a.resume_stream(ring.agent_fds(), self.cfg.agent_timeout_s)
                 except TorporError as e:
                     ring.handed()
-                    why = fed.exception()   # the feed's failure says more than the agent's
+                    why = fed.exception()   # the feed's own failure says more than the agent's
+                    if isinstance(why, stream.StreamError):
+                        why = None          # it stopped because the agent did
                     raise AgentError(f"{e}" + (f" (the image store: {why})" if why else ""),
                                      exit_code=e.exit_code) from e
                 ring.handed()

@@ -390,3 +390,38 @@ def test_a_damaged_chunk_in_the_store_stops_the_stream_and_the_memory_stays_out(
     blob.write_bytes(bytes(damaged))
     assert _resume_streamed(p, store, data, nfiles=1)["bytes"] == 24 * MIB
     assert _intact(p, mem)
+
+
+def test_a_pack_that_fails_after_a_streamed_checkpoint_fills_the_directory(
+        gpu, probe, tmp_path, monkeypatch):
+    """The stream put the GPU data into the store, the pack then fails (a full disk): the
+    directory is filled from the store before the error, whole and checksummed on its own."""
+    import errno
+
+    from tests.unit.test_manifest import _manifest as sealed
+    from torpor import manifest, packing
+    from torpor.errors import TorporError
+    from torpor.store import images
+
+    p = probe()
+    _program(p, (12,))
+    store = Store(tmp_path / "store")
+    engine = _engine(gpu, tmp_path, store)
+    d = _images_dir(tmp_path)
+    with store.backend.lock(False, 10), engine.begin("checkpoint", [p.pid]) as op:
+        engine.lock_and_checkpoint(op, [p.pid], data=bulk.DataDir(d / bulk.DATA_DIR),
+                                   agent_dir=p.sock.parent, known_fingerprints=(),
+                                   owner=OWNER, stream_into=store)
+    manifest.write(d, sealed(manifest.file_table(d, checksums=False)))
+    assert fingerprints.any_skipped(d)
+
+    def full(*_a, **_k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(images, "pack", full)
+    with pytest.raises(TorporError, match="No space left on device; the checkpoint in .* is "
+                                          "complete, not packed"):
+        packing.pack(engine.journal, store, d, "one", OWNER)
+    assert not fingerprints.any_skipped(d) and not images.is_packed(d)
+    prog = d / bulk.DATA_DIR / str(p.pid)
+    assert sum(f.stat().st_blocks for f in prog.glob("gpu-memory-*")) > 0
+    manifest.verify(d, manifest.read(d))               # with the checksums added
