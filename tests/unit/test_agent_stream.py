@@ -94,8 +94,8 @@ def _resume_streamed(p, store: Store, data: Path, nfiles: int = 2, slots: int = 
     except AgentError:
         ring.handed()
         t.join(10)
-        if fed and isinstance(fed[0], Exception):
-            raise fed[0] from None          # the feed's failure says more than the agent's
+        if fed and isinstance(fed[0], Exception) and not isinstance(fed[0], stream.StreamError):
+            raise fed[0] from None          # the feed's own failure says more than the agent's
         raise
     finally:
         ring.handed()
@@ -425,3 +425,21 @@ def test_a_pack_that_fails_after_a_streamed_checkpoint_fills_the_directory(
     prog = d / bulk.DATA_DIR / str(p.pid)
     assert sum(f.stat().st_blocks for f in prog.glob("gpu-memory-*")) > 0
     manifest.verify(d, manifest.read(d))               # with the checksums added
+
+
+def test_a_streamed_restore_onto_a_full_gpu_fails_and_can_be_retried(probe, tmp_path):
+    """The GPU has no room for the memory: the agent says so before it takes a part, the feed
+    stops, nothing is lost (the data is in the store), and a retry once there is room works."""
+    p = probe()
+    mem, store, data, _reply = _streamed_out(p, tmp_path, (24,))
+    assert ctl_fds(p.sock, "detach")["ok"]
+    other = probe()                                   # takes what p released, and more
+    assert other.call("init dlsym")["rc"] == 0
+    hog = other.call(f"@alloc {other.call('meminfo')['free'] - 4 * MIB} dlsym")
+    assert hog["rc"] == 0
+    with pytest.raises(AgentError, match="no room"):
+        _resume_streamed(p, store, data, nfiles=1)
+    assert (p.status()["state"], p.status()["gate"]) == ("detached", "closed")
+    assert other.call(f"@free {hog['ptr']} dlsym")["rc"] == 0
+    assert _resume_streamed(p, store, data, nfiles=1)["bytes"] == 24 * MIB
+    assert _intact(p, mem)

@@ -362,7 +362,10 @@ def feed(store: Store, ring: Ring, parts: Iterable[Source], where: str) -> int:
             store.read_chunk_into(part.ref, view, where)
         finally:
             view.release()
-        ring.sock.send(RECORD.pack(n, part.file, part.offset, length, length))
+        try:
+            ring.sock.send(RECORD.pack(n, part.file, part.offset, length, length))
+        except (BrokenPipeError, ConnectionResetError):
+            raise StreamError("the agent stopped taking GPU data") from None
         local.clock[0] += t1 - t0
         local.clock[1] += time.perf_counter() - t1
         return length
