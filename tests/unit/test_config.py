@@ -35,3 +35,16 @@ def test_store_dir_default_file_and_env(tmp_path):
     assert config.load(f, env={}).store_dir == Path("/srv/torpor-store")
     env = {"TORPOR_STORE_DIR": str(tmp_path / "st")}
     assert config.load(f, env=env).store_dir == tmp_path / "st"
+
+
+def test_every_key_is_documented_in_the_packaged_config():
+    """packaging/config.toml documents every key (README says so): a new one must be added."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    from torpor.config import Config
+    text = (Path(__file__).resolve().parents[2] / "packaging" / "config.toml").read_text()
+    missing = [f.name for f in dataclasses.fields(Config)
+               if not re.search(rf"^#?{f.name} = ", text, re.M)]
+    assert not missing, f"not in packaging/config.toml: {missing}"
