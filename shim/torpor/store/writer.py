@@ -135,17 +135,13 @@ class Writer:
             if ref is not None and ref[0] is not None and ref[1] == len(data) \
                     and backend.has_blob(ref[0]):
                 return list(ref), -2, fp
-        name = chunk.name_of(data)
-        if backend.has_blob(name):
-            return [name, len(data)], -1, fp
-        blob = chunk.encode(data)
-        return [name, len(data)], len(blob) if backend.put_blob(name, blob) else -1, fp
+        return (*self.put_data(data), fp)
 
     def put_data(self, data: bytes | memoryview, clock: list[float] | None = None
                  ) -> tuple[list[Any], int]:
         """One chunk's data stored, and nothing else: its ref, and the bytes newly stored (-1:
-        the store had it). For a caller that names chunks itself (store/stream.py), from any
-        thread; no file names it until the caller's snapshot does. clock: the seconds spent
+        the store had it). For add_file's pieces, and for a caller that names chunks itself
+        (store/stream.py), from any thread; no file names it until a snapshot does. clock: the seconds spent
         naming, compressing and writing are added to its first three items."""
         length = len(data)
         t0 = time.perf_counter()
