@@ -383,7 +383,7 @@ class Engine:
                     fds.append(fingerprints.known_fd(known))
                     fp = (fds[-1], fds[-2])
                     if stream_into is not None:
-                        intake = stream.Intake(stream_into, data.path(pid))
+                        intake = stream.Intake(stream_into, data.path(pid), count)
                         intake.start()
                 try:
                     client = self._client(targets[pid], self.cfg.agent_timeout_s)

@@ -46,7 +46,7 @@ def _prepare_streamed(p, store: Store, data: Path, nfiles: int = 2,
     fds = files.open(True)
     fds.append(os.open(data / bulk.INDEX, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
     fds.append(fingerprints.known_fd([]))
-    intake = stream.Intake(store, data, slots=slots)
+    intake = stream.Intake(store, data, nfiles, slots=slots)
     try:
         intake.start()
         with AgentClient(p.sock) as a:
@@ -443,3 +443,33 @@ def test_a_streamed_restore_onto_a_full_gpu_fails_and_can_be_retried(probe, tmp_
     assert other.call(f"@free {hog['ptr']} dlsym")["rc"] == 0
     assert _resume_streamed(p, store, data, nfiles=1)["bytes"] == 24 * MIB
     assert _intact(p, mem)
+
+
+def test_records_outside_the_data_files_are_refused_before_the_commit(tmp_path):
+    """The agent runs inside the program: a record a fill or a pack could not read later (a
+    part beyond the files it sized) gets no commit, so the agent releases nothing."""
+    import mmap
+    data = tmp_path / "data"
+    data.mkdir(mode=0o700)
+    with open(data / bulk.file_name(0), "wb") as f:
+        f.truncate(4 * MIB)                                   # the one file, as sized
+    intake = stream.Intake(Store(tmp_path / "store", workers=2), data, 1, slots=2)
+    ring_fd, sock_fd = intake.agent_fds()
+    ring = mmap.mmap(ring_fd, 2 * stream.PART)
+    agent = socket.socket(fileno=os.dup(sock_fd))
+    intake.start()
+    try:
+        slot = stream.SLOT_NO.unpack(agent.recv(4))[0]
+        ring[slot * stream.PART:slot * stream.PART + MIB] = b"\x05" * MIB
+        agent.send(stream.RECORD.pack(slot, 0, 8 * MIB, MIB, MIB))   # past the file's end
+        agent.send(stream.RECORD.pack(stream.END, 0, 0, 0, 0))
+        answers = []
+        while msg := agent.recv(4):
+            answers.append(stream.SLOT_NO.unpack(msg)[0])
+        assert stream.END not in answers                      # no commit: EOF instead
+        with pytest.raises(stream.StreamError, match="outside the data files"):
+            intake.finish()
+        assert not (data / bulk.STREAMED).exists()
+    finally:
+        agent.close()
+        ring.close()

@@ -134,7 +134,8 @@ class IntakeStats:
 
 class Intake:
     """One program's GPU data, streamed by its agent during a `prepare ... fp stream`, into
-    the store; data_dir: the program's data directory, where the stream record goes.
+    the store; data_dir: the program's data directory (nfiles data files), where the stream
+    record goes.
 
         intake = Intake(store, data_dir)
         try:
@@ -144,9 +145,10 @@ class Intake:
             intake.finish()      # raises StreamError if the store did not take it all
     """
 
-    def __init__(self, store: Store, data_dir: Path, slots: int = SLOTS):
+    def __init__(self, store: Store, data_dir: Path, nfiles: int, slots: int = SLOTS):
         self.store = store
         self.data_dir = data_dir
+        self.nfiles = nfiles
         self.ring = Ring(slots)
         self.parts: list[Streamed] = []
         self.stats = IntakeStats()
@@ -273,10 +275,16 @@ class Intake:
 
     def _record(self) -> None:
         """The stream record, durable, before the commit: without it the holes the parts
-        left could not be filled (a rollback) nor packed."""
+        left could not be filled (a rollback) nor packed. The agent runs inside the program,
+        so its records are checked first against the data files it sized (it does before
+        its end): one a fill or a pack could not read would leave a checkpoint nothing can
+        complete, whose recovery would hold gc off for good. Refused, nothing is committed
+        and the agent releases nothing."""
         self.parts.sort(key=lambda p: (p.file, p.offset))
-        atomic_write(self.data_dir / bulk.STREAMED,
-                     fingerprints.dump_streamed(self.parts).encode())
+        text = fingerprints.dump_streamed(self.parts)
+        sizes = [os.path.getsize(self.data_dir / bulk.file_name(k)) for k in range(self.nfiles)]
+        fingerprints.parse_streamed(text, f"the stream of {self.data_dir}", sizes)
+        atomic_write(self.data_dir / bulk.STREAMED, text.encode())
 
 
 def _describe(e: BaseException) -> str:
