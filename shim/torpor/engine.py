@@ -25,6 +25,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -479,6 +480,7 @@ class Engine:
                     reply = a.resume_stream(ring.agent_fds(), self.cfg.agent_timeout_s)
                 except TorporError as e:
                     ring.handed()
+                    ring.sock.shutdown(socket.SHUT_RDWR)   # the feed ends now, agent or not
                     why = fed.exception()   # the feed's own failure says more than the agent's
                     if isinstance(why, stream.StreamError):
                         why = None          # it stopped because the agent did

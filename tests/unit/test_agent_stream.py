@@ -93,6 +93,7 @@ def _resume_streamed(p, store: Store, data: Path, nfiles: int = 2, slots: int = 
             reply = a.resume_stream(ring.agent_fds(), 30)
     except AgentError:
         ring.handed()
+        ring.sock.shutdown(socket.SHUT_RDWR)   # as the engine does: the feed ends now
         t.join(10)
         if fed and isinstance(fed[0], Exception) and not isinstance(fed[0], stream.StreamError):
             raise fed[0] from None          # the feed's own failure says more than the agent's

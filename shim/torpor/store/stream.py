@@ -327,9 +327,11 @@ def sources(doc: dict[str, Any], prog_rel: str, count: int) -> list[Source]:
 
 def feed(store: Store, ring: Ring, parts: Iterable[Source], where: str) -> int:
     """Send every part to the agent through the ring (its `resume stream` runs meanwhile), each
-    chunk read from the store straight into a free slot and verified there; then EOF. The
-    bytes sent. StreamError/CorruptCheckpointError on failure (the agent's resume then fails:
-    its gate stays closed, nothing lost)."""
+    chunk read from the store straight into a free slot and verified there; then EOF. Returns,
+    with the bytes sent, once the agent has closed its end (its resume is over); a caller
+    that gives up on the agent shuts ring.sock down to end it sooner. StreamError or
+    CorruptCheckpointError on failure (the agent's resume then fails: its gate stays closed,
+    nothing lost)."""
     free: list[int] = []
     cond = threading.Condition()
     closed = [False]
@@ -403,7 +405,7 @@ def feed(store: Store, ring: Ring, parts: Iterable[Source], where: str) -> int:
             ring.sock.shutdown(socket.SHUT_WR)   # EOF: every part sent (or none will be)
         except OSError:
             pass
-    back.join(timeout=1)
+    back.join()   # no thread left reading a socket that its caller closes next
     # where a stream's time goes (what bounds it), as the store logs its unpacks
     log.info("fed %d bytes of %s in %.2f s by %d threads; thread-seconds: waiting for a slot "
              "%.2f, reading and verifying %.2f", total, where, time.perf_counter() - start,
