@@ -682,7 +682,8 @@ static int reloaded_fp(const struct chunk *c, int q, const uint64_t *lanes, cons
 /* After a reload: every fingerprinted part again, on the GPU; the parts the store supplied
  * (skipped) are checked this way only. When the GPU cannot run the kernel now (full after the
  * re-creation, say), those are checked on the CPU from their files instead (fds; slower),
- * rather than leaving the program held at a closed gate. 0, or -1 with r->error. */
+ * or, streamed, taken as torpor checked them (their sha256), rather than leaving the program
+ * held at a closed gate. 0, or -1 with r->error. */
 static int fingerprints_verify(const int *fds, struct move_result *r)
 {
 	size_t bad = 0, bad_skipped = 0, skipped = 0;
@@ -700,6 +701,12 @@ static int fingerprints_verify(const int *fds, struct move_result *r)
 	if (!lanes) {
 		if (!skipped) { /* every part was written, and its sum checked */
 			pr_warn("fingerprints not checked: %s", err);
+			return 0;
+		}
+		if (stream.sock >= 0) { /* no files to read them back from */
+			pr_warn("fingerprints not checked (%s): the %zu parts the image store supplied "
+				"came through its stream, each checked by torpor against the sha256 its "
+				"snapshot names", err, skipped);
 			return 0;
 		}
 		buf = fds ? malloc(CHUNK) : NULL;

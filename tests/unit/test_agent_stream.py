@@ -39,13 +39,14 @@ def _intact(p, mem) -> bool:
     return all(p.call(f"@check {ptr} {n} {pat}")["ok"] for ptr, n, pat in mem)
 
 
-def _prepare_streamed(p, store: Store, data: Path, nfiles: int = 2,
-                      slots: int = 4) -> tuple[dict, stream.Intake]:
-    """What the engine does: data files, an index, an Intake; the agent's reply."""
+def _prepare_streamed(p, store: Store, data: Path, nfiles: int = 2, slots: int = 4,
+                      known: tuple[str, ...] = ()) -> tuple[dict, stream.Intake]:
+    """What the engine does: data files, an index, an Intake; the agent's reply. known: the
+    fingerprints of parts the store has (skipped)."""
     files = Files(data, nfiles)
     fds = files.open(True)
     fds.append(os.open(data / bulk.INDEX, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
-    fds.append(fingerprints.known_fd([]))
+    fds.append(fingerprints.known_fd(known))
     intake = stream.Intake(store, data, nfiles, slots=slots)
     try:
         intake.start()
@@ -72,12 +73,16 @@ def _streamed_out(p, tmp_path: Path, sizes_mib: tuple[int, ...]):
     return mem, store, data, reply
 
 
-def _resume_streamed(p, store: Store, data: Path, nfiles: int = 2, slots: int = 4) -> dict:
+def _resume_streamed(p, store: Store, data: Path, nfiles: int = 2, slots: int = 4,
+                     skipped: dict[str, list] | None = None) -> dict:
     """What a restore does: the parts from the stream record (as a snapshot would name them)
-    fed through a ring while the agent's `resume stream` runs."""
+    fed through a ring while the agent's `resume stream` runs; skipped: fingerprint -> chunk
+    of the parts the agent skipped (as a snapshot names them too)."""
     sizes = [os.path.getsize(data / bulk.file_name(k)) for k in range(nfiles)]
     parts = [stream.Source(s.file, s.offset, s.ref)
              for s in fingerprints.read_streamed(data, sizes)]
+    parts += [stream.Source(x.file, x.offset, skipped[x.fp])
+              for x in fingerprints.read(data, sizes) if x.skipped]
     ring = stream.Ring(slots)
     fed: list = []
 
@@ -474,3 +479,30 @@ def test_records_outside_the_data_files_are_refused_before_the_commit(tmp_path):
     finally:
         agent.close()
         ring.close()
+
+
+def test_without_the_kernel_a_streamed_reload_takes_the_skipped_parts_as_torpor_checked_them(
+        gpu, probe, tmp_path):
+    """A second checkpoint whose agent skipped what the store had, restored through the stream
+    on a GPU that cannot run the fingerprint kernel now: no files to check the skipped parts
+    on the CPU, so they are taken as torpor checked them (sha256), not left held."""
+    from tests.unit.test_agent_mover import failing
+    p = probe()
+    mem = _program(p, (16,))
+    store = Store(tmp_path / "store", workers=2)
+    one = tmp_path / "one"
+    reply, intake = _prepare_streamed(p, store, one, nfiles=1)
+    intake.finish()
+    sizes = reply["files"]
+    refs = {(s.file, s.offset): s.ref for s in fingerprints.read_streamed(one, sizes)}
+    by_fp = {x.fp: refs[x.file, x.offset] for x in fingerprints.read(one, sizes)}
+    assert _resume_streamed(p, store, one, nfiles=1)["bytes"] == 16 * MIB
+    two = tmp_path / "two"
+    reply, intake = _prepare_streamed(p, store, two, nfiles=1, known=tuple(by_fp))
+    intake.finish()
+    assert reply["fingerprints"]["skipped"] == len(by_fp) and reply["bytes"] == 0, reply
+    assert ctl_fds(p.sock, "detach")["ok"]
+    with failing(gpu, "cuModuleLoadData", "801"):     # CUDA_ERROR_NOT_SUPPORTED
+        back = _resume_streamed(p, store, two, nfiles=1, skipped=by_fp)
+    assert back["bytes"] == 16 * MIB
+    assert p.status()["state"] == "running" and _intact(p, mem)
