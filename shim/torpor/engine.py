@@ -35,8 +35,8 @@ from . import agent, bulk, interrupts, manifest, packing, procs
 from .agent import AgentClient, AgentError, NoAgentError
 from .config import Config
 from .driver import Driver, DriverError, ProcessState
-from .errors import (BusyError, CorruptCheckpointError, ExitCode, NoDriverError,
-                     RolledBackError, TorporError)
+from .errors import (BusyError, CorruptCheckpointError, DamagedRecordsError, ExitCode,
+                     NoDriverError, RolledBackError, TorporError)
 from .files import tree_size
 from .journal import Entry, Journal, Operation
 from .progress import Progress, human_bytes, human_rate
@@ -626,8 +626,12 @@ class Engine:
                 or not fingerprints.any_skipped(images_dir) or images.is_packed(images_dir):
             return []
         owners = {t.owner for t in targets_of(entry.agents).values() if t.owner}
-        filled = packing.stand_alone(Store(self.cfg.store_dir), images_dir,
-                                     next(iter(owners), ""), self.cfg.checksums)
+        try:
+            filled = packing.stand_alone(Store(self.cfg.store_dir), images_dir,
+                                         next(iter(owners), ""), self.cfg.checksums)
+        except DamagedRecordsError as e:
+            return [f"the checkpoint in {images_dir}, which an interrupted {entry.kind} left "
+                    "unpacked: " + packing.give_up(images_dir, e)]
         return [f"filled {human_bytes(filled)} of GPU data into the checkpoint in {images_dir} "
                 "from the image store: its torpor died before packing it"]
 

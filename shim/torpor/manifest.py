@@ -44,14 +44,15 @@ from typing import Any, Mapping
 
 from . import bulk
 from .errors import CorruptCheckpointError, NotFoundError
-from .files import require_trusted_file, write_json
+from .files import atomic_write, require_trusted_file, write_json
 
 MANIFEST = "torpor.json"
 DRAFT = ".torpor.json.draft"   # everything but the file table, written before the dump
+DAMAGED = "torpor-damaged.txt"  # why a sealed checkpoint can never be made whole (mark_damaged)
 DUMP_LOG = "dump.log"           # CRIU's log of the dump, kept with the images
 DUMP_OK = "Dumping finished successfully"
 SCHEMA = 1
-NOT_CHECKSUMMED = {MANIFEST, DRAFT}
+NOT_CHECKSUMMED = {MANIFEST, DRAFT, DAMAGED}
 REQUIRED_IMAGES = ("inventory.img", "pstree.img")  # CRIU writes both on every dump
 
 _REQUIRED: dict[str, type | tuple[type, ...]] = {
@@ -288,10 +289,22 @@ def parse(data: bytes, origin: str) -> dict[str, Any]:
         raise CorruptCheckpointError(f"{origin}: {e}") from e
 
 
+def mark_damaged(images_dir: Path, why: str) -> None:
+    """A sealed checkpoint that nothing can make whole (its own records of its GPU data are
+    malformed, packing.py): every later read refuses it with why, and it can only be removed."""
+    atomic_write(images_dir / DAMAGED, why.encode() + b"\n")
+
+
 def read(images_dir: Path) -> dict[str, Any]:
     path = images_dir / MANIFEST
     if not images_dir.is_dir():
         raise NotFoundError(f"no checkpoint directory {images_dir}")
+    try:
+        why = (images_dir / DAMAGED).read_text(errors="replace").strip()
+    except FileNotFoundError:
+        pass
+    else:
+        raise CorruptCheckpointError(f"{images_dir} is damaged and can only be removed: {why}")
     try:
         data = path.read_bytes()
     except FileNotFoundError:

@@ -6,6 +6,11 @@ until its pack names those chunks. If the pack fails, or is interrupted (Ctrl-C)
 parts are filled in from the store before the error is raised, so the directory stands on its
 own, unpacked. If torpor dies (SIGKILL, a power cut), its journal entry (kind "pack",
 journal.py) stays, and the next torpor command or torpord fills them in (finish_interrupted).
+Until then `torpor rm` and `gc` refuse: they could take the chunks the holes need. Only a
+checkpoint whose own records of its GPU data are malformed (DamagedRecordsError: its agent
+runs inside the program, which can write them) is given up on: no retry could say what its
+holes are, and its entry must not hold the shared store's rm and gc off for good. It is marked
+damaged (manifest.mark_damaged), and every later read of it says why.
 Used by `torpor checkpoint --store` (process.py) and torpor-runtime (runtime/checkpoint.py).
 """
 
@@ -17,7 +22,7 @@ from typing import Any
 
 from . import interrupts, manifest
 from .config import Config
-from .errors import ExitCode, TorporError
+from .errors import DamagedRecordsError, ExitCode, TorporError
 from .journal import Entry, Journal
 from .progress import human_bytes
 from .store import Store, fingerprints, images
@@ -44,6 +49,12 @@ def pack(journal: Journal, store: Store, images_dir: Path, name: str, owner: str
         with interrupts.deferred():       # a second Ctrl-C must not stop the fill
             try:
                 stand_alone(store, images_dir, owner, checksums)
+            except DamagedRecordsError as f:
+                if op is not None:
+                    op.close()            # nothing for recovery to try again
+                raise DamagedRecordsError(
+                    f"storing {images_dir} as {name}: " + ("" if str(f) == why else f"{why}; ")
+                    + give_up(images_dir, f)) from e
             except (TorporError, OSError) as f:
                 if op is not None:
                     op.release()          # kept: recovery tries again
@@ -92,12 +103,24 @@ def stand_alone(store: Store, images_dir: Path, owner: str, checksums: bool) -> 
     return filled
 
 
+def give_up(images_dir: Path, e: DamagedRecordsError) -> str:
+    """Mark a checkpoint that cannot be made whole damaged; what became of it, for a message."""
+    manifest.mark_damaged(images_dir, f"its GPU data lacks parts that only its own records "
+                                      f"could say, and they are damaged: {e}")
+    return (f"it cannot be made whole: {e}; it is marked damaged ({manifest.DAMAGED}) and can "
+            "only be removed")
+
+
 def finish_interrupted(cfg: Config, entry: Entry) -> list[str]:
     """Recovery of a pack whose torpor died: its directory made whole (stand_alone)."""
     images_dir = Path(entry.images_dir)
     if not entry.images_dir or not images_dir.is_dir() or images.is_packed(images_dir):
         return []
-    filled = stand_alone(Store(cfg.store_dir), images_dir, entry.store_owner, cfg.checksums)
+    try:
+        filled = stand_alone(Store(cfg.store_dir), images_dir, entry.store_owner, cfg.checksums)
+    except DamagedRecordsError as e:
+        return [f"the checkpoint in {images_dir}, whose pack into the image store was "
+                "interrupted: " + give_up(images_dir, e)]
     return [f"the checkpoint in {images_dir}, whose pack into the image store was interrupted, "
             "is complete, not packed" + (f" ({human_bytes(filled)} of GPU data its agents "
                                         "skipped filled in from the store)" if filled else "")]

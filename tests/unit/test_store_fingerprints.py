@@ -389,6 +389,61 @@ def test_gc_waits_for_a_pack_its_recovery_could_not_finish(gpu, probe, tmp_path)
     assert {b.name for b in store.backend.blobs()} == before and fingerprints.any_skipped(two)
 
 
+def _garble_index(two: Path) -> None:
+    """What a program can do to its own agent's index (the agent runs inside it)."""
+    index = next((two / bulk.DATA_DIR).glob(f"*/{bulk.INDEX}"))
+    header, first, rest = index.read_text().split("\n", 2)
+    index.write_text(f"{header}\n{first[:-1]}7\n{rest}")    # skipped: neither 0 nor 1
+
+
+def test_a_pack_whose_index_the_program_garbled_is_given_up_not_retried(
+        gpu, probe, tmp_path):
+    """No retry could say what the holes of a checkpoint with a damaged index are: its pack
+    fails, it is marked damaged, and nothing is left for recovery to hold rm and gc off with."""
+    from torpor import process
+    from torpor.engine import Engine
+    from torpor.errors import DamagedRecordsError
+
+    p, ab, store, two, cfg = _skipping_checkpoint(gpu, probe, tmp_path)
+    _garble_index(two)
+    engine = Engine(cfg)
+    with pytest.raises(DamagedRecordsError, match=r"storing .* as two: it cannot be made whole: "
+                                                  r".*line 2: malformed.*marked damaged"):
+        process.store_checkpoint(engine, store, two, "two", OWNER)
+    assert list(engine.journal.orphans()) == []
+    with pytest.raises(CorruptCheckpointError, match="is damaged and can only be removed: its "
+                                                     "GPU data lacks parts"):
+        manifest.read(two)
+    assert list(store.backend.snapshots()) == ["one"]
+    r = ctl_fds(p.sock, "abort")              # its parts still holes: the agent refuses them
+    assert not r["ok"] and "fingerprint" in r["error"], r
+    os.kill(p.pid, 0)                         # held, not gone
+
+
+def test_gc_goes_on_once_a_dead_packs_checkpoint_is_found_damaged(gpu, probe, tmp_path):
+    """A dead torpor's pack whose index is then garbled: the next command gives that
+    checkpoint up, says so, and gc runs (before, the entry refused rm and gc for good)."""
+    import subprocess
+    import sys
+
+    from torpor.engine import Engine
+
+    p, ab, store, two, cfg = _skipping_checkpoint(gpu, probe, tmp_path)
+    op = Engine(cfg).journal.begin("pack", [])
+    op.phase("pack", images_dir=str(two), store_owner=OWNER)
+    op.release()                                         # its torpor is gone
+    _garble_index(two)
+    env = {**os.environ, **gpu.env(), "TORPOR_STATE_DIR": str(tmp_path / "state"),
+           "TORPOR_STORE_DIR": str(store.backend.root), "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run(torpor_cmd("gc"), env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and "was interrupted: it cannot be made whole" in r.stderr \
+        and "marked damaged" in r.stderr and "removed" in r.stdout, (r.stdout, r.stderr)
+    assert Engine(cfg).recover() == []
+    r = subprocess.run(torpor_cmd("restore", "-D", str(two)), env=env, capture_output=True,
+                       text=True)
+    assert r.returncode == 9 and "is damaged and can only be removed" in r.stderr, r.stderr
+
+
 def test_fingerprints_are_the_owners_own(probe, tmp_path):
     """The agent runs in the program: it is handed only its owner's fingerprints, and its
     index resolves only against them, so no program learns of, or gets, another's chunks."""

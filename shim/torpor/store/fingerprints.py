@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from .. import bulk
-from ..errors import CorruptCheckpointError, TorporError
+from ..errors import CorruptCheckpointError, DamagedRecordsError, TorporError
 from ..files import fsync_dir
 from .backend import BLOB_NAME
 from .snapshot import FINGERPRINT
@@ -112,10 +112,10 @@ def _lines(text: str, origin: str, sizes: list[int], header: str, what: str,
            make: Callable[[list[str]], Part | Streamed]) -> list[Any]:
     """The records of an index or a stream record (header, then one a line; make builds one
     from its fields or raises ValueError), each checked against the data files' sizes;
-    CorruptCheckpointError when any line is malformed or points outside its file."""
+    DamagedRecordsError when any line is malformed or points outside its file."""
     lines = text.splitlines()
     if not lines or lines[0] != header:
-        raise CorruptCheckpointError(f"{origin}: not a {what} ({header!r})")
+        raise DamagedRecordsError(f"{origin}: not a {what} ({header!r})")
     parts = []
     for n, line in enumerate(lines[1:], 2):
         try:
@@ -125,7 +125,7 @@ def _lines(text: str, origin: str, sizes: list[int], header: str, what: str,
                     and p.offset + p.store_len <= sizes[p.file]):
                 raise ValueError
         except ValueError:
-            raise CorruptCheckpointError(f"{origin}, line {n}: malformed or outside the data "
+            raise DamagedRecordsError(f"{origin}, line {n}: malformed or outside the data "
                                          f"files: {line[:120]!r}") from None
         parts.append(p)
     return parts
@@ -170,7 +170,9 @@ def _read(path: Path, sizes: list[int], parser: Callable[[str, str, list[int]], 
         text = path.read_text()
     except FileNotFoundError:
         return None
-    except (OSError, UnicodeDecodeError) as e:
+    except UnicodeDecodeError as e:
+        raise DamagedRecordsError(f"{path}: not text ({e})") from None
+    except OSError as e:           # an I/O error may pass: not damaged for good
         raise CorruptCheckpointError(f"{path}: unreadable ({e})") from None
     return parser(text, str(path), sizes)
 
@@ -189,13 +191,10 @@ def has_skipped(data_dir: Path) -> bool:
     """Does the program in data_dir have parts still to fill (fill): skipped, or streamed?"""
     if os.path.lexists(data_dir / bulk.STREAMED):
         return True
-    try:
-        text = (data_dir / bulk.INDEX).read_text()
-    except FileNotFoundError:
+    if not os.path.lexists(data_dir / bulk.INDEX):
         return False
-    except (OSError, UnicodeDecodeError) as e:
-        raise CorruptCheckpointError(f"{data_dir / bulk.INDEX}: unreadable ({e})") from None
-    return any(line.endswith(" 1") for line in text.splitlines()[1:])
+    sizes = [(data_dir / bulk.file_name(k)).stat().st_size for k in range(_file_count(data_dir))]
+    return any(p.skipped for p in read(data_dir, sizes) or ())
 
 
 def any_skipped(images_dir: Path) -> bool:
