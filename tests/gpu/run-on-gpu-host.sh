@@ -11,8 +11,10 @@
 # driver path, PODMAN_BENCH_SIZES="1 4 16" the podman path, AGENT_BENCH_SIZES="1 16" the
 # in-process agent against the driver path (bench/agent_path.py), STORE_BENCH_SIZES="16" the
 # agent + image store against the driver path + CRIU (bench/store_e2e.py, training and
-# inference programs, or STORE_BENCH_KINDS; more arguments in STORE_BENCH_ARGS, e.g. --no-ends; bench/criu_share.py at CRIU_SHARE_MIB, default 8192, 0 for none); TESTS=0 skips the
-# tests.
+# inference programs, or STORE_BENCH_KINDS; more arguments in STORE_BENCH_ARGS, e.g. --no-ends;
+# bench/criu_share.py at CRIU_SHARE_MIB, default 8192, 0 for none); CHUNK_WRITES_GIB=16 how fast
+# chunks become durable on the disk (bench/chunk_writes.py, CHUNK_WRITES_THREADS); TESTS=0
+# skips the tests.
 set -uo pipefail
 cd "$(dirname "$(readlink -f "$0")")/../.."
 OUT="${OUT:-/tmp/torpor-out}"; mkdir -p "$OUT"
@@ -70,6 +72,10 @@ if [[ -n "${STORE_BENCH_SIZES:-}" ]]; then
             --disk /var/tmp/torpor-criu-bench --out "$OUT/criu_share.json" 2>&1 \
             | tee "$OUT/criu-share.txt"
     fi
+fi
+if [[ -n "${CHUNK_WRITES_GIB:-}" ]]; then
+    python3 bench/chunk_writes.py --gib "$CHUNK_WRITES_GIB" --threads ${CHUNK_WRITES_THREADS:-16} \
+        --root /var/tmp/torpor-cw --out "$OUT/chunk_writes.json" 2>&1 | tee "$OUT/chunk-writes.txt"
 fi
 # torpor's logs as one file: the device tool brings back at most 8 files, and four logs beside
 # the results once crowded out store_e2e.json
