@@ -109,6 +109,8 @@ static struct {
 	size_t nchunks;
 	int nfiles;
 	unsigned long long bytes, file_size[MAX_FILES];
+	size_t dev_first[MAX_DEVICES]; /* the first chunk of each device the chunks hold, in order */
+	int ndevs;
 	int pending;   /* saved and (some) dropped: a load is owed */
 	int in_memory; /* the sinks are regions of the agent's memory, not files */
 	unsigned char *region[MAX_FILES];
@@ -401,6 +403,8 @@ static int plan_build(int nfiles, size_t align)
 
 		c->file_off = round_up(off[c->file], align);
 		off[c->file] = c->file_off + c->len;
+		if ((j == 0 || c->dev != plan.chunks[j - 1].dev) && plan.ndevs < MAX_DEVICES)
+			plan.dev_first[plan.ndevs++] = j;
 	}
 	memcpy(plan.file_size, off, sizeof(off));
 	return 0;
@@ -1154,6 +1158,30 @@ static int save_one(struct worker *w, struct chunk *c, const unsigned char *buf)
 	return 0;
 }
 
+/* Worker k moves the chunks j = k (mod nfiles): worker_count of them, its i-th being chunk
+ * worker_chunk(k, i). The chunks are sorted by device (by_device), so taken in order every
+ * worker would copy from the first GPU, then all from the second: one PCIe link busy at a
+ * time. Instead worker k starts at its first chunk of device k mod ndevs and wraps around,
+ * so the workers spread over every GPU from the start and move their memory at once. */
+static size_t worker_count(int k)
+{
+	return (size_t)k < plan.nchunks ? (plan.nchunks - k + plan.nfiles - 1) / plan.nfiles : 0;
+}
+
+static size_t worker_chunk(int k, size_t i)
+{
+	size_t n = worker_count(k), first = 0;
+
+	if (plan.ndevs > 1) {
+		size_t at = plan.dev_first[k % plan.ndevs];  /* its first chunk at or after that */
+
+		first = at > (size_t)k ? (at - k + plan.nfiles - 1) / plan.nfiles : 0;
+		if (first >= n)
+			first = 0;
+	}
+	return k + ((first + i) % n) * plan.nfiles;
+}
+
 /* Copies chunk after chunk into the two buffers in turn; the previous chunk is written while
  * the next one copies. */
 static void *save_main(struct worker *w)
@@ -1162,8 +1190,8 @@ static void *save_main(struct worker *w)
 	CUstream prev_s = NULL;
 	int cur = 0;
 
-	for (size_t j = w->k; j < plan.nchunks && !failed; j += plan.nfiles) {
-		struct chunk *c = &plan.chunks[j];
+	for (size_t i = 0, n = worker_count(w->k); i < n && !failed; i++) {
+		struct chunk *c = &plan.chunks[worker_chunk(w->k, i)];
 		CUstream s[2];
 
 		if (use_device(w, c->dev, s) || copy_chunk(w, c, w->buf[cur], s[cur], 1))
@@ -1184,7 +1212,8 @@ static void *load_main(struct worker *w)
 	CUstream s[2];
 	int cur = 0;
 
-	for (size_t j = w->k; j < plan.nchunks && !failed; j += plan.nfiles) {
+	for (size_t i = 0, n = worker_count(w->k); i < n && !failed; i++) {
+		size_t j = worker_chunk(w->k, i);
 		struct chunk *c = &plan.chunks[j];
 		uint64_t sums[PARTS] = { 0 };
 		int q;
@@ -1351,8 +1380,13 @@ static void *worker_main(void *arg)
 	gate_agent_thread();
 	/* a context current before the staging memory is registered (CUDA_ERROR_INVALID_CONTEXT
 	 * otherwise: this thread is new) */
-	if (active && use_device(w, plan.chunks[w->k].dev, s) == 0)
-		ready = staging_get(w) == 0;
+	if (active) {
+		int dev = plan.chunks[worker_chunk(w->k, 0)].dev;
+
+		pr_debug("mover %d: %zu chunks, from device %d's", w->k, worker_count(w->k), dev);
+		if (use_device(w, dev, s) == 0)
+			ready = staging_get(w) == 0;
+	}
 	w->staging_ms = now_ms() - t0;
 	if (plan.in_memory)
 		pinned_wait();

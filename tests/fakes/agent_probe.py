@@ -17,6 +17,8 @@ Doors, the way a command reaches a driver function:
 Commands (a command written "@name" first makes init's context current in its thread, as the
 CUDA runtime does in every thread it runs in; untimed):
   init                          cuInit, cuDeviceGet 0, cuCtxCreate_v2   -> "ctx"
+  ctx DEV DOOR                  cuDeviceGet DEV, cuCtxCreate_v2: "@" commands use it from now
+                                on (a program with several GPUs)        -> "ctx"
   alloc BYTES DOOR              cuMemAlloc                              -> "ptr"
   pitch WIDTH HEIGHT ELEM DOOR  cuMemAllocPitch                         -> "ptr", "pitch"
   free PTR DOOR                 cuMemFree
@@ -250,11 +252,12 @@ class Probe:
                 rc = self.memory(doc, cmd, args, door, call)
             except CallFailed as e:
                 rc, doc["failed"] = e.rc, e.base
-        elif cmd == "init":
-            rc = call(self.func("cuInit", door), 0)
+        elif cmd in ("init", "ctx"):
+            rc = call(self.func("cuInit", door), 0) if cmd == "init" else 0
             dev, ctx = ctypes.c_int(), ctypes.c_void_p()
             if rc == 0:
-                rc = call(self.func("cuDeviceGet", door), ctypes.byref(dev), 0)
+                rc = call(self.func("cuDeviceGet", door), ctypes.byref(dev),
+                          int(args[0]) if cmd == "ctx" else 0)
             if rc == 0:
                 rc = call(self.func("cuCtxCreate", door), ctypes.byref(ctx), 0, dev)
             doc["ctx"] = self.ctx = ctx.value

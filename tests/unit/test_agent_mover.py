@@ -143,6 +143,31 @@ def test_prepare_moves_memory_out_and_resume_brings_it_back(gpu, probe, tmp_path
     assert _gpu_mem(gpu, p) == held - own_size - 64 * MIB
 
 
+def test_a_program_on_two_gpus_has_both_moved_with_the_movers_spread_over_them(gpu, probe,
+                                                                              tmp_path):
+    """Issue 6: one program, memory on two GPUs. Both GPUs' memory goes out and comes back,
+    and the movers start on different GPUs (the chunks are sorted by device: taken in order,
+    every mover would copy from GPU 0 first, one PCIe link at a time)."""
+    import re
+
+    p = probe()
+    assert p.call("init dlsym")["rc"] == 0
+    mem = {0: p.call(f"@alloc {128 * MIB} dlsym")["ptr"]}
+    assert p.call("ctx 1 dlsym")["rc"] == 0          # the program's second GPU
+    mem[1] = p.call(f"@alloc {128 * MIB} dlsym")["ptr"]
+    for dev, ptr in mem.items():
+        assert p.call(f"@fill {ptr} {128 * MIB} {dev + 7}")["rc"] == 0
+    files = Files(tmp_path / "data", 2)
+    r = files.send(p.sock, "prepare 5000", write=True)
+    assert r["ok"] and r["bytes"] == 256 * MIB and r["allocations"] == 2, r
+    starts = dict(re.findall(r"mover (\d+): \d+ chunks, from device (\d+)'s", p.stderr()))
+    assert starts == {"0": "0", "1": "1"}, p.stderr()[-2000:]
+    r = files.send(p.sock, "resume", write=False)
+    assert r["ok"] and r["bytes"] == 256 * MIB, r
+    for dev, ptr in mem.items():
+        assert p.call(f"@check {ptr} {128 * MIB} {dev + 7}")["ok"], dev
+
+
 def test_an_allocation_that_goes_away_changes_only_its_own_chunk_in_the_store(gpu, probe,
                                                                               tmp_path):
     """The files' layout follows device addresses: when an allocation below the others goes
