@@ -506,3 +506,15 @@ def test_without_the_kernel_a_streamed_reload_takes_the_skipped_parts_as_torpor_
         back = _resume_streamed(p, store, two, nfiles=1, skipped=by_fp)
     assert back["bytes"] == 16 * MIB
     assert p.status()["state"] == "running" and _intact(p, mem)
+
+
+def test_the_feed_spreads_its_parts_over_the_programs_memory():
+    """Parts in flight come from all over the agent's chunk order (sorted by GPU), each once."""
+    parts = [stream.Source(k, i * fingerprints.PART, [None, 1]) for k in range(3)
+             for i in range(10)]                  # 3 files of 10 parts: 30 in chunk order
+    order = stream.spread(parts, 4)
+    assert sorted(order, key=lambda p: (p.file, p.offset)) == parts
+    chunk = [(p.offset // fingerprints.PART) * 3 + p.file for p in order]
+    assert chunk[:4] == [0, 8, 16, 24] and chunk[4:8] == [1, 9, 17, 25], chunk
+    assert stream.spread(parts, 1) == sorted(parts, key=lambda p: (p.offset, p.file))
+    assert stream.spread([], 16) == []

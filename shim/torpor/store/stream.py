@@ -325,6 +325,19 @@ def sources(doc: dict[str, Any], prog_rel: str, count: int) -> list[Source]:
     return out
 
 
+def spread(parts: list[Source], ways: int) -> list[Source]:
+    """parts in the order to feed them, ways at a time: in the agent's chunk order (part i of
+    each file in turn: mover.c deals its chunks out to the files in turn) cut into `ways`
+    stretches, then one part of each stretch in turn. The agent's chunks are sorted by GPU, so
+    in plain order every part in flight would be for one GPU at a time; spread, the parts in
+    flight come from all over the program's memory, and a program on several GPUs has each of
+    them loaded at once (issue 6), as the agent's own movers do from files."""
+    ordered = sorted(parts, key=lambda p: (p.offset, p.file))
+    step = max(1, -(-len(ordered) // max(1, ways)))    # ceil: stretches of step parts
+    stretches = [ordered[b:b + step] for b in range(0, len(ordered), step)]
+    return [s[i] for i in range(step) for s in stretches if i < len(s)]
+
+
 def feed(store: Store, ring: Ring, parts: Iterable[Source], where: str) -> int:
     """Send every part to the agent through the ring (its `resume stream` runs meanwhile), each
     chunk read from the store straight into a free slot and verified there; then EOF. Returns,
@@ -389,7 +402,8 @@ def feed(store: Store, ring: Ring, parts: Iterable[Source], where: str) -> int:
     try:
         with store.backend.lock(False, store.lock_timeout), \
                 concurrent.futures.ThreadPoolExecutor(store.workers, "torpor-feed") as pool:
-            futures = [pool.submit(send, p) for p in parts if p.ref[1]]
+            futures = [pool.submit(send, p)
+                       for p in spread([p for p in parts if p.ref[1]], store.workers)]
             try:
                 for f in futures:
                     total += f.result()
