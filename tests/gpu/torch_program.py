@@ -27,6 +27,10 @@ step after, with static input and target tensors the step's data is copied into.
 caching allocator keeps them reserved but unused (a program whose allocator caches as much as
 it uses). The allocator's configuration (PYTORCH_CUDA_ALLOC_CONF, e.g. expandable_segments:True)
 comes from the environment and is recorded in the status.
+
+--stall-file PATH: while PATH exists, each step first keeps the GPU busy for about STALL_S
+seconds (torch.cuda._sleep, a kernel that only spins; the results do not change), counted in
+the status's "stalls": a program whose work in flight outlasts a driver lock's timeout.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ SLICE_BYTES = 256 << 20  # one checksum covers 256 MiB
 WIDTH, BATCH = 1024, 256
 GRAPH_WARMUP = 3         # eager steps before --graphs captures the step
 RATE_FROM = 20           # steps_per_s counts from this step on
+STALL_S = 4.0            # --stall-file: the GPU kept busy this long a step
 
 
 def allocator_backend() -> str:
@@ -102,6 +107,8 @@ def main(argv=None) -> int:
                    help="capture the training step in a CUDA graph and replay it")
     p.add_argument("--cache-gib", type=float, default=0.0,
                    help="GiB allocated and freed at start: left reserved in the allocator cache")
+    p.add_argument("--stall-file", help="while this file exists, each step first keeps the GPU "
+                   f"busy for about {STALL_S:g} s")
     args = p.parse_args(argv)
 
     torch.use_deterministic_algorithms(True)
@@ -161,8 +168,13 @@ def main(argv=None) -> int:
     step, rate_t0 = 0, time.perf_counter()
     with open(args.steps_file, "a"):  # create it up front; each step reopens it (see append)
         pass
+    state["stalls"] = 0
     while not args.max_steps or step < args.max_steps:
         step += 1
+        if args.stall_file and os.path.exists(args.stall_file):
+            state["stalls"] += 1
+            torch.cuda._sleep(int(STALL_S * 2e9))   # cycles (~2 GHz); in flight till .item()
+            write_status(args.status, state)
         data_gen.manual_seed(args.seed * 1_000_003 + step)  # data depends on (seed, step) only
         x = torch.randn(BATCH, WIDTH, device=device, generator=data_gen)
         y = torch.tanh(teacher(x))
