@@ -42,6 +42,14 @@ class Inventory:
     def memory_of(self, pid: int) -> int:
         return sum(p.used_memory for p in self.processes if p.pid == pid)
 
+    def memory_by_gpu(self, pid: int) -> dict[str, int]:
+        """What pid holds on each of its GPUs (a program on several rarely holds the same)."""
+        out: dict[str, int] = {}
+        for p in self.processes:
+            if p.pid == pid:
+                out[p.gpu_uuid] = out.get(p.gpu_uuid, 0) + p.used_memory
+        return out
+
 
 def _text(v: object) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)

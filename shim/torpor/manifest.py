@@ -11,6 +11,8 @@ Schema (version 1), all keys always present:
   leave_running     whether the program kept running after the dump
   gpus              [{"uuid", "name", "memory_total", "index"}]  (those the processes used)
   processes         [{"pid", "comm", "cuda", "gpus": [uuid], "gpu_memory", "state"}]
+                    (optional "gpu_memory_by_gpu": {uuid: bytes}, NVML's figure on each GPU:
+                    a restore's pre-flight needs it per target GPU, placement.py)
   timings           {phase: seconds}
   sizes             {"total": bytes, "gpu_memory": bytes}
   files             {relative path: {"size": bytes, "sha256": [hex per 64 MiB block] or null}}
@@ -225,6 +227,11 @@ def validate(m: Any) -> dict[str, Any]:
         _fields("process", p, {"pid": int, "cuda": bool, "gpus": list, "gpu_memory": int})
         if not all(isinstance(u, str) for u in p["gpus"]):
             raise CorruptCheckpointError("manifest process entry has a malformed GPU list")
+        by_gpu = p.get("gpu_memory_by_gpu", {})
+        if not isinstance(by_gpu, dict) or not all(
+                isinstance(u, str) and isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                for u, n in by_gpu.items()):
+            raise CorruptCheckpointError("manifest process field 'gpu_memory_by_gpu' is malformed")
     for g in m["gpus"]:
         _fields("GPU", g, {"uuid": str, "name": str, "memory_total": int})
     for g in m["gpus"]:

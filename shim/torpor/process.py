@@ -187,6 +187,7 @@ def _manifest(tool: criu.Criu, inv: gpus.Inventory | None, engine: Engine, comms
     processes = [{"pid": p, "comm": comm,
                   "cuda": p in states, "gpus": inv.gpus_of(p) if inv and p in states else [],
                   "gpu_memory": inv.memory_of(p) if inv and p in states else 0,
+                  "gpu_memory_by_gpu": inv.memory_by_gpu(p) if inv and p in states else {},
                   "state": states[p].name if p in states else None} for p, comm in comms.items()]
     return {
         "schema": manifest.SCHEMA, "kind": "torpor-checkpoint",

@@ -75,6 +75,7 @@ def test_gpu_process_roundtrip_with_device_map(torpor, gpu, tmp_path, reaper):
     checkpointed_and_reaped(prog)
     (proc,) = m["processes"]
     assert proc["cuda"] and proc["gpus"] == [gpu.uuid(0)] and proc["gpu_memory"] == 3 << 30
+    assert proc["gpu_memory_by_gpu"] == {gpu.uuid(0): 3 << 30}      # per GPU: restore's pre-flight
     assert m["gpus"][0]["uuid"] == gpu.uuid(0) and {"lock", "checkpoint", "dump"} <= set(m["timings"])
     assert [c.call for c in gpu.calls() if c.pid == prog.pid][-2:] == ["lock", "checkpoint"]
     tick = prog.tick()

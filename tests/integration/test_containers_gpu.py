@@ -223,7 +223,8 @@ def test_podman_export_import_same_gpu(podman, gpu, daemon, name, base, running)
     m = _manifest_in_tar(archive)
     assert m["container"]["minors"] == [0] and m["container"]["visible"] == [gpu.uuid(0)]
     assert [g["uuid"] for g in m["gpus"]] == [gpu.uuid(0)]
-    assert [(p["cuda"], p["gpu_memory"]) for p in m["processes"]] == [(True, 2 * GIB)]
+    assert [(p["cuda"], p["gpu_memory"], p["gpu_memory_by_gpu"]) for p in m["processes"]] \
+        == [(True, 2 * GIB, {gpu.uuid(0): 2 * GIB})]          # through torpord's CudaProcess
     assert m["files"]["pstree.img"]["sha256"]
     tick = w.tick()
     podman.rm(name)

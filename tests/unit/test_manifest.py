@@ -97,6 +97,9 @@ def test_unlisted_or_missing_required_images_are_refused(tmp_path):
 @pytest.mark.parametrize("patch", [{"sizes": {}}, {"gpus": [{"uuid": "GPU-x"}]},
                                    {"processes": [{"pid": 1, "cuda": True, "gpus": "GPU-x",
                                                    "gpu_memory": 0}]},
+                                   {"processes": [{"pid": 1, "cuda": True, "gpus": ["GPU-x"],
+                                                   "gpu_memory": 0,
+                                                   "gpu_memory_by_gpu": {"GPU-x": "1 GiB"}}]},
                                    {"timings": {"dump": "fast"}}])
 def test_malformed_fields_are_corrupt_not_crashes(patch):
     with pytest.raises(CorruptCheckpointError):

@@ -51,3 +51,33 @@ def test_parse_device_map():
     for bad in ["x", "=y", "x="]:
         with pytest.raises(UsageError):
             parse_device_map([bad])
+
+
+def _two_gpu_program(by_gpu: bool) -> dict:
+    """One process on GPUs A and B holding 100 GiB on A and 1 GiB on B."""
+    p = {"pid": 1, "cuda": True, "gpus": [A, B], "gpu_memory": 101 * GIB}
+    if by_gpu:
+        p["gpu_memory_by_gpu"] = {A: 100 * GIB, B: 1 * GIB}
+    return {"gpus": [{"uuid": u, "name": "NVIDIA H200", "memory_total": 141 * GIB} for u in (A, B)],
+            "processes": [p]}
+
+
+def test_a_program_on_two_gpus_is_placed_by_what_it_held_on_each():
+    """Issue 6: each of its GPUs goes where what the program held on it fits; GPU A's 100 GiB
+    cannot go onto a GPU with 60 free, B's 1 GiB can, and a GPU is used once."""
+    inv = _inv((A, "NVIDIA H200", 60), (B, "NVIDIA H200", 130))
+    assert plan(_two_gpu_program(True), inv, {}) == {A: B, B: A}
+    with pytest.raises(PreflightError, match="has 60.00 GiB free, the checkpoint needs 100.00 GiB"):
+        plan(_two_gpu_program(True), inv, {A: A, B: B})
+    # a checkpoint without the per-GPU figures (before torpor recorded them): an even split
+    assert plan(_two_gpu_program(False), inv, {}) == {A: A, B: B}
+
+
+def test_two_gpus_of_a_checkpoint_never_share_one():
+    inv = _inv((A, "NVIDIA H200", 130), (B, "NVIDIA H200", 130))
+    with pytest.raises(UsageError, match="sends two GPUs of the checkpoint to"):
+        plan(_two_gpu_program(True), inv, {A: B, B: B})
+    one = _inv((A, "NVIDIA H200", 130))           # room for both, but one GPU
+    with pytest.raises(PreflightError, match="no GPU here can take NVIDIA H200 .*0000000002 "
+                                             r"\(GPU .*0000000002 is not on this host"):
+        plan(_two_gpu_program(True), one, {})

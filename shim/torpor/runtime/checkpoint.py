@@ -214,7 +214,9 @@ def _draft(cid: str, spec: dict[str, Any], use: oci.GpuUse, ck: dict[str, Any], 
                  "index": g.index, "minor": g.minor}
                 for g in (inv.gpus if inv else []) if g.uuid in used]
     processes = [{"pid": p["pid"], "comm": _comm(p["pid"]), "cuda": True, "gpus": p["gpu_uuids"],
-                  "gpu_memory": int(p["gpu_memory"]), "state": p["state"]} for p in cuda]
+                  "gpu_memory": int(p["gpu_memory"]),
+                  "gpu_memory_by_gpu": {u: int(n) for u, n in p["gpu_memory_by_gpu"].items()},
+                  "state": p["state"]} for p in cuda]
     draft = {
         "schema": manifest.SCHEMA, "kind": "torpor-checkpoint",
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -121,7 +121,8 @@ class Client:
         (their sockets in agent_container_id's agent directory). fingerprints: "skip" (the
         agents skip what torpord's image store holds; hold its lock until the pack) or "index"
         (fingerprinted only: the program is left running), "" none.
-        Returns {op_id, pids, cuda_processes: [{pid, state, gpu_uuids, gpu_memory}], timings,
+        Returns {op_id, pids, cuda_processes: [{pid, state, gpu_uuids, gpu_memory,
+        gpu_memory_by_gpu}], timings,
         deadline, container_id, agents: [{pid, nspid, files, bytes, chunks, allocations,
         cache_released, seconds}]}."""
         req = self.pb.LockAndCheckpointRequest(pids=list(pids), container_id=container_id,

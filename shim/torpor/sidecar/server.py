@@ -309,7 +309,8 @@ class Service:
     def _cuda_process(self, pid: int, state: ProcessState, inv: gpus.Inventory | None) -> Any:
         return self.pb.CudaProcess(pid=pid, state=state.name,
                                    gpu_uuids=inv.gpus_of(pid) if inv else [],
-                                   gpu_memory=inv.memory_of(pid) if inv else 0)
+                                   gpu_memory=inv.memory_of(pid) if inv else 0,
+                                   gpu_memory_by_gpu=inv.memory_by_gpu(pid) if inv else {})
 
     # -- containers -------------------------------------------------------------------------------
     @_rpc
