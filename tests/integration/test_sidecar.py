@@ -199,7 +199,8 @@ def test_lock_checkpoint_then_rollback(daemon, gpu, prog):
         r = c.lock_and_checkpoint([prog.pid])
         assert r["op_id"] and r["pids"] == [prog.pid]
         assert r["cuda_processes"] == [{"pid": prog.pid, "state": "RUNNING",
-                                        "gpu_uuids": [gpu.uuid(0)], "gpu_memory": 2 * GIB}]
+                                        "gpu_uuids": [gpu.uuid(0)], "gpu_memory": 2 * GIB,
+                                        "gpu_memory_by_gpu": {gpu.uuid(0): 2 * GIB}}]
         assert set(r["timings"]) == {"lock", "checkpoint"}
         assert gpu.state(prog.pid)["state"] == CHECKPOINTED
         assert stalled(prog)
