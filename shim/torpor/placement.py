@@ -2,10 +2,12 @@
 
 Rules, per GPU of the checkpoint (the one that held the most first): an explicit OLD=NEW map
 wins; else the same UUID when it is present with enough free memory and no other GPU of the
-checkpoint went there; else another GPU of the same model with the most free memory. Every
-target is used once: a program's GPUs each need one of their own. A target must be the same
-model and have at least the GPU memory the checkpoint's processes held on it (per GPU, as
-NVML told at the checkpoint: need_per_gpu). Anything else is a PreflightError.
+checkpoint went there; else another GPU of the same model with the most free memory, one that
+no other GPU of the checkpoint went to where one fits. A target must be the same model and
+have room for what the checkpoint's processes held on every GPU placed on it (per GPU, as NVML
+told at the checkpoint: need_per_gpu). Two GPUs that one process used never share a target:
+its GPUs each need one of their own (the processes of a job, one GPU each, may share one).
+Anything else is a PreflightError.
 """
 
 from __future__ import annotations
@@ -50,11 +52,9 @@ def plan(m: Mapping[str, Any], inv: Inventory, explicit: Mapping[str, str]) -> d
         if old not in saved:
             raise UsageError(f"--device-map names {old}, which is not a GPU of this checkpoint "
                              f"(its GPUs: {', '.join(saved) or 'none'})")
-    twice = {n for n in explicit.values() if list(explicit.values()).count(n) > 1}
-    if twice:
-        raise UsageError(f"--device-map sends two GPUs of the checkpoint to {min(twice)}: a "
-                         "program's GPUs each need one of their own")
     need = need_per_gpu(m)
+    together = [set(p.get("gpus") or []) for p in m["processes"]]   # a process's own GPUs
+    taken: dict[str, int] = {}    # target uuid -> bytes promised
     out: dict[str, str] = {}
 
     def fits(uuid: str, old: str) -> str | None:
@@ -63,28 +63,38 @@ def plan(m: Mapping[str, Any], inv: Inventory, explicit: Mapping[str, str]) -> d
             return f"GPU {uuid} is not on this host"
         if g.name != saved[old]["name"]:
             return f"GPU {uuid} is a {g.name}, the checkpoint ran on a {saved[old]['name']}"
-        if g.memory_free < need.get(old, 0):
-            return (f"GPU {uuid} has {human_bytes(g.memory_free)} free, the checkpoint needs "
+        shared = [o for o, n in out.items() if n == uuid and any({o, old} <= t for t in together)]
+        if shared:
+            return (f"GPU {uuid} takes {shared[0]} already, and one process used both: its "
+                    "GPUs each need one of their own")
+        free = g.memory_free - taken.get(uuid, 0)
+        if free < need.get(old, 0):
+            return (f"GPU {uuid} has {human_bytes(free)} free, the checkpoint needs "
                     f"{human_bytes(need.get(old, 0))}")
         return None
+
+    def place(old: str, new: str) -> None:
+        out[old] = new
+        taken[new] = taken.get(new, 0) + need.get(old, 0)
 
     for old, new in explicit.items():
         why = fits(new, old)
         if why:
             raise PreflightError(f"cannot restore onto {new}: {why}")
-        out[old] = new
-    # each GPU of the checkpoint onto a GPU of its own: the one that held most first, onto
-    # itself where it fits, else the free one of its model with the most memory free
+        place(old, new)
+    # the GPU that held the most first: onto itself where it fits, else onto the GPU of its
+    # model with the most memory free, one no other GPU of the checkpoint went to if any fits
     for old in sorted((o for o in saved if o not in out), key=lambda o: -need.get(o, 0)):
-        if old not in out.values() and fits(old, old) is None:
-            out[old] = old
+        if fits(old, old) is None and old not in out.values():
+            place(old, old)
             continue
-        candidates = sorted((g for g in inv.gpus if g.uuid not in out.values()
-                             and fits(g.uuid, old) is None), key=lambda g: -g.memory_free)
+        candidates = sorted((g for g in inv.gpus if fits(g.uuid, old) is None),
+                            key=lambda g: (g.uuid in out.values(),
+                                           -(g.memory_free - taken.get(g.uuid, 0))))
         if not candidates:
-            why = fits(old, old) or f"GPU {old} is taken by another of this checkpoint's GPUs"
+            why = fits(old, old)
             raise PreflightError(f"no GPU here can take {saved[old]['name']} {old} "
                                  f"({why}; no other {saved[old]['name']} with "
                                  f"{human_bytes(need.get(old, 0))} free)")
-        out[old] = candidates[0].uuid
+        place(old, candidates[0].uuid)
     return {old: out[old] for old in saved}

@@ -73,11 +73,24 @@ def test_a_program_on_two_gpus_is_placed_by_what_it_held_on_each():
     assert plan(_two_gpu_program(False), inv, {}) == {A: A, B: B}
 
 
-def test_two_gpus_of_a_checkpoint_never_share_one():
+def test_two_gpus_of_one_process_never_share_one():
     inv = _inv((A, "NVIDIA H200", 130), (B, "NVIDIA H200", 130))
-    with pytest.raises(UsageError, match="sends two GPUs of the checkpoint to"):
+    with pytest.raises(PreflightError, match="takes .*0000000001 already, and one process used "
+                                             "both"):
         plan(_two_gpu_program(True), inv, {A: B, B: B})
     one = _inv((A, "NVIDIA H200", 130))           # room for both, but one GPU
     with pytest.raises(PreflightError, match="no GPU here can take NVIDIA H200 .*0000000002 "
                                              r"\(GPU .*0000000002 is not on this host"):
         plan(_two_gpu_program(True), one, {})
+
+
+def test_the_ranks_of_a_job_one_gpu_each_may_share_one_with_room():
+    """Two processes, one GPU each (a job's ranks): onto one GPU when it has room for both,
+    which is counted; onto a GPU each where there are two."""
+    m = {"gpus": [{"uuid": u, "name": "NVIDIA H200", "memory_total": 141 * GIB} for u in (A, B)],
+         "processes": [{"pid": 1, "cuda": True, "gpus": [A], "gpu_memory": 30 * GIB},
+                       {"pid": 2, "cuda": True, "gpus": [B], "gpu_memory": 20 * GIB}]}
+    assert plan(m, _inv((C, "NVIDIA H200", 60)), {}) == {A: C, B: C}
+    with pytest.raises(PreflightError, match="no other NVIDIA H200 with 20.00 GiB free"):
+        plan(m, _inv((C, "NVIDIA H200", 40)), {})
+    assert plan(m, _inv((C, "NVIDIA H200", 60), (A, "NVIDIA H200", 60)), {}) == {A: A, B: C}
