@@ -6,8 +6,8 @@ checkpoint went there; else another GPU of the same model with the most free mem
 no other GPU of the checkpoint went to where one fits. A target must be the same model and
 have room for what the checkpoint's processes held on every GPU placed on it (per GPU, as NVML
 told at the checkpoint: need_per_gpu). Two GPUs that one process used never share a target:
-its GPUs each need one of their own (the processes of a job, one GPU each, may share one).
-Anything else is a PreflightError.
+its GPUs each need one of their own (the processes of a job, one GPU each, may share one;
+a container's GPUs never do: share=False). Anything else is a PreflightError.
 """
 
 from __future__ import annotations
@@ -46,7 +46,11 @@ def need_per_gpu(m: Mapping[str, Any]) -> dict[str, int]:
     return need
 
 
-def plan(m: Mapping[str, Any], inv: Inventory, explicit: Mapping[str, str]) -> dict[str, str]:
+def plan(m: Mapping[str, Any], inv: Inventory, explicit: Mapping[str, str],
+         share: bool = True) -> dict[str, str]:
+    """old UUID -> new UUID for every GPU of the checkpoint. share=False: no two share a target
+    even where no process used both (a container: its device list must keep its length, or
+    the indices its programs use would move)."""
     saved = {g["uuid"]: g for g in m["gpus"]}
     for old in explicit:
         if old not in saved:
@@ -63,10 +67,12 @@ def plan(m: Mapping[str, Any], inv: Inventory, explicit: Mapping[str, str]) -> d
             return f"GPU {uuid} is not on this host"
         if g.name != saved[old]["name"]:
             return f"GPU {uuid} is a {g.name}, the checkpoint ran on a {saved[old]['name']}"
-        shared = [o for o, n in out.items() if n == uuid and any({o, old} <= t for t in together)]
+        shared = [o for o, n in out.items()
+                  if n == uuid and (not share or any({o, old} <= t for t in together))]
         if shared:
-            return (f"GPU {uuid} takes {shared[0]} already, and one process used both: its "
-                    "GPUs each need one of their own")
+            return (f"GPU {uuid} takes {shared[0]} already, and "
+                    + ("one process used both" if share else "this is a container")
+                    + ": its GPUs each need one of their own")
         free = g.memory_free - taken.get(uuid, 0)
         if free < need.get(old, 0):
             return (f"GPU {uuid} has {human_bytes(free)} free, the checkpoint needs "

@@ -94,3 +94,14 @@ def test_the_ranks_of_a_job_one_gpu_each_may_share_one_with_room():
     with pytest.raises(PreflightError, match="no other NVIDIA H200 with 20.00 GiB free"):
         plan(m, _inv((C, "NVIDIA H200", 40)), {})
     assert plan(m, _inv((C, "NVIDIA H200", 60), (A, "NVIDIA H200", 60)), {}) == {A: A, B: C}
+
+
+def test_a_containers_gpus_never_share_one():
+    """A container's device list keeps its length (share=False), whatever its processes used."""
+    m = {"gpus": [{"uuid": u, "name": "NVIDIA H200", "memory_total": 141 * GIB} for u in (A, B)],
+         "processes": [{"pid": 1, "cuda": True, "gpus": [A], "gpu_memory": 30 * GIB},
+                       {"pid": 2, "cuda": True, "gpus": [B], "gpu_memory": 20 * GIB}]}
+    with pytest.raises(PreflightError, match="this is a container: its GPUs each need one"):
+        plan(m, _inv((C, "NVIDIA H200", 60)), {A: C, B: C}, share=False)
+    with pytest.raises(PreflightError, match="no GPU here can take"):
+        plan(m, _inv((C, "NVIDIA H200", 60)), {}, share=False)

@@ -124,7 +124,7 @@ def _place(cfg: Config, m: dict[str, Any], bundle: Path
     spec = oci.load(bundle)
     explicit = placement.parse_device_map(oci.device_map_annotation(spec)
                                           or ([cfg.device_map] if cfg.device_map else []))
-    gpu_map = placement.plan(m, inv, explicit)
+    gpu_map = placement.plan(m, inv, explicit, share=False)
     moves = oci.moves(gpu_map, m["gpus"], inv)
     unknown = [mv for mv in moves if mv.new_minor is None or mv.old_minor is None]
     if unknown and (oci.detect(spec).minors or (m.get("container") or {}).get("minors")):
