@@ -4,7 +4,7 @@ The TOML file is optional. Every key is documented in packaging/config.toml, whi
 what ./install.sh puts in /etc/torpor/. Environment variables exist for tests and one-off
 runs: TORPOR_STATE_DIR, TORPOR_RUN_DIR, TORPOR_LIBCUDA, TORPOR_CRIU, TORPOR_LOCK_TIMEOUT,
 TORPOR_OCI_RUNTIME, TORPOR_DEVICE_MAP, TORPOR_SUSPEND_DIR, TORPOR_SUSPEND_TMPFS (true/false),
-TORPOR_STORE_DIR.
+TORPOR_STORE_DIR, TORPOR_STORE_STREAM, TORPOR_TCP_ESTABLISHED.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ class Config:
     store_dir: Path = Path("/var/lib/torpor/store")  # the deduplicating image store (0700)
     store_containers: bool = False              # torpor-runtime packs checkpoints into the store
     store_stream: bool = True                   # agents stream GPU data into and out of the store
+    tcp_established: bool = False               # bare checkpoints keep established TCP connections
 
     @property
     def journal_dir(self) -> Path:
@@ -71,6 +72,7 @@ _ENV = {
     "TORPOR_SUSPEND_TMPFS": ("suspend_tmpfs", bool),
     "TORPOR_STORE_DIR": ("store_dir", Path),
     "TORPOR_STORE_STREAM": ("store_stream", bool),
+    "TORPOR_TCP_ESTABLISHED": ("tcp_established", bool),
 }
 _BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 

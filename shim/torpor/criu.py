@@ -129,27 +129,34 @@ def run_criu(criu: Criu, cfg: Config, action: str, args: list[str], log_path: Pa
     if proc.returncode != 0:
         said = proc.stdout.decode(errors="replace").strip().splitlines()
         detail = log_errors(log_path) if log_path.exists() else (said[-1] if said else "")
+        if "Connected TCP socket" in detail:
+            detail += (" [torpor takes established TCP connections along with tcp_established "
+                       "= true in its config, or TORPOR_TCP_ESTABLISHED=1]")
         raise CriuError(f"criu {action} failed: {detail} (log: {log_path})")
 
 
 def dump(criu: Criu, cfg: Config, pid: int, images_dir: Path, *, leave_running: bool,
-         shell_job: bool, extra: list[str] | None = None) -> None:
+         shell_job: bool, tcp_established: bool = False, extra: list[str] | None = None) -> None:
     args = ["--tree", str(pid), "--images-dir", str(images_dir)]
     if leave_running:
         args.append("--leave-running")
     if shell_job:
         args.append("--shell-job")
+    if tcp_established:
+        args.append("--tcp-established")
     run_criu(criu, cfg, "dump", args + list(extra or []), images_dir / DUMP_LOG)
 
 
 def restore(criu: Criu, cfg: Config, images_dir: Path, work_dir: Path, *, shell_job: bool,
-            extra: list[str] | None = None) -> int:
+            tcp_established: bool = False, extra: list[str] | None = None) -> int:
     """Restore detached; returns the root PID CRIU reports."""
     pidfile = work_dir / "restore.pid"
     args = ["--images-dir", str(images_dir), "--work-dir", str(work_dir),
             "--restore-detached", "--pidfile", str(pidfile)]
     if shell_job:
         args.append("--shell-job")
+    if tcp_established:
+        args.append("--tcp-established")
     run_criu(criu, cfg, "restore", args + list(extra or []), work_dir / RESTORE_LOG)
     try:
         return int(pidfile.read_text().strip())

@@ -9,6 +9,8 @@ Schema (version 1), all keys always present:
   root_pid          the PID given to `torpor checkpoint` (the tree's root)
   shell_job         whether CRIU needed --shell-job
   leave_running     whether the program kept running after the dump
+                    (optional "tcp_established": CRIU took established TCP connections along, and
+                    the restore must say so too)
   gpus              [{"uuid", "name", "memory_total", "index"}]  (those the processes used)
   processes         [{"pid", "comm", "cuda", "gpus": [uuid], "gpu_memory", "state"}]
                     (optional "gpu_memory_by_gpu": {uuid: bytes}, NVML's figure on each GPU:
@@ -232,6 +234,8 @@ def validate(m: Any) -> dict[str, Any]:
                 isinstance(u, str) and isinstance(n, int) and not isinstance(n, bool) and n >= 0
                 for u, n in by_gpu.items()):
             raise CorruptCheckpointError("manifest process field 'gpu_memory_by_gpu' is malformed")
+    if not isinstance(m.get("tcp_established", False), bool):
+        raise CorruptCheckpointError("manifest field 'tcp_established' is not a boolean")
     for g in m["gpus"]:
         _fields("GPU", g, {"uuid": str, "name": str, "memory_total": int})
     for g in m["gpus"]:

@@ -152,7 +152,7 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
             with progress.phase("dump", f"CRIU {tool.version_text}, {len(tree)} process(es) "
                                 f"to {images_dir}", measure=lambda: tree_size(images_dir)):
                 criu.dump(tool, cfg, pid, images_dir, leave_running=leave_running,
-                          shell_job=shell_job)
+                          shell_job=shell_job, tcp_established=cfg.tcp_established)
         except BaseException as e:
             if not manifest.dump_succeeded(images_dir) and any(procs.alive(p) for p in tree):
                 manifest.clear_partial(images_dir, keep=(bulk.DATA_DIR,))  # until resumed
@@ -197,6 +197,7 @@ def _manifest(tool: criu.Criu, inv: gpus.Inventory | None, engine: Engine, comms
         "driver": {"version": inv.driver_version if inv else None,
                    "cuda": drv.cuda_version if drv and states else None},
         "root_pid": root, "shell_job": shell_job, "leave_running": leave_running,
+        "tcp_established": engine.cfg.tcp_established,
         "gpus": gpu_list, "processes": processes,
         "timings": {k: round(v, 4) for k, v in timings.items()},
         "sizes": {"total": 0, "gpu_memory": sum(p["gpu_memory"] for p in processes)},
@@ -258,7 +259,8 @@ def restore(engine: Engine, images_dir: Path, *, device_map: dict[str, str] | No
             with interrupts.deferred():  # a CRIU killed half-way would leave half a tree
                 with progress.phase("restore", f"CRIU {tool.version_text}, "
                                     f"{len(pids)} process(es)"):
-                    root = criu.restore(tool, cfg, images_dir, work_dir, shell_job=m["shell_job"])
+                    root = criu.restore(tool, cfg, images_dir, work_dir, shell_job=m["shell_job"],
+                                        tcp_established=m.get("tcp_established", False))
                 back = engine.restore_and_unlock(op, cuda_pids, gpu_map, agents)
         except CriuError:
             raise  # CRIU cleans up a failed restore itself

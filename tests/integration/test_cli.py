@@ -66,6 +66,51 @@ def test_cpu_process_tree_roundtrip(torpor, tmp_path, reaper):
     assert alive(parent.pid) and alive(child)
 
 
+TCP_PROGRAM = """
+import socket, sys, time
+srv = socket.create_server(("127.0.0.1", 0))
+a = socket.create_connection(srv.getsockname())
+b, _ = srv.accept()
+n = 0
+while True:                      # a counter around a loopback connection, as NCCL's bootstrap
+    n += 1
+    a.sendall(n.to_bytes(8, "little"))
+    got = int.from_bytes(b.recv(8, socket.MSG_WAITALL), "little")
+    assert got == n, (got, n)
+    open(sys.argv[1], "w").write(str(n))
+    time.sleep(0.02)
+"""
+
+
+def test_established_tcp_connections_go_along_only_when_asked(torpor, tmp_path, reaper):
+    """CRIU refuses a program holding an established TCP connection: the checkpoint fails,
+    says how to take it along, and the program runs on; with tcp_established it goes along,
+    and the restored program goes on talking over it."""
+    status = tmp_path / "tcp.txt"
+    prog = subprocess.Popen([sys.executable, "-c", TCP_PROGRAM, str(status)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    reaper.append(prog.pid)
+    wait_for(lambda: status.exists() and _count(status) > 3, what="the program ticking")
+    r = torpor.run("checkpoint", str(prog.pid), "-D", str(tmp_path / "refused"))
+    if "Can't get" in r.stderr and "Operation not supported" in r.stderr:
+        pytest.skip(f"CRIU cannot dump a TCP socket on this kernel at all: {r.stderr[-300:]}")
+    assert r.returncode == 8 and "Connected TCP socket" in r.stderr \
+        and "TORPOR_TCP_ESTABLISHED=1" in r.stderr, r.stderr
+    before = _count(status)
+    wait_for(lambda: _count(status) > before + 3, what="the program ticking on")
+
+    images = tmp_path / "ck"
+    asked = type(torpor)(dict(torpor.env, TORPOR_TCP_ESTABLISHED="1"))
+    m = asked.json("checkpoint", str(prog.pid), "-D", str(images))["manifest"]
+    prog.wait(timeout=10)
+    assert m["tcp_established"] is True
+    before = _count(status)
+    r = torpor.json("restore", "-D", str(images))   # the manifest says so: no setting needed
+    assert r["root_pid"] == prog.pid
+    wait_for(lambda: _count(status) > before + 5, what="the restored program ticking")
+
+
 def test_gpu_process_roundtrip_with_device_map(torpor, gpu, tmp_path, reaper):
     prog = gpu.spawn(gpu_index=0, mem=3 << 30)
     reaper.append(prog.pid)
