@@ -28,11 +28,13 @@ GIB, SEED = 1.0, 1000
 
 
 class Rank(TorchStatus):
-    def __init__(self, workdir: Path, r: int):
-        self.status_path = workdir / f"rank{r}.status.json"
-        self.steps = workdir / f"rank{r}.steps"
-        self.stall = workdir / f"rank{r}.stall"
-        self.log = workdir / f"rank{r}.log"
+    """A program's files in workdir, named after it (job_program.py's rank<r>.*)."""
+
+    def __init__(self, workdir: Path, name: str):
+        self.status_path = workdir / f"{name}.status.json"
+        self.steps = workdir / f"{name}.steps"
+        self.stall = workdir / f"{name}.stall"
+        self.log = workdir / f"{name}.log"
 
     def wait_step(self, above: int, timeout: float = 180) -> int:
         wait_for(lambda: self.step() > above, timeout, f"{self.status_path.name}: step > {above}"
@@ -49,7 +51,7 @@ def job(tmp_path):
                                  "--seed", str(SEED), "--workdir", str(work)],
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                 start_new_session=True, cwd=work)
-    yield proc, work, [Rank(work, 0), Rank(work, 1)]
+    yield proc, work, [Rank(work, "rank0"), Rank(work, "rank1")]
     for pid in [proc.pid] + json.loads((work / "job.json").read_text())["pids"] \
             if (work / "job.json").exists() else [proc.pid]:
         try:
@@ -110,3 +112,49 @@ def test_a_two_rank_job_is_rolled_back_together_then_checkpointed_whole(
         n, mismatch = compare(str(ref.steps), str(rk.steps))
         assert mismatch is None, f"{rk.steps.name} diverged at {mismatch}"
         assert n >= 69
+
+
+DDP = Path(__file__).resolve().parent / "ddp_program.py"
+
+
+def _ddp(work: Path, name: str, max_steps: int = 0) -> subprocess.Popen:
+    """ddp_program.py at world size 1 (NCCL, DDP), its files named after name in work."""
+    with open(work / f"{name}.log", "wb") as log:
+        return subprocess.Popen(
+            [sys.executable, str(DDP), "--gib", "0.5", "--seed", str(SEED),
+             "--max-steps", str(max_steps), "--init-file", str(work / f"{name}.rendezvous"),
+             "--steps-file", str(work / f"{name}.steps"),
+             "--status", str(work / f"{name}.status.json")],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, cwd=work)
+
+
+def test_a_one_rank_nccl_ddp_job_checkpoints_and_restores_bit_exact(torpor, tmp_path):
+    """The torchrun code path on one GPU: a DDP model whose gradients go through an NCCL
+    all-reduce every step (world size 1: NCCL's communicator, proxy thread and bootstrap
+    sockets all there), checkpointed through the driver path and restored, going on exactly
+    as an uninterrupted run. Two ranks need two GPUs (agent/NCCL.md)."""
+    work = tmp_path / "ddp"
+    work.mkdir()
+    ref, prog = _ddp(work, "ref", max_steps=50), _ddp(work, "prog")
+    try:
+        r_ref, r_prog = Rank(work, "ref"), Rank(work, "prog")
+        r_prog.wait_step(10, timeout=300)
+        images = tmp_path / "ck"
+        tcp = type(torpor)(dict(torpor.env, TORPOR_TCP_ESTABLISHED="1"))   # NCCL's bootstrap
+        m = tcp.json("checkpoint", str(prog.pid), "-D", str(images), timeout=600)["manifest"]
+        prog.wait(timeout=60)
+        assert [p["pid"] for p in m["processes"] if p["cuda"]] == [prog.pid]
+        at = r_prog.step()
+        torpor.json("restore", "-D", str(images), timeout=600)
+        r_prog.wait_step(at + 10)
+        wait_for(lambda: r_ref.status().get("done"), 300, "the reference run")
+        r_prog.wait_step(49)
+        n, mismatch = compare(str(r_ref.steps), str(r_prog.steps))
+        assert mismatch is None and n >= 49, (n, mismatch, r_prog.status().get("nccl"))
+    finally:
+        for proc in (ref, prog):
+            for kill in (os.killpg, os.kill):   # a restored program is not our child
+                try:
+                    kill(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
