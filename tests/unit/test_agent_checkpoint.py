@@ -84,7 +84,7 @@ def fake_criu(world, monkeypatch):
     class Tool:
         version_text = "4.0-fake"
 
-    def dump(tool, cfg, pid, images_dir, leave_running, shell_job):
+    def dump(tool, cfg, pid, images_dir, leave_running, shell_job, tcp_established=False):
         world.events.add(f"criu dump {pid}")
         if fail.get("dump"):
             (images_dir / manifest.DUMP_LOG).write_text("Error (criu): fake\n")
@@ -94,7 +94,7 @@ def fake_criu(world, monkeypatch):
             (images_dir / name).write_bytes(b"image")
         (images_dir / manifest.DUMP_LOG).write_text(manifest.DUMP_OK + "\n")
 
-    def restore(tool, cfg, images_dir, work_dir, shell_job):
+    def restore(tool, cfg, images_dir, work_dir, shell_job, tcp_established=False):
         world.events.add(f"criu restore {PID}")
         return PID
 
