@@ -311,10 +311,12 @@ def read(images_dir: Path) -> dict[str, Any]:
     if not images_dir.is_dir():
         raise NotFoundError(f"no checkpoint directory {images_dir}")
     try:
-        why = (images_dir / DAMAGED).read_text(errors="replace").strip()
+        with open(images_dir / DAMAGED, "rb") as f:
+            said = f.read(600).decode(errors="replace").strip()
     except FileNotFoundError:
         pass
-    else:
+    else:   # shown on a terminal, and the directory may be another host's: printable only
+        why = "".join(c if c.isprintable() else "?" for c in said)
         raise CorruptCheckpointError(f"{images_dir} is damaged and can only be removed: {why}")
     try:
         data = path.read_bytes()

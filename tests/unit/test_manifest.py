@@ -119,3 +119,17 @@ def test_corrupt_or_foreign_manifests(tmp_path):
         manifest.read(d)
     with pytest.raises(NotFoundError):
         manifest.read(tmp_path / "nope")
+
+
+def test_a_damaged_mark_is_refused_with_its_reason_printable_only(tmp_path):
+    d = _images(tmp_path)
+    manifest.write(d, _manifest(manifest.file_table(d, checksums=True)))
+    manifest.read(d)
+    manifest.mark_damaged(d, "its index is garbled")
+    assert oct((d / manifest.DAMAGED).stat().st_mode & 0o777) == "0o600"
+    with pytest.raises(CorruptCheckpointError, match="damaged and can only be removed: its index"):
+        manifest.read(d)
+    (d / manifest.DAMAGED).write_bytes(b"\x1b]2;owned\x07" + b"x" * 2000)  # an archive's
+    with pytest.raises(CorruptCheckpointError) as e:
+        manifest.read(d)
+    assert "\x1b" not in str(e.value) and "\x07" not in str(e.value) and len(str(e.value)) < 800
