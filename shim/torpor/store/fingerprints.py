@@ -126,7 +126,7 @@ def _lines(text: str, origin: str, sizes: list[int], header: str, what: str,
                 raise ValueError
         except ValueError:
             raise DamagedRecordsError(f"{origin}, line {n}: malformed or outside the data "
-                                         f"files: {line[:120]!r}") from None
+                                      f"files: {line[:120]!r}") from None
         parts.append(p)
     return parts
 
