@@ -48,7 +48,8 @@ def job(tmp_path):
     work.mkdir()
     with open(work / "launcher.log", "wb") as log:
         proc = subprocess.Popen([sys.executable, str(JOB), "--ranks", "2", "--gib", f"{GIB:g}",
-                                 "--seed", str(SEED), "--workdir", str(work)],
+                                 "--seed", str(SEED), "--workdir", str(work),
+                                 "--devices", os.environ.get("JOB_DEVICES", "")],
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                 start_new_session=True, cwd=work)
     yield proc, work, [Rank(work, "rank0"), Rank(work, "rank1")]
