@@ -101,17 +101,40 @@ def read_blob_file(path: Path, where: str) -> bytes:
     checkpoint directory): never through a link, never blocking on a FIFO, a regular file only,
     and no more than a blob can hold (a chunk's worst-case zstd size). FileNotFoundError when
     it is not there; CorruptCheckpointError when it is no plain file."""
+    fd = _open_blob(path, where)
+    with open(fd, "rb") as f:
+        return f.read(HEADER.size + MAX_CHUNK + 1024)
+
+
+def _open_blob(path: Path, where: str) -> int:
+    """An fd of the blob file at path, read-only: never through a link, never blocking on a
+    FIFO, a regular file only. FileNotFoundError when it is not there (the caller says what a
+    missing chunk means); CorruptCheckpointError when it is no plain file."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise   # the caller says what a missing chunk means
+        raise
     except OSError as e:   # ELOOP: a link
         raise CorruptCheckpointError(f"chunk {path.name} ({where}) cannot be read: "
                                      f"{e.strerror}") from None
-    with open(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise CorruptCheckpointError(f"chunk {path.name} ({where}) is not a regular file")
-        return f.read(HEADER.size + MAX_CHUNK + 1024)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptCheckpointError(f"chunk {path.name} ({where}) is not a regular file")
+    return fd
+
+
+def _damaged(name: str, where: str, why: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"chunk {name} ({where}) is damaged: {why}")
+
+
+def _header(head: bytes | memoryview, name: str, where: str) -> tuple[int, int]:
+    """A blob's header, checked: (codec, length of its data)."""
+    if len(head) < HEADER.size:
+        raise _damaged(name, where, f"{len(head)} bytes, shorter than its header")
+    magic, codec, length = HEADER.unpack_from(head)
+    if magic != MAGIC or codec not in (RAW, ZSTD) or length > MAX_CHUNK:
+        raise _damaged(name, where, "bad header")
+    return codec, length
 
 
 def read_blob_into(path: Path, name: str, dest: memoryview, where: str) -> None:
@@ -119,40 +142,24 @@ def read_blob_into(path: Path, name: str, dest: memoryview, where: str) -> None:
     its name: a raw chunk read straight into dest, a zstd one decompressed into it, without a
     copy of the data in between (a restore streams tens of GB through here). Same checks as
     read_blob_file and decode; FileNotFoundError when the file is not there."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise
-    except OSError as e:
-        raise CorruptCheckpointError(f"chunk {name} ({where}) cannot be read: "
-                                     f"{e.strerror}") from None
-
-    def corrupt(why: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"chunk {name} ({where}) is damaged: {why}")
-
+    fd = _open_blob(path, where)
     with open(fd, "rb", buffering=0):   # closes fd
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CorruptCheckpointError(f"chunk {name} ({where}) is not a regular file")
-        head = os.pread(fd, HEADER.size, 0)
-        if len(head) < HEADER.size:
-            raise corrupt(f"{len(head)} bytes, shorter than its header")
-        magic, codec, length = HEADER.unpack(head)
-        if magic != MAGIC or codec not in (RAW, ZSTD) or length > MAX_CHUNK:
-            raise corrupt("bad header")
+        size = os.fstat(fd).st_size
+        codec, length = _header(os.pread(fd, HEADER.size, 0), name, where)
         if length != len(dest):
-            raise corrupt(f"it holds {length} bytes, {len(dest)} were expected")
+            raise _damaged(name, where, f"it holds {length} bytes, {len(dest)} were expected")
         if codec == RAW:
-            if st.st_size != HEADER.size + length:
-                raise corrupt(f"{st.st_size - HEADER.size} bytes where the header says {length}")
+            if size != HEADER.size + length:
+                raise _damaged(name, where,
+                               f"{size - HEADER.size} bytes where the header says {length}")
             done = 0
             while done < length:
                 n = os.preadv(fd, [dest[done:]], HEADER.size + done)
                 if n <= 0:
-                    raise corrupt("it ends early")
+                    raise _damaged(name, where, "it ends early")
                 done += n
         else:
-            payload = os.pread(fd, min(st.st_size, HEADER.size + MAX_CHUNK + 1024), HEADER.size)
+            payload = os.pread(fd, min(size, HEADER.size + MAX_CHUNK + 1024), HEADER.size)
             try:
                 with _contexts()[1].stream_reader(payload, read_across_frames=True) as r:
                     done = 0
@@ -160,34 +167,27 @@ def read_blob_into(path: Path, name: str, dest: memoryview, where: str) -> None:
                         done += n
                     extra = r.read(1)
             except zstandard.ZstdError as e:
-                raise corrupt(f"bad zstd data ({e})") from None
+                raise _damaged(name, where, f"bad zstd data ({e})") from None
             if done != length or extra:
-                raise corrupt(f"its data is not the {length} bytes the header says")
+                raise _damaged(name, where, f"its data is not the {length} bytes the header says")
     if name_of(dest) != name:
-        raise corrupt("its content does not match its sha256 name")
+        raise _damaged(name, where, "its content does not match its sha256 name")
 
 
 def decode(blob: bytes, name: str, where: str) -> bytes:
     """The raw data of a blob, verified against its name; CorruptCheckpointError naming the
     chunk and where it was needed otherwise."""
-    def corrupt(why: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"chunk {name} ({where}) is damaged: {why}")
-
-    if len(blob) < HEADER.size:
-        raise corrupt(f"{len(blob)} bytes, shorter than its header")
-    magic, codec, length = HEADER.unpack_from(blob)
-    if magic != MAGIC or codec not in (RAW, ZSTD) or length > MAX_CHUNK:
-        raise corrupt("bad header")
+    codec, length = _header(blob, name, where)
     payload = memoryview(blob)[HEADER.size:]
     if codec == ZSTD:
         try:
             data = _contexts()[1].decompress(payload, max_output_size=length)
         except zstandard.ZstdError as e:
-            raise corrupt(f"bad zstd data ({e})") from None
+            raise _damaged(name, where, f"bad zstd data ({e})") from None
     else:
         data = bytes(payload)
     if len(data) != length:
-        raise corrupt(f"{len(data)} bytes where the header says {length}")
+        raise _damaged(name, where, f"{len(data)} bytes where the header says {length}")
     if name_of(data) != name:
-        raise corrupt("its content does not match its sha256 name")
+        raise _damaged(name, where, "its content does not match its sha256 name")
     return data

@@ -141,8 +141,8 @@ class Writer:
                  ) -> tuple[list[Any], int]:
         """One chunk's data stored, and nothing else: its ref, and the bytes newly stored (-1:
         the store had it). For add_file's pieces, and for a caller that names chunks itself
-        (store/stream.py), from any thread; no file names it until a snapshot does. clock: the seconds spent
-        naming, compressing and writing are added to its first three items."""
+        (store/stream.py), from any thread; no file names it until a snapshot does. clock: the
+        seconds spent naming, compressing and writing are added to its first three items."""
         length = len(data)
         t0 = time.perf_counter()
         name = chunk.name_of(data)
