@@ -41,6 +41,16 @@ class TorporError(Exception):
         return f"{msg} ({self.hint})" if self.hint else msg
 
 
+def describe(e: BaseException) -> str:
+    """An error in a few words, for a message that goes on to say what became of things: an
+    OSError's text without its path (the message names it), a Ctrl-C as "interrupted"."""
+    if isinstance(e, KeyboardInterrupt):
+        return "interrupted"
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return str(e) or type(e).__name__
+
+
 class UsageError(TorporError):
     exit_code = ExitCode.USAGE
 

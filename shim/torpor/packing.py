@@ -22,7 +22,7 @@ from typing import Any
 
 from . import interrupts, manifest
 from .config import Config
-from .errors import DamagedRecordsError, ExitCode, TorporError
+from .errors import DamagedRecordsError, ExitCode, TorporError, describe
 from .journal import Entry, Journal
 from .progress import human_bytes
 from .store import Store, fingerprints, images
@@ -45,7 +45,7 @@ def pack(journal: Journal, store: Store, images_dir: Path, name: str, owner: str
     except BaseException as e:
         if packed_before:
             raise
-        why = _describe(e)
+        why = describe(e)
         with interrupts.deferred():       # a second Ctrl-C must not stop the fill
             try:
                 stand_alone(store, images_dir, owner, checksums)
@@ -60,7 +60,7 @@ def pack(journal: Journal, store: Store, images_dir: Path, name: str, owner: str
                     op.release()          # kept: recovery tries again
                 raise TorporError(
                     f"storing {images_dir} as {name}: {why}; it is not packed, and could not "
-                    f"be made whole from store {store.where} ({_describe(f)}): "
+                    f"be made whole from store {store.where} ({describe(f)}): "
                     + ("the next torpor command tries again" if op is not None else
                        "it lacks the GPU data its agents skipped"),
                     exit_code=_code(e)) from e
@@ -72,14 +72,6 @@ def pack(journal: Journal, store: Store, images_dir: Path, name: str, owner: str
                   hint=e.hint if isinstance(e, TorporError) else None) from e
     op.close()
     return result
-
-
-def _describe(e: BaseException) -> str:
-    if isinstance(e, KeyboardInterrupt):
-        return "interrupted"
-    if isinstance(e, OSError) and e.strerror:
-        return e.strerror
-    return str(e) or type(e).__name__
 
 
 def _code(e: BaseException) -> int | None:

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from .. import bulk
-from ..errors import CorruptCheckpointError, TorporError
+from ..errors import CorruptCheckpointError, TorporError, describe
 from ..files import atomic_write
 from . import fingerprints
 from .fingerprints import PART, Streamed
@@ -180,7 +180,7 @@ class Intake:
         if not self.committed:
             why = self.error
             raise StreamError("the GPU data did not reach the image store"
-                              + (f": {_describe(why)}" if why else " (the agent stopped)"))
+                              + (f": {describe(why)}" if why else " (the agent stopped)"))
         return self.stats
 
     def abandon(self) -> str:
@@ -194,7 +194,7 @@ class Intake:
             self.finish()
         except StreamError:
             pass
-        return _describe(error) if error is not None else ""
+        return describe(error) if error is not None else ""
 
     def _run(self) -> None:
         start = time.monotonic()
@@ -285,12 +285,6 @@ class Intake:
         sizes = [os.path.getsize(self.data_dir / bulk.file_name(k)) for k in range(self.nfiles)]
         fingerprints.parse_streamed(text, f"the stream of {self.data_dir}", sizes)
         atomic_write(self.data_dir / bulk.STREAMED, text.encode())
-
-
-def _describe(e: BaseException) -> str:
-    if isinstance(e, OSError) and e.strerror:
-        return e.strerror
-    return str(e) or type(e).__name__
 
 
 # -- loading ------------------------------------------------------------------------------------
