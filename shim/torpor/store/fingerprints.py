@@ -60,7 +60,7 @@ from typing import Any, Callable, Iterable
 
 from .. import bulk
 from ..errors import CorruptCheckpointError, DamagedRecordsError, TorporError
-from ..files import fsync_dir
+from ..files import atomic_write, fsync_dir
 from .backend import BLOB_NAME
 from .snapshot import FINGERPRINT
 from .store import CHUNK_SIZE, Store
@@ -277,8 +277,14 @@ def holes(store: Store, data_dir: Path, sizes: list[int], owner: str
     """Every part of the program in data_dir that is a hole the store fills (skipped: found by
     its owner's fingerprints; streamed: named by its stream record), with its chunk's ref.
     TorporError when the store no longer has one. Hold the store's lock meanwhile."""
+    return _holes(store, data_dir, read(data_dir, sizes) or [],
+                  read_streamed(data_dir, sizes) or [], owner)
+
+
+def _holes(store: Store, data_dir: Path, parts: list[Part], streamed: list[Streamed],
+           owner: str) -> list[tuple[Part | Streamed, list[Any]]]:
     out: list[tuple[Part | Streamed, list[Any]]] = []
-    skipped = [p for p in read(data_dir, sizes) or () if p.skipped]
+    skipped = [p for p in parts if p.skipped]
     if skipped:
         refs = known(store, owner).gpu
         for p in skipped:
@@ -288,19 +294,21 @@ def holes(store: Store, data_dir: Path, sizes: list[int], owner: str
                                   f"{p.file}, offset {p.offset}) from store {store.where}, "
                                   "which no longer has it")
             out.append((p, ref))
-    out += [(s, s.ref) for s in read_streamed(data_dir, sizes) or ()]
-    return out
+    return out + [(s, s.ref) for s in streamed]
 
 
 def fill(store: Store, data_dir: Path, fds: list[int], sizes: list[int], owner: str) -> int:
     """Write every skipped or streamed part of the program in data_dir from the store into its
     hole (fds: its data files, read-write, in order), then mark the index filled and drop the
     stream record. The bytes written; 0 when nothing is to fill."""
-    if not has_skipped(data_dir):
+    parts = read(data_dir, sizes) or []
+    streamed = read_streamed(data_dir, sizes) or []
+    skipped = any(p.skipped for p in parts)
+    if not skipped and not streamed:
         return 0
     done = 0
     with store.backend.lock(False, store.lock_timeout):
-        for p, ref in holes(store, data_dir, sizes, owner):
+        for p, ref in _holes(store, data_dir, parts, streamed, owner):
             if ref[0] is not None:             # zeros: the hole reads as them
                 data = memoryview(store.read_chunk(ref, f"GPU data of {data_dir}"))[:p.length]
                 at = 0
@@ -309,25 +317,13 @@ def fill(store: Store, data_dir: Path, fds: list[int], sizes: list[int], owner: 
             done += p.length
         for fd in fds:
             os.fsync(fd)
-    parts = read(data_dir, sizes)
-    if parts and any(p.skipped for p in parts):
-        _rewrite_index(data_dir, parts)
-    if (data_dir / bulk.STREAMED).exists():
+    if skipped:   # every part is in the files now
+        atomic_write(data_dir / bulk.INDEX,
+                     dump(dataclasses.replace(p, skipped=False) for p in parts).encode())
+    if streamed:
         (data_dir / bulk.STREAMED).unlink()
         fsync_dir(data_dir)
     return done
-
-
-def _rewrite_index(data_dir: Path, parts: list[Part]) -> None:
-    """The index with nothing skipped (every part is in the files now)."""
-    tmp = data_dir / (bulk.INDEX + ".tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    with open(fd, "w") as f:
-        f.write(dump(dataclasses.replace(p, skipped=False) for p in parts))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, data_dir / bulk.INDEX)
 
 
 def _file_count(prog: Path) -> int:
