@@ -135,6 +135,16 @@ def run_criu(criu: Criu, cfg: Config, action: str, args: list[str], log_path: Pa
         raise CriuError(f"criu {action} failed: {detail} (log: {log_path})")
 
 
+def network_lock_args(tcp_established: bool) -> list[str]:
+    """How CRIU locks the connections it takes along: its default, iptables, needs
+    iptables-restore; a host with only nftables (no iptables installed) gets CRIU's nftables
+    lock instead, or every dump with --tcp-established fails ("Failed to lock TCP
+    connection"). A `network-lock` line in /etc/criu/default.conf still wins for the default."""
+    if not tcp_established or shutil.which("iptables-restore", path=CLEAN_ENV["PATH"]):
+        return []
+    return ["--network-lock", "nftables"]
+
+
 def dump(criu: Criu, cfg: Config, pid: int, images_dir: Path, *, leave_running: bool,
          shell_job: bool, tcp_established: bool = False, extra: list[str] | None = None) -> None:
     args = ["--tree", str(pid), "--images-dir", str(images_dir)]
@@ -143,7 +153,7 @@ def dump(criu: Criu, cfg: Config, pid: int, images_dir: Path, *, leave_running: 
     if shell_job:
         args.append("--shell-job")
     if tcp_established:
-        args.append("--tcp-established")
+        args += ["--tcp-established", *network_lock_args(True)]
     run_criu(criu, cfg, "dump", args + list(extra or []), images_dir / DUMP_LOG)
 
 
@@ -156,7 +166,7 @@ def restore(criu: Criu, cfg: Config, images_dir: Path, work_dir: Path, *, shell_
     if shell_job:
         args.append("--shell-job")
     if tcp_established:
-        args.append("--tcp-established")
+        args += ["--tcp-established", *network_lock_args(True)]
     run_criu(criu, cfg, "restore", args + list(extra or []), work_dir / RESTORE_LOG)
     try:
         return int(pidfile.read_text().strip())
