@@ -144,12 +144,17 @@ def _open(text: str, shown: str, what: str, create: bool, mode: int,
                 continue
             except FileNotFoundError:
                 if not create:
-                    raise
-                with contextlib.suppress(FileExistsError):  # someone first: look at what it is
+                    raise FileNotFoundError(errno.ENOENT, "No such file or directory",
+                                            walk.where(name)) from None
+                try:
                     os.mkdir(name, mode, dir_fd=walk.fds[-1])
+                except FileExistsError:
+                    pass                          # someone was first: look at what it is
+                except OSError as e:
+                    raise type(e)(e.errno, e.strerror, walk.where(name)) from None
             except OSError as e:
                 if e.errno not in (errno.ENOTDIR, errno.ELOOP):
-                    raise
+                    raise type(e)(e.errno, e.strerror, walk.where(name)) from None
                 try:
                     st = os.stat(name, dir_fd=walk.fds[-1], follow_symlinks=False)
                 except FileNotFoundError:
