@@ -222,6 +222,27 @@ def require_trusted_location(path: Path, what: str) -> Path:
     return trusted_path(path, what)
 
 
+def remove_lone_file(dir_fd: int, name: str, unless: bytes) -> bool:
+    """Remove name if it is the only entry of directory dir_fd and a regular file whose last
+    4 KiB lack unless (a failed dump's log, not a good one); True if it was removed."""
+    if os.listdir(dir_fd) != [name]:
+        return False
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=dir_fd)
+    except OSError:
+        return False     # a link, or gone
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return False
+        f.seek(max(0, st.st_size - 4096))
+        if unless in f.read(4096):
+            return False
+    os.unlink(name, dir_fd=dir_fd)
+    return True
+
+
 def require_trusted_file(path: Path) -> str | None:
     """Why path (an image file) could have been written by someone else, or None."""
     st = os.lstat(path)

@@ -32,7 +32,8 @@ from .driver import ProcessState
 from .engine import Engine, restore_targets, targets_of
 from .errors import (BusyError, CorruptCheckpointError, CriuError, NoDriverError, NotFoundError,
                      PreflightError, RolledBackError, TorporError, UsageError)
-from .files import open_trusted_dir, private_dir, require_trusted_location, tree_size
+from .files import (open_trusted_dir, private_dir, remove_lone_file, require_trusted_location,
+                    tree_size)
 from .progress import human_bytes
 from .store import Store, fingerprints, images
 from .store.backend import check_snapshot_name
@@ -52,6 +53,8 @@ def _claim_images_dir(images_dir: Path) -> int:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise BusyError(f"another torpor is checkpointing into {images_dir}") from None
+        # the log a failed dump left to say why (and nothing else) goes: the retry's replaces it
+        remove_lone_file(fd, manifest.DUMP_LOG, unless=manifest.DUMP_OK.encode())
         if os.listdir(fd):
             raise UsageError(f"{images_dir} is not empty: give a new or empty directory")
         os.fchmod(fd, 0o700)
