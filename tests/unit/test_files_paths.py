@@ -121,13 +121,28 @@ def test_directories_on_the_way_are_checked_as_held(tmp_path, sticky):
         files.require_trusted_location(tmp_path / "file" / "ck", "checkpoint")
 
 
+def _claim_images(path: Path) -> os.stat_result:
+    fd = process._claim_images_dir(path)
+    try:
+        return os.fstat(fd)
+    finally:
+        os.close(fd)
+
+
+def _claim_suspend_dir(path: Path) -> os.stat_result:
+    from torpor import bulk
+    return os.lstat(bulk.claim_suspend_dir(path))
+
+
 @needs_root
+@pytest.mark.parametrize("claim", [_claim_images, _claim_suspend_dir])
 def test_a_directory_swapped_for_a_users_link_while_torpor_claims_it(
-        sticky, root_only, unprotected_symlinks):
+        sticky, root_only, unprotected_symlinks, claim):
     """A user's program swaps sticky/x between a directory, nothing and a link to root_only
     as fast as it can, while root claims sticky/x/ck again and again: whatever the timing,
     nothing is ever created in root_only, and each claim either refuses with one line or
-    holds a directory that is really sticky/x/ck, made by root."""
+    holds a directory that is really sticky/x/ck, made by root. For the images directory of
+    a checkpoint and for suspend_dir."""
 
     def swap() -> None:
         while True:
@@ -143,13 +158,11 @@ def test_a_directory_swapped_for_a_users_link_while_torpor_claims_it(
         while time.monotonic() < deadline or not all(outcomes.values()):
             assert time.monotonic() < deadline + 30, outcomes
             try:
-                fd = process._claim_images_dir(sticky / "x" / "ck")
+                st = claim(sticky / "x" / "ck")
             except UsageError as e:
                 assert "\n" not in str(e)
                 outcomes["refused"] += 1
             else:
-                st = os.fstat(fd)
-                os.close(fd)
                 assert st.st_uid == 0 and stat.S_IMODE(st.st_mode) == 0o700
                 assert os.lstat(sticky / "x").st_uid == 0   # root's now: the user cannot swap it
                 assert st.st_ino == os.stat(sticky / "x" / "ck").st_ino
@@ -173,3 +186,18 @@ def test_a_non_root_callers_own_link_in_their_own_directory_is_followed(tmp_path
     assert not files._link_allowed(link, roots)       # their link in /tmp: not for them either
     monkeypatch.setattr(os, "geteuid", lambda: 0)
     assert not files._link_allowed(link, theirs)
+
+
+@needs_root
+def test_suspend_dir_is_made_without_following_a_users_link(cfg, sticky, root_only,
+                                                             unprotected_symlinks):
+    """suspend_dir below a sticky directory (/dev/shm): a user's link in it, at any depth,
+    steers nothing."""
+    import dataclasses
+
+    from torpor import bulk
+    _user_link(sticky, root_only, "shm")
+    c = dataclasses.replace(cfg, suspend_dir=sticky / "shm" / "torpor")
+    with pytest.raises(UsageError, match="shm is a symbolic link owned by uid 65534"):
+        bulk.DataDir.scratch(c, 7).make()
+    assert list(root_only.iterdir()) == []
