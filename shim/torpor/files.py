@@ -18,13 +18,13 @@ TRUSTED_UIDS = {0, os.geteuid()}
 def private_dir(path: Path, what: str = "directory") -> Path:
     """Create path (and parents) as 0700 without following a link anyone but root could have
     placed (open_trusted_dir); tighten an existing one we own. Returns path."""
-    os.close(open_trusted_dir(path, what, create=True).fd)
+    os.close(open_trusted_dir(path, what, create=True, readable=False).fd)
     return path
 
 
 def _writable_by_others(st: os.stat_result) -> bool:
     """Can anyone but a trusted uid add, remove or rename entries (or write the file)?"""
-    if st.st_uid not in TRUSTED_UIDS:
+    if st.st_uid not in (0, os.geteuid()):   # TRUSTED_UIDS, as of now
         return True
     open_to_others = st.st_mode & 0o022
     sticky_dir = stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX
@@ -177,7 +177,7 @@ def _open(text: str, shown: str, what: str, create: bool, mode: int,
         try:
             st = os.fstat(fd)
             if create and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & ~mode:
-                os.fchmod(fd, mode)
+                os.chmod(f"/proc/self/fd/{fd}", mode)   # the directory held (fd may be O_PATH)
         except BaseException:
             os.close(fd)
             raise

@@ -201,3 +201,41 @@ def test_suspend_dir_is_made_without_following_a_users_link(cfg, sticky, root_on
     with pytest.raises(UsageError, match="shm is a symbolic link owned by uid 65534"):
         bulk.DataDir.scratch(c, 7).make()
     assert list(root_only.iterdir()) == []
+
+
+@needs_root
+def test_private_dir_needs_no_read_permission_and_tightens_what_is_ours(tmp_path):
+    """A user's `torpor run` makes its agent socket dir under a root directory it may only
+    pass through (mode 0711), as before."""
+    for d in [tmp_path, *tmp_path.parents]:   # pytest's 0700 base: let others pass
+        if d != Path("/") and not d.stat().st_mode & 0o001:
+            os.chmod(d, d.stat().st_mode | 0o001)
+    base = tmp_path / "run"
+    base.mkdir(mode=0o711)
+    loose = base / "loose"
+    loose.mkdir(mode=0o755)
+    os.chmod(loose, 0o755)
+    assert files.private_dir(loose) == loose and stat.S_IMODE(loose.stat().st_mode) == 0o700
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    os.chown(mine, NOBODY, NOBODY)
+
+    def make() -> None:
+        files.private_dir(base / "agents-of-nobody")
+    # nobody cannot write base: a permission error, not a refusal of the walk itself
+    pid = _as_nobody(tmp_path, lambda: os._exit(_exit_code_of(make)))
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 13     # EACCES at mkdirat
+    os.chmod(base, 0o1733)   # a sticky drop box nobody may read: mkdirat works, O_RDONLY would not
+    pid = _as_nobody(tmp_path, lambda: os._exit(_exit_code_of(make)))
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    assert os.stat(base / "agents-of-nobody").st_uid == NOBODY
+
+
+def _exit_code_of(fn) -> int:
+    try:
+        fn()
+    except OSError as e:
+        return e.errno or 1
+    except Exception:
+        return 99
+    return 0

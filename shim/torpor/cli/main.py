@@ -48,9 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _needs_root(e: PermissionError, command: str) -> str:
     """What a non-root user lacks, in one line, for a permission refused to them."""
     where = f" ({e.filename})" if e.filename else ""
-    return (f"torpor {command} needs root: {e.strerror or e}{where} (run it as root; as "
-            "another user, point state_dir and store_dir, or $TORPOR_STATE_DIR and "
-            "$TORPOR_STORE_DIR, at directories you can write)")
+    instead = ("give --agent-dir (or $TORPOR_AGENT_DIR) a directory you can write"
+               if command == "run" else "as another user, point state_dir and store_dir, or "
+               "$TORPOR_STATE_DIR and $TORPOR_STORE_DIR, at directories you can write")
+    return f"torpor {command} needs root: {e.strerror or e}{where} (run it as root; {instead})"
 
 
 def _setup_logging(cfg: config.Config, debug: bool) -> None:
