@@ -189,17 +189,17 @@ def _open(text: str, shown: str, what: str, create: bool, mode: int,
 def trusted_path(path: Path, what: str) -> Path:
     """path's canonical name if open_trusted_dir would open it; its missing tail (created
     later, by private_dir, with the same checks) appended as given. A last name that is a
-    file is checked as an image file is (require_trusted_file), its directory as above."""
+    file is checked as an image file is (require_trusted_file), its directory as above; a
+    file on the way is NotADirectoryError."""
     parts = Path(_absolute(path)).parts
     for n in range(len(parts), 0, -1):
         try:
             found = _open("/".join(parts[:n]), str(path), what, False, 0o700, False)
         except FileNotFoundError:
             continue
-        except NotADirectoryError:
+        except NotADirectoryError as e:
             if n != len(parts):
-                raise UsageError(f"{what} {path}: {'/'.join(parts[:n])[1:]} is not a "
-                                 "directory") from None
+                raise NotADirectoryError(e.errno, e.strerror, os.fspath(path)) from None
             continue
         os.close(found.fd)
         real = found.path.joinpath(*parts[n:])
