@@ -4,7 +4,9 @@ where a traceback or an "internal error" was, --json anywhere, help for every co
 from __future__ import annotations
 
 import json
+import logging
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +19,25 @@ from torpor.errors import NoDriverError, UsageError
 
 NOBODY = 65534
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (setuid children)")
+
+
+@pytest.fixture(autouse=True)
+def _main_in_process():
+    """cli.main() sets the umask, SIGTERM/SIGHUP handlers and log handlers: put them back."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    root = logging.getLogger()
+    before = list(root.handlers), root.level
+    yield
+    os.umask(umask)
+    for s, h in handlers.items():
+        signal.signal(s, h)
+    for h in root.handlers[:]:
+        if h not in before[0]:
+            root.removeHandler(h)
+            h.close()
+    root.setLevel(before[1])
 
 
 def _as_nobody(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
