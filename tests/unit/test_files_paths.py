@@ -8,6 +8,7 @@ import contextlib
 import os
 import signal
 import stat
+import sys
 import time
 from pathlib import Path
 
@@ -175,17 +176,39 @@ def test_a_directory_swapped_for_a_users_link_while_torpor_claims_it(
         os.waitpid(child, 0)
 
 
-def test_a_non_root_callers_own_link_in_their_own_directory_is_followed(tmp_path, monkeypatch):
-    """For a user running torpor on their own files, their links in their own directories
-    are fine (they could write there anyway); root's rules are the same with uid 0."""
-    link = os.stat_result((0o120777, 0, 0, 1, 1000, 1000, 0, 0, 0, 0))
-    theirs = os.stat_result((0o40700, 0, 0, 1, 1000, 1000, 0, 0, 0, 0))
-    roots = os.stat_result((0o41777, 0, 0, 1, 0, 0, 0, 0, 0, 0))
-    monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    assert files._link_allowed(link, theirs)
-    assert not files._link_allowed(link, roots)       # their link in /tmp: not for them either
-    monkeypatch.setattr(os, "geteuid", lambda: 0)
-    assert not files._link_allowed(link, theirs)
+@needs_root
+def test_a_non_root_callers_own_link_in_their_own_directory_is_followed(tmp_path, sticky):
+    """A user running torpor on their own files may use their links in their own directories
+    (they could write there anyway); not their link in /tmp, nor anyone else's."""
+    for d in [tmp_path, *tmp_path.parents]:   # pytest's 0700 base: let others pass
+        if d != Path("/") and not d.stat().st_mode & 0o001:
+            os.chmod(d, d.stat().st_mode | 0o001)
+
+    def as_user() -> None:
+        os.makedirs("home/real", mode=0o700)
+        os.symlink("real", "home/link")
+        os.symlink("home/real", "tmp-link")
+        ok = files.open_trusted_dir(Path("home/link"), "checkpoint")
+        assert ok.path == sticky / "home" / "real", ok.path
+        try:
+            files.open_trusted_dir(Path("tmp-link"), "checkpoint")
+        except UsageError as e:
+            assert "tmp-link is a symbolic link owned by uid 65534" in str(e), e
+        else:
+            raise AssertionError("their link in a sticky directory of root's was followed")
+        os._exit(0)
+
+    def run() -> None:
+        try:
+            as_user()
+        except BaseException as e:   # the parent sees the exit code
+            print(repr(e), file=sys.stderr)
+            os._exit(1)
+    pid = _as_nobody(sticky, run)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    os.symlink(sticky / "home" / "real", tmp_path / "roots-link")
+    with pytest.raises(UsageError, match="home can be changed by uid 65534"):
+        files.open_trusted_dir(tmp_path / "roots-link", "checkpoint")  # root: not into theirs
 
 
 @needs_root
