@@ -1,4 +1,10 @@
-"""Private files and atomic writes: checkpoints hold process memory, secrets included."""
+"""Private files and atomic writes: checkpoints hold process memory, secrets included.
+
+Every checkpoint location (images, store, suspend and scratch directories, torpor-runtime's
+image path, the state dirs) is reached through open_trusted_dir: walked from / one name at
+a time, following only root's links, through directories only trusted uids can change, and
+made where missing under the descriptor just checked. So what was checked is what is used,
+and a link another user placed, in /tmp or anywhere, steers none of root's writes."""
 
 from __future__ import annotations
 
