@@ -15,6 +15,7 @@ API::
 
     Podman(runtime="runc", *, extra_global_args=(), timeout=60.0)
         .ensure_image() -> str                      # localhost/torpor-test:1, built once
+        .has_image(ref) / .rm_image(ref)            # the tests' podman_image fixture removes it
         .run(name, cmd, *, devices=(), env=None, mounts=(), annotations=None) -> str  # id
         .pid(name) -> int                           # host PID of the container's init
         .bundle(name) -> Path                       # OCI bundle dir (holds config.json)
@@ -240,9 +241,15 @@ class Podman:
            timeout: float | None = None) -> subprocess.CompletedProcess:
         return _run([*self.base, *map(str, args)], timeout=timeout or self.timeout, check=check)
 
+    def has_image(self, ref: str = IMAGE) -> bool:
+        return self._p("image", "exists", ref, check=False).returncode == 0
+
+    def rm_image(self, ref: str = IMAGE) -> None:
+        self._p("rmi", "--force", ref, check=False)
+
     def ensure_image(self) -> str:
         """Import :data:`IMAGE` from :func:`rootfs_tar` unless present; returns its name."""
-        if self._p("image", "exists", IMAGE, check=False).returncode != 0:
+        if not self.has_image():
             with tempfile.NamedTemporaryFile(suffix=".tar") as f:
                 f.write(rootfs_tar())
                 f.flush()

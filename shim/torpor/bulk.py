@@ -33,7 +33,7 @@ from typing import Iterator
 
 from .config import Config
 from .errors import CorruptCheckpointError, TorporError, UsageError
-from .files import TRUSTED_UIDS, require_trusted_location
+from .files import TRUSTED_UIDS, private_dir, require_trusted_location
 
 DATA_DIR = "torpor-gpu"              # in a checkpoint's images directory
 INDEX = "gpu-fingerprints.txt"       # beside a program's files: store/fingerprints.py
@@ -116,9 +116,8 @@ def mount_huge_tmpfs(base: Path) -> bool:
 def claim_suspend_dir(base: Path) -> Path:
     """suspend_dir made (0700) or checked: in a location only root (or we) can change, a
     directory of ours, tightened to 0700. UsageError or TorporError otherwise."""
-    require_trusted_location(base, "suspend_dir")
     try:
-        base.mkdir(mode=0o700, parents=True, exist_ok=True)
+        private_dir(base, "suspend_dir")  # made without following anyone's link but root's
         st = os.lstat(base)
     except OSError as e:
         raise TorporError(f"cannot make suspend_dir {base}: {e}") from e

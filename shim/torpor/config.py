@@ -78,11 +78,16 @@ _BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False,
 
 
 def load(path: Path | None = None, env: dict[str, str] | None = None) -> Config:
-    """Read the config file (if any) and the environment; bad values are one UsageError."""
+    """Read the config file and the environment; bad values are one UsageError. The file
+    ($TORPOR_CONFIG or the default) may be missing; one named on the command line (path)
+    must exist."""
     env = os.environ if env is None else env
+    explicit = path is not None
     path = path or Path(env.get("TORPOR_CONFIG", DEFAULT_CONFIG_PATH))
     values: dict[str, object] = {}
     fields = {f.name: f for f in dataclasses.fields(Config)}
+    if explicit and not path.exists():
+        raise UsageError(f"config {path} does not exist")
     if path.exists():
         try:
             with open(path, "rb") as f:

@@ -13,6 +13,14 @@ from .driver import Driver
 from .errors import TorporError
 
 OK, FAIL, WARN = "ok", "fail", "warn"
+SYSTEMD = Path("/run/systemd/system")   # present only while systemd runs (sd_booted(3))
+
+
+def torpord_hint(verb: str = "start") -> str:
+    """How to (re)start torpord here: systemctl only where systemd runs."""
+    if SYSTEMD.is_dir():
+        return f"systemctl {verb} torpord (or run torpord)"
+    return "run torpord as root (systemd is not running here)"
 
 
 @dataclasses.dataclass
@@ -88,6 +96,6 @@ def run_checks(cfg: Config, sidecar: Callable[[], Check] | None = None) -> list[
                          missing=WARN))
 
     if sidecar is not None:
-        checks.append(_guard("torpord", sidecar, "systemctl start torpord (or run torpord)",
+        checks.append(_guard("torpord", sidecar, torpord_hint(),
                              missing=WARN))
     return checks

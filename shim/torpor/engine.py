@@ -295,8 +295,9 @@ class Engine:
             bulk.DataDir(Path(op.entry.data_root)).remove()
         op.close()
         code = ExitCode.INTERRUPTED if isinstance(error, KeyboardInterrupt) else None
-        raise RolledBackError(f"{during} failed: {_describe(error)}; "
-                              f"{len(pids)} process(es) rolled back to running",
+        raise RolledBackError(f"{during} failed: {_describe(error)}; " + (
+                              f"{len(pids)} process(es) rolled back to running" if pids else
+                              "the program was left running (no GPU state to roll back)"),
                               exit_code=code) from error
 
     # -- the agents -------------------------------------------------------------------------------

@@ -1,7 +1,16 @@
-"""Private files and atomic writes: checkpoints hold process memory, secrets included."""
+"""Private files and atomic writes: checkpoints hold process memory, secrets included.
+
+Every checkpoint location (images, store, suspend and scratch directories, torpor-runtime's
+image path, the state dirs) is reached through open_trusted_dir: walked from / one name at
+a time, following only root's links, through directories only trusted uids can change, and
+made where missing under the descriptor just checked. So what was checked is what is used,
+and a link another user placed, in /tmp or anywhere, steers none of root's writes."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import errno
 import json
 import os
 import stat
@@ -12,43 +21,232 @@ from .errors import UsageError
 TRUSTED_UIDS = {0, os.geteuid()}
 
 
-def private_dir(path: Path) -> Path:
-    """Create path (and parents) as 0700; tighten an existing one we own."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.stat()
-    if st.st_mode & 0o077 and st.st_uid == os.geteuid():
-        os.chmod(path, 0o700)
+def private_dir(path: Path, what: str = "directory") -> Path:
+    """Create path (and parents) as 0700 without following a link anyone but root could have
+    placed (open_trusted_dir); tighten an existing one we own. Returns path."""
+    os.close(open_trusted_dir(path, what, create=True, readable=False).fd)
     return path
 
 
 def _writable_by_others(st: os.stat_result) -> bool:
     """Can anyone but a trusted uid add, remove or rename entries (or write the file)?"""
-    if st.st_uid not in TRUSTED_UIDS:
+    if st.st_uid not in (0, os.geteuid()):   # TRUSTED_UIDS, as of now
         return True
     open_to_others = st.st_mode & 0o022
     sticky_dir = stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX
     return bool(open_to_others) and not sticky_dir
 
 
-def require_trusted_location(path: Path, what: str) -> None:
-    """Refuse a checkpoint location that someone other than root (or us) could swap.
+def _link_allowed(link: os.stat_result, holder: os.stat_result) -> bool:
+    """A symbolic link may be followed if root placed it, or, for a non-root caller, if the
+    caller placed it in a directory of their own (they could point it anywhere anyway)."""
+    me = os.geteuid()
+    return link.st_uid == 0 or (me != 0 and link.st_uid == me and holder.st_uid == me)
 
-    torpor runs as root and a checkpoint holds process memory; CRIU restores credentials from
-    images. A directory whose parent another user can write could be replaced by a symlink
-    mid-operation (root would then write or delete elsewhere), and images another user can
-    write could make root restore anything. So every directory from / down to path must be
-    changeable by trusted uids only (sticky ones like /tmp are fine), as sshd's StrictModes.
-    """
-    real = Path(os.path.realpath(path))
-    for component in [*reversed(real.parents), real]:
-        try:
-            st = os.lstat(component)
-        except FileNotFoundError:
-            return  # the rest does not exist yet: we create it, 0700
+
+@dataclasses.dataclass(frozen=True)
+class TrustedDir:
+    """A directory reached without following anyone's link but root's: path is its canonical
+    name (no links, no ".."), fd an open O_RDONLY descriptor of it (the caller closes it)."""
+
+    path: Path
+    fd: int
+
+
+_MAX_LINKS = 40          # the kernel's own limit (ELOOP)
+_MAX_RETRIES = 100       # a name swapped under us this often: give up
+_PATH_DIR = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class _Walk:
+    """The state of one walk: the descriptors of the directories reached, their names."""
+
+    def __init__(self, shown: str, what: str) -> None:
+        self.shown, self.what = shown, what
+        self.fds: list[int] = []
+        self.names: list[str] = []
+
+    def refuse(self, why: str) -> UsageError:
+        return UsageError(f"{self.what} {self.shown}: {why}; checkpoints hold process memory: "
+                          "use a directory only root can change")
+
+    def where(self, name: str | None = None) -> str:
+        return "/" + "/".join(self.names + ([name] if name else []))
+
+    def enter(self, fd: int, name: str | None) -> None:
+        st = os.fstat(fd)   # what we hold, not what the name means now
         if _writable_by_others(st):
-            raise UsageError(f"{what} {path}: {component} can be changed by uid {st.st_uid} "
-                             f"(mode {stat.S_IMODE(st.st_mode):o}); checkpoints hold process "
-                             "memory: use a directory only root can change")
+            os.close(fd)
+            raise self.refuse(f"{self.where(name)} can be changed by uid {st.st_uid} "
+                              f"(mode {stat.S_IMODE(st.st_mode):o})")
+        self.fds.append(fd)
+        if name is not None:
+            self.names.append(name)
+
+    def follow(self, name: str, st: os.stat_result, todo: list[str]) -> None:
+        """Put the target of link name (st: its lstat) on todo, if it may be followed."""
+        if not _link_allowed(st, os.fstat(self.fds[-1])):
+            raise self.refuse(f"{self.where(name)} is a symbolic link owned by uid {st.st_uid}; "
+                              "torpor follows only root's links")
+        target = os.readlink(name, dir_fd=self.fds[-1])
+        if target.startswith("/"):
+            while len(self.fds) > 1:
+                os.close(self.fds.pop())
+            self.names.clear()
+        todo.extend(_components(target))
+
+    def up(self) -> None:
+        if self.names:
+            os.close(self.fds.pop())
+            self.names.pop()
+
+    def close(self) -> None:
+        while self.fds:
+            os.close(self.fds.pop())
+
+
+def _components(path: str) -> list[str]:
+    """path's names, last first (a stack), "." and empty ones dropped."""
+    return [c for c in reversed(path.split("/")) if c not in ("", ".")]
+
+
+def _absolute(path: Path | str) -> str:
+    text = os.fspath(path)
+    return text if text.startswith("/") else os.getcwd() + "/" + text  # ".." stays the kernel's
+
+
+def open_trusted_dir(path: Path, what: str, *, create: bool = False, mode: int = 0o700,
+                     readable: bool = True) -> TrustedDir:
+    """Open directory path, walking it one name at a time from / with
+    openat(O_PATH|O_NOFOLLOW|O_DIRECTORY), whatever fs.protected_symlinks says.
+
+    Every directory reached must be changeable by trusted uids only (root, or us; sticky
+    ones like /tmp are fine), as sshd's StrictModes: torpor runs as root, a checkpoint holds
+    process memory and CRIU restores credentials from images. A symbolic link is followed
+    only if root placed it (or, for a non-root caller, the caller in their own directory);
+    anyone else's is refused: it could steer root's writes anywhere. create: missing
+    directories are made (mode) with mkdirat under the descriptor just checked, so nothing
+    can be slipped in between the check and the use; an existing last one we own is
+    tightened to mode. Refusals are UsageError, one line; a missing directory (without
+    create) FileNotFoundError, a name that is not a directory NotADirectoryError. The fd is
+    O_RDONLY (flock, listdir, fchmod), or O_PATH where not readable."""
+    return _open(_absolute(path), str(path), what, create, mode, readable)
+
+
+def _open(text: str, shown: str, what: str, create: bool, mode: int,
+          readable: bool) -> TrustedDir:
+    walk = _Walk(shown, what)
+    todo = _components(text)
+    links = retries = 0
+    try:
+        walk.enter(os.open("/", _PATH_DIR), None)
+        while todo:
+            name = todo.pop()
+            if name == "..":
+                walk.up()
+                continue
+            try:
+                walk.enter(os.open(name, _PATH_DIR, dir_fd=walk.fds[-1]), name)
+                continue
+            except FileNotFoundError:
+                if not create:
+                    raise FileNotFoundError(errno.ENOENT, "No such file or directory",
+                                            walk.where(name)) from None
+                try:
+                    os.mkdir(name, mode, dir_fd=walk.fds[-1])
+                except FileExistsError:
+                    pass                          # someone was first: look at what it is
+                except OSError as e:
+                    raise type(e)(e.errno, e.strerror, walk.where(name)) from None
+            except OSError as e:
+                if e.errno not in (errno.ENOTDIR, errno.ELOOP):
+                    raise type(e)(e.errno, e.strerror, walk.where(name)) from None
+                try:
+                    st = os.stat(name, dir_fd=walk.fds[-1], follow_symlinks=False)
+                except FileNotFoundError:
+                    st = None                     # gone meanwhile: look again
+                if st is not None and stat.S_ISLNK(st.st_mode):
+                    links += 1
+                    if links > _MAX_LINKS:
+                        raise walk.refuse("too many levels of symbolic links") from None
+                    walk.follow(name, st, todo)
+                    continue
+                if st is not None and not stat.S_ISDIR(st.st_mode):
+                    raise NotADirectoryError(errno.ENOTDIR, "Not a directory",
+                                             walk.where(name)) from None
+            retries += 1
+            if retries > _MAX_RETRIES:
+                raise walk.refuse(f"{walk.where(name)} keeps changing while torpor opens it")
+            todo.append(name)                     # look at it again
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC if readable else _PATH_DIR
+        fd = os.open(".", flags, dir_fd=walk.fds[-1])
+        try:
+            st = os.fstat(fd)
+            if create and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & ~mode:
+                os.chmod(f"/proc/self/fd/{fd}", mode)   # the directory held (fd may be O_PATH)
+        except BaseException:
+            os.close(fd)
+            raise
+        return TrustedDir(Path(walk.where()), fd)
+    finally:
+        walk.close()
+
+
+def trusted_path(path: Path, what: str) -> Path:
+    """path's canonical name if open_trusted_dir would open it; its missing tail (created
+    later, by private_dir, with the same checks) appended as given. A last name that is a
+    file is checked as an image file is (require_trusted_file), its directory as above; a
+    file on the way is NotADirectoryError."""
+    parts = Path(_absolute(path)).parts
+    for n in range(len(parts), 0, -1):
+        try:
+            found = _open("/".join(parts[:n]), str(path), what, False, 0o700, False)
+        except FileNotFoundError:
+            continue
+        except NotADirectoryError as e:
+            if n != len(parts):
+                raise NotADirectoryError(e.errno, e.strerror, os.fspath(path)) from None
+            continue
+        os.close(found.fd)
+        real = found.path.joinpath(*parts[n:])
+        if n == len(parts) - 1:
+            with contextlib.suppress(FileNotFoundError):
+                st = os.lstat(real)
+                if stat.S_ISLNK(st.st_mode) and not _link_allowed(st, os.stat(found.path)) \
+                        or not stat.S_ISLNK(st.st_mode) and _writable_by_others(st):
+                    raise UsageError(f"{what} {path}: {real} is owned by uid {st.st_uid} with "
+                                     f"mode {stat.S_IMODE(st.st_mode):o}; checkpoints hold "
+                                     "process memory: use a directory only root can change")
+        return real
+    raise UsageError(f"{what} {path}: not a directory")  # not reached: / is a directory
+
+
+def require_trusted_location(path: Path, what: str) -> Path:
+    """Refuse a checkpoint location that someone other than root (or us) could swap or steer
+    through a link (open_trusted_dir says which); returns its canonical name. What is missing
+    of it yet is fine: private_dir creates it, 0700, with the same checks."""
+    return trusted_path(path, what)
+
+
+def remove_lone_file(dir_fd: int, name: str, unless: bytes) -> bool:
+    """Remove name if it is the only entry of directory dir_fd and a regular file whose last
+    4 KiB lack unless (a failed dump's log, not a good one); True if it was removed."""
+    if os.listdir(dir_fd) != [name]:
+        return False
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=dir_fd)
+    except OSError:
+        return False     # a link, or gone
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return False
+        f.seek(max(0, st.st_size - 4096))
+        if unless in f.read(4096):
+            return False
+    os.unlink(name, dir_fd=dir_fd)
+    return True
 
 
 def require_trusted_file(path: Path) -> str | None:

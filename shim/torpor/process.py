@@ -32,7 +32,8 @@ from .driver import ProcessState
 from .engine import Engine, restore_targets, targets_of
 from .errors import (BusyError, CorruptCheckpointError, CriuError, NoDriverError, NotFoundError,
                      PreflightError, RolledBackError, TorporError, UsageError)
-from .files import private_dir, require_trusted_location, tree_size
+from .files import (open_trusted_dir, private_dir, remove_lone_file, require_trusted_location,
+                    tree_size)
 from .progress import human_bytes
 from .store import Store, fingerprints, images
 from .store.backend import check_snapshot_name
@@ -41,22 +42,19 @@ from .store.backend import check_snapshot_name
 def _claim_images_dir(images_dir: Path) -> int:
     """An empty private (0700) directory for the images, in a place only root can change,
     flock-ed so that two checkpoints never share it. Returns the locked directory fd."""
-    require_trusted_location(images_dir, "images directory")
     if images_dir.is_symlink():
         raise UsageError(f"{images_dir} is a symbolic link: give the directory itself")
-    if images_dir.exists() and not images_dir.is_dir():
-        raise UsageError(f"{images_dir} exists and is not a directory")
-    images_dir.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    try:
-        images_dir.mkdir(mode=0o700)
-    except FileExistsError:
-        pass
-    fd = os.open(images_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:  # made, and held, without following anyone's link but root's (files.py)
+        fd = open_trusted_dir(images_dir, "images directory", create=True).fd
+    except NotADirectoryError:
+        raise UsageError(f"{images_dir} exists and is not a directory") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise BusyError(f"another torpor is checkpointing into {images_dir}") from None
+        # the log a failed dump left to say why (and nothing else) goes: the retry's replaces it
+        remove_lone_file(fd, manifest.DUMP_LOG, unless=manifest.DUMP_OK.encode())
         if os.listdir(fd):
             raise UsageError(f"{images_dir} is not empty: give a new or empty directory")
         os.fchmod(fd, 0o700)

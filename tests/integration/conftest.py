@@ -55,6 +55,21 @@ class Torpor:
                                 stdin=subprocess.DEVNULL)
 
 
+@pytest.fixture(scope="session")
+def podman_image():
+    """The podman tests' image (integration.containers.IMAGE), imported once, and removed at
+    the end of the session unless it was there before: the suite leaves no image behind."""
+    if shutil.which("podman") is None:
+        pytest.skip("needs podman")
+    from integration.containers import IMAGE, Podman
+    p = Podman()
+    had = p.has_image()
+    p.ensure_image()
+    yield IMAGE
+    if not had:
+        p.rm_image()
+
+
 @pytest.fixture
 def gpu(tmp_path: Path):
     with FakeGpu(tmp_path / "fakegpu") as g:

@@ -156,11 +156,9 @@ def _manifest_in_tar(archive: Path) -> dict:
 # -- podman -----------------------------------------------------------------------------------
 
 @pytest.fixture
-def podman(shim):
+def podman(shim, podman_image):
     _needs("podman")
-    p = Podman(str(shim.path))
-    p.ensure_image()
-    return p
+    return Podman(str(shim.path))
 
 
 @pytest.fixture

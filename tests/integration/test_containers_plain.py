@@ -39,11 +39,9 @@ def _needs(*tools: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def podman() -> Podman:
+def podman(podman_image) -> Podman:
     _needs("podman")
-    p = Podman(_runtime())
-    p.ensure_image()
-    return p
+    return Podman(_runtime())
 
 
 @pytest.fixture(scope="module")

@@ -272,7 +272,7 @@ def test_agent_settings(tmp_path):
     c = config.load(f, env={"TORPOR_SUSPEND_DIR": str(tmp_path / "s")})
     assert (c.use_agent, c.agent_files, c.agent_timeout_s, c.suspend_dir) == \
         (False, 4, 30.0, tmp_path / "s")
-    d = config.load(tmp_path / "absent.toml", env={})
+    d = config.load(env={"TORPOR_CONFIG": str(tmp_path / "absent.toml")})
     assert (d.use_agent, d.agent_files, d.suspend_dir) == (True, 0, Path("/dev/shm/torpor"))
     for text, match in [("agent_files = 17", "agent_files"), ("agent_timeout_s = 0",
                                                                 "agent_timeout_s")]:

@@ -39,7 +39,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in dict.fromkeys(COMMANDS.values()):
         module.add_parser(sub)
+    for command in sub.choices.values():  # --json before or after the subcommand alike
+        command.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                             help="print the result as JSON")
     return parser
+
+
+def _needs_root(e: PermissionError, command: str) -> str:
+    """What a non-root user lacks, in one line, for a permission refused to them."""
+    where = f" ({e.filename})" if e.filename else ""
+    instead = ("give --agent-dir (or $TORPOR_AGENT_DIR) a directory you can write"
+               if command == "run" else "as another user, point state_dir and store_dir, or "
+               "$TORPOR_STATE_DIR and $TORPOR_STORE_DIR, at directories you can write")
+    return f"torpor {command} needs root: {e.strerror or e}{where} (run it as root; {instead})"
 
 
 def _setup_logging(cfg: config.Config, debug: bool) -> None:
@@ -92,6 +104,12 @@ def main(argv: list[str] | None = None) -> int:
         print("torpor: interrupted", file=sys.stderr)
         return ExitCode.INTERRUPTED
     except Exception as e:  # a bug: still one line, the traceback in the log
+        if isinstance(e, PermissionError) and os.geteuid() != 0:  # not a bug: not root
+            logging.getLogger("torpor").error("%s", e, exc_info=True)
+            if debug:
+                traceback.print_exc()
+            print(f"torpor: error: {_needs_root(e, args.command)}", file=sys.stderr)
+            return ExitCode.USAGE
         logging.getLogger("torpor").critical("unexpected error", exc_info=True)
         if debug:
             traceback.print_exc()

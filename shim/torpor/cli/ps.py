@@ -55,7 +55,12 @@ def agent_state(pid: int, agent_dir: Path | None) -> str:
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
     engine = ctx.engine
-    inv = gpus.discover()  # NoDriverError: no NVIDIA driver, nothing to list
+    try:
+        inv = gpus.discover()
+    except NoDriverError as e:  # a host without a GPU: nothing to list, and that is no error
+        ctx.emit({"driver_version": "", "processes": [], "reason": e.line()},
+                 f"(no GPU processes: {e.line()})")
+        return 0
     suspended = engine.journal.suspended()
     pids = sorted({p.pid for p in inv.processes} | {p for p in suspended if procs.alive(p)})
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..errors import UsageError
 from ..placement import parse_device_map
 from ..process import restore_any
 from .context import Context, agent_line, timing_lines
@@ -26,6 +27,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
     device_map = parse_device_map(args.device_map)
+    if args.images_dir.is_file():
+        d = args.images_dir
+        raise UsageError(f"{d} is a file (an archive?), not a checkpoint directory: restore a "
+                         f"podman --export archive with 'podman container restore --import {d}'; "
+                         f"unpack any other into a new directory first (mkdir DIR && tar -xf {d} "
+                         "-C DIR) and 'torpor restore -D DIR'")
     r = restore_any(ctx.engine, args.images_dir, device_map=device_map,
                     verify=not args.no_verify)
     remap = ", ".join(f"{o} -> {n}" for o, n in r["gpu_map"].items())

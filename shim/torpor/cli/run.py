@@ -3,11 +3,11 @@
     torpor run [--agent-dir DIR] -- COMMAND [ARGS...]
 
 The program runs as it would without torpor (torpor execs it: same PID, same stdio, its exit
-code is the command's). The agent (libtorpor-agent.so, agent/README.md) wraps its CUDA driver
-calls, tracks its allocations and answers on DIR/agent-<pid>.sock once the program first
-calls the driver; a program that never does runs exactly as without it. Checkpoints and
-suspends of the program then have the agent move its GPU memory into files first (engine.py),
-which is much faster than the driver's checkpoint for large allocations.
+code is the command's). The agent wraps its CUDA driver calls, tracks its allocations and
+answers on DIR/agent-<pid>.sock once the program first calls the driver; a program that never
+does runs exactly as without it. 'torpor checkpoint' and 'torpor suspend' of the program then
+have the agent move its GPU memory into files first, which is much faster than the driver's
+checkpoint for large allocations.
 """
 
 from __future__ import annotations

@@ -20,15 +20,22 @@ NEEDS_RECOVERY = True
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("ls", help="list the checkpoints in the store with their sizes")
-    p.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
-                   help="print the result as JSON")
+    p = sub.add_parser("ls", help="list the checkpoints in the store with their sizes",
+                       description="List the checkpoints kept in the image store (config "
+                       "store_dir) by 'torpor checkpoint --store NAME': name, creation time, "
+                       "files, size, bytes stored and bytes no other checkpoint shares.")
     p.set_defaults(action=list_snapshots)
-    p = sub.add_parser("rm", help="remove checkpoints from the store (their chunks go at gc)")
-    p.add_argument("names", nargs="+", metavar="NAME")
+    p = sub.add_parser("rm", help="remove checkpoints from the store (their chunks go at gc)",
+                       description="Remove checkpoints from the image store by NAME ('torpor "
+                       "ls' lists them). Their chunks stay until 'torpor gc' frees those no "
+                       "other checkpoint needs.")
+    p.add_argument("names", nargs="+", metavar="NAME", help="checkpoint name, as 'torpor ls' shows")
     p.set_defaults(action=remove)
     p = sub.add_parser("gc", help="remove the chunks no checkpoint needs, and leftovers of "
-                       "interrupted checkpoints")
+                       "interrupted checkpoints",
+                       description="Free the image store's space: remove the chunks no "
+                       "checkpoint in it needs any more, and what interrupted checkpoints left "
+                       "behind. Chunks that checkpoint directories link to are kept.")
     p.add_argument("--dry-run", action="store_true", help="only say what would be removed")
     p.set_defaults(action=collect)
 

@@ -14,11 +14,17 @@ NEEDS_RECOVERY = True
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("suspend", help="move a program's GPU state to host memory and "
-                       "release the GPU; the program stays, paused in its CUDA calls")
-    p.add_argument("pid")
+                       "release the GPU; the program stays, paused in its CUDA calls",
+                       description="Move the GPU state of the process tree rooted at PID into "
+                       "host memory and release its GPUs. The program stays, paused in its "
+                       "CUDA calls, until 'torpor resume PID'. Nothing is written to disk: a "
+                       "reboot loses it (use 'torpor checkpoint' for that).")
+    p.add_argument("pid", help="root of the process tree to suspend")
     p.set_defaults(action="suspend")
-    p = sub.add_parser("resume", help="give a suspended program its GPU state back")
-    p.add_argument("pid")
+    p = sub.add_parser("resume", help="give a suspended program its GPU state back",
+                       description="Give the process tree rooted at PID, suspended by 'torpor "
+                       "suspend', its GPU state back; it carries on where it stopped.")
+    p.add_argument("pid", help="PID given to 'torpor suspend'")
     p.set_defaults(action="resume")
 
 

@@ -26,7 +26,7 @@ from typing import Any, Iterable, Mapping
 import grpc
 
 from ..config import Config
-from ..doctor import OK, WARN, Check
+from ..doctor import OK, WARN, Check, torpord_hint
 from ..errors import SidecarError, TorporError
 from ..files import private_dir
 from . import error_from_rpc, proto
@@ -88,7 +88,7 @@ class Client:
     def _call(self, method: str, request: Any, timeout: float | None = None) -> Any:
         if not self.socket_path.exists():
             raise SidecarError(f"torpord is not running (no socket at {self.socket_path})",
-                               hint="systemctl start torpord (or run torpord)")
+                               hint=torpord_hint())
         try:
             return getattr(self.stub, method)(request, timeout=timeout or self.timeout)
         except grpc.RpcError as e:
@@ -188,13 +188,13 @@ def ping(cfg: Config, socket_path: Path | str | None = None, timeout: float = 3.
     path = Path(socket_path or cfg.socket_path)
     if not path.exists():
         return Check("torpord", WARN, f"not running (no socket at {path})",
-                     "systemctl start torpord (or run torpord)")
+                     torpord_hint())
     try:
         with Client(cfg, path, timeout=timeout) as c:
             info = c.list()
     except TorporError as e:
         return Check("torpord", WARN, f"not running or not answering at {path}: {e}",
-                     "systemctl restart torpord; torpord answers root and socket_owner_uid only")
+                     torpord_hint("restart") + "; torpord answers root and socket_owner_uid only")
     return Check("torpord", OK,
                  f"torpord {info['version']} (pid {info['server_pid']}) on {path}: "
                  f"{len(info['containers'])} container(s), "

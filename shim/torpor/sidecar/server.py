@@ -682,6 +682,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = config.load(args.config)
+        if os.geteuid() != 0:  # it checkpoints other users' programs and owns /run/torpor
+            raise UsageError("torpord must run as root (sudo torpord, or the torpord service)")
         if args.op_timeout <= 0:
             raise UsageError("--op-timeout must be positive")
         public = (args.socket or cfg.socket_path).absolute()
