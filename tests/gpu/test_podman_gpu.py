@@ -7,15 +7,19 @@ each container's steps are compared with an uninterrupted reference run of the s
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
+import sys
 import tarfile
+import time
+from pathlib import Path
 
 import pytest
 
 from integration.containers import ContainerError, Podman
-from integration.gpu import TorchContainer
+from integration.gpu import TorchContainer, gpu_mounts, nvidia_devices
 from tests.gpu.compare_steps import compare
 from tests.gpu.conftest import GPU_SKIP, gpu_uuid
 from torpor import driver
@@ -121,3 +125,68 @@ def test_podman_dump_on_full_disk_leaves_container_running(podman, containers, t
     at = tc.step()
     tc.wait_step(at + 10)
     _bit_exact(ref, tc, 39)
+
+
+INFER_SERVER = Path(__file__).resolve().parent / "infer_server.py"
+_CLIENT = """
+import json, sys, urllib.request
+port, path, body = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body.encode() or None,
+                             headers={"Content-Type": "application/json"})
+with urllib.request.urlopen(req, timeout=60) as r:
+    print(r.read().decode())
+"""
+
+
+def _ask(pid: int, path: str, body: dict | None = None, port: int = 8080) -> dict:
+    """An HTTP request from a real client in the container's network namespace (the
+    container has --network none: its loopback is its own)."""
+    def enter() -> None:
+        fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
+        os.setns(fd, os.CLONE_NEWNET)
+        os.close(fd)
+    out = subprocess.run([sys.executable, "-c", _CLIENT, str(port), path,
+                          json.dumps(body) if body is not None else ""],
+                         capture_output=True, text=True, timeout=120, preexec_fn=enter)
+    assert out.returncode == 0, f"client failed: {out.stderr[-1500:]}"
+    return json.loads(out.stdout)
+
+
+def test_podman_http_inference_server_gives_the_same_answer_after_export_and_import(
+        podman, tmp_path):
+    """A GPU inference server (a TCP listener, weights and KV cache on the GPU) in a podman
+    container, checkpointed with --export and restored with --import through torpor-runtime,
+    answers a fixed prompt exactly as before, and its count of requests served goes on."""
+    name, status = "infer-srv", tmp_path / "infer-srv.status.json"
+    podman.rm(name)
+    argv = [sys.executable, str(INFER_SERVER), "--gib", "1", "--status", str(status)]
+    log = tmp_path / "infer-srv.log"
+    shell = " ".join(f"'{a}'" for a in argv) + f" >>'{log}' 2>&1"
+    env = {"USER": "root", "HOME": str(tmp_path)}
+    try:
+        podman.run(name, ["/bin/sh", "-c", f"exec {shell}"], env=env, devices=nvidia_devices(),
+                   mounts=gpu_mounts(tmp_path, INFER_SERVER.parent))
+        deadline = time.monotonic() + 300
+        while not status.exists():
+            assert time.monotonic() < deadline and podman.state(name) == "running", \
+                f"server not ready: {log.read_text(errors='replace')[-2000:] if log.exists() else ''}"
+            time.sleep(0.2)
+        pid = podman.pid(name)
+        prompt = {"prompt": "Checkpoint me, then bring me back.", "max_new_tokens": 32}
+        before = _ask(pid, "/generate", prompt)
+        assert _ask(pid, "/generate", prompt)["tokens"] == before["tokens"]   # deterministic
+        assert _ask(pid, "/health")["served"] == 2
+
+        archive = tmp_path / "infer-srv.tar"
+        podman.checkpoint(name, export=archive, compress="none")
+        assert podman.state(name) == "exited"
+        podman.rm(name)
+        podman.restore(import_=archive)
+        new_pid = podman.pid(name)
+        assert new_pid != pid
+        assert _cuda_state(new_pid) == "RUNNING"
+        after = _ask(new_pid, "/generate", prompt)
+        assert after["tokens"] == before["tokens"], (before, after)
+        assert after["served"] == 3, "the server's own memory did not come back"
+    finally:
+        podman.rm(name)
