@@ -19,7 +19,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from . import manifest
+from . import manifest, procs
 from .config import Config
 from .errors import CriuError
 from .files import private_dir
@@ -112,17 +112,38 @@ def _child_setup(parent: int) -> None:
         os._exit(1)
 
 
+def _outliving_setup() -> None:
+    """In CRIU's child for a restore: images private, and CRIU left to finish on its own. A
+    restore is the other way round from a dump: CRIU killed half-way leaves the restored
+    processes frozen in its restorer (blocked signals, waiting on a futex CRIU would have
+    woken) for good. So CRIU runs in its own session, out of reach of the terminal's Ctrl-C
+    and of torpor's death, and writes to a file, not to a pipe torpor's death would break;
+    recovery then finishes what it restored, or stops a tree a CRIU killed anyway left."""
+    os.umask(0o077)
+
+
 def run_criu(criu: Criu, cfg: Config, action: str, args: list[str], log_path: Path,
-             *, timeout: float | None = None) -> None:
-    """Run `criu ACTION ARGS` with its log at log_path; CriuError quoting the log on failure."""
+             *, timeout: float | None = None, outlive: bool = False) -> None:
+    """Run `criu ACTION ARGS` with its log at log_path; CriuError quoting the log on failure.
+    outlive: CRIU finishes even if torpor dies (a restore: _outliving_setup says why); else
+    it dies with torpor (a dump)."""
     argv = [criu.path, action, *args, "--log-file", str(log_path), "-v4",
             "--libdir", str(_empty_plugin_dir(cfg))]
     log.info("running %s", " ".join(argv))
     start = time.monotonic()
     try:
-        proc = subprocess.run(argv, env=CLEAN_ENV, stdin=subprocess.DEVNULL,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout,
-                              preexec_fn=functools.partial(_child_setup, os.getpid()))
+        if outlive:
+            with open(log_path.with_suffix(".out"), "w+b") as out:
+                proc = subprocess.run(argv, env=CLEAN_ENV, stdin=subprocess.DEVNULL, stdout=out,
+                                      stderr=subprocess.STDOUT, timeout=timeout,
+                                      start_new_session=True, preexec_fn=_outliving_setup)
+                out.seek(0)
+                proc.stdout = out.read(1 << 16)
+        else:
+            proc = subprocess.run(argv, env=CLEAN_ENV, stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  timeout=timeout,
+                                  preexec_fn=functools.partial(_child_setup, os.getpid()))
     except subprocess.TimeoutExpired as e:
         raise CriuError(f"criu {action} did not finish in {timeout:.0f} s (log: {log_path})") from e
     log.info("criu %s exited %d after %.2f s", action, proc.returncode, time.monotonic() - start)
@@ -160,18 +181,30 @@ def dump(criu: Criu, cfg: Config, pid: int, images_dir: Path, *, leave_running: 
 def restore(criu: Criu, cfg: Config, images_dir: Path, work_dir: Path, *, shell_job: bool,
             tcp_established: bool = False, extra: list[str] | None = None) -> int:
     """Restore detached; returns the root PID CRIU reports."""
-    pidfile = work_dir / "restore.pid"
+    pidfile = work_dir / "restore.pid"   # restore_finished() reads it too
     args = ["--images-dir", str(images_dir), "--work-dir", str(work_dir),
             "--restore-detached", "--pidfile", str(pidfile)]
     if shell_job:
         args.append("--shell-job")
     if tcp_established:
         args += ["--tcp-established", *network_lock_args(True)]
-    run_criu(criu, cfg, "restore", args + list(extra or []), work_dir / RESTORE_LOG)
+    run_criu(criu, cfg, "restore", args + list(extra or []), work_dir / RESTORE_LOG,
+             outlive=True)
     try:
         return int(pidfile.read_text().strip())
     except (OSError, ValueError) as e:
         raise CriuError(f"criu restore gave no PID (pidfile {pidfile}): {e}") from e
+
+
+def restore_finished(work_dir: Path) -> bool:
+    """Whether the CRIU restore run in work_dir got to the end (it writes its pidfile once
+    every process is restored)."""
+    return (work_dir / "restore.pid").is_file()
+
+
+def restoring(work_dir: Path) -> list[int]:
+    """The CRIU processes still restoring in work_dir (a restore whose torpor died)."""
+    return procs.find_argv("restore", "--work-dir", str(work_dir))
 
 
 def check(criu: Criu) -> tuple[bool, str]:

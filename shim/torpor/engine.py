@@ -25,13 +25,15 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import shutil
+import signal
 import socket
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterable, Mapping, TypeVar
 
-from . import agent, bulk, interrupts, manifest, packing, procs
+from . import agent, bulk, criu, interrupts, manifest, packing, procs
 from .agent import AgentClient, AgentError, NoAgentError
 from .config import Config
 from .driver import Driver, DriverError, ProcessState
@@ -581,6 +583,12 @@ class Engine:
     def _recover_one(self, entry: Entry, fd: int) -> list[str]:
         """Roll back one dead operation's processes, finish its images, then forget it. On
         any failure the entry stays for the next try."""
+        said: list[str] = []
+        if entry.kind == "restore" and entry.phase == "restore" and entry.work_dir:
+            keep, said = self._interrupted_restore(entry)
+            if keep:
+                os.close(fd)    # CRIU is still at it: the entry stays for the next look
+                return said
         suspended = self.journal.suspended()  # suspended on purpose: not ours to resume
         live = [p for p in entry.pids
                 if procs.alive(p) and entry.same_process(p) and p not in suspended]
@@ -599,7 +607,7 @@ class Engine:
         if problems:
             os.close(fd)
             return [f"could not recover interrupted {entry.kind} {entry.id}: " + "; ".join(problems)]
-        messages = []
+        messages = said
         if live:
             messages.append(f"recovered {', '.join(map(str, live))} left by an interrupted "
                             f"{entry.kind} (phase {entry.phase}): running again")
@@ -617,6 +625,40 @@ class Engine:
             messages += self._fill_images(Path(entry.images_dir), entry)
         self.journal.forget(entry, fd)
         return messages
+
+    def _interrupted_restore(self, entry: Entry, wait_s: float = 10.0
+                             ) -> tuple[bool, list[str]]:
+        """A restore whose torpor died while CRIU ran. CRIU outlives torpor (criu.run_criu):
+        once it has finished, its processes are restored and the usual rollback brings their
+        GPU state back (None: go on). A CRIU that died half-way (killed with torpor's process
+        group, say) left its processes frozen in its restorer for good: they are stopped, and
+        the checkpoint, which a restore never changes, is intact. A CRIU still running gets
+        wait_s to end, else the entry is kept. Returns (keep the entry, what to say)."""
+        work = Path(entry.work_dir)
+        deadline = time.monotonic() + wait_s
+        while criu.restoring(work) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        running = criu.restoring(work)
+        if running:
+            return True, [f"an interrupted restore ({entry.id}) is still being finished by "
+                          f"CRIU (PID {running[0]}): look again when it ends"]
+        if criu.restore_finished(work):
+            shutil.rmtree(work, ignore_errors=True)
+            return False, [f"finished the restore ({entry.id}) an interrupted torpor left to "
+                           "CRIU"]
+        frozen = [p for p in entry.image_pids
+                  if (t := procs.started_at(p)) is not None and t >= entry.started - 1.0]
+        for p in frozen:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(work, ignore_errors=True)
+        entry.pids = []    # none of them is a program to give its GPU back
+        return False, [] if not frozen else [
+            f"stopped {len(frozen)} half-restored process(es) ({', '.join(map(str, frozen))}) "
+            f"that an interrupted restore ({entry.id}) left frozen; the checkpoint is "
+            "unchanged: restore it again"]
 
     def _fill_images(self, images_dir: Path, entry: Entry) -> list[str]:
         """A sealed checkpoint into the store whose torpor died before its pack began: what

@@ -66,6 +66,10 @@ class Entry:
     data_root: str = ""            # the agents' data files (bulk.DataDir) of this operation
     scratch: bool = False          # data_root is torpor's own (suspend): removed once resumed
     store_owner: str = ""          # a pack's: whose fingerprints (store/fingerprints.owner_of)
+    # a restore's: CRIU's work directory (its pidfile there says CRIU finished) and every PID
+    # of the image, which a CRIU that died half-way may have left half-restored
+    work_dir: str = ""
+    image_pids: list[int] = dataclasses.field(default_factory=list)
     owner: int = dataclasses.field(default_factory=os.getpid)
     started: float = dataclasses.field(default_factory=time.time)
 
@@ -93,6 +97,8 @@ class Entry:
                    agents={str(int(k)): dict(v) for k, v in d.get("agents", {}).items()},
                    data_root=str(d.get("data_root", "")), scratch=bool(d.get("scratch", False)),
                    store_owner=str(d.get("store_owner", "")),
+                   work_dir=str(d.get("work_dir", "")),
+                   image_pids=[int(p) for p in d.get("image_pids", [])],
                    owner=int(d.get("owner", 0)), started=float(d.get("started", 0)))
 
 
@@ -105,7 +111,8 @@ class Operation:
     def phase(self, name: str, *, pids: list[int] | None = None,
               gpu_map: dict[str, str] | None = None, images_dir: str | None = None,
               agents: dict[str, dict] | None = None, data_root: str | None = None,
-              scratch: bool | None = None, store_owner: str | None = None) -> None:
+              scratch: bool | None = None, store_owner: str | None = None,
+              work_dir: str | None = None, image_pids: list[int] | None = None) -> None:
         """Record the phase about to start (and new PIDs, e.g. after CRIU restore)."""
         if pids is not None:
             self.journal._claim_more(self, pids)  # BusyError before anything is recorded
@@ -124,6 +131,10 @@ class Operation:
             self.entry.scratch = scratch
         if store_owner is not None:
             self.entry.store_owner = store_owner
+        if work_dir is not None:
+            self.entry.work_dir = work_dir
+        if image_pids is not None:
+            self.entry.image_pids = [int(p) for p in image_pids]
         self.journal._save(self.entry)
 
     def close(self) -> None:

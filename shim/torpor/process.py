@@ -251,8 +251,11 @@ def restore(engine: Engine, images_dir: Path, *, device_map: dict[str, str] | No
     with engine.begin("restore", []) as op:
         # CRIU brings the CUDA processes back CHECKPOINTED under their old PIDs: journal them
         # first, so that a torpor dying right after CRIU leaves them for recovery to finish.
+        # Every PID of the image too, and CRIU's work directory: a CRIU killed half-way
+        # leaves a frozen tree that recovery must stop (engine.recovery).
         op.phase("restore", pids=cuda_pids, gpu_map=gpu_map or {},
-                 agents={p: t.to_json() for p, t in agents.items()})
+                 agents={p: t.to_json() for p, t in agents.items()},
+                 work_dir=str(work_dir), image_pids=pids)
         try:
             with interrupts.deferred():  # a CRIU killed half-way would leave half a tree
                 with progress.phase("restore", f"CRIU {tool.version_text}, "

@@ -115,6 +115,37 @@ def start_time(pid: int) -> int | None:
         return None
 
 
+def started_at(pid: int) -> float | None:
+    """When pid started, in seconds since the epoch (time.time()'s clock); None when there is
+    no such process."""
+    ticks = start_time(pid)
+    if ticks is None:
+        return None
+    try:
+        with open("/proc/stat") as f:
+            btime = next(int(ln.split()[1]) for ln in f if ln.startswith("btime "))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    return btime + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def find_argv(*words: str) -> list[int]:
+    """The live processes whose command line holds every one of words, each as a whole
+    argument."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if all(w.encode() in argv for w in words):
+            found.append(int(name))
+    return found
+
+
 def traced(pid: int) -> bool:
     """Whether a tracer (CRIU dumping it, a debugger) holds pid."""
     try:
