@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from . import (__version__, agent, bulk, criu, gpus, interrupts, manifest, packing, placement,
-               procs)
+               procs, workloads)
 from .driver import ProcessState
 from .engine import Engine, restore_targets, targets_of
 from .errors import (BusyError, CorruptCheckpointError, CriuError, NoDriverError, NotFoundError,
@@ -100,6 +100,8 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
         states, inv = _gpu_view(engine, tree)
         _require_running(states)
         cuda_pids = sorted(states)
+        workloads.refuse_unrestorable(cuda_pids, engine.agent_sockets(cuda_pids),
+                                      leave_running=leave_running, warn=progress.say)
         shell_job = procs.needs_shell_job(pid) if shell_job is None else shell_job
         dir_fd = _claim_images_dir(images_dir)
         stack.callback(os.close, dir_fd)

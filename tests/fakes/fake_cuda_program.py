@@ -45,6 +45,13 @@ def main() -> int:
     args = ap.parse_args()
 
     lib = ctypes.CDLL(args.lib)
+    # FAKE_PROGRAM_MAP=FILE: FILE mapped as a loaded library is (e.g. a stand-in for jaxlib's
+    # xla_extension.so, which torpor looks for in /proc/PID/maps)
+    mapped = None
+    if os.environ.get("FAKE_PROGRAM_MAP"):
+        import mmap
+        with open(os.environ["FAKE_PROGRAM_MAP"], "rb") as f:
+            mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)  # noqa: F841 (kept)
     pid = os.getpid()
     tick = 0
 

@@ -13,7 +13,8 @@
 # agent + image store against the driver path + CRIU (bench/store_e2e.py, training and
 # inference programs, or STORE_BENCH_KINDS; more arguments in STORE_BENCH_ARGS, e.g. --no-ends;
 # bench/criu_share.py at CRIU_SHARE_MIB, default 8192, 0 for none); CHUNK_WRITES_GIB=16 how fast
-# chunks become durable on the disk (bench/chunk_writes.py, CHUNK_WRITES_THREADS); TESTS=0
+# chunks become durable on the disk (bench/chunk_writes.py, CHUNK_WRITES_THREADS); JAX_BENCH=1
+# which XLA feature keeps a JAX program from the driver path (bench/jax_driver_path.py); TESTS=0
 # skips the tests.
 set -uo pipefail
 cd "$(dirname "$(readlink -f "$0")")/../.."
@@ -72,6 +73,10 @@ if [[ -n "${STORE_BENCH_SIZES:-}" ]]; then
             --disk /var/tmp/torpor-criu-bench --out "$OUT/criu_share.json" 2>&1 \
             | tee "$OUT/criu-share.txt"
     fi
+fi
+if [[ -n "${JAX_BENCH:-}" ]]; then
+    python3 bench/jax_driver_path.py --root /var/tmp/torpor-jax --out "$OUT/jax_driver_path.json" \
+        2>&1 | tee "$OUT/jax-bench.txt"
 fi
 if [[ -n "${CHUNK_WRITES_GIB:-}" ]]; then
     python3 bench/chunk_writes.py --gib "$CHUNK_WRITES_GIB" --threads ${CHUNK_WRITES_THREADS:-16} \

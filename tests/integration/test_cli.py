@@ -479,3 +479,25 @@ def test_run_preloads_the_agent(torpor, gpu, tmp_path):
 
 def stat_mode(path: Path) -> int:
     return path.stat().st_mode & 0o777
+
+
+def test_a_jax_program_without_agent_is_not_checkpointed_into_images_nothing_restores(
+        torpor, gpu, tmp_path):
+    """The driver cannot restore a JAX program after CRIU (workloads.py): `torpor checkpoint`
+    refuses before touching it (exit 7) and says how to start it under the agent; the program
+    runs on, untouched. Left running, the checkpoint goes ahead with a warning."""
+    lib = tmp_path / "site-packages" / "jaxlib" / "xla_extension.so"
+    lib.parent.mkdir(parents=True)
+    lib.write_bytes(b"\0" * 4096)
+    with gpu.spawn(env={"FAKE_PROGRAM_MAP": str(lib)}) as prog:
+        images = tmp_path / "ck"
+        r = torpor.run("checkpoint", str(prog.pid), "-D", str(images))
+        assert r.returncode == 7, r.stderr
+        assert "JAX" in r.stderr and "torpor run" in r.stderr
+        assert not any(c.call == "lock" for c in gpu.calls())
+        assert not images.exists() or not any(images.iterdir())
+        tick = prog.tick()
+        prog.wait_tick(tick + 3)
+        r = torpor.run("checkpoint", str(prog.pid), "-D", str(images), "--leave-running")
+        assert r.returncode == 0 and "will not restore" in r.stderr, r.stderr
+        assert gpu.state(prog.pid)["state"] == RUNNING

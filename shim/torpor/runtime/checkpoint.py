@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import __version__, bulk, gpus, interrupts, manifest, oci, packing
+from .. import __version__, bulk, gpus, interrupts, manifest, oci, packing, procs, workloads
 from ..config import Config
 from ..errors import NoDriverError, TorporError, UsageError
 from ..files import private_dir
@@ -66,6 +66,10 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
         raise TorporError(f"container {cid} has no host PID in its state ({st.get('pid')!r})")
     images = Path(inv.opt("image-path") or "checkpoint").absolute()
     leave_running = inv.flag("leave-running")
+    tree = procs.tree(pid)   # a JAX container without the agent would not restore
+    workloads.refuse_unrestorable(tree, tree if oci.has_agent(spec) else [],
+                                  leave_running=leave_running,
+                                  warn=lambda t: print(f"torpor-runtime: {t}", file=sys.stderr))
     thawed = _Thaw(runtime, cid, st.get("status") == "paused")
     private_dir(images)
     data = bulk.DataDir(images / bulk.DATA_DIR)
