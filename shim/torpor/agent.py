@@ -22,7 +22,6 @@ another pid namespace may share its nspid).
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import socket
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .errors import NotFoundError, TorporError
+from .files import loads_json
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +219,7 @@ class AgentClient:
             raise AgentError(f"agent at {self.path}: {e}") from e
         raw, _, self._buf = self._buf.partition(b"\n")
         try:
-            reply = json.loads(raw)
+            reply = loads_json(raw)
         except ValueError as e:
             raise AgentError(f"the agent at {self.path} sent a non-JSON reply: {raw[:200]!r}"
                              ) from e

@@ -15,6 +15,7 @@ import json
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 from .errors import UsageError
 
@@ -310,3 +311,13 @@ def tree_size(path: Path) -> int:
             except FileNotFoundError:
                 pass
     return total
+
+
+def loads_json(data: bytes | str) -> Any:
+    """json.loads for what comes from outside torpor (a checkpoint, an archive, the store, an
+    agent, an OCI bundle): every malformation, nesting too deep for the parser (a
+    RecursionError) included, is a ValueError for the caller to turn into its one line."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None

@@ -48,7 +48,7 @@ from typing import Any, Mapping
 
 from . import bulk
 from .errors import CorruptCheckpointError, NotFoundError
-from .files import atomic_write, require_trusted_file, write_json
+from .files import atomic_write, loads_json, require_trusted_file, write_json
 
 MANIFEST = "torpor.json"
 DRAFT = ".torpor.json.draft"   # everything but the file table, written before the dump
@@ -291,7 +291,7 @@ def _fields(what: str, obj: Any, kinds: dict[str, type]) -> None:
 
 def parse(data: bytes, origin: str) -> dict[str, Any]:
     try:
-        m = json.loads(data)
+        m = loads_json(data)
     except (ValueError, UnicodeDecodeError) as e:
         raise CorruptCheckpointError(f"{origin}: manifest is not valid JSON ({e})") from e
     try:

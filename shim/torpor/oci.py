@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .errors import UsageError
-from .files import atomic_write
+from .files import atomic_write, loads_json
 from .gpus import Inventory
 
 NVIDIA_MAJOR = 195
@@ -78,7 +78,7 @@ def validate_container_id(cid: str) -> str:
 def load(bundle: Path) -> dict[str, Any]:
     path = Path(bundle) / "config.json"
     try:
-        spec = json.loads(path.read_bytes())
+        spec = loads_json(path.read_bytes())
     except FileNotFoundError:
         raise UsageError(f"no OCI spec at {path}") from None
     except (OSError, ValueError) as e:

@@ -23,6 +23,7 @@ import re
 from typing import Any
 
 from ..errors import CorruptCheckpointError
+from ..files import loads_json
 from ..manifest import safe_relpath
 from .backend import BLOB_NAME, SNAPSHOT_NAME
 from .chunk import MAX_CHUNK
@@ -82,7 +83,7 @@ def validate(doc: Any, origin: str) -> dict[str, Any]:
 
 def parse(data: bytes, origin: str) -> dict[str, Any]:
     try:
-        doc = json.loads(data)
+        doc = loads_json(data)
     except (ValueError, UnicodeDecodeError) as e:
         raise CorruptCheckpointError(f"{origin}: not valid JSON ({e})") from None
     return validate(doc, origin)
