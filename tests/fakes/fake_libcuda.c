@@ -189,6 +189,17 @@ static CUresult need_gpus(const char **dir, fk_gpu *gpus, int *n)
     return CUDA_SUCCESS;
 }
 
+/* need_gpus, and dev one of them. */
+static CUresult need_device(CUdevice dev, fk_gpu *gpus)
+{
+    const char *dir;
+    int n = 0;
+    CUresult rc = need_gpus(&dir, gpus, &n);
+    if (rc == CUDA_SUCCESS && (dev < 0 || dev >= n))
+        rc = CUDA_ERROR_INVALID_DEVICE;
+    return rc;
+}
+
 EXPORT CUresult cuDeviceGetCount(int *count)
 {
     fk_gpu gpus[FK_MAX_GPUS];
@@ -206,15 +217,11 @@ EXPORT CUresult cuDeviceGetCount(int *count)
 EXPORT CUresult cuDeviceGet(CUdevice *device, int ordinal)
 {
     fk_gpu gpus[FK_MAX_GPUS];
-    const char *dir;
-    int n = 0;
     CUresult rc;
     if (!device)
         return CUDA_ERROR_INVALID_VALUE;
-    if ((rc = need_gpus(&dir, gpus, &n)) != CUDA_SUCCESS)
+    if ((rc = need_device(ordinal, gpus)) != CUDA_SUCCESS)
         return rc;
-    if (ordinal < 0 || ordinal >= n)
-        return CUDA_ERROR_INVALID_DEVICE;
     *device = ordinal;
     return CUDA_SUCCESS;
 }
@@ -222,15 +229,11 @@ EXPORT CUresult cuDeviceGet(CUdevice *device, int ordinal)
 EXPORT CUresult cuDeviceGetName(char *name, int len, CUdevice dev)
 {
     fk_gpu gpus[FK_MAX_GPUS];
-    const char *dir;
-    int n = 0;
     CUresult rc;
     if (!name || len <= 0)
         return CUDA_ERROR_INVALID_VALUE;
-    if ((rc = need_gpus(&dir, gpus, &n)) != CUDA_SUCCESS)
+    if ((rc = need_device(dev, gpus)) != CUDA_SUCCESS)
         return rc;
-    if (dev < 0 || dev >= n)
-        return CUDA_ERROR_INVALID_DEVICE;
     snprintf(name, (size_t)len, "%s", gpus[dev].name);
     return CUDA_SUCCESS;
 }
@@ -239,15 +242,11 @@ EXPORT CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev)
 {
     fk_gpu gpus[FK_MAX_GPUS];
     unsigned char b[16];
-    const char *dir;
-    int n = 0;
     CUresult rc;
     if (!uuid)
         return CUDA_ERROR_INVALID_VALUE;
-    if ((rc = need_gpus(&dir, gpus, &n)) != CUDA_SUCCESS)
+    if ((rc = need_device(dev, gpus)) != CUDA_SUCCESS)
         return rc;
-    if (dev < 0 || dev >= n)
-        return CUDA_ERROR_INVALID_DEVICE;
     if (fk_uuid_parse(gpus[dev].uuid, b) != 0)
         memset(b, 0, sizeof b);
     memcpy(uuid->bytes, b, 16);
@@ -262,15 +261,11 @@ EXPORT CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev)
 EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
 {
     fk_gpu gpus[FK_MAX_GPUS];
-    const char *dir;
-    int n = 0;
     CUresult rc;
     if (!bytes)
         return CUDA_ERROR_INVALID_VALUE;
-    if ((rc = need_gpus(&dir, gpus, &n)) != CUDA_SUCCESS)
+    if ((rc = need_device(dev, gpus)) != CUDA_SUCCESS)
         return rc;
-    if (dev < 0 || dev >= n)
-        return CUDA_ERROR_INVALID_DEVICE;
     *bytes = (size_t)gpus[dev].total;
     return CUDA_SUCCESS;
 }
@@ -964,26 +959,37 @@ out:
     return rc;
 }
 
-/* The six checkpoint calls, one row each: the name their fail/ and delay/ knobs and calls.log
- * go by; the work done first (NULL: none); the state move made when it succeeds (from -1:
- * none); for the two queries, what they answer through their int pointer. */
-enum { CK_GET_STATE, CK_LOCK, CK_CHECKPOINT, CK_RESTORE, CK_UNLOCK, CK_RESTORE_TID };
+/* The six checkpoint calls, one row each: the exported function and its argument; the name
+ * their fail/ and delay/ knobs and calls.log line go by; the work done first (NULL: none); the
+ * state move made when it succeeds (from -1: none); for the two queries, what they answer
+ * through their int pointer. Expanded into CK_CALLS (ck_call runs a row) and the functions. */
 enum { CK_ANSWER_NONE, CK_ANSWER_STATE, CK_ANSWER_PID };
+#define CK_CALL_LIST(X)                                                                        \
+    X(cuCheckpointProcessGetState, int *, "get_state", NULL, -1, -1, CK_ANSWER_STATE)          \
+    X(cuCheckpointProcessLock, CUcheckpointLockArgs *, "lock", lock_wait, FK_RUNNING,          \
+      FK_LOCKED, CK_ANSWER_NONE)                                                               \
+    X(cuCheckpointProcessCheckpoint, CUcheckpointCheckpointArgs *, "checkpoint", args_zeroed,  \
+      FK_LOCKED, FK_CHECKPOINTED, CK_ANSWER_NONE)                                              \
+    X(cuCheckpointProcessRestore, CUcheckpointRestoreArgs *, "restore", do_restore, -1, -1,    \
+      CK_ANSWER_NONE)                                                                          \
+    X(cuCheckpointProcessUnlock, CUcheckpointUnlockArgs *, "unlock", args_zeroed, FK_LOCKED,   \
+      FK_RUNNING, CK_ANSWER_NONE)                                                              \
+    X(cuCheckpointProcessGetRestoreThreadId, int *, "restore_tid", NULL, -1, -1, CK_ANSWER_PID)
+
+#define CK_ENUM(fn, arg_t, knob, work, from, to, answer) CK_##fn,
+enum { CK_CALL_LIST(CK_ENUM) };
+#undef CK_ENUM
+
+#define CK_ROW(fn, arg_t, knob, work, from, to, answer) [CK_##fn] = {knob, work, from, to, answer},
 static const struct {
     const char *name;
     CUresult (*work)(const char *dir, int pid, void *arg);
     int from, to;
     int answer;
-} CK_CALLS[] = {
-    [CK_GET_STATE] = {"get_state", NULL, -1, -1, CK_ANSWER_STATE},
-    [CK_LOCK] = {"lock", lock_wait, FK_RUNNING, FK_LOCKED, CK_ANSWER_NONE},
-    [CK_CHECKPOINT] = {"checkpoint", args_zeroed, FK_LOCKED, FK_CHECKPOINTED, CK_ANSWER_NONE},
-    [CK_RESTORE] = {"restore", do_restore, -1, -1, CK_ANSWER_NONE},
-    [CK_UNLOCK] = {"unlock", args_zeroed, FK_LOCKED, FK_RUNNING, CK_ANSWER_NONE},
-    [CK_RESTORE_TID] = {"restore_tid", NULL, -1, -1, CK_ANSWER_PID},
-};
+} CK_CALLS[] = {CK_CALL_LIST(CK_ROW)};
+#undef CK_ROW
 
-/* One checkpoint call: begin (init, delay, injected failure), its row's work, move and answer,
+/* One checkpoint call: begin (init, delay, injected failure), its row's answer, work and move,
  * then its line in calls.log. */
 static CUresult ck_call(int call, int pid, void *arg)
 {
@@ -1009,35 +1015,13 @@ out:
     return rc;
 }
 
-EXPORT CUresult cuCheckpointProcessGetState(int pid, int *state)
-{
-    return ck_call(CK_GET_STATE, pid, state);
-}
-
-EXPORT CUresult cuCheckpointProcessLock(int pid, CUcheckpointLockArgs *args)
-{
-    return ck_call(CK_LOCK, pid, args);
-}
-
-EXPORT CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs *args)
-{
-    return ck_call(CK_CHECKPOINT, pid, args);
-}
-
-EXPORT CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args)
-{
-    return ck_call(CK_RESTORE, pid, args);
-}
-
-EXPORT CUresult cuCheckpointProcessUnlock(int pid, CUcheckpointUnlockArgs *args)
-{
-    return ck_call(CK_UNLOCK, pid, args);
-}
-
-EXPORT CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid)
-{
-    return ck_call(CK_RESTORE_TID, pid, tid);
-}
+#define CK_EXPORT(fn, arg_t, knob, work, from, to, answer)                                   \
+    EXPORT CUresult fn(int pid, arg_t arg)                                                     \
+    {                                                                                          \
+        return ck_call(CK_##fn, pid, arg);                                                     \
+    }
+CK_CALL_LIST(CK_EXPORT)
+#undef CK_EXPORT
 
 
 /* -- more driver calls, for torpor's agent (agent/) ----------------------------------------------
@@ -1780,6 +1764,20 @@ static int stream_ok(CUstream s)
     return (uintptr_t)s <= 2 || obj_known(s, FK_STREAM, 0);
 }
 
+/* The stream and event calls that only check their handle after enter(): one of this
+ * process's (drop: forgotten too); a stream's query and synchronize also take the default
+ * streams (stream_ok). */
+static CUresult handle_call(const char *call, const void *h, int kind, int drop)
+{
+    fk_call c;
+    CUresult rc;
+    if ((rc = enter(call, &c)) != CUDA_SUCCESS)
+        return rc;
+    if (kind == FK_STREAM && !drop)
+        return stream_ok((CUstream)h) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+    return obj_known(h, kind, drop) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
 /* Flags: CU_STREAM_DEFAULT (0) or CU_STREAM_NON_BLOCKING (1). */
 EXPORT CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags)
 {
@@ -1795,29 +1793,17 @@ EXPORT CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags)
 
 EXPORT CUresult cuStreamDestroy_v2(CUstream hStream)
 {
-    fk_call c;
-    CUresult rc;
-    if ((rc = enter("cuStreamDestroy_v2", &c)) != CUDA_SUCCESS)
-        return rc;
-    return obj_known(hStream, FK_STREAM, 1) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+    return handle_call("cuStreamDestroy_v2", hStream, FK_STREAM, 1);
 }
 
 EXPORT CUresult cuStreamQuery(CUstream hStream)
 {
-    fk_call c;
-    CUresult rc;
-    if ((rc = enter("cuStreamQuery", &c)) != CUDA_SUCCESS)
-        return rc;
-    return stream_ok(hStream) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+    return handle_call("cuStreamQuery", hStream, FK_STREAM, 0);
 }
 
 EXPORT CUresult cuStreamSynchronize(CUstream hStream)
 {
-    fk_call c;
-    CUresult rc;
-    if ((rc = enter("cuStreamSynchronize", &c)) != CUDA_SUCCESS)
-        return rc;
-    return stream_ok(hStream) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+    return handle_call("cuStreamSynchronize", hStream, FK_STREAM, 0);
 }
 
 /* Flags: CU_EVENT_DEFAULT, BLOCKING_SYNC (1), DISABLE_TIMING (2), INTERPROCESS (4). */
@@ -1844,29 +1830,17 @@ EXPORT CUresult cuEventRecord(CUevent hEvent, CUstream hStream)
 
 EXPORT CUresult cuEventQuery(CUevent hEvent)
 {
-    fk_call c;
-    CUresult rc;
-    if ((rc = enter("cuEventQuery", &c)) != CUDA_SUCCESS)
-        return rc;
-    return obj_known(hEvent, FK_EVENT, 0) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+    return handle_call("cuEventQuery", hEvent, FK_EVENT, 0);
 }
 
 EXPORT CUresult cuEventSynchronize(CUevent hEvent)
 {
-    fk_call c;
-    CUresult rc;
-    if ((rc = enter("cuEventSynchronize", &c)) != CUDA_SUCCESS)
-        return rc;
-    return obj_known(hEvent, FK_EVENT, 0) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+    return handle_call("cuEventSynchronize", hEvent, FK_EVENT, 0);
 }
 
 EXPORT CUresult cuEventDestroy_v2(CUevent hEvent)
 {
-    fk_call c;
-    CUresult rc;
-    if ((rc = enter("cuEventDestroy_v2", &c)) != CUDA_SUCCESS)
-        return rc;
-    return obj_known(hEvent, FK_EVENT, 1) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+    return handle_call("cuEventDestroy_v2", hEvent, FK_EVENT, 1);
 }
 
 /* Done before they return, from pinned or pageable host memory alike (the driver takes both). */
