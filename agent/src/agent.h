@@ -229,7 +229,7 @@ struct vmm_status {
 void vmm_status(struct vmm_status *st);
 void vmm_after_fork(void);
 
-/* -- moving memory (mover.c) ------------------------------------------------------------------ */
+/* -- moving memory (mover.c; mover.h names the files it is split into) ------------------------ */
 
 struct move_result {
 	unsigned long long bytes;

@@ -1,6 +1,6 @@
 /* GPU fingerprints of saved memory (fingerprint.h): the kernel, loaded from PTX through the
  * driver's module API (not hooked: the agent's own), run over a list of segments. The mover
- * (mover.c) turns the lanes into one fingerprint a piece.
+ * (fingerprint_parts.c) turns the lanes into one fingerprint a part.
  *
  * The module is loaded for each run and unloaded after: a handle kept across a checkpoint
  * would name a module of a driver state that the restore replaced, and the JIT of this one

@@ -30,16 +30,11 @@
  * after their exported names (fail/cuMemcpyDtoHAsync_v2) and go by its getpid().
  */
 #include "fake_common.h"
+#include "cuda_types.h" /* the agent's: the one copy of the driver ABI it and this fake share */
 
 #include <pthread.h>
 #include <sys/mman.h>
 
-typedef int CUresult;
-typedef int CUdevice;
-typedef void *CUcontext;
-typedef void *CUstream;
-typedef void *CUevent;
-typedef unsigned long long CUdeviceptr;
 typedef struct { char bytes[16]; } CUuuid;
 
 typedef struct {
@@ -63,40 +58,10 @@ _Static_assert(sizeof(CUcheckpointGpuPair) == 32, "CUcheckpointGpuPair");
 _Static_assert(sizeof(CUcheckpointRestoreArgs) == 64, "CUcheckpointRestoreArgs");
 _Static_assert(sizeof(CUcheckpointUnlockArgs) == 64, "CUcheckpointUnlockArgs");
 
-/* The virtual memory management API (CUDA 10.2+), as cuda.h declares it: the enums are ints. */
-typedef unsigned long long CUmemGenericAllocationHandle;
-typedef struct {
-    int type; /* CUmemLocationType */
-    int id;
-} CUmemLocation;
-typedef struct {
-    int type;                 /* CUmemAllocationType */
-    int requestedHandleTypes; /* CUmemAllocationHandleType */
-    CUmemLocation location;
-    void *win32HandleMetaData;
-    struct {
-        unsigned char compressionType;
-        unsigned char gpuDirectRDMACapable;
-        unsigned short usage;
-        unsigned char reserved[4];
-    } allocFlags;
-} CUmemAllocationProp;
-typedef struct {
-    CUmemLocation location;
-    int flags; /* CUmemAccess_flags */
-} CUmemAccessDesc;
-
-_Static_assert(sizeof(CUmemLocation) == 8, "CUmemLocation");
-_Static_assert(sizeof(CUmemAllocationProp) == 32, "CUmemAllocationProp");
-_Static_assert(sizeof(CUmemAccessDesc) == 12, "CUmemAccessDesc");
-
+/* The values beyond cuda_types.h's that the fake answers with or is asked about. */
 enum {
-    CU_MEM_ALLOCATION_TYPE_PINNED = 1,
-    CU_MEM_LOCATION_TYPE_DEVICE = 1,
     CU_MEM_ACCESS_FLAGS_PROT_NONE = 0,
     CU_MEM_ACCESS_FLAGS_PROT_READ = 1,
-    CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3,
-    CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0,
     CU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 1,
     CU_MEMORYTYPE_HOST = 1,
     CU_MEMORYTYPE_DEVICE = 2,
@@ -111,25 +76,18 @@ enum {
 #define EXPORT __attribute__((visibility("default")))
 
 enum {
-    CUDA_SUCCESS = 0,
-    CUDA_ERROR_INVALID_VALUE = 1,
-    CUDA_ERROR_OUT_OF_MEMORY = 2,
-    CUDA_ERROR_NOT_INITIALIZED = 3,
     CUDA_ERROR_DEINITIALIZED = 4,
     CUDA_ERROR_NO_DEVICE = 100,
     CUDA_ERROR_INVALID_DEVICE = 101,
-    CUDA_ERROR_INVALID_CONTEXT = 201,
     CUDA_ERROR_OPERATING_SYSTEM = 304,
     CUDA_ERROR_INVALID_HANDLE = 400,
     CUDA_ERROR_ILLEGAL_STATE = 401,
-    CUDA_ERROR_NOT_FOUND = 500,
     CUDA_ERROR_NOT_READY = 600,
     CUDA_ERROR_ILLEGAL_ADDRESS = 700,
     CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712,
     CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713,
     CUDA_ERROR_LAUNCH_FAILED = 719,
     CUDA_ERROR_NOT_PERMITTED = 800,
-    CUDA_ERROR_NOT_SUPPORTED = 801,
     CUDA_ERROR_TIMEOUT = 909,
     CUDA_ERROR_UNKNOWN = 999,
 };
@@ -231,6 +189,17 @@ static CUresult need_gpus(const char **dir, fk_gpu *gpus, int *n)
     return CUDA_SUCCESS;
 }
 
+/* need_gpus, and dev one of them. */
+static CUresult need_device(CUdevice dev, fk_gpu *gpus)
+{
+    const char *dir;
+    int n = 0;
+    CUresult rc = need_gpus(&dir, gpus, &n);
+    if (rc == CUDA_SUCCESS && (dev < 0 || dev >= n))
+        rc = CUDA_ERROR_INVALID_DEVICE;
+    return rc;
+}
+
 EXPORT CUresult cuDeviceGetCount(int *count)
 {
     fk_gpu gpus[FK_MAX_GPUS];
@@ -248,15 +217,11 @@ EXPORT CUresult cuDeviceGetCount(int *count)
 EXPORT CUresult cuDeviceGet(CUdevice *device, int ordinal)
 {
     fk_gpu gpus[FK_MAX_GPUS];
-    const char *dir;
-    int n = 0;
     CUresult rc;
     if (!device)
         return CUDA_ERROR_INVALID_VALUE;
-    if ((rc = need_gpus(&dir, gpus, &n)) != CUDA_SUCCESS)
+    if ((rc = need_device(ordinal, gpus)) != CUDA_SUCCESS)
         return rc;
-    if (ordinal < 0 || ordinal >= n)
-        return CUDA_ERROR_INVALID_DEVICE;
     *device = ordinal;
     return CUDA_SUCCESS;
 }
@@ -264,15 +229,11 @@ EXPORT CUresult cuDeviceGet(CUdevice *device, int ordinal)
 EXPORT CUresult cuDeviceGetName(char *name, int len, CUdevice dev)
 {
     fk_gpu gpus[FK_MAX_GPUS];
-    const char *dir;
-    int n = 0;
     CUresult rc;
     if (!name || len <= 0)
         return CUDA_ERROR_INVALID_VALUE;
-    if ((rc = need_gpus(&dir, gpus, &n)) != CUDA_SUCCESS)
+    if ((rc = need_device(dev, gpus)) != CUDA_SUCCESS)
         return rc;
-    if (dev < 0 || dev >= n)
-        return CUDA_ERROR_INVALID_DEVICE;
     snprintf(name, (size_t)len, "%s", gpus[dev].name);
     return CUDA_SUCCESS;
 }
@@ -281,15 +242,11 @@ EXPORT CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev)
 {
     fk_gpu gpus[FK_MAX_GPUS];
     unsigned char b[16];
-    const char *dir;
-    int n = 0;
     CUresult rc;
     if (!uuid)
         return CUDA_ERROR_INVALID_VALUE;
-    if ((rc = need_gpus(&dir, gpus, &n)) != CUDA_SUCCESS)
+    if ((rc = need_device(dev, gpus)) != CUDA_SUCCESS)
         return rc;
-    if (dev < 0 || dev >= n)
-        return CUDA_ERROR_INVALID_DEVICE;
     if (fk_uuid_parse(gpus[dev].uuid, b) != 0)
         memset(b, 0, sizeof b);
     memcpy(uuid->bytes, b, 16);
@@ -304,15 +261,11 @@ EXPORT CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev)
 EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
 {
     fk_gpu gpus[FK_MAX_GPUS];
-    const char *dir;
-    int n = 0;
     CUresult rc;
     if (!bytes)
         return CUDA_ERROR_INVALID_VALUE;
-    if ((rc = need_gpus(&dir, gpus, &n)) != CUDA_SUCCESS)
+    if ((rc = need_device(dev, gpus)) != CUDA_SUCCESS)
         return rc;
-    if (dev < 0 || dev >= n)
-        return CUDA_ERROR_INVALID_DEVICE;
     *bytes = (size_t)gpus[dev].total;
     return CUDA_SUCCESS;
 }
@@ -909,67 +862,46 @@ static CUresult transition(const char *dir, int pid, int from, int to)
     return rc;
 }
 
-EXPORT CUresult cuCheckpointProcessGetState(int pid, int *state)
+/* lock's own work before its move: its reserved fields, the state, hang/lock. */
+static CUresult lock_wait(const char *dir, int pid, void *arg)
 {
-    const char *dir;
+    CUcheckpointLockArgs *args = arg;
     char key[FK_KEY_LEN];
     fk_proc p;
-    CUresult rc = begin("get_state", pid, &dir);
-    if (rc == (CUresult)-1) {
-        if (!state)
-            rc = CUDA_ERROR_INVALID_VALUE;
-        else if ((rc = get_proc(dir, pid, &p, key, sizeof key)) == CUDA_SUCCESS)
-            *state = p.state;
+    unsigned int timeout = args ? args->timeoutMs : 0;
+    CUresult rc;
+    if (args && (args->reserved0 || !all_zero(args->reserved1, sizeof args->reserved1)))
+        return CUDA_ERROR_INVALID_VALUE;
+    if ((rc = get_proc(dir, pid, &p, key, sizeof key)) == CUDA_SUCCESS && p.state != FK_RUNNING)
+        rc = CUDA_ERROR_ILLEGAL_STATE;
+    if (rc == CUDA_SUCCESS && hang_applies(dir, pid)) {
+        /* The process never reaches a lockable point: wait out the timeout (0 = forever,
+         * capped at 60 s). Removing hang/lock meanwhile lets the lock go through. */
+        double limit = timeout ? timeout : 60000, t0 = fk_now_ms();
+        while (hang_applies(dir, pid) && fk_now_ms() - t0 < limit)
+            fk_sleep_ms(5);
+        if (hang_applies(dir, pid))
+            rc = CUDA_ERROR_TIMEOUT;
     }
-    log_call(dir, "get_state", pid, rc);
     return rc;
 }
 
-EXPORT CUresult cuCheckpointProcessLock(int pid, CUcheckpointLockArgs *args)
+/* checkpoint's and unlock's arguments: reserved, "must be zeroed". */
+static CUresult args_zeroed(const char *dir, int pid, void *args)
 {
-    const char *dir;
-    char key[FK_KEY_LEN];
-    fk_proc p;
-    CUresult rc = begin("lock", pid, &dir);
-    if (rc == (CUresult)-1) {
-        unsigned int timeout = args ? args->timeoutMs : 0;
-        if (args && (args->reserved0 || !all_zero(args->reserved1, sizeof args->reserved1)))
-            rc = CUDA_ERROR_INVALID_VALUE;
-        else if ((rc = get_proc(dir, pid, &p, key, sizeof key)) == CUDA_SUCCESS &&
-                 p.state != FK_RUNNING)
-            rc = CUDA_ERROR_ILLEGAL_STATE;
-        if (rc == CUDA_SUCCESS && hang_applies(dir, pid)) {
-            /* The process never reaches a lockable point: wait out the timeout (0 = forever,
-             * capped at 60 s). Removing hang/lock meanwhile lets the lock go through. */
-            double limit = timeout ? timeout : 60000, t0 = fk_now_ms();
-            while (hang_applies(dir, pid) && fk_now_ms() - t0 < limit)
-                fk_sleep_ms(5);
-            if (hang_applies(dir, pid))
-                rc = CUDA_ERROR_TIMEOUT;
-        }
-        if (rc == CUDA_SUCCESS)
-            rc = transition(dir, pid, FK_RUNNING, FK_LOCKED);
-    }
-    log_call(dir, "lock", pid, rc);
-    return rc;
+    (void)dir;
+    (void)pid;
+    return args && !all_zero(args, sizeof(CUcheckpointUnlockArgs)) ? CUDA_ERROR_INVALID_VALUE
+                                                                    : CUDA_SUCCESS;
 }
 
-EXPORT CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs *args)
-{
-    const char *dir;
-    CUresult rc = begin("checkpoint", pid, &dir);
-    if (rc == (CUresult)-1) {
-        if (args && !all_zero(args, sizeof *args))
-            rc = CUDA_ERROR_INVALID_VALUE;
-        else
-            rc = transition(dir, pid, FK_LOCKED, FK_CHECKPOINTED);
-    }
-    log_call(dir, "checkpoint", pid, rc);
-    return rc;
-}
+_Static_assert(sizeof(CUcheckpointCheckpointArgs) == sizeof(CUcheckpointUnlockArgs),
+               "args_zeroed checks both");
 
-static CUresult do_restore(const char *dir, int pid, const CUcheckpointRestoreArgs *args)
+/* restore's work and move: the pairs, the target GPU, its room (CHECKPOINTED -> LOCKED). */
+static CUresult do_restore(const char *dir, int pid, void *arg)
 {
+    const CUcheckpointRestoreArgs *args = arg;
     fk_gpu gpus[FK_MAX_GPUS];
     fk_proc p;
     char key[FK_KEY_LEN], target[FK_UUID_LEN], pairs[FK_PAIRS_LEN] = "";
@@ -1027,45 +959,69 @@ out:
     return rc;
 }
 
-EXPORT CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args)
-{
-    const char *dir;
-    CUresult rc = begin("restore", pid, &dir);
-    if (rc == (CUresult)-1)
-        rc = do_restore(dir, pid, args);
-    log_call(dir, "restore", pid, rc);
-    return rc;
-}
+/* The six checkpoint calls, one row each: the exported function and its argument; the name
+ * their fail/ and delay/ knobs and calls.log line go by; the work done first (NULL: none); the
+ * state move made when it succeeds (from -1: none); for the two queries, what they answer
+ * through their int pointer. Expanded into CK_CALLS (ck_call runs a row) and the functions. */
+enum { CK_ANSWER_NONE, CK_ANSWER_STATE, CK_ANSWER_PID };
+#define CK_CALL_LIST(X)                                                                        \
+    X(cuCheckpointProcessGetState, int *, "get_state", NULL, -1, -1, CK_ANSWER_STATE)          \
+    X(cuCheckpointProcessLock, CUcheckpointLockArgs *, "lock", lock_wait, FK_RUNNING,          \
+      FK_LOCKED, CK_ANSWER_NONE)                                                               \
+    X(cuCheckpointProcessCheckpoint, CUcheckpointCheckpointArgs *, "checkpoint", args_zeroed,  \
+      FK_LOCKED, FK_CHECKPOINTED, CK_ANSWER_NONE)                                              \
+    X(cuCheckpointProcessRestore, CUcheckpointRestoreArgs *, "restore", do_restore, -1, -1,    \
+      CK_ANSWER_NONE)                                                                          \
+    X(cuCheckpointProcessUnlock, CUcheckpointUnlockArgs *, "unlock", args_zeroed, FK_LOCKED,   \
+      FK_RUNNING, CK_ANSWER_NONE)                                                              \
+    X(cuCheckpointProcessGetRestoreThreadId, int *, "restore_tid", NULL, -1, -1, CK_ANSWER_PID)
 
-EXPORT CUresult cuCheckpointProcessUnlock(int pid, CUcheckpointUnlockArgs *args)
-{
-    const char *dir;
-    CUresult rc = begin("unlock", pid, &dir);
-    if (rc == (CUresult)-1) {
-        if (args && !all_zero(args, sizeof *args))
-            rc = CUDA_ERROR_INVALID_VALUE;
-        else
-            rc = transition(dir, pid, FK_LOCKED, FK_RUNNING);
-    }
-    log_call(dir, "unlock", pid, rc);
-    return rc;
-}
+#define CK_ENUM(fn, arg_t, knob, work, from, to, answer) CK_##fn,
+enum { CK_CALL_LIST(CK_ENUM) };
+#undef CK_ENUM
 
-EXPORT CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid)
+#define CK_ROW(fn, arg_t, knob, work, from, to, answer) [CK_##fn] = {knob, work, from, to, answer},
+static const struct {
+    const char *name;
+    CUresult (*work)(const char *dir, int pid, void *arg);
+    int from, to;
+    int answer;
+} CK_CALLS[] = {CK_CALL_LIST(CK_ROW)};
+#undef CK_ROW
+
+/* One checkpoint call: begin (init, delay, injected failure), its row's answer, work and move,
+ * then its line in calls.log. */
+static CUresult ck_call(int call, int pid, void *arg)
 {
     const char *dir;
     char key[FK_KEY_LEN];
     fk_proc p;
-    CUresult rc = begin("restore_tid", pid, &dir);
-    if (rc == (CUresult)-1) {
-        if (!tid)
+    CUresult rc = begin(CK_CALLS[call].name, pid, &dir);
+    if (rc != (CUresult)-1)
+        goto out;
+    rc = CUDA_SUCCESS;
+    if (CK_CALLS[call].answer != CK_ANSWER_NONE) {
+        if (!arg)
             rc = CUDA_ERROR_INVALID_VALUE;
         else if ((rc = get_proc(dir, pid, &p, key, sizeof key)) == CUDA_SUCCESS)
-            *tid = pid;
+            *(int *)arg = CK_CALLS[call].answer == CK_ANSWER_STATE ? p.state : pid;
     }
-    log_call(dir, "restore_tid", pid, rc);
+    if (rc == CUDA_SUCCESS && CK_CALLS[call].work)
+        rc = CK_CALLS[call].work(dir, pid, arg);
+    if (rc == CUDA_SUCCESS && CK_CALLS[call].from >= 0)
+        rc = transition(dir, pid, CK_CALLS[call].from, CK_CALLS[call].to);
+out:
+    log_call(dir, CK_CALLS[call].name, pid, rc);
     return rc;
 }
+
+#define CK_EXPORT(fn, arg_t, knob, work, from, to, answer)                                   \
+    EXPORT CUresult fn(int pid, arg_t arg)                                                     \
+    {                                                                                          \
+        return ck_call(CK_##fn, pid, arg);                                                     \
+    }
+CK_CALL_LIST(CK_EXPORT)
+#undef CK_EXPORT
 
 
 /* -- more driver calls, for torpor's agent (agent/) ----------------------------------------------
@@ -1128,7 +1084,7 @@ EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t Wid
  * one function cuLaunchKernel runs on the CPU with the same fold the PTX does: tests see the
  * fingerprints the GPU would give (tests/gpu runs the PTX itself, checked against this fold by
  * TORPOR_AGENT_FP_CHECK). Any other image: CUDA_ERROR_INVALID_IMAGE (200). */
-#include "../../agent/src/fingerprint.h"
+#include "fingerprint.h"
 
 static char fp_module, fp_function; /* their addresses are the handles */
 
@@ -1808,6 +1764,20 @@ static int stream_ok(CUstream s)
     return (uintptr_t)s <= 2 || obj_known(s, FK_STREAM, 0);
 }
 
+/* The stream and event calls that only check their handle after enter(): one of this
+ * process's (drop: forgotten too); a stream's query and synchronize also take the default
+ * streams (stream_ok). */
+static CUresult handle_call(const char *call, const void *h, int kind, int drop)
+{
+    fk_call c;
+    CUresult rc;
+    if ((rc = enter(call, &c)) != CUDA_SUCCESS)
+        return rc;
+    if (kind == FK_STREAM && !drop)
+        return stream_ok((CUstream)h) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+    return obj_known(h, kind, drop) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
 /* Flags: CU_STREAM_DEFAULT (0) or CU_STREAM_NON_BLOCKING (1). */
 EXPORT CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags)
 {
@@ -1823,29 +1793,17 @@ EXPORT CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags)
 
 EXPORT CUresult cuStreamDestroy_v2(CUstream hStream)
 {
-    fk_call c;
-    CUresult rc;
-    if ((rc = enter("cuStreamDestroy_v2", &c)) != CUDA_SUCCESS)
-        return rc;
-    return obj_known(hStream, FK_STREAM, 1) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+    return handle_call("cuStreamDestroy_v2", hStream, FK_STREAM, 1);
 }
 
 EXPORT CUresult cuStreamQuery(CUstream hStream)
 {
-    fk_call c;
-    CUresult rc;
-    if ((rc = enter("cuStreamQuery", &c)) != CUDA_SUCCESS)
-        return rc;
-    return stream_ok(hStream) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+    return handle_call("cuStreamQuery", hStream, FK_STREAM, 0);
 }
 
 EXPORT CUresult cuStreamSynchronize(CUstream hStream)
 {
-    fk_call c;
-    CUresult rc;
-    if ((rc = enter("cuStreamSynchronize", &c)) != CUDA_SUCCESS)
-        return rc;
-    return stream_ok(hStream) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+    return handle_call("cuStreamSynchronize", hStream, FK_STREAM, 0);
 }
 
 /* Flags: CU_EVENT_DEFAULT, BLOCKING_SYNC (1), DISABLE_TIMING (2), INTERPROCESS (4). */
@@ -1872,29 +1830,17 @@ EXPORT CUresult cuEventRecord(CUevent hEvent, CUstream hStream)
 
 EXPORT CUresult cuEventQuery(CUevent hEvent)
 {
-    fk_call c;
-    CUresult rc;
-    if ((rc = enter("cuEventQuery", &c)) != CUDA_SUCCESS)
-        return rc;
-    return obj_known(hEvent, FK_EVENT, 0) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+    return handle_call("cuEventQuery", hEvent, FK_EVENT, 0);
 }
 
 EXPORT CUresult cuEventSynchronize(CUevent hEvent)
 {
-    fk_call c;
-    CUresult rc;
-    if ((rc = enter("cuEventSynchronize", &c)) != CUDA_SUCCESS)
-        return rc;
-    return obj_known(hEvent, FK_EVENT, 0) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+    return handle_call("cuEventSynchronize", hEvent, FK_EVENT, 0);
 }
 
 EXPORT CUresult cuEventDestroy_v2(CUevent hEvent)
 {
-    fk_call c;
-    CUresult rc;
-    if ((rc = enter("cuEventDestroy_v2", &c)) != CUDA_SUCCESS)
-        return rc;
-    return obj_known(hEvent, FK_EVENT, 1) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+    return handle_call("cuEventDestroy_v2", hEvent, FK_EVENT, 1);
 }
 
 /* Done before they return, from pinned or pageable host memory alike (the driver takes both). */

@@ -1,0 +1,383 @@
+/* The fingerprints of the mover's parts (fingerprint.c runs the kernel, fingerprint.h folds).
+ *
+ * With an index file (prepare ... fp), every part gets a fingerprint on the GPU before anything
+ * moves (fingerprint.h), and a part whose fingerprint torpor named as known (the image store
+ * holds that chunk) is neither copied nor written: its bytes in the file stay a hole, which
+ * torpor fills from the store before the data is read back (a restore, or a rollback). The
+ * index lists every fingerprinted part; a reload checks each fingerprint again on the GPU,
+ * which is how the parts the store supplied are verified.
+ */
+#define LOG_PREFIX "mover: "
+#include "agent.h" /* first: _GNU_SOURCE */
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "mover.h"
+
+/* The segments of every part (pieces cut at part boundaries) and each part's store length. */
+int segs_build(void)
+{
+	size_t cap = plan.npieces + plan.nchunks * PARTS, n = 0;
+
+	plan.segs = calloc(cap ? cap : 1, sizeof(*plan.segs));
+	if (!plan.segs)
+		return -ENOMEM;
+	for (size_t j = 0; j < plan.nchunks; j++) {
+		struct chunk *c = &plan.chunks[j];
+		size_t i = c->first;
+
+		for (int q = 0; q < PARTS; q++) {
+			struct part *pt = &c->part[q];
+			size_t start = (size_t)q * FILE_ALIGN, end = start + part_len(c, q);
+
+			pt->seg = n;
+			for (; end > start && i < c->first + c->npieces; i++) {
+				const struct piece *p = &plan.pieces[i];
+				size_t a = start > p->at ? start : p->at;
+				size_t b = end < p->at + p->len ? end : p->at + p->len;
+
+				if (b > a) {
+					if (n == cap)
+						return -ENOMEM; /* cannot happen: sized above */
+					plan.segs[n++] = (struct seg){ plan.mv[p->mv].src + p->off + (a - p->at),
+								       b - a, a };
+				}
+				if (p->at + p->len > end)
+					break; /* the piece goes on in the next part */
+			}
+			pt->nseg = n - pt->seg;
+			pt->store_len = part_store_len(c, q);
+		}
+	}
+	plan.nsegs = n;
+	return 0;
+}
+
+/* Can the kernel read seg (whole aligned 64-bit words)? */
+static int seg_readable(const struct seg *g)
+{
+	return g->ptr % 8 == 0 && g->len % 8 == 0;
+}
+
+static int part_readable(const struct part *pt)
+{
+	for (size_t k = 0; k < pt->nseg; k++)
+		if (!seg_readable(&plan.segs[pt->seg + k]))
+			return 0;
+	return pt->nseg > 0;
+}
+
+/* The GPU's lanes of every segment (FP_LANES * 2 each), device by device; NULL with err. */
+static uint64_t *lanes_all(char *err, size_t errsize)
+{
+	uint64_t *lanes = malloc(plan.nsegs * FP_LANES * 2 * sizeof(uint64_t) + 1);
+	struct fp_seg *table = malloc(plan.nsegs * sizeof(*table) + 1);
+	size_t j = 0;
+
+	if (!lanes || !table) {
+		snprintf(err, errsize, "out of memory for fingerprints");
+		goto fail;
+	}
+	for (size_t k = 0; k < plan.nsegs; k++) /* an unreadable segment: nothing read */
+		table[k] = (struct fp_seg){ plan.segs[k].ptr,
+					    seg_readable(&plan.segs[k]) ? plan.segs[k].len / 8 : 0 };
+	while (j < plan.nchunks) { /* the chunks of one device are together (by_device) */
+		CUdevice dev = plan.chunks[j].dev;
+		CUcontext ctx = track_context_of(dev);
+		size_t from = plan.chunks[j].part[0].seg, to;
+
+		while (j < plan.nchunks && plan.chunks[j].dev == dev)
+			j++;
+		to = plan.chunks[j - 1].part[PARTS - 1].seg + plan.chunks[j - 1].part[PARTS - 1].nseg;
+		if (!ctx || real.cuCtxSetCurrent(ctx) != CUDA_SUCCESS) {
+			snprintf(err, errsize, "no context of device %d", dev);
+			goto fail;
+		}
+		if (fp_run(table + from, to - from, lanes + from * FP_LANES * 2, err, errsize))
+			goto fail;
+	}
+	free(table);
+	return lanes;
+fail:
+	free(table);
+	free(lanes);
+	return NULL;
+}
+
+/* A part's fingerprint from its segments' lanes (lanes: its first segment's): its lengths,
+ * each segment's, the lanes. */
+static XXH128_hash_t part_fp(const struct chunk *c, int q, const uint64_t *lanes)
+{
+	const struct part *pt = &c->part[q];
+	uint64_t head[3] = { part_len(c, q), pt->store_len, pt->nseg };
+	XXH3_state_t st;
+
+	XXH3_128bits_reset(&st);
+	XXH3_128bits_update(&st, head, sizeof(head));
+	for (size_t k = 0; k < pt->nseg; k++) {
+		uint64_t words = plan.segs[pt->seg + k].len / 8;
+
+		XXH3_128bits_update(&st, &words, sizeof(words));
+		XXH3_128bits_update(&st, lanes + k * FP_LANES * 2, FP_LANES * 2 * sizeof(uint64_t));
+	}
+	return XXH3_128bits_digest(&st);
+}
+
+/* The same fingerprint from the part's bytes in host memory (chunk c's buffer): the CPU
+ * reference, for TORPOR_AGENT_FP_CHECK. */
+XXH128_hash_t part_fp_host(const struct chunk *c, int q, const unsigned char *buf)
+{
+	const struct part *pt = &c->part[q];
+	uint64_t *lanes = malloc(pt->nseg * FP_LANES * 2 * sizeof(uint64_t) + 1);
+	XXH128_hash_t fp = { 0, 0 };
+
+	if (!lanes)
+		return fp;
+	for (size_t k = 0; k < pt->nseg; k++) {
+		const struct seg *g = &plan.segs[pt->seg + k];
+
+		for (unsigned t = 0; t < FP_LANES; t++)
+			fp_lane((const uint64_t *)(buf + g->at), g->len / 8, t,
+				lanes + (k * FP_LANES + t) * 2);
+	}
+	fp = part_fp(c, q, lanes);
+	free(lanes);
+	return fp;
+}
+
+static int by_bytes(const void *a, const void *b)
+{
+	return memcmp(a, b, sizeof(XXH128_canonical_t));
+}
+
+/* The fingerprints torpor knows (the store holds their chunks): 16 bytes each (XXH128's
+ * canonical form), in any order. Sorted into *known. */
+int known_read(int fd, XXH128_canonical_t **known, size_t *n, char *err, size_t errsize)
+{
+	struct stat st;
+	size_t done = 0;
+	unsigned char *p;
+
+	*known = NULL;
+	*n = 0;
+	if (fd < 0)
+		return 0;
+	if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode) || st.st_size % 16 ||
+	    st.st_size > (64LL << 20)) {
+		snprintf(err, errsize, "the known-fingerprints file is not a regular file of 16-byte "
+			 "records (at most 64 MiB)");
+		return -1;
+	}
+	p = malloc(st.st_size + 1);
+	if (!p) {
+		snprintf(err, errsize, "out of memory");
+		return -1;
+	}
+	while (done < (size_t)st.st_size) {
+		ssize_t got = pread(fd, p + done, st.st_size - done, done);
+
+		if (got < 0 && errno == EINTR)
+			continue;
+		if (got <= 0) {
+			snprintf(err, errsize, "reading the known fingerprints: %s",
+				 got ? strerror(errno) : "short file");
+			free(p);
+			return -1;
+		}
+		done += got;
+	}
+	*known = (XXH128_canonical_t *)p;
+	*n = st.st_size / 16;
+	qsort(*known, *n, sizeof(**known), by_bytes);
+	return 0;
+}
+
+/* Fingerprints every part of the plan (a file save) on the GPU and marks the parts known
+ * holds as skipped. Failing, no part is fingerprinted or skipped (all are copied): r->fp_error
+ * says why. */
+void fingerprint_parts(const XXH128_canonical_t *known, size_t nknown,
+			      struct move_result *r)
+{
+	long long t0 = now_ms();
+	uint64_t *lanes;
+
+	if (segs_build()) {
+		snprintf(r->fp_error, sizeof(r->fp_error), "out of memory");
+		return;
+	}
+	lanes = lanes_all(r->fp_error, sizeof(r->fp_error));
+	if (!lanes) {
+		pr_warn("no fingerprints, every chunk is copied: %s", r->fp_error);
+		return;
+	}
+	for (size_t j = 0; j < plan.nchunks; j++) {
+		struct chunk *c = &plan.chunks[j];
+
+		for (int q = 0; q < PARTS; q++) {
+			struct part *pt = &c->part[q];
+			XXH128_canonical_t key;
+
+			if (!part_readable(pt))
+				continue;
+			pt->fp = part_fp(c, q, lanes + pt->seg * FP_LANES * 2);
+			pt->fingerprinted = 1;
+			r->fp_parts++;
+			XXH128_canonicalFromHash(&key, pt->fp);
+			if (nknown && bsearch(&key, known, nknown, sizeof(key), by_bytes)) {
+				pt->skip = 1;
+				r->fp_skipped++;
+				r->fp_skipped_bytes += part_len(c, q);
+			}
+		}
+	}
+	free(lanes);
+	plan.fingerprinted = 1;
+	r->fp_seconds = seconds_since(t0);
+}
+
+/* The fingerprint of part q of c as reloaded: from the GPU's lanes, or (lanes NULL) from its
+ * bytes read back from its file into buf (CHUNK bytes, the part at its place in the chunk)
+ * and folded on the CPU. 0, or -errno. */
+static int reloaded_fp(const struct chunk *c, int q, const uint64_t *lanes, const int *fds,
+		       unsigned char *buf, XXH128_hash_t *fp)
+{
+	size_t first = (size_t)q * FILE_ALIGN, n = part_len(c, q);
+
+	if (lanes) {
+		*fp = part_fp(c, q, lanes + c->part[q].seg * FP_LANES * 2);
+		return 0;
+	}
+	for (size_t done = 0; done < n;) {
+		ssize_t got = pread(fds[c->file], buf + first + done, n - done,
+				    c->file_off + first + done);
+
+		if (got < 0 && errno == EINTR)
+			continue;
+		if (got <= 0)
+			return got ? -errno : -EIO;
+		done += got;
+	}
+	*fp = part_fp_host(c, q, buf);
+	return 0;
+}
+
+/* After a reload: every fingerprinted part again, on the GPU; the parts the store supplied
+ * (skipped) are checked this way only. When the GPU cannot run the kernel now (full after the
+ * re-creation, say), those are checked on the CPU from their files instead (fds; slower),
+ * or, streamed, taken as torpor checked them (their sha256), rather than leaving the program
+ * held at a closed gate. 0, or -1 with r->error. */
+int fingerprints_verify(const int *fds, struct move_result *r)
+{
+	size_t bad = 0, bad_skipped = 0, skipped = 0;
+	unsigned char *buf = NULL;
+	char err[160];
+	uint64_t *lanes;
+	int ret = 0;
+
+	if (!plan.fingerprinted)
+		return 0;
+	for (size_t j = 0; j < plan.nchunks; j++)
+		for (int q = 0; q < PARTS; q++)
+			skipped += plan.chunks[j].part[q].skip;
+	lanes = lanes_all(err, sizeof(err));
+	if (!lanes) {
+		if (!skipped) { /* every part was written, and its sum checked */
+			pr_warn("fingerprints not checked: %s", err);
+			return 0;
+		}
+		if (stream_active()) { /* no files to read them back from */
+			pr_warn("fingerprints not checked (%s): the %zu parts the image store supplied "
+				"came through its stream, each checked by torpor against the sha256 its "
+				"snapshot names", err, skipped);
+			return 0;
+		}
+		buf = fds ? malloc(CHUNK) : NULL;
+		if (!buf) {
+			snprintf(r->error, sizeof(r->error), "the %zu chunks the image store supplied "
+				 "cannot be checked: %s", skipped, err);
+			return -1;
+		}
+		pr_warn("no fingerprint kernel now (%s): the %zu parts the image store supplied are "
+			"checked on the CPU", err, skipped);
+	}
+	for (size_t j = 0; j < plan.nchunks && !ret; j++) {
+		struct chunk *c = &plan.chunks[j];
+
+		for (int q = 0; q < PARTS && !ret; q++) {
+			XXH128_hash_t fp;
+			int rc;
+
+			if (!c->part[q].fingerprinted || (!lanes && !c->part[q].skip))
+				continue;
+			rc = reloaded_fp(c, q, lanes, fds, buf, &fp);
+			if (rc) {
+				snprintf(r->error, sizeof(r->error), "reading data file %d again: %s",
+					 c->file, strerror(-rc));
+				ret = -1;
+			} else if (!XXH128_isEqual(fp, c->part[q].fp)) {
+				bad++;
+				bad_skipped += c->part[q].skip;
+			}
+		}
+	}
+	free(lanes);
+	free(buf);
+	if (!ret && bad) {
+		snprintf(r->error, sizeof(r->error), "%zu reloaded chunk(s) do not match their "
+			 "fingerprints (%zu of them supplied by the image store: %s)", bad, bad_skipped,
+			 bad_skipped ? "the data files' holes were not filled from the store, or with "
+				       "other data" : "none");
+		ret = -1;
+	}
+	return ret;
+}
+
+/* The index torpor reads (agent/PROTOCOL.md): one line a fingerprinted part. */
+int index_write(int fd, char *err, size_t errsize)
+{
+	size_t cap = 64 + plan.nchunks * PARTS * 96, used = 0;
+	char *text = malloc(cap);
+	int ret = 0;
+
+	if (!text) {
+		snprintf(err, errsize, "out of memory");
+		return -1;
+	}
+	used += snprintf(text, cap, "torpor-gpu-fingerprints 1\n");
+	for (size_t j = 0; j < plan.nchunks; j++) {
+		const struct chunk *c = &plan.chunks[j];
+
+		for (int q = 0; q < PARTS; q++) {
+			const struct part *pt = &c->part[q];
+			XXH128_canonical_t key;
+
+			if (!pt->fingerprinted)
+				continue;
+			XXH128_canonicalFromHash(&key, pt->fp);
+			used += snprintf(text + used, cap - used, "%d %llu %zu %llu ", c->file,
+					 c->file_off + (unsigned long long)q * FILE_ALIGN, part_len(c, q),
+					 pt->store_len);
+			for (int b = 0; b < 16; b++)
+				used += snprintf(text + used, cap - used, "%02x", key.digest[b]);
+			used += snprintf(text + used, cap - used, " %d\n", pt->skip);
+		}
+	}
+	for (size_t done = 0; done < used;) {
+		ssize_t n = pwrite(fd, text + done, used - done, done);
+
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n <= 0) {
+			snprintf(err, errsize, "writing the fingerprint index: %s",
+				 n ? strerror(errno) : "nothing written");
+			ret = -1;
+			break;
+		}
+		done += n;
+	}
+	free(text);
+	return ret;
+}

@@ -1,0 +1,199 @@
+/* The mover's parts, private to the agent: the plan of a save (mover.c), the threads that copy
+ * (mover_workers.c), the image store's ring (stream.c) and the parts' fingerprints
+ * (fingerprint_parts.c). mover.c's top comment tells the whole story. Include after agent.h.
+ */
+#ifndef TORPOR_MOVER_H
+#define TORPOR_MOVER_H
+
+#include <pthread.h>
+#include <stdint.h>
+
+#define XXH_INLINE_ALL
+#define XXH_STATIC_LINKING_ONLY
+#include <xxhash.h>
+#include "fingerprint.h"
+
+#define CHUNK (32UL << 20)  /* bytes a chunk: a write, a checksum */
+#define SUB (1UL << 20)     /* written and summed this much at a time (stays in cache) */
+#define MAX_FILES 16       /* sinks: files, or regions of the agent's memory */
+#define REGION_ALIGN (2UL << 20)
+#define FILE_ALIGN (4UL << 20) /* the image store's chunk (store.CHUNK_SIZE): see mover.c's top */
+#define MAX_DEVICES 64
+#define PARTS ((int)(CHUNK / FILE_ALIGN)) /* a chunk's parts: one a store chunk, summed one by one */
+
+struct piece {
+	size_t mv;       /* index into plan.mv */
+	size_t off, len; /* inside the allocation */
+	size_t at;       /* inside the chunk */
+};
+
+/* A part: FILE_ALIGN bytes of a chunk (the last one shorter), at a multiple of FILE_ALIGN in
+ * its file: exactly the bytes of one chunk of the image store. */
+struct part {
+	uint64_t sum;          /* XXH3 of its bytes, as written (not for a skipped part) */
+	XXH128_hash_t fp;      /* its GPU fingerprint (fingerprinted) */
+	unsigned long long store_len; /* the store chunk it is: its bytes and the hole after */
+	size_t seg, nseg;      /* its segments, into plan.segs */
+	unsigned char fingerprinted, skip; /* skip: the store has it: neither copied nor written */
+	unsigned char received; /* a streamed load: its bytes came (set once, atomically) */
+};
+
+struct chunk {
+	int file;
+	unsigned long long file_off;
+	size_t len;
+	struct part part[PARTS];
+	size_t first, npieces; /* into plan.pieces */
+	CUdevice dev;
+	unsigned long long window; /* the device addresses it holds: [window, window + 1) * CHUNK */
+};
+
+/* One stretch of device memory inside a part (a part may span allocations). */
+struct seg {
+	CUdeviceptr ptr;
+	size_t len, at; /* at: its offset in the chunk */
+};
+
+/* What was saved: kept from a save until its load succeeds (mover.c owns it). */
+struct mover_plan {
+	struct movable *mv;
+	size_t nmv;
+	struct piece *pieces;
+	size_t npieces;
+	struct chunk *chunks;
+	size_t nchunks;
+	int nfiles;
+	unsigned long long bytes, file_size[MAX_FILES];
+	size_t dev_first[MAX_DEVICES]; /* the first chunk of each device the chunks hold, in order */
+	int ndevs;
+	int pending;   /* saved and (some) dropped: a load is owed */
+	int in_memory; /* the sinks are regions of the agent's memory, not files */
+	unsigned char *region[MAX_FILES];
+	size_t region_size[MAX_FILES];
+	struct seg *segs; /* fingerprinted: the segments of every part */
+	size_t nsegs;
+	int fingerprinted; /* the parts have fingerprints (some may not: see part) */
+};
+extern struct mover_plan plan;
+
+/* -- the checksum: XXH3, 64 bits (libxxhash, header-only: nothing to link) --------------------
+ * Every chunk is summed on its way out and checked on its way back, by the worker that moves
+ * it, block by block while the block is in cache. XXH3 runs at 11-12 GB/s a thread where the
+ * hand-written xxHash64 round used before ran at 5 (measured on a 2-core Xeon VM, 1 MiB
+ * blocks): at 16 workers moving 17 GB that was 0.2 s of every save and every load. */
+
+struct sum {
+	XXH3_state_t st;
+};
+
+static inline void sum_init(struct sum *s)
+{
+	XXH3_64bits_reset(&s->st);
+}
+
+static inline void sum_add(struct sum *s, const void *data, size_t len)
+{
+	XXH3_64bits_update(&s->st, data, len);
+}
+
+static inline uint64_t sum_end(const struct sum *s)
+{
+	return XXH3_64bits_digest(&s->st);
+}
+
+/* -- small helpers ---------------------------------------------------------------------------- */
+
+static inline double seconds_since(long long t0)
+{
+	return (now_ms() - t0) / 1000.0;
+}
+
+static inline size_t round_up(size_t n, size_t to)
+{
+	return (n + to - 1) / to * to;
+}
+
+/* The bytes of part q of c (0: the chunk ends before it). */
+static inline size_t part_len(const struct chunk *c, int q)
+{
+	size_t start = (size_t)q * FILE_ALIGN;
+
+	if (start >= c->len)
+		return 0;
+	return c->len - start < FILE_ALIGN ? c->len - start : FILE_ALIGN;
+}
+
+/* The store chunk part q of c is: its bytes and the hole after them, up to the next part's
+ * offset or the end of the file. */
+static inline unsigned long long part_store_len(const struct chunk *c, int q)
+{
+	unsigned long long at = c->file_off + (unsigned long long)q * FILE_ALIGN;
+
+	return plan.file_size[c->file] - at < FILE_ALIGN ? plan.file_size[c->file] - at : FILE_ALIGN;
+}
+
+/* -- the workers (mover_workers.c) ------------------------------------------------------------ */
+
+struct worker {
+	pthread_t thread;
+	int k, fd, saving; /* fd: -1 for a region of the agent's memory */
+	unsigned char *buf[2];
+	size_t buf_size;
+	int registered;
+	unsigned char *region; /* fd -1: the sink, in the agent's memory */
+	long long populate_ms, staging_ms;
+	CUstream stream[MAX_DEVICES][2];
+	CUcontext current;
+	unsigned long long bytes;
+	char error[200];
+};
+
+extern volatile int failed; /* any worker failed: the others stop */
+extern int fp_checking;     /* TORPOR_AGENT_FP_CHECK, read at each save */
+
+/* Runs one worker a sink (fds: NULL for the agent's memory); 0, or -1 with the first error in
+ * r->error. */
+int run_workers(const int *fds, int nfds, int saving, struct move_result *r);
+void workers_after_fork(void);
+/* For a worker: its error (the first one stops the others), its device's context and two
+ * streams, a copy between host and GPU (out: to the host), the end of a stream's copies.
+ * 0, or -1 once fail() said why. */
+void fail(struct worker *w, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+int use_device(struct worker *w, CUdevice dev, CUstream *s);
+int copy_range(struct worker *w, unsigned char *host, CUdeviceptr dev, size_t len, CUstream s,
+	       int out);
+int wait_stream(struct worker *w, CUstream s);
+
+/* -- the image store's ring (stream.c; agent/PROTOCOL.md, "Streaming") ----------------------- */
+
+/* Maps the ring and takes the socket for one save or load; 0, or -1 with err. */
+int stream_open(int ring_fd, int sock_fd, char *err, size_t errsize);
+void stream_close(void);
+/* Is a stream open (this save or load goes through the ring, not the files)? */
+int stream_active(void);
+/* A worker's side: one part of a saved chunk out through the ring (its sum in *sum), or every
+ * part torpor sends in (a streamed load, until EOF). */
+int part_stream(struct worker *w, const struct chunk *c, const unsigned char *buf, int q,
+		uint64_t *sum);
+void *load_stream_main(struct worker *w);
+/* The end of a save (torpor made the parts durable) and of a load (every part came);
+ * 0, or -1 with r->error. */
+int stream_commit(struct move_result *r);
+int stream_complete(struct move_result *r);
+
+/* -- the parts' fingerprints (fingerprint_parts.c) ------------------------------------------- */
+
+/* The segments of every part (pieces cut at part boundaries) and each part's store length. */
+int segs_build(void);
+/* The sorted fingerprints torpor knows (fd -1: none); 0, or -1 with err. */
+int known_read(int fd, XXH128_canonical_t **known, size_t *n, char *err, size_t errsize);
+/* Fingerprints every part on the GPU, skipping those in known; failing, r->fp_error. */
+void fingerprint_parts(const XXH128_canonical_t *known, size_t nknown, struct move_result *r);
+/* The CPU's fingerprint of part q of c from its bytes in buf (TORPOR_AGENT_FP_CHECK). */
+XXH128_hash_t part_fp_host(const struct chunk *c, int q, const unsigned char *buf);
+/* After a reload: every fingerprint checked again; 0, or -1 with r->error. */
+int fingerprints_verify(const int *fds, struct move_result *r);
+/* The index torpor reads: one line a fingerprinted part; 0, or -1 with err. */
+int index_write(int fd, char *err, size_t errsize);
+
+#endif

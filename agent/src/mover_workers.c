@@ -1,0 +1,526 @@
+/* The mover's workers: one thread a sink, each with two pinned staging buffers and two streams
+ * a device, copying chunk after chunk between the GPU and its sink (a data file, a region of
+ * the agent's memory, or the image store's ring: stream.c), summing every part on the way
+ * (mover.c's top comment tells the whole story; mover.h: what they share).
+ */
+#define LOG_PREFIX "mover: "
+#include "agent.h" /* first: _GNU_SOURCE */
+
+#include <pthread.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23 /* Linux 5.14 */
+#endif
+
+#include "mover.h"
+
+volatile int failed;
+int fp_checking;
+
+static pthread_mutex_t err_lock = PTHREAD_MUTEX_INITIALIZER;
+
+void fail(struct worker *w, const char *fmt, ...)
+{
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(w->error, sizeof(w->error), fmt, ap);
+	va_end(ap);
+	pthread_mutex_lock(&err_lock);
+	failed = 1;
+	pthread_mutex_unlock(&err_lock);
+	pr_err("%s", w->error);
+}
+
+int use_device(struct worker *w, CUdevice dev, CUstream *s)
+{
+	CUcontext ctx = track_context_of(dev);
+	CUresult rc;
+
+	if (dev < 0 || dev >= MAX_DEVICES || !ctx) {
+		fail(w, "no context of device %d", dev);
+		return -1;
+	}
+	if (w->current != ctx) {
+		rc = real.cuCtxSetCurrent(ctx);
+		if (rc != CUDA_SUCCESS) {
+			fail(w, "cuCtxSetCurrent: CUresult %d", rc);
+			return -1;
+		}
+		w->current = ctx;
+	}
+	for (int i = 0; i < 2; i++) {
+		if (!w->stream[dev][i]) {
+			rc = real.cuStreamCreate(&w->stream[dev][i], CU_STREAM_NON_BLOCKING);
+			if (rc != CUDA_SUCCESS) {
+				fail(w, "cuStreamCreate: CUresult %d", rc);
+				return -1;
+			}
+		}
+		s[i] = w->stream[dev][i];
+	}
+	return 0;
+}
+
+static int staging_get(struct worker *w)
+{
+	size_t size = 2 * CHUNK;
+	void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	CUresult rc;
+
+	if (p == MAP_FAILED) {
+		fail(w, "staging memory (%zu MiB): %s", size >> 20, strerror(errno));
+		return -1;
+	}
+	madvise(p, size, MADV_HUGEPAGE);
+	memset(p, 0, size); /* faulted in by this thread, in parallel with the others */
+	w->buf[0] = p;
+	w->buf[1] = (unsigned char *)p + CHUNK;
+	w->buf_size = size;
+	rc = real.cuMemHostRegister_v2(p, size, CU_MEMHOSTREGISTER_PORTABLE);
+	if (rc != CUDA_SUCCESS) {
+		fail(w, "cuMemHostRegister of the staging memory: CUresult %d", rc);
+		return -1;
+	}
+	w->registered = 1;
+	return 0;
+}
+
+static void staging_put(struct worker *w)
+{
+	if (w->registered)
+		real.cuMemHostUnregister(w->buf[0]);
+	if (w->buf[0])
+		munmap(w->buf[0], w->buf_size);
+	w->buf[0] = w->buf[1] = NULL;
+	w->registered = 0;
+	for (int d = 0; d < MAX_DEVICES; d++)
+		for (int i = 0; i < 2; i++)
+			if (w->stream[d][i]) {
+				real.cuStreamDestroy_v2(w->stream[d][i]);
+				w->stream[d][i] = NULL;
+			}
+}
+
+int copy_range(struct worker *w, unsigned char *host, CUdeviceptr dev, size_t len,
+		      CUstream s, int out)
+{
+	CUresult rc = out ? real.cuMemcpyDtoHAsync_v2(host, dev, len, s)
+			  : real.cuMemcpyHtoDAsync_v2(dev, host, len, s);
+
+	if (rc != CUDA_SUCCESS) {
+		fail(w, "%s of %zu bytes at 0x%llx: CUresult %d", out ? "copy out" : "copy in", len,
+		     dev, rc);
+		return -1;
+	}
+	return 0;
+}
+
+/* Every piece of chunk c between buf and the GPU; out of the GPU, the stretches in skipped
+ * parts stay behind (the store has them). */
+static int copy_chunk(struct worker *w, const struct chunk *c, unsigned char *buf, CUstream s,
+		      int out)
+{
+	for (size_t i = c->first; i < c->first + c->npieces; i++) {
+		const struct piece *p = &plan.pieces[i];
+		CUdeviceptr dev = plan.mv[p->mv].src + p->off;
+		size_t run = p->at; /* start of the stretch to copy */
+
+		for (size_t a = p->at; a < p->at + p->len;) {
+			size_t end = (a / FILE_ALIGN + 1) * FILE_ALIGN;
+
+			if (end > p->at + p->len)
+				end = p->at + p->len;
+			if (out && c->part[a / FILE_ALIGN].skip) {
+				if (a > run && copy_range(w, buf + run, dev + (run - p->at), a - run, s, out))
+					return -1;
+				run = end;
+			}
+			a = end;
+		}
+		if (p->at + p->len > run &&
+		    copy_range(w, buf + run, dev + (run - p->at), p->at + p->len - run, s, out))
+			return -1;
+	}
+	return 0;
+}
+
+/* TORPOR_AGENT_FP_CHECK: the GPU's fingerprint of every part copied out against the CPU's,
+ * from the bytes that arrived (what the GPU tests run with). */
+static int fp_check(struct worker *w, const struct chunk *c, const unsigned char *buf)
+{
+	for (int q = 0; q < PARTS; q++)
+		if (c->part[q].fingerprinted && !c->part[q].skip &&
+		    !XXH128_isEqual(part_fp_host(c, q, buf), c->part[q].fp)) {
+			fail(w, "fingerprint check: the GPU's fingerprint of %zu bytes at file %d "
+			     "offset %llu differs from the CPU's", part_len(c, q), c->file,
+			     c->file_off + (unsigned long long)q * FILE_ALIGN);
+			return -1;
+		}
+	return 0;
+}
+
+int wait_stream(struct worker *w, CUstream s)
+{
+	CUresult rc = real.cuStreamSynchronize(s);
+
+	if (rc != CUDA_SUCCESS) {
+		fail(w, "cuStreamSynchronize: CUresult %d", rc);
+		return -1;
+	}
+	return 0;
+}
+
+/* -- the agent's memory as a sink ----------------------------------------------------------- */
+
+/* Faults a fresh region in from this thread (the kernel zeroes its pages: in parallel with
+ * the other workers). MADV_POPULATE_WRITE does it without a write from here; older kernels
+ * get a write a page. */
+static int populate(unsigned char *p, size_t size)
+{
+	if (madvise(p, size, MADV_POPULATE_WRITE) == 0)
+		return 0;
+	if (errno != EINVAL)
+		return -1;
+	for (size_t off = 0; off < size; off += 4096)
+		p[off] = 0;
+	return 0;
+}
+
+/* The region of sink k in the agent's memory (a save makes it, a load finds it). */
+static int region_get(struct worker *w)
+{
+	size_t size = round_up(plan.file_size[w->k], REGION_ALIGN);
+	unsigned char *p = plan.region[w->k];
+	long long t0;
+
+	if (!p) {
+		p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+			 -1, 0);
+		if (p == MAP_FAILED) {
+			fail(w, "host memory for %zu MiB of GPU data: %s", size >> 20, strerror(errno));
+			return -1;
+		}
+		/* No MADV_HUGEPAGE: on the H200 host the copy out was no faster with it (5.5 s
+		 * against 5.0 s for 17.4 GB), and with THP defrag "madvise" every huge-page fault
+		 * of such a region may stall in direct compaction. */
+		madvise(p, size, MADV_DONTFORK); /* a child must not inherit (copy) the program's GPU data */
+		plan.region[w->k] = p;
+		plan.region_size[w->k] = size;
+		t0 = now_ms();
+		if (populate(p, size)) {
+			fail(w, "host memory for %zu MiB of GPU data: %s", size >> 20, strerror(errno));
+			return -1;
+		}
+		w->populate_ms = now_ms() - t0;
+	}
+	w->region = p;
+	return 0;
+}
+
+static void sync_streams(struct worker *w)
+{
+	for (int d = 0; d < MAX_DEVICES; d++)
+		for (int i = 0; i < 2; i++)
+			if (w->stream[d][i] && real.cuStreamSynchronize(w->stream[d][i]) != CUDA_SUCCESS &&
+			    !failed)
+				fail(w, "cuStreamSynchronize after the %s failed",
+				     w->saving ? "copy out" : "reload");
+}
+
+/* One part of chunk c between buf and the sink (file_io) */
+static int part_io(struct worker *w, const struct chunk *c, unsigned char *buf, int q,
+		   uint64_t *sum)
+{
+	size_t first = (size_t)q * FILE_ALIGN, last = first + part_len(c, q);
+	struct sum s;
+
+	if (w->saving && stream_active())
+		return part_stream(w, c, buf, q, sum);
+	sum_init(&s);
+	for (size_t block = first; block < last; block += SUB) {
+		size_t n = last - block < SUB ? last - block : SUB;
+
+		if (w->saving)
+			sum_add(&s, buf + block, n);
+		if (w->region) { /* the agent's memory: the block is still in cache */
+			unsigned char *at = w->region + c->file_off + block;
+
+			w->saving ? memcpy(at, buf + block, n) : memcpy(buf + block, at, n);
+			if (!w->saving)
+				sum_add(&s, buf + block, n);
+			continue;
+		}
+		for (size_t done = 0; done < n;) {
+			ssize_t r = w->saving ? pwrite(w->fd, buf + block + done, n - done,
+						       c->file_off + block + done)
+					      : pread(w->fd, buf + block + done, n - done,
+						      c->file_off + block + done);
+
+			if (r < 0 && errno == EINTR)
+				continue;
+			if (r < 0) {
+				fail(w, "%s data file %d: %s", w->saving ? "writing" : "reading",
+				     w->k, strerror(errno));
+				return -1;
+			}
+			if (r == 0) {
+				fail(w, "data file %d ends at %llu: it is not the file this data was "
+				     "saved to", w->k, c->file_off + block + done);
+				return -1;
+			}
+			done += r;
+		}
+		if (!w->saving)
+			sum_add(&s, buf + block, n);
+	}
+	*sum = sum_end(&s);
+	return 0;
+}
+
+
+/* Writes (saving) or reads one chunk's bytes between buf and the sink, part by part and SUB
+ * at a time in a part (each block summed whole: the checksum's stripes must fall the same way
+ * on both sides), and returns each part's checksum in sums. Saving, skipped parts are not
+ * written (nor summed). */
+static int file_io(struct worker *w, const struct chunk *c, unsigned char *buf, uint64_t *sums)
+{
+	for (int q = 0; q < PARTS && (size_t)q * FILE_ALIGN < c->len; q++) {
+		if (w->saving && c->part[q].skip)
+			continue;
+		if (part_io(w, c, buf, q, &sums[q]))
+			return -1;
+	}
+	return 0;
+}
+
+
+/* The bytes of c a save moves: all but its skipped parts'. */
+static size_t moved_len(const struct chunk *c)
+{
+	size_t n = c->len;
+
+	for (int q = 0; q < PARTS; q++)
+		n -= c->part[q].skip ? part_len(c, q) : 0;
+	return n;
+}
+
+/* The previous chunk is in its buffer: checked (fp_check), written, summed. */
+static int save_one(struct worker *w, struct chunk *c, const unsigned char *buf)
+{
+	uint64_t sums[PARTS] = { 0 };
+
+	if ((fp_checking && fp_check(w, c, buf)) || file_io(w, c, (unsigned char *)buf, sums))
+		return -1;
+	for (int q = 0; q < PARTS; q++)
+		c->part[q].sum = sums[q];
+	w->bytes += moved_len(c);
+	return 0;
+}
+
+/* Worker k moves the chunks j = k (mod nfiles): worker_count of them, its i-th being chunk
+ * worker_chunk(k, i). The chunks are sorted by device (by_device), so taken in order every
+ * worker would copy from the first GPU, then all from the second: one PCIe link busy at a
+ * time. Instead worker k starts at its first chunk of device k mod ndevs and wraps around,
+ * so the workers spread over every GPU from the start and move their memory at once. */
+static size_t worker_count(int k)
+{
+	return (size_t)k < plan.nchunks ? (plan.nchunks - k + plan.nfiles - 1) / plan.nfiles : 0;
+}
+
+static size_t worker_chunk(int k, size_t i)
+{
+	size_t n = worker_count(k), first = 0;
+
+	if (plan.ndevs > 1) {
+		size_t at = plan.dev_first[k % plan.ndevs];  /* its first chunk at or after that */
+
+		first = at > (size_t)k ? (at - k + plan.nfiles - 1) / plan.nfiles : 0;
+		if (first >= n)
+			first = 0;
+	}
+	return k + ((first + i) % n) * plan.nfiles;
+}
+
+/* Copies chunk after chunk into the two buffers in turn; the previous chunk is written while
+ * the next one copies. */
+static void *save_main(struct worker *w)
+{
+	struct chunk *prev = NULL;
+	CUstream prev_s = NULL;
+	int cur = 0;
+
+	for (size_t i = 0, n = worker_count(w->k); i < n && !failed; i++) {
+		struct chunk *c = &plan.chunks[worker_chunk(w->k, i)];
+		CUstream s[2];
+
+		if (use_device(w, c->dev, s) || copy_chunk(w, c, w->buf[cur], s[cur], 1))
+			return NULL;
+		if (prev && (wait_stream(w, prev_s) || save_one(w, prev, w->buf[cur ^ 1])))
+			return NULL;
+		prev = c;
+		prev_s = s[cur];
+		cur ^= 1;
+	}
+	if (prev && !failed && !wait_stream(w, prev_s))
+		save_one(w, prev, w->buf[cur ^ 1]);
+	return NULL;
+}
+
+static void *load_main(struct worker *w)
+{
+	CUstream s[2];
+	int cur = 0;
+
+	for (size_t i = 0, n = worker_count(w->k); i < n && !failed; i++) {
+		size_t j = worker_chunk(w->k, i);
+		struct chunk *c = &plan.chunks[j];
+		uint64_t sums[PARTS] = { 0 };
+		int q;
+
+		if (use_device(w, c->dev, s))
+			break;
+		/* the copy that used this buffer two chunks ago must be over */
+		if (wait_stream(w, s[cur]) || file_io(w, c, w->buf[cur], sums))
+			break;
+		for (q = 0; q < PARTS; q++) /* skipped parts: their fingerprints, after the load */
+			if (!c->part[q].skip && part_len(c, q) && sums[q] != c->part[q].sum)
+				break;
+		if (q < PARTS) {
+			fail(w, "chunk %zu (%s %d, offset %llu, %zu bytes): checksum mismatch: %s", j,
+			     w->region ? "memory region" : "file", c->file,
+			     c->file_off + (unsigned long long)q * FILE_ALIGN, part_len(c, q),
+			     w->region ? "the program overwrote its saved GPU data"
+				       : "the file is damaged or not this program's");
+			break;
+		}
+		if (copy_chunk(w, c, w->buf[cur], s[cur], 0))
+			break;
+		w->bytes += c->len;
+		cur ^= 1;
+	}
+	return NULL;
+}
+
+/* Into the agent's memory, every worker registers its staging buffers before any populates
+ * its region. Measured on the H200 host (bench/host_paths.c, staged-anon): with threads
+ * populating 1 GiB each while others registered 64 MiB, the registrations took 3.4 s and the
+ * copies 5x longer than into tmpfs files (where nothing is populated up front); pinning moves
+ * pages (long-term pins leave movable memory) and competes with the faults for the same
+ * memory. Each worker arrives once, whatever happened to it; run_workers sets how many. */
+static struct {
+	pthread_mutex_t lock;
+	pthread_cond_t cond;
+	int arrived, expected; /* expected -1: not all started yet */
+} pinned = { PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, -1 };
+
+static void pinned_wait(void)
+{
+	pthread_mutex_lock(&pinned.lock);
+	pinned.arrived++;
+	pthread_cond_broadcast(&pinned.cond);
+	while (pinned.expected < 0 || pinned.arrived < pinned.expected)
+		pthread_cond_wait(&pinned.cond, &pinned.lock);
+	pthread_mutex_unlock(&pinned.lock);
+}
+
+static void pinned_expect(int n)
+{
+	pthread_mutex_lock(&pinned.lock);
+	pinned.expected = n;
+	pthread_cond_broadcast(&pinned.cond);
+	pthread_mutex_unlock(&pinned.lock);
+}
+
+static void *worker_main(void *arg)
+{
+	struct worker *w = arg;
+	CUstream s[2];
+	int ready = 0, active = (size_t)w->k < plan.nchunks; /* fewer chunks than sinks */
+	long long t0 = now_ms();
+
+	gate_agent_thread();
+	/* a context current before the staging memory is registered (CUDA_ERROR_INVALID_CONTEXT
+	 * otherwise: this thread is new) */
+	if (active) {
+		int dev = plan.chunks[worker_chunk(w->k, 0)].dev;
+
+		pr_debug("mover %d: %zu chunks, from device %d's", w->k, worker_count(w->k), dev);
+		if (use_device(w, dev, s) == 0)
+			ready = staging_get(w) == 0;
+	}
+	w->staging_ms = now_ms() - t0;
+	if (plan.in_memory)
+		pinned_wait();
+	if (ready && (!plan.in_memory || region_get(w) == 0))
+		w->saving ? save_main(w) : stream_active() ? load_stream_main(w) : load_main(w);
+	if (active)
+		sync_streams(w); /* nothing in flight once the staging memory goes */
+	staging_put(w);
+	return NULL;
+}
+
+int run_workers(const int *fds, int nfds, int saving, struct move_result *r)
+{
+	struct worker *w = calloc(nfds, sizeof(*w));
+	long long t0 = now_ms();
+	sigset_t all, old;
+	int started = 0, ret = 0;
+
+	if (!w) {
+		snprintf(r->error, sizeof(r->error), "out of memory");
+		return -1;
+	}
+	failed = 0;
+	pinned.arrived = 0;
+	pinned.expected = -1;
+	sigfillset(&all);
+	pthread_sigmask(SIG_SETMASK, &all, &old);
+	for (int k = 0; k < nfds; k++) {
+		w[k].k = k;
+		w[k].fd = fds ? fds[k] : -1;
+		w[k].saving = saving;
+		if (pthread_create(&w[k].thread, NULL, worker_main, &w[k])) {
+			snprintf(w[k].error, sizeof(w[k].error), "cannot start a mover thread");
+			failed = 1;
+			break;
+		}
+		started++;
+	}
+	pthread_sigmask(SIG_SETMASK, &old, NULL);
+	pinned_expect(started);
+	for (int k = 0; k < started; k++)
+		pthread_join(w[k].thread, NULL);
+	for (int k = 0; k < nfds; k++) {
+		r->bytes += w[k].bytes;
+		if (w[k].populate_ms / 1000.0 > r->host_alloc_seconds)
+			r->host_alloc_seconds = w[k].populate_ms / 1000.0;
+		if (w[k].staging_ms / 1000.0 > r->staging_seconds)
+			r->staging_seconds = w[k].staging_ms / 1000.0;
+		if (w[k].error[0] && !ret) {
+			snprintf(r->error, sizeof(r->error), "%s", w[k].error);
+			ret = -1;
+		}
+	}
+	if (failed && !ret) {
+		snprintf(r->error, sizeof(r->error), "a mover thread failed");
+		ret = -1;
+	}
+	free(w);
+	r->copy_seconds = (now_ms() - t0) / 1000.0;
+	return ret;
+}
+
+/* mover_after_fork's share: the locks as new (a thread of the parent may have held them). */
+void workers_after_fork(void)
+{
+	pthread_mutex_init(&err_lock, NULL);
+	pthread_mutex_init(&pinned.lock, NULL);
+	pthread_cond_init(&pinned.cond, NULL);
+}
