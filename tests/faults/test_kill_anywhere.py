@@ -1,0 +1,183 @@
+"""Fault injection (issue 18's suite): torpor SIGKILLed at a random moment of checkpoint,
+restore, suspend and resume, of a CPU program and of a fake-GPU program (real CRIU, the fake
+driver). After each kill the next torpor command recovers, and then the program must run
+correctly (ticking, RUNNING on the GPU, or suspended on purpose and resumable), or be gone with
+its checkpoint sealed and restorable; nothing frozen, no journal entry left.
+
+The moment is uniform over the operation's own duration, measured once per case on this
+machine; TORPOR_FAULT_RUNS sets the kills per case (default 10), TORPOR_FAULT_SEED the seed
+(printed with every failure)."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.fakes.fakegpu import CHECKPOINTED, RUNNING
+from tests.integration.conftest import alive, needs_criu, wait_for
+
+pytestmark = needs_criu
+RUNS = int(os.environ.get("TORPOR_FAULT_RUNS", "10"))
+SEED = int(os.environ.get("TORPOR_FAULT_SEED", str(random.randrange(1 << 30))))
+
+CPU_PROGRAM = """
+import os, sys, time
+buf = bytearray(os.urandom(1 << 20)) * 64          # 64 MiB: dumps and restores take a while
+n = 0
+while True:
+    n += 1
+    with open(sys.argv[1] + ".tmp", "w") as f:
+        f.write('{"tick": %d}' % n)
+    os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+    time.sleep(0.02)
+"""
+
+
+class CpuProgram:
+    """A CPU program whose status file counts its ticks, FakeProgram-alike."""
+
+    def __init__(self, status: Path):
+        import json
+        self._json = json
+        self.status_path = status
+        self.proc = subprocess.Popen([sys.executable, "-c", CPU_PROGRAM, str(status)],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, start_new_session=True)
+        self.pid = self.proc.pid
+        wait_for(lambda: self.tick() > 0, timeout=60, what="program start")
+
+    def tick(self) -> int:
+        try:
+            return int(self._json.loads(self.status_path.read_text()).get("tick", -1))
+        except (OSError, ValueError):
+            return -1
+
+    def wait_tick(self, above: int, timeout: float = 10.0) -> int:
+        return wait_for(lambda: (t := self.tick()) > above and t, timeout, f"tick > {above}")
+
+
+def _journal(tmp: Path) -> list[Path]:
+    return sorted((tmp / "state" / "journal").glob("*.json"))
+
+
+def _kill_tree(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    wait_for(lambda: not alive(pid), timeout=10, what=f"{pid} gone")
+
+
+class Case:
+    """One operation of one kind of program, ready to be run (and killed) again and again."""
+
+    def __init__(self, kind: str, op: str, torpor, gpu, tmp: Path):
+        self.kind, self.op, self.torpor, self.gpu, self.tmp = kind, op, torpor, gpu, tmp
+        self.n = 0
+
+    def program(self):
+        self.n += 1
+        if self.kind == "cpu":
+            p = CpuProgram(self.tmp / f"cpu{self.n}.json")
+            return p
+        p = self.gpu.spawn(mem=64 << 20)
+        return p
+
+    def prepare(self, prog, images: Path) -> None:
+        """What must be true before the operation: a checkpoint to restore, a suspended
+        program to resume."""
+        if self.op == "restore":
+            self.torpor.run("checkpoint", str(prog.pid), "-D", str(images), check=True)
+            prog.proc.wait(timeout=10)
+        elif self.op == "resume":
+            self.torpor.run("suspend", str(prog.pid), check=True)
+
+    def argv(self, prog, images: Path) -> list[str]:
+        return {"checkpoint": ["checkpoint", str(prog.pid), "-D", str(images)],
+                "checkpoint-left-running": ["checkpoint", str(prog.pid), "-D", str(images),
+                                            "--leave-running"],
+                "restore": ["restore", "-D", str(images)],
+                "suspend": ["suspend", str(prog.pid)],
+                "resume": ["resume", str(prog.pid)]}[self.op]
+
+    def gpu_state(self, pid: int) -> int | None:
+        if self.kind == "cpu":
+            return RUNNING
+        st = self.gpu.state(pid)
+        return None if st is None else st["state"]
+
+    def check(self, prog, images: Path, where: str) -> str:
+        """After recovery: the program runs correctly, or its checkpoint restores. Returns
+        which of the two it was."""
+        ps = self.torpor.run("ps")
+        assert ps.returncode == 0, f"{where}: torpor ps after the kill: {ps.stderr}"
+        assert _journal(self.tmp) == [], f"{where}: journal entries left: {ps.stderr}"
+        if alive(prog.pid):
+            state = self.gpu_state(prog.pid)
+            if state == CHECKPOINTED and self.op in ("suspend", "resume"):
+                r = self.torpor.run("resume", str(prog.pid))    # suspended on purpose: resumable
+                assert r.returncode == 0, f"{where}: resume after the kill: {r.stderr}"
+                state = self.gpu_state(prog.pid)
+            assert state == RUNNING, f"{where}: left in GPU state {state}; {ps.stderr}"
+            t = prog.tick()
+            try:
+                prog.wait_tick(t + 3, timeout=10)
+            except (TimeoutError, AssertionError):
+                pytest.fail(f"{where}: the program is alive but frozen; {ps.stderr}")
+            return "running"
+        assert self.op in ("checkpoint", "restore"), f"{where}: the program died"
+        if prog.proc.poll() is None:     # our child, ended by the dump: reap it for the restore
+            prog.proc.wait(timeout=10)
+        insp = self.torpor.run("inspect", str(images), "--verify")
+        assert insp.returncode == 0, f"{where}: program gone, checkpoint not whole: " \
+                                     f"{insp.stderr}; recovery said: {ps.stderr}"
+        r = self.torpor.run("restore", "-D", str(images))
+        assert r.returncode == 0, f"{where}: checkpoint not restorable: {r.stderr}"
+        t = prog.tick()
+        prog.wait_tick(t + 3, timeout=10)
+        return "restorable"
+
+
+CASES = [("cpu", "checkpoint"), ("cpu", "checkpoint-left-running"), ("cpu", "restore"),
+         ("gpu", "checkpoint"), ("gpu", "checkpoint-left-running"), ("gpu", "restore"),
+         ("gpu", "suspend"), ("gpu", "resume")]
+
+
+@pytest.mark.parametrize("kind,op", CASES, ids=[f"{k}-{o}" for k, o in CASES])
+def test_sigkill_of_torpor_at_a_random_moment(kind, op, torpor, gpu, tmp_path):
+    rng = random.Random(f"{SEED}-{kind}-{op}")
+    case = Case(kind, op, torpor, gpu, tmp_path)
+    # the operation's own duration, once, unkilled
+    prog = case.program()
+    images = tmp_path / "ck-measure"
+    case.prepare(prog, images)
+    t0 = time.monotonic()
+    r = torpor.run(*case.argv(prog, images))
+    duration = time.monotonic() - t0
+    assert r.returncode == 0, r.stderr
+    _kill_tree(prog.pid)
+    outcomes = []
+    for i in range(RUNS):
+        prog = case.program()
+        images = tmp_path / f"ck{i}"
+        case.prepare(prog, images)
+        delay = rng.uniform(0, duration)
+        where = f"{kind} {op} run {i}, killed at {delay:.3f} s of {duration:.2f} s " \
+                f"(TORPOR_FAULT_SEED={SEED})"
+        t = torpor.start(*case.argv(prog, images))
+        time.sleep(delay)
+        t.send_signal(signal.SIGKILL)
+        t.wait()
+        outcomes.append(case.check(prog, images, where))
+        _kill_tree(prog.pid)
+        shutil.rmtree(images, ignore_errors=True)
+    print(f"{kind} {op}: {RUNS} kills over {duration:.2f} s, seed {SEED}: "
+          f"{outcomes.count('running')} running, {outcomes.count('restorable')} restorable")
