@@ -589,7 +589,8 @@ class Engine:
             if keep:
                 os.close(fd)    # CRIU is still at it: the entry stays for the next look
                 return said
-        suspended = self.journal.suspended()  # suspended on purpose: not ours to resume
+        # suspended on purpose: not ours to resume, unless resuming them is what died
+        suspended = self.journal.suspended() if entry.kind != "resume" else {}
         live = [p for p in entry.pids
                 if procs.alive(p) and entry.same_process(p) and p not in suspended]
         try:
@@ -618,6 +619,8 @@ class Engine:
                                else "into the program's host memory"))
         if entry.scratch and entry.data_root:
             bulk.DataDir(Path(entry.data_root)).remove()
+        if entry.kind == "resume":
+            messages += self._finish_resume(live)
         if entry.kind == "pack":
             messages += packing.finish_interrupted(self.cfg, entry)
         elif entry.images_dir:
@@ -625,6 +628,16 @@ class Engine:
             messages += self._fill_images(Path(entry.images_dir), entry)
         self.journal.forget(entry, fd)
         return messages
+
+    def _finish_resume(self, pids: list[int]) -> list[str]:
+        """A resume whose torpor died: its processes run again (the rollback above), so they
+        are suspended no more: their records and the host copies of their GPU memory go."""
+        records = {p: r for p, r in self.journal.suspended().items() if p in pids}
+        for root in {r["data_root"] for r in records.values() if r.get("data_root")}:
+            bulk.DataDir(Path(root)).remove(background=True)
+        for p in records:
+            self.journal.clear_suspended(p)
+        return [f"finished resuming {', '.join(map(str, sorted(records)))}"] if records else []
 
     def _interrupted_restore(self, entry: Entry, wait_s: float = 10.0
                              ) -> tuple[bool, list[str]]:
