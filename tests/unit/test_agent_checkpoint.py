@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from tests.unit.fake_agent import Events, FakeAgent, FakeDriver
+from tests.fakes.fake_agent import Events, FakeAgent, FakeDriver
 from torpor import bulk, criu, engine as engine_mod, gpus, manifest, process, procs
 from torpor.engine import Engine
 from torpor.errors import CriuError, RolledBackError, TorporError, UsageError
@@ -502,7 +502,7 @@ def test_recovery_after_a_torpor_killed_mid_checkpoint(world, tmp_path, in_proc)
     code = textwrap.dedent(f"""
         import dataclasses, os, signal
         from pathlib import Path
-        from tests.unit.fake_agent import Events, FakeDriver
+        from tests.fakes.fake_agent import Events, FakeDriver
         from torpor import config, engine, gpus, process
         from torpor.errors import NoDriverError
         drv = FakeDriver(Events(), [{PID}])
