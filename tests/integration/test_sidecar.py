@@ -457,7 +457,7 @@ def test_startup_recovery_failure_is_logged_not_fatal(make_daemon, base, tmp_pat
 
 
 def test_second_torpord_on_same_run_dir_refuses(daemon):
-    p = subprocess.run([sys.executable, "-m", "torpor.sidecar.server", "--foreground"],
+    p = subprocess.run([sys.executable, "-m", "torpor.sidecar.daemon", "--foreground"],
                        env=daemon.env, capture_output=True, text=True, timeout=30)
     assert p.returncode == ExitCode.SIDECAR and "already running" in p.stderr
     assert ping(daemon.cfg).status == "ok"
@@ -601,7 +601,7 @@ class FakeContext:
 
 @pytest.fixture
 def service(base, gpu, monkeypatch):
-    from torpor.sidecar.server import Service
+    from torpor.sidecar.service import Service
     env = {"TORPOR_STATE_DIR": str(base / "state"), "TORPOR_RUN_DIR": str(base / "run"),
            "TORPOR_CONFIG": str(base / "none.toml"), **gpu.env()}
     for k, v in env.items():
@@ -638,7 +638,7 @@ def test_failure_after_checkpoint_rolls_back_at_once(service, gpu, prog, monkeyp
     assert e.value.md[EXIT_CODE_KEY] == str(int(ExitCode.ROLLED_BACK)), e.value
     assert "No space left" in e.value.details
     assert gpu.state(prog.pid)["state"] == RUNNING
-    assert svc.open_ops() == [] and _journal(svc) == []
+    assert svc.ops.open_ops() == [] and _journal(svc) == []
     monkeypatch.setattr(Operation, "phase", real_phase)
     assert running_again(gpu, prog)
 
@@ -651,14 +651,14 @@ def test_operation_deadline_ignores_wall_clock_steps(service, gpu, prog, monkeyp
     assert r.deadline - time.time() < 1.5             # still wall clock for clients
     real_time = time.time
     monkeypatch.setattr(time, "time", lambda: real_time() + 3600)    # a step forward
-    svc.start_reaper()
+    svc.ops.start_reaper()
     time.sleep(0.5)
-    assert [o.id for o in svc.open_ops()] == [r.op_id]
+    assert [o.id for o in svc.ops.open_ops()] == [r.op_id]
     assert gpu.state(prog.pid)["state"] == CHECKPOINTED
     monkeypatch.setattr(time, "time", lambda: real_time() - 3600)    # a step back
     deadline = time.monotonic() + 5
-    while (svc.open_ops() or _journal(svc)) and time.monotonic() < deadline:
+    while (svc.ops.open_ops() or _journal(svc)) and time.monotonic() < deadline:
         time.sleep(0.05)                              # the reaper takes it, then rolls back
-    assert svc.open_ops() == [] and _journal(svc) == []
+    assert svc.ops.open_ops() == [] and _journal(svc) == []
     monkeypatch.setattr(time, "time", real_time)
     assert running_again(gpu, prog)

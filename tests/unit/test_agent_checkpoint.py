@@ -554,7 +554,7 @@ class Ctx:
 @pytest.fixture
 def torpord(world, monkeypatch):
     from torpor.agent import container_dir
-    from torpor.sidecar.server import Service
+    from torpor.sidecar.service import Service
     cdir = container_dir(world.cfg.run_dir, "ctr1")
     cdir.mkdir(parents=True, mode=0o700)
     world.agent.stop()
@@ -586,7 +586,7 @@ def test_torpord_checkpoint_rollback_and_restore_of_a_container(world, torpord):
 
     ck = torpord.LockAndCheckpoint(req, Ctx())                       # again; this dump works
     agents = list(ck.agents)
-    torpord._take(ck.op_id).op.close()     # the container is gone; restored: CHECKPOINTED
+    torpord.ops.take(ck.op_id).op.close()     # the container is gone; restored: CHECKPOINTED
     world.log()
     r = torpord.RestoreAndUnlock(pb.RestoreAndUnlockRequest(
         pids=[PID], no_descendants=True, gpu_data_dir=str(data), agents=agents,

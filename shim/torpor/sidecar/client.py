@@ -213,7 +213,7 @@ def ensure_running(cfg: Config, socket_path: Path | str | None = None, wait_s: f
         return check
     state = private_dir(cfg.state_dir)
     log_path = state / "torpord.log"
-    cmd = [sys.executable, "-m", "torpor.sidecar.server", "--foreground", *extra_args]
+    cmd = [sys.executable, "-m", "torpor.sidecar.daemon", "--foreground", *extra_args]
     if socket_path:
         cmd += ["--socket", str(socket_path)]
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)

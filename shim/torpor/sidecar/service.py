@@ -1,35 +1,19 @@
-"""torpord: the sidecar that owns the GPU checkpoint engine for containers.
+"""torpord's gRPC face: the Torpor service's handlers (proto/torpor.proto) and the servicer
+that serves them.
 
-    torpord [--foreground] [--socket PATH] [--op-timeout SECONDS] [--log-level LEVEL]
-
-gRPC (proto/torpor.proto) on <run_dir>/torpord.sock, behind a SO_PEERCRED check (peercred.py).
-A container checkpoint is LockAndCheckpoint, then the runtime's CRIU dump, then Finish,
-Rollback or RestoreAndUnlock; the operation stays open (journal entry and PID locks held by
-torpord) in between, and is rolled back by torpord when not ended within --op-timeout.
-
-Programs under the in-process agent: given a data directory (gpu_data_dir, torpor-runtime
-names <image-path>/torpor-gpu), LockAndCheckpoint has their agents move their bulk GPU memory
-there first, and every way an operation ends gives it back through the agent (engine.py has
-the order). The sockets are in the container's agent directory (agent.container_dir).
-
-At start torpord rolls back what dead torpor processes left locked or checkpointed
-(engine.recover()). On SIGTERM/SIGINT it stops accepting, lets calls in flight finish, rolls
-back its open operations and exits 0.
+Each handler checks its request (UsageError for bad input), acts through the engine, the
+container registry (containers.py) and the operation table (operations.py), and answers one
+response message; any error becomes a gRPC status carrying torpor's exit code (_rpc). The
+orchestration inside LockAndCheckpoint, Finish, Rollback, RestoreAndUnlock and _restore_open
+moves to the engine's flows (issue 17); until then it lives here as it was in server.py.
 """
 
 from __future__ import annotations
 
-import argparse
-import concurrent.futures
 import dataclasses
-import fcntl
 import functools
-import json
 import logging
 import os
-import signal
-import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -43,92 +27,16 @@ from ..doctor import run_checks
 from ..driver import ProcessState
 from ..engine import Engine, restore_targets, targets_of
 from ..errors import (NoDriverError, NotFoundError, SidecarError, TorporError, UsageError)
-from ..files import private_dir, require_trusted_location, write_json
-from ..journal import Operation
+from ..files import require_trusted_location
 from ..progress import Progress
 from ..store import Store, fingerprints
 from ..store import images as store_images
 from . import grpc_status, proto
-from .peercred import PeerCredProxy
+from .containers import Containers
+from .operations import DEFAULT_OP_TIMEOUT_S, OpenOp, OperationTable
+from .operations import timings as _timings
 
 log = logging.getLogger("torpor.sidecar")
-
-DEFAULT_OP_TIMEOUT_S = 600.0
-RECOVERY_PERIOD_S = 30.0   # how often journal orphans (dead torpor commands) are rolled back
-_SUN_PATH_MAX = 107  # sockaddr_un.sun_path holds 108 bytes, NUL included
-
-
-
-
-# -- containers ---------------------------------------------------------------------------------
-
-class Containers:
-    """Registered containers, one <state_dir>/containers/<id>.json each (0600, dir 0700)."""
-
-    def __init__(self, directory: Path):
-        self.dir = private_dir(directory)
-        self._lock = threading.Lock()
-
-    def _path(self, cid: str) -> Path:
-        return self.dir / f"{validate_container_id(cid)}.json"
-
-    def put(self, record: dict[str, Any]) -> None:
-        with self._lock:
-            write_json(self._path(record["id"]), record)
-
-    def get(self, cid: str) -> dict[str, Any]:
-        path = self._path(cid)
-        try:
-            return json.loads(path.read_text())
-        except FileNotFoundError:
-            raise NotFoundError(f"no registered container '{cid}'") from None
-        except (OSError, ValueError) as e:
-            raise TorporError(f"container record {path} is unreadable: {e}") from e
-
-    def remove(self, cid: str) -> bool:
-        with self._lock:
-            try:
-                self._path(cid).unlink()
-                return True
-            except FileNotFoundError:
-                return False
-
-    def all(self) -> list[dict[str, Any]]:
-        out = []
-        for path in sorted(self.dir.glob("*.json")):
-            try:
-                out.append(json.loads(path.read_text()))
-            except (OSError, ValueError) as e:
-                log.warning("skipping unreadable container record %s: %s", path, e)
-        return out
-
-
-# -- open operations ----------------------------------------------------------------------------
-
-@dataclasses.dataclass
-class OpenOp:
-    op: Operation
-    pids: list[int]
-    cuda_pids: list[int]
-    container_id: str
-    deadline: float   # wall clock, only reported to clients
-    expires: float    # time.monotonic() of the automatic rollback: a clock step cannot move it
-    owner: tuple[int, int | None] | None = None  # (pid, start time) of the caller, if given
-
-    def owner_gone(self) -> bool:
-        """The caller died without ending the operation, and no dump holds the processes
-        (a dump still running finishes or fails by itself first)."""
-        if self.owner is None or procs.start_time(self.owner[0]) == self.owner[1]:
-            return False
-        return not any(procs.traced(p) for p in self.cuda_pids)
-
-    @property
-    def id(self) -> str:
-        return self.op.entry.id
-
-
-def _timings(engine: Engine) -> dict[str, float]:
-    return {k: round(v, 4) for k, v in engine.progress.timings.items()}
 
 
 def _rpc(fn: Callable) -> Callable:
@@ -137,10 +45,9 @@ def _rpc(fn: Callable) -> Callable:
     call's handler runs on after server.stop())."""
     @functools.wraps(fn)
     def wrapper(self: "Service", request: Any, context: grpc.ServicerContext) -> Any:
-        with self._idle:
-            self._in_flight += 1
         try:
-            return fn(self, request, context)
+            with self.ops.call():
+                return fn(self, request, context)
         except Exception as e:
             if isinstance(e, TorporError):
                 log.info("%s refused: %s (exit code %s)", fn.__name__, e.line(), e.exit_code)
@@ -149,121 +56,28 @@ def _rpc(fn: Callable) -> Callable:
             status, _code, details, md = grpc_status(e)
             context.set_trailing_metadata(md)
             context.abort(status, details)
-        finally:
-            with self._idle:
-                self._in_flight -= 1
-                self._idle.notify_all()
     return wrapper
 
 
 class Service:
-    """The Torpor gRPC service: containers, open operations and their timeout."""
+    """The Torpor gRPC service: request checks and the handlers, over the container registry
+    (self.containers) and the operation table (self.ops)."""
 
     def __init__(self, cfg: config.Config, op_timeout_s: float = DEFAULT_OP_TIMEOUT_S):
         self.cfg = cfg
         self.op_timeout_s = op_timeout_s
         self.pb, _ = proto()
         self.containers = Containers(cfg.state_dir / "containers")
-        self._ops: dict[str, OpenOp] = {}
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)   # _in_flight dropped
-        self._in_flight = 0
-        self._stop = threading.Event()
-        self._reaper: threading.Thread | None = None
+        self.ops = OperationTable(self.engine, op_timeout_s)
 
     def engine(self, cfg: config.Config | None = None) -> Engine:
         return Engine(cfg or self.cfg, Progress(stream=None))
 
-    # -- the op table -----------------------------------------------------------------------------
-    def _take(self, op_id: str) -> OpenOp:
-        """Remove an open operation from the table (so exactly one caller ends it)."""
-        if not op_id:
-            raise UsageError("no operation id given")
-        with self._lock:
-            found = self._ops.pop(op_id, None)
-        if found is None:
-            raise NotFoundError(f"no open operation '{op_id}' (finished, rolled back, "
-                                "timed out, or torpord restarted)")
-        return found
-
-    def open_ops(self) -> list[OpenOp]:
-        with self._lock:
-            return list(self._ops.values())
-
-    def start_reaper(self) -> None:
-        self._reaper = threading.Thread(target=self._reap_loop, name="op-timeout", daemon=True)
-        self._reaper.start()
-
-    def _reap_loop(self) -> None:
-        period = max(0.05, min(1.0, self.op_timeout_s / 10))
-        next_recovery = time.monotonic() + RECOVERY_PERIOD_S
-        while not self._stop.wait(period):
-            if time.monotonic() >= next_recovery:
-                # what a dead `torpor` left, or a rollback of ours that failed: retry it
-                next_recovery = time.monotonic() + RECOVERY_PERIOD_S
-                try:
-                    for msg in self.engine().recover():
-                        log.warning("recovery: %s", msg)
-                except Exception:
-                    log.exception("periodic recovery failed")
-            now = time.monotonic()
-            with self._lock:
-                expired = [o for o in self._ops.values() if o.expires <= now]
-                orphaned = [o for o in self._ops.values()
-                            if o not in expired and o.owner_gone()]
-                for o in expired + orphaned:
-                    del self._ops[o.id]
-            for o in expired + orphaned:
-                if o in orphaned:
-                    log.warning("operation %s (PIDs %s): its caller (PID %d) died without "
-                                "ending it: rolling it back", o.id,
-                                ",".join(map(str, o.pids)), o.owner[0] if o.owner else 0)
-                else:
-                    log.warning("operation %s (PIDs %s) not ended within %.0f s: rolling it "
-                                "back", o.id, ",".join(map(str, o.pids)), self.op_timeout_s)
-                try:
-                    self._rollback(o)
-                except TorporError as e:
-                    log.error("automatic rollback of %s: %s", o.id, e.line())
-                except Exception:
-                    log.exception("automatic rollback of %s failed", o.id)
-
     def stopping(self) -> None:
-        """From now on a LockAndCheckpoint rolls back instead of opening an operation."""
-        self._stop.set()
+        self.ops.stopping()
 
     def shutdown(self) -> None:
-        """Wait for the handlers in flight (one may still be checkpointing: its operation must
-        be in the table, or rolled back by itself, before the table is emptied), stop the
-        reaper, roll back every open operation."""
-        self._stop.set()
-        with self._idle:
-            while self._in_flight:
-                log.info("shutting down: waiting for %d call(s) in flight", self._in_flight)
-                self._idle.wait(5)
-        if self._reaper is not None:
-            self._reaper.join()   # it may be rolling back an expired operation
-        with self._lock:
-            todo, self._ops = list(self._ops.values()), {}
-        for o in todo:
-            log.warning("shutting down: rolling back open operation %s (PIDs %s)", o.id,
-                        ",".join(map(str, o.pids)))
-            try:
-                self._rollback(o)
-            except Exception as e:
-                log.error("rollback of %s at shutdown: %s", o.id, e)
-
-    def _rollback(self, o: OpenOp) -> tuple[list[int], dict[str, float]]:
-        engine = self.engine()
-        live = [p for p in o.cuda_pids if procs.alive(p)]
-        with engine.progress.phase("rollback"):
-            problems = engine.rollback(live, agents=targets_of(o.op.entry.agents))
-        if problems:
-            o.op.release()
-            raise TorporError(f"rollback of {o.id} failed: " + "; ".join(problems),
-                              hint="the journal entry stays: restarting torpord retries it")
-        o.op.close()
-        return live, _timings(engine)
+        self.ops.shutdown()
 
     # -- pids -------------------------------------------------------------------------------------
     def _resolve(self, pids: Iterable[int], container_id: str, descendants: bool) -> list[int]:
@@ -338,7 +152,7 @@ class Service:
     # -- checkpoint ---------------------------------------------------------------------------------
     @_rpc
     def LockAndCheckpoint(self, request: Any, context: Any) -> Any:
-        if self._stop.is_set():
+        if self.ops.stopped:
             raise SidecarError("torpord is shutting down")
         cfg = self.cfg
         if request.HasField("lock_timeout_s"):
@@ -381,11 +195,8 @@ class Service:
                 op.phase("dump")
                 deadline = time.time() + self.op_timeout_s
                 expires = time.monotonic() + self.op_timeout_s
-                with self._lock:
-                    if self._stop.is_set():   # shutdown() may have emptied the table already
-                        raise SidecarError("torpord is shutting down")
-                    self._ops[op.entry.id] = OpenOp(op, pids, cuda_pids, request.container_id,
-                                                    deadline, expires, owner)
+                self.ops.add(OpenOp(op, pids, cuda_pids, request.container_id,  # or SidecarError
+                                    deadline, expires, owner))                  # when stopping
             except BaseException as e:
                 engine.fail(op, cuda_pids, e, during="checkpoint")  # rollback, close, raise
         except BaseException:
@@ -419,7 +230,7 @@ class Service:
 
     @_rpc
     def Finish(self, request: Any, context: Any) -> Any:
-        o = self._take(request.op_id)
+        o = self.ops.take(request.op_id)
         engine = self.engine()
         # The dump killed the processes; any CUDA process still alive a moment later would stay
         # checkpointed forever, so it is brought back (that is a --leave-running dump).
@@ -443,8 +254,8 @@ class Service:
 
     @_rpc
     def Rollback(self, request: Any, context: Any) -> Any:
-        o = self._take(request.op_id)
-        live, timings = self._rollback(o)
+        o = self.ops.take(request.op_id)
+        live, timings = self.ops.rollback(o)
         log.info("%s rolled back (%s running again)", o.id, ",".join(map(str, live)) or "none")
         return self.pb.OperationResult(op_id=o.id, kind=o.op.entry.kind, pids=o.cuda_pids,
                                        outcome="rolled-back", timings=timings,
@@ -457,7 +268,7 @@ class Service:
         if request.op_id:
             if request.pids or request.container_id:
                 raise UsageError("give an operation id or PIDs/container, not both")
-            return self._restore_open(self._take(request.op_id), gpu_map)
+            return self._restore_open(self.ops.take(request.op_id), gpu_map)
         pids = self._resolve(request.pids, request.container_id, not request.no_descendants)
         data = self._data_dir(request.gpu_data_dir)
         if request.agents and data is None:
@@ -548,8 +359,7 @@ class Service:
     def Status(self, request: Any, context: Any) -> Any:
         op_info = None
         if request.op_id:
-            with self._lock:
-                o = self._ops.get(request.op_id)
+            o = self.ops.get(request.op_id)
             if o is None:
                 raise NotFoundError(f"no open operation '{request.op_id}'")
             pids, op_info = o.pids, self._op_info(o)
@@ -559,7 +369,7 @@ class Service:
             pids = [int(p) for p in request.pids]
             if not pids:
                 raise UsageError("give an operation id, PIDs or a container id")
-        holder = {p: o.id for o in self.open_ops() for p in o.pids}
+        holder = {p: o.id for o in self.ops.open_ops() for p in o.pids}
         engine = self.engine()
         states = engine.cuda_states([p for p in pids if procs.alive(p)])
         inv = self._gpu_info(states)
@@ -587,7 +397,7 @@ class Service:
             gpu_error = e.line()
         return self.pb.ListResponse(
             version=__version__, server_pid=os.getpid(), containers=containers,
-            operations=[self._op_info(o) for o in self.open_ops()], gpu_processes=gpu_procs,
+            operations=[self._op_info(o) for o in self.ops.open_ops()], gpu_processes=gpu_procs,
             gpu_error=gpu_error, op_timeout_s=self.op_timeout_s)
 
     @_rpc
@@ -597,9 +407,8 @@ class Service:
             name=c.name, status=c.status, detail=c.detail, fix=c.fix) for c in checks])
 
 
-# -- the daemon ---------------------------------------------------------------------------------
 
-def _servicer(service: Service) -> Any:
+def servicer(service: Service) -> Any:
     """Adapt Service to the generated servicer base class (so unknown RPCs are UNIMPLEMENTED)."""
     _, pb_grpc = proto()
 
@@ -611,157 +420,3 @@ def _servicer(service: Service) -> Any:
                  "Rollback", "RestoreAndUnlock", "Status", "List", "Doctor"):
         setattr(s, name, getattr(service, name))
     return s
-
-
-def _daemonize() -> None:
-    if os.fork() > 0:
-        os._exit(0)
-    os.setsid()
-    if os.fork() > 0:
-        os._exit(0)
-    fd = os.open(os.devnull, os.O_RDWR)
-    for n in (0, 1, 2):
-        os.dup2(fd, n)
-    if fd > 2:
-        os.close(fd)
-
-
-def _setup_logging(cfg: config.Config, level: str, foreground: bool) -> None:
-    root = logging.getLogger()
-    root.setLevel(getattr(logging, level.upper(), logging.INFO))
-    fmt = logging.Formatter("%(asctime)s torpord[%(process)d] %(levelname)s %(message)s")
-    if foreground:
-        h: logging.Handler = logging.StreamHandler(sys.stderr)
-    else:
-        private_dir(cfg.state_dir)
-        h = logging.FileHandler(cfg.state_dir / "torpord.log")
-    h.setFormatter(fmt)
-    root.addHandler(h)
-
-
-def _run_dir(cfg: config.Config) -> Path:
-    """run_dir: 0700, or 0711 when a non-root socket owner must reach the socket inside."""
-    d = cfg.run_dir
-    d.mkdir(mode=0o700, parents=True, exist_ok=True)
-    want = 0o711 if cfg.socket_owner_uid else 0o700
-    st = d.stat()
-    if st.st_uid == os.geteuid() and st.st_mode & 0o777 != want:
-        os.chmod(d, want)
-    return d
-
-
-def _single_instance(run_dir: Path) -> int:
-    fd = os.open(run_dir / "torpord.pid", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        other = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise SidecarError(f"torpord is already running (pid {other}) for {run_dir}") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="torpord", description=__doc__.split("\n")[0])
-    p.add_argument("--version", action="version", version=f"torpord {__version__}")
-    p.add_argument("--config", type=Path, help="config file (default /etc/torpor/config.toml)")
-    p.add_argument("--socket", type=Path, help="public socket (default <run_dir>/torpord.sock)")
-    p.add_argument("--op-timeout", type=float, default=DEFAULT_OP_TIMEOUT_S, metavar="SECONDS",
-                   help="roll back an open operation not ended within this (default 600)")
-    p.add_argument("--foreground", action="store_true",
-                   help="stay in the foreground and log to stderr (systemd); otherwise detach "
-                        "and log to <state_dir>/torpord.log")
-    p.add_argument("--log-level", default="info",
-                   choices=["debug", "info", "warning", "error"])
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        cfg = config.load(args.config)
-        if args.op_timeout <= 0:
-            raise UsageError("--op-timeout must be positive")
-        public = (args.socket or cfg.socket_path).absolute()
-        private = cfg.run_dir.absolute() / "private" / "grpc.sock"
-        for path in (public, private):
-            if len(str(path).encode()) > _SUN_PATH_MAX:
-                raise UsageError(f"socket path too long for a Unix socket: {path}")
-        proto()
-    except TorporError as e:
-        print(f"torpord: {e.line()}", file=sys.stderr)
-        return e.exit_code
-    if not args.foreground:
-        _daemonize()
-    _setup_logging(cfg, args.log_level, args.foreground)
-    try:
-        return _serve(cfg, args, public, private)
-    except TorporError as e:
-        log.error("%s", e.line())
-        return e.exit_code
-
-
-def _serve(cfg: config.Config, args: argparse.Namespace, public: Path, private: Path) -> int:
-    _, pb_grpc = proto()
-    run_dir = _run_dir(cfg)
-    lock_fd = _single_instance(run_dir)
-    public.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    private_dir(private.parent)
-    if private.is_socket():
-        private.unlink()
-
-    try:
-        messages = Engine(cfg, Progress(stream=None)).recover()
-        for msg in messages:
-            log.warning("recovery: %s", msg)
-        log.info("recovery: %s",
-                 f"{len(messages)} message(s)" if messages else "nothing to recover")
-    except Exception:   # torpord must come up: the reaper retries every RECOVERY_PERIOD_S
-        log.exception("recovery at start failed")
-
-    service = Service(cfg, args.op_timeout)
-    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=16,
-                                                               thread_name_prefix="rpc"))
-    pb_grpc.add_TorporServicer_to_server(_servicer(service), server)
-    if server.add_insecure_port(f"unix://{private}") == 0:
-        raise SidecarError(f"cannot listen on {private}")
-    server.start()
-    os.chmod(private, 0o600)
-    allowed = {0, cfg.socket_owner_uid}
-    proxy = PeerCredProxy(public, private, allowed, mode=0o660, owner_uid=cfg.socket_owner_uid)
-    proxy.start()
-    service.start_reaper()
-
-    stop = threading.Event()
-
-    def on_signal(signum: int, _frame: object) -> None:
-        log.info("signal %d: shutting down", signum)
-        stop.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    log.info("torpord %s (pid %d) listening on %s (uids %s), op timeout %.0f s", __version__,
-             os.getpid(), public, ",".join(map(str, sorted(allowed))), args.op_timeout)
-
-    while not stop.wait(1.0):
-        pass
-
-    proxy.stop_accepting()
-    service.stopping()
-    server.stop(grace=5).wait(10)
-    service.shutdown()   # waits for the handlers gRPC stopped waiting for
-    proxy.close()
-    try:
-        private.unlink()
-    except FileNotFoundError:
-        pass
-    os.close(lock_fd)
-    log.info("torpord stopped")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
