@@ -1,9 +1,9 @@
 """torpord's gRPC face: the Torpor service's handlers (proto/torpor.proto) and the servicer
 that serves them.
 
-Each handler checks its request (UsageError for bad input), acts through the engine, the
-container registry (containers.py) and the operation table (operations.py), and answers one
-response message; any error becomes a gRPC status carrying torpor's exit code (_rpc). The
+Each handler checks its request (UsageError for bad input; request_args.py), acts through the
+engine, the container registry (containers.py) and the operation table (operations.py), and
+answers one response message built by convert.py; any error becomes a gRPC status carrying torpor's exit code (_rpc). The
 orchestration inside LockAndCheckpoint, Finish, Rollback, RestoreAndUnlock and _restore_open
 moves to the engine's flows (issue 17); until then it lives here as it was in server.py.
 """
@@ -16,11 +16,11 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import grpc
 
-from .. import __version__, agent, bulk, config, gpus, procs
+from .. import __version__, bulk, config, gpus, procs
 from ..config import Config
 from ..oci import validate_container_id
 from ..doctor import run_checks
@@ -32,9 +32,14 @@ from ..progress import Progress
 from ..store import Store, fingerprints
 from ..store import images as store_images
 from . import grpc_status, proto
+from . import convert
 from .containers import Containers
+from .convert import (CudaProcess, GpuProcess, Listing, OperationInfo, OperationResult,
+                      ProcessStatus, Restored, to_pb)
 from .operations import DEFAULT_OP_TIMEOUT_S, OpenOp, OperationTable
 from .operations import timings as _timings
+from .request_args import agent_dir as _agent_dir, data_dir as _data_dir
+from .request_args import gpu_info as _gpu_info, resolve_pids as _resolve
 
 log = logging.getLogger("torpor.sidecar")
 
@@ -79,52 +84,11 @@ class Service:
     def shutdown(self) -> None:
         self.ops.shutdown()
 
-    # -- pids -------------------------------------------------------------------------------------
-    def _resolve(self, pids: Iterable[int], container_id: str, descendants: bool) -> list[int]:
-        pids = [int(p) for p in pids]
-        if pids and container_id:
-            raise UsageError("give PIDs or a container id, not both")
-        if container_id:
-            pids = [int(p) for p in self.containers.get(container_id).get("pids", [])]
-            if not pids:
-                raise UsageError(f"container '{container_id}' was registered without PIDs")
-        if not pids:
-            raise UsageError("no PIDs given")
-        out: list[int] = []
-        for pid in pids:
-            procs.require(pid)
-            for p in (procs.tree(pid) if descendants else [pid]):
-                if p not in out:
-                    out.append(p)
-        return out
-
-    def _gpu_info(self, pids: Iterable[int]) -> gpus.Inventory | None:
-        if not list(pids):
-            return None
-        try:
-            return gpus.discover()
-        except NoDriverError as e:
-            log.debug("no GPU inventory: %s", e)
-            return None
-
-    def _agent_dir(self, *container_ids: str) -> Path:
-        """The agents' socket directory: the first container's given, else the bare one."""
-        cid = next((c for c in container_ids if c), "")
-        return agent.container_dir(self.cfg.run_dir, cid) if cid else agent.default_dir()
-
-    @staticmethod
-    def _data_dir(path: str) -> Path | None:
-        if not path:
-            return None
-        if not os.path.isabs(path):
-            raise UsageError(f"gpu_data_dir must be an absolute path, not {path!r}")
-        return Path(path)
-
     def _cuda_process(self, pid: int, state: ProcessState, inv: gpus.Inventory | None) -> Any:
-        return self.pb.CudaProcess(pid=pid, state=state.name,
-                                   gpu_uuids=inv.gpus_of(pid) if inv else [],
-                                   gpu_memory=inv.memory_of(pid) if inv else 0,
-                                   gpu_memory_by_gpu=inv.memory_by_gpu(pid) if inv else {})
+        return to_pb(self.pb, CudaProcess(
+            pid=pid, state=state.name, gpu_uuids=tuple(inv.gpus_of(pid)) if inv else (),
+            gpu_memory=inv.memory_of(pid) if inv else 0,
+            gpu_memory_by_gpu=dict(inv.memory_by_gpu(pid)) if inv else {}))
 
     # -- containers -------------------------------------------------------------------------------
     @_rpc
@@ -137,7 +101,7 @@ class Service:
             raise UsageError("container PIDs must be > 1")
         self.containers.put(record)
         log.info("registered container %s (PIDs %s)", cid, record["pids"])
-        return self.pb.Container(**record)
+        return to_pb(self.pb, convert.Container.from_record(record))
 
     @_rpc
     def UnregisterContainer(self, request: Any, context: Any) -> Any:
@@ -159,9 +123,10 @@ class Service:
             if not request.lock_timeout_s > 0:
                 raise UsageError("lock_timeout_s must be positive")
             cfg = dataclasses.replace(cfg, lock_timeout_s=request.lock_timeout_s)
-        pids = self._resolve(request.pids, request.container_id, not request.no_descendants)
-        data = self._data_dir(request.gpu_data_dir)
-        agent_dir = self._agent_dir(request.agent_container_id, request.container_id)
+        pids = _resolve(self.containers, request.pids, request.container_id,
+                        not request.no_descendants)
+        data = _data_dir(request.gpu_data_dir)
+        agent_dir = _agent_dir(self.cfg.run_dir, request.agent_container_id, request.container_id)
         owner = None
         if request.owner_pid:
             owner = (request.owner_pid, procs.start_time(request.owner_pid))
@@ -176,7 +141,7 @@ class Service:
                 p, s = next(iter(bad.items()))
                 raise UsageError(f"PID {p} is {s.name} on the GPU, not RUNNING")
             cuda_pids = sorted(states)
-            inv = self._gpu_info(cuda_pids)
+            inv = _gpu_info(cuda_pids)
             cuda = [self._cuda_process(p, states[p], inv) for p in cuda_pids]
             # a container's fingerprints are its own only (store/fingerprints.py)
             fp_owner = fingerprints.owner_of(request.agent_container_id or request.container_id,
@@ -207,15 +172,7 @@ class Service:
         return self.pb.LockAndCheckpointResponse(
             op_id=op.entry.id, pids=pids, cuda_processes=cuda, timings=_timings(engine),
             deadline=deadline, container_id=request.container_id,
-            agents=[self.pb.AgentData(pid=p, nspid=r["nspid"], files=r["files"],
-                                      bytes=r["bytes"], chunks=r["chunks"],
-                                      allocations=r["allocations"],
-                                      cache_released=r["cache_released"], seconds=r["seconds"],
-                                      fingerprinted=r.get("fingerprints", {}).get("parts", 0),
-                                      skipped=r.get("fingerprints", {}).get("skipped", 0),
-                                      skipped_bytes=r.get("fingerprints", {}).get(
-                                          "skipped_bytes", 0))
-                    for p, r in sorted(moved.items())])
+            agents=convert.agents_to_pb(self.pb, moved))
 
     def _known(self, cfg: Config, mode: int, owner: str) -> set[str] | dict[str, Any] | None:
         """The fingerprints the agents skip (LockAndCheckpointRequest.fingerprints): what
@@ -248,18 +205,18 @@ class Service:
                 raise TorporError(f"finish of {o.id}: " + "; ".join(problems))
         o.op.close()
         log.info("%s finished", o.id)
-        return self.pb.OperationResult(op_id=o.id, kind=o.op.entry.kind, pids=o.cuda_pids,
-                                       outcome="finished", timings=_timings(engine), gone=gone,
-                                       resumed=alive)
+        return to_pb(self.pb, OperationResult(
+            op_id=o.id, kind=o.op.entry.kind, pids=tuple(o.cuda_pids), outcome="finished",
+            timings=_timings(engine), gone=tuple(gone), resumed=tuple(alive)))
 
     @_rpc
     def Rollback(self, request: Any, context: Any) -> Any:
         o = self.ops.take(request.op_id)
         live, timings = self.ops.rollback(o)
         log.info("%s rolled back (%s running again)", o.id, ",".join(map(str, live)) or "none")
-        return self.pb.OperationResult(op_id=o.id, kind=o.op.entry.kind, pids=o.cuda_pids,
-                                       outcome="rolled-back", timings=timings,
-                                       gone=[p for p in o.cuda_pids if p not in live])
+        return to_pb(self.pb, OperationResult(
+            op_id=o.id, kind=o.op.entry.kind, pids=tuple(o.cuda_pids), outcome="rolled-back",
+            timings=timings, gone=tuple(p for p in o.cuda_pids if p not in live)))
 
     # -- restore ------------------------------------------------------------------------------------
     @_rpc
@@ -269,11 +226,12 @@ class Service:
             if request.pids or request.container_id:
                 raise UsageError("give an operation id or PIDs/container, not both")
             return self._restore_open(self.ops.take(request.op_id), gpu_map)
-        pids = self._resolve(request.pids, request.container_id, not request.no_descendants)
-        data = self._data_dir(request.gpu_data_dir)
+        pids = _resolve(self.containers, request.pids, request.container_id,
+                        not request.no_descendants)
+        data = _data_dir(request.gpu_data_dir)
         if request.agents and data is None:
             raise UsageError("agents given without the gpu_data_dir that holds their data")
-        packed = self._data_dir(request.gpu_data_packed)
+        packed = _data_dir(request.gpu_data_packed)
         if packed is not None:      # its snapshot names the chunks torpord streams to them
             require_trusted_location(packed, "checkpoint")
             if not store_images.is_packed(packed):
@@ -289,9 +247,9 @@ class Service:
                 raise TorporError(f"PID {failed[0]} is in the driver's FAILED state: "
                                   "it cannot be restored")
             agents = restore_targets(
-                {a.pid: {"nspid": a.nspid, "files": list(a.files)} for a in request.agents},
-                data or Path(), self._agent_dir(request.agent_container_id,
-                                                   request.container_id), host_pids=pids,
+                convert.restore_entries(request.agents),
+                data or Path(), _agent_dir(self.cfg.run_dir, request.agent_container_id,
+                                           request.container_id), host_pids=pids,
                 packed=packed)
             op.phase("gpu-restore", agents={p: t.to_json() for p, t in agents.items()})
             back: dict[int, dict[str, Any]] = {}
@@ -320,13 +278,12 @@ class Service:
         op.close()
         done = checkpointed + locked
         log.info("%s: %d CUDA process(es) restored and unlocked", op.entry.id, len(done))
-        return self.pb.RestoreAndUnlockResponse(op_id=op.entry.id, pids=sorted(done),
-                                                timings=_timings(engine), gpu_map=gpu_map,
-                                                agents=self._resumed(back))
+        return self._restored(op.entry.id, sorted(done), _timings(engine), gpu_map, back)
 
-    def _resumed(self, back: dict[int, dict[str, Any]]) -> list[Any]:
-        return [self.pb.AgentResumed(pid=p, bytes=r["bytes"], seconds=r["seconds"])
-                for p, r in sorted(back.items())]
+    def _restored(self, op_id: str, pids: list[int], timings: dict[str, float],
+                  gpu_map: dict[str, str], back: dict[int, dict[str, Any]]) -> Any:
+        return to_pb(self.pb, Restored(op_id=op_id, pids=tuple(pids), timings=timings,
+                                       gpu_map=gpu_map, agents=convert.resumed(back)))
 
     def _restore_open(self, o: OpenOp, gpu_map: dict[str, str]) -> Any:
         """--leave-running: the dump is done and the processes still live; give them the GPU."""
@@ -345,15 +302,14 @@ class Service:
             log.warning("%s: restore failed (%s) but the retry worked", o.id, e)
         o.op.close()
         log.info("%s: left running, %d CUDA process(es) restored and unlocked", o.id, len(live))
-        return self.pb.RestoreAndUnlockResponse(op_id=o.id, pids=live, timings=_timings(engine),
-                                                gpu_map=gpu_map, agents=self._resumed(back))
+        return self._restored(o.id, live, _timings(engine), gpu_map, back)
 
     # -- inspection ---------------------------------------------------------------------------------
-    def _op_info(self, o: OpenOp) -> Any:
+    def _op_info(self, o: OpenOp) -> OperationInfo:
         e = o.op.entry
-        return self.pb.OperationInfo(op_id=o.id, kind=e.kind, pids=o.pids, cuda_pids=o.cuda_pids,
-                                     phase=e.phase, started=e.started, deadline=o.deadline,
-                                     container_id=o.container_id)
+        return OperationInfo(op_id=o.id, kind=e.kind, pids=tuple(o.pids),
+                             cuda_pids=tuple(o.cuda_pids), phase=e.phase, started=e.started,
+                             deadline=o.deadline, container_id=o.container_id)
 
     @_rpc
     def Status(self, request: Any, context: Any) -> Any:
@@ -372,39 +328,36 @@ class Service:
         holder = {p: o.id for o in self.ops.open_ops() for p in o.pids}
         engine = self.engine()
         states = engine.cuda_states([p for p in pids if procs.alive(p)])
-        inv = self._gpu_info(states)
+        inv = _gpu_info(states)
         out = []
         for p in pids:
             st = states.get(p)
-            out.append(self.pb.ProcessStatus(
+            out.append(ProcessStatus(
                 pid=p, alive=procs.alive(p), cuda=st is not None, state=st.name if st is not None else "",
-                op_id=holder.get(p, ""), gpu_uuids=inv.gpus_of(p) if inv and st is not None else [],
+                op_id=holder.get(p, ""),
+                gpu_uuids=tuple(inv.gpus_of(p)) if inv and st is not None else (),
                 gpu_memory=inv.memory_of(p) if inv and st is not None else 0))
-        return self.pb.StatusResponse(processes=out, operation=op_info)
+        return to_pb(self.pb, convert.Status(processes=tuple(out), operation=op_info))
 
     @_rpc
     def List(self, request: Any, context: Any) -> Any:
-        containers = [self.pb.Container(
-            id=c.get("id", ""), bundle=c.get("bundle", ""), pids=c.get("pids", []),
-            gpu_uuids=c.get("gpu_uuids", []), annotations=c.get("annotations", {}),
-            registered_at=c.get("registered_at", 0.0)) for c in self.containers.all()]
-        gpu_error, gpu_procs = "", []
+        containers = tuple(convert.Container.from_record(c) for c in self.containers.all())
+        gpu_error, gpu_procs = "", ()
         try:
             inv = gpus.discover()
-            gpu_procs = [self.pb.GpuProcess(pid=g.pid, gpu_uuid=g.gpu_uuid,
-                                            used_memory=g.used_memory) for g in inv.processes]
+            gpu_procs = tuple(GpuProcess(pid=g.pid, gpu_uuid=g.gpu_uuid,
+                                         used_memory=g.used_memory) for g in inv.processes)
         except NoDriverError as e:
             gpu_error = e.line()
-        return self.pb.ListResponse(
+        return to_pb(self.pb, Listing(
             version=__version__, server_pid=os.getpid(), containers=containers,
-            operations=[self._op_info(o) for o in self.ops.open_ops()], gpu_processes=gpu_procs,
-            gpu_error=gpu_error, op_timeout_s=self.op_timeout_s)
+            operations=tuple(self._op_info(o) for o in self.ops.open_ops()),
+            gpu_processes=gpu_procs, gpu_error=gpu_error, op_timeout_s=self.op_timeout_s))
 
     @_rpc
     def Doctor(self, request: Any, context: Any) -> Any:
         checks = run_checks(self.cfg)
-        return self.pb.DoctorResponse(checks=[self.pb.Check(
-            name=c.name, status=c.status, detail=c.detail, fix=c.fix) for c in checks])
+        return self.pb.DoctorResponse(checks=[convert.check_to_pb(self.pb, c) for c in checks])
 
 
 
