@@ -96,3 +96,25 @@ def test_container_from_a_record_with_fields_missing():
 def test_check_round_trip():
     c = Check("driver", "ok", "fine", "nothing")
     assert convert.check_from_pb(convert.check_to_pb(pb, c)) == c
+
+
+def test_the_runtime_draft_takes_the_typed_answer(torpor_env):
+    """torpor-runtime's torpor.json draft from LockAndCheckpoint's typed answer: the processes
+    and the "agent" block as before, and the restore side reads the block back."""
+    from torpor import manifest, oci
+    from torpor.runtime.checkpoint import _draft
+    ck = Checkpointed(op_id="op", pids=(PID_,), timings={}, deadline=0.0,
+                      cuda_processes=(CudaProcess(pid=PID_, state="RUNNING", gpu_uuids=("GPU-a",),
+                                                  gpu_memory=7, gpu_memory_by_gpu={"GPU-a": 7}),),
+                      agents=(AgentData.from_moved(PID_, {**MOVED, "fingerprints": FP}),))
+    d = _draft("ctr", {}, oci.GpuUse(), ck, PID_, leave_running=False)
+    (p,) = d["processes"]
+    assert (p["pid"], p["gpus"], p["gpu_memory"], p["gpu_memory_by_gpu"], p["state"]) == \
+        (PID_, ["GPU-a"], 7, {"GPU-a": 7}, "RUNNING")
+    assert d["agent"] == {str(PID_): {**MOVED, "fingerprints": FP}}
+    assert d["sizes"]["gpu_memory"] == 7
+    (entry,) = manifest.agents(d).values()
+    assert AgentData.from_moved(PID_, entry) == ck.agents[0]
+
+
+PID_ = 4321
