@@ -175,6 +175,8 @@ def test_register_unregister_list_survive_restart(daemon):
                 c.register_container(bad, "/b")
         ids = [x.id for x in c.list().containers]
         assert ids == ["ctr-1.a_b", "ctr-2"]
+    from torpor.cli.ps import containers_by_pid    # `torpor ps` names a registered PID's container
+    assert containers_by_pid(daemon.cfg)[os.getpid()] == "ctr-2"
     cdir = daemon.cfg.state_dir / "containers"
     assert stat.S_IMODE(cdir.stat().st_mode) == 0o700
     assert stat.S_IMODE((cdir / "ctr-2.json").stat().st_mode) == 0o600
