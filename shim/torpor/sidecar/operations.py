@@ -31,6 +31,8 @@ RECOVERY_PERIOD_S = 30.0   # how often journal orphans (dead torpor commands) ar
 
 @dataclasses.dataclass
 class OpenOp:
+    """One checkpoint waiting for its dump: its journal operation, the PIDs it holds and when it
+    is rolled back by itself."""
     op: Operation
     pids: list[int]
     cuda_pids: list[int]
