@@ -152,12 +152,12 @@ def test_sidecar_lock_checkpoint_and_rollback(torpor, programs, monkeypatch):
     try:
         with Client(cfg) as c:
             ck = c.lock_and_checkpoint(pids=[prog.pid])
-            assert [p["pid"] for p in ck["cuda_processes"]] == [prog.pid]
+            assert [p.pid for p in ck.cuda_processes] == [prog.pid]
             assert prog.pid not in nvml_pids()
-            st = c.status(pids=[prog.pid])["processes"][0]
-            assert st["state"] == "CHECKPOINTED"
-            c.rollback(ck["op_id"])
-            assert c.status(pids=[prog.pid])["processes"][0]["state"] == "RUNNING"
+            st = c.status(pids=[prog.pid]).processes[0]
+            assert st.state == "CHECKPOINTED"
+            c.rollback(ck.op_id)
+            assert c.status(pids=[prog.pid]).processes[0].state == "RUNNING"
     finally:
         for daemon in sidecar_client._started:
             daemon.terminate()

@@ -1,5 +1,5 @@
 """`torpor checkpoint/restore/suspend/resume` of a program under an agent, with real CRIU and
-the fake GPU: the program is tests/unit/fake_agent.py's, a CUDA program of the fake driver
+the fake GPU: the program is tests/fakes/fake_agent.py's, a CUDA program of the fake driver
 serving the Python fake of the agent's socket. The agent's data files travel in the images
 directory through CRIU's dump and restore, the program's connections from torpor are closed
 before the dump, and the restored program gets every byte back through its (restored) socket.
@@ -21,7 +21,7 @@ from torpor.agent import AgentClient
 
 pytestmark = needs_criu
 ROOT = Path(__file__).resolve().parents[2]
-PROGRAM = ROOT / "tests" / "unit" / "fake_agent.py"
+PROGRAM = ROOT / "tests" / "fakes" / "fake_agent.py"
 
 
 class Program:

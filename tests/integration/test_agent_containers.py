@@ -1,6 +1,6 @@
 """A GPU container whose program runs under an agent, through podman (and containerd),
 torpor-runtime, torpord,
-runc and CRIU, with the fake GPU: the program is tests/unit/fake_agent.py's (a fake CUDA
+runc and CRIU, with the fake GPU: the program is tests/fakes/fake_agent.py's (a fake CUDA
 program serving the Python fake of the agent's socket in /run/torpor/agents, which
 torpor-runtime binds to the container's agent directory on the host, org.torpor.agent=on).
 
@@ -25,7 +25,7 @@ from torpor.agent import AgentClient
 import pytest
 
 pytestmark = [needs_criu, pytest.mark.criu]
-PROGRAM = Path(__file__).resolve().parents[2] / "tests" / "unit" / "fake_agent.py"
+PROGRAM = Path(__file__).resolve().parents[2] / "tests" / "fakes" / "fake_agent.py"
 
 
 def agent_workload(gpu, label: str, nbytes: int, events: Path):

@@ -204,8 +204,8 @@ def test_podman_export_import_same_gpu(podman, gpu, daemon, name, base, running)
     spec = json.loads((podman.bundle(name) / "config.json").read_text())
     assert [h["args"] for h in spec["hooks"]["createRuntime"]] == [
         ["torpor-hook", "createRuntime"]]
-    wait_for(lambda: any(c["id"].startswith(podman.inspect(name, "{{.Id}}"))
-                         for c in daemon.client().list()["containers"]), 10,
+    wait_for(lambda: any(c.id.startswith(podman.inspect(name, "{{.Id}}"))
+                         for c in daemon.client().list().containers), 10,
              "the hook registering the container")
     host_pid = w.host_pid()
     assert host_pid and host_pid == podman.pid(name)
@@ -357,7 +357,7 @@ def test_podman_dump_on_full_disk_rolls_back_and_container_runs(podman, gpu, dae
     assert "rolled back" in err.value.stderr, err.value.stderr
     assert podman.state(name) == "running"
     _assert_running_on(running, gpu.uuid(0))
-    assert daemon.client().list()["operations"] == []
+    assert daemon.client().list().operations == ()
     assert [c.call for c in gpu.calls() if c.call != "get_state"] == [
         "lock", "checkpoint", "restore", "unlock"]
 
@@ -389,7 +389,7 @@ def test_podman_sigkill_of_torpor_runtime_mid_checkpoint_container_recovers(
         if ck.poll() is None:
             ck.kill()
     assert ck.returncode != 0
-    wait_for(lambda: w_state(running) == RUNNING and not daemon.client().list()["operations"],
+    wait_for(lambda: w_state(running) == RUNNING and not daemon.client().list().operations,
              15, "torpord rolling the operation back")
     assert podman.state(name) == "running"
     _assert_running_on(running, gpu.uuid(0))

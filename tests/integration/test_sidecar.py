@@ -41,6 +41,7 @@ from torpor.errors import (BusyError, ExitCode, NotFoundError, RolledBackError, 
                            SidecarError, TorporError, UsageError)
 from torpor.sidecar import EXIT_CODE_KEY, error_from_rpc, grpc_status  # noqa: E402
 from torpor.sidecar.client import Client, ensure_running, ping  # noqa: E402
+from torpor.sidecar.convert import Checkpointed, CudaProcess  # noqa: E402
 from tests.integration.torpord import Daemon  # noqa: E402
 
 GIB = 1 << 30
@@ -167,13 +168,15 @@ def test_register_unregister_list_survive_restart(daemon):
     with daemon.client() as c:
         got = c.register_container("ctr-1.a_b", "/run/bundle/ctr-1", [], ["GPU-x"],
                                    {"io.kubernetes.pod.name": "p"})
-        assert got["id"] == "ctr-1.a_b" and got["pids"] == [] and got["registered_at"] > 0
+        assert got.id == "ctr-1.a_b" and got.pids == () and got.registered_at > 0
         c.register_container("ctr-2", "/b2", [os.getpid()])
         for bad in ("../x", "a/b", "..", "", "x" * 129, "a..b"):
             with pytest.raises(UsageError):
                 c.register_container(bad, "/b")
-        ids = [x["id"] for x in c.list()["containers"]]
+        ids = [x.id for x in c.list().containers]
         assert ids == ["ctr-1.a_b", "ctr-2"]
+    from torpor.cli.ps import containers_by_pid    # `torpor ps` names a registered PID's container
+    assert containers_by_pid(daemon.cfg)[os.getpid()] == "ctr-2"
     cdir = daemon.cfg.state_dir / "containers"
     assert stat.S_IMODE(cdir.stat().st_mode) == 0o700
     assert stat.S_IMODE((cdir / "ctr-2.json").stat().st_mode) == 0o600
@@ -182,14 +185,14 @@ def test_register_unregister_list_survive_restart(daemon):
     daemon.start()
     with daemon.client() as c:
         listing = c.list()
-        assert [x["id"] for x in listing["containers"]] == ["ctr-1.a_b", "ctr-2"]
-        assert listing["containers"][0]["annotations"] == {"io.kubernetes.pod.name": "p"}
+        assert [x.id for x in listing.containers] == ["ctr-1.a_b", "ctr-2"]
+        assert listing.containers[0].annotations == {"io.kubernetes.pod.name": "p"}
         assert c.unregister_container("ctr-1.a_b") is True
         with pytest.raises(NotFoundError) as e:
             c.unregister_container("ctr-1.a_b")
         assert e.value.exit_code == 3
         assert c.unregister_container("ctr-1.a_b", missing_ok=True) is False
-        assert [x["id"] for x in c.list()["containers"]] == ["ctr-2"]
+        assert [x.id for x in c.list().containers] == ["ctr-2"]
 
 
 # -- checkpoint -----------------------------------------------------------------------------------------
@@ -197,48 +200,48 @@ def test_register_unregister_list_survive_restart(daemon):
 def test_lock_checkpoint_then_rollback(daemon, gpu, prog):
     with daemon.client() as c:
         r = c.lock_and_checkpoint([prog.pid])
-        assert r["op_id"] and r["pids"] == [prog.pid]
-        assert r["cuda_processes"] == [{"pid": prog.pid, "state": "RUNNING",
-                                        "gpu_uuids": [gpu.uuid(0)], "gpu_memory": 2 * GIB,
-                                        "gpu_memory_by_gpu": {gpu.uuid(0): 2 * GIB}}]
-        assert set(r["timings"]) == {"lock", "checkpoint"}
+        assert r.op_id and r.pids == (prog.pid,)
+        assert r.cuda_processes == (CudaProcess(
+            pid=prog.pid, state="RUNNING", gpu_uuids=(gpu.uuid(0),), gpu_memory=2 * GIB,
+            gpu_memory_by_gpu={gpu.uuid(0): 2 * GIB}),)
+        assert set(r.timings) == {"lock", "checkpoint"}
         assert gpu.state(prog.pid)["state"] == CHECKPOINTED
         assert stalled(prog)
-        ops = c.list()["operations"]
-        assert [o["op_id"] for o in ops] == [r["op_id"]] and ops[0]["phase"] == "dump"
-        st = c.status(op_id=r["op_id"])
-        assert st["processes"][0]["state"] == "CHECKPOINTED"
-        assert st["processes"][0]["op_id"] == r["op_id"]
+        ops = c.list().operations
+        assert [o.op_id for o in ops] == [r.op_id] and ops[0].phase == "dump"
+        st = c.status(op_id=r.op_id)
+        assert st.processes[0].state == "CHECKPOINTED"
+        assert st.processes[0].op_id == r.op_id
         assert len(journal_entries(daemon)) == 1
 
-        rb = c.rollback(r["op_id"])
-        assert rb["outcome"] == "rolled-back" and rb["pids"] == [prog.pid] and rb["gone"] == []
+        rb = c.rollback(r.op_id)
+        assert rb.outcome == "rolled-back" and rb.pids == (prog.pid,) and rb.gone == ()
         assert running_again(gpu, prog)
-        st = c.status(pids=[prog.pid])["processes"][0]
-        assert st["state"] == "RUNNING" and st["gpu_uuids"] == [gpu.uuid(0)]  # RUNNING is 0
-        assert c.list()["operations"] == [] and journal_entries(daemon) == []
+        st = c.status(pids=[prog.pid]).processes[0]
+        assert st.state == "RUNNING" and st.gpu_uuids == (gpu.uuid(0),)  # RUNNING is 0
+        assert c.list().operations == () and journal_entries(daemon) == []
         with pytest.raises(NotFoundError):
-            c.rollback(r["op_id"])
+            c.rollback(r.op_id)
 
 
 def test_finish_after_dump(daemon, gpu, prog):
     with daemon.client() as c:
         c.register_container("ctr", "/b", [prog.pid])
         r = c.lock_and_checkpoint(container_id="ctr")
-        assert r["container_id"] == "ctr" and r["pids"] == [prog.pid]
+        assert r.container_id == "ctr" and r.pids == (prog.pid,)
         prog.kill()                                 # what the dump does
-        f = c.finish(r["op_id"])
-        assert f["outcome"] == "finished" and f["gone"] == [prog.pid] and f["resumed"] == []
-        assert c.list()["operations"] == [] and journal_entries(daemon) == []
+        f = c.finish(r.op_id)
+        assert f.outcome == "finished" and f.gone == (prog.pid,) and f.resumed == ()
+        assert c.list().operations == () and journal_entries(daemon) == []
         with pytest.raises(NotFoundError):
-            c.finish(r["op_id"])
+            c.finish(r.op_id)
 
 
 def test_finish_with_live_processes_resumes_them(daemon, gpu, prog):
     with daemon.client() as c:
         r = c.lock_and_checkpoint([prog.pid])
-        f = c.finish(r["op_id"])
-        assert f["resumed"] == [prog.pid]
+        f = c.finish(r.op_id)
+        assert f.resumed == (prog.pid,)
         assert running_again(gpu, prog)
 
 
@@ -246,11 +249,11 @@ def test_restore_and_unlock_leave_running(daemon, gpu, prog):
     with daemon.client() as c:
         r = c.lock_and_checkpoint([prog.pid], lock_timeout_s=5)
         assert gpu.state(prog.pid)["state"] == CHECKPOINTED
-        out = c.restore_and_unlock(op_id=r["op_id"])
-        assert out["op_id"] == r["op_id"] and out["pids"] == [prog.pid]
-        assert set(out["timings"]) == {"gpu-restore", "unlock"}
+        out = c.restore_and_unlock(op_id=r.op_id)
+        assert out.op_id == r.op_id and out.pids == (prog.pid,)
+        assert set(out.timings) == {"gpu-restore", "unlock"}
         assert running_again(gpu, prog)
-        assert c.list()["operations"] == []
+        assert c.list().operations == ()
 
 
 def test_restore_and_unlock_restored_container_with_gpu_map(daemon, gpu, prog):
@@ -259,7 +262,7 @@ def test_restore_and_unlock_restored_container_with_gpu_map(daemon, gpu, prog):
     with daemon.client() as c:
         c.register_container("restored", "/b", [prog.pid])
         out = c.restore_and_unlock(container_id="restored", gpu_map={gpu.uuid(0): gpu.uuid(1)})
-        assert out["pids"] == [prog.pid] and out["gpu_map"] == {gpu.uuid(0): gpu.uuid(1)}
+        assert out.pids == (prog.pid,) and out.gpu_map == {gpu.uuid(0): gpu.uuid(1)}
         assert running_again(gpu, prog)
         st = gpu.state(prog.pid)
         assert st["gpu"] == gpu.uuid(1) and st["restored_pairs"] == [(gpu.uuid(0), gpu.uuid(1))]
@@ -282,7 +285,7 @@ def test_second_lock_on_same_pids_is_aborted_with_exit_code_6(daemon, gpu, prog)
         assert dict(raw.value.trailing_metadata())[EXIT_CODE_KEY] == "6"
         assert "busy" in raw.value.details()
         assert gpu.state(prog.pid)["state"] == CHECKPOINTED   # the first op is untouched
-        c.rollback(r["op_id"])
+        c.rollback(r.op_id)
         assert running_again(gpu, prog)
 
 
@@ -301,11 +304,11 @@ def test_concurrent_lock_requests_exactly_one_wins(daemon, gpu, prog):
         t.start()
     for t in threads:
         t.join(30)
-    won = [r for r in results if isinstance(r, dict)]
+    won = [r for r in results if isinstance(r, Checkpointed)]
     lost = [r for r in results if isinstance(r, TorporError)]
     assert len(won) == 1 and len(lost) == 1 and isinstance(lost[0], BusyError), results
     with daemon.client() as c:
-        c.rollback(won[0]["op_id"])
+        c.rollback(won[0].op_id)
     assert running_again(gpu, prog)
 
 
@@ -313,12 +316,12 @@ def test_open_operation_times_out_and_is_rolled_back(make_daemon, gpu, prog):
     d = make_daemon().start(op_timeout=1)
     with d.client() as c:
         r = c.lock_and_checkpoint([prog.pid])
-        assert r["deadline"] - time.time() < 1.5
+        assert r.deadline - time.time() < 1.5
         assert gpu.state(prog.pid)["state"] == CHECKPOINTED
         assert running_again(gpu, prog, timeout=10)
-        assert c.list()["operations"] == []
+        assert c.list().operations == ()
         with pytest.raises(NotFoundError):
-            c.finish(r["op_id"])
+            c.finish(r.op_id)
     assert "not ended within" in d.log_text()
     assert journal_entries(d) == []
 
@@ -342,11 +345,11 @@ def test_operation_of_a_dead_caller_is_rolled_back_at_once(daemon, gpu, prog):
             owner.wait()
             time.sleep(2.5)
             assert gpu.state(prog.pid)["state"] == CHECKPOINTED  # traced: left alone
-            assert [o["op_id"] for o in c.list()["operations"]] == [r["op_id"]]
+            assert [o.op_id for o in c.list().operations] == [r.op_id]
             tracer.kill()
             tracer.wait()
             assert running_again(gpu, prog, timeout=5)
-            assert c.list()["operations"] == [] and journal_entries(daemon) == []
+            assert c.list().operations == () and journal_entries(daemon) == []
         assert "died without ending it" in daemon.log_text()
     finally:
         for p in (owner, tracer):
@@ -411,7 +414,7 @@ def test_sigkill_mid_checkpoint_then_new_torpord_recovers(daemon, gpu, prog):
     assert f"recovered {prog.pid}" in daemon.log_text()
     assert journal_entries(daemon) == []
     with daemon.client() as c:                        # and the PID is free for a new op
-        c.rollback(c.lock_and_checkpoint([prog.pid])["op_id"])
+        c.rollback(c.lock_and_checkpoint([prog.pid]).op_id)
     assert running_again(gpu, prog)
 
 
@@ -452,12 +455,12 @@ def test_startup_recovery_failure_is_logged_not_fatal(make_daemon, base, tmp_pat
     d.env["PYTHONPATH"] = os.pathsep.join([str(hooks), d.env["PYTHONPATH"]])
     d.start()
     with d.client() as c:
-        assert c.list()["server_pid"] == d.proc.pid
+        assert c.list().server_pid == d.proc.pid
     assert "recovery exploded" in d.log_text()
 
 
 def test_second_torpord_on_same_run_dir_refuses(daemon):
-    p = subprocess.run([sys.executable, "-m", "torpor.sidecar.server", "--foreground"],
+    p = subprocess.run([sys.executable, "-m", "torpor.sidecar.daemon", "--foreground"],
                        env=daemon.env, capture_output=True, text=True, timeout=30)
     assert p.returncode == ExitCode.SIDECAR and "already running" in p.stderr
     assert ping(daemon.cfg).status == "ok"
@@ -536,7 +539,7 @@ def test_peer_credentials_non_root_refused_root_and_owner_served(make_daemon, ba
     assert _connect_as(NOBODY, sock) == "refused"
     assert _connect_as(OWNER, sock) == "served"
     with d.client() as c:
-        assert c.list()["server_pid"] == d.proc.pid       # root is served meanwhile
+        assert c.list().server_pid == d.proc.pid       # root is served meanwhile
     log = d.log_text()
     assert f"uid {NOBODY}" in log and "refused connection from pid" in log
     assert not [ln for ln in log.splitlines() if "refused connection" in ln and f"uid {OWNER} " in ln]
@@ -564,7 +567,7 @@ def test_ensure_running_starts_torpord(base, gpu, monkeypatch):
     try:
         assert check.status == "ok"
         with d.client() as c:
-            pid = c.list()["server_pid"]
+            pid = c.list().server_pid
         assert ensure_running(d.cfg).detail == check.detail          # no second one
         assert "listening on" in (d.cfg.state_dir / "torpord.log").read_text()
     finally:
@@ -601,7 +604,7 @@ class FakeContext:
 
 @pytest.fixture
 def service(base, gpu, monkeypatch):
-    from torpor.sidecar.server import Service
+    from torpor.sidecar.service import Service
     env = {"TORPOR_STATE_DIR": str(base / "state"), "TORPOR_RUN_DIR": str(base / "run"),
            "TORPOR_CONFIG": str(base / "none.toml"), **gpu.env()}
     for k, v in env.items():
@@ -638,7 +641,7 @@ def test_failure_after_checkpoint_rolls_back_at_once(service, gpu, prog, monkeyp
     assert e.value.md[EXIT_CODE_KEY] == str(int(ExitCode.ROLLED_BACK)), e.value
     assert "No space left" in e.value.details
     assert gpu.state(prog.pid)["state"] == RUNNING
-    assert svc.open_ops() == [] and _journal(svc) == []
+    assert svc.ops.open_ops() == [] and _journal(svc) == []
     monkeypatch.setattr(Operation, "phase", real_phase)
     assert running_again(gpu, prog)
 
@@ -651,14 +654,14 @@ def test_operation_deadline_ignores_wall_clock_steps(service, gpu, prog, monkeyp
     assert r.deadline - time.time() < 1.5             # still wall clock for clients
     real_time = time.time
     monkeypatch.setattr(time, "time", lambda: real_time() + 3600)    # a step forward
-    svc.start_reaper()
+    svc.ops.start_reaper()
     time.sleep(0.5)
-    assert [o.id for o in svc.open_ops()] == [r.op_id]
+    assert [o.id for o in svc.ops.open_ops()] == [r.op_id]
     assert gpu.state(prog.pid)["state"] == CHECKPOINTED
     monkeypatch.setattr(time, "time", lambda: real_time() - 3600)    # a step back
     deadline = time.monotonic() + 5
-    while (svc.open_ops() or _journal(svc)) and time.monotonic() < deadline:
+    while (svc.ops.open_ops() or _journal(svc)) and time.monotonic() < deadline:
         time.sleep(0.05)                              # the reaper takes it, then rolls back
-    assert svc.open_ops() == [] and _journal(svc) == []
+    assert svc.ops.open_ops() == [] and _journal(svc) == []
     monkeypatch.setattr(time, "time", real_time)
     assert running_again(gpu, prog)

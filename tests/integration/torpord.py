@@ -39,7 +39,7 @@ class Daemon:
     def start(self, *args: str, op_timeout: float = 600) -> "Daemon":
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "torpor.sidecar.server", "--foreground",
+                [sys.executable, "-m", "torpor.sidecar.daemon", "--foreground",
                  "--log-level", "debug", "--op-timeout", str(op_timeout), *args],
                 env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                 start_new_session=True)

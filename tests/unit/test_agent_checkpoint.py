@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from tests.unit.fake_agent import Events, FakeAgent, FakeDriver
+from tests.fakes.fake_agent import Events, FakeAgent, FakeDriver
 from torpor import bulk, criu, engine as engine_mod, gpus, manifest, process, procs
 from torpor.engine import Engine
 from torpor.errors import CriuError, RolledBackError, TorporError, UsageError
@@ -502,7 +502,7 @@ def test_recovery_after_a_torpor_killed_mid_checkpoint(world, tmp_path, in_proc)
     code = textwrap.dedent(f"""
         import dataclasses, os, signal
         from pathlib import Path
-        from tests.unit.fake_agent import Events, FakeDriver
+        from tests.fakes.fake_agent import Events, FakeDriver
         from torpor import config, engine, gpus, process
         from torpor.errors import NoDriverError
         drv = FakeDriver(Events(), [{PID}])
@@ -554,7 +554,7 @@ class Ctx:
 @pytest.fixture
 def torpord(world, monkeypatch):
     from torpor.agent import container_dir
-    from torpor.sidecar.server import Service
+    from torpor.sidecar.service import Service
     cdir = container_dir(world.cfg.run_dir, "ctr1")
     cdir.mkdir(parents=True, mode=0o700)
     world.agent.stop()
@@ -586,7 +586,7 @@ def test_torpord_checkpoint_rollback_and_restore_of_a_container(world, torpord):
 
     ck = torpord.LockAndCheckpoint(req, Ctx())                       # again; this dump works
     agents = list(ck.agents)
-    torpord._take(ck.op_id).op.close()     # the container is gone; restored: CHECKPOINTED
+    torpord.ops.take(ck.op_id).op.close()     # the container is gone; restored: CHECKPOINTED
     world.log()
     r = torpord.RestoreAndUnlock(pb.RestoreAndUnlockRequest(
         pids=[PID], no_descendants=True, gpu_data_dir=str(data), agents=agents,

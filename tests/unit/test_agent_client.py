@@ -1,5 +1,5 @@
 """torpor's side of the agent protocol (torpor.agent.AgentClient) against the Python fake agent
-(tests/unit/fake_agent.py), the data files (torpor.bulk) and the manifest's "agent" entries."""
+(tests/fakes/fake_agent.py), the data files (torpor.bulk) and the manifest's "agent" entries."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.fake_agent import FakeAgent
+from tests.fakes.fake_agent import FakeAgent
 from torpor import agent, bulk, manifest, procs
 from torpor.agent import AgentClient, AgentError, NoAgentError
 from torpor.errors import CorruptCheckpointError, UsageError
@@ -138,7 +138,7 @@ def test_a_stale_socket_is_no_agent(agents_dir):
 def test_the_socket_of_another_live_process_is_refused(agents_dir, tmp_path):
     """A program in another pid namespace may have our program's nspid: the process listening
     on the socket must be the one we mean."""
-    other = subprocess.Popen([sys.executable, str(ROOT / "tests" / "unit" / "fake_agent.py"),
+    other = subprocess.Popen([sys.executable, str(ROOT / "tests" / "fakes" / "fake_agent.py"),
                               str(agents_dir), str(tmp_path / "events")],
                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     try:

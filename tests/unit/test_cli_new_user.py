@@ -75,7 +75,7 @@ def test_a_non_root_user_is_told_what_is_needed(root_only_state, command):
 
 @needs_root
 def test_torpord_as_non_root_prints_one_line(root_only_state, tmp_path):
-    proc = _as_nobody(["-m", "torpor.sidecar.server", "--foreground",
+    proc = _as_nobody(["-m", "torpor.sidecar.daemon", "--foreground",
                        "--socket", str(tmp_path / "s.sock")], root_only_state)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [

@@ -27,14 +27,14 @@ def containers_by_pid(cfg: Config) -> dict[int, str]:
     from ..sidecar.client import Client
     try:
         with Client(cfg, timeout=3) as c:
-            registered = c.list()["containers"]
+            registered = c.list().containers
     except TorporError:
         return {}
     out: dict[int, str] = {}
     for ctr in registered:
-        for root in ctr["pids"]:
+        for root in ctr.pids:
             for pid in procs.tree(root) if procs.alive(root) else []:
-                out[pid] = ctr["id"]
+                out[pid] = ctr.id
     return out
 
 

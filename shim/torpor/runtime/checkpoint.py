@@ -34,6 +34,7 @@ from ..errors import NoDriverError, TorporError, UsageError
 from ..files import private_dir
 from ..journal import Journal
 from ..sidecar.client import Client, ensure_running
+from ..sidecar.convert import Checkpointed
 from ..store import Store, fingerprints
 from ..store import images as store_images
 from .argv import Invocation
@@ -110,12 +111,12 @@ def _checkpoint(cfg: Config, runtime: Runtime, cid: str, spec: dict[str, Any],
             ck = c.lock_and_checkpoint(pids=[pid], owner_pid=os.getpid(),
                                        gpu_data_dir=data.root, agent_container_id=cid,
                                        fingerprints=fps)
-        op_id = ck["op_id"]
-        timings.update(ck["timings"])
+        op_id = ck.op_id
+        timings.update(ck.timings)
         log.info("checkpoint %s: %s locked and checkpointed %s in %.2f s%s", cid, op_id,
-                 [p["pid"] for p in ck["cuda_processes"]], time.monotonic() - t0,
-                 "".join(f"; agent of {a['pid']} moved {a['bytes']} bytes in {a['seconds']:.2f} s"
-                         for a in ck["agents"]))
+                 [p.pid for p in ck.cuda_processes], time.monotonic() - t0,
+                 "".join(f"; agent of {a.pid} moved {a.bytes} bytes in {a.seconds:.2f} s"
+                         for a in ck.agents))
         try:
             manifest.write_draft(images, _draft(cid, spec, use, ck, pid, leave_running))
         except BaseException:
@@ -142,7 +143,7 @@ def _checkpoint(cfg: Config, runtime: Runtime, cid: str, spec: dict[str, Any],
                 out = c.restore_and_unlock(op_id=op_id)
             else:
                 out = c.finish(op_id)
-        timings.update(out["timings"])
+        timings.update(out.timings)
         timings["finish"] = time.monotonic() - t
     try:
         # into the store: its sha256 names every chunk, and a pack that fails adds them
@@ -155,7 +156,7 @@ def _checkpoint(cfg: Config, runtime: Runtime, cid: str, spec: dict[str, Any],
               "work without checksums", file=sys.stderr)
         return 0
     log.info("checkpoint %s: done in %.2f s, %d CUDA process(es), %d bytes of images", cid,
-             time.monotonic() - t0, len(ck["cuda_processes"]), m["sizes"]["total"])
+             time.monotonic() - t0, len(ck.cuda_processes), m["sizes"]["total"])
     if store is not None:
         _store(cfg, store, images, cid)
     return 0
@@ -205,22 +206,22 @@ class _Thaw:
             log.error("checkpoint %s: could not pause it again: %s", self.cid, e)
 
 
-def _draft(cid: str, spec: dict[str, Any], use: oci.GpuUse, ck: dict[str, Any], pid: int,
+def _draft(cid: str, spec: dict[str, Any], use: oci.GpuUse, ck: Checkpointed, pid: int,
            leave_running: bool) -> dict[str, Any]:
     """torpor.json without its file table (manifest.seal adds it)."""
     try:
         inv: gpus.Inventory | None = gpus.discover()
     except NoDriverError:
         inv = None
-    cuda = ck["cuda_processes"]
-    used = set(use.uuids(inv)) | {u for p in cuda for u in p["gpu_uuids"]}
+    cuda = ck.cuda_processes
+    used = set(use.uuids(inv)) | {u for p in cuda for u in p.gpu_uuids}
     gpu_list = [{"uuid": g.uuid, "name": g.name, "memory_total": g.memory_total,
                  "index": g.index, "minor": g.minor}
                 for g in (inv.gpus if inv else []) if g.uuid in used]
-    processes = [{"pid": p["pid"], "comm": _comm(p["pid"]), "cuda": True, "gpus": p["gpu_uuids"],
-                  "gpu_memory": int(p["gpu_memory"]),
-                  "gpu_memory_by_gpu": {u: int(n) for u, n in p["gpu_memory_by_gpu"].items()},
-                  "state": p["state"]} for p in cuda]
+    processes = [{"pid": p.pid, "comm": _comm(p.pid), "cuda": True, "gpus": list(p.gpu_uuids),
+                  "gpu_memory": int(p.gpu_memory),
+                  "gpu_memory_by_gpu": {u: int(n) for u, n in p.gpu_memory_by_gpu.items()},
+                  "state": p.state} for p in cuda]
     draft = {
         "schema": manifest.SCHEMA, "kind": "torpor-checkpoint",
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -234,14 +235,8 @@ def _draft(cid: str, spec: dict[str, Any], use: oci.GpuUse, ck: dict[str, Any], 
         "container": {"id": cid, "minors": use.minors, "visible": use.visible, "cdi": use.cdi,
                       "agent": oci.has_agent(spec)},
     }
-    if ck["agents"]:
-        draft["agent"] = {str(a["pid"]): {
-            **{k: a[k] for k in ("nspid", "bytes", "chunks", "allocations", "cache_released",
-                                 "seconds", "files")},
-            **({"fingerprints": {"parts": a["fingerprinted"], "skipped": a["skipped"],
-                                 "skipped_bytes": a["skipped_bytes"]}}
-               if a.get("fingerprinted") else {})}
-            for a in ck["agents"]}
+    if ck.agents:
+        draft["agent"] = {str(a.pid): a.to_manifest() for a in ck.agents}
     return draft
 
 

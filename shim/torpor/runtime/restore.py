@@ -29,6 +29,7 @@ from .. import agent, bulk, gpus, manifest, oci, placement
 from ..config import Config
 from ..errors import NoDriverError, PreflightError, TorporError
 from ..sidecar.client import Client, ensure_running
+from ..sidecar.convert import AgentData
 from ..store import Store
 from ..store import images as store_images
 from .argv import Invocation
@@ -75,7 +76,7 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
               "checkpoint could not finish it): image files not verified", file=sys.stderr)
     _repoint_agent(cfg, bundle, cid, bool((m.get("container") or {}).get("agent")))
     cuda = [p for p in m["processes"] if p["cuda"]]
-    moved = [{"pid": p, "nspid": e["nspid"], "files": e["files"]}
+    moved = [AgentData(pid=p, nspid=e["nspid"], files=tuple(e["files"]))   # checked there
              for p, e in manifest.agents(m).items()]
     gpu_map: dict[str, str] = {}
     moves: list[oci.Move] = []
@@ -110,7 +111,7 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
         raise TorporError(f"GPU restore of container {cid} failed: {e.line()}; the restored "
                           f"container was stopped, the checkpoint in {images} is unchanged") from e
     log.info("restore %s: host PID %d, CUDA PIDs %s restored and unlocked in %.2f s", cid, pid,
-             out["pids"], time.monotonic() - t)
+             list(out.pids), time.monotonic() - t)
     return 0 if detached else proc.wait()
 
 

@@ -1,8 +1,13 @@
 """torpord, the sidecar: a gRPC server on a Unix socket that owns the engine for containers.
 
-server.py   the `torpord` daemon (gRPC service, open operations, op timeout, recovery)
-peercred.py the public socket: SO_PEERCRED check, then a byte splice to the private gRPC socket
-client.py   Client(cfg) for the OCI shim and the CLI; ping() for `torpor doctor`
+daemon.py     the `torpord` daemon: argv, sockets, signals, logging, single instance
+service.py    the gRPC face: the handlers of the Torpor service and its servicer
+operations.py the operation table: open operations, op timeout, reaper, shutdown rollback
+containers.py the container registry: one record per registered container
+request_args.py what the handlers make of a request's PIDs and paths, and their checks
+convert.py    protobuf messages <-> typed values (frozen dataclasses), both directions
+peercred.py   the public socket: SO_PEERCRED check, then a byte splice to the private gRPC socket
+client.py     Client(cfg) for the OCI shim and the CLI; ping() for `torpor doctor`
 
 This module holds what both ends share: the generated modules, and how a TorporError travels
 as a gRPC status.

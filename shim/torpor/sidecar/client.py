@@ -5,12 +5,12 @@
         try:
             run_runc_checkpoint(...)
         except Exception:
-            c.rollback(ck["op_id"])                           # program RUNNING again
+            c.rollback(ck.op_id)                              # program RUNNING again
             raise
-        c.finish(ck["op_id"])                                 # or c.restore_and_unlock(op_id=...)
+        c.finish(ck.op_id)                                    # or c.restore_and_unlock(op_id=...)
 
-Every method returns plain dicts (the response messages, field names as in torpor.proto,
-maps as dicts, repeated fields as lists) and raises the TorporError subclass torpord raised,
+Every method returns the typed values of convert.py (frozen dataclasses with the response
+messages' field names, repeated fields as tuples, maps as dicts) and raises the TorporError subclass torpord raised,
 rebuilt from the `torpor-exit-code` trailer; SidecarError when torpord cannot be reached.
 """
 
@@ -30,35 +30,10 @@ from ..doctor import OK, WARN, Check, torpord_hint
 from ..errors import SidecarError, TorporError
 from ..files import private_dir
 from . import error_from_rpc, proto
+from .convert import (AgentData, Checkpointed, Container, Listing, OperationResult, Restored,
+                      Status, check_from_pb, from_pb, to_pb)
 
 
-
-
-def to_dict(msg: Any) -> dict[str, Any]:
-    """A message as a plain dict: every field (defaults included), maps as dicts."""
-    out: dict[str, Any] = {}
-    for field in msg.DESCRIPTOR.fields:
-        value = getattr(msg, field.name)
-        mt = field.message_type
-        if mt is not None and mt.GetOptions().map_entry:
-            vt = mt.fields_by_name["value"].message_type
-            out[field.name] = {k: (to_dict(v) if vt else v) for k, v in value.items()}
-        elif _repeated(field):
-            out[field.name] = [to_dict(v) if mt else v for v in value]
-        elif mt is not None:
-            out[field.name] = to_dict(value) if msg.HasField(field.name) else None
-        elif field.has_presence and not msg.HasField(field.name):
-            out[field.name] = None
-        else:
-            out[field.name] = value
-    return out
-
-
-def _repeated(field: Any) -> bool:
-    flag = getattr(field, "is_repeated", None)
-    if flag is not None:
-        return bool(flag)
-    return field.label == field.LABEL_REPEATED  # protobuf < 5.28
 
 
 FINGERPRINTS = {"": 0, "index": 1, "skip": 2}   # LockAndCheckpointRequest.fingerprints
@@ -98,11 +73,11 @@ class Client:
     # -- containers ---------------------------------------------------------------------------
     def register_container(self, container_id: str, bundle: str | os.PathLike = "",
                            pids: Iterable[int] = (), gpu_uuids: Iterable[str] = (),
-                           annotations: Mapping[str, str] | None = None) -> dict[str, Any]:
+                           annotations: Mapping[str, str] | None = None) -> Container:
         req = self.pb.RegisterContainerRequest(id=container_id, bundle=str(bundle),
                                                pids=list(pids), gpu_uuids=list(gpu_uuids),
                                                annotations=dict(annotations or {}))
-        return to_dict(self._call("RegisterContainer", req))
+        return from_pb(Container, self._call("RegisterContainer", req))
 
     def unregister_container(self, container_id: str, missing_ok: bool = False) -> bool:
         req = self.pb.UnregisterContainerRequest(id=container_id, missing_ok=missing_ok)
@@ -113,7 +88,7 @@ class Client:
                             lock_timeout_s: float | None = None, descendants: bool = True,
                             owner_pid: int = 0, gpu_data_dir: str | os.PathLike = "",
                             agent_container_id: str = "", fingerprints: str = "",
-                            timeout: float | None = None) -> dict[str, Any]:
+                            timeout: float | None = None) -> Checkpointed:
         """Lock and checkpoint the CUDA processes among pids (and their descendants) or the
         container's; the operation stays open: end it with finish/rollback/restore_and_unlock.
         owner_pid: torpord rolls the operation back should that process die before ending it.
@@ -121,10 +96,8 @@ class Client:
         (their sockets in agent_container_id's agent directory). fingerprints: "skip" (the
         agents skip what torpord's image store holds; hold its lock until the pack) or "index"
         (fingerprinted only: the program is left running), "" none.
-        Returns {op_id, pids, cuda_processes: [{pid, state, gpu_uuids, gpu_memory,
-        gpu_memory_by_gpu}], timings,
-        deadline, container_id, agents: [{pid, nspid, files, bytes, chunks, allocations,
-        cache_released, seconds}]}."""
+        Returns the open operation: op_id, pids, cuda_processes, timings, deadline,
+        container_id and what each agent moved (agents)."""
         req = self.pb.LockAndCheckpointRequest(pids=list(pids), container_id=container_id,
                                                no_descendants=not descendants, owner_pid=owner_pid,
                                                gpu_data_dir=str(gpu_data_dir),
@@ -132,55 +105,55 @@ class Client:
                                                fingerprints=FINGERPRINTS[fingerprints])
         if lock_timeout_s is not None:
             req.lock_timeout_s = lock_timeout_s
-        return to_dict(self._call("LockAndCheckpoint", req, timeout))
+        return from_pb(Checkpointed, self._call("LockAndCheckpoint", req, timeout))
 
-    def finish(self, op_id: str, timeout: float | None = None) -> dict[str, Any]:
-        """The dump succeeded: close the operation. {op_id, kind, pids, outcome, timings,
-        gone, resumed}."""
-        return to_dict(self._call("Finish", self.pb.OperationRequest(op_id=op_id), timeout))
+    def finish(self, op_id: str, timeout: float | None = None) -> OperationResult:
+        """The dump succeeded: close the operation."""
+        return from_pb(OperationResult,
+                       self._call("Finish", self.pb.OperationRequest(op_id=op_id), timeout))
 
-    def rollback(self, op_id: str, timeout: float | None = None) -> dict[str, Any]:
+    def rollback(self, op_id: str, timeout: float | None = None) -> OperationResult:
         """The dump failed: bring the live CUDA processes back to RUNNING, close the op."""
-        return to_dict(self._call("Rollback", self.pb.OperationRequest(op_id=op_id), timeout))
+        return from_pb(OperationResult,
+                       self._call("Rollback", self.pb.OperationRequest(op_id=op_id), timeout))
 
     # -- restore --------------------------------------------------------------------------------
     def restore_and_unlock(self, op_id: str = "", pids: Iterable[int] = (),
                            container_id: str = "", gpu_map: Mapping[str, str] | None = None, *,
                            descendants: bool = True, gpu_data_dir: str | os.PathLike = "",
-                           agents: Iterable[Mapping[str, Any]] = (),
+                           agents: Iterable[AgentData] = (),
                            agent_container_id: str = "",
                            gpu_data_packed: str | os.PathLike = "",
-                           timeout: float | None = None) -> dict[str, Any]:
+                           timeout: float | None = None) -> Restored:
         """op_id: end an open checkpoint by giving the (still running) processes their GPU
         state back (--leave-running). pids/container_id: a restored container's new host PIDs
         (CHECKPOINTED in the driver) get their GPU state (on gpu_map's GPUs) and run; agents
-        ({pid, nspid, files} as lock_and_checkpoint returned them) their memory back from
+        (as lock_and_checkpoint returned them) their memory back from
         gpu_data_dir through their agent (in agent_container_id's agent directory), or, given
         gpu_data_packed (the packed checkpoint directory), from the image store.
-        Returns {op_id, pids (the CUDA PIDs restored), timings, gpu_map,
-        agents: [{pid, bytes, seconds}]}."""
+        Returns op_id, pids (the CUDA PIDs restored), timings, gpu_map and each agent's
+        resume (agents)."""
         req = self.pb.RestoreAndUnlockRequest(
             op_id=op_id, pids=list(pids), container_id=container_id, gpu_map=dict(gpu_map or {}),
             no_descendants=not descendants, gpu_data_dir=str(gpu_data_dir),
-            agents=[self.pb.AgentData(pid=int(a["pid"]), nspid=int(a["nspid"]),
-                                      files=[int(n) for n in a["files"]]) for a in agents],
+            agents=[to_pb(self.pb, a) for a in agents],
             agent_container_id=agent_container_id, gpu_data_packed=str(gpu_data_packed))
-        return to_dict(self._call("RestoreAndUnlock", req, timeout))
+        return from_pb(Restored, self._call("RestoreAndUnlock", req, timeout))
 
     # -- inspection -------------------------------------------------------------------------------
     def status(self, op_id: str = "", pids: Iterable[int] = (),
-               container_id: str = "") -> dict[str, Any]:
-        """{processes: [{pid, alive, cuda, state, op_id, gpu_uuids, gpu_memory}], operation}."""
+               container_id: str = "") -> Status:
+        """Each process's state (processes) and, asked by op_id, the operation's."""
         req = self.pb.StatusRequest(op_id=op_id, pids=list(pids), container_id=container_id)
-        return to_dict(self._call("Status", req))
+        return from_pb(Status, self._call("Status", req))
 
-    def list(self, timeout: float | None = None) -> dict[str, Any]:
-        """{version, server_pid, containers, operations, gpu_processes, gpu_error, op_timeout_s}."""
-        return to_dict(self._call("List", self.pb.ListRequest(), timeout))
+    def list(self, timeout: float | None = None) -> Listing:
+        """torpord's version and PID, containers, open operations and GPU processes."""
+        return from_pb(Listing, self._call("List", self.pb.ListRequest(), timeout))
 
     def doctor(self, timeout: float | None = None) -> list[Check]:
         resp = self._call("Doctor", self.pb.DoctorRequest(), timeout)
-        return [Check(c.name, c.status, c.detail, c.fix) for c in resp.checks]
+        return [check_from_pb(c) for c in resp.checks]
 
 
 def ping(cfg: Config, socket_path: Path | str | None = None, timeout: float = 3.0) -> Check:
@@ -196,9 +169,9 @@ def ping(cfg: Config, socket_path: Path | str | None = None, timeout: float = 3.
         return Check("torpord", WARN, f"not running or not answering at {path}: {e}",
                      torpord_hint("restart") + "; torpord answers root and socket_owner_uid only")
     return Check("torpord", OK,
-                 f"torpord {info['version']} (pid {info['server_pid']}) on {path}: "
-                 f"{len(info['containers'])} container(s), "
-                 f"{len(info['operations'])} open operation(s)")
+                 f"torpord {info.version} (pid {info.server_pid}) on {path}: "
+                 f"{len(info.containers)} container(s), "
+                 f"{len(info.operations)} open operation(s)")
 
 
 _started: list[subprocess.Popen] = []
@@ -213,7 +186,7 @@ def ensure_running(cfg: Config, socket_path: Path | str | None = None, wait_s: f
         return check
     state = private_dir(cfg.state_dir)
     log_path = state / "torpord.log"
-    cmd = [sys.executable, "-m", "torpor.sidecar.server", "--foreground", *extra_args]
+    cmd = [sys.executable, "-m", "torpor.sidecar.daemon", "--foreground", *extra_args]
     if socket_path:
         cmd += ["--socket", str(socket_path)]
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)

@@ -1,0 +1,369 @@
+"""torpord's service in-process, over a fake engine: no daemon, no socket, no driver.
+
+The handlers are called as gRPC would call them (request message, context); the engine they
+make is FakeEngine, which keeps each PID's driver state in a dict and records its calls. Covers
+the container registry, the operation table (timeouts, the reaper, the caller's death, shutdown
+rollback, a rollback that fails) and the refusals of bad requests.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import grpc
+import pytest
+
+from torpor.driver import ProcessState
+from torpor.errors import ExitCode, RolledBackError
+from torpor.progress import Progress
+from torpor.sidecar import EXIT_CODE_KEY
+from torpor.sidecar.service import Service
+
+PID = os.getpid()          # alive; its state is the fake engine's
+
+
+class Aborted(Exception):
+    def __init__(self, status: grpc.StatusCode, details: str, md: Any):
+        super().__init__(f"{status}: {details}")
+        self.status, self.details, self.md = status, details, dict(md or [])
+
+    @property
+    def exit_code(self) -> int:
+        return int(self.md[EXIT_CODE_KEY])
+
+
+class Ctx:
+    md: Any = None
+
+    def set_trailing_metadata(self, md: Any) -> None:
+        self.md = md
+
+    def abort(self, status: grpc.StatusCode, details: str) -> None:
+        raise Aborted(status, details, self.md)
+
+
+class FakeOp:
+    """A journal operation: what the handlers and the table read and call."""
+
+    def __init__(self, world: "World", kind: str, pids: list[int]):
+        self.world = world
+        world.seq += 1
+        self.entry = SimpleNamespace(id=f"op-{world.seq}", kind=kind, pids=pids, phase="start",
+                                     agents={}, started=time.time(), data_root="")
+        self.ended = ""
+
+    def phase(self, name: str, **kw: Any) -> None:
+        self.entry.phase = name
+
+    def close(self) -> None:
+        self.ended = "closed"
+
+    def release(self) -> None:
+        self.ended = "released"
+
+    def abandon(self) -> None:
+        self.ended = self.ended or "abandoned"
+
+
+class FakeEngine:
+    def __init__(self, world: "World"):
+        self.world = world
+        self.progress = Progress(stream=None)
+        self.driver = SimpleNamespace(unlock=lambda p: world.set(p, ProcessState.RUNNING))
+
+    def begin(self, kind: str, pids: list[int]) -> FakeOp:
+        self.world.ops.append(FakeOp(self.world, kind, pids))
+        return self.world.ops[-1]
+
+    def cuda_states(self, pids: Any) -> dict[int, ProcessState]:
+        return {p: self.world.states[p] for p in pids if p in self.world.states}
+
+    def lock_and_checkpoint(self, op: FakeOp, pids: list[int], data: Any, agent_dir: Any,
+                            **kw: Any) -> dict[int, dict[str, Any]]:
+        self.world.calls.append(("lock_and_checkpoint", tuple(pids)))
+        for p in pids:
+            self.world.set(p, ProcessState.CHECKPOINTED)
+        return self.world.moved
+
+    def rollback(self, pids: Any, gpu_map: Any = None, agents: Any = None) -> list[str]:
+        self.world.calls.append(("rollback", tuple(pids)))
+        if self.world.rollback_problems:
+            return list(self.world.rollback_problems)
+        for p in pids:
+            self.world.set(p, ProcessState.RUNNING)
+        return []
+
+    def fail(self, op: FakeOp, pids: list[int], error: BaseException, during: str) -> None:
+        self.rollback(pids)
+        op.close()
+        raise RolledBackError(f"{during} failed: {error}")
+
+    def restore_and_unlock(self, op: FakeOp, pids: list[int], gpu_map: Any = None,
+                           agents: Any = None) -> dict[int, dict[str, Any]]:
+        self.world.calls.append(("restore_and_unlock", tuple(pids)))
+        for p in pids:
+            self.world.set(p, ProcessState.RUNNING)
+        return {p: {"bytes": 1, "seconds": 0.0} for p in (agents or {})}
+
+    def recover(self) -> list[str]:
+        return []
+
+
+class World:
+    def __init__(self) -> None:
+        self.states: dict[int, ProcessState] = {}
+        self.calls: list[tuple] = []
+        self.ops: list[FakeOp] = []
+        self.moved: dict[int, dict[str, Any]] = {}
+        self.rollback_problems: list[str] = []
+        self.seq = 0
+
+    def set(self, pid: int, state: ProcessState) -> None:
+        self.states[pid] = state
+
+
+class FakeService(Service):
+    world: World
+
+    def engine(self, cfg: Any = None) -> Any:
+        return FakeEngine(self.world)
+
+
+@pytest.fixture
+def world() -> World:
+    w = World()
+    w.set(PID, ProcessState.RUNNING)
+    return w
+
+
+@pytest.fixture
+def service(cfg, world):
+    made: list[FakeService] = []
+
+    def make(op_timeout_s: float = 600) -> FakeService:
+        s = FakeService(cfg, op_timeout_s)
+        s.world = world
+        made.append(s)
+        return s
+    yield make
+    for s in made:
+        s.shutdown()
+
+
+def lock(svc: Service, **kw: Any) -> Any:
+    kw.setdefault("pids", [PID])
+    return svc.LockAndCheckpoint(svc.pb.LockAndCheckpointRequest(no_descendants=True, **kw), Ctx())
+
+
+# -- registration ----------------------------------------------------------------------------------
+
+def test_register_list_unregister(service, cfg):
+    svc = service()
+    got = svc.RegisterContainer(svc.pb.RegisterContainerRequest(
+        id="ctr-1", bundle="/b", pids=[PID], gpu_uuids=["GPU-a"], annotations={"k": "v"}), Ctx())
+    assert got.id == "ctr-1" and list(got.pids) == [PID] and got.registered_at > 0
+    path = cfg.state_dir / "containers" / "ctr-1.json"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    listing = svc.List(svc.pb.ListRequest(), Ctx())
+    assert [c.id for c in listing.containers] == ["ctr-1"]
+    assert dict(listing.containers[0].annotations) == {"k": "v"}
+    assert listing.server_pid == os.getpid() and listing.op_timeout_s == 600
+
+    r = svc.UnregisterContainer(svc.pb.UnregisterContainerRequest(id="ctr-1"), Ctx())
+    assert r.existed and not path.exists()
+    with pytest.raises(Aborted) as e:
+        svc.UnregisterContainer(svc.pb.UnregisterContainerRequest(id="ctr-1"), Ctx())
+    assert e.value.status == grpc.StatusCode.NOT_FOUND and e.value.exit_code == ExitCode.NOT_FOUND
+    r = svc.UnregisterContainer(svc.pb.UnregisterContainerRequest(id="ctr-1", missing_ok=True),
+                                Ctx())
+    assert not r.existed
+
+
+@pytest.mark.parametrize("cid", ["../x", "a/b", "..", "", "x" * 129])
+def test_register_refuses_bad_ids(service, cfg, cid):
+    svc = service()
+    with pytest.raises(Aborted) as e:
+        svc.RegisterContainer(svc.pb.RegisterContainerRequest(id=cid, pids=[PID]), Ctx())
+    assert e.value.exit_code == ExitCode.USAGE
+    assert list((cfg.state_dir / "containers").iterdir()) == []
+
+
+def test_register_refuses_pid_1_and_below(service):
+    svc = service()
+    for pid in (1, 0, -5):
+        with pytest.raises(Aborted) as e:
+            svc.RegisterContainer(svc.pb.RegisterContainerRequest(id="c", pids=[pid]), Ctx())
+        assert e.value.exit_code == ExitCode.USAGE and "> 1" in e.value.details
+
+
+def test_checkpoint_of_a_registered_container(service, world):
+    svc = service()
+    svc.RegisterContainer(svc.pb.RegisterContainerRequest(id="c", pids=[PID]), Ctx())
+    r = lock(svc, pids=[], container_id="c")
+    assert list(r.pids) == [PID] and r.container_id == "c"
+    assert svc.ops.get(r.op_id).container_id == "c"
+
+
+# -- the operation table -------------------------------------------------------------------------
+
+def test_open_then_rollback(service, world):
+    world.moved = {PID: {"nspid": 1, "files": [4], "bytes": 4, "chunks": 1, "allocations": 1,
+                         "cache_released": 0, "seconds": 0.1}}
+    svc = service()
+    r = lock(svc)
+    assert [p.pid for p in r.cuda_processes] == [PID] and r.cuda_processes[0].state == "RUNNING"
+    assert [(a.pid, a.nspid, list(a.files)) for a in r.agents] == [(PID, 1, [4])]
+    assert world.states[PID] == ProcessState.CHECKPOINTED
+    assert [o.id for o in svc.ops.open_ops()] == [r.op_id] and world.ops[0].entry.phase == "dump"
+    st = svc.Status(svc.pb.StatusRequest(op_id=r.op_id), Ctx())
+    assert st.operation.op_id == r.op_id and st.processes[0].op_id == r.op_id
+
+    rb = svc.Rollback(svc.pb.OperationRequest(op_id=r.op_id), Ctx())
+    assert rb.outcome == "rolled-back" and list(rb.pids) == [PID] and list(rb.gone) == []
+    assert world.states[PID] == ProcessState.RUNNING and world.ops[0].ended == "closed"
+    assert svc.ops.open_ops() == []
+    for handler in (svc.Rollback, svc.Finish):          # exactly one caller ends it
+        with pytest.raises(Aborted) as e:
+            handler(svc.pb.OperationRequest(op_id=r.op_id), Ctx())
+        assert e.value.exit_code == ExitCode.NOT_FOUND
+
+
+def test_finish_with_the_process_alive_resumes_it(service, world):
+    svc = service()
+    r = lock(svc)
+    f = svc.Finish(svc.pb.OperationRequest(op_id=r.op_id), Ctx())
+    assert f.outcome == "finished" and list(f.resumed) == [PID] and list(f.gone) == []
+    assert world.states[PID] == ProcessState.RUNNING and world.ops[0].ended == "closed"
+
+
+def test_leave_running_restores_the_open_operation(service, world):
+    svc = service()
+    r = lock(svc)
+    out = svc.RestoreAndUnlock(svc.pb.RestoreAndUnlockRequest(op_id=r.op_id), Ctx())
+    assert out.op_id == r.op_id and list(out.pids) == [PID]
+    assert ("restore_and_unlock", (PID,)) in world.calls and svc.ops.open_ops() == []
+
+
+def test_not_running_on_the_gpu_is_refused_and_nothing_stays_open(service, world):
+    world.set(PID, ProcessState.LOCKED)
+    svc = service()
+    with pytest.raises(Aborted) as e:
+        lock(svc)
+    assert e.value.exit_code == ExitCode.USAGE and "LOCKED" in e.value.details
+    assert svc.ops.open_ops() == [] and world.ops[0].ended == "abandoned"
+
+
+def test_timeout_rolls_back(service, world):
+    svc = service(op_timeout_s=30)
+    r = lock(svc)
+    o = svc.ops.get(r.op_id)
+    assert svc.ops.reap(o.expires - 0.01) == []                       # not yet
+    assert [x.id for x in svc.ops.reap(o.expires)] == [r.op_id]       # now
+    assert world.states[PID] == ProcessState.RUNNING and world.ops[0].ended == "closed"
+    assert svc.ops.open_ops() == []
+
+
+def test_reaper_thread_rolls_back_an_expired_operation(service, world):
+    svc = service(op_timeout_s=0.3)
+    svc.ops.start_reaper()
+    r = lock(svc)
+    deadline = time.monotonic() + 10
+    while svc.ops.open_ops() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert svc.ops.get(r.op_id) is None
+    assert world.states[PID] == ProcessState.RUNNING and world.ops[0].ended == "closed"
+
+
+def test_caller_death_rolls_back(service, world):
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        svc = service()
+        r = lock(svc, owner_pid=owner.pid)
+        assert svc.ops.reap(time.monotonic()) == []                   # the caller lives
+    finally:
+        owner.kill()
+        owner.wait()
+    assert [x.id for x in svc.ops.reap(time.monotonic())] == [r.op_id]
+    assert world.states[PID] == ProcessState.RUNNING
+
+
+def test_shutdown_rolls_back_open_operations_and_refuses_new_ones(service, world):
+    svc = service()
+    lock(svc)
+    svc.stopping()
+    with pytest.raises(Aborted) as e:
+        lock(svc)
+    assert e.value.exit_code == ExitCode.SIDECAR
+    svc.shutdown()
+    assert svc.ops.open_ops() == [] and world.states[PID] == ProcessState.RUNNING
+    assert world.ops[0].ended == "closed"
+
+
+def test_a_failed_rollback_keeps_the_journal_entry(service, world):
+    svc = service(op_timeout_s=30)
+    r = lock(svc)
+    world.rollback_problems = ["driver said no"]
+    with pytest.raises(Aborted) as e:
+        svc.Rollback(svc.pb.OperationRequest(op_id=r.op_id), Ctx())
+    assert "driver said no" in e.value.details
+    assert world.ops[0].ended == "released"              # not closed: recovery retries it
+    assert svc.ops.open_ops() == []
+
+
+def test_failure_before_the_table_rolls_back_at_once(service, world, monkeypatch):
+    svc = service()
+
+    def full(self: FakeOp, name: str, **kw: Any) -> None:
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(FakeOp, "phase", full)
+    with pytest.raises(Aborted) as e:
+        lock(svc)
+    assert e.value.exit_code == ExitCode.ROLLED_BACK and "No space" in e.value.details
+    assert world.states[PID] == ProcessState.RUNNING and svc.ops.open_ops() == []
+
+
+# -- request validation --------------------------------------------------------------------------
+
+def _refused(call: Any) -> Aborted:
+    with pytest.raises(Aborted) as e:
+        call()
+    assert e.value.status == grpc.StatusCode.INVALID_ARGUMENT, e.value
+    assert e.value.exit_code == ExitCode.USAGE
+    return e.value
+
+
+def test_bad_checkpoint_requests(service, world):
+    svc = service()
+    svc.RegisterContainer(svc.pb.RegisterContainerRequest(id="c", pids=[PID]), Ctx())
+    assert "not both" in _refused(lambda: lock(svc, container_id="c")).details
+    assert "no PIDs" in _refused(lambda: lock(svc, pids=[])).details
+    assert "positive" in _refused(lambda: lock(svc, lock_timeout_s=0)).details
+    assert "absolute" in _refused(lambda: lock(svc, gpu_data_dir="rel/dir")).details
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert "not running" in _refused(lambda: lock(svc, owner_pid=gone.pid)).details
+    assert world.ops == [] or all(o.ended for o in world.ops)
+    assert svc.ops.open_ops() == []
+
+
+def test_bad_restore_and_operation_requests(service, world):
+    svc = service()
+    pb = svc.pb
+    _refused(lambda: svc.RestoreAndUnlock(pb.RestoreAndUnlockRequest(op_id="x", pids=[PID]),
+                                          Ctx()))
+    _refused(lambda: svc.RestoreAndUnlock(pb.RestoreAndUnlockRequest(
+        pids=[PID], no_descendants=True, agents=[pb.AgentData(pid=PID, nspid=1, files=[1])]),
+        Ctx()))
+    _refused(lambda: svc.Rollback(pb.OperationRequest(op_id=""), Ctx()))
+    _refused(lambda: svc.Status(pb.StatusRequest(), Ctx()))
+    with pytest.raises(Aborted) as e:
+        svc.Status(pb.StatusRequest(op_id="nope"), Ctx())
+    assert e.value.exit_code == ExitCode.NOT_FOUND
+    assert world.calls == []
