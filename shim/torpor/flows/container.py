@@ -19,15 +19,17 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from .. import bulk, gpus, procs
+from .. import bulk, gpus, oci, placement, procs
+from ..config import Config
 from ..driver import ProcessState
 from ..engine import Engine, restore_targets, targets_of
-from ..errors import NoDriverError, TorporError, UsageError
+from ..errors import NoDriverError, PreflightError, TorporError, UsageError
 from ..journal import Operation
 from ..store import fingerprints
 from . import policy
 
 log = logging.getLogger("torpor.sidecar")
+log_runtime = logging.getLogger("torpor.runtime")
 FINISH_GRACE_S = 2.0   # how long finish waits for the dump's processes to end
 
 
@@ -278,3 +280,47 @@ def restore(engine: Engine, pids: Sequence[int], *, gpu_map: Mapping[str, str],
     log.info("%s: %d CUDA process(es) restored and unlocked", op.entry.id, len(done))
     return Restored(op.entry.id, tuple(done), dict(gpu_map), _resumed(back),
                     policy.timings(engine))
+
+
+# -- a container's restore: placement ----------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """A container checkpoint's GPUs on this host: old UUID -> new UUID, the device moves
+    that makes, and whether an explicit map (annotation or config device_map) was given."""
+    gpu_map: Mapping[str, str]
+    moves: tuple[oci.Move, ...] = ()
+    explicit: bool = False
+
+    @property
+    def driver_map(self) -> dict[str, str]:
+        """The pairs the driver restores with (placement.driver_map: none for the same GPUs)."""
+        return placement.driver_map(self.gpu_map, self.gpu_map if self.explicit else {})
+
+
+NOT_PLACED = Placement({})
+
+
+def place(cfg: Config, m: Mapping[str, Any], bundle: Path) -> Placement:
+    """Where a container checkpoint's GPUs go on this host (placement.plan, share=False),
+    and its bundle's spec rewritten for them (devices, cgroup, visible devices, CDI)."""
+    try:
+        inv = gpus.discover()
+    except NoDriverError as e:
+        raise PreflightError(f"the checkpoint holds GPU state but {e.line()}") from e
+    spec = oci.load(bundle)
+    explicit = placement.parse_device_map(oci.device_map_annotation(spec)
+                                          or ([cfg.device_map] if cfg.device_map else []))
+    gpu_map = placement.plan(m, inv, explicit, share=False)
+    moves = oci.moves(gpu_map, m["gpus"], inv)
+    unknown = [mv for mv in moves if mv.new_minor is None or mv.old_minor is None]
+    if unknown and (oci.detect(spec).minors or (m.get("container") or {}).get("minors")):
+        raise PreflightError(f"cannot move the container's /dev/nvidia devices from "
+                             f"{unknown[0].old_uuid} to {unknown[0].new_uuid}: minor number "
+                             "unknown (NVML did not report it)")
+    if moves:
+        changes = oci.rewrite(spec, moves)
+        oci.save(bundle, spec)
+        for line in changes:
+            log_runtime.info("restore: %s", line)
+    return Placement(gpu_map, tuple(moves), bool(explicit))

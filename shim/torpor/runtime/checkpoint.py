@@ -28,16 +28,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import __version__, bulk, gpus, interrupts, manifest, oci, packing
+from .. import __version__, bulk, gpus, interrupts, manifest, oci, packing, procs
 from ..config import Config
 from ..errors import NoDriverError, TorporError, UsageError
 from ..files import private_dir
+from ..flows import policy
 from ..journal import Journal
 from ..sidecar.client import Client, ensure_running
 from ..store import Store, fingerprints
 from ..store import images as store_images
 from .argv import Invocation
-from .main import Runtime
+from .runc import Runtime
 
 log = logging.getLogger("torpor.runtime")
 
@@ -84,12 +85,10 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
 
 def _open_store(cfg: Config, cid: str) -> Store | None:
     try:
-        return Store(cfg.store_dir)
-    except (OSError, TorporError) as e:
-        log.error("checkpoint %s: not packed into the store: %s cannot be opened: %s", cid,
-                  cfg.store_dir, e)
-        print(f"torpor-runtime: warning: the image store {cfg.store_dir} cannot be opened "
-              f"({e}); the checkpoint is not packed into it", file=sys.stderr)
+        return policy.open_store(cfg, "the checkpoint is not packed into it")
+    except policy.StoreError as e:
+        log.error("checkpoint %s: %s", cid, e)
+        print(f"torpor-runtime: warning: {e}", file=sys.stderr)
         return None
 
 
@@ -99,8 +98,7 @@ def _checkpoint(cfg: Config, runtime: Runtime, cid: str, spec: dict[str, Any],
     t0 = time.monotonic()
     ensure_running(cfg)
     timings: dict[str, float] = {}
-    # left running, the program needs its data back at once: fingerprinted, nothing skipped
-    fps = "" if store is None else "index" if leave_running else "skip"
+    fps = policy.FingerprintMode.of(store is not None, leave_running).value
     with Client(cfg) as c, interrupts.deferred():
         with thawed:
             ck = c.lock_and_checkpoint(pids=[pid], owner_pid=os.getpid(),
@@ -213,7 +211,7 @@ def _draft(cid: str, spec: dict[str, Any], use: oci.GpuUse, ck: dict[str, Any], 
     gpu_list = [{"uuid": g.uuid, "name": g.name, "memory_total": g.memory_total,
                  "index": g.index, "minor": g.minor}
                 for g in (inv.gpus if inv else []) if g.uuid in used]
-    processes = [{"pid": p["pid"], "comm": _comm(p["pid"]), "cuda": True, "gpus": p["gpu_uuids"],
+    processes = [{"pid": p["pid"], "comm": procs.comm(p["pid"]), "cuda": True, "gpus": p["gpu_uuids"],
                   "gpu_memory": int(p["gpu_memory"]),
                   "gpu_memory_by_gpu": {u: int(n) for u, n in p["gpu_memory_by_gpu"].items()},
                   "state": p["state"]} for p in cuda]
@@ -239,10 +237,3 @@ def _draft(cid: str, spec: dict[str, Any], use: oci.GpuUse, ck: dict[str, Any], 
                if a.get("fingerprinted") else {})}
             for a in ck["agents"]}
     return draft
-
-
-def _comm(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
