@@ -216,8 +216,7 @@ def test_open_store_one_line(cfg, tmp_path):
         policy.open_store(bad, "the program was not touched")
     assert e.value.line().startswith(f"cannot open the image store {bad.store_dir}: ")
     assert e.value.line().endswith("; the program was not touched") and "\n" not in str(e.value)
-    lazy = policy.LazyStore(dataclasses.replace(cfg, store_dir=tmp_path / "s"))
-    assert lazy.get() is lazy.get()
+    assert policy.open_store(dataclasses.replace(cfg, store_dir=tmp_path / "s")).where
 
 
 def test_driver_map_same_gpus_no_pairs():

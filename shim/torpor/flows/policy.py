@@ -1,8 +1,9 @@
 """The policies every door shares: opening the image store, the fingerprint/stream plan of a
 checkpoint, and "restore, then roll back once more".
 
-- open_store / LazyStore: the store at cfg.store_dir, opened at most once per flow and only
-  when a flow needs it; any failure is one StoreError line naming the directory.
+- open_store: the store at cfg.store_dir, opened once per flow and only where the flow needs
+  it (a store to pack into, to stream from, or fingerprints to read); any failure is one
+  StoreError line naming the directory.
 - fingerprint_plan: which GPU data the agents of a checkpoint skip (owner's snapshots in the
   store have it), whether they only fingerprint it (index), and whether they stream it straight
   into the store: SKIP for a checkpoint that ends the program, INDEX for one left running (it
@@ -42,19 +43,6 @@ def open_store(cfg: Config, meaning: str = "") -> Store:
         why = e.strerror or e if isinstance(e, OSError) else e.line()
         raise StoreError(f"cannot open the image store {cfg.store_dir}: {why}"
                          + (f"; {meaning}" if meaning else "")) from e
-
-
-class LazyStore:
-    """cfg's image store, opened at the first get() and kept for the rest of the flow."""
-
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
-        self._store: Store | None = None
-
-    def get(self) -> Store:
-        if self._store is None:
-            self._store = open_store(self.cfg)
-        return self._store
 
 
 # -- the fingerprint/stream plan ----------------------------------------------------------------

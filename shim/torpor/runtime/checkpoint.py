@@ -28,12 +28,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import __version__, bulk, gpus, interrupts, manifest, oci, packing, procs
+from .. import __version__, bulk, gpus, interrupts, manifest, oci, procs
 from ..config import Config
 from ..errors import NoDriverError, TorporError, UsageError
 from ..files import private_dir
 from ..flows import policy
-from ..journal import Journal
+from ..flows.checkpoint import store_checkpoint
+from ..engine import Engine
 from ..sidecar.client import Client, ensure_running
 from ..store import Store, fingerprints
 from ..store import images as store_images
@@ -163,8 +164,7 @@ def _store(cfg: Config, store: Store, images: Path, cid: str) -> None:
     name = f"{cid[:12]}-{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S%f}"
     t = time.monotonic()
     try:
-        _doc, st = packing.pack(Journal(cfg), store, images, name, fingerprints.owner_of(cid),
-                                checksums=cfg.checksums)
+        st = store_checkpoint(Engine(cfg), store, images, name, fingerprints.owner_of(cid))
     except (OSError, TorporError) as e:
         log.error("checkpoint %s: not packed into the store: %s", cid, e)
         print(f"torpor-runtime: warning: {e}", file=sys.stderr)
@@ -172,8 +172,8 @@ def _store(cfg: Config, store: Store, images: Path, cid: str) -> None:
     log.info("checkpoint %s: packed into %s as %s in %.2f s: %d chunks, %d new (%d bytes), %d "
              "already stored (%d known by fingerprint), %d zero, %d streamed into the store by "
              "the agents at the checkpoint", cid, store.where, name, time.monotonic() - t,
-             st.chunks, st.new_chunks, st.new_bytes, st.reused_chunks, st.by_fingerprint,
-             st.zero_chunks, st.streamed)
+             st["chunks"], st["new_chunks"], st["new_bytes"], st["reused_chunks"],
+             st["by_fingerprint"], st["zero_chunks"], st["streamed"])
 
 
 class _Thaw:
