@@ -66,7 +66,8 @@ def require_running(states: dict[int, ProcessState]) -> None:
                                 else ""))
 
 
-def gpu_view(engine: Engine, tree: list[int]) -> tuple[dict[int, ProcessState], gpus.Inventory | None]:
+def gpu_view(engine: Engine, tree: list[int]
+             ) -> tuple[dict[int, ProcessState], gpus.Inventory | None]:
     states = engine.cuda_states(tree)
     if not states:
         return states, None

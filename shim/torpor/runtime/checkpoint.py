@@ -211,7 +211,8 @@ def _draft(cid: str, spec: dict[str, Any], use: oci.GpuUse, ck: dict[str, Any], 
     gpu_list = [{"uuid": g.uuid, "name": g.name, "memory_total": g.memory_total,
                  "index": g.index, "minor": g.minor}
                 for g in (inv.gpus if inv else []) if g.uuid in used]
-    processes = [{"pid": p["pid"], "comm": procs.comm(p["pid"]), "cuda": True, "gpus": p["gpu_uuids"],
+    processes = [{"pid": p["pid"], "comm": procs.comm(p["pid"]), "cuda": True,
+                  "gpus": p["gpu_uuids"],
                   "gpu_memory": int(p["gpu_memory"]),
                   "gpu_memory_by_gpu": {u: int(n) for u, n in p["gpu_memory_by_gpu"].items()},
                   "state": p["state"]} for p in cuda]
