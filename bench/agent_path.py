@@ -4,7 +4,7 @@
 For each size N (GiB of bulk tensors): one PyTorch program under the agent (`torpor run --`)
 and one of the same shape without it, each through suspend, resume, checkpoint + restore to
 --shm-root (host memory) and checkpoint + restore to --disk-root, timed (wall time and the
-phase timings torpor.process returns), each program checked bit-exact against an
+phase timings torpor.flows.process returns), each program checked bit-exact against an
 uninterrupted reference run of the same seed. Then:
   cache     a program whose PyTorch cache holds --cache-gib GiB unused (--cache-gib): what the
             agent moved, what it released instead, what NVML said it used (bytes saved);
@@ -41,7 +41,8 @@ sys.path[:0] = [str(ROOT / "shim"), str(ROOT)]
 
 from tests.gpu import programs  # noqa: E402
 from tests.gpu.compare_steps import compare  # noqa: E402
-from torpor import config, gpus, process, procs  # noqa: E402
+from torpor import config, gpus, procs  # noqa: E402
+from torpor.flows import process  # noqa: E402
 from torpor.engine import Engine  # noqa: E402
 from torpor.progress import Progress  # noqa: E402
 

@@ -6,7 +6,7 @@ the yardstick. Writes JSON (--out) and prints a table.
     python3 bench/driver_path.py --sizes 1 8 32 --images-root /tmp/torpor-bench --out r.json
 
 Each size: start tests/gpu/torch_program.py holding N GiB, wait until it is training, then
-torpor.process.checkpoint + torpor.process.restore (CRIU to --images-root), check the
+torpor.flows.process.checkpoint + torpor.flows.process.restore (CRIU to --images-root), check the
 restored program keeps training with the same loss sequence as an uninterrupted reference
 run of the same seed (bit_exact), and record per-phase seconds and GB/s.
 """
@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "shim"), str(ROOT)]
 
 from tests.gpu.compare_steps import compare  # noqa: E402
-from torpor import config, gpus, process  # noqa: E402
+from torpor import config, gpus  # noqa: E402
+from torpor.flows import process  # noqa: E402
 from torpor.engine import Engine  # noqa: E402
 from torpor.progress import Progress  # noqa: E402
 

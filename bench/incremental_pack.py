@@ -37,7 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "shim"), str(ROOT)]
 
 from tests.integration.test_store_cli import STABLE_PROGRAM  # noqa: E402
-from torpor import config, process  # noqa: E402
+from torpor import config  # noqa: E402
+from torpor.flows import process  # noqa: E402
 from torpor.engine import Engine  # noqa: E402
 from torpor.store import Store, fingerprints, images  # noqa: E402
 from torpor.store.fingerprints import owner_of  # noqa: E402

@@ -50,7 +50,7 @@ sys.path[:0] = [str(ROOT / "shim"), str(ROOT), str(ROOT / "bench")]
 from agent_path import Bench, agent_of, bit_exact, tree_bytes, wait_gone  # noqa: E402
 
 from tests.gpu import programs  # noqa: E402
-from torpor import process  # noqa: E402
+from torpor.flows import process  # noqa: E402
 from torpor.engine import Engine  # noqa: E402
 from torpor.progress import Progress  # noqa: E402
 from torpor.store import Store, snapshot  # noqa: E402

@@ -30,17 +30,8 @@ STAGES = ("createRuntime", "prestart", "poststop")
 
 
 def _setup_logging(state_dir: Path) -> None:
-    root = logging.getLogger()
-    root.setLevel(logging.INFO)
-    root.addHandler(logging.StreamHandler(sys.stderr))
-    try:
-        from torpor.files import private_dir
-        private_dir(state_dir)
-        fh = logging.FileHandler(state_dir / "hooks.log")
-        fh.setFormatter(logging.Formatter("%(asctime)s %(process)d %(levelname)s %(message)s"))
-        root.addHandler(fh)
-    except OSError:
-        pass
+    from torpor import logs
+    logs.setup(state_dir, "hooks.log", stderr=True)
 
 
 def register(state: dict, cfg) -> str:

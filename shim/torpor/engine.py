@@ -6,7 +6,7 @@ torpor itself dies, the next torpor (or torpord) finds the journal entry and rol
 
 Programs under the in-process agent (agent.py, agent/PROTOCOL.md) first have their bulk GPU
 memory moved into data files (bulk.py) by their agent, at PCIe speed; the driver's checkpoint
-then moves only what is left. The order, for every caller (process.py, torpord):
+then moves only what is left. The order, for every caller (flows/: the CLI's and torpord's):
 
     checkpoint  agent-prepare -> agent-detach -> lock -> checkpoint      (then the dump)
     restore     gpu-restore -> unlock -> agent-resume                    (after CRIU restore)

@@ -11,7 +11,7 @@ checkpoint whose own records of its GPU data are malformed (DamagedRecordsError:
 runs inside the program, which can write them) is given up on: no retry could say what its
 holes are, and its entry must not hold the shared store's rm and gc off for good. It is marked
 damaged (manifest.mark_damaged), and every later read of it says why.
-Used by `torpor checkpoint --store` (process.py) and torpor-runtime (runtime/checkpoint.py).
+Used by `torpor checkpoint --store` (flows/process.py) and torpor-runtime (runtime/checkpoint.py).
 """
 
 from __future__ import annotations

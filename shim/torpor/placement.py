@@ -31,6 +31,14 @@ def parse_device_map(items: list[str]) -> dict[str, str]:
     return out
 
 
+def driver_map(gpu_map: Mapping[str, str], explicit: Mapping[str, str]) -> dict[str, str]:
+    """The GPU pairs the driver restores with: none when every GPU stays where it was and no
+    map was asked for (same GPUs: the driver restores without pairs)."""
+    if explicit or any(old != new for old, new in gpu_map.items()):
+        return dict(gpu_map)
+    return {}
+
+
 def need_per_gpu(m: Mapping[str, Any]) -> dict[str, int]:
     """GPU memory the checkpoint's processes held on each of its GPUs: NVML's figure per GPU
     where the manifest has it, else (checkpoints before it did) each process's total split

@@ -74,9 +74,10 @@ def tree(pid: int) -> list[int]:
 
 
 def comm(pid: int) -> str:
+    """pid's command name; "?" when it cannot be read (gone, or hidden from us)."""
     try:
         return (PROC / str(pid) / "comm").read_text().strip()
-    except FileNotFoundError:
+    except OSError:
         return "?"
 
 

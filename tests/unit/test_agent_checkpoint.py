@@ -24,7 +24,8 @@ from typing import Any
 import pytest
 
 from tests.fakes.fake_agent import Events, FakeAgent, FakeDriver
-from torpor import bulk, criu, engine as engine_mod, gpus, manifest, process, procs
+from torpor import bulk, criu, engine as engine_mod, gpus, manifest, procs
+from torpor.flows import process
 from torpor.engine import Engine
 from torpor.errors import CriuError, RolledBackError, TorporError, UsageError
 from torpor.progress import Progress
@@ -503,7 +504,8 @@ def test_recovery_after_a_torpor_killed_mid_checkpoint(world, tmp_path, in_proc)
         import dataclasses, os, signal
         from pathlib import Path
         from tests.fakes.fake_agent import Events, FakeDriver
-        from torpor import config, engine, gpus, process
+        from torpor import config, engine, gpus
+        from torpor.flows import process
         from torpor.errors import NoDriverError
         drv = FakeDriver(Events(), [{PID}])
         drv.checkpoint = lambda pid: os.kill(os.getpid(), signal.SIGKILL)

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from torpor import files, process
+from torpor import files
+from torpor.flows import checkpoint as checkpoint_flow
 from torpor.errors import UsageError
 
 NOBODY = 65534
@@ -80,7 +81,7 @@ def _user_link(sticky: Path, target: Path, name: str = "x") -> Path:
 def test_a_users_link_in_a_sticky_directory_does_not_steer_roots_writes(
         sticky, root_only, unprotected_symlinks):
     link = _user_link(sticky, root_only)
-    for call in (lambda: process._claim_images_dir(link / "ck"),
+    for call in (lambda: checkpoint_flow._claim_images_dir(link / "ck"),
                  lambda: files.private_dir(link / "ck"),
                  lambda: files.require_trusted_location(link / "ck", "checkpoint"),
                  lambda: files.open_trusted_dir(link, "store")):
@@ -95,7 +96,7 @@ def test_a_users_link_in_a_sticky_directory_does_not_steer_roots_writes(
 def test_roots_own_links_are_followed_and_resolved(tmp_path, root_only):
     (tmp_path / "via").symlink_to(root_only)
     (root_only / "rel").symlink_to("../root-only/sub")
-    fd = process._claim_images_dir(tmp_path / "via" / "rel" / "ck")
+    fd = checkpoint_flow._claim_images_dir(tmp_path / "via" / "rel" / "ck")
     try:
         assert os.fstat(fd).st_ino == (root_only / "sub" / "ck").stat().st_ino
     finally:
@@ -117,13 +118,13 @@ def test_directories_on_the_way_are_checked_as_held(tmp_path, sticky):
     assert not (sticky / "mine" / "ck").exists()
     (tmp_path / "file").write_text("")
     with pytest.raises(UsageError, match="exists and is not a directory"):
-        process._claim_images_dir(tmp_path / "file")
+        checkpoint_flow._claim_images_dir(tmp_path / "file")
     with pytest.raises(NotADirectoryError):
         files.require_trusted_location(tmp_path / "file" / "ck", "checkpoint")
 
 
 def _claim_images(path: Path) -> os.stat_result:
-    fd = process._claim_images_dir(path)
+    fd = checkpoint_flow._claim_images_dir(path)
     try:
         return os.fstat(fd)
     finally:

@@ -220,7 +220,7 @@ def test_a_restore_does_not_fill_skipped_parts_from_the_store(gpu, probe, tmp_pa
 def test_a_pack_that_fails_fills_the_skipped_parts_back_in(gpu, probe, tmp_path, monkeypatch):
     """torpor checkpoint --store whose pack fails (a full disk, say): the directory is left
     unpacked and whole, what its agent skipped written back from the store."""
-    from torpor import process
+    from torpor.flows import process
     from torpor.engine import Engine
 
     p, ab, store, two, cfg = _skipping_checkpoint(gpu, probe, tmp_path)
@@ -259,7 +259,7 @@ def _whole_and_resumes(p, two: Path, ab: tuple[int, int]) -> None:
 
 
 def test_ctrl_c_during_the_pack_leaves_the_checkpoint_whole(gpu, probe, tmp_path, monkeypatch):
-    from torpor import process
+    from torpor.flows import process
     from torpor.engine import Engine
     from torpor.errors import ExitCode
 
@@ -278,7 +278,7 @@ def test_ctrl_c_during_the_pack_leaves_the_checkpoint_whole(gpu, probe, tmp_path
 
 
 def test_a_fill_that_fails_is_left_to_recovery(gpu, probe, tmp_path, monkeypatch):
-    from torpor import process
+    from torpor.flows import process
     from torpor.engine import Engine
 
     p, ab, store, two, cfg = _skipping_checkpoint(gpu, probe, tmp_path)
@@ -302,7 +302,7 @@ def test_a_fill_that_fails_is_left_to_recovery(gpu, probe, tmp_path, monkeypatch
 
 def test_a_journal_that_cannot_be_written_still_leaves_the_checkpoint_whole(
         gpu, probe, tmp_path, monkeypatch):
-    from torpor import process
+    from torpor.flows import process
     from torpor.engine import Engine
 
     p, ab, store, two, cfg = _skipping_checkpoint(gpu, probe, tmp_path)
@@ -320,7 +320,8 @@ def test_a_journal_that_cannot_be_written_still_leaves_the_checkpoint_whole(
 KILLED_PACK = """
 import sys, time
 from pathlib import Path
-from torpor import config, process
+from torpor import config
+from torpor.flows import process
 from torpor.engine import Engine
 from torpor.store import Store, images
 def stuck(store, images_dir, *a, **k):   # the pack's chunks half written, then torpor dies
@@ -400,7 +401,7 @@ def test_a_pack_whose_index_the_program_garbled_is_given_up_not_retried(
         gpu, probe, tmp_path):
     """No retry could say what the holes of a checkpoint with a damaged index are: its pack
     fails, it is marked damaged, and nothing is left for recovery to hold rm and gc off with."""
-    from torpor import process
+    from torpor.flows import process
     from torpor.engine import Engine
     from torpor.errors import DamagedRecordsError
 

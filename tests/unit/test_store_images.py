@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from torpor import process, procs
+from torpor import procs
+from torpor.flows import process
+from torpor.flows import restore as flows_restore
 from torpor.engine import Engine
 from torpor.errors import CorruptCheckpointError
 from torpor.progress import Progress
@@ -67,7 +69,7 @@ def test_restore_any_restores_from_the_unpacked_copy_then_removes_it(sealed, tmp
                      and kw["in_store"] == {gpu_file: len(FILES[gpu_file])}
                      and kw["packed"] == sealed and not (images_dir / gpu_file).exists()))
         raise CorruptCheckpointError(f"{images_dir}: the manifest's CUDA processes are missing")
-    monkeypatch.setattr(process, "restore", restore)
+    monkeypatch.setattr(flows_restore, "restore", restore)
     suspend_dir = tmp_path / "suspend" if where == "disk suspend_dir" else shm_dir / "torpor"
     if where == "too large for memory":   # the copy may take half of what is available
         unpacked = sum(len(v) for rel, v in FILES.items() if rel != gpu_file)

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from .. import procs
-from ..process import checkpoint, checkpoint_into_store
+from ..flows.process import checkpoint, checkpoint_into_store
 from ..progress import human_bytes
 from .context import Context, agent_line, timing_lines
 

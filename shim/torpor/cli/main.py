@@ -15,7 +15,7 @@ import traceback
 from pathlib import Path
 from types import ModuleType
 
-from .. import __version__, config
+from .. import __version__, config, logs
 from ..errors import ExitCode, TorporError
 from ..progress import Progress
 from . import checkpoint, demo, doctor, inspect, ps, restore, run, store, suspend
@@ -55,21 +55,9 @@ def _needs_root(e: PermissionError, command: str) -> str:
 
 
 def _setup_logging(cfg: config.Config, debug: bool) -> None:
-    root = logging.getLogger()
-    root.setLevel(logging.DEBUG)
-    if debug:
-        h = logging.StreamHandler(sys.stderr)
-        h.setLevel(logging.DEBUG)
-        root.addHandler(h)
-    try:
-        from ..files import private_dir
-        private_dir(cfg.state_dir)
-        fh = logging.FileHandler(cfg.state_dir / "torpor.log")
-        fh.setFormatter(logging.Formatter("%(asctime)s %(process)d %(name)s %(levelname)s %(message)s"))
-        fh.setLevel(logging.INFO)
-        root.addHandler(fh)
-    except OSError:
-        pass
+    logs.setup(cfg.state_dir, "torpor.log", level=logging.DEBUG, file_level=logging.INFO,
+               fmt="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s",
+               stderr=debug, stderr_level=logging.DEBUG)
 
 
 def _interrupt(signum: int, _frame: object) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 from ..placement import parse_device_map
-from ..process import restore_any
+from ..flows.process import restore_any
 from .context import Context, agent_line, timing_lines
 
 NEEDS_RECOVERY = True

@@ -9,8 +9,9 @@ import os
 
 from .. import bulk
 from ..engine import targets_of
-from ..errors import BusyError, TorporError
+from ..errors import BusyError
 from ..progress import human_bytes
+from ..flows import policy
 from ..store import Store
 from .context import Context
 
@@ -41,10 +42,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def open_store(ctx: Context) -> Store:
-    try:
-        return Store(ctx.cfg.store_dir)
-    except OSError as e:
-        raise TorporError(f"cannot open store {ctx.cfg.store_dir}: {e.strerror or e}") from e
+    return policy.open_store(ctx.cfg)
 
 
 def list_snapshots(args: argparse.Namespace, ctx: Context) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from .. import procs
-from ..process import resume, suspend
+from ..flows.process import resume, suspend
 from ..progress import human_bytes
 from .context import Context, agent_line, timing_lines
 

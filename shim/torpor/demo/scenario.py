@@ -22,7 +22,7 @@ from typing import Any, Callable
 from .. import gpus, procs
 from ..engine import Engine
 from ..errors import NoDriverError, TorporError
-from ..process import checkpoint, restore
+from ..flows.process import checkpoint, restore
 from ..progress import Progress
 
 

@@ -28,17 +28,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import __version__, bulk, gpus, interrupts, manifest, oci, packing, procs, workloads
+from .. import __version__, bulk, gpus, interrupts, manifest, oci, procs, workloads
 from ..config import Config
 from ..errors import NoDriverError, TorporError, UsageError
 from ..files import private_dir
-from ..journal import Journal
+from ..flows import policy
+from ..flows.checkpoint import store_checkpoint
+from ..engine import Engine
 from ..sidecar.client import Client, ensure_running
 from ..sidecar.convert import Checkpointed
 from ..store import Store, fingerprints
 from ..store import images as store_images
 from .argv import Invocation
-from .main import Runtime
+from .runc import Runtime
 
 log = logging.getLogger("torpor.runtime")
 
@@ -89,12 +91,10 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
 
 def _open_store(cfg: Config, cid: str) -> Store | None:
     try:
-        return Store(cfg.store_dir)
-    except (OSError, TorporError) as e:
-        log.error("checkpoint %s: not packed into the store: %s cannot be opened: %s", cid,
-                  cfg.store_dir, e)
-        print(f"torpor-runtime: warning: the image store {cfg.store_dir} cannot be opened "
-              f"({e}); the checkpoint is not packed into it", file=sys.stderr)
+        return policy.open_store(cfg, "the checkpoint is not packed into it")
+    except policy.StoreError as e:
+        log.error("checkpoint %s: %s", cid, e)
+        print(f"torpor-runtime: warning: {e}", file=sys.stderr)
         return None
 
 
@@ -104,8 +104,7 @@ def _checkpoint(cfg: Config, runtime: Runtime, cid: str, spec: dict[str, Any],
     t0 = time.monotonic()
     ensure_running(cfg)
     timings: dict[str, float] = {}
-    # left running, the program needs its data back at once: fingerprinted, nothing skipped
-    fps = "" if store is None else "index" if leave_running else "skip"
+    fps = policy.FingerprintMode.of(store is not None, leave_running).value
     with Client(cfg) as c, interrupts.deferred():
         with thawed:
             ck = c.lock_and_checkpoint(pids=[pid], owner_pid=os.getpid(),
@@ -170,8 +169,7 @@ def _store(cfg: Config, store: Store, images: Path, cid: str) -> None:
     name = f"{cid[:12]}-{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S%f}"
     t = time.monotonic()
     try:
-        _doc, st = packing.pack(Journal(cfg), store, images, name, fingerprints.owner_of(cid),
-                                checksums=cfg.checksums)
+        st = store_checkpoint(Engine(cfg), store, images, name, fingerprints.owner_of(cid))
     except (OSError, TorporError) as e:
         log.error("checkpoint %s: not packed into the store: %s", cid, e)
         print(f"torpor-runtime: warning: {e}", file=sys.stderr)
@@ -179,8 +177,8 @@ def _store(cfg: Config, store: Store, images: Path, cid: str) -> None:
     log.info("checkpoint %s: packed into %s as %s in %.2f s: %d chunks, %d new (%d bytes), %d "
              "already stored (%d known by fingerprint), %d zero, %d streamed into the store by "
              "the agents at the checkpoint", cid, store.where, name, time.monotonic() - t,
-             st.chunks, st.new_chunks, st.new_bytes, st.reused_chunks, st.by_fingerprint,
-             st.zero_chunks, st.streamed)
+             st["chunks"], st["new_chunks"], st["new_bytes"], st["reused_chunks"],
+             st["by_fingerprint"], st["zero_chunks"], st["streamed"])
 
 
 class _Thaw:
@@ -218,8 +216,8 @@ def _draft(cid: str, spec: dict[str, Any], use: oci.GpuUse, ck: Checkpointed, pi
     gpu_list = [{"uuid": g.uuid, "name": g.name, "memory_total": g.memory_total,
                  "index": g.index, "minor": g.minor}
                 for g in (inv.gpus if inv else []) if g.uuid in used]
-    processes = [{"pid": p.pid, "comm": _comm(p.pid), "cuda": True, "gpus": list(p.gpu_uuids),
-                  "gpu_memory": int(p.gpu_memory),
+    processes = [{"pid": p.pid, "comm": procs.comm(p.pid), "cuda": True,
+                  "gpus": list(p.gpu_uuids), "gpu_memory": int(p.gpu_memory),
                   "gpu_memory_by_gpu": {u: int(n) for u, n in p.gpu_memory_by_gpu.items()},
                   "state": p.state} for p in cuda]
     draft = {
@@ -238,10 +236,3 @@ def _draft(cid: str, spec: dict[str, Any], use: oci.GpuUse, ck: Checkpointed, pi
     if ck.agents:
         draft["agent"] = {str(a.pid): a.to_manifest() for a in ck.agents}
     return draft
-
-
-def _comm(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""

@@ -18,7 +18,7 @@ from ..config import Config
 from ..errors import TorporError
 from ..files import private_dir
 from .argv import Invocation
-from .main import Runtime
+from .runc import Runtime
 
 log = logging.getLogger("torpor.runtime")
 

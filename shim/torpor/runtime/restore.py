@@ -25,16 +25,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import agent, bulk, gpus, manifest, oci, placement
+from .. import agent, bulk, manifest, oci
 from ..config import Config
-from ..errors import NoDriverError, PreflightError, TorporError
+from ..errors import TorporError
+from ..flows import container, policy
 from ..sidecar.client import Client, ensure_running
 from ..sidecar.convert import AgentData
-from ..store import Store
 from ..store import images as store_images
 from .argv import Invocation
 from .lifecycle import agent_dir
-from .main import Runtime
+from .runc import Runtime
 
 log = logging.getLogger("torpor.runtime")
 PID_WAIT_S = 600.0
@@ -63,7 +63,7 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
     if unpacked:
         if cfg.store_stream:
             in_store = store_images.gpu_data_files(store_images.packed_doc(images))
-        store_images.unpack_in_place(Store(cfg.store_dir), images, leave_out=in_store)
+        store_images.unpack_in_place(policy.open_store(cfg), images, leave_out=in_store)
         log.info("restore %s: unpacked through %s in %.2f s%s", cid, cfg.store_dir,
                  time.monotonic() - t0,
                  f" (not its {len(in_store)} GPU data file(s): they stream from the store)"
@@ -78,14 +78,12 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
     cuda = [p for p in m["processes"] if p["cuda"]]
     moved = [AgentData(pid=p, nspid=e["nspid"], files=tuple(e["files"]))   # checked there
              for p, e in manifest.agents(m).items()]
-    gpu_map: dict[str, str] = {}
-    moves: list[oci.Move] = []
-    explicit = False
+    placed = container.NOT_PLACED
     if cuda:
-        gpu_map, moves, explicit = _place(cfg, m, bundle)
+        placed = container.place(cfg, m, bundle)
         ensure_running(cfg)   # a sidecar that cannot start is a refusal, before anything runs
     log.info("restore %s: pre-flight done in %.2f s; GPU map %s%s", cid, time.monotonic() - t0,
-             gpu_map or "none", " (explicit)" if explicit else "")
+             dict(placed.gpu_map) or "none", " (explicit)" if placed.explicit else "")
     proc = runtime.run()
     detached = inv.flag("detach", "d")
     if detached or not cuda:
@@ -97,12 +95,10 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
         return proc.wait()
     t = time.monotonic()
     try:
-        if moves:
-            _device_nodes(pid, moves)
-        # Same GPUs: the driver restores without pairs, unless a map was asked for.
-        driver_map = gpu_map if explicit or any(o != n for o, n in gpu_map.items()) else {}
+        if placed.moves:
+            _device_nodes(pid, list(placed.moves))
         with Client(cfg) as c:
-            out = c.restore_and_unlock(pids=[pid], gpu_map=driver_map, agents=moved,
+            out = c.restore_and_unlock(pids=[pid], gpu_map=placed.driver_map, agents=moved,
                                        gpu_data_dir=images / bulk.DATA_DIR if moved else "",
                                        agent_container_id=cid,
                                        gpu_data_packed=images if moved and in_store else "")
@@ -113,31 +109,6 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
     log.info("restore %s: host PID %d, CUDA PIDs %s restored and unlocked in %.2f s", cid, pid,
              list(out.pids), time.monotonic() - t)
     return 0 if detached else proc.wait()
-
-
-def _place(cfg: Config, m: dict[str, Any], bundle: Path
-           ) -> tuple[dict[str, str], list[oci.Move], bool]:
-    """(old UUID -> new UUID, the moves it makes, whether an explicit map was given)."""
-    try:
-        inv = gpus.discover()
-    except NoDriverError as e:
-        raise PreflightError(f"the checkpoint holds GPU state but {e.line()}") from e
-    spec = oci.load(bundle)
-    explicit = placement.parse_device_map(oci.device_map_annotation(spec)
-                                          or ([cfg.device_map] if cfg.device_map else []))
-    gpu_map = placement.plan(m, inv, explicit, share=False)
-    moves = oci.moves(gpu_map, m["gpus"], inv)
-    unknown = [mv for mv in moves if mv.new_minor is None or mv.old_minor is None]
-    if unknown and (oci.detect(spec).minors or (m.get("container") or {}).get("minors")):
-        raise PreflightError(f"cannot move the container's /dev/nvidia devices from "
-                             f"{unknown[0].old_uuid} to {unknown[0].new_uuid}: minor number "
-                             "unknown (NVML did not report it)")
-    if moves:
-        changes = oci.rewrite(spec, moves)
-        oci.save(bundle, spec)
-        for line in changes:
-            log.info("restore: %s", line)
-    return gpu_map, moves, bool(explicit)
 
 
 def _repoint_agent(cfg: Config, bundle: Path, cid: str, had_agent: bool) -> None:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import grpc
 
-from .. import __version__, config
+from .. import __version__, config, logs
 from ..engine import Engine
 from ..errors import SidecarError, TorporError, UsageError
 from ..files import private_dir
@@ -64,16 +64,9 @@ def _daemonize() -> None:
 
 
 def _setup_logging(cfg: config.Config, level: str, foreground: bool) -> None:
-    root = logging.getLogger()
-    root.setLevel(getattr(logging, level.upper(), logging.INFO))
-    fmt = logging.Formatter("%(asctime)s torpord[%(process)d] %(levelname)s %(message)s")
-    if foreground:
-        h: logging.Handler = logging.StreamHandler(sys.stderr)
-    else:
-        private_dir(cfg.state_dir)
-        h = logging.FileHandler(cfg.state_dir / "torpord.log")
-    h.setFormatter(fmt)
-    root.addHandler(h)
+    logs.setup(cfg.state_dir, None if foreground else "torpord.log", stderr=foreground,
+               level=getattr(logging, level.upper(), logging.INFO), stderr_formatted=True,
+               fmt="%(asctime)s torpord[%(process)d] %(levelname)s %(message)s", must=True)
 
 
 def _run_dir(cfg: config.Config) -> Path:

@@ -1,0 +1,326 @@
+"""The operations torpord holds open for a container's runtime, typed in and out.
+
+A container checkpoint is lock_and_checkpoint (the CUDA state to host memory, the agents' data
+into the image directory), then the runtime's CRIU dump, then finish, roll_back or
+restore_open (--leave-running); a container restore is restore (the processes CRIU brought
+back CHECKPOINTED under new host PIDs). torpord's handlers parse a request, call one of these
+and turn the frozen result into a response (sidecar/); torpord's operation table holds the
+Operation between the calls (lock_and_checkpoint hands it over through `opened`).
+
+Every function takes an Engine (engine.py moves the GPU state) and leaves the journal entry
+closed on success, or kept for recovery when a rollback failed (the error says so).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from .. import bulk, gpus, oci, placement, procs
+from ..config import Config
+from ..driver import ProcessState
+from ..engine import Engine, restore_targets, targets_of
+from ..errors import NoDriverError, PreflightError, TorporError, UsageError
+from ..journal import Operation
+from ..store import fingerprints
+from . import policy
+
+log = logging.getLogger("torpor.sidecar")
+log_runtime = logging.getLogger("torpor.runtime")
+FINISH_GRACE_S = 2.0   # how long finish waits for the dump's processes to end
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaProcess:
+    """A CUDA process of a checkpoint, as the driver and NVML saw it."""
+    pid: int
+    state: str
+    gpu_uuids: tuple[str, ...] = ()
+    gpu_memory: int = 0
+    gpu_memory_by_gpu: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentMove:
+    """What a program's agent moved out of the GPU (torpor.json's "agent" entry)."""
+    pid: int
+    nspid: int
+    files: tuple[str, ...]
+    bytes: int
+    chunks: int
+    allocations: int
+    cache_released: int
+    seconds: float
+    fingerprinted: int = 0
+    skipped: int = 0
+    skipped_bytes: int = 0
+
+    @classmethod
+    def of(cls, pid: int, r: Mapping[str, Any]) -> "AgentMove":
+        fp = r.get("fingerprints") or {}
+        return cls(pid, int(r["nspid"]), tuple(r["files"]), int(r["bytes"]), int(r["chunks"]),
+                   int(r["allocations"]), int(r["cache_released"]), float(r["seconds"]),
+                   int(fp.get("parts", 0)), int(fp.get("skipped", 0)),
+                   int(fp.get("skipped_bytes", 0)))
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentResume:
+    """What a program's agent gave back to the GPU."""
+    pid: int
+    bytes: int
+    seconds: float
+
+
+def _resumed(back: Mapping[int, Mapping[str, Any]]) -> tuple[AgentResume, ...]:
+    return tuple(AgentResume(p, int(r["bytes"]), float(r["seconds"]))
+                 for p, r in sorted(back.items()))
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpointed:
+    """A container's CUDA processes CHECKPOINTED, waiting for the runtime's dump."""
+    op_id: str
+    pids: tuple[int, ...]
+    cuda_pids: tuple[int, ...]
+    cuda: tuple[CudaProcess, ...]
+    moved: tuple[AgentMove, ...]
+    timings: Mapping[str, float]
+
+
+@dataclasses.dataclass(frozen=True)
+class OperationResult:
+    """How an open operation ended: outcome "finished" or "rolled-back"."""
+    op_id: str
+    kind: str
+    pids: tuple[int, ...]
+    outcome: str
+    timings: Mapping[str, float]
+    gone: tuple[int, ...] = ()
+    resumed: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentEntry:
+    """A program whose agent moved its data at the checkpoint (torpor.json's "agent")."""
+    pid: int
+    nspid: int
+    files: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class RestorePlan:
+    """Which restored processes the driver restores (CHECKPOINTED) or only unlocks (LOCKED)."""
+    checkpointed: tuple[int, ...]
+    locked: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """CUDA processes given their GPU state back and unlocked."""
+    op_id: str
+    pids: tuple[int, ...]
+    gpu_map: Mapping[str, str]
+    agents: tuple[AgentResume, ...]
+    timings: Mapping[str, float]
+
+
+def cuda_processes(pids: Sequence[int], states: Mapping[int, ProcessState]
+                   ) -> tuple[CudaProcess, ...]:
+    """pids with their driver state and, where NVML answers, their GPUs and memory."""
+    inv: gpus.Inventory | None = None
+    if pids:
+        try:
+            inv = gpus.discover()
+        except NoDriverError as e:
+            log.debug("no GPU inventory: %s", e)
+    return tuple(CudaProcess(p, states[p].name, tuple(inv.gpus_of(p)) if inv else (),
+                             inv.memory_of(p) if inv else 0,
+                             dict(inv.memory_by_gpu(p)) if inv else {}) for p in pids)
+
+
+def lock_and_checkpoint(engine: Engine, pids: Sequence[int], *, data: Path | None,
+                        agent_dir: Path | None, owner_container: str,
+                        mode: policy.FingerprintMode, opened: Callable[[Operation, list[int]],
+                                                                       None]) -> Checkpointed:
+    """RUNNING -> CHECKPOINTED for the CUDA processes among pids (their agents' data into
+    data, their sockets in agent_dir), fingerprints as mode says for owner_container's
+    snapshots (policy.fingerprint_plan). opened(op, cuda_pids) takes the operation over (the
+    caller's table); a failure there, or before, rolls everything back and raises."""
+    pids = list(pids)
+    op = engine.begin("checkpoint", pids)        # BusyError when another op holds them
+    try:
+        states = engine.cuda_states(pids)
+        bad = {p: s for p, s in states.items() if s != ProcessState.RUNNING}
+        if bad:
+            p, s = next(iter(bad.items()))
+            raise UsageError(f"PID {p} is {s.name} on the GPU, not RUNNING")
+        cuda_pids = sorted(states)
+        cuda = cuda_processes(cuda_pids, states)
+        # a container's fingerprints are its own only (store/fingerprints.py)
+        owner = fingerprints.owner_of(owner_container,
+                                      procs.owner_uid(cuda_pids[0]) if cuda_pids else 0)
+        plan = policy.fingerprint_plan(engine.cfg, policy.open_store(engine.cfg), owner, mode) \
+            if data is not None and mode is not policy.FingerprintMode.NONE \
+            else policy.NO_FINGERPRINTS
+        moved = engine.lock_and_checkpoint(  # rolls back and closes op on failure
+            op, cuda_pids, bulk.DataDir(data) if data else None, agent_dir,
+            known_fingerprints=plan.skip, owner=owner, stream_into=plan.stream_into)
+        try:
+            # CHECKPOINTED now: until the operation is in the caller's table (where a rollback,
+            # a timeout or a shutdown finds it), any failure rolls back at once.
+            op.phase("dump")
+            opened(op, cuda_pids)
+        except BaseException as e:
+            engine.fail(op, cuda_pids, e, during="checkpoint")  # rollback, close, raise
+    except BaseException:
+        op.abandon()
+        raise
+    log.info("%s: %d CUDA process(es) of %d checkpointed (%s); waiting for the dump",
+             op.entry.id, len(cuda_pids), len(pids), ",".join(map(str, cuda_pids)) or "-")
+    return Checkpointed(op.entry.id, tuple(pids), tuple(cuda_pids), cuda,
+                        tuple(AgentMove.of(p, r) for p, r in sorted(moved.items())),
+                        policy.timings(engine))
+
+
+def finish(engine: Engine, op: Operation, cuda_pids: Sequence[int]) -> OperationResult:
+    """The dump is done. It ended the processes; any CUDA process still alive a moment later
+    would stay checkpointed forever, so it is brought back (a --leave-running dump)."""
+    end = time.monotonic() + FINISH_GRACE_S
+    while any(procs.alive(p) for p in cuda_pids) and time.monotonic() < end:
+        time.sleep(0.05)
+    alive = [p for p in cuda_pids if procs.alive(p)]
+    if alive:
+        log.warning("%s finished with CUDA PIDs %s still alive: resuming them", op.entry.id,
+                    alive)
+        with engine.progress.phase("resume"):
+            _roll_back(engine, op, alive, f"finish of {op.entry.id}")
+    op.close()
+    log.info("%s finished", op.entry.id)
+    return OperationResult(op.entry.id, op.entry.kind, tuple(cuda_pids), "finished",
+                           policy.timings(engine),
+                           gone=tuple(p for p in cuda_pids if p not in alive),
+                           resumed=tuple(alive))
+
+
+def _roll_back(engine: Engine, op: Operation, pids: list[int], what: str) -> None:
+    """pids and the operation's agents back to RUNNING; on failure the journal entry stays
+    (recovery retries it) and the error names what failed."""
+    problems = engine.rollback(pids, agents=targets_of(op.entry.agents))
+    if problems:
+        op.release()
+        raise TorporError(f"{what} failed: " + "; ".join(problems), hint=policy.RETRY_HINT)
+
+
+def roll_back(engine: Engine, op: Operation, cuda_pids: Sequence[int]) -> OperationResult:
+    """Give the live ones of cuda_pids their GPU state back (the dump failed, or nobody ended
+    the operation in time) and close the operation."""
+    live = [p for p in cuda_pids if procs.alive(p)]
+    with engine.progress.phase("rollback"):
+        _roll_back(engine, op, live, f"rollback of {op.entry.id}")
+    op.close()
+    log.info("%s rolled back (%s running again)", op.entry.id,
+             ",".join(map(str, live)) or "none")
+    return OperationResult(op.entry.id, op.entry.kind, tuple(cuda_pids), "rolled-back",
+                           policy.timings(engine),
+                           gone=tuple(p for p in cuda_pids if p not in live))
+
+
+def restore_open(engine: Engine, op: Operation, cuda_pids: Sequence[int],
+                 gpu_map: Mapping[str, str]) -> Restored:
+    """--leave-running: the dump is done and the processes still live; give them the GPU."""
+    live = [p for p in cuda_pids if procs.alive(p)]
+    agents = {p: t for p, t in targets_of(op.entry.agents).items() if p in live}
+    back = policy.restore_or_roll_back(engine, op, live, gpu_map, agents)
+    op.close()
+    log.info("%s: left running, %d CUDA process(es) restored and unlocked", op.entry.id,
+             len(live))
+    return Restored(op.entry.id, tuple(live), dict(gpu_map), _resumed(back),
+                    policy.timings(engine))
+
+
+def plan_restore(states: Mapping[int, ProcessState]) -> RestorePlan:
+    """What restoring processes in these driver states takes; one in the driver's FAILED state
+    cannot be restored."""
+    failed = sorted(p for p, s in states.items() if s == ProcessState.FAILED)
+    if failed:
+        raise TorporError(f"PID {failed[0]} is in the driver's FAILED state: it cannot be "
+                          "restored")
+    return RestorePlan(
+        tuple(sorted(p for p, s in states.items() if s == ProcessState.CHECKPOINTED)),
+        tuple(sorted(p for p, s in states.items() if s == ProcessState.LOCKED)))
+
+
+def restore(engine: Engine, pids: Sequence[int], *, gpu_map: Mapping[str, str],
+            agents: Sequence[AgentEntry] = (), data: Path | None = None,
+            agent_dir: Path | None = None, packed: Path | None = None) -> Restored:
+    """The processes a runtime restored (host pids, CHECKPOINTED or LOCKED in the driver) get
+    their GPU state back (gpu_map: the driver's pairs, placement.driver_map) and are unlocked;
+    then the programs in agents get the data their agent moved into data (or, packed: the
+    checkpoint packed into the image store whose chunks stream to them)."""
+    if agents and data is None:
+        raise UsageError("agents given without the gpu_data_dir that holds their data")
+    pids = list(pids)
+    op = engine.begin("restore", pids)
+    try:
+        plan = plan_restore(engine.cuda_states(pids))
+        targets = restore_targets({a.pid: {"nspid": a.nspid, "files": list(a.files)}
+                                   for a in agents}, data or Path(), agent_dir, host_pids=pids,
+                                  packed=packed)
+        back = policy.restore_or_roll_back(engine, op, list(plan.checkpointed), gpu_map,
+                                           targets, locked=plan.locked)
+    except BaseException:
+        op.abandon()
+        raise
+    op.close()
+    done = sorted(plan.checkpointed + plan.locked)
+    log.info("%s: %d CUDA process(es) restored and unlocked", op.entry.id, len(done))
+    return Restored(op.entry.id, tuple(done), dict(gpu_map), _resumed(back),
+                    policy.timings(engine))
+
+
+# -- a container's restore: placement ----------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """A container checkpoint's GPUs on this host: old UUID -> new UUID, the device moves
+    that makes, and whether an explicit map (annotation or config device_map) was given."""
+    gpu_map: Mapping[str, str]
+    moves: tuple[oci.Move, ...] = ()
+    explicit: bool = False
+
+    @property
+    def driver_map(self) -> dict[str, str]:
+        """The pairs the driver restores with (placement.driver_map: none for the same GPUs)."""
+        return placement.driver_map(self.gpu_map, self.gpu_map if self.explicit else {})
+
+
+NOT_PLACED = Placement({})
+
+
+def place(cfg: Config, m: Mapping[str, Any], bundle: Path) -> Placement:
+    """Where a container checkpoint's GPUs go on this host (placement.plan, share=False),
+    and its bundle's spec rewritten for them (devices, cgroup, visible devices, CDI)."""
+    try:
+        inv = gpus.discover()
+    except NoDriverError as e:
+        raise PreflightError(f"the checkpoint holds GPU state but {e.line()}") from e
+    spec = oci.load(bundle)
+    explicit = placement.parse_device_map(oci.device_map_annotation(spec)
+                                          or ([cfg.device_map] if cfg.device_map else []))
+    gpu_map = placement.plan(m, inv, explicit, share=False)
+    moves = oci.moves(gpu_map, m["gpus"], inv)
+    unknown = [mv for mv in moves if mv.new_minor is None or mv.old_minor is None]
+    if unknown and (oci.detect(spec).minors or (m.get("container") or {}).get("minors")):
+        raise PreflightError(f"cannot move the container's /dev/nvidia devices from "
+                             f"{unknown[0].old_uuid} to {unknown[0].new_uuid}: minor number "
+                             "unknown (NVML did not report it)")
+    if moves:
+        changes = oci.rewrite(spec, moves)
+        oci.save(bundle, spec)
+        for line in changes:
+            log_runtime.info("restore: %s", line)
+    return Placement(gpu_map, tuple(moves), bool(explicit))

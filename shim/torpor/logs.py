@@ -1,0 +1,48 @@
+"""One logging set-up for every entry point (torpor, torpord, torpor-runtime, torpor-hook).
+
+Each logs to a file of its own in the state directory (0700), and to stderr where its caller
+reads it: `torpor --debug`, `torpord --foreground`, TORPOR_DEBUG for torpor-runtime, always for
+the hook (the runtime shows a hook's stderr).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from .files import private_dir
+
+FORMAT = "%(asctime)s %(process)d %(levelname)s %(message)s"
+
+
+def setup(state_dir: Path, file_name: str | None, *, level: int = logging.INFO,
+          fmt: str = FORMAT, file_level: int | None = None, stderr: bool = False,
+          stderr_level: int | None = None, stderr_formatted: bool = False,
+          must: bool = False) -> None:
+    """The root logger at level, writing to stderr (given stderr; formatted as the file only
+    with stderr_formatted) and to state_dir/file_name (None: no file). A log file that cannot
+    be opened is left out, unless must (then the OSError)."""
+    root = logging.getLogger()
+    root.setLevel(level)
+    formatter = logging.Formatter(fmt)
+    if stderr:
+        h = logging.StreamHandler(sys.stderr)
+        if stderr_level is not None:
+            h.setLevel(stderr_level)
+        if stderr_formatted:
+            h.setFormatter(formatter)
+        root.addHandler(h)
+    if file_name is None:
+        return
+    try:
+        private_dir(state_dir)
+        fh = logging.FileHandler(state_dir / file_name)
+    except OSError:
+        if must:
+            raise
+        return
+    fh.setFormatter(formatter)
+    if file_level is not None:
+        fh.setLevel(file_level)
+    root.addHandler(fh)

@@ -1,0 +1,72 @@
+"""The real OCI runtime (runc or crun): where it is, and its invocation with the global
+options podman or containerd gave torpor-runtime."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+from ..errors import TorporError, UsageError
+from . import argv as argv_mod
+
+SEARCH_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+class Runtime:
+    """The real runtime, called with the global options podman or containerd gave us."""
+
+    def __init__(self, path: str, inv: argv_mod.Invocation):
+        self.path = path
+        self.inv = inv
+
+    def argv(self, *args: str) -> list[str]:
+        return [self.path, *self.inv.global_args, *args]
+
+    def state(self, container_id: str) -> dict[str, Any]:
+        out = subprocess.run(self.argv("state", container_id), capture_output=True, text=True,
+                             timeout=60)
+        if out.returncode != 0:
+            raise TorporError(f"{Path(self.path).name} state {container_id} failed: "
+                              f"{out.stderr.strip() or out.stdout.strip()}")
+        try:
+            st = json.loads(out.stdout)
+        except ValueError as e:
+            raise TorporError(f"{Path(self.path).name} state {container_id}: not JSON ({e})")
+        return st
+
+    def call(self, *args: str) -> None:
+        """One command of the real runtime (pause, resume, ...); TorporError if it fails."""
+        out = subprocess.run(self.argv(*args), capture_output=True, text=True, timeout=60)
+        if out.returncode != 0:
+            raise TorporError(f"{Path(self.path).name} {' '.join(args)} failed: "
+                              f"{out.stderr.strip() or out.stdout.strip()}")
+
+    def kill(self, container_id: str) -> None:
+        subprocess.run(self.argv("kill", container_id, "KILL"), capture_output=True, timeout=60)
+
+    def exec(self) -> NoReturn:
+        """Become the real runtime with our own argv: podman/containerd see runc itself."""
+        os.execv(self.path, [self.path, *self.inv.argv])
+
+    def run(self) -> subprocess.Popen:
+        """The real runtime with our argv, as a child sharing our stdio."""
+        return subprocess.Popen([self.path, *self.inv.argv], close_fds=False)
+
+
+def find_runtime(name: str) -> str:
+    """The real runtime's path; never ourselves (a loop would fork until the machine stops)."""
+    path = name if "/" in name else shutil.which(
+        name, path=os.environ.get("PATH", "") + ":" + SEARCH_PATH)
+    if not path or not os.access(path, os.X_OK):
+        raise UsageError(f"OCI runtime '{name}' not found",
+                         hint="install runc or crun, or set oci_runtime in /etc/torpor/config.toml")
+    me = os.path.realpath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    if os.path.realpath(path) == me or Path(path).name.startswith("torpor-runtime"):
+        raise UsageError(f"oci_runtime points at torpor-runtime itself ({path})",
+                         hint="set oci_runtime to runc or crun")
+    return path
