@@ -43,21 +43,21 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 from pathlib import Path, PurePosixPath
 from typing import Any, Mapping
 
 from . import bulk
 from .errors import CorruptCheckpointError, NotFoundError
-from .files import atomic_write, require_trusted_file, write_json
+from .files import (TRUSTED_UIDS, atomic_write, printable, read_untrusted, read_untrusted_tail,
+                    require_trusted_file, write_json)
+from .layout import (CHUNKS, DAMAGED, DRAFT, DUMP_LOG, MANIFEST, MAX_DAMAGED, MAX_MANIFEST,
+                     PACKED, REQUIRED_IMAGES, safe_relpath)
 
-MANIFEST = "torpor.json"
-DRAFT = ".torpor.json.draft"   # everything but the file table, written before the dump
-DAMAGED = "torpor-damaged.txt"  # why a sealed checkpoint can never be made whole (mark_damaged)
-DUMP_LOG = "dump.log"           # CRIU's log of the dump, kept with the images
+__all__ = ["MANIFEST", "DRAFT", "DAMAGED", "DUMP_LOG", "safe_relpath"]  # old homes, still used
 DUMP_OK = "Dumping finished successfully"
 SCHEMA = 1
 NOT_CHECKSUMMED = {MANIFEST, DRAFT, DAMAGED}
-REQUIRED_IMAGES = ("inventory.img", "pstree.img")  # CRIU writes both on every dump
 
 _REQUIRED: dict[str, type | tuple[type, ...]] = {
     "schema": int, "kind": str, "created": str, "torpor_version": str, "criu_version": str,
@@ -105,7 +105,6 @@ def _image_files(images_dir: Path) -> list[str]:
     pack or a fill, never part of the checkpoint (the pack leaves it out of the snapshot). Nor
     a packed directory's snapshot and chunk links (store/images.py): a runtime's restore
     unpacks the rest beside them and streams the GPU data from the store."""
-    from .store.images import CHUNKS, PACKED
     out = []
     for root, dirs, names in os.walk(images_dir):
         if root == str(images_dir) and CHUNKS in dirs:
@@ -121,6 +120,30 @@ def _image_files(images_dir: Path) -> list[str]:
 def _stream_record(rel: str) -> bool:
     parts = PurePosixPath(rel).parts
     return len(parts) == 3 and parts[0] == bulk.DATA_DIR and parts[2] == bulk.STREAMED
+
+
+def is_kept_out(rel: str) -> bool:
+    """Whether rel is in a checkpoint directory without being one of its files (_image_files)."""
+    parts = PurePosixPath(rel).parts
+    return rel == PACKED or parts[:1] == (CHUNKS,) or _stream_record(rel)
+
+
+def manifest_untrusted(images_dir: Path) -> str | None:
+    """Why torpor.json itself could have been written by someone else, or None: as strict as
+    the images (require_trusted_file), and never a link. Its owner may be root, us, or the
+    directory's owner."""
+    try:
+        st = os.lstat(images_dir / MANIFEST)
+        owner = os.stat(images_dir).st_uid
+    except FileNotFoundError:
+        return None   # m came from elsewhere (the caller's own, in memory)
+    except OSError as e:
+        return f"{MANIFEST}: {e.strerror}"
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
+        return f"{MANIFEST} is not a plain file"
+    if st.st_uid not in TRUSTED_UIDS | {owner} or st.st_mode & 0o022:
+        return f"{MANIFEST} is owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):o}"
+    return None
 
 
 def _checked_by_agent(rel: str) -> bool:
@@ -148,8 +171,8 @@ def seal(images_dir: Path, checksums: bool, timings: dict[str, float] | None = N
     """Draft + file table -> torpor.json; the draft goes. Also finishes the seal of a
     checkpoint whose torpor died after a successful dump (journal recovery)."""
     try:
-        draft = json.loads((images_dir / DRAFT).read_text())
-    except (OSError, ValueError) as e:
+        draft = json.loads(read_untrusted(images_dir, DRAFT, MAX_MANIFEST))
+    except (OSError, ValueError, RecursionError, CorruptCheckpointError) as e:
         raise CorruptCheckpointError(f"{images_dir}: no readable draft manifest ({e})") from e
     if timings:
         draft["timings"] = {k: round(v, 4) for k, v in timings.items()}
@@ -184,11 +207,8 @@ def clear_partial(images_dir: Path, keep: tuple[str, ...] = ()) -> None:
 def dump_succeeded(images_dir: Path) -> bool:
     """CRIU's own word, from the tail of its dump log."""
     try:
-        with open(images_dir / DUMP_LOG, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 4096))
-            return DUMP_OK.encode() in f.read()
-    except OSError:
+        return DUMP_OK.encode() in read_untrusted_tail(images_dir, DUMP_LOG, 4096)
+    except (OSError, CorruptCheckpointError):
         return False
 
 
@@ -197,13 +217,6 @@ def write(images_dir: Path, manifest: dict[str, Any]) -> Path:
     path = images_dir / MANIFEST
     write_json(path, manifest)
     return path
-
-
-def safe_relpath(rel: str) -> PurePosixPath:
-    p = PurePosixPath(rel)
-    if (p.is_absolute() or not p.parts or ".." in p.parts or str(p) != rel or "\0" in rel):
-        raise CorruptCheckpointError(f"unsafe path in manifest: {rel!r}")
-    return p
 
 
 def validate(m: Any) -> dict[str, Any]:
@@ -294,6 +307,8 @@ def parse(data: bytes, origin: str) -> dict[str, Any]:
         m = json.loads(data)
     except (ValueError, UnicodeDecodeError) as e:
         raise CorruptCheckpointError(f"{origin}: manifest is not valid JSON ({e})") from e
+    except RecursionError:
+        raise CorruptCheckpointError(f"{origin}: manifest is nested too deeply") from None
     try:
         return validate(m)
     except CorruptCheckpointError as e:
@@ -311,15 +326,14 @@ def read(images_dir: Path) -> dict[str, Any]:
     if not images_dir.is_dir():
         raise NotFoundError(f"no checkpoint directory {images_dir}")
     try:
-        with open(images_dir / DAMAGED, "rb") as f:
-            said = f.read(600).decode(errors="replace").strip()
+        said = read_untrusted(images_dir, DAMAGED, MAX_DAMAGED).decode(errors="replace").strip()
     except FileNotFoundError:
         pass
     else:   # shown on a terminal, and the directory may be another host's: printable only
-        why = "".join(c if c.isprintable() else "?" for c in said)
-        raise CorruptCheckpointError(f"{images_dir} is damaged and can only be removed: {why}")
+        raise CorruptCheckpointError(f"{images_dir} is damaged and can only be removed: "
+                                     f"{printable(said, MAX_DAMAGED)}")
     try:
-        data = path.read_bytes()
+        data = read_untrusted(images_dir, MANIFEST, MAX_MANIFEST)
     except FileNotFoundError:
         raise NotFoundError(f"{images_dir} holds no torpor checkpoint (no {MANIFEST})") from None
     return parse(data, str(path))
@@ -332,43 +346,46 @@ def verify(images_dir: Path, m: dict[str, Any], checksums: bool = True,
     store) -> their sizes there."""
     root = images_dir.resolve()
     elsewhere = elsewhere or {}
-    bad: list[str] = [f"{rel} is not listed in the manifest"
+    bad: list[str] = [f"{printable(rel)} is not listed in the manifest"
                       for rel in _image_files(images_dir) if rel not in m["files"]]
+    untrusted = manifest_untrusted(images_dir)
+    if untrusted:
+        bad.append(untrusted)
     bad += [f"{name} is not listed in the manifest" for name in REQUIRED_IMAGES
             if name not in m["files"]]
     todo: dict[str, tuple[Path, list[str]]] = {}
     for rel, info in m["files"].items():
         if rel in elsewhere:
             if elsewhere[rel] != info["size"]:
-                bad.append(f"{rel} has {elsewhere[rel]} bytes in the image store, manifest "
+                bad.append(f"{printable(rel)} has {elsewhere[rel]} bytes in the image store, manifest "
                            f"says {info['size']}")
             continue
         path = (images_dir / safe_relpath(rel))
         try:
             real = path.resolve(strict=True)
-        except (FileNotFoundError, RuntimeError):
-            bad.append(f"{rel} is missing")
+        except (OSError, RuntimeError):   # missing, a link loop, a name too long
+            bad.append(f"{printable(rel)} is missing")
             continue
         if root not in real.parents or path.is_symlink() or not real.is_file():
-            bad.append(f"{rel} is not a plain file inside the checkpoint")
+            bad.append(f"{printable(rel)} is not a plain file inside the checkpoint")
             continue
         untrusted = require_trusted_file(real)
         if untrusted:
             bad.append(untrusted)
             continue
         if real.stat().st_size != info["size"]:
-            bad.append(f"{rel} has {real.stat().st_size} bytes, manifest says {info['size']}")
+            bad.append(f"{printable(rel)} has {real.stat().st_size} bytes, manifest says {info['size']}")
             continue
         if checksums and info.get("sha256"):
             todo[rel] = (real, info["sha256"])
     if todo:
         got = block_digests({rel: real for rel, (real, _want) in todo.items()})
-        bad += [f"{rel} checksum mismatch" for rel, (_real, want) in todo.items()
+        bad += [f"{printable(rel)} checksum mismatch" for rel, (_real, want) in todo.items()
                 if got[rel] != want]
     for pid, entry in agents(m).items():   # the agents' data: all there, as the agent wrote it
         for rel, size in zip(bulk.rel_paths(pid, len(entry["files"])), entry["files"]):
             if m["files"].get(rel, {}).get("size") != size:
-                bad.append(f"{rel} (GPU memory of PID {pid}) is not in the file table with "
+                bad.append(f"{printable(rel)} (GPU memory of PID {pid}) is not in the file table with "
                            f"the {size} bytes its agent wrote")
     if bad:
         more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""

@@ -133,3 +133,106 @@ def test_a_damaged_mark_is_refused_with_its_reason_printable_only(tmp_path):
     with pytest.raises(CorruptCheckpointError) as e:
         manifest.read(d)
     assert "\x1b" not in str(e.value) and "\x07" not in str(e.value) and len(str(e.value)) < 800
+
+
+# --- issue 18 items 2, 5, 6, 7: every file read from a checkpoint directory is untrusted ------
+
+def _sealed(tmp_path: Path) -> Path:
+    d = _images(tmp_path)
+    manifest.write(d, _manifest(manifest.file_table(d, checksums=True)))
+    return d
+
+
+def test_a_damaged_mark_linked_to_a_secret_is_not_followed(tmp_path):
+    d = _sealed(tmp_path)
+    secret = tmp_path / "shadow"
+    secret.write_text("root:$6$secret-hash:19000")
+    (d / manifest.DAMAGED).symlink_to(secret)
+    with pytest.raises(CorruptCheckpointError, match="symbolic link") as e:
+        manifest.read(d)
+    assert "secret-hash" not in str(e.value)
+
+
+@pytest.mark.parametrize("plant", ["zero", "fifo", "dir", "huge", "link-dir"])
+def test_a_manifest_that_is_no_regular_file_is_refused_without_hanging(tmp_path, plant):
+    import signal
+    d = _images(tmp_path)
+    target = d / "torpor.json"
+    if plant == "zero":
+        target.symlink_to("/dev/zero")
+    elif plant == "fifo":
+        os.mkfifo(target)
+    elif plant == "dir":
+        target.mkdir()
+    elif plant == "huge":
+        with open(target, "wb") as f:
+            f.truncate(64 << 20)
+    else:   # torpor-gpu/<pid>/... under a link: the fingerprint index reader
+        target.write_text(json.dumps(_manifest({})))
+    signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(TimeoutError("hung")))
+    signal.alarm(5)
+    try:
+        with pytest.raises(CorruptCheckpointError):
+            if plant == "link-dir":
+                from torpor.files import read_untrusted
+                (tmp_path / "elsewhere").mkdir()
+                (tmp_path / "elsewhere" / "x").write_text("secret")
+                (d / "torpor-gpu").symlink_to(tmp_path / "elsewhere")
+                read_untrusted(d, "torpor-gpu/x", 100)
+            else:
+                manifest.read(d)
+    finally:
+        signal.alarm(0)
+
+
+def test_deeply_nested_json_is_corrupt_not_a_crash(tmp_path):
+    d = _images(tmp_path)
+    (d / "torpor.json").write_text("[" * 100000 + "]" * 100000)
+    with pytest.raises(CorruptCheckpointError, match="nested too deeply"):
+        manifest.read(d)
+    from torpor.store import snapshot
+    with pytest.raises(CorruptCheckpointError, match="nested too deeply"):
+        snapshot.parse(b"[" * 100000 + b"]" * 100000, "torpor-store.json")
+
+
+@pytest.mark.parametrize("rel", ["a" * 5000, "/".join(["b" * 200] * 25), "c" * 300])
+def test_overlong_paths_in_the_file_table_are_corrupt(tmp_path, rel):
+    d = _images(tmp_path)
+    (d / "torpor.json").write_text(json.dumps(_manifest({rel: {"size": 1, "sha256": None}})))
+    with pytest.raises(CorruptCheckpointError, match="unsafe path"):
+        manifest.read(d)
+
+
+def test_verify_reports_a_name_too_long_as_missing(tmp_path):
+    d = _sealed(tmp_path)
+    m = manifest.read(d)
+    m["files"]["/".join(["d" * 250] * 15)] = {"size": 1, "sha256": None}
+    with pytest.raises(CorruptCheckpointError, match="is missing"):
+        manifest.verify(d, m)
+
+
+@pytest.mark.parametrize("how", ["world-writable", "other-owner", "link"])
+def test_verify_trusts_torpor_json_as_strictly_as_the_images(tmp_path, how):
+    d = _sealed(tmp_path)
+    m = manifest.read(d)
+    manifest.verify(d, m)
+    path = d / "torpor.json"
+    if how == "world-writable":
+        os.chmod(path, 0o666)
+    elif how == "other-owner":
+        if os.geteuid() != 0:
+            pytest.skip("needs root to chown")
+        os.chown(path, 65534, 65534)
+    else:
+        real = tmp_path / "outside.json"
+        real.write_bytes(path.read_bytes())
+        path.unlink()
+        path.symlink_to(real)
+    with pytest.raises(CorruptCheckpointError, match="torpor.json"):
+        manifest.verify(d, m)
+
+
+def test_printable_removes_terminal_escapes():
+    from torpor.files import printable
+    assert printable("host\x1b[2K\r  verified\x07") == "host?[2K?  verified?"
+    assert printable("x" * 500, 10) == "x" * 10 + "..."

@@ -28,6 +28,8 @@ from typing import Any
 from .. import agent, bulk, gpus, manifest, oci, placement
 from ..config import Config
 from ..errors import NoDriverError, PreflightError, TorporError
+from ..files import read_untrusted
+from ..layout import MAX_MANIFEST
 from ..sidecar.client import Client, ensure_running
 from ..store import Store
 from ..store import images as store_images
@@ -44,7 +46,7 @@ def read_manifest(images: Path) -> tuple[dict[str, Any], bool]:
     nothing to verify). Returns (manifest, sealed)."""
     if (images / manifest.MANIFEST).exists():
         return manifest.read(images), True
-    data = (images / manifest.DRAFT).read_bytes()
+    data = read_untrusted(images, manifest.DRAFT, MAX_MANIFEST)
     return manifest.parse(data, str(images / manifest.DRAFT)), False
 
 

@@ -23,7 +23,7 @@ import re
 from typing import Any
 
 from ..errors import CorruptCheckpointError
-from ..manifest import safe_relpath
+from ..layout import safe_relpath
 from .backend import BLOB_NAME, SNAPSHOT_NAME
 from .chunk import MAX_CHUNK
 
@@ -85,6 +85,8 @@ def parse(data: bytes, origin: str) -> dict[str, Any]:
         doc = json.loads(data)
     except (ValueError, UnicodeDecodeError) as e:
         raise CorruptCheckpointError(f"{origin}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise CorruptCheckpointError(f"{origin}: nested too deeply") from None
     return validate(doc, origin)
 
 
