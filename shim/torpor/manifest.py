@@ -48,23 +48,18 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Mapping
 
 from . import bulk
+from . import manifest_types
 from .errors import CorruptCheckpointError, NotFoundError
 from .files import (TRUSTED_UIDS, atomic_write, printable, read_untrusted, read_untrusted_tail,
                     require_trusted_file, write_json)
 from .layout import (CHUNKS, DAMAGED, DRAFT, DUMP_LOG, MANIFEST, MAX_DAMAGED, MAX_MANIFEST,
                      PACKED, REQUIRED_IMAGES, safe_relpath)
+from .manifest_types import SCHEMA, Manifest  # noqa: F401  (SCHEMA: its users import it here)
 
 __all__ = ["MANIFEST", "DRAFT", "DAMAGED", "DUMP_LOG", "safe_relpath"]  # old homes, still used
 DUMP_OK = "Dumping finished successfully"
-SCHEMA = 1
 NOT_CHECKSUMMED = {MANIFEST, DRAFT, DAMAGED}
 
-_REQUIRED: dict[str, type | tuple[type, ...]] = {
-    "schema": int, "kind": str, "created": str, "torpor_version": str, "criu_version": str,
-    "host": str, "kernel": str, "driver": dict, "root_pid": int, "shell_job": bool,
-    "leave_running": bool, "gpus": list, "processes": list, "timings": dict, "sizes": dict,
-    "files": dict,
-}
 
 
 HASH_BLOCK = 64 << 20  # files are hashed in 64 MiB blocks, all blocks of all files in parallel
@@ -167,6 +162,12 @@ def write_draft(images_dir: Path, draft: dict[str, Any]) -> None:
     write_json(images_dir / DRAFT, draft)
 
 
+def draft(**kw: Any) -> dict[str, Any]:
+    """A draft torpor.json (no file table yet) from manifest_types.draft's typed arguments,
+    as the dict the rest of torpor still passes around."""
+    return manifest_types.draft(**kw).to_json()
+
+
 def seal(images_dir: Path, checksums: bool, timings: dict[str, float] | None = None) -> dict[str, Any]:
     """Draft + file table -> torpor.json; the draft goes. Also finishes the seal of a
     checkpoint whose torpor died after a successful dump (journal recovery)."""
@@ -220,86 +221,17 @@ def write(images_dir: Path, manifest: dict[str, Any]) -> Path:
 
 
 def validate(m: Any) -> dict[str, Any]:
-    if not isinstance(m, dict):
-        raise CorruptCheckpointError("manifest is not a JSON object")
-    if m.get("kind") != "torpor-checkpoint":
-        raise CorruptCheckpointError("not a torpor manifest (kind is not 'torpor-checkpoint')")
-    if m.get("schema") != SCHEMA:
-        raise CorruptCheckpointError(f"manifest schema {m.get('schema')!r} is not supported "
-                                     f"(this torpor reads schema {SCHEMA})")
-    for key, kind in _REQUIRED.items():
-        if not isinstance(m.get(key), kind) or (kind is int and isinstance(m.get(key), bool)):
-            raise CorruptCheckpointError(f"manifest field '{key}' is missing or not {kind}")
-    for rel, info in m["files"].items():
-        safe_relpath(rel)
-        sums = info.get("sha256") if isinstance(info, dict) else None
-        if (not isinstance(info, dict) or not isinstance(info.get("size"), int)
-                or not (sums is None or (isinstance(sums, list)
-                                         and all(isinstance(x, str) for x in sums)))):
-            raise CorruptCheckpointError(f"manifest entry for {rel!r} is malformed")
-    _fields("sizes", m["sizes"], {"total": int, "gpu_memory": int})
-    for p in m["processes"]:
-        _fields("process", p, {"pid": int, "cuda": bool, "gpus": list, "gpu_memory": int})
-        if not all(isinstance(u, str) for u in p["gpus"]):
-            raise CorruptCheckpointError("manifest process entry has a malformed GPU list")
-        by_gpu = p.get("gpu_memory_by_gpu", {})
-        if not isinstance(by_gpu, dict) or not all(
-                isinstance(u, str) and isinstance(n, int) and not isinstance(n, bool) and n >= 0
-                for u, n in by_gpu.items()):
-            raise CorruptCheckpointError("manifest process field 'gpu_memory_by_gpu' is malformed")
-    if not isinstance(m.get("tcp_established", False), bool):
-        raise CorruptCheckpointError("manifest field 'tcp_established' is not a boolean")
-    for g in m["gpus"]:
-        _fields("GPU", g, {"uuid": str, "name": str, "memory_total": int})
-    for g in m["gpus"]:
-        if g.get("minor") is not None and (not isinstance(g["minor"], int)
-                                           or isinstance(g["minor"], bool)):
-            raise CorruptCheckpointError("manifest GPU field 'minor' is not an integer")
-    if "container" in m:
-        c = m["container"]
-        _fields("container", c, {"id": str, "minors": list, "visible": list, "cdi": list})
-        if not all(isinstance(x, int) and not isinstance(x, bool) for x in c["minors"]) or \
-                not all(isinstance(x, str) for x in c["visible"] + c["cdi"]):
-            raise CorruptCheckpointError("manifest container entry is malformed")
-        if not isinstance(c.get("agent", False), bool):
-            raise CorruptCheckpointError("manifest container field 'agent' is not a boolean")
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool)
-               for v in m["timings"].values()):
-        raise CorruptCheckpointError("manifest timings are malformed")
-    if "agent" in m:
-        agents(m)
+    """m, when it is a well-formed manifest (manifest_types.Manifest.from_json checks every
+    field); CorruptCheckpointError naming the field otherwise."""
+    Manifest.from_json(m)
     return m
 
 
 def agents(m: dict[str, Any]) -> dict[int, dict[str, Any]]:
     """The manifest's "agent" entries by PID at checkpoint ({} when none), checked."""
     raw = m.get("agent", {})
-    if not isinstance(raw, dict):
-        raise CorruptCheckpointError("manifest field 'agent' is not an object")
-    out: dict[int, dict[str, Any]] = {}
-    for key, entry in raw.items():
-        if not (isinstance(key, str) and key.isdigit() and key == str(int(key)) and int(key) > 0):
-            raise CorruptCheckpointError(f"manifest agent entry {key!r} is not a PID")
-        _fields("agent", entry, {"nspid": int, "bytes": int, "files": list})
-        files = entry["files"]
-        if entry["nspid"] <= 0 or not 1 <= len(files) <= 16 or not all(
-                isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in files):
-            raise CorruptCheckpointError(f"manifest agent entry {key} is malformed")
-        out[int(key)] = entry
-    nspids = [e["nspid"] for e in out.values()]
-    if len(set(nspids)) != len(nspids):
-        raise CorruptCheckpointError("manifest agent entries share a namespace PID")
-    return out
-
-
-def _fields(what: str, obj: Any, kinds: dict[str, type]) -> None:
-    if not isinstance(obj, dict):
-        raise CorruptCheckpointError(f"manifest {what} entry is not an object")
-    for key, kind in kinds.items():
-        v = obj.get(key)
-        if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
-            raise CorruptCheckpointError(f"manifest {what} field '{key}' is missing or "
-                                         f"not {kind.__name__}")
+    checked = manifest_types._agents(raw) if raw is not None else {}
+    return {pid: raw[str(pid)] for pid in checked}
 
 
 def parse(data: bytes, origin: str) -> dict[str, Any]:

@@ -236,3 +236,66 @@ def test_printable_removes_terminal_escapes():
     from torpor.files import printable
     assert printable("host\x1b[2K\r  verified\x07") == "host?[2K?  verified?"
     assert printable("x" * 500, 10) == "x" * 10 + "..."
+
+
+# --- issue 17: the typed manifest ---------------------------------------------------------
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+@pytest.mark.parametrize("name", ["bare", "container"])
+def test_golden_manifests_of_both_builders_load_and_round_trip(name):
+    from torpor.manifest_types import Manifest
+    raw = json.loads((GOLDEN / f"{name}.json").read_text())
+    m = Manifest.from_json(raw)
+    assert Manifest.from_json(m.to_json()) == m
+    # nothing lost: what comes back is what was read, but for optional nulls (GPU "minor")
+    def no_nulls(x):
+        if isinstance(x, dict):
+            return {k: no_nulls(v) for k, v in x.items() if v is not None or k in
+                    ("state", "version", "cuda", "sha256")}
+        return [no_nulls(v) for v in x] if isinstance(x, list) else x
+    assert m.to_json() == no_nulls(raw)
+    assert manifest.validate(raw) is raw
+    assert set(manifest.agents(raw)) == {int(k) for k in raw["agent"]}
+
+
+def test_both_shapes_differ_where_today_they_do():
+    bare = json.loads((GOLDEN / "bare.json").read_text())
+    box = json.loads((GOLDEN / "container.json").read_text())
+    assert "tcp_established" in bare and "container" not in bare
+    assert "container" in box and "minor" in box["gpus"][0]
+    assert set(bare["agent"]["4242"]["fingerprints"]) != set(box["agent"]["4243"]["fingerprints"])
+
+
+@pytest.mark.parametrize("field,patch", [
+    ("agent.4242.seconds", lambda m: m["agent"]["4242"].update(seconds="x")),
+    ("agent.4242.nspid", lambda m: m["agent"]["4242"].update(nspid=-1)),
+    ("agent.4242.files", lambda m: m["agent"]["4242"].update(files=[1] * 17)),
+    ("processes.0.comm", lambda m: m["processes"][0].update(comm=7)),
+    ("processes.0.state", lambda m: m["processes"][0].update(state=["x"])),
+    ("gpus.0.index", lambda m: m["gpus"][0].update(index="0")),
+    ("driver.version", lambda m: m["driver"].update(version=570)),
+    ("timings.lock", lambda m: m["timings"].update(lock=float("inf"))),
+    ("timings.lock", lambda m: m["timings"].update(lock=-1)),
+    ("sizes.total", lambda m: m["sizes"].update(total=True)),
+    ("files.pstree.img.sha256", lambda m: m["files"]["pstree.img"].update(sha256=["zz"])),
+    ("root_pid", lambda m: m.update(root_pid=0)),
+    ("host", lambda m: m.update(host=None)),
+    ("tcp_established", lambda m: m.update(tcp_established="yes")),
+])
+def test_a_field_of_the_wrong_type_or_range_is_named(tmp_path, field, patch):
+    raw = json.loads((GOLDEN / "bare.json").read_text())
+    patch(raw)
+    d = _images(tmp_path)
+    (d / "torpor.json").write_text(json.dumps(raw))
+    with pytest.raises(CorruptCheckpointError, match=f"field '{field}'") as e:
+        manifest.read(d)
+    assert "\n" not in str(e.value)
+
+
+def test_container_fields_are_checked():
+    raw = json.loads((GOLDEN / "container.json").read_text())
+    raw["container"]["minors"] = ["0"]
+    with pytest.raises(CorruptCheckpointError, match="field 'container.minors'"):
+        manifest.validate(raw)
