@@ -587,3 +587,17 @@ def test_inspect_verify_streams_an_archive(torpor, gpu, tmp_path):
     _one_line_exit_9(proc)
     assert "checksum mismatch" in proc.stderr
     assert torpor.run("inspect", str(bad)).returncode == 0   # without --verify: the manifest only
+
+
+def test_error_lines_quoting_a_checkpoint_are_sanitized(torpor, gpu, tmp_path):
+    """A preflight refusal names the checkpoint's GPU model: printed without its escapes."""
+    with gpu.spawn() as prog:
+        images = tmp_path / "ck"
+        torpor.json("checkpoint", str(prog.pid), "-D", str(images), "--leave-running")
+    m = json.loads((images / "torpor.json").read_text())
+    m["gpus"][0]["name"] = "\x1b]0;owned\x07\x1b[2K\rtorpor: restored"
+    (images / "torpor.json").write_text(json.dumps(m))
+    proc = torpor.run("restore", "-D", str(images))
+    assert proc.returncode == 7, proc.stderr
+    assert "\x1b" not in proc.stderr and "\x07" not in proc.stderr and "\r" not in proc.stderr
+    assert "torpor: error: " in proc.stderr.splitlines()[-1]

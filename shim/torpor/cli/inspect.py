@@ -57,7 +57,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
                         f"file(s) in {float(a.get('seconds', 0)):.2f} s "
                         f"({human_rate(a['bytes'], float(a.get('seconds', 0)))})" if a else ""))
     if m["timings"]:
-        lines.append("  timings:\n" + timing_lines({p_(k, 40): v for k, v in m["timings"].items()}))
+        lines.append("  timings:\n" + timing_lines(m["timings"]))
     if packed:
         lines.append(f"  packed into an image store: {images.PACKED}, {images.CHUNKS}/")
     if verified and packed:

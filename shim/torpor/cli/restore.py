@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..files import printable
 from ..placement import parse_device_map
 from ..process import restore_any
 from .context import Context, agent_line, timing_lines
@@ -28,7 +29,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     device_map = parse_device_map(args.device_map)
     r = restore_any(ctx.engine, args.images_dir, device_map=device_map,
                     verify=not args.no_verify)
-    remap = ", ".join(f"{o} -> {n}" for o, n in r["gpu_map"].items())
+    remap = printable(", ".join(f"{o} -> {n}" for o, n in r["gpu_map"].items()), 2000)
     ctx.emit(r, f"restored {len(r['pids'])} process(es), root PID {r['root_pid']}"
              + (f", {len(r['cuda_pids'])} with CUDA state" if r["cuda_pids"] else "")
              + (f"; GPUs {remap}" if remap else "") + "\n"
