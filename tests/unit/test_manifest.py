@@ -316,3 +316,28 @@ def test_the_one_draft_builder_writes_what_todays_builders_wrote(name):
         if g.get("minor", 0) is None:
             del g["minor"]
     assert made == golden
+
+
+def test_criu_log_errors_do_not_quote_a_planted_link(tmp_path):
+    from torpor import criu
+    secret = tmp_path / "shadow"
+    secret.write_text("Error: root:$6$planted-secret\n")
+    d = _images(tmp_path)
+    (d / "dump.log").symlink_to(secret)
+    assert "planted-secret" not in criu.log_errors(d / "dump.log")
+    (d / "dump.log").unlink()
+    (d / "dump.log").write_text("x\nError (criu/cr-dump.c:1): boom\n")
+    assert criu.log_errors(d / "dump.log") == "boom"
+
+
+def test_a_store_snapshot_that_is_a_link_is_refused(tmp_path):
+    from torpor.store.backend import LocalBackend
+    b = LocalBackend(tmp_path / "store")
+    b.put_snapshot("good", b"{}")
+    assert b.get_snapshot("good") == b"{}"
+    secret = tmp_path / "shadow"
+    secret.write_text("planted-secret")
+    path = b._snap("evil")
+    path.symlink_to(secret)
+    with pytest.raises(CorruptCheckpointError, match="symbolic link"):
+        b.get_snapshot("evil")
