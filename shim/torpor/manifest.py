@@ -33,7 +33,11 @@ Optional:
                     pid namespace (finds the agent of a container's restored process).
 
 Paths in `files` are never trusted: each must be a plain relative path that stays inside the
-checkpoint directory, or reading fails with CorruptCheckpointError.
+checkpoint directory (layout.safe_relpath), or reading fails with CorruptCheckpointError.
+The schema check is manifest_types.Manifest.from_json (every field's type and range, one
+exit-9 line naming the field); read/validate still return the checked dict. Every file read
+here from a checkpoint directory goes through files.read_untrusted (no link, no FIFO, size
+caps); verify trusts torpor.json itself as strictly as the images (manifest_untrusted).
 """
 
 from __future__ import annotations
