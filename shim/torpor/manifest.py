@@ -127,22 +127,31 @@ def is_kept_out(rel: str) -> bool:
     return rel == PACKED or parts[:1] == (CHUNKS,) or _stream_record(rel)
 
 
-def manifest_untrusted(images_dir: Path) -> str | None:
-    """Why torpor.json itself could have been written by someone else, or None: as strict as
-    the images (require_trusted_file), and never a link. Its owner may be root, us, or the
-    directory's owner."""
+def manifest_untrusted(images_dir: Path, name: str = MANIFEST) -> str | None:
+    """Why torpor.json (or name: torpor-store.json) could have been written by someone else,
+    or None: as strict as the images (require_trusted_file), and never a link. Its owner may
+    be root, us, or the directory's owner."""
     try:
-        st = os.lstat(images_dir / MANIFEST)
+        st = os.lstat(images_dir / name)
         owner = os.stat(images_dir).st_uid
     except FileNotFoundError:
         return None   # m came from elsewhere (the caller's own, in memory)
     except OSError as e:
-        return f"{MANIFEST}: {e.strerror}"
+        return f"{name}: {e.strerror}"
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
-        return f"{MANIFEST} is not a plain file"
+        return f"{name} is not a plain file"
     if st.st_uid not in TRUSTED_UIDS | {owner} or st.st_mode & 0o022:
-        return f"{MANIFEST} is owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):o}"
+        return f"{name} is owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):o}"
     return None
+
+
+def require_trusted_records(images_dir: Path) -> None:
+    """Refuse (exit 9) a checkpoint whose torpor.json or torpor-store.json someone other than
+    root, us or the directory's owner could have written (a packed checkpoint's restore)."""
+    for name in (MANIFEST, PACKED):
+        why = manifest_untrusted(images_dir, name) if os.path.lexists(images_dir / name) else None
+        if why:
+            raise CorruptCheckpointError(f"checkpoint {images_dir} is not trusted: {why}")
 
 
 def _checked_by_agent(rel: str) -> bool:

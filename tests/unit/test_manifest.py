@@ -341,3 +341,17 @@ def test_a_store_snapshot_that_is_a_link_is_refused(tmp_path):
     path.symlink_to(secret)
     with pytest.raises(CorruptCheckpointError, match="symbolic link"):
         b.get_snapshot("evil")
+
+
+def test_a_packed_checkpoints_records_are_trusted_as_strictly(tmp_path):
+    d = _sealed(tmp_path)
+    manifest.require_trusted_records(d)
+    (d / "torpor-store.json").write_text("{}")
+    manifest.require_trusted_records(d)
+    os.chmod(d / "torpor-store.json", 0o646)
+    with pytest.raises(CorruptCheckpointError, match="torpor-store.json is owned by uid"):
+        manifest.require_trusted_records(d)
+    (d / "torpor-store.json").unlink()
+    (d / "torpor-store.json").symlink_to(d / "torpor.json")
+    with pytest.raises(CorruptCheckpointError, match="torpor-store.json is not a plain file"):
+        manifest.require_trusted_records(d)
