@@ -99,51 +99,67 @@ def _blocks(f: BinaryIO, size: int) -> Iterator[str]:
             return
 
 
-def verify_archive(path: Path, m: dict[str, Any]) -> None:
-    """Stream the archive's members against m's file table: every listed file present once,
-    a regular file of the listed size and checksum, nothing unlisted. A packed checkpoint's
-    archive (its files are chunks) is refused: unpack it, then verify the directory."""
-    top, _data = _find(path)
-    seen: dict[str, str] = {}
-    bad: list[str] = []
+def verify_archive(path: Path) -> dict[str, Any]:
+    """The archive's manifest, after one streaming pass checked its members against the file
+    table: every listed file present once, a regular file of the listed size and checksum,
+    nothing unlisted beside it. A packed checkpoint's archive (its files are chunks) is
+    refused: unpack it, then verify the directory."""
+    found: list[tuple[int, PurePosixPath, bytes]] = []
+    members: dict[PurePosixPath, tuple[str, int, list[str] | None]] = {}   # name -> kind, size, sums
+    wanted: set[str] = set()   # names a table may list: hashed as they pass, judged at the end
+    twice: list[PurePosixPath] = []
 
     def each(tar: tarfile.TarFile, member: tarfile.TarInfo) -> None:
         name = PurePosixPath(member.name)
-        if top != PurePosixPath(".") and top not in name.parents:
-            return
-        rel = name.relative_to(top).as_posix() if top != PurePosixPath(".") else name.as_posix()
+        if name.name == MANIFEST and member.isfile() and not found:
+            if member.size > MAX_MANIFEST:
+                raise CorruptCheckpointError(f"{path}: {member.name} is implausibly large")
+            data = tar.extractfile(member).read()  # type: ignore[union-attr]
+            found.append((len(name.parts), name.parent, data))
+            wanted.update(manifest.parse(data, f"{path}:{member.name}")["files"])
+        elif name.name == MANIFEST and member.isfile() and len(name.parts) < found[0][0]:
+            raise UsageError(f"{path} holds torpor.json at two depths: verify its directory")
+        kind = "file" if member.isfile() else "dir" if member.isdir() else "other"
+        sums = None
+        if kind == "file" and (not found or any(
+                "/".join(name.parts[i:]) in wanted for i in range(len(name.parts)))):
+            sums = list(_blocks(tar.extractfile(member), member.size))  # type: ignore[arg-type]
+        if name in members:
+            twice.append(name)
+        members.setdefault(name, (kind, member.size, sums))
+
+    _members(path, each)
+    if not found:
+        raise NotFoundError(f"{path} holds no {MANIFEST}: not a torpor checkpoint")
+    _depth, top, data = found[0]
+    m = manifest.parse(data, f"{path}:{MANIFEST}")
+    bad = [f"{manifest.printable(n)} is in the archive twice" for n in twice if top in n.parents]
+    seen: set[str] = set()
+    for name, (kind, size, sums) in members.items():
+        if top not in name.parents:
+            continue
+        rel = name.as_posix() if top == PurePosixPath(".") else name.relative_to(top).as_posix()
         if rel == PACKED:
             raise UsageError(f"{path} holds a checkpoint packed into an image store: "
                              "--verify checks its directory, not the archive")
-        if member.isdir() or rel in manifest.NOT_CHECKSUMMED or rel == ".":
-            return
         info = m["files"].get(rel)
+        if kind == "dir" or rel in manifest.NOT_CHECKSUMMED:
+            continue
         if info is None:
             if not manifest.is_kept_out(rel):
                 bad.append(f"{manifest.printable(rel)} is not listed in the manifest")
-            return
-        if not member.isfile():
+        elif kind != "file":
             bad.append(f"{manifest.printable(rel)} is not a plain file")
-            return
-        if rel in seen:
-            bad.append(f"{manifest.printable(rel)} is in the archive twice")
-            return
-        seen[rel] = rel
-        if member.size != info["size"]:
-            bad.append(f"{manifest.printable(rel)} has {member.size} bytes, manifest says "
-                       f"{info['size']}")
-            return
-        if info.get("sha256"):
-            f = tar.extractfile(member)
-            got = list(_blocks(f, member.size))  # type: ignore[arg-type]
-            if got != info["sha256"]:
-                bad.append(f"{manifest.printable(rel)} checksum mismatch")
-
-    _members(path, each)
+        elif size != info["size"]:
+            bad.append(f"{manifest.printable(rel)} has {size} bytes, manifest says {info['size']}")
+        elif info.get("sha256") and sums != info["sha256"]:
+            bad.append(f"{manifest.printable(rel)} checksum mismatch")
+        seen.add(rel)
     bad += [f"{manifest.printable(rel)} is missing" for rel in m["files"] if rel not in seen]
     if bad:
         more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
         raise CorruptCheckpointError(f"archive {path} is damaged: " + "; ".join(bad[:3]) + more)
+    return m
 
 
 def read_any(path: Path) -> dict[str, Any]:

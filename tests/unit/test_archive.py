@@ -86,7 +86,7 @@ def _archive_of(tmp_path, damage=None):
 def test_verify_archive_streams_members_against_the_file_table(tmp_path):
     from torpor.archive import verify_archive
     good = _archive_of(tmp_path / "a")
-    verify_archive(good, read_any(good))
+    assert verify_archive(good)['root_pid'] == 10
 
     def flip(d):
         data = bytearray((d / "pages-1.img").read_bytes())
@@ -94,10 +94,29 @@ def test_verify_archive_streams_members_against_the_file_table(tmp_path):
         (d / "pages-1.img").write_bytes(bytes(data))
     bad = _archive_of(tmp_path / "b", flip)
     with pytest.raises(CorruptCheckpointError, match="pages-1.img checksum mismatch"):
-        verify_archive(bad, read_any(bad))
+        verify_archive(bad)
     gone = _archive_of(tmp_path / "c", lambda d: (d / "sub" / "x.img").unlink())
     with pytest.raises(CorruptCheckpointError, match="sub/x.img is missing"):
-        verify_archive(gone, read_any(gone))
+        verify_archive(gone)
     extra = _archive_of(tmp_path / "d", lambda d: (d / "planted.img").write_bytes(b"x"))
     with pytest.raises(CorruptCheckpointError, match="planted.img is not listed"):
-        verify_archive(extra, read_any(extra))
+        verify_archive(extra)
+
+
+def test_verify_archive_with_the_manifest_at_the_root_and_a_member_twice(tmp_path):
+    from torpor import manifest
+    from torpor.archive import verify_archive
+    from unit.test_manifest import _images
+    d = _images(tmp_path)
+    manifest.write(d, _manifest(manifest.file_table(d, checksums=True)))
+    p = tmp_path / "root.tar"
+    with tarfile.open(p, "w") as t:
+        for f in sorted(d.rglob("*")):
+            t.add(f, arcname=str(f.relative_to(d)), recursive=False)
+    assert verify_archive(p)["root_pid"] == 10
+    with tarfile.open(p, "a") as t:   # a second pstree.img: extraction would take this one
+        info = tarfile.TarInfo("pstree.img")
+        info.size = 3
+        t.addfile(info, io.BytesIO(b"bad"))
+    with pytest.raises(CorruptCheckpointError, match="pstree.img is in the archive twice"):
+        verify_archive(p)

@@ -28,16 +28,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
-    m = read_any(args.path)
+    archive = args.verify and not args.path.is_dir()
+    m = verify_archive(args.path) if archive else read_any(args.path)   # one streaming pass
     verified, packed = None, args.path.is_dir() and images.is_packed(args.path)
     if args.verify and packed:
         verified = images.verify(args.path)   # the files are chunks now: each against its name
     elif args.verify and args.path.is_dir():
         manifest.verify(args.path, m, checksums=True)
         verified = True
-    elif args.verify:
-        verify_archive(args.path, m)          # streams the members against the file table
-        verified = True
+    elif archive:
+        verified = True                       # verify_archive streamed every member
     lines = [f"torpor checkpoint (schema {m['schema']}) made {p_(m['created'])} on "
              f"{p_(m['host'])}",
              f"  torpor {p_(m['torpor_version'])}, CRIU {p_(m['criu_version'])}, kernel "
