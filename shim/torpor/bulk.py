@@ -35,9 +35,7 @@ from .config import Config
 from .errors import CorruptCheckpointError, TorporError, UsageError
 from .files import TRUSTED_UIDS, private_dir, require_trusted_location
 
-DATA_DIR = "torpor-gpu"              # in a checkpoint's images directory
-INDEX = "gpu-fingerprints.txt"       # beside a program's files: store/fingerprints.py
-STREAMED = "gpu-streamed.txt"        # beside them: the parts streamed into the store (stream.py)
+from .layout import DATA_DIR, INDEX, STREAMED  # noqa: F401  (names kept here for their users)
 MAX_FILES = 16                       # the agent takes 1-16 files per prepare
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # suspend_tmpfs: a tmpfs of transparent huge pages. On the H200 host 16 staged writers filled

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from . import manifest, procs
 from .config import Config
-from .errors import CriuError
-from .files import private_dir
+from .errors import CriuError, TorporError
+from .files import private_dir, read_untrusted_tail
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +87,9 @@ def _empty_plugin_dir(cfg: Config) -> Path:
 def log_errors(log_path: Path, n: int = 3) -> str:
     """The last few error lines of a CRIU log, for a one-line message."""
     try:
-        lines = log_path.read_text(errors="replace").splitlines()
-    except OSError:
+        tail = read_untrusted_tail(log_path.parent, log_path.name, 256 << 10)
+        lines = tail.decode(errors="replace").splitlines()
+    except (OSError, TorporError):   # a link or a FIFO in its place: not quoted
         return f"(no log at {log_path})"
     errs = [ln.split(": ", 1)[-1].strip() for ln in lines if "Error" in ln or "error" in ln]
     picked = errs[-n:] if errs else lines[-n:]

@@ -17,7 +17,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from .errors import UsageError
+from .errors import CorruptCheckpointError, UsageError
 
 TRUSTED_UIDS = {0, os.geteuid()}
 
@@ -256,6 +256,86 @@ def require_trusted_file(path: Path) -> str | None:
     if _writable_by_others(st):
         return f"{path.name} is owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):o}"
     return None
+
+
+def _open_in(directory: Path, rel: str) -> int:
+    """fd of rel inside directory, read-only, never through a link below directory."""
+    parts = rel.split("/")
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in parts[:-1]:
+            nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                          dir_fd=dfd)
+            os.close(dfd)
+            dfd = nfd
+        return os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                       dir_fd=dfd)
+    finally:
+        os.close(dfd)
+
+
+def open_untrusted(directory: Path, rel: str) -> tuple[int, os.stat_result]:
+    """Open rel (a file torpor reads from a checkpoint directory) safely: no link followed
+    below directory (openat from its fd, O_NOFOLLOW), no blocking open (O_NONBLOCK: a FIFO
+    cannot hang torpor), a regular file only (fstat after the open). Returns (fd, its stat).
+    FileNotFoundError when it is not there; CorruptCheckpointError (exit 9) for anything else
+    that is wrong."""
+    where = f"{directory}/{rel}"
+    try:
+        fd = _open_in(directory, rel)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise CorruptCheckpointError(f"{where} is a symbolic link or lies under one: "
+                                         "refused") from None
+        raise CorruptCheckpointError(f"cannot read {where}: {e.strerror}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise CorruptCheckpointError(f"{where} is not a regular file: refused")
+    return fd, st
+
+
+def read_untrusted(directory: Path, rel: str, cap: int) -> bytes:
+    """The whole of rel in directory (open_untrusted), refused past cap bytes."""
+    fd, st = open_untrusted(directory, rel)
+    try:
+        if st.st_size > cap:
+            raise CorruptCheckpointError(f"{directory}/{rel} is implausibly large "
+                                         f"({st.st_size} bytes, at most {cap} expected)")
+        chunks, left = [], cap + 1
+        while left > 0:
+            block = os.read(fd, min(left, 1 << 20))
+            if not block:
+                break
+            chunks.append(block)
+            left -= len(block)
+        data = b"".join(chunks)
+    except OSError as e:
+        raise CorruptCheckpointError(f"cannot read {directory}/{rel}: {e.strerror}") from None
+    finally:
+        os.close(fd)
+    if len(data) > cap:
+        raise CorruptCheckpointError(f"{directory}/{rel} grew past {cap} bytes while read")
+    return data
+
+
+def read_untrusted_tail(directory: Path, rel: str, n: int) -> bytes:
+    """The last n bytes of rel in directory (open_untrusted)."""
+    fd, st = open_untrusted(directory, rel)
+    try:
+        return os.pread(fd, n, max(0, st.st_size - n))
+    finally:
+        os.close(fd)
+
+
+def printable(text: object, limit: int = 200) -> str:
+    """text (from a checkpoint, untrusted) fit for a terminal: control characters and
+    escapes become '?', at most limit characters. Every printer of checkpoint strings uses it."""
+    s = str(text)
+    out = "".join(c if c.isprintable() else "?" for c in s[:limit])
+    return out + ("..." if len(s) > limit else "")
 
 
 def write_new(path: Path, data: bytes, mode: int = 0o600) -> None:

@@ -33,38 +33,36 @@ Optional:
                     pid namespace (finds the agent of a container's restored process).
 
 Paths in `files` are never trusted: each must be a plain relative path that stays inside the
-checkpoint directory, or reading fails with CorruptCheckpointError.
+checkpoint directory (layout.safe_relpath), or reading fails with CorruptCheckpointError.
+The schema check is manifest_types.Manifest.from_json (every field's type and range, one
+exit-9 line naming the field); read/validate still return the checked dict. Every file read
+here from a checkpoint directory goes through files.read_untrusted (no link, no FIFO, size
+caps); verify trusts torpor.json itself as strictly as the images (manifest_untrusted).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import hashlib
-import json
 import os
 import shutil
+import stat
 from pathlib import Path, PurePosixPath
 from typing import Any, Mapping
 
 from . import bulk
+from . import manifest_types
 from .errors import CorruptCheckpointError, NotFoundError
-from .files import atomic_write, loads_json, require_trusted_file, write_json
+from .files import (TRUSTED_UIDS, atomic_write, loads_json, printable, read_untrusted,
+                    read_untrusted_tail, require_trusted_file, write_json)
+from .layout import (CHUNKS, DAMAGED, DRAFT, DUMP_LOG, MANIFEST, MAX_DAMAGED, MAX_MANIFEST,
+                     PACKED, REQUIRED_IMAGES, safe_relpath)
+from .manifest_types import SCHEMA, Manifest  # noqa: F401  (SCHEMA: its users import it here)
 
-MANIFEST = "torpor.json"
-DRAFT = ".torpor.json.draft"   # everything but the file table, written before the dump
-DAMAGED = "torpor-damaged.txt"  # why a sealed checkpoint can never be made whole (mark_damaged)
-DUMP_LOG = "dump.log"           # CRIU's log of the dump, kept with the images
+__all__ = ["MANIFEST", "DRAFT", "DAMAGED", "DUMP_LOG", "safe_relpath"]  # old homes, still used
 DUMP_OK = "Dumping finished successfully"
-SCHEMA = 1
 NOT_CHECKSUMMED = {MANIFEST, DRAFT, DAMAGED}
-REQUIRED_IMAGES = ("inventory.img", "pstree.img")  # CRIU writes both on every dump
 
-_REQUIRED: dict[str, type | tuple[type, ...]] = {
-    "schema": int, "kind": str, "created": str, "torpor_version": str, "criu_version": str,
-    "host": str, "kernel": str, "driver": dict, "root_pid": int, "shell_job": bool,
-    "leave_running": bool, "gpus": list, "processes": list, "timings": dict, "sizes": dict,
-    "files": dict,
-}
 
 
 HASH_BLOCK = 64 << 20  # files are hashed in 64 MiB blocks, all blocks of all files in parallel
@@ -105,7 +103,6 @@ def _image_files(images_dir: Path) -> list[str]:
     pack or a fill, never part of the checkpoint (the pack leaves it out of the snapshot). Nor
     a packed directory's snapshot and chunk links (store/images.py): a runtime's restore
     unpacks the rest beside them and streams the GPU data from the store."""
-    from .store.images import CHUNKS, PACKED
     out = []
     for root, dirs, names in os.walk(images_dir):
         if root == str(images_dir) and CHUNKS in dirs:
@@ -121,6 +118,39 @@ def _image_files(images_dir: Path) -> list[str]:
 def _stream_record(rel: str) -> bool:
     parts = PurePosixPath(rel).parts
     return len(parts) == 3 and parts[0] == bulk.DATA_DIR and parts[2] == bulk.STREAMED
+
+
+def is_kept_out(rel: str) -> bool:
+    """Whether rel is in a checkpoint directory without being one of its files (_image_files)."""
+    parts = PurePosixPath(rel).parts
+    return rel == PACKED or parts[:1] == (CHUNKS,) or _stream_record(rel)
+
+
+def manifest_untrusted(images_dir: Path, name: str = MANIFEST) -> str | None:
+    """Why torpor.json (or name: torpor-store.json) could have been written by someone else,
+    or None: as strict as the images (require_trusted_file), and never a link. Its owner may
+    be root, us, or the directory's owner."""
+    try:
+        st = os.lstat(images_dir / name)
+        owner = os.stat(images_dir).st_uid
+    except FileNotFoundError:
+        return None   # m came from elsewhere (the caller's own, in memory)
+    except OSError as e:
+        return f"{name}: {e.strerror}"
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
+        return f"{name} is not a plain file"
+    if st.st_uid not in TRUSTED_UIDS | {owner} or st.st_mode & 0o022:
+        return f"{name} is owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):o}"
+    return None
+
+
+def require_trusted_records(images_dir: Path) -> None:
+    """Refuse (exit 9) a checkpoint whose torpor.json or torpor-store.json someone other than
+    root, us or the directory's owner could have written (a packed checkpoint's restore)."""
+    for name in (MANIFEST, PACKED):
+        why = manifest_untrusted(images_dir, name) if os.path.lexists(images_dir / name) else None
+        if why:
+            raise CorruptCheckpointError(f"checkpoint {images_dir} is not trusted: {why}")
 
 
 def _checked_by_agent(rel: str) -> bool:
@@ -144,12 +174,18 @@ def write_draft(images_dir: Path, draft: dict[str, Any]) -> None:
     write_json(images_dir / DRAFT, draft)
 
 
+def draft(**kw: Any) -> dict[str, Any]:
+    """A draft torpor.json (no file table yet) from manifest_types.draft's typed arguments,
+    as the dict the rest of torpor still passes around."""
+    return manifest_types.draft(**kw).to_json()
+
+
 def seal(images_dir: Path, checksums: bool, timings: dict[str, float] | None = None) -> dict[str, Any]:
     """Draft + file table -> torpor.json; the draft goes. Also finishes the seal of a
     checkpoint whose torpor died after a successful dump (journal recovery)."""
     try:
-        draft = json.loads((images_dir / DRAFT).read_text())
-    except (OSError, ValueError) as e:
+        draft = loads_json(read_untrusted(images_dir, DRAFT, MAX_MANIFEST))
+    except (OSError, ValueError, RecursionError, CorruptCheckpointError) as e:
         raise CorruptCheckpointError(f"{images_dir}: no readable draft manifest ({e})") from e
     if timings:
         draft["timings"] = {k: round(v, 4) for k, v in timings.items()}
@@ -184,11 +220,8 @@ def clear_partial(images_dir: Path, keep: tuple[str, ...] = ()) -> None:
 def dump_succeeded(images_dir: Path) -> bool:
     """CRIU's own word, from the tail of its dump log."""
     try:
-        with open(images_dir / DUMP_LOG, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 4096))
-            return DUMP_OK.encode() in f.read()
-    except OSError:
+        return DUMP_OK.encode() in read_untrusted_tail(images_dir, DUMP_LOG, 4096)
+    except (OSError, CorruptCheckpointError):
         return False
 
 
@@ -199,94 +232,18 @@ def write(images_dir: Path, manifest: dict[str, Any]) -> Path:
     return path
 
 
-def safe_relpath(rel: str) -> PurePosixPath:
-    p = PurePosixPath(rel)
-    if (p.is_absolute() or not p.parts or ".." in p.parts or str(p) != rel or "\0" in rel):
-        raise CorruptCheckpointError(f"unsafe path in manifest: {rel!r}")
-    return p
-
-
 def validate(m: Any) -> dict[str, Any]:
-    if not isinstance(m, dict):
-        raise CorruptCheckpointError("manifest is not a JSON object")
-    if m.get("kind") != "torpor-checkpoint":
-        raise CorruptCheckpointError("not a torpor manifest (kind is not 'torpor-checkpoint')")
-    if m.get("schema") != SCHEMA:
-        raise CorruptCheckpointError(f"manifest schema {m.get('schema')!r} is not supported "
-                                     f"(this torpor reads schema {SCHEMA})")
-    for key, kind in _REQUIRED.items():
-        if not isinstance(m.get(key), kind) or (kind is int and isinstance(m.get(key), bool)):
-            raise CorruptCheckpointError(f"manifest field '{key}' is missing or not {kind}")
-    for rel, info in m["files"].items():
-        safe_relpath(rel)
-        sums = info.get("sha256") if isinstance(info, dict) else None
-        if (not isinstance(info, dict) or not isinstance(info.get("size"), int)
-                or not (sums is None or (isinstance(sums, list)
-                                         and all(isinstance(x, str) for x in sums)))):
-            raise CorruptCheckpointError(f"manifest entry for {rel!r} is malformed")
-    _fields("sizes", m["sizes"], {"total": int, "gpu_memory": int})
-    for p in m["processes"]:
-        _fields("process", p, {"pid": int, "cuda": bool, "gpus": list, "gpu_memory": int})
-        if not all(isinstance(u, str) for u in p["gpus"]):
-            raise CorruptCheckpointError("manifest process entry has a malformed GPU list")
-        by_gpu = p.get("gpu_memory_by_gpu", {})
-        if not isinstance(by_gpu, dict) or not all(
-                isinstance(u, str) and isinstance(n, int) and not isinstance(n, bool) and n >= 0
-                for u, n in by_gpu.items()):
-            raise CorruptCheckpointError("manifest process field 'gpu_memory_by_gpu' is malformed")
-    if not isinstance(m.get("tcp_established", False), bool):
-        raise CorruptCheckpointError("manifest field 'tcp_established' is not a boolean")
-    for g in m["gpus"]:
-        _fields("GPU", g, {"uuid": str, "name": str, "memory_total": int})
-    for g in m["gpus"]:
-        if g.get("minor") is not None and (not isinstance(g["minor"], int)
-                                           or isinstance(g["minor"], bool)):
-            raise CorruptCheckpointError("manifest GPU field 'minor' is not an integer")
-    if "container" in m:
-        c = m["container"]
-        _fields("container", c, {"id": str, "minors": list, "visible": list, "cdi": list})
-        if not all(isinstance(x, int) and not isinstance(x, bool) for x in c["minors"]) or \
-                not all(isinstance(x, str) for x in c["visible"] + c["cdi"]):
-            raise CorruptCheckpointError("manifest container entry is malformed")
-        if not isinstance(c.get("agent", False), bool):
-            raise CorruptCheckpointError("manifest container field 'agent' is not a boolean")
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool)
-               for v in m["timings"].values()):
-        raise CorruptCheckpointError("manifest timings are malformed")
-    if "agent" in m:
-        agents(m)
+    """m, when it is a well-formed manifest (manifest_types.Manifest.from_json checks every
+    field); CorruptCheckpointError naming the field otherwise."""
+    Manifest.from_json(m)
     return m
 
 
 def agents(m: dict[str, Any]) -> dict[int, dict[str, Any]]:
     """The manifest's "agent" entries by PID at checkpoint ({} when none), checked."""
     raw = m.get("agent", {})
-    if not isinstance(raw, dict):
-        raise CorruptCheckpointError("manifest field 'agent' is not an object")
-    out: dict[int, dict[str, Any]] = {}
-    for key, entry in raw.items():
-        if not (isinstance(key, str) and key.isdigit() and key == str(int(key)) and int(key) > 0):
-            raise CorruptCheckpointError(f"manifest agent entry {key!r} is not a PID")
-        _fields("agent", entry, {"nspid": int, "bytes": int, "files": list})
-        files = entry["files"]
-        if entry["nspid"] <= 0 or not 1 <= len(files) <= 16 or not all(
-                isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in files):
-            raise CorruptCheckpointError(f"manifest agent entry {key} is malformed")
-        out[int(key)] = entry
-    nspids = [e["nspid"] for e in out.values()]
-    if len(set(nspids)) != len(nspids):
-        raise CorruptCheckpointError("manifest agent entries share a namespace PID")
-    return out
-
-
-def _fields(what: str, obj: Any, kinds: dict[str, type]) -> None:
-    if not isinstance(obj, dict):
-        raise CorruptCheckpointError(f"manifest {what} entry is not an object")
-    for key, kind in kinds.items():
-        v = obj.get(key)
-        if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
-            raise CorruptCheckpointError(f"manifest {what} field '{key}' is missing or "
-                                         f"not {kind.__name__}")
+    checked = manifest_types._agents(raw) if raw is not None else {}
+    return {pid: raw[str(pid)] for pid in checked}
 
 
 def parse(data: bytes, origin: str) -> dict[str, Any]:
@@ -311,15 +268,14 @@ def read(images_dir: Path) -> dict[str, Any]:
     if not images_dir.is_dir():
         raise NotFoundError(f"no checkpoint directory {images_dir}")
     try:
-        with open(images_dir / DAMAGED, "rb") as f:
-            said = f.read(600).decode(errors="replace").strip()
+        said = read_untrusted(images_dir, DAMAGED, MAX_DAMAGED).decode(errors="replace").strip()
     except FileNotFoundError:
         pass
     else:   # shown on a terminal, and the directory may be another host's: printable only
-        why = "".join(c if c.isprintable() else "?" for c in said)
-        raise CorruptCheckpointError(f"{images_dir} is damaged and can only be removed: {why}")
+        raise CorruptCheckpointError(f"{images_dir} is damaged and can only be removed: "
+                                     f"{printable(said, MAX_DAMAGED)}")
     try:
-        data = path.read_bytes()
+        data = read_untrusted(images_dir, MANIFEST, MAX_MANIFEST)
     except FileNotFoundError:
         raise NotFoundError(f"{images_dir} holds no torpor checkpoint (no {MANIFEST})") from None
     return parse(data, str(path))
@@ -332,43 +288,46 @@ def verify(images_dir: Path, m: dict[str, Any], checksums: bool = True,
     store) -> their sizes there."""
     root = images_dir.resolve()
     elsewhere = elsewhere or {}
-    bad: list[str] = [f"{rel} is not listed in the manifest"
+    bad: list[str] = [f"{printable(rel)} is not listed in the manifest"
                       for rel in _image_files(images_dir) if rel not in m["files"]]
+    untrusted = manifest_untrusted(images_dir)
+    if untrusted:
+        bad.append(untrusted)
     bad += [f"{name} is not listed in the manifest" for name in REQUIRED_IMAGES
             if name not in m["files"]]
     todo: dict[str, tuple[Path, list[str]]] = {}
     for rel, info in m["files"].items():
         if rel in elsewhere:
             if elsewhere[rel] != info["size"]:
-                bad.append(f"{rel} has {elsewhere[rel]} bytes in the image store, manifest "
+                bad.append(f"{printable(rel)} has {elsewhere[rel]} bytes in the image store, manifest "
                            f"says {info['size']}")
             continue
         path = (images_dir / safe_relpath(rel))
         try:
             real = path.resolve(strict=True)
-        except (FileNotFoundError, RuntimeError):
-            bad.append(f"{rel} is missing")
+        except (OSError, RuntimeError):   # missing, a link loop, a name too long
+            bad.append(f"{printable(rel)} is missing")
             continue
         if root not in real.parents or path.is_symlink() or not real.is_file():
-            bad.append(f"{rel} is not a plain file inside the checkpoint")
+            bad.append(f"{printable(rel)} is not a plain file inside the checkpoint")
             continue
         untrusted = require_trusted_file(real)
         if untrusted:
             bad.append(untrusted)
             continue
         if real.stat().st_size != info["size"]:
-            bad.append(f"{rel} has {real.stat().st_size} bytes, manifest says {info['size']}")
+            bad.append(f"{printable(rel)} has {real.stat().st_size} bytes, manifest says {info['size']}")
             continue
         if checksums and info.get("sha256"):
             todo[rel] = (real, info["sha256"])
     if todo:
         got = block_digests({rel: real for rel, (real, _want) in todo.items()})
-        bad += [f"{rel} checksum mismatch" for rel, (_real, want) in todo.items()
+        bad += [f"{printable(rel)} checksum mismatch" for rel, (_real, want) in todo.items()
                 if got[rel] != want]
     for pid, entry in agents(m).items():   # the agents' data: all there, as the agent wrote it
         for rel, size in zip(bulk.rel_paths(pid, len(entry["files"])), entry["files"]):
             if m["files"].get(rel, {}).get("size") != size:
-                bad.append(f"{rel} (GPU memory of PID {pid}) is not in the file table with "
+                bad.append(f"{printable(rel)} (GPU memory of PID {pid}) is not in the file table with "
                            f"the {size} bytes its agent wrote")
     if bad:
         more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""

@@ -501,3 +501,131 @@ def test_a_jax_program_without_agent_is_not_checkpointed_into_images_nothing_res
         r = torpor.run("checkpoint", str(prog.pid), "-D", str(images), "--leave-running")
         assert r.returncode == 0 and "will not restore" in r.stderr, r.stderr
         assert gpu.state(prog.pid)["state"] == RUNNING
+
+
+# --- issue 18 items 2, 5, 6, 7: what inspect and restore read from a checkpoint ---------------
+
+def _one_line_exit_9(proc) -> None:
+    assert proc.returncode == 9, (proc.returncode, proc.stderr)
+    lines = proc.stderr.strip().splitlines()   # progress lines aside (restore's phases)
+    assert [ln for ln in lines if "error" in ln] == lines[-1:], proc.stderr
+    assert lines[-1].startswith("torpor: error: "), proc.stderr
+    assert "internal error" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_inspect_of_a_users_planted_directory_reads_nothing_else(torpor, tmp_path):
+    """A user's directory, inspected by root: links are not followed, a FIFO does not hang,
+    /dev/zero does not grow torpor, a directory or deep JSON or a wrong type is one line."""
+    nobody = 65534
+    secret = tmp_path / "shadow"
+    secret.write_text("root:$6$planted-secret:19000:0:99999:7:::\n")
+    os.chmod(secret, 0o600)
+    deep = "[" * 200000 + "]" * 200000
+    good = {"schema": 1, "kind": "torpor-checkpoint", "created": "c", "torpor_version": "t",
+            "criu_version": "4", "host": "h", "kernel": "k",
+            "driver": {"version": None, "cuda": None}, "root_pid": 10, "shell_job": False,
+            "leave_running": False, "gpus": [],
+            "processes": [{"pid": 10, "cuda": True, "gpus": [], "gpu_memory": 0}],
+            "timings": {}, "sizes": {"total": 0, "gpu_memory": 0}, "files": {},
+            "agent": {"10": {"nspid": 10, "bytes": 1, "files": [1], "seconds": "x"}}}
+    plants = {
+        "damaged-link": lambda ck: ((ck / "torpor.json").write_text("{}"),
+                                    (ck / "torpor-damaged.txt").symlink_to(secret)),
+        "manifest-link": lambda ck: (ck / "torpor.json").symlink_to(secret),
+        "dev-zero": lambda ck: (ck / "torpor.json").symlink_to("/dev/zero"),
+        "fifo": lambda ck: os.mkfifo(ck / "torpor.json"),
+        "directory": lambda ck: (ck / "torpor.json").mkdir(),
+        "deep": lambda ck: (ck / "torpor.json").write_text(deep),
+        "long-path": lambda ck: (ck / "torpor.json").write_text(
+            json.dumps(dict(good, agent={}, files={"a" * 5000: {"size": 1, "sha256": None}}))),
+        "wrong-type": lambda ck: (ck / "torpor.json").write_text(json.dumps(good)),
+    }
+    for name, plant in plants.items():
+        home = tmp_path / name
+        home.mkdir()
+        ck = home / "ck"
+        ck.mkdir()
+        plant(ck)
+        for p in (home, ck, *ck.iterdir()):
+            os.lchown(p, nobody, nobody)
+        start = time.monotonic()
+        proc = torpor.run("inspect", str(ck), timeout=30)
+        assert time.monotonic() - start < 20, name
+        _one_line_exit_9(proc)
+        assert "planted-secret" not in proc.stdout + proc.stderr, name
+        assert torpor.run("--json", "inspect", str(ck), timeout=30).stdout == ""
+    assert "agent.10.seconds" in torpor.run("inspect", str(tmp_path / "wrong-type" / "ck")).stderr
+    # root may still inspect a user's own directory holding a well-formed manifest
+    ck = tmp_path / "fine"
+    ck.mkdir()
+    (ck / "torpor.json").write_text(json.dumps({k: v for k, v in good.items() if k != "agent"}))
+    for p in (ck, ck / "torpor.json"):
+        os.chown(p, nobody, nobody)
+    proc = torpor.run("inspect", str(ck))
+    assert proc.returncode == 0 and "PID      10" in proc.stdout, proc.stderr
+
+
+def test_checkpoint_strings_are_printed_sanitized_and_torpor_json_trusted_like_images(
+        torpor, gpu, tmp_path, reaper):
+    with gpu.spawn() as prog:
+        images = tmp_path / "ck"
+        torpor.json("checkpoint", str(prog.pid), "-D", str(images), "--leave-running")
+    m = json.loads((images / "torpor.json").read_text())
+    m["host"] = "h\x1b[2K\r  verified: every file present\x07"
+    m["kernel"] = "\x1b]0;title\x07"
+    m["processes"][0]["comm"] = "\x1b[31mred"
+    (images / "torpor.json").write_text(json.dumps(m))
+    os.chmod(images / "torpor.json", 0o600)
+    proc = torpor.run("inspect", str(images), "--verify")
+    assert proc.returncode == 0, proc.stderr
+    assert "\x1b" not in proc.stdout and "\x07" not in proc.stdout and "\r" not in proc.stdout
+    assert torpor.json("inspect", str(images))["manifest"]["host"] == m["host"]  # --json: as read
+    os.chmod(images / "torpor.json", 0o666)
+    _one_line_exit_9(torpor.run("inspect", str(images), "--verify"))
+    proc = torpor.run("restore", "-D", str(images))
+    _one_line_exit_9(proc)
+    assert "torpor.json is owned by uid 0 with mode 666" in proc.stderr
+    os.chmod(images / "torpor.json", 0o600)
+    os.chown(images / "torpor.json", 65534, 65534)
+    _one_line_exit_9(torpor.run("inspect", str(images), "--verify"))
+    os.chown(images / "torpor.json", 0, 0)
+    outside = tmp_path / "outside.json"
+    (images / "torpor.json").rename(outside)
+    (images / "torpor.json").symlink_to(outside)
+    _one_line_exit_9(torpor.run("inspect", str(images), "--verify"))
+
+
+def test_inspect_verify_streams_an_archive(torpor, gpu, tmp_path):
+    import tarfile
+    with gpu.spawn() as prog:
+        images = tmp_path / "ck"
+        torpor.json("checkpoint", str(prog.pid), "-D", str(images), "--leave-running")
+    good = tmp_path / "ck.tar.gz"
+    with tarfile.open(good, "w:gz") as t:
+        t.add(images, arcname="checkpoint")
+    assert torpor.json("inspect", str(good), "--verify")["verified"] is True
+    pages = max(images.glob("pages-*.img"), key=lambda p: p.stat().st_size)
+    data = bytearray(pages.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    pages.write_bytes(bytes(data))
+    bad = tmp_path / "bad.tar"
+    with tarfile.open(bad, "w") as t:
+        t.add(images, arcname="checkpoint")
+    proc = torpor.run("inspect", str(bad), "--verify")
+    _one_line_exit_9(proc)
+    assert "checksum mismatch" in proc.stderr
+    assert torpor.run("inspect", str(bad)).returncode == 0   # without --verify: the manifest only
+
+
+def test_error_lines_quoting_a_checkpoint_are_sanitized(torpor, gpu, tmp_path):
+    """A preflight refusal names the checkpoint's GPU model: printed without its escapes."""
+    with gpu.spawn() as prog:
+        images = tmp_path / "ck"
+        torpor.json("checkpoint", str(prog.pid), "-D", str(images), "--leave-running")
+    m = json.loads((images / "torpor.json").read_text())
+    m["gpus"][0]["name"] = "\x1b]0;owned\x07\x1b[2K\rtorpor: restored"
+    (images / "torpor.json").write_text(json.dumps(m))
+    proc = torpor.run("restore", "-D", str(images))
+    assert proc.returncode == 7, proc.stderr
+    assert "\x1b" not in proc.stderr and "\x07" not in proc.stderr and "\r" not in proc.stderr
+    assert "torpor: error: " in proc.stderr.splitlines()[-1]

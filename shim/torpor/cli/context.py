@@ -9,6 +9,7 @@ from typing import Any
 
 from ..config import Config
 from ..engine import Engine
+from ..files import printable
 from ..progress import Progress, human_bytes, human_rate
 
 
@@ -58,7 +59,7 @@ def agent_line(moved: dict[str, dict[str, Any]], verb: str = "moved") -> str:
 def timing_lines(timings: dict[str, float]) -> str:
     if not timings:
         return ""
-    width = max(len(k) for k in [*timings, "total"])
-    rows = [f"  {k:<{width}}  {v:8.2f} s" for k, v in timings.items()]
+    width = max(len(printable(k, 40)) for k in [*timings, "total"])
+    rows = [f"  {printable(k, 40):<{width}}  {v:8.2f} s" for k, v in timings.items()]
     rows.append(f"  {'total':<{width}}  {sum(timings.values()):8.2f} s")
     return "\n".join(rows)

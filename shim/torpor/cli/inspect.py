@@ -1,4 +1,8 @@
-"""torpor inspect DIR|ARCHIVE: what a checkpoint holds (GPUs, processes, timings, sizes)."""
+"""torpor inspect DIR|ARCHIVE: what a checkpoint holds (GPUs, processes, timings, sizes).
+
+Every string read from the checkpoint is printed through files.printable (a manifest can
+hold terminal escapes); --json output carries the manifest as it was read.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,8 @@ import argparse
 from pathlib import Path
 
 from .. import manifest
-from ..archive import read_any
+from ..archive import read_any, verify_archive
+from ..files import printable as p_
 from ..progress import human_bytes, human_rate
 from ..store import images
 from .context import Context, timing_lines
@@ -15,34 +20,39 @@ NEEDS_RECOVERY = False
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("inspect", help=__doc__.split(":")[1].strip(), description=__doc__)
+    p = sub.add_parser("inspect", help=__doc__.split(":")[1].split("\n")[0].strip(),
+                       description=__doc__.split("\n\n")[0])
     p.add_argument("path", type=Path, help="checkpoint directory or archive (.tar, .tar.zst, ...)")
     p.add_argument("--verify", action="store_true",
-                   help="also check every file's size and checksum (directories only)")
+                   help="also check every file's size and checksum")
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
-    m = read_any(args.path)
+    archive = args.verify and not args.path.is_dir()
+    m = verify_archive(args.path) if archive else read_any(args.path)   # one streaming pass
     verified, packed = None, args.path.is_dir() and images.is_packed(args.path)
     if args.verify and packed:
         verified = images.verify(args.path)   # the files are chunks now: each against its name
     elif args.verify and args.path.is_dir():
         manifest.verify(args.path, m, checksums=True)
         verified = True
-    lines = [f"torpor checkpoint (schema {m['schema']}) made {m['created']} on {m['host']}",
-             f"  torpor {m['torpor_version']}, CRIU {m['criu_version']}, kernel {m['kernel']}, "
-             f"driver {m['driver'].get('version') or '-'}",
+    elif archive:
+        verified = True                       # verify_archive streamed every member
+    lines = [f"torpor checkpoint (schema {m['schema']}) made {p_(m['created'])} on "
+             f"{p_(m['host'])}",
+             f"  torpor {p_(m['torpor_version'])}, CRIU {p_(m['criu_version'])}, kernel "
+             f"{p_(m['kernel'])}, driver {p_(m['driver'].get('version') or '-')}",
              f"  size {human_bytes(m['sizes']['total'])} in {len(m['files'])} files, "
              f"GPU memory {human_bytes(m['sizes'].get('gpu_memory', 0))}"]
     for g in m["gpus"]:
-        lines.append(f"  GPU {g.get('index', '?')}: {g['name']} {g['uuid']} "
+        lines.append(f"  GPU {p_(g.get('index', '?'))}: {p_(g['name'])} {p_(g['uuid'])} "
                      f"({human_bytes(g.get('memory_total', 0))})")
     moved = manifest.agents(m)
     for p in m["processes"]:
         a = moved.get(p["pid"])
-        lines.append(f"  PID {p['pid']:>7} {p.get('comm', ''):<16} "
-                     + (f"CUDA on {', '.join(p['gpus']) or '?'}, {human_bytes(p['gpu_memory'])}"
-                        if p.get("cuda") else "no CUDA state")
+        lines.append(f"  PID {p['pid']:>7} {p_(p.get('comm') or '', 16):<16} "
+                     + (f"CUDA on {p_(', '.join(p['gpus']) or '?')}, "
+                        f"{human_bytes(p['gpu_memory'])}" if p.get("cuda") else "no CUDA state")
                      + (f"; agent moved {human_bytes(a['bytes'])} into {len(a['files'])} "
                         f"file(s) in {float(a.get('seconds', 0)):.2f} s "
                         f"({human_rate(a['bytes'], float(a.get('seconds', 0)))})" if a else ""))

@@ -17,6 +17,7 @@ from types import ModuleType
 
 from .. import __version__, config, logs
 from ..errors import ExitCode, TorporError
+from ..files import printable
 from ..progress import Progress
 from . import checkpoint, demo, doctor, inspect, ps, restore, run, store, suspend
 from .context import Context
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("torpor").error("%s", e, exc_info=True)
         if debug:
             traceback.print_exc()
-        print(f"torpor: error: {e.line()}", file=sys.stderr)
+        print(f"torpor: error: {printable(e.line(), 4000)}", file=sys.stderr)  # names from a checkpoint
         return e.exit_code
     except KeyboardInterrupt:
         print("torpor: interrupted", file=sys.stderr)
@@ -101,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("torpor").critical("unexpected error", exc_info=True)
         if debug:
             traceback.print_exc()
-        print(f"torpor: internal error: {type(e).__name__}: {e} (see --debug)", file=sys.stderr)
+        print(f"torpor: internal error: {type(e).__name__}: {printable(e, 4000)} (see --debug)",
+              file=sys.stderr)
         return ExitCode.ERROR
 
 

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from ..errors import UsageError
+from ..files import printable
 from ..placement import parse_device_map
 from ..flows.process import restore_any
 from .context import Context, agent_line, timing_lines
@@ -35,7 +36,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
                          "-C DIR) and 'torpor restore -D DIR'")
     r = restore_any(ctx.engine, args.images_dir, device_map=device_map,
                     verify=not args.no_verify)
-    remap = ", ".join(f"{o} -> {n}" for o, n in r["gpu_map"].items())
+    remap = printable(", ".join(f"{o} -> {n}" for o, n in r["gpu_map"].items()), 2000)
     ctx.emit(r, f"restored {len(r['pids'])} process(es), root PID {r['root_pid']}"
              + (f", {len(r['cuda_pids'])} with CUDA state" if r["cuda_pids"] else "")
              + (f"; GPUs {remap}" if remap else "") + "\n"

@@ -11,11 +11,9 @@ GPU memory goes into <images dir>/torpor-gpu/ (bulk.py).
 from __future__ import annotations
 
 import contextlib
-import datetime
 import fcntl
 import os
 import shutil
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +25,7 @@ from ..files import open_trusted_dir, remove_lone_file, tree_size
 from ..progress import human_bytes
 from ..store import Store, fingerprints
 from ..store.backend import check_snapshot_name
+from .. import manifest_types as mt
 from . import policy
 
 
@@ -162,27 +161,20 @@ def _manifest(tool: criu.Criu, inv: gpus.Inventory | None, engine: Engine, comms
     """torpor.json without its file table (manifest.seal adds it)."""
     drv = engine.driver_or_none()
     used = sorted({u for p in states for u in (inv.gpus_of(p) if inv else [])})
-    gpu_list = [{"uuid": g.uuid, "name": g.name, "memory_total": g.memory_total, "index": g.index}
-                for g in (inv.gpus if inv else []) if g.uuid in used]
-    processes = [{"pid": p, "comm": comm,
-                  "cuda": p in states, "gpus": inv.gpus_of(p) if inv and p in states else [],
-                  "gpu_memory": inv.memory_of(p) if inv and p in states else 0,
-                  "gpu_memory_by_gpu": inv.memory_by_gpu(p) if inv and p in states else {},
-                  "state": states[p].name if p in states else None} for p, comm in comms.items()]
-    return {
-        "schema": manifest.SCHEMA, "kind": "torpor-checkpoint",
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torpor_version": __version__, "criu_version": tool.version_text,
-        "host": socket.gethostname(), "kernel": os.uname().release,
-        "driver": {"version": inv.driver_version if inv else None,
-                   "cuda": drv.cuda_version if drv and states else None},
-        "root_pid": root, "shell_job": shell_job, "leave_running": leave_running,
-        "tcp_established": engine.cfg.tcp_established,
-        "gpus": gpu_list, "processes": processes,
-        "timings": {k: round(v, 4) for k, v in timings.items()},
-        "sizes": {"total": 0, "gpu_memory": sum(p["gpu_memory"] for p in processes)},
-        "files": {},
-    }
+    has = lambda p: inv is not None and p in states  # noqa: E731
+    return manifest.draft(
+        torpor_version=__version__, criu_version=tool.version_text,
+        driver=mt.Driver(inv.driver_version if inv else None,
+                         drv.cuda_version if drv and states else None),
+        root_pid=root, shell_job=shell_job, leave_running=leave_running,
+        tcp_established=engine.cfg.tcp_established, timings=timings,
+        gpus=[mt.Gpu(g.uuid, g.name, g.memory_total, g.index)
+              for g in (inv.gpus if inv else []) if g.uuid in used],
+        processes=[mt.Process(p, p in states, tuple(inv.gpus_of(p)) if has(p) else (),
+                              inv.memory_of(p) if has(p) else 0, comm=comm,
+                              state=states[p].name if p in states else None,
+                              gpu_memory_by_gpu=inv.memory_by_gpu(p) if has(p) else {})
+                   for p, comm in comms.items()])
 
 
 def checkpoint_into_store(engine: Engine, pid: int, images_dir: Path, name: str, **kw: Any

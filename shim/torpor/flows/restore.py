@@ -106,6 +106,7 @@ def restore_any(engine: Engine, images_dir: Path, **kw: Any) -> dict[str, Any]:
     if not images.is_packed(images_dir):
         return restore(engine, images_dir, **kw)
     require_trusted_location(images_dir, "checkpoint")
+    manifest.require_trusted_records(images_dir)   # the unpacked copy is ours: check these here
     store = policy.open_store(engine.cfg)
     # the agents' GPU data goes from the store straight onto the GPU (store/stream.py)
     in_store = images.gpu_data_files(images.packed_doc(images_dir)) \

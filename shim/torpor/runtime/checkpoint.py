@@ -22,13 +22,13 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import socket
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from .. import __version__, bulk, gpus, interrupts, manifest, oci, procs, workloads
+from .. import manifest_types as mt
 from ..config import Config
 from ..errors import NoDriverError, TorporError, UsageError
 from ..files import private_dir
@@ -213,26 +213,18 @@ def _draft(cid: str, spec: dict[str, Any], use: oci.GpuUse, ck: Checkpointed, pi
         inv = None
     cuda = ck.cuda_processes
     used = set(use.uuids(inv)) | {u for p in cuda for u in p.gpu_uuids}
-    gpu_list = [{"uuid": g.uuid, "name": g.name, "memory_total": g.memory_total,
-                 "index": g.index, "minor": g.minor}
-                for g in (inv.gpus if inv else []) if g.uuid in used]
-    processes = [{"pid": p.pid, "comm": procs.comm(p.pid), "cuda": True,
-                  "gpus": list(p.gpu_uuids), "gpu_memory": int(p.gpu_memory),
-                  "gpu_memory_by_gpu": {u: int(n) for u, n in p.gpu_memory_by_gpu.items()},
-                  "state": p.state} for p in cuda]
-    draft = {
-        "schema": manifest.SCHEMA, "kind": "torpor-checkpoint",
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torpor_version": __version__, "criu_version": "",
-        "host": socket.gethostname(), "kernel": os.uname().release,
-        "driver": {"version": inv.driver_version if inv else None, "cuda": None},
-        "root_pid": pid, "shell_job": False, "leave_running": leave_running,
-        "gpus": gpu_list, "processes": processes, "timings": {},
-        "sizes": {"total": 0, "gpu_memory": sum(p["gpu_memory"] for p in processes)},
-        "files": {},
-        "container": {"id": cid, "minors": use.minors, "visible": use.visible, "cdi": use.cdi,
-                      "agent": oci.has_agent(spec)},
-    }
-    if ck.agents:
-        draft["agent"] = {str(a.pid): a.to_manifest() for a in ck.agents}
-    return draft
+    return manifest.draft(
+        torpor_version=__version__, criu_version="",
+        driver=mt.Driver(inv.driver_version if inv else None, None),
+        root_pid=pid, shell_job=False, leave_running=leave_running,
+        gpus=[mt.Gpu(g.uuid, g.name, g.memory_total, g.index, g.minor)
+              for g in (inv.gpus if inv else []) if g.uuid in used],
+        processes=[mt.Process(p.pid, True, tuple(p.gpu_uuids), int(p.gpu_memory),
+                              comm=procs.comm(p.pid), state=p.state,
+                              gpu_memory_by_gpu={u: int(n) for u, n in
+                                                 p.gpu_memory_by_gpu.items()})
+                   for p in cuda],
+        container=mt.Container(cid, tuple(use.minors), tuple(use.visible), tuple(use.cdi),
+                               oci.has_agent(spec)),
+        agent={a.pid: mt.AgentMove.from_json(a.to_manifest(), f"agent.{a.pid}")
+               for a in ck.agents})

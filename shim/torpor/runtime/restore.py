@@ -28,7 +28,9 @@ from typing import Any
 from .. import agent, bulk, manifest, oci
 from ..config import Config
 from ..errors import TorporError
+from ..files import read_untrusted
 from ..flows import container, policy
+from ..layout import MAX_MANIFEST
 from ..sidecar.client import Client, ensure_running
 from ..sidecar.convert import AgentData
 from ..store import images as store_images
@@ -45,7 +47,7 @@ def read_manifest(images: Path) -> tuple[dict[str, Any], bool]:
     nothing to verify). Returns (manifest, sealed)."""
     if (images / manifest.MANIFEST).exists():
         return manifest.read(images), True
-    data = (images / manifest.DRAFT).read_bytes()
+    data = read_untrusted(images, manifest.DRAFT, MAX_MANIFEST)
     return manifest.parse(data, str(images / manifest.DRAFT)), False
 
 

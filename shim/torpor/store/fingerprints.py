@@ -60,7 +60,8 @@ from typing import Any, Callable, Iterable
 
 from .. import bulk
 from ..errors import CorruptCheckpointError, DamagedRecordsError, TorporError
-from ..files import atomic_write, fsync_dir
+from ..files import atomic_write, fsync_dir, read_untrusted
+from ..layout import MAX_RECORD
 from .backend import BLOB_NAME
 from .snapshot import FINGERPRINT
 from .store import CHUNK_SIZE, Store
@@ -167,7 +168,7 @@ def dump(parts: Iterable[Part]) -> str:
 def _read(path: Path, sizes: list[int], parser: Callable[[str, str, list[int]], list[Any]]
           ) -> list[Any] | None:
     try:
-        text = path.read_text()
+        text = read_untrusted(path.parent, path.name, MAX_RECORD).decode()
     except FileNotFoundError:
         return None
     except UnicodeDecodeError as e:
@@ -364,7 +365,7 @@ def pack_arguments(store: Store, images_dir: Path, refs: dict[str, list[Any]]
         prog = index.parent
         files = [prog / bulk.file_name(k) for k in range(_file_count(prog))]
         sizes = [f.stat().st_size for f in files]
-        parts = parse(index.read_text(), str(index), sizes)
+        parts = _read(index, sizes, parse) or []
         streamed = read_streamed(prog, sizes) or []
         for k, f in enumerate(files):
             rel = f.relative_to(images_dir).as_posix()

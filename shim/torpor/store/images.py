@@ -44,19 +44,18 @@ from typing import Any, Iterable
 from .. import bulk
 from ..errors import CorruptCheckpointError, UsageError
 from ..files import atomic_write
-from ..manifest import DUMP_LOG, MANIFEST, REQUIRED_IMAGES
+from ..files import read_untrusted
+from ..layout import CHUNKS, DUMP_LOG, MANIFEST, MAX_PACKED, PACKED, REQUIRED_IMAGES
 from . import chunk, fingerprints, pages, snapshot
 from .store import Store
 from .writer import WriteStats
 
-PACKED = "torpor-store.json"
-CHUNKS = "torpor-chunks"
 UNPACKED_PREFIX = ".torpor-unpacked-"
 KEPT = {MANIFEST, DUMP_LOG, *REQUIRED_IMAGES}   # stay in a packed directory (also in the snapshot)
 
 
 def is_packed(images_dir: Path) -> bool:
-    return (images_dir / PACKED).is_file()
+    return os.path.lexists(images_dir / PACKED)   # a link or FIFO there is refused on reading
 
 
 def pack(store: Store, images_dir: Path, name: str, owner: str = "",
@@ -113,7 +112,7 @@ def forget_packed(images_dir: Path) -> None:
 def verify(images_dir: Path) -> int:
     """Check a packed checkpoint directory on its own: its snapshot, and every chunk it names
     present in torpor-chunks/ and matching its name. The number of chunks checked."""
-    doc = snapshot.parse((images_dir / PACKED).read_bytes(), f"{images_dir}/{PACKED}")
+    doc = snapshot.parse(read_untrusted(images_dir, PACKED, MAX_PACKED), f"{images_dir}/{PACKED}")
     names = sorted(snapshot.chunk_names(doc))
     for name in names:
         try:
@@ -127,7 +126,7 @@ def verify(images_dir: Path) -> int:
 
 def packed_doc(images_dir: Path) -> dict[str, Any]:
     """The snapshot of the packed checkpoint in images_dir, validated."""
-    return snapshot.parse((images_dir / PACKED).read_bytes(), f"{images_dir}/{PACKED}")
+    return snapshot.parse(read_untrusted(images_dir, PACKED, MAX_PACKED), f"{images_dir}/{PACKED}")
 
 
 def unpacked_size(images_dir: Path, leave_out: Iterable[str] = ()) -> int:

@@ -11,7 +11,7 @@
                                the host fingerprint of each chunk read, chunk.fingerprint)}}}
 
 Chunks are listed in file order; their lengths add up to the size. Nothing read from a
-snapshot is trusted: paths must be plain relative paths (manifest.safe_relpath), chunk names
+snapshot is trusted: paths must be plain relative paths (layout.safe_relpath), chunk names
 64 lowercase hex, lengths positive and bounded, or reading it fails with
 CorruptCheckpointError.
 """
@@ -24,7 +24,7 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError
 from ..files import loads_json
-from ..manifest import safe_relpath
+from ..layout import safe_relpath
 from .backend import BLOB_NAME, SNAPSHOT_NAME
 from .chunk import MAX_CHUNK
 

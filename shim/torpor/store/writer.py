@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Iterator, Mapping, Sequence
 
 from ..errors import CorruptCheckpointError, TorporError, UsageError
-from ..manifest import safe_relpath
+from ..layout import safe_relpath
 from . import chunk, snapshot
 from .backend import check_snapshot_name
 from .parallel import ordered_map
