@@ -11,9 +11,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
 
-from torpor import gpus, manifest, oci, process
+from torpor import gpus, manifest, oci
+from torpor.flows import checkpoint as process
 from torpor.driver import ProcessState
 from torpor.runtime import checkpoint as rt
+from torpor.sidecar.convert import AgentData
 
 HERE = Path(__file__).parent
 A, B = "GPU-11111111-2222-3333-4444-555555555555", "GPU-66666666-7777-8888-9999-000000000000"
@@ -39,12 +41,12 @@ def bare() -> dict:
 def container() -> dict:
     spec = {"mounts": [{"destination": oci.AGENT_DIR_IN_CONTAINER, "source": "/run/torpor"}]}
     use = oci.GpuUse(minors=[0], visible=[], cdi=["nvidia.com/gpu=0"])
-    ck = {"cuda_processes": [{"pid": 4243, "gpu_uuids": [A], "gpu_memory": 1 << 30,
-                              "gpu_memory_by_gpu": {A: 1 << 30}, "state": "LOCKED"}],
-          "agents": [{"pid": 4243, "nspid": 1, **AGENT, "fingerprinted": 512, "skipped": 12,
-                      "skipped_bytes": 48 << 20}]}
+    ck = SimpleNamespace(   # torpord's LockAndCheckpoint answer, as the client types it
+        cuda_processes=[SimpleNamespace(pid=4243, gpu_uuids=(A,), gpu_memory=1 << 30,
+                                        gpu_memory_by_gpu={A: 1 << 30}, state="LOCKED")],
+        agents=[AgentData.from_moved(4243, {"nspid": 1, **AGENT, "fingerprints": FPS})])
     with mock.patch.object(gpus, "discover", return_value=INV), \
-            mock.patch.object(rt, "_comm", return_value="python3"):
+            mock.patch.object(rt.procs, "comm", return_value="python3"):
         return rt._draft("c0ffee", spec, use, ck, 4243, True)
 
 
