@@ -28,6 +28,7 @@ import concurrent.futures
 import fcntl
 import logging
 import os
+import resource
 import signal
 import sys
 import threading
@@ -67,6 +68,18 @@ def _setup_logging(cfg: config.Config, level: str, foreground: bool) -> None:
     logs.setup(cfg.state_dir, None if foreground else "torpord.log", stderr=foreground,
                level=getattr(logging, level.upper(), logging.INFO), stderr_formatted=True,
                fmt="%(asctime)s torpord[%(process)d] %(levelname)s %(message)s", must=True)
+
+
+def _raise_fd_limit() -> None:
+    """The soft limit on descriptors up to the hard one: each connection torpord splices
+    holds two, and running out must not be the first thing a flood of them does."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE,
+                               (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
+        except (ValueError, OSError) as e:
+            log.warning("cannot raise the descriptor limit from %d: %s", soft, e)
 
 
 def _run_dir(cfg: config.Config) -> Path:
@@ -153,16 +166,28 @@ def _serve(cfg: config.Config, args: argparse.Namespace, public: Path, private: 
     except Exception:   # torpord must come up: the reaper retries every RECOVERY_PERIOD_S
         log.exception("recovery at start failed")
 
+    _raise_fd_limit()
     service = Service(cfg, args.op_timeout)
-    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=16,
-                                                               thread_name_prefix="rpc"))
-    pb_grpc.add_TorporServicer_to_server(servicer(service), server)
-    if server.add_insecure_port(f"unix://{private}") == 0:
-        raise SidecarError(f"cannot listen on {private}")
-    server.start()
-    os.chmod(private, 0o600)
+    # Two gRPC servers over one service: root's calls have workers of their own, so that no
+    # flood of the socket owner's calls queues in front of them (the proxy routes by uid);
+    # past its bound a flood's calls are refused (RESOURCE_EXHAUSTED), not queued without end.
+    root_private = private.with_name("root.sock")
+    servers = []
+    for path, workers, bound in ((private, 16, 256), (root_private, 4, 64)):
+        if path.is_socket():
+            path.unlink()
+        srv = grpc.server(concurrent.futures.ThreadPoolExecutor(
+            max_workers=workers, thread_name_prefix="rpc" if bound == 256 else "rpc-root"),
+            maximum_concurrent_rpcs=bound)
+        pb_grpc.add_TorporServicer_to_server(servicer(service), srv)
+        if srv.add_insecure_port(f"unix://{path}") == 0:
+            raise SidecarError(f"cannot listen on {path}")
+        srv.start()
+        os.chmod(path, 0o600)
+        servers.append(srv)
     allowed = {0, cfg.socket_owner_uid}
-    proxy = PeerCredProxy(public, private, allowed, mode=0o660, owner_uid=cfg.socket_owner_uid)
+    proxy = PeerCredProxy(public, private, allowed, mode=0o660, owner_uid=cfg.socket_owner_uid,
+                          routes={0: root_private})
     proxy.start()
     service.ops.start_reaper()
 
@@ -183,13 +208,15 @@ def _serve(cfg: config.Config, args: argparse.Namespace, public: Path, private: 
 
     proxy.stop_accepting()
     service.stopping()
-    server.stop(grace=5).wait(10)
+    for stopped in [srv.stop(grace=5) for srv in servers]:
+        stopped.wait(10)
     service.shutdown()   # waits for the handlers gRPC stopped waiting for
     proxy.close()
-    try:
-        private.unlink()
-    except FileNotFoundError:
-        pass
+    for path in (private, root_private):
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
     os.close(lock_fd)
     log.info("torpord stopped")
     return 0
