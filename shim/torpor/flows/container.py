@@ -71,7 +71,7 @@ class AgentMove:
         """From the engine's result for pid (Engine.lock_and_checkpoint) or torpor.json's
         entry (counts it lacks are 0)."""
         fp = r.get("fingerprints") or {}
-        return cls(pid=int(pid), nspid=int(r["nspid"]), files=tuple(r["files"]),
+        return cls(pid=int(pid), nspid=int(r["nspid"]), files=tuple(int(n) for n in r["files"]),
                    bytes=int(r.get("bytes", 0)), chunks=int(r.get("chunks", 0)),
                    allocations=int(r.get("allocations", 0)),
                    cache_released=int(r.get("cache_released", 0)),
