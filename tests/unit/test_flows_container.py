@@ -179,10 +179,10 @@ def test_restore_retries_once_then_refuses(world, child):
 
 
 def test_agent_move_from_the_engine():
-    r = {"nspid": 7, "files": ["d0"], "bytes": 10, "chunks": 1, "allocations": 2,
+    r = {"nspid": 7, "files": [5], "bytes": 10, "chunks": 1, "allocations": 2,
          "cache_released": 0, "seconds": 0.5,
          "fingerprints": {"parts": 3, "skipped": 1, "skipped_bytes": 4}}
-    assert container.AgentMove.of(9, r) == container.AgentMove(9, 7, ("d0",), 10, 1, 2, 0, 0.5,
+    assert container.AgentMove.of(9, r) == container.AgentMove(9, 7, (5,), 10, 1, 2, 0, 0.5,
                                                                3, 1, 4)
     del r["fingerprints"]
     assert container.AgentMove.of(9, r).fingerprinted == 0

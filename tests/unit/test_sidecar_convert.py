@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from torpor.doctor import Check
+from torpor.flows import container
 from torpor.sidecar import convert, proto
 from torpor.sidecar.convert import (AgentData, AgentResumed, Checkpointed, Container, CudaProcess,
                                     GpuProcess, Listing, OperationInfo, OperationResult,
@@ -47,8 +48,9 @@ VALUES = [
 @pytest.mark.parametrize("value", VALUES, ids=lambda v: type(v).__name__)
 def test_round_trip(value):
     msg = to_pb(pb, value)
-    assert type(msg).__name__ == value._message
-    back = from_pb(type(value), pb.__dict__[value._message].FromString(msg.SerializeToString()))
+    name = convert.message_of(type(value))[0]
+    assert type(msg).__name__ == name
+    back = from_pb(type(value), pb.__dict__[name].FromString(msg.SerializeToString()))
     assert back == value
     assert dataclasses.is_dataclass(back)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -75,17 +77,32 @@ def test_agent_moves_keep_the_manifest_shape():
     plain = AgentData.from_moved(1234, MOVED)
     assert plain.to_manifest() == MOVED and "fingerprints" not in plain.to_manifest()
     # through the wire and back, as torpord answers and the runtime reads
-    (flat,) = convert.agents_to_pb(pb, {1234: {**MOVED, "fingerprints": FP}})
+    flat = to_pb(pb, AgentData.from_moved(1234, {**MOVED, "fingerprints": FP}))
     assert flat.fingerprinted == 5 and flat.skipped == 2 and flat.skipped_bytes == 1 << 20
     assert from_pb(AgentData, flat).to_manifest() == {**MOVED, "fingerprints": FP}
 
 
-def test_agents_are_in_pid_order_and_restore_entries_take_what_the_engine_needs():
-    msgs = convert.agents_to_pb(pb, {9: MOVED, 3: {**MOVED, "nspid": 1}})
-    assert [m.pid for m in msgs] == [3, 9]
-    assert convert.restore_entries(msgs) == {3: {"nspid": 1, "files": MOVED["files"]},
-                                             9: {"nspid": 7, "files": MOVED["files"]}}
-    assert convert.resumed({5: {"bytes": 1, "seconds": 0.5}, 2: {"bytes": 2, "seconds": 0.0}}) \
+def test_the_flows_types_are_the_wire_types():
+    """One contract: the engine's container flows return what torpord sends as it is."""
+    assert (AgentData, AgentResumed, CudaProcess, OperationResult, Restored) == \
+        (container.AgentMove, container.AgentResume, container.CudaProcess,
+         container.OperationResult, container.Restored)
+
+
+def test_checkpointed_answer_from_the_engine():
+    cuda = (CudaProcess(pid=3, state="CHECKPOINTED"),)
+    moved = (AgentData.from_moved(3, MOVED),)
+    ck = container.Checkpointed("op", (3, 4), (3,), cuda, moved, {"lock": 0.5})
+    assert Checkpointed.of(ck, 9.5, "c") == Checkpointed(
+        op_id="op", pids=(3, 4), cuda_processes=cuda, timings={"lock": 0.5}, deadline=9.5,
+        container_id="c", agents=moved)
+
+
+def test_restore_entries_take_what_the_engine_needs():
+    msgs = [to_pb(pb, AgentData.from_moved(9, MOVED)), pb.AgentData(pid=3, nspid=1, files=[5])]
+    assert convert.restore_entries(msgs) == (container.AgentEntry(9, 7, tuple(MOVED["files"])),
+                                             container.AgentEntry(3, 1, (5,)))
+    assert container.resumed({5: {"bytes": 1, "seconds": 0.5}, 2: {"bytes": 2, "seconds": 0.0}}) \
         == (AgentResumed(2, 2, 0.0), AgentResumed(5, 1, 0.5))
 
 

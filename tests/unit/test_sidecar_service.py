@@ -368,3 +368,23 @@ def test_bad_restore_and_operation_requests(service, world):
         svc.Status(pb.StatusRequest(op_id="nope"), Ctx())
     assert e.value.exit_code == ExitCode.NOT_FOUND
     assert world.calls == []
+
+
+def test_the_fingerprints_value_is_the_flows_mode(service, world, monkeypatch):
+    """LockAndCheckpointRequest.fingerprints 0, 1, 2 reach the engine's flow as NONE, INDEX,
+    SKIP; any other value is refused before anything is locked."""
+    from torpor.flows import container
+    from torpor.flows.policy import FingerprintMode
+    svc = service()
+    seen: list[Any] = []
+    real = container.lock_and_checkpoint
+
+    def spy(engine: Any, pids: Any, **kw: Any) -> Any:
+        seen.append(kw["mode"])
+        return real(engine, pids, **kw)
+    monkeypatch.setattr(container, "lock_and_checkpoint", spy)
+    for n in (svc.pb.FINGERPRINTS_NONE, svc.pb.FINGERPRINTS_INDEX, svc.pb.FINGERPRINTS_SKIP):
+        svc.Rollback(svc.pb.OperationRequest(op_id=lock(svc, fingerprints=n).op_id), Ctx())
+    assert seen == [FingerprintMode.NONE, FingerprintMode.INDEX, FingerprintMode.SKIP]
+    assert "fingerprints mode 7" in _refused(lambda: lock(svc, fingerprints=7)).details
+    assert len(seen) == 3 and svc.ops.open_ops() == []

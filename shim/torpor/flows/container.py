@@ -37,45 +37,68 @@ FINISH_GRACE_S = 2.0   # how long finish waits for the dump's processes to end
 class CudaProcess:
     """A CUDA process of a checkpoint, as the driver and NVML saw it."""
     pid: int
-    state: str
+    state: str                     # the driver's state name
     gpu_uuids: tuple[str, ...] = ()
     gpu_memory: int = 0
     gpu_memory_by_gpu: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
+_FINGERPRINTS = (("parts", "fingerprinted"), ("skipped", "skipped"),
+                 ("skipped_bytes", "skipped_bytes"))   # torpor.json's name, AgentMove's name
+_MOVED = ("nspid", "bytes", "chunks", "allocations", "cache_released", "seconds", "files")
+
+
 @dataclasses.dataclass(frozen=True)
 class AgentMove:
-    """What a program's agent moved out of the GPU (torpor.json's "agent" entry)."""
-    pid: int
-    nspid: int
-    files: tuple[str, ...]
-    bytes: int
-    chunks: int
-    allocations: int
-    cache_released: int
-    seconds: float
-    fingerprinted: int = 0
+    """What a program's agent moved out of the GPU at checkpoint, flat (torpor.proto's
+    AgentData). The engine and torpor.json's "agent" entries hold it nested, with the
+    fingerprint counts under "fingerprints": of() and to_manifest() convert between the two,
+    so the shape of those entries is decided here only."""
+    pid: int                       # host PID at checkpoint
+    nspid: int                     # its PID in its own pid namespace
+    files: tuple[int, ...]         # size of each data file
+    bytes: int = 0
+    chunks: int = 0
+    allocations: int = 0
+    cache_released: int = 0
+    seconds: float = 0.0
+    fingerprinted: int = 0         # parts fingerprinted on the GPU; 0: none
     skipped: int = 0
     skipped_bytes: int = 0
 
     @classmethod
     def of(cls, pid: int, r: Mapping[str, Any]) -> "AgentMove":
+        """From the engine's result for pid (Engine.lock_and_checkpoint) or torpor.json's
+        entry (counts it lacks are 0)."""
         fp = r.get("fingerprints") or {}
-        return cls(pid, int(r["nspid"]), tuple(r["files"]), int(r["bytes"]), int(r["chunks"]),
-                   int(r["allocations"]), int(r["cache_released"]), float(r["seconds"]),
-                   int(fp.get("parts", 0)), int(fp.get("skipped", 0)),
-                   int(fp.get("skipped_bytes", 0)))
+        return cls(pid=int(pid), nspid=int(r["nspid"]), files=tuple(int(n) for n in r["files"]),
+                   bytes=int(r.get("bytes", 0)), chunks=int(r.get("chunks", 0)),
+                   allocations=int(r.get("allocations", 0)),
+                   cache_released=int(r.get("cache_released", 0)),
+                   seconds=float(r.get("seconds", 0.0)),
+                   **{mine: int(fp.get(theirs, 0)) for theirs, mine in _FINGERPRINTS})
+
+    from_moved = of
+
+    def to_manifest(self) -> dict[str, Any]:
+        """torpor.json's "agent" entry for this program (keyed by str(pid) there)."""
+        out: dict[str, Any] = {k: getattr(self, k) for k in _MOVED}
+        out["files"] = list(self.files)
+        if self.fingerprinted:
+            out["fingerprints"] = {theirs: getattr(self, mine) for theirs, mine in _FINGERPRINTS}
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
 class AgentResume:
-    """What a program's agent gave back to the GPU."""
+    """What a program's agent gave back to the GPU at restore."""
     pid: int
-    bytes: int
-    seconds: float
+    bytes: int = 0
+    seconds: float = 0.0
 
 
-def _resumed(back: Mapping[int, Mapping[str, Any]]) -> tuple[AgentResume, ...]:
+def resumed(back: Mapping[int, Mapping[str, Any]]) -> tuple[AgentResume, ...]:
+    """The engine's agent resumes (pid -> {bytes, seconds}), in PID order."""
     return tuple(AgentResume(p, int(r["bytes"]), float(r["seconds"]))
                  for p, r in sorted(back.items()))
 
@@ -108,7 +131,7 @@ class AgentEntry:
     """A program whose agent moved its data at the checkpoint (torpor.json's "agent")."""
     pid: int
     nspid: int
-    files: tuple[str, ...]
+    files: tuple[int, ...]         # size of each data file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,7 +261,7 @@ def restore_open(engine: Engine, op: Operation, cuda_pids: Sequence[int],
     op.close()
     log.info("%s: left running, %d CUDA process(es) restored and unlocked", op.entry.id,
              len(live))
-    return Restored(op.entry.id, tuple(live), dict(gpu_map), _resumed(back),
+    return Restored(op.entry.id, tuple(live), dict(gpu_map), resumed(back),
                     policy.timings(engine))
 
 
@@ -278,7 +301,7 @@ def restore(engine: Engine, pids: Sequence[int], *, gpu_map: Mapping[str, str],
     op.close()
     done = sorted(plan.checkpointed + plan.locked)
     log.info("%s: %d CUDA process(es) restored and unlocked", op.entry.id, len(done))
-    return Restored(op.entry.id, tuple(done), dict(gpu_map), _resumed(back),
+    return Restored(op.entry.id, tuple(done), dict(gpu_map), resumed(back),
                     policy.timings(engine))
 
 

@@ -1,13 +1,15 @@
 """Every conversion between torpor.proto's messages and Python values, both directions.
 
-What crosses the socket is a frozen dataclass here, each named after (or mapped to, by
-_message) its message, with the message's field names: to_pb(pb, value) builds the message,
-from_pb(cls, msg) reads one back (repeated fields as tuples, maps as dicts, an unset message
-field as None). torpord's handlers answer with to_pb; the client returns from_pb's values.
+What crosses the socket is a frozen dataclass, with the message's field names: to_pb(pb, value)
+builds the message, from_pb(cls, msg) reads one back (repeated fields as tuples, maps as dicts,
+an unset message field as None). torpord's handlers answer with to_pb; the client returns
+from_pb's values.
 
-Agent moves travel flat (AgentData); the engine and torpor.json hold them nested, with the
-fingerprint counts under "fingerprints": AgentData.from_moved and AgentData.to_manifest convert
-between the two, so the shape of torpor.json's "agent" entries is decided here only.
+The values the engine's container flows return (flows/container.py) are the contract: their
+types travel as they are (CudaProcess, AgentData = AgentMove, AgentResumed = AgentResume,
+OperationResult, Restored; message_of names their messages), and the answers that add
+what only torpord knows (Checkpointed: the operation's deadline) are built from them here.
+Agent moves travel flat; torpor.json holds them nested (AgentMove.of / to_manifest).
 """
 
 from __future__ import annotations
@@ -16,67 +18,24 @@ import dataclasses
 from typing import Any, ClassVar, Iterable, Mapping, TypeVar
 
 from ..doctor import Check
+from ..flows import container
 
 T = TypeVar("T")
 
-_FINGERPRINTS = (("parts", "fingerprinted"), ("skipped", "skipped"),
-                 ("skipped_bytes", "skipped_bytes"))   # torpor.json's name, AgentData's name
-_MOVED = ("nspid", "bytes", "chunks", "allocations", "cache_released", "seconds", "files")
+CudaProcess = container.CudaProcess
+AgentData = container.AgentMove
+AgentResumed = container.AgentResume
+OperationResult = container.OperationResult
+Restored = container.Restored
 
-
-@dataclasses.dataclass(frozen=True)
-class AgentData:
-    """What one program's agent moved out of its GPU at checkpoint (AgentData)."""
-    pid: int                       # host PID at checkpoint
-    nspid: int                     # its PID in its own pid namespace
-    files: tuple[int, ...]         # size of each data file
-    bytes: int = 0
-    chunks: int = 0
-    allocations: int = 0
-    cache_released: int = 0
-    seconds: float = 0.0
-    fingerprinted: int = 0         # parts fingerprinted on the GPU; 0: none
-    skipped: int = 0
-    skipped_bytes: int = 0
-    _message: ClassVar[str] = "AgentData"
-
-    @classmethod
-    def from_moved(cls, pid: int, r: Mapping[str, Any]) -> "AgentData":
-        """From the engine's result for pid (lock_and_checkpoint) or torpor.json's entry."""
-        fp = r.get("fingerprints") or {}
-        return cls(pid=int(pid), nspid=int(r["nspid"]), files=tuple(int(n) for n in r["files"]),
-                   bytes=int(r.get("bytes", 0)), chunks=int(r.get("chunks", 0)),
-                   allocations=int(r.get("allocations", 0)),
-                   cache_released=int(r.get("cache_released", 0)),
-                   seconds=float(r.get("seconds", 0.0)),
-                   **{mine: int(fp.get(theirs, 0)) for theirs, mine in _FINGERPRINTS})
-
-    def to_manifest(self) -> dict[str, Any]:
-        """torpor.json's "agent" entry for this program (keyed by str(pid) there)."""
-        out: dict[str, Any] = {k: getattr(self, k) for k in _MOVED}
-        out["files"] = list(self.files)
-        if self.fingerprinted:
-            out["fingerprints"] = {theirs: getattr(self, mine) for theirs, mine in _FINGERPRINTS}
-        return out
-
-
-@dataclasses.dataclass(frozen=True)
-class AgentResumed:
-    """What one program's agent gave back to its GPU at restore."""
-    pid: int
-    bytes: int = 0
-    seconds: float = 0.0
-    _message: ClassVar[str] = "AgentResumed"
-
-
-@dataclasses.dataclass(frozen=True)
-class CudaProcess:
-    pid: int
-    state: str                     # the driver's state name
-    gpu_uuids: tuple[str, ...] = ()
-    gpu_memory: int = 0
-    gpu_memory_by_gpu: dict[str, int] = dataclasses.field(default_factory=dict)
-    _message: ClassVar[str] = "CudaProcess"
+# the flows' types: (message, nested message fields)
+_FLOWS: dict[type, tuple[str, dict[str, type]]] = {
+    CudaProcess: ("CudaProcess", {}),
+    AgentData: ("AgentData", {}),
+    AgentResumed: ("AgentResumed", {}),
+    OperationResult: ("OperationResult", {}),
+    Restored: ("RestoreAndUnlockResponse", {"agents": AgentResumed}),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,30 +51,12 @@ class Checkpointed:
     _message: ClassVar[str] = "LockAndCheckpointResponse"
     _nested: ClassVar[dict[str, type]] = {"cuda_processes": CudaProcess, "agents": AgentData}
 
-
-@dataclasses.dataclass(frozen=True)
-class OperationResult:
-    """How Finish or Rollback ended an open operation."""
-    op_id: str
-    kind: str
-    pids: tuple[int, ...]
-    outcome: str                   # finished | rolled-back
-    timings: dict[str, float]
-    gone: tuple[int, ...] = ()
-    resumed: tuple[int, ...] = ()
-    _message: ClassVar[str] = "OperationResult"
-
-
-@dataclasses.dataclass(frozen=True)
-class Restored:
-    """RestoreAndUnlock's answer."""
-    op_id: str
-    pids: tuple[int, ...]
-    timings: dict[str, float]
-    gpu_map: dict[str, str]
-    agents: tuple[AgentResumed, ...] = ()
-    _message: ClassVar[str] = "RestoreAndUnlockResponse"
-    _nested: ClassVar[dict[str, type]] = {"agents": AgentResumed}
+    @classmethod
+    def of(cls, c: container.Checkpointed, deadline: float,
+           container_id: str = "") -> "Checkpointed":
+        """The answer for the engine's checkpoint c, open until deadline (wall clock)."""
+        return cls(op_id=c.op_id, pids=c.pids, cuda_processes=c.cuda, timings=dict(c.timings),
+                   deadline=deadline, container_id=container_id, agents=c.moved)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,9 +136,16 @@ class Listing:
 
 # -- both directions ----------------------------------------------------------------------------
 
+def message_of(cls: type) -> tuple[str, dict[str, type]]:
+    """cls's message name and its fields that are messages (and their types)."""
+    if cls in _FLOWS:
+        return _FLOWS[cls]
+    return cls._message, getattr(cls, "_nested", {})  # type: ignore[attr-defined]
+
+
 def to_pb(pb: Any, value: Any) -> Any:
     """The message for a dataclass above (None fields left unset)."""
-    nested = getattr(type(value), "_nested", {})
+    name, nested = message_of(type(value))
     kw: dict[str, Any] = {}
     for f in dataclasses.fields(value):
         v = getattr(value, f.name)
@@ -210,12 +158,12 @@ def to_pb(pb: Any, value: Any) -> Any:
         elif isinstance(v, Mapping):
             v = dict(v)
         kw[f.name] = v
-    return getattr(pb, value._message)(**kw)
+    return getattr(pb, name)(**kw)
 
 
 def from_pb(cls: type[T], msg: Any) -> T:
     """The dataclass cls for a message: repeated fields as tuples, maps as dicts."""
-    nested: dict[str, type] = getattr(cls, "_nested", {})
+    nested = message_of(cls)[1]
     kw: dict[str, Any] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         field = msg.DESCRIPTOR.fields_by_name[f.name]
@@ -239,20 +187,9 @@ def _repeated(field: Any) -> bool:
     return field.label == field.LABEL_REPEATED  # protobuf < 5.28
 
 
-def agents_to_pb(pb: Any, moved: Mapping[int, Mapping[str, Any]]) -> list[Any]:
-    """The engine's agent moves (pid -> nested result), flat, in PID order."""
-    return [to_pb(pb, AgentData.from_moved(p, r)) for p, r in sorted(moved.items())]
-
-
-def resumed(back: Mapping[int, Mapping[str, Any]]) -> tuple[AgentResumed, ...]:
-    """The engine's agent resumes (pid -> {bytes, seconds}), in PID order."""
-    return tuple(AgentResumed(pid=p, bytes=r["bytes"], seconds=r["seconds"])
-                 for p, r in sorted(back.items()))
-
-
-def restore_entries(msgs: Iterable[Any]) -> dict[int, dict[str, Any]]:
-    """RestoreAndUnlockRequest.agents as the engine's restore_targets takes them."""
-    return {a.pid: {"nspid": a.nspid, "files": list(a.files)} for a in msgs}
+def restore_entries(msgs: Iterable[Any]) -> tuple[container.AgentEntry, ...]:
+    """RestoreAndUnlockRequest.agents as the engine's restore takes them."""
+    return tuple(container.AgentEntry(int(a.pid), int(a.nspid), tuple(a.files)) for a in msgs)
 
 
 def check_to_pb(pb: Any, c: Check) -> Any:

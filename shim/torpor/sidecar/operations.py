@@ -6,7 +6,8 @@ it: take() removes it from the table first. The reaper thread rolls back an oper
 within op_timeout_s (a monotonic deadline) or whose caller died (OpenOp.owner), and every
 RECOVERY_PERIOD_S retries what dead torpor commands left (engine.recover()). shutdown() waits
 for the calls in flight (counted by call()), stops the reaper and rolls back what is left open.
-A rollback that fails releases the journal entry without closing it: recovery retries it.
+A rollback (flows/container.py's roll_back) that fails releases the journal entry without
+closing it: recovery retries it.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import time
 from typing import Callable, Iterator
 
 from .. import procs
-from ..engine import Engine, targets_of
+from ..engine import Engine
 from ..errors import NotFoundError, SidecarError, TorporError, UsageError
+from ..flows import container
 from ..journal import Operation
 
 log = logging.getLogger("torpor.sidecar")
@@ -51,11 +53,6 @@ class OpenOp:
     @property
     def id(self) -> str:
         return self.op.entry.id
-
-
-def timings(engine: Engine) -> dict[str, float]:
-    """The engine's phase timings, rounded, as a response reports them."""
-    return {k: round(v, 4) for k, v in engine.progress.timings.items()}
 
 
 class OperationTable:
@@ -186,16 +183,7 @@ class OperationTable:
             except Exception as e:
                 log.error("rollback of %s at shutdown: %s", o.id, e)
 
-    def rollback(self, o: OpenOp) -> tuple[list[int], dict[str, float]]:
-        """Bring o's live CUDA processes (and their agents) back to RUNNING and close o:
-        (the PIDs running again, the timings)."""
-        engine = self.engine()
-        live = [p for p in o.cuda_pids if procs.alive(p)]
-        with engine.progress.phase("rollback"):
-            problems = engine.rollback(live, agents=targets_of(o.op.entry.agents))
-        if problems:
-            o.op.release()
-            raise TorporError(f"rollback of {o.id} failed: " + "; ".join(problems),
-                              hint="the journal entry stays: restarting torpord retries it")
-        o.op.close()
-        return live, timings(engine)
+    def rollback(self, o: OpenOp) -> container.OperationResult:
+        """Bring o's live CUDA processes (and their agents) back to RUNNING and close o
+        (flows/container.py's roll_back)."""
+        return container.roll_back(self.engine(), o.op, o.cuda_pids)

@@ -1,6 +1,7 @@
 """What torpord's handlers make of a request's PIDs and paths, with the checks that refuse bad
 input (UsageError, NotFoundError): the PIDs an operation holds, the agents' socket directory,
-the GPU data directory, and the GPU inventory when there is one.
+the GPU data directory or packed checkpoint, the caller that owns an operation, the
+fingerprint mode, and the GPU inventory when there is one.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from typing import Iterable
 
 from .. import agent, gpus, procs
 from ..errors import NoDriverError, UsageError
+from ..files import require_trusted_location
+from ..flows.policy import FingerprintMode
+from ..store import images as store_images
 from .containers import Containers
 
 log = logging.getLogger("torpor.sidecar")
@@ -63,3 +67,36 @@ def data_dir(path: str) -> Path | None:
     if not os.path.isabs(path):
         raise UsageError(f"gpu_data_dir must be an absolute path, not {path!r}")
     return Path(path)
+
+
+def packed_dir(path: str) -> Path | None:
+    """gpu_data_packed: None when not given, else a trusted packed checkpoint (its snapshot
+    names the chunks torpord streams to the agents)."""
+    packed = data_dir(path)
+    if packed is not None:
+        require_trusted_location(packed, "checkpoint")
+        if not store_images.is_packed(packed):
+            raise UsageError(f"gpu_data_packed {packed} is not a packed checkpoint")
+    return packed
+
+
+def owner(pid: int) -> tuple[int, int | None] | None:
+    """owner_pid: None when not given, else (pid, its start time): the caller whose death
+    rolls the operation back."""
+    if not pid:
+        return None
+    start = procs.start_time(pid)
+    if start is None:
+        raise UsageError(f"owner PID {pid} is not running")
+    return pid, start
+
+
+# LockAndCheckpointRequest.fingerprints: FINGERPRINTS_NONE, _INDEX, _SKIP
+_FINGERPRINT_MODES = (FingerprintMode.NONE, FingerprintMode.INDEX, FingerprintMode.SKIP)
+
+
+def fingerprint_mode(n: int) -> FingerprintMode:
+    """The request's fingerprints value as the engine's mode."""
+    if not 0 <= n < len(_FINGERPRINT_MODES):
+        raise UsageError(f"unknown fingerprints mode {n}")
+    return _FINGERPRINT_MODES[n]

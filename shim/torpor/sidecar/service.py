@@ -1,11 +1,11 @@
 """torpord's gRPC face: the Torpor service's handlers (proto/torpor.proto) and the servicer
 that serves them.
 
-Each handler checks its request (UsageError for bad input; request_args.py), acts through the
-engine, the container registry (containers.py) and the operation table (operations.py), and
-answers one response message built by convert.py; any error becomes a gRPC status carrying torpor's exit code (_rpc). The
-orchestration inside LockAndCheckpoint, Finish, Rollback, RestoreAndUnlock and _restore_open
-moves to the engine's flows (issue 17); until then it lives here as it was in server.py.
+Each handler only translates: it checks its request (UsageError for bad input;
+request_args.py), makes one call (the engine's container flows, flows/container.py, which own
+the checkpoint and restore policy; the container registry, containers.py; the operation table,
+operations.py), and answers one response message built by convert.py; any error becomes a
+gRPC status carrying torpor's exit code (_rpc).
 """
 
 from __future__ import annotations
@@ -15,31 +15,27 @@ import functools
 import logging
 import os
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import grpc
 
-from .. import __version__, bulk, config, gpus, procs
-from ..config import Config
-from ..oci import validate_container_id
+from .. import __version__, config, gpus, procs
 from ..doctor import run_checks
-from ..driver import ProcessState
-from ..engine import Engine, restore_targets, targets_of
-from ..errors import (NoDriverError, NotFoundError, SidecarError, TorporError, UsageError)
-from ..files import require_trusted_location
+from ..engine import Engine
+from ..errors import NoDriverError, NotFoundError, SidecarError, TorporError, UsageError
+from ..flows import container
+from ..journal import Operation
+from ..oci import validate_container_id
 from ..progress import Progress
-from ..store import Store, fingerprints
-from ..store import images as store_images
 from . import grpc_status, proto
 from . import convert
 from .containers import Containers
-from .convert import (CudaProcess, GpuProcess, Listing, OperationInfo, OperationResult,
-                      ProcessStatus, Restored, to_pb)
+from .convert import GpuProcess, Listing, OperationInfo, ProcessStatus, to_pb
 from .operations import DEFAULT_OP_TIMEOUT_S, OpenOp, OperationTable
-from .operations import timings as _timings
 from .request_args import agent_dir as _agent_dir, data_dir as _data_dir
-from .request_args import gpu_info as _gpu_info, resolve_pids as _resolve
+from .request_args import fingerprint_mode as _fingerprint_mode, gpu_info as _gpu_info
+from .request_args import owner as _owner, packed_dir as _packed_dir
+from .request_args import resolve_pids as _resolve
 
 log = logging.getLogger("torpor.sidecar")
 
@@ -84,12 +80,6 @@ class Service:
     def shutdown(self) -> None:
         self.ops.shutdown()
 
-    def _cuda_process(self, pid: int, state: ProcessState, inv: gpus.Inventory | None) -> Any:
-        return to_pb(self.pb, CudaProcess(
-            pid=pid, state=state.name, gpu_uuids=tuple(inv.gpus_of(pid)) if inv else (),
-            gpu_memory=inv.memory_of(pid) if inv else 0,
-            gpu_memory_by_gpu=dict(inv.memory_by_gpu(pid)) if inv else {}))
-
     # -- containers -------------------------------------------------------------------------------
     @_rpc
     def RegisterContainer(self, request: Any, context: Any) -> Any:
@@ -125,184 +115,50 @@ class Service:
             cfg = dataclasses.replace(cfg, lock_timeout_s=request.lock_timeout_s)
         pids = _resolve(self.containers, request.pids, request.container_id,
                         not request.no_descendants)
-        data = _data_dir(request.gpu_data_dir)
-        agent_dir = _agent_dir(self.cfg.run_dir, request.agent_container_id, request.container_id)
-        owner = None
-        if request.owner_pid:
-            owner = (request.owner_pid, procs.start_time(request.owner_pid))
-            if owner[1] is None:
-                raise UsageError(f"owner PID {request.owner_pid} is not running")
-        engine = self.engine(cfg)
-        op = engine.begin("checkpoint", pids)        # BusyError when another op holds them
-        try:
-            states = engine.cuda_states(pids)
-            bad = {p: s for p, s in states.items() if s != ProcessState.RUNNING}
-            if bad:
-                p, s = next(iter(bad.items()))
-                raise UsageError(f"PID {p} is {s.name} on the GPU, not RUNNING")
-            cuda_pids = sorted(states)
-            inv = _gpu_info(cuda_pids)
-            cuda = [self._cuda_process(p, states[p], inv) for p in cuda_pids]
-            # a container's fingerprints are its own only (store/fingerprints.py)
-            fp_owner = fingerprints.owner_of(request.agent_container_id or request.container_id,
-                                             procs.owner_uid(cuda_pids[0]) if cuda_pids else 0)
-            known = self._known(cfg, request.fingerprints, fp_owner) if data else None
-            # a checkpoint that ends the container (SKIP) streams its agents' GPU data
-            # straight into the store (store/stream.py), as `torpor checkpoint --store` does
-            stream_into = Store(cfg.store_dir) if known is not None and cfg.store_stream \
-                and request.fingerprints == self.pb.FINGERPRINTS_SKIP else None
-            moved = engine.lock_and_checkpoint(  # rolls back and closes op on failure
-                op, cuda_pids, bulk.DataDir(data) if data else None, agent_dir,
-                known_fingerprints=known, owner=fp_owner, stream_into=stream_into)
-            try:
-                # The processes are CHECKPOINTED now: until the operation is in the table (where
-                # Rollback, the reaper or shutdown find it), any failure rolls back at once.
-                op.phase("dump")
-                deadline = time.time() + self.op_timeout_s
-                expires = time.monotonic() + self.op_timeout_s
-                self.ops.add(OpenOp(op, pids, cuda_pids, request.container_id,  # or SidecarError
-                                    deadline, expires, owner))                  # when stopping
-            except BaseException as e:
-                engine.fail(op, cuda_pids, e, during="checkpoint")  # rollback, close, raise
-        except BaseException:
-            op.abandon()
-            raise
-        log.info("%s: %d CUDA process(es) of %d checkpointed (%s); waiting for the dump",
-                 op.entry.id, len(cuda_pids), len(pids), ",".join(map(str, cuda_pids)) or "-")
-        return self.pb.LockAndCheckpointResponse(
-            op_id=op.entry.id, pids=pids, cuda_processes=cuda, timings=_timings(engine),
-            deadline=deadline, container_id=request.container_id,
-            agents=convert.agents_to_pb(self.pb, moved))
+        owner = _owner(request.owner_pid)
+        deadline = 0.0    # set when the operation opens
 
-    def _known(self, cfg: Config, mode: int, owner: str) -> set[str] | dict[str, Any] | None:
-        """The fingerprints the agents skip (LockAndCheckpointRequest.fingerprints): what
-        owner's snapshots in the image store hold (SKIP), none (INDEX: fingerprinted only),
-        or no fingerprints."""
-        if mode == self.pb.FINGERPRINTS_NONE:
-            return None
-        store = Store(cfg.store_dir)
-        if not fingerprints.usable(store):
-            return None
-        return fingerprints.known(store, owner).gpu if mode == self.pb.FINGERPRINTS_SKIP else set()
+        def opened(op: Operation, cuda_pids: list[int]) -> None:   # SidecarError when stopping
+            nonlocal deadline
+            deadline = time.time() + self.op_timeout_s
+            self.ops.add(OpenOp(op, pids, cuda_pids, request.container_id, deadline,
+                                time.monotonic() + self.op_timeout_s, owner))
+
+        ck = container.lock_and_checkpoint(
+            self.engine(cfg), pids, data=_data_dir(request.gpu_data_dir),
+            agent_dir=_agent_dir(self.cfg.run_dir, request.agent_container_id,
+                                 request.container_id),
+            owner_container=request.agent_container_id or request.container_id,
+            mode=_fingerprint_mode(request.fingerprints), opened=opened)
+        return to_pb(self.pb, convert.Checkpointed.of(ck, deadline, request.container_id))
 
     @_rpc
     def Finish(self, request: Any, context: Any) -> Any:
         o = self.ops.take(request.op_id)
-        engine = self.engine()
-        # The dump killed the processes; any CUDA process still alive a moment later would stay
-        # checkpointed forever, so it is brought back (that is a --leave-running dump).
-        end = time.monotonic() + 2.0
-        while any(procs.alive(p) for p in o.cuda_pids) and time.monotonic() < end:
-            time.sleep(0.05)
-        alive = [p for p in o.cuda_pids if procs.alive(p)]
-        gone = [p for p in o.cuda_pids if p not in alive]
-        if alive:
-            log.warning("%s finished with CUDA PIDs %s still alive: resuming them", o.id, alive)
-            with engine.progress.phase("resume"):
-                problems = engine.rollback(alive, agents=targets_of(o.op.entry.agents))
-            if problems:
-                o.op.release()
-                raise TorporError(f"finish of {o.id}: " + "; ".join(problems))
-        o.op.close()
-        log.info("%s finished", o.id)
-        return to_pb(self.pb, OperationResult(
-            op_id=o.id, kind=o.op.entry.kind, pids=tuple(o.cuda_pids), outcome="finished",
-            timings=_timings(engine), gone=tuple(gone), resumed=tuple(alive)))
+        return to_pb(self.pb, container.finish(self.engine(), o.op, o.cuda_pids))
 
     @_rpc
     def Rollback(self, request: Any, context: Any) -> Any:
-        o = self.ops.take(request.op_id)
-        live, timings = self.ops.rollback(o)
-        log.info("%s rolled back (%s running again)", o.id, ",".join(map(str, live)) or "none")
-        return to_pb(self.pb, OperationResult(
-            op_id=o.id, kind=o.op.entry.kind, pids=tuple(o.cuda_pids), outcome="rolled-back",
-            timings=timings, gone=tuple(p for p in o.cuda_pids if p not in live)))
+        return to_pb(self.pb, self.ops.rollback(self.ops.take(request.op_id)))
 
     # -- restore ------------------------------------------------------------------------------------
     @_rpc
     def RestoreAndUnlock(self, request: Any, context: Any) -> Any:
         gpu_map = dict(request.gpu_map)
-        if request.op_id:
+        if request.op_id:     # --leave-running: the dump is done and the processes still live
             if request.pids or request.container_id:
                 raise UsageError("give an operation id or PIDs/container, not both")
-            return self._restore_open(self.ops.take(request.op_id), gpu_map)
+            o = self.ops.take(request.op_id)
+            return to_pb(self.pb, container.restore_open(self.engine(), o.op, o.cuda_pids,
+                                                         gpu_map))
         pids = _resolve(self.containers, request.pids, request.container_id,
                         not request.no_descendants)
-        data = _data_dir(request.gpu_data_dir)
-        if request.agents and data is None:
-            raise UsageError("agents given without the gpu_data_dir that holds their data")
-        packed = _data_dir(request.gpu_data_packed)
-        if packed is not None:      # its snapshot names the chunks torpord streams to them
-            require_trusted_location(packed, "checkpoint")
-            if not store_images.is_packed(packed):
-                raise UsageError(f"gpu_data_packed {packed} is not a packed checkpoint")
-        engine = self.engine()
-        op = engine.begin("restore", pids)
-        try:
-            states = engine.cuda_states(pids)
-            checkpointed = sorted(p for p, s in states.items() if s == ProcessState.CHECKPOINTED)
-            locked = sorted(p for p, s in states.items() if s == ProcessState.LOCKED)
-            failed = sorted(p for p, s in states.items() if s == ProcessState.FAILED)
-            if failed:
-                raise TorporError(f"PID {failed[0]} is in the driver's FAILED state: "
-                                  "it cannot be restored")
-            agents = restore_targets(
-                convert.restore_entries(request.agents),
-                data or Path(), _agent_dir(self.cfg.run_dir, request.agent_container_id,
-                                           request.container_id), host_pids=pids,
-                packed=packed)
-            op.phase("gpu-restore", agents={p: t.to_json() for p, t in agents.items()})
-            back: dict[int, dict[str, Any]] = {}
-            try:
-                engine.restore_and_unlock(op, checkpointed, gpu_map)
-                if locked:
-                    op.phase("unlock")
-                    with engine.progress.phase("unlock", f"{len(locked)} locked"):
-                        for p in locked:
-                            engine.driver.unlock(p)
-                if agents:   # after every unlock: a locked program's agent cannot resume
-                    back = engine.restore_and_unlock(op, [], agents=agents)
-            except TorporError as e:
-                problems = engine.rollback(checkpointed + locked, gpu_map, agents)  # once more
-                if problems:
-                    op.release()
-                    raise TorporError(f"{op.entry.phase} failed: {e}; retry failed too: "
-                                      + "; ".join(problems),
-                                      hint="the journal keeps it: restarting torpord retries; "
-                                           "or stop the container") from e
-                log.warning("%s: %s failed (%s) but the retry worked", op.entry.id,
-                            op.entry.phase, e)
-        except BaseException:
-            op.abandon()
-            raise
-        op.close()
-        done = checkpointed + locked
-        log.info("%s: %d CUDA process(es) restored and unlocked", op.entry.id, len(done))
-        return self._restored(op.entry.id, sorted(done), _timings(engine), gpu_map, back)
-
-    def _restored(self, op_id: str, pids: list[int], timings: dict[str, float],
-                  gpu_map: dict[str, str], back: dict[int, dict[str, Any]]) -> Any:
-        return to_pb(self.pb, Restored(op_id=op_id, pids=tuple(pids), timings=timings,
-                                       gpu_map=gpu_map, agents=convert.resumed(back)))
-
-    def _restore_open(self, o: OpenOp, gpu_map: dict[str, str]) -> Any:
-        """--leave-running: the dump is done and the processes still live; give them the GPU."""
-        engine = self.engine()
-        live = [p for p in o.cuda_pids if procs.alive(p)]
-        agents = {p: t for p, t in targets_of(o.op.entry.agents).items() if p in live}
-        back: dict[int, dict[str, Any]] = {}
-        try:
-            back = engine.restore_and_unlock(o.op, live, gpu_map, agents)
-        except TorporError as e:
-            problems = engine.rollback(live, gpu_map, agents)
-            if problems:
-                o.op.release()
-                raise TorporError(f"restore of {o.id} failed: {e}; retry failed: "
-                                  + "; ".join(problems)) from e
-            log.warning("%s: restore failed (%s) but the retry worked", o.id, e)
-        o.op.close()
-        log.info("%s: left running, %d CUDA process(es) restored and unlocked", o.id, len(live))
-        return self._restored(o.id, live, _timings(engine), gpu_map, back)
+        return to_pb(self.pb, container.restore(
+            self.engine(), pids, gpu_map=gpu_map, agents=convert.restore_entries(request.agents),
+            data=_data_dir(request.gpu_data_dir),
+            agent_dir=_agent_dir(self.cfg.run_dir, request.agent_container_id,
+                                 request.container_id),
+            packed=_packed_dir(request.gpu_data_packed)))
 
     # -- inspection ---------------------------------------------------------------------------------
     def _op_info(self, o: OpenOp) -> OperationInfo:
