@@ -37,8 +37,11 @@ class TorporError(Exception):
         self.hint = hint
 
     def line(self) -> str:
+        """The one line an operator sees: messages quote untrusted names (a manifest's keys,
+        paths from an archive), so no control character or escape survives here."""
         msg = str(self)
-        return f"{msg} ({self.hint})" if self.hint else msg
+        msg = f"{msg} ({self.hint})" if self.hint else msg
+        return "".join(c if c.isprintable() else "?" for c in msg)
 
 
 def describe(e: BaseException) -> str:
