@@ -1,23 +1,7 @@
-"""The engine: lock / checkpoint / restore / unlock of a set of host PIDs, with rollback.
-
-Every driver phase runs inside a journal Operation (journal.py). If any phase fails, or the
-operator interrupts, every process is rolled back to RUNNING before the error is raised; if
-torpor itself dies, the next torpor (or torpord) finds the journal entry and rolls back.
-
-Programs under the in-process agent (agent.py, agent/PROTOCOL.md) first have their bulk GPU
-memory moved into data files (bulk.py) by their agent, at PCIe speed; the driver's checkpoint
-then moves only what is left. The order, for every caller (flows/: the CLI's and torpord's):
-
-    checkpoint  agent-prepare -> agent-detach -> lock -> checkpoint      (then the dump)
-    restore     gpu-restore -> unlock -> agent-resume                    (after CRIU restore)
-    rollback    driver restore + unlock -> agent resume                  (whatever was reached)
-
-A resume is only sent once the driver has unlocked the program (a locked program's driver
-calls, the agent's included, block). Any failure of an agent step fails the operation, rolled
-back: a program under the agent is never checkpointed half through it, half not. A program
-with no agent socket is the normal case (driver only); `use_agent = false` in the config makes
-every checkpoint driver-only.
-"""
+"""The engine's agent moves: the programs under the in-process agent (agent.py,
+agent/PROTOCOL.md) have their bulk GPU memory moved out by their agent before the driver's
+lock, and back after its unlock (engine/__init__.py says the order). AgentMoves is mixed into
+Engine: its methods use the engine's config, progress, driver and journal."""
 
 from __future__ import annotations
 
@@ -25,46 +9,23 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
-import shutil
-import signal
 import socket
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterable, Mapping, TypeVar
 
-from . import agent, bulk, criu, interrupts, manifest, packing, procs
-from .agent import AgentClient, AgentError, NoAgentError
-from .config import Config
-from .driver import Driver, DriverError, ProcessState
-from .errors import (BusyError, CorruptCheckpointError, DamagedRecordsError, ExitCode,
-                     NoDriverError, RolledBackError, TorporError)
-from .files import tree_size
-from .journal import Entry, Journal, Operation
-from .progress import Progress, human_bytes, human_rate
-from .store import fingerprints, images, stream
-from .store.store import Store
+from .. import agent, bulk, procs
+from ..agent import AgentClient, AgentError, NoAgentError
+from ..errors import (CorruptCheckpointError, TorporError)
+from ..files import tree_size
+from ..journal import Operation
+from ..progress import human_bytes, human_rate
+from ..store import fingerprints, images, stream
+from ..store.store import Store
 
-log = logging.getLogger(__name__)
-
-_drivers: dict[str, Driver | NoDriverError] = {}
-_drivers_lock = threading.Lock()
+log = logging.getLogger("torpor.engine")
 T = TypeVar("T")
 STATUS_TIMEOUT_S = 30.0   # an agent answers at once, unless a prepare or resume is running
-
-
-def load_driver(path: str) -> Driver:
-    """One Driver per library path and process (engines are cheap, cuInit is not)."""
-    with _drivers_lock:
-        if path not in _drivers:
-            try:
-                _drivers[path] = Driver.load(path)
-            except NoDriverError as e:
-                _drivers[path] = e
-        found = _drivers[path]
-    if isinstance(found, NoDriverError):
-        raise found
-    return found
 
 
 def _parallel(fn: Callable[[int], T], pids: list[int]) -> dict[int, T]:
@@ -154,155 +115,11 @@ def _rate(nbytes: int, seconds: float) -> str:
     return f"{human_bytes(nbytes)} in {seconds:.2f} s ({human_rate(nbytes, seconds)})"
 
 
-class Engine:
-    """The journal, the driver and one Progress (its timings). Cheap: one per operation."""
 
-    def __init__(self, cfg: Config, progress: Progress | None = None):
-        self.cfg = cfg
-        self.progress = progress or Progress(stream=None)
-        self.journal = Journal(cfg)
+class AgentMoves:
+    """Engine's agent steps: probe, prepare, resume (from files, host memory or the store's
+    stream), and the agents' share of a rollback."""
 
-    # -- the driver -------------------------------------------------------------------------
-    @property
-    def driver(self) -> Driver:
-        """The driver; NoDriverError (with its reason) when there is none."""
-        return load_driver(self.cfg.libcuda)
-
-    def driver_or_none(self) -> Driver | None:
-        try:
-            return self.driver
-        except NoDriverError:
-            return None
-
-    def cuda_states(self, pids: Iterable[int]) -> dict[int, ProcessState]:
-        """Driver state of each pid that is a CUDA process; {} without a driver."""
-        drv = self.driver_or_none()
-        if drv is None:
-            return {}
-        states = {}
-        for pid in pids:
-            st = drv.try_state(pid)
-            if st is not None:
-                states[pid] = st
-        return states
-
-    # -- phases -------------------------------------------------------------------------------
-    def begin(self, kind: str, pids: list[int]) -> Operation:
-        return self.journal.begin(kind, pids)
-
-    def lock_and_checkpoint(self, op: Operation, pids: list[int],
-                            data: bulk.DataDir | bulk.InProcess | None = None,
-                            agent_dir: Path | None = None,
-                            scratch: bool = False,
-                            known_fingerprints: Collection[str] | None = None,
-                            owner: str = "", stream_into: Store | None = None
-                            ) -> dict[int, dict[str, Any]]:
-        """RUNNING -> CHECKPOINTED for every pid; on any failure all are rolled back first.
-
-        data: where the agents of the pids that have one (a socket in agent_dir, default
-        agent.default_dir()) put their GPU memory first (the directory is made here, when one
-        has; bulk.InProcess: the program's own memory); None: driver only. scratch: data is
-        torpor's own (suspend): a recovery removes it. known_fingerprints: the agents
-        fingerprint their data on the GPU and skip these parts (owner's snapshots in the image
-        store have them: store/fingerprints.py; hold the store's lock until they are packed);
-        None: they don't. stream_into (with known_fingerprints): the agents stream their data
-        straight into this store (store/stream.py), the data files stay holes.
-        Returns what each agent moved: pid -> {"nspid", "bytes", "chunks", "allocations",
-        "cache_released", "seconds", "files"} (torpor.json's "agent")."""
-        if not pids:
-            return {}
-        drv = self.driver
-        timeout_ms = int(self.cfg.lock_timeout_s * 1000)
-        n = f"{len(pids)} CUDA process{'es' if len(pids) > 1 else ''} ({', '.join(map(str, pids))})"
-        moved: dict[int, dict[str, Any]] = {}
-        try:
-            sockets = self.agent_sockets(pids, agent_dir) if data is not None else {}
-            if sockets and data is not None:
-                moved = self._prepare_agents(op, sockets, data, scratch, known_fingerprints,
-                                             owner, stream_into)
-            op.phase("lock")
-            with self.progress.phase("lock", n):
-                for pid in pids:
-                    drv.lock(pid, timeout_ms)
-            op.phase("checkpoint")
-            before = sum(procs.rss_bytes(p) for p in pids)
-            with self.progress.phase("checkpoint", f"GPU memory of {n} to host memory",
-                                     measure=lambda: sum(procs.rss_bytes(p) for p in pids) - before):
-                _parallel(drv.checkpoint, pids)
-        except BaseException as e:
-            self.fail(op, pids, e, during=op.entry.phase)
-        return moved
-
-    def restore_and_unlock(self, op: Operation, pids: list[int],
-                           gpu_map: Mapping[str, str] | None = None,
-                           agents: Mapping[int, AgentTarget] | None = None
-                           ) -> dict[int, dict[str, Any]]:
-        """CHECKPOINTED -> RUNNING for every pid, then every program in agents gets the memory
-        its agent moved back (resume). Raises DriverError / AgentError; the caller decides.
-        Returns pid -> {"bytes", "seconds"} of each agent's resume."""
-        if not pids and not agents:
-            return {}
-        op.phase("gpu-restore", gpu_map=dict(gpu_map or {}),   # agents first: a recovery resumes
-                 agents=None if agents is None else {p: t.to_json() for p, t in agents.items()})
-        if pids:
-            drv = self.driver
-            n = f"{len(pids)} CUDA process{'es' if len(pids) > 1 else ''}"
-            remap = ", ".join(f"{o} -> {m}" for o, m in (gpu_map or {}).items() if o != m)
-            with self.progress.phase("gpu-restore", n + (f", remapped {remap}" if remap else "")):
-                _parallel(lambda pid: drv.restore(pid, gpu_map), pids)
-            op.phase("unlock")
-            with self.progress.phase("unlock", n):
-                for pid in pids:
-                    drv.unlock(pid)
-        if not agents:
-            return {}
-        op.phase("agent-resume")
-        return self._resume_agents(dict(agents))
-
-    def rollback(self, pids: Iterable[int], gpu_map: Mapping[str, str] | None = None,
-                 agents: Mapping[int, AgentTarget] | None = None) -> list[str]:
-        """Bring every live pid back to RUNNING: driver restore + unlock, then the memory its
-        agent moved (agents) back through the agent. Returns what could not be done."""
-        problems = []
-        stuck = []   # still locked or checkpointed: their agent would block, no resume for them
-        drv = self.driver_or_none()
-        for pid in pids if drv is not None else ():  # no driver: nothing locked or checkpointed
-            if not procs.alive(pid):
-                continue
-            try:
-                st = drv.try_state(pid)
-                if st == ProcessState.CHECKPOINTED:
-                    drv.restore(pid, gpu_map)
-                    st = drv.get_state(pid)
-                if st == ProcessState.LOCKED:
-                    drv.unlock(pid)
-            except DriverError as e:
-                problems.append(f"PID {pid}: {e}")
-                stuck.append(pid)
-        if agents:
-            problems += self.rollback_agents(agents, skip=stuck)
-        return problems
-
-    def fail(self, op: Operation, pids: list[int], error: BaseException, during: str) -> None:
-        """A phase failed: roll every pid back to RUNNING, close op, raise RolledBackError.
-        If the rollback itself fails, the journal entry stays for the next torpor to retry.
-        The data files of the failed operation's agents go once the agents are resumed."""
-        with interrupts.deferred():  # a second Ctrl-C must not stop the rollback
-            problems = self.rollback(pids, agents=targets_of(op.entry.agents))
-        if problems:
-            raise TorporError(f"{during} failed ({_describe(error)}) and rollback failed: "
-                              + "; ".join(problems),
-                              hint="run 'torpor ps' and 'torpor resume PID'") from error
-        if op.entry.data_root:
-            bulk.DataDir(Path(op.entry.data_root)).remove()
-        op.close()
-        code = ExitCode.INTERRUPTED if isinstance(error, KeyboardInterrupt) else None
-        raise RolledBackError(f"{during} failed: {_describe(error)}; " + (
-                              f"{len(pids)} process(es) rolled back to running" if pids else
-                              "the program was left running (no GPU state to roll back)"),
-                              exit_code=code) from error
-
-    # -- the agents -------------------------------------------------------------------------------
     def agent_sockets(self, pids: Iterable[int], agent_dir: Path | None = None) -> dict[int, Path]:
         """pid -> its agent's socket, for the pids whose program runs under the agent."""
         if not self.cfg.use_agent:
@@ -565,146 +382,3 @@ class Engine:
         _parallel(resume, sorted(p for p in targets if p not in skipped and procs.alive(p)))
         return problems
 
-    # -- recovery -------------------------------------------------------------------------------
-    def recover(self) -> list[str]:
-        """Roll back what dead torpor processes left locked or checkpointed."""
-        messages = []
-        for entry, fd in self.journal.orphans():
-            try:
-                messages += self._recover_one(entry, fd)
-            except Exception as e:  # one bad entry must not stop the others, nor the caller
-                log.exception("recovering %s", entry.id)
-                messages.append(f"could not recover interrupted {entry.kind} {entry.id}: {e}")
-                os.close(fd)
-        for msg in messages:
-            log.warning(msg)
-        return messages
-
-    def _recover_one(self, entry: Entry, fd: int) -> list[str]:
-        """Roll back one dead operation's processes, finish its images, then forget it. On
-        any failure the entry stays for the next try."""
-        said: list[str] = []
-        if entry.kind == "restore" and entry.phase == "restore" and entry.work_dir:
-            keep, said = self._interrupted_restore(entry)
-            if keep:
-                os.close(fd)    # CRIU is still at it: the entry stays for the next look
-                return said
-        # suspended on purpose: not ours to resume, unless resuming them is what died
-        suspended = self.journal.suspended() if entry.kind != "resume" else {}
-        live = [p for p in entry.pids
-                if procs.alive(p) and entry.same_process(p) and p not in suspended]
-        try:
-            claims = self.journal.claim(live)
-        except BusyError:
-            os.close(fd)  # a live operation owns these processes now; not ours to touch
-            return []
-        agents = {p: t for p, t in targets_of(entry.agents).items() if p in live}
-        try:
-            with interrupts.deferred():
-                problems = self.rollback(live, entry.gpu_map or None, agents) if live else []
-        finally:
-            for c in claims:
-                os.close(c)
-        if problems:
-            os.close(fd)
-            return [f"could not recover interrupted {entry.kind} {entry.id}: " + "; ".join(problems)]
-        messages = said
-        if live:
-            messages.append(f"recovered {', '.join(map(str, live))} left by an interrupted "
-                            f"{entry.kind} (phase {entry.phase}): running again")
-        if agents:
-            messages.append(f"gave {', '.join(map(str, sorted(agents)))} back the GPU memory "
-                            f"their agent had moved "
-                            + (f"to {entry.data_root}" if entry.data_root
-                               else "into the program's host memory"))
-        if entry.scratch and entry.data_root:
-            bulk.DataDir(Path(entry.data_root)).remove()
-        if entry.kind == "resume":
-            messages += self._finish_resume(live)
-        if entry.kind == "pack":
-            messages += packing.finish_interrupted(self.cfg, entry)
-        elif entry.images_dir:
-            messages += self._finish_images(Path(entry.images_dir), program_alive=bool(live))
-            messages += self._fill_images(Path(entry.images_dir), entry)
-        self.journal.forget(entry, fd)
-        return messages
-
-    def _finish_resume(self, pids: list[int]) -> list[str]:
-        """A resume whose torpor died: its processes run again (the rollback above), so they
-        are suspended no more: their records and the host copies of their GPU memory go."""
-        records = {p: r for p, r in self.journal.suspended().items() if p in pids}
-        for root in {r["data_root"] for r in records.values() if r.get("data_root")}:
-            bulk.DataDir(Path(root)).remove(background=True)
-        for p in records:
-            self.journal.clear_suspended(p)
-        return [f"finished resuming {', '.join(map(str, sorted(records)))}"] if records else []
-
-    def _interrupted_restore(self, entry: Entry, wait_s: float = 10.0
-                             ) -> tuple[bool, list[str]]:
-        """A restore whose torpor died while CRIU ran. CRIU outlives torpor (criu.run_criu):
-        once it has finished, its processes are restored and the usual rollback brings their
-        GPU state back (None: go on). A CRIU that died half-way (killed with torpor's process
-        group, say) left its processes frozen in its restorer for good: they are stopped, and
-        the checkpoint, which a restore never changes, is intact. A CRIU still running gets
-        wait_s to end, else the entry is kept. Returns (keep the entry, what to say)."""
-        work = Path(entry.work_dir)
-        deadline = time.monotonic() + wait_s
-        while criu.restoring(work) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        running = criu.restoring(work)
-        if running:
-            return True, [f"an interrupted restore ({entry.id}) is still being finished by "
-                          f"CRIU (PID {running[0]}): look again when it ends"]
-        if criu.restore_finished(work):
-            shutil.rmtree(work, ignore_errors=True)
-            return False, [f"finished the restore ({entry.id}) an interrupted torpor left to "
-                           "CRIU"]
-        frozen = [p for p in entry.image_pids
-                  if (t := procs.started_at(p)) is not None and t >= entry.started - 1.0]
-        for p in frozen:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        shutil.rmtree(work, ignore_errors=True)
-        entry.pids = []    # none of them is a program to give its GPU back
-        return False, [] if not frozen else [
-            f"stopped {len(frozen)} half-restored process(es) ({', '.join(map(str, frozen))}) "
-            f"that an interrupted restore ({entry.id}) left frozen; the checkpoint is "
-            "unchanged: restore it again"]
-
-    def _fill_images(self, images_dir: Path, entry: Entry) -> list[str]:
-        """A sealed checkpoint into the store whose torpor died before its pack began: what
-        its agents skipped or streamed into the store is written into its data files, so the
-        directory stands on its own (else it could never be restored, and gc could take the
-        streamed chunks no snapshot names)."""
-        if not (images_dir / manifest.MANIFEST).is_file() \
-                or not fingerprints.any_skipped(images_dir) or images.is_packed(images_dir):
-            return []
-        owners = {t.owner for t in targets_of(entry.agents).values() if t.owner}
-        try:
-            filled = packing.stand_alone(Store(self.cfg.store_dir), images_dir,
-                                         next(iter(owners), ""), self.cfg.checksums)
-        except DamagedRecordsError as e:
-            return [f"the checkpoint in {images_dir}, which an interrupted {entry.kind} left "
-                    "unpacked: " + packing.give_up(images_dir, e)]
-        return [f"filled {human_bytes(filled)} of GPU data into the checkpoint in {images_dir} "
-                "from the image store: its torpor died before packing it"]
-
-    def _finish_images(self, images_dir: Path, program_alive: bool) -> list[str]:
-        """An interrupted checkpoint's images: seal them if CRIU finished (or ended the
-        program: they are all that is left of it), else clear them."""
-        if not (images_dir / manifest.DRAFT).exists():
-            return []
-        if manifest.dump_succeeded(images_dir) or not program_alive:
-            manifest.seal(images_dir, self.cfg.checksums)
-            return [f"sealed the checkpoint in {images_dir} that an interrupted torpor had "
-                    "dumped but not sealed"]
-        manifest.clear_partial(images_dir)
-        return [f"removed the partial images of an interrupted dump from {images_dir}"]
-
-
-def _describe(e: BaseException) -> str:
-    if isinstance(e, KeyboardInterrupt):
-        return "interrupted"
-    return str(e) or type(e).__name__

@@ -1,0 +1,219 @@
+"""The engine: lock / checkpoint / restore / unlock of a set of host PIDs, with rollback.
+
+Every driver phase runs inside a journal Operation (journal.py). If any phase fails, or the
+operator interrupts, every process is rolled back to RUNNING before the error is raised; if
+torpor itself dies, the next torpor (or torpord) finds the journal entry and rolls back.
+
+Programs under the in-process agent (agent.py, agent/PROTOCOL.md) first have their bulk GPU
+memory moved into data files (bulk.py) by their agent, at PCIe speed; the driver's checkpoint
+then moves only what is left. The order, for every caller (flows/: the CLI's and torpord's):
+
+    checkpoint  agent-prepare -> agent-detach -> lock -> checkpoint      (then the dump)
+    restore     gpu-restore -> unlock -> agent-resume                    (after CRIU restore)
+    rollback    driver restore + unlock -> agent resume                  (whatever was reached)
+
+A resume is only sent once the driver has unlocked the program (a locked program's driver
+calls, the agent's included, block). Any failure of an agent step fails the operation, rolled
+back: a program under the agent is never checkpointed half through it, half not. A program
+with no agent socket is the normal case (driver only); `use_agent = false` in the config makes
+every checkpoint driver-only.
+
+Three files, one Engine: this one holds the driver phases (lock, checkpoint, restore, unlock,
+rollback, fail) and the Engine itself; agents.py the agent moves (AgentMoves, AgentTarget);
+recovery.py what the next torpor does with a dead one's operations (Recovery). The policy
+that calls them, for every door, is in flows/.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Any, Collection, Iterable, Mapping
+
+from .. import bulk, interrupts, procs
+from ..config import Config
+from ..driver import Driver, DriverError, ProcessState
+from ..errors import ExitCode, NoDriverError, RolledBackError, TorporError
+from ..journal import Journal, Operation
+from ..progress import Progress
+from ..store.store import Store
+from .agents import (STATUS_TIMEOUT_S, AgentMoves, AgentTarget, _parallel,  # noqa: F401
+                     restore_targets, targets_of)
+from .recovery import Recovery
+
+log = logging.getLogger("torpor.engine")
+
+_drivers: dict[str, Driver | NoDriverError] = {}
+_drivers_lock = threading.Lock()
+
+
+def load_driver(path: str) -> Driver:
+    """One Driver per library path and process (engines are cheap, cuInit is not)."""
+    with _drivers_lock:
+        if path not in _drivers:
+            try:
+                _drivers[path] = Driver.load(path)
+            except NoDriverError as e:
+                _drivers[path] = e
+        found = _drivers[path]
+    if isinstance(found, NoDriverError):
+        raise found
+    return found
+
+
+class Engine(AgentMoves, Recovery):
+    """The journal, the driver and one Progress (its timings). Cheap: one per operation."""
+
+    def __init__(self, cfg: Config, progress: Progress | None = None):
+        self.cfg = cfg
+        self.progress = progress or Progress(stream=None)
+        self.journal = Journal(cfg)
+
+    # -- the driver -------------------------------------------------------------------------
+    @property
+    def driver(self) -> Driver:
+        """The driver; NoDriverError (with its reason) when there is none."""
+        return load_driver(self.cfg.libcuda)
+
+    def driver_or_none(self) -> Driver | None:
+        try:
+            return self.driver
+        except NoDriverError:
+            return None
+
+    def cuda_states(self, pids: Iterable[int]) -> dict[int, ProcessState]:
+        """Driver state of each pid that is a CUDA process; {} without a driver."""
+        drv = self.driver_or_none()
+        if drv is None:
+            return {}
+        states = {}
+        for pid in pids:
+            st = drv.try_state(pid)
+            if st is not None:
+                states[pid] = st
+        return states
+
+    # -- phases -------------------------------------------------------------------------------
+    def begin(self, kind: str, pids: list[int]) -> Operation:
+        return self.journal.begin(kind, pids)
+
+    def lock_and_checkpoint(self, op: Operation, pids: list[int],
+                            data: bulk.DataDir | bulk.InProcess | None = None,
+                            agent_dir: Path | None = None,
+                            scratch: bool = False,
+                            known_fingerprints: Collection[str] | None = None,
+                            owner: str = "", stream_into: Store | None = None
+                            ) -> dict[int, dict[str, Any]]:
+        """RUNNING -> CHECKPOINTED for every pid; on any failure all are rolled back first.
+
+        data: where the agents of the pids that have one (a socket in agent_dir, default
+        agent.default_dir()) put their GPU memory first (the directory is made here, when one
+        has; bulk.InProcess: the program's own memory); None: driver only. scratch: data is
+        torpor's own (suspend): a recovery removes it. known_fingerprints: the agents
+        fingerprint their data on the GPU and skip these parts (owner's snapshots in the image
+        store have them: store/fingerprints.py; hold the store's lock until they are packed);
+        None: they don't. stream_into (with known_fingerprints): the agents stream their data
+        straight into this store (store/stream.py), the data files stay holes.
+        Returns what each agent moved: pid -> {"nspid", "bytes", "chunks", "allocations",
+        "cache_released", "seconds", "files"} (torpor.json's "agent")."""
+        if not pids:
+            return {}
+        drv = self.driver
+        timeout_ms = int(self.cfg.lock_timeout_s * 1000)
+        n = f"{len(pids)} CUDA process{'es' if len(pids) > 1 else ''} ({', '.join(map(str, pids))})"
+        moved: dict[int, dict[str, Any]] = {}
+        try:
+            sockets = self.agent_sockets(pids, agent_dir) if data is not None else {}
+            if sockets and data is not None:
+                moved = self._prepare_agents(op, sockets, data, scratch, known_fingerprints,
+                                             owner, stream_into)
+            op.phase("lock")
+            with self.progress.phase("lock", n):
+                for pid in pids:
+                    drv.lock(pid, timeout_ms)
+            op.phase("checkpoint")
+            before = sum(procs.rss_bytes(p) for p in pids)
+            with self.progress.phase("checkpoint", f"GPU memory of {n} to host memory",
+                                     measure=lambda: sum(procs.rss_bytes(p) for p in pids) - before):
+                _parallel(drv.checkpoint, pids)
+        except BaseException as e:
+            self.fail(op, pids, e, during=op.entry.phase)
+        return moved
+
+    def restore_and_unlock(self, op: Operation, pids: list[int],
+                           gpu_map: Mapping[str, str] | None = None,
+                           agents: Mapping[int, AgentTarget] | None = None
+                           ) -> dict[int, dict[str, Any]]:
+        """CHECKPOINTED -> RUNNING for every pid, then every program in agents gets the memory
+        its agent moved back (resume). Raises DriverError / AgentError; the caller decides.
+        Returns pid -> {"bytes", "seconds"} of each agent's resume."""
+        if not pids and not agents:
+            return {}
+        op.phase("gpu-restore", gpu_map=dict(gpu_map or {}),   # agents first: a recovery resumes
+                 agents=None if agents is None else {p: t.to_json() for p, t in agents.items()})
+        if pids:
+            drv = self.driver
+            n = f"{len(pids)} CUDA process{'es' if len(pids) > 1 else ''}"
+            remap = ", ".join(f"{o} -> {m}" for o, m in (gpu_map or {}).items() if o != m)
+            with self.progress.phase("gpu-restore", n + (f", remapped {remap}" if remap else "")):
+                _parallel(lambda pid: drv.restore(pid, gpu_map), pids)
+            op.phase("unlock")
+            with self.progress.phase("unlock", n):
+                for pid in pids:
+                    drv.unlock(pid)
+        if not agents:
+            return {}
+        op.phase("agent-resume")
+        return self._resume_agents(dict(agents))
+
+    def rollback(self, pids: Iterable[int], gpu_map: Mapping[str, str] | None = None,
+                 agents: Mapping[int, AgentTarget] | None = None) -> list[str]:
+        """Bring every live pid back to RUNNING: driver restore + unlock, then the memory its
+        agent moved (agents) back through the agent. Returns what could not be done."""
+        problems = []
+        stuck = []   # still locked or checkpointed: their agent would block, no resume for them
+        drv = self.driver_or_none()
+        for pid in pids if drv is not None else ():  # no driver: nothing locked or checkpointed
+            if not procs.alive(pid):
+                continue
+            try:
+                st = drv.try_state(pid)
+                if st == ProcessState.CHECKPOINTED:
+                    drv.restore(pid, gpu_map)
+                    st = drv.get_state(pid)
+                if st == ProcessState.LOCKED:
+                    drv.unlock(pid)
+            except DriverError as e:
+                problems.append(f"PID {pid}: {e}")
+                stuck.append(pid)
+        if agents:
+            problems += self.rollback_agents(agents, skip=stuck)
+        return problems
+
+    def fail(self, op: Operation, pids: list[int], error: BaseException, during: str) -> None:
+        """A phase failed: roll every pid back to RUNNING, close op, raise RolledBackError.
+        If the rollback itself fails, the journal entry stays for the next torpor to retry.
+        The data files of the failed operation's agents go once the agents are resumed."""
+        with interrupts.deferred():  # a second Ctrl-C must not stop the rollback
+            problems = self.rollback(pids, agents=targets_of(op.entry.agents))
+        if problems:
+            raise TorporError(f"{during} failed ({_describe(error)}) and rollback failed: "
+                              + "; ".join(problems),
+                              hint="run 'torpor ps' and 'torpor resume PID'") from error
+        if op.entry.data_root:
+            bulk.DataDir(Path(op.entry.data_root)).remove()
+        op.close()
+        code = ExitCode.INTERRUPTED if isinstance(error, KeyboardInterrupt) else None
+        raise RolledBackError(f"{during} failed: {_describe(error)}; " + (
+                              f"{len(pids)} process(es) rolled back to running" if pids else
+                              "the program was left running (no GPU state to roll back)"),
+                              exit_code=code) from error
+
+    # -- the agents -------------------------------------------------------------------------------
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, KeyboardInterrupt):
+        return "interrupted"
+    return str(e) or type(e).__name__
+

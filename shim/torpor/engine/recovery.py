@@ -1,0 +1,166 @@
+"""The engine's recovery: what a dead torpor left (journal.py) is rolled back, finished or
+cleared by the next torpor command or torpord. Recovery is mixed into Engine."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+from .. import bulk, criu, interrupts, manifest, packing, procs
+from ..errors import (BusyError, DamagedRecordsError)
+from ..journal import Entry
+from ..progress import human_bytes
+from ..store import fingerprints, images
+from ..store.store import Store
+
+from .agents import targets_of
+
+log = logging.getLogger("torpor.engine")
+
+
+class Recovery:
+    """Engine's recovery of dead operations."""
+
+    # -- recovery -------------------------------------------------------------------------------
+    def recover(self) -> list[str]:
+        """Roll back what dead torpor processes left locked or checkpointed."""
+        messages = []
+        for entry, fd in self.journal.orphans():
+            try:
+                messages += self._recover_one(entry, fd)
+            except Exception as e:  # one bad entry must not stop the others, nor the caller
+                log.exception("recovering %s", entry.id)
+                messages.append(f"could not recover interrupted {entry.kind} {entry.id}: {e}")
+                os.close(fd)
+        for msg in messages:
+            log.warning(msg)
+        return messages
+
+    def _recover_one(self, entry: Entry, fd: int) -> list[str]:
+        """Roll back one dead operation's processes, finish its images, then forget it. On
+        any failure the entry stays for the next try."""
+        said: list[str] = []
+        if entry.kind == "restore" and entry.phase == "restore" and entry.work_dir:
+            keep, said = self._interrupted_restore(entry)
+            if keep:
+                os.close(fd)    # CRIU is still at it: the entry stays for the next look
+                return said
+        # suspended on purpose: not ours to resume, unless resuming them is what died
+        suspended = self.journal.suspended() if entry.kind != "resume" else {}
+        live = [p for p in entry.pids
+                if procs.alive(p) and entry.same_process(p) and p not in suspended]
+        try:
+            claims = self.journal.claim(live)
+        except BusyError:
+            os.close(fd)  # a live operation owns these processes now; not ours to touch
+            return []
+        agents = {p: t for p, t in targets_of(entry.agents).items() if p in live}
+        try:
+            with interrupts.deferred():
+                problems = self.rollback(live, entry.gpu_map or None, agents) if live else []
+        finally:
+            for c in claims:
+                os.close(c)
+        if problems:
+            os.close(fd)
+            return [f"could not recover interrupted {entry.kind} {entry.id}: " + "; ".join(problems)]
+        messages = said
+        if live:
+            messages.append(f"recovered {', '.join(map(str, live))} left by an interrupted "
+                            f"{entry.kind} (phase {entry.phase}): running again")
+        if agents:
+            messages.append(f"gave {', '.join(map(str, sorted(agents)))} back the GPU memory "
+                            f"their agent had moved "
+                            + (f"to {entry.data_root}" if entry.data_root
+                               else "into the program's host memory"))
+        if entry.scratch and entry.data_root:
+            bulk.DataDir(Path(entry.data_root)).remove()
+        if entry.kind == "resume":
+            messages += self._finish_resume(live)
+        if entry.kind == "pack":
+            messages += packing.finish_interrupted(self.cfg, entry)
+        elif entry.images_dir:
+            messages += self._finish_images(Path(entry.images_dir), program_alive=bool(live))
+            messages += self._fill_images(Path(entry.images_dir), entry)
+        self.journal.forget(entry, fd)
+        return messages
+
+    def _finish_resume(self, pids: list[int]) -> list[str]:
+        """A resume whose torpor died: its processes run again (the rollback above), so they
+        are suspended no more: their records and the host copies of their GPU memory go."""
+        records = {p: r for p, r in self.journal.suspended().items() if p in pids}
+        for root in {r["data_root"] for r in records.values() if r.get("data_root")}:
+            bulk.DataDir(Path(root)).remove(background=True)
+        for p in records:
+            self.journal.clear_suspended(p)
+        return [f"finished resuming {', '.join(map(str, sorted(records)))}"] if records else []
+
+    def _interrupted_restore(self, entry: Entry, wait_s: float = 10.0
+                             ) -> tuple[bool, list[str]]:
+        """A restore whose torpor died while CRIU ran. CRIU outlives torpor (criu.run_criu):
+        once it has finished, its processes are restored and the usual rollback brings their
+        GPU state back (None: go on). A CRIU that died half-way (killed with torpor's process
+        group, say) left its processes frozen in its restorer for good: they are stopped, and
+        the checkpoint, which a restore never changes, is intact. A CRIU still running gets
+        wait_s to end, else the entry is kept. Returns (keep the entry, what to say)."""
+        work = Path(entry.work_dir)
+        deadline = time.monotonic() + wait_s
+        while criu.restoring(work) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        running = criu.restoring(work)
+        if running:
+            return True, [f"an interrupted restore ({entry.id}) is still being finished by "
+                          f"CRIU (PID {running[0]}): look again when it ends"]
+        if criu.restore_finished(work):
+            shutil.rmtree(work, ignore_errors=True)
+            return False, [f"finished the restore ({entry.id}) an interrupted torpor left to "
+                           "CRIU"]
+        frozen = [p for p in entry.image_pids
+                  if (t := procs.started_at(p)) is not None and t >= entry.started - 1.0]
+        for p in frozen:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(work, ignore_errors=True)
+        entry.pids = []    # none of them is a program to give its GPU back
+        return False, [] if not frozen else [
+            f"stopped {len(frozen)} half-restored process(es) ({', '.join(map(str, frozen))}) "
+            f"that an interrupted restore ({entry.id}) left frozen; the checkpoint is "
+            "unchanged: restore it again"]
+
+    def _fill_images(self, images_dir: Path, entry: Entry) -> list[str]:
+        """A sealed checkpoint into the store whose torpor died before its pack began: what
+        its agents skipped or streamed into the store is written into its data files, so the
+        directory stands on its own (else it could never be restored, and gc could take the
+        streamed chunks no snapshot names)."""
+        if not (images_dir / manifest.MANIFEST).is_file() \
+                or not fingerprints.any_skipped(images_dir) or images.is_packed(images_dir):
+            return []
+        owners = {t.owner for t in targets_of(entry.agents).values() if t.owner}
+        try:
+            filled = packing.stand_alone(Store(self.cfg.store_dir), images_dir,
+                                         next(iter(owners), ""), self.cfg.checksums)
+        except DamagedRecordsError as e:
+            return [f"the checkpoint in {images_dir}, which an interrupted {entry.kind} left "
+                    "unpacked: " + packing.give_up(images_dir, e)]
+        return [f"filled {human_bytes(filled)} of GPU data into the checkpoint in {images_dir} "
+                "from the image store: its torpor died before packing it"]
+
+    def _finish_images(self, images_dir: Path, program_alive: bool) -> list[str]:
+        """An interrupted checkpoint's images: seal them if CRIU finished (or ended the
+        program: they are all that is left of it), else clear them."""
+        if not (images_dir / manifest.DRAFT).exists():
+            return []
+        if manifest.dump_succeeded(images_dir) or not program_alive:
+            manifest.seal(images_dir, self.cfg.checksums)
+            return [f"sealed the checkpoint in {images_dir} that an interrupted torpor had "
+                    "dumped but not sealed"]
+        manifest.clear_partial(images_dir)
+        return [f"removed the partial images of an interrupted dump from {images_dir}"]
+
+
