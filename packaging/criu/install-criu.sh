@@ -19,20 +19,23 @@
 set -Eeuo pipefail
 
 readonly PROG="torpor"
-readonly MIN_MAJOR=4
+# The oldest CRIU this installer is content with: 4.1 cannot dump any TCP socket on kernels
+# >= 6.16 (SO_PASSCRED/SO_PASSSEC only for Unix and netlink sockets: "Can't get 1:34 opt"),
+# 4.2 handles them. torpor itself runs with any CRIU >= 4.0 (criu.MIN_VERSION).
+readonly WANT_VERSION=4.2
 readonly INSTALL_PATH=/usr/local/sbin/criu
 readonly DEFAULT_WORK=/var/cache/torpor/criu-build
 
 # Overridable from the environment (mostly for testing).
-SRC_SUITE="${TORPOR_CRIU_SRC_SUITE:-trixie}"
+SRC_SUITE="${TORPOR_CRIU_SRC_SUITE:-unstable}"   # the suite with CRIU >= WANT_VERSION
 SRC_MIRROR="${TORPOR_CRIU_SRC_MIRROR:-}"      # empty: derive from the system's sources
 
 usage() {
     cat <<EOF
 Usage: $0 [options]
 
-Ensure CRIU >= ${MIN_MAJOR} is installed (apt if the distribution has it, else
-built from Debian's trixie source package into ${INSTALL_PATH}).
+Ensure CRIU >= ${WANT_VERSION} is installed (apt if the distribution has it, else
+built from Debian's ${SRC_SUITE} source package into ${INSTALL_PATH}).
 
 Options:
   --pycriu-into DIR   also install CRIU's pycriu package into DIR (a Python
@@ -48,7 +51,7 @@ Options:
   --work-dir DIR      build/cache directory (default: ${DEFAULT_WORK})
   -h, --help          this help
 
-Environment: TORPOR_CRIU_SRC_SUITE (default trixie),
+Environment: TORPOR_CRIU_SRC_SUITE (default unstable; trixie has 4.1),
              TORPOR_CRIU_SRC_MIRROR (default: the system's Debian mirror,
              else http://deb.debian.org/debian)
 EOF
@@ -138,11 +141,11 @@ criu_version() {
     "$1" --version 2>/dev/null | awk '/^Version:/ {print $2; exit}'
 }
 
-version_ok() {  # version_ok 4.1.1 -> true if >= MIN_MAJOR
-    [[ -n "$1" ]] && dpkg --compare-versions "$1" ge "${MIN_MAJOR}.0"
+version_ok() {  # version_ok 4.1.1 -> true if >= WANT_VERSION
+    [[ -n "$1" ]] && dpkg --compare-versions "$1" ge "${WANT_VERSION}"
 }
 
-# Find a criu >= MIN_MAJOR: sets CRIU_BIN / CRIU_VER. Returns 1 if none.
+# Find a criu >= WANT_VERSION: sets CRIU_BIN / CRIU_VER. Returns 1 if none.
 CRIU_BIN=""; CRIU_VER=""
 find_criu() {
     local c v seen=" "
@@ -154,7 +157,7 @@ find_criu() {
         seen+="$c "
         v="$(criu_version "$c")"
         if version_ok "$v"; then CRIU_BIN="$c"; CRIU_VER="$v"; return 0; fi
-        [[ -n "$v" ]] && say "found $c, but it is CRIU $v (need >= ${MIN_MAJOR})"
+        [[ -n "$v" ]] && say "found $c, but it is CRIU $v (need >= ${WANT_VERSION})"
     done
     return 1
 }
@@ -234,6 +237,8 @@ ensure_source() {
     ensure_xz
     SRC_TARBALL="$WORK/criu-src.tar"
     if [[ -f "$SRC_TARBALL" && -f "$WORK/criu-src.version" && -f "$WORK/criu-src.sha256" ]] &&
+       [[ "$(cat "$WORK/criu-src.suite" 2>/dev/null)" == "$SRC_SUITE" ]] &&
+       version_ok "$(cat "$WORK/criu-src.version")" &&
        (cd "$WORK" && sha256sum --quiet -c criu-src.sha256 >/dev/null 2>&1); then
         SRC_VERSION="$(cat "$WORK/criu-src.version")"
         return 0
@@ -283,13 +288,14 @@ EOF
     mv -f "$aptdir/get/$name" "$SRC_TARBALL"
     (cd "$WORK" && sha256sum criu-src.tar >criu-src.sha256)
     echo "$SRC_VERSION" >"$WORK/criu-src.version"
+    echo "$SRC_SUITE" >"$WORK/criu-src.suite"
     echo "$name" >"$WORK/criu-src.name"
     rm -rf "$aptdir"
 }
 
 # ------------------------------------------------------- build from source
 BUILD_DEPS=(build-essential pkg-config xz-utils
-            libprotobuf-dev libprotobuf-c-dev protobuf-c-compiler
+            libprotobuf-dev libprotobuf-c-dev protobuf-c-compiler protobuf-compiler
             libnl-3-dev libnet1-dev libcap-dev uuid-dev
             libbsd-dev libgnutls28-dev libnftables-dev)
 RUNTIME_EXTRA=(iproute2)   # criu runs `ip` when network namespaces are dumped
@@ -480,7 +486,7 @@ selftest() {
     need_root "the CRIU self-test"
     say "self-test: $criu --version"
     "$criu" --version | sed 's/^/    /'
-    version_ok "$(criu_version "$criu")" || die "self-test: $criu is not CRIU >= ${MIN_MAJOR}"
+    version_ok "$(criu_version "$criu")" || die "self-test: $criu is not CRIU >= ${WANT_VERSION}"
 
     say "self-test: criu check"
     local out
@@ -577,12 +583,12 @@ main() {
                 install_from_apt "$cand"
             else
                 if [[ -n "$cand" ]]; then
-                    say "the distribution's criu is ${cand} (< ${MIN_MAJOR}; 3.x fails on recent kernels)"
+                    say "the distribution's criu is ${cand} (< ${WANT_VERSION}: older ones fail on recent kernels)"
                 fi
                 build_from_source
             fi
         fi
-        find_criu || die "CRIU >= ${MIN_MAJOR} is still not found after installing it"
+        find_criu || die "CRIU >= ${WANT_VERSION} is still not found after installing it"
         say "CRIU ${CRIU_VER} ready at ${CRIU_BIN}"
         case ":$PATH:" in *":$(dirname "$CRIU_BIN"):"*) ;; *) warn "$(dirname "$CRIU_BIN") is not on PATH" ;; esac
         if [[ "$CRIU_BIN" == "$INSTALL_PATH" && -x /usr/sbin/criu ]]; then
