@@ -41,7 +41,7 @@ class TorporError(Exception):
         paths from an archive), so no control character or escape survives here."""
         msg = str(self)
         msg = f"{msg} ({self.hint})" if self.hint else msg
-        return "".join(c if c.isprintable() else "?" for c in msg)
+        return "".join(c if c.isprintable() else " " if c in "\n\r\t" else "?" for c in msg)
 
 
 def describe(e: BaseException) -> str:

@@ -126,6 +126,9 @@ class Recovery:
                 os.kill(p, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        deadline = time.monotonic() + 5.0   # gone before anyone looks (or restores those PIDs)
+        while any(procs.alive(p) for p in frozen) and time.monotonic() < deadline:
+            time.sleep(0.02)
         shutil.rmtree(work, ignore_errors=True)
         entry.pids = []    # none of them is a program to give its GPU back
         return False, [] if not frozen else [
