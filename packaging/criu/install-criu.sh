@@ -369,7 +369,10 @@ pycriu_install() {
         die "$py lacks protobuf and/or grpcio-tools (install them: $py -m pip install protobuf grpcio-tools)"
 
     local stamp="$dest_dir/pycriu/.torpor-stamp"
-    if [[ $FORCE -eq 0 && -f "$stamp" ]] && grep -qx "protobuf=$pbver" "$stamp" && pycriu_check "$dest_dir" "$py" quiet; then
+    # the stamp names the CRIU it came from: a pycriu of another CRIU (images change) is redone
+    if [[ $FORCE -eq 0 && -f "$stamp" ]] && grep -qx "protobuf=$pbver" "$stamp" &&
+       { [[ -z "$CRIU_VER" ]] || grep -qx "criu=$CRIU_VER" "$stamp"; } &&
+       pycriu_check "$dest_dir" "$py" quiet; then
         say "pycriu already in $dest_dir ($(grep '^criu=' "$stamp"), generated for protobuf $pbver)"
         return 0
     fi
