@@ -32,10 +32,20 @@ def test_one_piece_per_window_holding_present_pages():
     assert window_pieces(entries, WINDOW, PAGE) == [p * PAGE for p in (9, 14, 12, 16, 12)]
 
 
+def _as_written(e: dict) -> dict:
+    """An entry as this pycriu's CRIU writes it: CRIU >= 4.2 has the required 32-bit
+    compat_nr_pages at 0 beside the 64-bit nr_pages (store/pages.py reads both)."""
+    from pycriu.images import pagemap_pb2
+    if "compat_nr_pages" in pagemap_pb2.pagemap_entry.DESCRIPTOR.fields_by_name:
+        return {**e, "compat_nr_pages": 0}
+    return e
+
+
 def write_images(d: Path, entries: list[dict], pages_id: int = 3, extra: int = 0) -> bytes:
     d.mkdir(parents=True, exist_ok=True)
     with open(d / "pagemap-42.img", "wb") as f:
-        pycriu.images.dump({"magic": "PAGEMAP", "entries": [{"pages_id": pages_id}, *entries]}, f)
+        pycriu.images.dump({"magic": "PAGEMAP", "entries": [{"pages_id": pages_id},
+                                                             *map(_as_written, entries)]}, f)
     n = sum(e["nr_pages"] for e in entries if e["flags"] & PE_PRESENT
             and not e["flags"] & PE_PARENT)
     data = os.urandom(n * PAGE + extra)

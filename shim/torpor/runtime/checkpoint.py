@@ -91,7 +91,7 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
 
 def _open_store(cfg: Config, cid: str) -> Store | None:
     try:
-        return policy.open_store(cfg, "the checkpoint is not packed into it")
+        return policy.open_store(cfg, "the checkpoint is not packed into the store")
     except policy.StoreError as e:
         log.error("checkpoint %s: %s", cid, e)
         print(f"torpor-runtime: warning: {e}", file=sys.stderr)
