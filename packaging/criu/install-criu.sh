@@ -78,6 +78,18 @@ on_err() {
 }
 trap 'on_err "$LINENO" "$BASH_COMMAND"' ERR
 
+# try_isolated CMD...: run CMD in a subshell that stops at its first failure (errexit and
+# the ERR trap, as the script itself), without ending the script; TRY_RC = its status.
+# Call it as a plain command: in an if/while condition or a && || list bash ignores
+# errexit in everything below, subshells included.
+TRY_RC=0
+try_isolated() {
+    set +e; trap - ERR
+    ( set -e; trap 'on_err "$LINENO" "$BASH_COMMAND"' ERR; "$@" )
+    TRY_RC=$?
+    trap 'on_err "$LINENO" "$BASH_COMMAND"' ERR; set -e
+}
+
 # Things to undo on exit (temp dirs, the self-test's process).
 CLEANUP_DIRS=()
 CLEANUP_PIDS=()
@@ -553,10 +565,10 @@ EOF
 # (pycriu must match the criu that writes the images); if none is, the first
 # suite that can be had, with a warning.
 source_of_version() {
-    local suite rc first=""
+    local suite first=""
     for suite in "${SRC_SUITES[@]}"; do
-        set +e; ( set -e; ensure_source "$suite" ); rc=$?; set -e
-        if [[ $rc -ne 0 ]]; then warn "CRIU's source from Debian ${suite} cannot be had (log: $LOG)"; continue; fi
+        try_isolated ensure_source "$suite"
+        if [[ $TRY_RC -ne 0 ]]; then warn "CRIU's source from Debian ${suite} cannot be had (log: $LOG)"; continue; fi
         [[ -n "$first" ]] || first="$suite"
         if [[ "$(cat "$WORK/src/$suite/criu-src.version")" == "$1" ]]; then ensure_source "$suite"; return 0; fi
     done
@@ -679,27 +691,27 @@ EOF
 
 # ---------------------------------------------------------------------- main
 # obtain_criu: install CRIU >= WANT_VERSION (apt, else built from the suites in
-# order); where none can be had, the distribution's CRIU >= MIN_MAJOR. Returns 1
-# when nothing was installed.
+# order); where none can be had, the distribution's CRIU >= MIN_MAJOR. OBTAINED=1
+# when something was installed.
+OBTAINED=0
 obtain_criu() {
-    local cand suite rc
+    local cand suite
     if [[ $IS_ROOT -eq 1 ]]; then apt_update_once; fi
     cand="$(apt_candidate criu)"
     if [[ -n "$cand" ]] && version_want "$(upstream_version "$cand")"; then
-        install_from_apt "$cand"; return 0
+        install_from_apt "$cand"; OBTAINED=1; return 0
     fi
     if [[ -n "$cand" ]]; then
         say "the distribution's criu is ${cand} (< ${WANT_VERSION}: no TCP sockets on Linux >= 6.16; 3.x fails on recent kernels)"
     fi
     for suite in "${SRC_SUITES[@]}"; do
-        set +e; ( set -e; build_from_source "$suite" ); rc=$?; set -e
-        [[ $rc -eq 0 ]] && return 0
+        try_isolated build_from_source "$suite"
+        if [[ $TRY_RC -eq 0 ]]; then OBTAINED=1; return 0; fi
         warn "CRIU from Debian ${suite}'s source could not be built, checked or installed (above; log: $LOG)"
     done
     if [[ -n "$cand" ]] && version_ok "$(upstream_version "$cand")"; then
-        install_from_apt "$cand"; return 0
+        install_from_apt "$cand"; OBTAINED=1
     fi
-    return 1
 }
 
 main() {
@@ -714,8 +726,11 @@ main() {
         if [[ $FORCE -eq 0 ]] && find_criu && version_want "$CRIU_VER"; then
             say "another run installed CRIU ${CRIU_VER} meanwhile"
         else
-            [[ $have -eq 1 ]] && say "CRIU ${have_ver} at ${have_bin} is older than ${WANT_VERSION} (it cannot checkpoint TCP sockets on Linux >= 6.16); upgrading"
-            if ! obtain_criu; then
+            if [[ $have -eq 1 ]] && ! version_want "$have_ver"; then
+                say "CRIU ${have_ver} at ${have_bin} is older than ${WANT_VERSION} (it cannot checkpoint TCP sockets on Linux >= 6.16); upgrading"
+            fi
+            obtain_criu
+            if [[ $OBTAINED -eq 0 ]]; then
                 [[ $have -eq 1 ]] || die "no CRIU >= ${MIN_MAJOR} could be installed (suites tried: ${SRC_SUITES[*]}; log: $LOG)"
             fi
         fi
