@@ -3,8 +3,8 @@
 #
 #   1. system packages: python3 + venv, a C compiler and xxHash's header (the agent; the test
 #      suite builds its fakes)
-#   2. CRIU >= 4 (packaging/criu/install-criu.sh: the distribution's, or built from Debian's
-#      source package) and CRIU's pycriu
+#   2. CRIU >= 4.2 (packaging/criu/install-criu.sh: the distribution's, or built from Debian's
+#      source package, unstable first; >= 4 with a warning where 4.2 cannot be had) and pycriu
 #   3. torpor itself in a virtual environment ($TORPOR_PREFIX, default /opt/torpor/venv),
 #      its commands linked into /usr/local/bin
 #   4. /etc/torpor/config.toml (kept if present), the torpord systemd unit (not started),

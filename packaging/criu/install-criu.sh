@@ -5,13 +5,17 @@
 # Used by torpor's ./install.sh and by CI. Safe to run again: when CRIU >= 4
 # is already there it only says so (and refreshes pycriu if asked to).
 #
-#   1. criu >= 4 at /usr/local/sbin/criu or on PATH  -> nothing to do
-#   2. the distribution's candidate `criu` is >= 4     -> apt-get install criu
-#   3. otherwise: build CRIU from Debian's source package of trixie (the
-#      upstream tarball, checked against Debian's signed Sources index),
-#      fetched through a private apt configuration (the system's apt sources
-#      are not touched), build dependencies from the machine's own packages,
-#      binary installed to /usr/local/sbin/criu.
+#   1. criu >= 4.2 at /usr/local/sbin/criu or on PATH -> nothing to do
+#   2. the distribution's candidate `criu` is >= 4.2   -> apt-get install criu
+#   3. otherwise: build CRIU from Debian's source package, newest suite first
+#      (unstable, then trixie; the upstream tarball, checked against Debian's
+#      signed Sources index), fetched through a private apt configuration (the
+#      system's apt sources are not touched), build dependencies from the
+#      machine's own packages. A build is installed to /usr/local/sbin/criu
+#      only after it dumped and restored a process with a listening TCP socket.
+#   4. when no suite gives a CRIU that works: the distribution's criu if it is
+#      >= 4, or the CRIU >= 4 already installed, with a warning saying what
+#      does not work with it (TCP sockets on Linux >= 6.16 need CRIU >= 4.2).
 #
 # See packaging/criu/README.md. CRIU is GPL-2.0 and is used as a separate
 # program; nothing of it is linked into torpor.
@@ -19,15 +23,18 @@
 set -Eeuo pipefail
 
 readonly PROG="torpor"
-# The oldest CRIU this installer is content with: 4.1 cannot dump any TCP socket on kernels
-# >= 6.16 (SO_PASSCRED/SO_PASSSEC only for Unix and netlink sockets: "Can't get 1:34 opt"),
-# 4.2 handles them. torpor itself runs with any CRIU >= 4.0 (criu.MIN_VERSION).
+readonly MIN_MAJOR=4
+# The version aimed for: 4.2 is the first CRIU that dumps TCP sockets on Linux >= 6.16
+# (which allows SO_PASSCRED/SO_PASSSEC only on Unix and netlink sockets; 4.1.1 fails
+# with "Can't get 1:34 opt: Operation not supported" on any TCP socket there).
 readonly WANT_VERSION=4.2
-readonly INSTALL_PATH=/usr/local/sbin/criu
 readonly DEFAULT_WORK=/var/cache/torpor/criu-build
 
 # Overridable from the environment (mostly for testing).
-SRC_SUITE="${TORPOR_CRIU_SRC_SUITE:-unstable}"   # the suite with CRIU >= WANT_VERSION
+INSTALL_PATH="${TORPOR_CRIU_INSTALL_PATH:-/usr/local/sbin/criu}"
+# Debian suites whose source package of CRIU is tried, newest first.
+read -r -a SRC_SUITES <<<"${TORPOR_CRIU_SRC_SUITE:-unstable trixie}"
+[[ ${#SRC_SUITES[@]} -gt 0 ]] || SRC_SUITES=(unstable trixie)
 SRC_MIRROR="${TORPOR_CRIU_SRC_MIRROR:-}"      # empty: derive from the system's sources
 
 usage() {
@@ -35,7 +42,9 @@ usage() {
 Usage: $0 [options]
 
 Ensure CRIU >= ${WANT_VERSION} is installed (apt if the distribution has it, else
-built from Debian's ${SRC_SUITE} source package into ${INSTALL_PATH}).
+built from Debian's source package, newest suite first (${SRC_SUITES[*]}),
+into ${INSTALL_PATH}); where none works, keep or install a CRIU >= ${MIN_MAJOR}
+and say what it lacks.
 
 Options:
   --pycriu-into DIR   also install CRIU's pycriu package into DIR (a Python
@@ -47,13 +56,15 @@ Options:
   --selftest          after installing, run 'criu check' and dump/restore a
                       trivial process tree (and read its image with pycriu if
                       --pycriu-into/--python was given)
-  --force             rebuild/reinstall even if a suitable CRIU is present
+  --force             rebuild/reinstall even if CRIU >= ${WANT_VERSION} is present
   --work-dir DIR      build/cache directory (default: ${DEFAULT_WORK})
   -h, --help          this help
 
-Environment: TORPOR_CRIU_SRC_SUITE (default unstable; trixie has 4.1),
+Environment: TORPOR_CRIU_SRC_SUITE (Debian suites to build from, tried in
+             order; default "unstable trixie"),
              TORPOR_CRIU_SRC_MIRROR (default: the system's Debian mirror,
-             else http://deb.debian.org/debian)
+             else http://deb.debian.org/debian),
+             TORPOR_CRIU_INSTALL_PATH (default /usr/local/sbin/criu)
 EOF
 }
 
@@ -66,6 +77,18 @@ on_err() {
     exit "$rc"
 }
 trap 'on_err "$LINENO" "$BASH_COMMAND"' ERR
+
+# try_isolated CMD...: run CMD in a subshell that stops at its first failure (errexit and
+# the ERR trap, as the script itself), without ending the script; TRY_RC = its status.
+# Call it as a plain command: in an if/while condition or a && || list bash ignores
+# errexit in everything below, subshells included.
+TRY_RC=0
+try_isolated() {
+    set +e; trap - ERR
+    ( set -e; trap 'on_err "$LINENO" "$BASH_COMMAND"' ERR; "$@" )
+    TRY_RC=$?
+    trap 'on_err "$LINENO" "$BASH_COMMAND"' ERR; set -e
+}
 
 # Things to undo on exit (temp dirs, the self-test's process).
 CLEANUP_DIRS=()
@@ -141,11 +164,20 @@ criu_version() {
     "$1" --version 2>/dev/null | awk '/^Version:/ {print $2; exit}'
 }
 
-version_ok() {  # version_ok 4.1.1 -> true if >= WANT_VERSION
-    [[ -n "$1" ]] && dpkg --compare-versions "$1" ge "${WANT_VERSION}"
+version_ok() {  # version_ok 4.1.1 -> true if >= MIN_MAJOR
+    [[ -n "$1" ]] && dpkg --compare-versions "$1" ge "${MIN_MAJOR}.0"
 }
 
-# Find a criu >= WANT_VERSION: sets CRIU_BIN / CRIU_VER. Returns 1 if none.
+version_want() {  # version_want 4.2.1 -> true if >= WANT_VERSION
+    [[ -n "$1" ]] && dpkg --compare-versions "$1" ge "$WANT_VERSION"
+}
+
+upstream_version() {  # "1:4.2.1-2+b1" -> "4.2.1"
+    local v="${1#*:}"
+    echo "${v%%-*}"
+}
+
+# Find a criu >= MIN_MAJOR: sets CRIU_BIN / CRIU_VER. Returns 1 if none.
 CRIU_BIN=""; CRIU_VER=""
 find_criu() {
     local c v seen=" "
@@ -157,7 +189,7 @@ find_criu() {
         seen+="$c "
         v="$(criu_version "$c")"
         if version_ok "$v"; then CRIU_BIN="$c"; CRIU_VER="$v"; return 0; fi
-        [[ -n "$v" ]] && say "found $c, but it is CRIU $v (need >= ${WANT_VERSION})"
+        [[ -n "$v" ]] && say "found $c, but it is CRIU $v (need >= ${MIN_MAJOR})"
     done
     return 1
 }
@@ -230,17 +262,20 @@ ensure_xz() {   # the source tarball is .tar.xz
     run_logged "apt-get install xz-utils" apt-get install -y --no-install-recommends xz-utils
 }
 
-# Ensure $WORK/criu-src.tar (the upstream CRIU tarball, as compressed by
-# Debian, from Debian's source package). Sets SRC_TARBALL and SRC_VERSION.
+# Ensure $WORK/src/SUITE/criu-src.tar (the upstream CRIU tarball, as
+# compressed by Debian, from Debian SUITE's source package), cached per suite.
+# Sets SRC_TARBALL and SRC_VERSION.
 ensure_source() {
+    local suite="$1" cache
     work_init
     ensure_xz
-    SRC_TARBALL="$WORK/criu-src.tar"
-    if [[ -f "$SRC_TARBALL" && -f "$WORK/criu-src.version" && -f "$WORK/criu-src.sha256" ]] &&
-       [[ "$(cat "$WORK/criu-src.suite" 2>/dev/null)" == "$SRC_SUITE" ]] &&
-       version_ok "$(cat "$WORK/criu-src.version")" &&
-       (cd "$WORK" && sha256sum --quiet -c criu-src.sha256 >/dev/null 2>&1); then
-        SRC_VERSION="$(cat "$WORK/criu-src.version")"
+    # the cache of install-criu.sh before it knew suites: one tarball, suite unknown
+    rm -f "$WORK"/criu-src.tar "$WORK"/criu-src.sha256 "$WORK"/criu-src.version "$WORK"/criu-src.name
+    cache="$WORK/src/$suite"
+    SRC_TARBALL="$cache/criu-src.tar"
+    if [[ -f "$SRC_TARBALL" && -f "$cache/criu-src.version" && -f "$cache/criu-src.sha256" ]] &&
+       (cd "$cache" && sha256sum --quiet -c criu-src.sha256 >/dev/null 2>&1); then
+        SRC_VERSION="$(cat "$cache/criu-src.version")"
         return 0
     fi
 
@@ -253,12 +288,12 @@ ensure_source() {
     fi
     mirror="$(debian_mirror)"
     aptdir="$WORK/apt"
-    rm -rf "$aptdir"
+    rm -rf "$aptdir" "$cache"
     mkdir -p "$aptdir/lists/partial" "$aptdir/get"
     cat >"$aptdir/src.sources" <<EOF
 Types: deb-src
 URIs: ${mirror}
-Suites: ${SRC_SUITE}
+Suites: ${suite}
 Components: main
 Signed-By: ${keyring}
 EOF
@@ -267,52 +302,63 @@ EOF
     local o=(-o "Dir::Etc::SourceList=$aptdir/src.sources" -o "Dir::Etc::SourceParts=/dev/null"
              -o "Dir::State::Lists=$aptdir/lists" -o "Dir::Cache::pkgcache=" -o "Dir::Cache::srcpkgcache="
              -o "APT::Sandbox::User=root" -o "Acquire::Languages=none")
-    say "fetching the index of Debian ${SRC_SUITE} source packages from ${mirror} (private apt config)..."
-    run_logged "apt-get update (private deb-src ${SRC_SUITE})" apt-get "${o[@]}" update
+    say "fetching the index of Debian ${suite} source packages from ${mirror} (private apt config)..."
+    run_logged "apt-get update (private deb-src ${suite})" apt-get "${o[@]}" update
     # --print-uris lists the files with the SHA256 from the signed index.
     local uris
     uris="$(cd "$aptdir/get" && apt-get "${o[@]}" source --print-uris criu 2>>"$LOG")" ||
         die "apt-get source --print-uris criu failed (log: $LOG)"
     line="$(printf '%s\n' "$uris" | grep -E "^'[^']+' criu_[^ ]+\.orig\.tar\.[a-z0-9]+ " | head -n1)" ||
-        die "no CRIU upstream tarball in Debian ${SRC_SUITE}'s source package (log: $LOG)"
+        die "no CRIU upstream tarball in Debian ${suite}'s source package (log: $LOG)"
     read -r uri name size hash <<<"$line"
     uri="${uri//\'/}"
     [[ "$hash" == SHA256:* ]] || die "unexpected checksum for $name: $hash"
     SRC_VERSION="${name#criu_}"; SRC_VERSION="${SRC_VERSION%%.orig.tar.*}"
-    say "downloading CRIU ${SRC_VERSION} source ($name, $((size / 1024)) KiB) from Debian..."
+    say "downloading CRIU ${SRC_VERSION} source ($name, $((size / 1024)) KiB) from Debian ${suite}..."
     run_logged "download $name" /usr/lib/apt/apt-helper -o APT::Sandbox::User=root download-file "$uri" "$aptdir/get/$name" "$hash"
     # double check (apt-helper already verified it)
     echo "${hash#SHA256:}  $aptdir/get/$name" | sha256sum --quiet -c - >/dev/null ||
         die "checksum mismatch for $name"
     # Keep it uncompressed-agnostic: store as-is, tar detects the compression.
+    mkdir -p "$cache"
     mv -f "$aptdir/get/$name" "$SRC_TARBALL"
-    (cd "$WORK" && sha256sum criu-src.tar >criu-src.sha256)
-    echo "$SRC_VERSION" >"$WORK/criu-src.version"
-    echo "$SRC_SUITE" >"$WORK/criu-src.suite"
-    echo "$name" >"$WORK/criu-src.name"
+    echo "$name" >"$cache/criu-src.name"
+    echo "$SRC_VERSION" >"$cache/criu-src.version"
+    (cd "$cache" && sha256sum criu-src.tar >criu-src.sha256)   # last: marks the cache complete
     rm -rf "$aptdir"
 }
 
 # ------------------------------------------------------- build from source
+# protobuf-compiler: CRIU 4.2 runs protoc when it builds
 BUILD_DEPS=(build-essential pkg-config xz-utils
             libprotobuf-dev libprotobuf-c-dev protobuf-c-compiler protobuf-compiler
             libnl-3-dev libnet1-dev libcap-dev uuid-dev
             libbsd-dev libgnutls28-dev libnftables-dev)
 RUNTIME_EXTRA=(iproute2)   # criu runs `ip` when network namespaces are dumped
 
-build_from_source() {
-    need_root "building and installing CRIU"
-    work_init
+build_deps_once() {
+    [[ -z "${BUILD_DEPS_DONE:-}" ]] || return 0
     say "installing CRIU build dependencies from this system's packages..."
     apt_update_once
     run_logged "apt-get install build dependencies" \
         apt-get install -y --no-install-recommends "${BUILD_DEPS[@]}" "${RUNTIME_EXTRA[@]}"
+    BUILD_DEPS_DONE=1
+}
 
-    ensure_source
+# build_from_source SUITE: build CRIU from Debian SUITE's source, check that it
+# dumps and restores a process with a listening TCP socket on this machine, and
+# only then install it (atomic rename) at INSTALL_PATH. Dies on any failure;
+# main runs it in a subshell so that the next suite can be tried.
+build_from_source() {
+    local suite="$1"
+    need_root "building and installing CRIU"
+    work_init
+    build_deps_once
+    ensure_source "$suite"
     local t0 t1 src="$WORK/build"
     rm -rf "$src"; mkdir -p "$src"
     run_logged "unpack CRIU source" tar -xf "$SRC_TARBALL" -C "$src" --strip-components=1
-    say "building CRIU ${SRC_VERSION} from Debian's source package (about a minute; log: $LOG)..."
+    say "building CRIU ${SRC_VERSION} from Debian ${suite}'s source package (about a minute; log: $LOG)..."
     t0=$(date +%s)
     # Only the criu binary (no docs/man pages, which need asciidoc/xmlto; no
     # plugins, libcriu, crit). WERROR=0: newer compilers add warnings.
@@ -321,12 +367,62 @@ build_from_source() {
     local built="$src/criu/criu" v
     v="$(criu_version "$built")"
     version_ok "$v" || die "the freshly built criu reports version '${v:-?}'"
+    say "built CRIU $v in $((t1 - t0)) s; checking it on this machine before installing it..."
+    "$built" check >>"$LOG" 2>&1 || die "the freshly built CRIU $v fails 'criu check' here (log: $LOG)"
+    tcp_roundtrip "$built" || die "the freshly built CRIU $v cannot checkpoint a TCP listener here (log: $LOG)"
     install -d -m 0755 "$(dirname "$INSTALL_PATH")"
     install -m 0755 "$built" "$INSTALL_PATH.new"
     mv -f "$INSTALL_PATH.new" "$INSTALL_PATH"
-    say "built in $((t1 - t0)) s; installed CRIU $v to $INSTALL_PATH"
+    say "installed CRIU $v to $INSTALL_PATH"
     keep_runtime_libs "$INSTALL_PATH"
     rm -rf "$src"
+}
+
+# tcp_roundtrip CRIU: dump and restore (criu restore -d) a process that holds a
+# listening TCP socket on 127.0.0.1, connect to the restored one, then kill it. Output to $LOG; returns 1 if
+# CRIU cannot (CRIU < 4.2 on Linux >= 6.16: "Can't get 1:34 opt").
+tcp_roundtrip() {
+    local criu="$1" d pid ok=0
+    command -v perl >/dev/null 2>&1 || { warn "no perl: the TCP check of CRIU is skipped"; return 0; }
+    d="$(mktemp -d /tmp/torpor-criu-tcp.XXXXXX)"
+    CLEANUP_DIRS+=("$d")
+    (   # only fds 0-2 (our flock on the work dir must not go into the dump)
+        cd /
+        for f in /proc/"$BASHPID"/fd/*; do
+            n="${f##*/}"
+            if [[ "$n" =~ ^[0-9]+$ && "$n" -gt 2 ]]; then eval "exec $n>&-"; fi
+        done
+        exec setsid perl -MIO::Socket::INET -e '
+            my $s = IO::Socket::INET->new(Listen => 5, LocalAddr => "127.0.0.1", LocalPort => 0,
+                                          Proto => "tcp", ReuseAddr => 1) or die "listen: $!";
+            open(my $f, ">", $ARGV[0]) or die; print $f $s->sockport(), "\n"; close($f);
+            while (1) { my $c = $s->accept() or next; print $c "ok\n"; close($c); }' "$d/port"
+    ) </dev/null >/dev/null 2>&1 &
+    pid=$!
+    disown "$pid"
+    CLEANUP_PIDS+=("$pid")
+    for _ in $(seq 50); do [[ -s "$d/port" ]] && break; sleep 0.1; done
+    if [[ -s "$d/port" ]] &&
+       "$criu" dump --tree "$pid" -D "$d" -o dump.log -v4 >>"$LOG" 2>&1; then
+        for _ in $(seq 50); do [[ -e "/proc/$pid" ]] || break; sleep 0.1; done
+        if "$criu" restore -d -D "$d" -o restore.log -v4 >>"$LOG" 2>&1 &&
+           [[ "$(cat "/proc/$pid/comm" 2>/dev/null)" == perl ]]; then
+            # the restored listener must answer on its port
+            if timeout 10 bash -c 'exec 3<>"/dev/tcp/127.0.0.1/$1" && read -r l <&3 && [[ "$l" == ok ]]' _ "$(cat "$d/port")"; then
+                ok=1
+            else
+                echo "the restored process $pid does not answer on 127.0.0.1:$(cat "$d/port")" >>"$LOG"
+            fi
+        else
+            echo "restore failed, or process $pid is not the restored perl" >>"$LOG"
+        fi
+    else
+        echo "no listener started, or its dump failed" >>"$LOG"
+    fi
+    { echo "----- TCP check of $criu:"; cat "$d"/dump.log "$d"/restore.log 2>/dev/null | grep -E 'Error|error' | tail -n 20 || true; } >>"$LOG"
+    kill -9 "$pid" 2>/dev/null || true
+    CLEANUP_PIDS=()
+    [[ $ok -eq 1 ]]
 }
 
 # Mark the shared libraries criu links against as manually installed, so
@@ -368,16 +464,15 @@ pycriu_install() {
     pbver="$("$py" -c 'import google.protobuf, grpc_tools.protoc; print(google.protobuf.__version__)' 2>/dev/null)" ||
         die "$py lacks protobuf and/or grpcio-tools (install them: $py -m pip install protobuf grpcio-tools)"
 
-    local stamp="$dest_dir/pycriu/.torpor-stamp"
-    # the stamp names the CRIU it came from: a pycriu of another CRIU (images change) is redone
+    local stamp="$dest_dir/pycriu/.torpor-stamp" want
+    want="$(upstream_version "$CRIU_VER")"
     if [[ $FORCE -eq 0 && -f "$stamp" ]] && grep -qx "protobuf=$pbver" "$stamp" &&
-       { [[ -z "$CRIU_VER" ]] || grep -qx "criu=$CRIU_VER" "$stamp"; } &&
-       pycriu_check "$dest_dir" "$py" quiet; then
-        say "pycriu already in $dest_dir ($(grep '^criu=' "$stamp"), generated for protobuf $pbver)"
+       grep -qx "criu=$want" "$stamp" && pycriu_check "$dest_dir" "$py" quiet; then
+        say "pycriu already in $dest_dir (criu=$want, generated for protobuf $pbver)"
         return 0
     fi
 
-    ensure_source
+    source_of_version "$want"
     say "installing pycriu ${SRC_VERSION} into $dest_dir (protobuf modules generated for protobuf $pbver)..."
     local tmp; tmp="$(mktemp -d)"
     CLEANUP_DIRS+=("$tmp")
@@ -466,6 +561,22 @@ EOF
     say "pycriu ${SRC_VERSION} installed at $dest_dir/pycriu"
 }
 
+# source_of_version VER: ensure_source of the first suite whose CRIU is VER
+# (pycriu must match the criu that writes the images); if none is, the first
+# suite that can be had, with a warning.
+source_of_version() {
+    local suite first=""
+    for suite in "${SRC_SUITES[@]}"; do
+        try_isolated ensure_source "$suite"
+        if [[ $TRY_RC -ne 0 ]]; then warn "CRIU's source from Debian ${suite} cannot be had (log: $LOG)"; continue; fi
+        [[ -n "$first" ]] || first="$suite"
+        if [[ "$(cat "$WORK/src/$suite/criu-src.version")" == "$1" ]]; then ensure_source "$suite"; return 0; fi
+    done
+    [[ -n "$first" ]] || die "no CRIU source to make pycriu from (suites: ${SRC_SUITES[*]}; log: $LOG)"
+    ensure_source "$first"
+    warn "no Debian suite of ${SRC_SUITES[*]} has CRIU $1's source; pycriu is made from CRIU ${SRC_VERSION}'s"
+}
+
 pycriu_check() {   # pycriu_check DIR PY [quiet]
     local out
     if out="$(PYTHONDONTWRITEBYTECODE=1 "$2" - "$1" 2>&1 <<'EOF'
@@ -489,7 +600,7 @@ selftest() {
     need_root "the CRIU self-test"
     say "self-test: $criu --version"
     "$criu" --version | sed 's/^/    /'
-    version_ok "$(criu_version "$criu")" || die "self-test: $criu is not CRIU >= ${WANT_VERSION}"
+    version_ok "$(criu_version "$criu")" || die "self-test: $criu is not CRIU >= ${MIN_MAJOR}"
 
     say "self-test: criu check"
     local out
@@ -567,32 +678,68 @@ EOF
         [[ "$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null)" == Z ]] && break   # zombie: fine
         sleep 0.1
     done
+    say "self-test: criu dump and restore of a process with a listening TCP socket"
+    if tcp_roundtrip "$criu"; then
+        say "self-test: TCP listener dumped and restored"
+    elif version_want "$(criu_version "$criu")"; then
+        die "self-test: CRIU cannot checkpoint a TCP listener here (log: $LOG)"
+    else
+        warn "self-test: this CRIU cannot checkpoint TCP sockets on this kernel (needs CRIU >= ${WANT_VERSION} on Linux >= 6.16)"
+    fi
     say "self-test passed"
 }
 
 # ---------------------------------------------------------------------- main
+# obtain_criu: install CRIU >= WANT_VERSION (apt, else built from the suites in
+# order); where none can be had, the distribution's CRIU >= MIN_MAJOR. OBTAINED=1
+# when something was installed.
+OBTAINED=0
+obtain_criu() {
+    local cand suite
+    if [[ $IS_ROOT -eq 1 ]]; then apt_update_once; fi
+    cand="$(apt_candidate criu)"
+    if [[ -n "$cand" ]] && version_want "$(upstream_version "$cand")"; then
+        install_from_apt "$cand"; OBTAINED=1; return 0
+    fi
+    if [[ -n "$cand" ]]; then
+        say "the distribution's criu is ${cand} (< ${WANT_VERSION}: no TCP sockets on Linux >= 6.16; 3.x fails on recent kernels)"
+    fi
+    for suite in "${SRC_SUITES[@]}"; do
+        try_isolated build_from_source "$suite"
+        if [[ $TRY_RC -eq 0 ]]; then OBTAINED=1; return 0; fi
+        warn "CRIU from Debian ${suite}'s source could not be built, checked or installed (above; log: $LOG)"
+    done
+    if [[ -n "$cand" ]] && version_ok "$(upstream_version "$cand")"; then
+        install_from_apt "$cand"; OBTAINED=1
+    fi
+}
+
 main() {
-    if [[ $FORCE -eq 0 ]] && find_criu; then
+    local have=0 have_bin="" have_ver=""
+    find_criu && { have=1; have_bin="$CRIU_BIN"; have_ver="$CRIU_VER"; }
+    if [[ $FORCE -eq 0 && $have -eq 1 ]] && version_want "$CRIU_VER"; then
         say "CRIU ${CRIU_VER} already installed at ${CRIU_BIN}; skipping the build"
+    elif [[ $FORCE -eq 0 && $have -eq 1 && $IS_ROOT -eq 0 ]]; then
+        warn "CRIU ${CRIU_VER} at ${CRIU_BIN} is older than ${WANT_VERSION} (it cannot checkpoint TCP sockets on Linux >= 6.16); run this as root to build a newer one"
     else
-        local cand
         if [[ $IS_ROOT -eq 1 ]]; then work_init; fi
-        if [[ $FORCE -eq 0 ]] && find_criu; then
+        if [[ $FORCE -eq 0 ]] && find_criu && version_want "$CRIU_VER"; then
             say "another run installed CRIU ${CRIU_VER} meanwhile"
         else
-            if [[ $IS_ROOT -eq 1 ]]; then apt_update_once; fi
-            cand="$(apt_candidate criu)"
-            if [[ -n "$cand" ]] && version_ok "${cand#*:}"; then
-                install_from_apt "$cand"
-            else
-                if [[ -n "$cand" ]]; then
-                    say "the distribution's criu is ${cand} (< ${WANT_VERSION}: older ones fail on recent kernels)"
-                fi
-                build_from_source
+            if [[ $have -eq 1 ]] && ! version_want "$have_ver"; then
+                say "CRIU ${have_ver} at ${have_bin} is older than ${WANT_VERSION} (it cannot checkpoint TCP sockets on Linux >= 6.16); upgrading"
+            fi
+            obtain_criu
+            if [[ $OBTAINED -eq 0 ]]; then
+                [[ $have -eq 1 ]] || die "no CRIU >= ${MIN_MAJOR} could be installed (suites tried: ${SRC_SUITES[*]}; log: $LOG)"
             fi
         fi
-        find_criu || die "CRIU >= ${WANT_VERSION} is still not found after installing it"
-        say "CRIU ${CRIU_VER} ready at ${CRIU_BIN}"
+        find_criu || die "CRIU >= ${MIN_MAJOR} is still not found after installing it"
+        if version_want "$CRIU_VER"; then
+            say "CRIU ${CRIU_VER} ready at ${CRIU_BIN}"
+        else
+            warn "CRIU ${CRIU_VER} at ${CRIU_BIN} is used: no CRIU >= ${WANT_VERSION} could be had (suites tried: ${SRC_SUITES[*]}; log: $LOG). It works, but cannot checkpoint programs with TCP sockets on Linux >= 6.16; set TORPOR_CRIU_SRC_SUITE to a Debian suite with CRIU >= ${WANT_VERSION} and run this again"
+        fi
         case ":$PATH:" in *":$(dirname "$CRIU_BIN"):"*) ;; *) warn "$(dirname "$CRIU_BIN") is not on PATH" ;; esac
         if [[ "$CRIU_BIN" == "$INSTALL_PATH" && -x /usr/sbin/criu ]]; then
             local old; old="$(criu_version /usr/sbin/criu)"
