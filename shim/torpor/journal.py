@@ -1,10 +1,13 @@
 """The on-disk journal: no program is left locked or checkpointed by a torpor that died.
 
 Every operation that changes driver state writes `journal/<id>.json` before its first driver
-call and holds an flock on `journal/<id>.lock` for its whole life. The kernel drops that lock
-when the owner dies, however it dies (SIGKILL included), so the next torpor command (or
-torpord at start) finds entries whose lock it can take, and rolls their processes back
-to RUNNING: CHECKPOINTED -> restore + unlock, LOCKED -> unlock.
+call and holds an flock on `journal/<id>.lock` for its whole life. Every write is durable
+before it returns (files.write_json: written, fsynced, renamed, the directory fsynced), and
+the engine reads the entry back before every driver lock and every agent prepare
+(Operation.require_journalled): nothing is locked that a recovery would not find. The kernel
+drops that lock when the owner dies, however it dies (SIGKILL included), so the next torpor
+command (or torpord at start) finds entries whose lock it can take, and rolls their processes
+back to RUNNING: CHECKPOINTED -> restore + unlock, LOCKED -> unlock.
 
 Each process is also claimed with an flock on `locks/<pid>.lock` for the operation's life, so
 a second operation on the same PIDs is refused (BusyError) instead of racing the first.
@@ -32,11 +35,11 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from . import procs
 from .config import Config
-from .errors import BusyError
+from .errors import BusyError, TorporError
 from .files import private_dir, write_json
 
 
@@ -136,6 +139,30 @@ class Operation:
         if image_pids is not None:
             self.entry.image_pids = [int(p) for p in image_pids]
         self.journal._save(self.entry)
+
+    def require_journalled(self, pids: Iterable[int] = (), agents: Iterable[int] = ()) -> None:
+        """Raise, before a driver lock or an agent's prepare, unless what a recovery would find
+        were torpor killed now covers it: the entry on disk (phase() writes it durably: written,
+        fsynced, its directory fsynced) names every pid and every agent, at the phase now
+        running, and we still hold its lock (the lock's file is the one a recovery takes)."""
+        path = self.journal._entry_path(self.entry.id)
+        try:
+            held = bool(self._fds) and \
+                os.fstat(self._fds[0]).st_ino == os.stat(path.with_suffix(".lock")).st_ino
+        except FileNotFoundError:
+            held = False
+        try:
+            disk = Entry.from_json(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise TorporError(f"journal entry {path} cannot be read back ({e}): nothing was "
+                              "locked") from e
+        missing = sorted(set(pids) - set(disk.pids))
+        missing_agents = sorted({str(int(p)) for p in agents} - set(disk.agents))
+        if not held or missing or missing_agents or disk.phase != self.entry.phase:
+            raise TorporError(f"journal entry {path} does not cover the {self.entry.phase} "
+                              f"(lock held: {held}, PIDs missing: {missing}, agents missing: "
+                              f"{missing_agents}, phase on disk: {disk.phase}): nothing was "
+                              "locked")
 
     def close(self) -> None:
         """The operation ended cleanly (or was rolled back): forget it."""

@@ -662,3 +662,17 @@ def test_torpord_never_takes_an_existing_directory_for_its_data(world, torpord):
     with pytest.raises(Aborted, match="absolute"):
         torpord.LockAndCheckpoint(pb.LockAndCheckpointRequest(
             pids=[PID], gpu_data_dir="relative/dir", agent_container_id="ctr1"), Ctx())
+
+
+def test_no_agent_prepares_unless_the_journal_on_disk_names_it(world, monkeypatch):
+    """A recovery resumes the agents its journal entry names: an entry that did not reach the
+    disk (a lost write, simulated) stops the operation before any prepare."""
+    from torpor.journal import Journal
+    save = Journal._save
+    monkeypatch.setattr(Journal, "_save", lambda self, e: None if e.phase == "agent-prepare"
+                        else save(self, e))
+    with pytest.raises(RolledBackError, match="does not cover the agent-prepare"):
+        process.suspend(world.engine(), PID)
+    assert not any(e.startswith("agent prepare") or e.startswith("driver lock")
+                   for e in world.log())
+    assert world.agent.intact

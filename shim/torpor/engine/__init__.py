@@ -129,6 +129,7 @@ class Engine(AgentMoves, Recovery):
                 moved = self._prepare_agents(op, sockets, data, scratch, known_fingerprints,
                                              owner, stream_into)
             op.phase("lock")
+            op.require_journalled(pids)   # durable, on disk, before the first lock
             with self.progress.phase("lock", n):
                 for pid in pids:
                     drv.lock(pid, timeout_ms)

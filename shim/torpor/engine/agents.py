@@ -190,6 +190,7 @@ class AgentMoves:
             # Journaled before the first prepare: whoever finds this entry resumes them.
             op.phase("agent-prepare", agents={p: t.to_json() for p, t in targets.items()},
                      data_root=str(root), scratch=scratch)
+        op.require_journalled(agents=targets)   # durable, on disk, before the first prepare
         timeout_ms = int(self.cfg.lock_timeout_s * 1000)
 
         untouched: set[int] = set()   # never reached: no prepare sent, nothing to resume

@@ -9,6 +9,7 @@ import shutil
 import signal
 import time
 from pathlib import Path
+from typing import Mapping
 
 from .. import bulk, criu, interrupts, manifest, packing, procs
 from ..errors import (BusyError, DamagedRecordsError)
@@ -50,7 +51,8 @@ class Recovery:
                 os.close(fd)    # CRIU is still at it: the entry stays for the next look
                 return said
         # suspended on purpose: not ours to resume, unless resuming them is what died
-        suspended = self.journal.suspended() if entry.kind != "resume" else {}
+        suspended = _suspended_by_then(self.journal.suspended(), entry) \
+            if entry.kind != "resume" else set()
         live = [p for p in entry.pids
                 if procs.alive(p) and entry.same_process(p) and p not in suspended]
         try:
@@ -69,6 +71,9 @@ class Recovery:
             os.close(fd)
             return [f"could not recover interrupted {entry.kind} {entry.id}: " + "; ".join(problems)]
         messages = said
+        for p in set(live) & set(self.journal.suspended()) - suspended:
+            if entry.kind != "resume":     # a resume's records go in _finish_resume
+                self.journal.clear_suspended(p)   # stale, and the program runs again
         if live:
             messages.append(f"recovered {', '.join(map(str, live))} left by an interrupted "
                             f"{entry.kind} (phase {entry.phase}): running again")
@@ -166,4 +171,20 @@ class Recovery:
         manifest.clear_partial(images_dir)
         return [f"removed the partial images of an interrupted dump from {images_dir}"]
 
+
+
+def _suspended_by_then(records: Mapping[int, Mapping], entry: Entry) -> set[int]:
+    """The PIDs suspended on purpose as far as entry goes (a resume's, which recovery
+    finishes, are not asked for): only those suspended since it began (a suspend that died after recording them). An older record is stale (a resume
+    died between its unlock and clearing it): the operation found the program RUNNING, and
+    a lock it left must be rolled back, not kept for a suspend nobody asked for."""
+    out = set()
+    for pid, r in records.items():
+        try:
+            since = float(r.get("since", 0))
+        except (TypeError, ValueError, AttributeError):
+            since = 0.0
+        if since >= entry.started:
+            out.add(pid)
+    return out
 
