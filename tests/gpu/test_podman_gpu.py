@@ -145,6 +145,14 @@ def _ask(pid: int, path: str, body: dict | None = None, port: int = 8080) -> dic
         fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
         os.setns(fd, os.CLONE_NEWNET)
         os.close(fd)
+        # podman's --network none without a network stack leaves lo down: up, as a CNI would
+        import fcntl
+        import socket
+        import struct
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            ifr = fcntl.ioctl(s, 0x8913, struct.pack("16sH14x", b"lo", 0))     # SIOCGIFFLAGS
+            flags = struct.unpack("16sH14x", ifr)[1]
+            fcntl.ioctl(s, 0x8914, struct.pack("16sH14x", b"lo", flags | 1))   # IFF_UP
     out = subprocess.run([sys.executable, "-c", _CLIENT, str(port), path,
                           json.dumps(body) if body is not None else ""],
                          capture_output=True, text=True, timeout=120, preexec_fn=enter)
