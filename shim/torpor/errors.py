@@ -91,7 +91,7 @@ class CorruptCheckpointError(TorporError):
 class DamagedRecordsError(CorruptCheckpointError):
     """A checkpoint's own records of where its GPU data is (its agent's fingerprint index, its
     stream record) are malformed: nothing can make that checkpoint whole, so no retry is left
-    waiting for it (packing.py marks it damaged instead)."""
+    waiting for it (store_packing.py marks it damaged instead)."""
 
 
 class SidecarError(TorporError):

@@ -13,11 +13,11 @@ Each process is also claimed with an flock on `locks/<pid>.lock` for the operati
 a second operation on the same PIDs is refused (BusyError) instead of racing the first.
 
 Programs under the in-process agent (agent.py) have their bulk GPU memory moved into data
-files (bulk.py) before the driver's lock: the entry names them (`agents`: PID -> its agent's
+files (agent_data.py) before the driver's lock: the entry names them (`agents`: PID -> its agent's
 socket, its data directory and how many files) before the first `prepare`, so that recovery,
 after the driver's rollback, can give each program its memory back (`resume` with the files).
 
-A pack of a checkpoint into the image store (packing.py) is an operation with no PIDs: should
+A pack of a checkpoint into the image store (store_packing.py) is an operation with no PIDs: should
 its torpor die, recovery fills in the GPU data the checkpoint's agents skipped, so that the
 directory stands on its own.
 
@@ -66,7 +66,7 @@ class Entry:
     starts: dict[str, int] = dataclasses.field(default_factory=dict)  # pid -> start time
     # pid -> {"socket", "data", "files"}: the programs whose agent moves (or moved) memory out
     agents: dict[str, dict] = dataclasses.field(default_factory=dict)
-    data_root: str = ""            # the agents' data files (bulk.DataDir) of this operation
+    data_root: str = ""            # the agents' data files (agent_data.DataDir) of this operation
     scratch: bool = False          # data_root is torpor's own (suspend): removed once resumed
     store_owner: str = ""          # a pack's: whose fingerprints (store/fingerprints.owner_of)
     # a restore's: CRIU's work directory (its pidfile there says CRIU finished) and every PID

@@ -1,7 +1,7 @@
 """The checkpoint directory's layout: every file name torpor reads or writes in it, and the
 check that a path named by a checkpoint stays inside it.
 
-A leaf module (imports only errors): manifest.py, bulk.py and store/ take their names from
+A leaf module (imports only errors): manifest.py, agent_data.py and store/ take their names from
 here, so none of them imports another for a name.
 """
 

@@ -28,7 +28,7 @@ Optional:
   agent             {"<pid>": {"nspid", "bytes", "chunks", "allocations", "cache_released",
                     "seconds", "files": [size of each data file]}}: the programs whose in-process
                     agent moved their GPU memory into torpor-gpu/<pid>/gpu-memory-<k>.bin
-                    (bulk.py), k < len(files), before the driver's checkpoint; a restore gives
+                    (agent_data.py), k < len(files), before the driver's checkpoint; a restore gives
                     it back through the agent (`resume`). pid: at checkpoint; nspid: in its own
                     pid namespace (finds the agent of a container's restored process).
 
@@ -50,7 +50,7 @@ import stat
 from pathlib import Path, PurePosixPath
 from typing import Any, Mapping
 
-from . import bulk
+from . import agent_data
 from . import manifest_types
 from .errors import CorruptCheckpointError, NotFoundError
 from .files import (TRUSTED_UIDS, atomic_write, loads_json, printable, read_untrusted,
@@ -98,7 +98,7 @@ def block_digests(paths: dict[str, Path]) -> dict[str, list[str]]:
 
 
 def _image_files(images_dir: Path) -> list[str]:
-    """The checkpoint's files. Not a stream record (bulk.STREAMED): it says which store chunk
+    """The checkpoint's files. Not a stream record (agent_data.STREAMED): it says which store chunk
     each of a program's parts is while its data files are holes, torpor's state until the
     pack or a fill, never part of the checkpoint (the pack leaves it out of the snapshot). Nor
     a packed directory's snapshot and chunk links (store/images.py): a runtime's restore
@@ -117,7 +117,7 @@ def _image_files(images_dir: Path) -> list[str]:
 
 def _stream_record(rel: str) -> bool:
     parts = PurePosixPath(rel).parts
-    return len(parts) == 3 and parts[0] == bulk.DATA_DIR and parts[2] == bulk.STREAMED
+    return len(parts) == 3 and parts[0] == agent_data.DATA_DIR and parts[2] == agent_data.STREAMED
 
 
 def is_kept_out(rel: str) -> bool:
@@ -158,7 +158,7 @@ def _checked_by_agent(rel: str) -> bool:
     image and verified by the agent as it reloads them, guards them; a sha256 here would read
     tens of GB twice more (seal and verify) for what the resume checks anyway. Their sizes
     are still listed and verified."""
-    return PurePosixPath(rel).parts[:1] == (bulk.DATA_DIR,)
+    return PurePosixPath(rel).parts[:1] == (agent_data.DATA_DIR,)
 
 
 def file_table(images_dir: Path, checksums: bool) -> dict[str, dict[str, Any]]:
@@ -198,7 +198,7 @@ def seal(images_dir: Path, checksums: bool, timings: dict[str, float] | None = N
 
 def add_checksums(images_dir: Path) -> bool:
     """Give a sealed checkpoint the checksums it was sealed without (it was to go into the
-    image store, which names every chunk by its sha256, and did not: packing.py). False when
+    image store, which names every chunk by its sha256, and did not: store_packing.py). False when
     it had them."""
     m = read(images_dir)
     if all(f["sha256"] is not None or _checked_by_agent(rel) for rel, f in m["files"].items()):
@@ -259,7 +259,8 @@ def parse(data: bytes, origin: str) -> dict[str, Any]:
 
 def mark_damaged(images_dir: Path, why: str) -> None:
     """A sealed checkpoint that nothing can make whole (its own records of its GPU data are
-    malformed, packing.py): every later read refuses it with why, and it can only be removed."""
+    malformed, store_packing.py): every later read refuses it with why, and it can only be
+    removed."""
     atomic_write(images_dir / DAMAGED, why.encode() + b"\n")
 
 
@@ -325,7 +326,7 @@ def verify(images_dir: Path, m: dict[str, Any], checksums: bool = True,
         bad += [f"{printable(rel)} checksum mismatch" for rel, (_real, want) in todo.items()
                 if got[rel] != want]
     for pid, entry in agents(m).items():   # the agents' data: all there, as the agent wrote it
-        for rel, size in zip(bulk.rel_paths(pid, len(entry["files"])), entry["files"]):
+        for rel, size in zip(agent_data.rel_paths(pid, len(entry["files"])), entry["files"]):
             if m["files"].get(rel, {}).get("size") != size:
                 bad.append(f"{printable(rel)} (GPU memory of PID {pid}) is not in the file table with "
                            f"the {size} bytes its agent wrote")

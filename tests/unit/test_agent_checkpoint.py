@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from tests.fakes.fake_agent import Events, FakeAgent, FakeDriver
-from torpor import bulk, criu, engine as engine_mod, gpus, manifest, procs
+from torpor import agent_data, criu, engine as engine_mod, gpus, manifest, procs
 from torpor.flows import process
 from torpor.engine import Engine
 from torpor.errors import CriuError, RolledBackError, TorporError, UsageError
@@ -123,7 +123,7 @@ def test_suspend_moves_memory_through_the_agent_then_the_driver(world):
     root = Path(record["data_root"])
     assert root.parent == world.cfg.suspend_dir and oct(root.stat().st_mode & 0o777) == "0o700"
     files = data_files(root)
-    assert [f.name for f in files] == [bulk.file_name(k) for k in range(3)]
+    assert [f.name for f in files] == [agent_data.file_name(k) for k in range(3)]
     assert {oct(f.stat().st_mode & 0o777) for f in files} == {"0o600"}
     assert sum(f.stat().st_size for f in files) == len(world.agent.original)
     out = world.out.getvalue()
@@ -232,7 +232,7 @@ def test_a_suspend_mounts_a_huge_page_tmpfs_on_an_empty_suspend_dir(world, huge_
 def test_suspends_at_once_mount_one_tmpfs(world, huge_tmpfs):
     huge_tmpfs.mkdir(parents=True, mode=0o700)
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        mounted = list(pool.map(lambda _: bulk.mount_huge_tmpfs(huge_tmpfs), range(6)))
+        mounted = list(pool.map(lambda _: agent_data.mount_huge_tmpfs(huge_tmpfs), range(6)))
     assert mounted == [True] * 6
     assert sum(1 for line in Path("/proc/self/mounts").read_text().splitlines()
                if line.split()[1] == str(huge_tmpfs)) == 1
@@ -248,7 +248,7 @@ def test_no_mount_hides_what_suspend_dir_holds(world, huge_tmpfs):
 
 
 def test_a_mount_that_fails_leaves_a_plain_directory(world, huge_tmpfs, monkeypatch):
-    monkeypatch.setattr(bulk, "HUGE_TMPFS_OPTIONS", "huge=no-such-policy")
+    monkeypatch.setattr(agent_data, "HUGE_TMPFS_OPTIONS", "huge=no-such-policy")
     process.suspend(world.engine(), PID)
     assert not mount_of(huge_tmpfs)
     root = Path(world.engine().journal.suspended()[PID]["data_root"])
@@ -380,10 +380,10 @@ def test_checkpoint_and_restore_carry_the_memory_in_the_images(world, fake_criu)
                            "driver checkpoint", "criu dump"]
     entry = m["agent"][str(PID)]
     assert entry["nspid"] == PID and entry["bytes"] == len(world.agent.original)
-    rels = bulk.rel_paths(PID, 3)
+    rels = agent_data.rel_paths(PID, 3)
     assert [m["files"][r]["size"] for r in rels] == entry["files"]
     assert not any(m["files"][r]["sha256"] for r in rels)   # sizes only: the agent sums them
-    assert oct((images / bulk.DATA_DIR).stat().st_mode & 0o777) == "0o700"
+    assert oct((images / agent_data.DATA_DIR).stat().st_mode & 0o777) == "0o700"
     manifest.verify(images, manifest.read(images))
 
     r = process.restore(world.engine(), images)
@@ -400,7 +400,7 @@ def test_leave_running_gives_the_memory_back_after_the_dump(world, fake_criu):
                            "driver checkpoint", "criu dump", "driver restore", "driver unlock",
                            "agent status", "agent resume"]
     assert world.agent.intact
-    assert sum(m["files"][r]["size"] for r in bulk.rel_paths(PID, 3)) == \
+    assert sum(m["files"][r]["size"] for r in agent_data.rel_paths(PID, 3)) == \
         len(world.agent.original)
 
 
@@ -423,7 +423,7 @@ def test_damaged_agent_data_is_caught_by_the_agent_and_the_restore_stopped(world
     images = world.tmp / "ckpt"
     process.checkpoint(world.engine(), PID, images)
     world.log()
-    f = images / bulk.rel_paths(PID, 3)[0]
+    f = images / agent_data.rel_paths(PID, 3)[0]
     damaged = b"\1" + f.read_bytes()[1:]
     f.write_bytes(damaged)
     killed = []
@@ -444,7 +444,7 @@ def test_restore_whose_agent_resume_fails_stops_the_program(world, fake_criu, mo
                                           "GPU.*checkpoint .* is unchanged"):
         process.restore(world.engine(), images)
     assert killed == [(PID, signal.SIGKILL)]
-    assert data_files(images / bulk.DATA_DIR)                       # the checkpoint is intact
+    assert data_files(images / agent_data.DATA_DIR)                       # the checkpoint is intact
 
 
 def test_cli_reports_what_the_agent_moved(world, fake_criu, capsys):
@@ -473,7 +473,7 @@ class Died(BaseException):
 def test_recovery_gives_the_memory_back(world, monkeypatch, where):
     e = world.engine()
     op = e.begin("suspend", [PID])
-    data = bulk.DataDir.scratch(world.cfg, PID)
+    data = agent_data.DataDir.scratch(world.cfg, PID)
     if where == "after-prepare":   # prepared, never detached, driver untouched
         monkeypatch.setattr("torpor.agent.AgentClient.detach",
                             lambda self: (_ for _ in ()).throw(Died()))
@@ -571,7 +571,7 @@ def test_torpord_checkpoint_rollback_and_restore_of_a_container(world, torpord):
     pb = torpord.pb
     image = world.tmp / "image"
     image.mkdir(mode=0o700)
-    data = image / bulk.DATA_DIR
+    data = image / agent_data.DATA_DIR
     req = pb.LockAndCheckpointRequest(pids=[PID], no_descendants=True, gpu_data_dir=str(data),
                                       agent_container_id="ctr1")
     ck = torpord.LockAndCheckpoint(req, Ctx())
@@ -584,7 +584,7 @@ def test_torpord_checkpoint_rollback_and_restore_of_a_container(world, torpord):
     torpord.Rollback(pb.OperationRequest(op_id=ck.op_id), Ctx())     # the dump failed
     assert world.log() == ["driver restore", "driver unlock", "agent status", "agent resume"]
     assert world.agent.intact
-    bulk.DataDir(data).remove()                                      # as torpor-runtime does
+    agent_data.DataDir(data).remove()                                      # as torpor-runtime does
 
     ck = torpord.LockAndCheckpoint(req, Ctx())                       # again; this dump works
     agents = list(ck.agents)
@@ -603,12 +603,12 @@ def test_torpord_leave_running_resumes_the_agent(world, torpord):
     image = world.tmp / "image"
     image.mkdir(mode=0o700)
     ck = torpord.LockAndCheckpoint(pb.LockAndCheckpointRequest(
-        pids=[PID], no_descendants=True, gpu_data_dir=str(image / bulk.DATA_DIR),
+        pids=[PID], no_descendants=True, gpu_data_dir=str(image / agent_data.DATA_DIR),
         agent_container_id="ctr1"), Ctx())
     world.log()
     torpord.RestoreAndUnlock(pb.RestoreAndUnlockRequest(op_id=ck.op_id), Ctx())
     assert world.log() == ["driver restore", "driver unlock", "agent status", "agent resume"]
-    assert world.agent.intact and data_files(image / bulk.DATA_DIR)
+    assert world.agent.intact and data_files(image / agent_data.DATA_DIR)
 
 
 def test_torpord_lock_failure_resumes_and_removes_the_data(world, torpord):
@@ -618,9 +618,9 @@ def test_torpord_lock_failure_resumes_and_removes_the_data(world, torpord):
     world.driver.fail["lock"] = 0
     with pytest.raises(Aborted, match="lock failed"):
         torpord.LockAndCheckpoint(pb.LockAndCheckpointRequest(
-            pids=[PID], no_descendants=True, gpu_data_dir=str(image / bulk.DATA_DIR),
+            pids=[PID], no_descendants=True, gpu_data_dir=str(image / agent_data.DATA_DIR),
             agent_container_id="ctr1"), Ctx())
-    assert world.agent.intact and not (image / bulk.DATA_DIR).exists()
+    assert world.agent.intact and not (image / agent_data.DATA_DIR).exists()
 
 
 def test_torpord_restore_without_the_program_is_an_error(world, torpord):
@@ -651,12 +651,12 @@ def test_an_agent_without_prepare_takes_the_driver_path_said(world):
 def test_torpord_never_takes_an_existing_directory_for_its_data(world, torpord):
     pb = torpord.pb
     image = world.tmp / "image"
-    (image / bulk.DATA_DIR).mkdir(parents=True)
-    keep = image / bulk.DATA_DIR / "precious"
+    (image / agent_data.DATA_DIR).mkdir(parents=True)
+    keep = image / agent_data.DATA_DIR / "precious"
     keep.write_text("x")
     with pytest.raises(Aborted, match="exists already"):
         torpord.LockAndCheckpoint(pb.LockAndCheckpointRequest(
-            pids=[PID], no_descendants=True, gpu_data_dir=str(image / bulk.DATA_DIR),
+            pids=[PID], no_descendants=True, gpu_data_dir=str(image / agent_data.DATA_DIR),
             agent_container_id="ctr1"), Ctx())
     assert keep.read_text() == "x" and world.agent.intact
     with pytest.raises(Aborted, match="absolute"):

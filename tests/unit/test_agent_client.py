@@ -1,5 +1,5 @@
 """torpor's side of the agent protocol (torpor.agent.AgentClient) against the Python fake agent
-(tests/fakes/fake_agent.py), the data files (torpor.bulk) and the manifest's "agent" entries."""
+(tests/fakes/fake_agent.py), the data files (torpor.agent_data) and the manifest's "agent" entries."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.fakes.fake_agent import FakeAgent
-from torpor import agent, bulk, manifest, procs
+from torpor import agent, agent_data, manifest, procs
 from torpor.agent import AgentClient, AgentError, NoAgentError
 from torpor.errors import CorruptCheckpointError, UsageError
 
@@ -36,8 +36,8 @@ def fake(agents_dir: Path):
     a.stop()
 
 
-def data_dir(tmp_path: Path) -> bulk.DataDir:
-    return bulk.DataDir(tmp_path / "images" / bulk.DATA_DIR)
+def data_dir(tmp_path: Path) -> agent_data.DataDir:
+    return agent_data.DataDir(tmp_path / "images" / agent_data.DATA_DIR)
 
 
 # -- the client ---------------------------------------------------------------------------------
@@ -76,7 +76,7 @@ def test_prepare_detach_resume_round_trip(fake, tmp_path):
     assert all(f["access"] == os.O_RDWR and f["size"] == 0 and f["mode"] == 0o600
                and f["dir_mode"] == 0o700 for f in prep["fds"])
     assert all(f["access"] == os.O_RDONLY for f in res["fds"])
-    assert [Path(f["path"]).name for f in prep["fds"]] == [bulk.file_name(k) for k in range(3)]
+    assert [Path(f["path"]).name for f in prep["fds"]] == [agent_data.file_name(k) for k in range(3)]
 
 
 def test_abort_resumes_from_the_kept_files(fake, tmp_path):
@@ -161,8 +161,8 @@ def test_the_socket_of_another_live_process_is_refused(agents_dir, tmp_path):
 # -- the data files -----------------------------------------------------------------------------
 
 def test_file_count(cfg):
-    assert 1 <= bulk.file_count(cfg) <= 8
-    assert bulk.file_count(dataclasses.replace(cfg, agent_files=12)) == 12
+    assert 1 <= agent_data.file_count(cfg) <= 8
+    assert agent_data.file_count(dataclasses.replace(cfg, agent_files=12)) == 12
 
 
 def test_data_files_are_private_and_never_follow_links(tmp_path):
@@ -175,7 +175,7 @@ def test_data_files_are_private_and_never_follow_links(tmp_path):
     for fd in fds:
         os.close(fd)
     assert stat.S_IMODE((d.root / "42").stat().st_mode) == 0o700
-    assert [stat.S_IMODE((d.root / "42" / bulk.file_name(k)).stat().st_mode)
+    assert [stat.S_IMODE((d.root / "42" / agent_data.file_name(k)).stat().st_mode)
             for k in range(2)] == [0o600, 0o600]
     with pytest.raises(Exception, match="File exists"):
         d.for_prepare(42, 2)                              # O_EXCL: never reuses a file
@@ -187,8 +187,8 @@ def test_data_files_are_private_and_never_follow_links(tmp_path):
     with pytest.raises(Exception):
         d.for_resume(43, 1)
     assert not list(elsewhere.iterdir())
-    os.unlink(d.root / "42" / bulk.file_name(1))
-    (d.root / "42" / bulk.file_name(1)).symlink_to(tmp_path / "secret")
+    os.unlink(d.root / "42" / agent_data.file_name(1))
+    (d.root / "42" / agent_data.file_name(1)).symlink_to(tmp_path / "secret")
     (tmp_path / "secret").write_text("x")
     with pytest.raises(Exception, match="Too many levels|symbolic"):
         d.for_resume(42, 2)
@@ -196,7 +196,7 @@ def test_data_files_are_private_and_never_follow_links(tmp_path):
         d.for_resume(44, 1)
     with pytest.raises(CorruptCheckpointError, match="1 to 16"):
         d.for_resume(42, 17)
-    os.chmod(d.root / "42" / bulk.file_name(0), 0o666)
+    os.chmod(d.root / "42" / agent_data.file_name(0), 0o666)
     with pytest.raises(CorruptCheckpointError, match="not a private regular file"):
         d.for_resume(42, 1)
     d.remove()
@@ -205,14 +205,14 @@ def test_data_files_are_private_and_never_follow_links(tmp_path):
 
 def test_scratch_dirs_are_private_and_unique(cfg, tmp_path):
     c = dataclasses.replace(cfg, suspend_dir=tmp_path / "shm" / "torpor")
-    a, b = bulk.DataDir.scratch(c, 7).make(), bulk.DataDir.scratch(c, 7).make()
+    a, b = agent_data.DataDir.scratch(c, 7).make(), agent_data.DataDir.scratch(c, 7).make()
     assert a.root != b.root and a.root.name.startswith("7-")
     assert stat.S_IMODE((tmp_path / "shm" / "torpor").stat().st_mode) == 0o700
     os.chown(tmp_path / "shm" / "torpor", 65534, 65534)
     with pytest.raises(UsageError, match="can be changed by uid 65534"):
-        bulk.DataDir.scratch(c, 7).make()
+        agent_data.DataDir.scratch(c, 7).make()
     c = dataclasses.replace(cfg, suspend_dir=tmp_path / "shm2")
-    bulk.DataDir.scratch(c, 7)
+    agent_data.DataDir.scratch(c, 7)
     assert not (tmp_path / "shm2").exists()         # nothing made before an agent needs it
 
 
@@ -247,7 +247,7 @@ def test_bad_agent_entries_are_refused(agents, match):
 
 def test_verify_wants_the_agents_files_as_they_wrote_them(tmp_path):
     m = _manifest({"5": {"nspid": 5, "bytes": 10, "files": [6, 4]}})
-    for rel, size in zip(bulk.rel_paths(5, 2), [6, 4]):
+    for rel, size in zip(agent_data.rel_paths(5, 2), [6, 4]):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_bytes(b"x" * size)
     for name in manifest.REQUIRED_IMAGES:
@@ -255,8 +255,8 @@ def test_verify_wants_the_agents_files_as_they_wrote_them(tmp_path):
     m["files"] = manifest.file_table(tmp_path, checksums=True)
     manifest.verify(tmp_path, m)
     assert manifest.agents(m)[5]["files"] == [6, 4]
-    del m["files"][bulk.rel_paths(5, 2)[1]]
-    (tmp_path / bulk.rel_paths(5, 2)[1]).unlink()
+    del m["files"][agent_data.rel_paths(5, 2)[1]]
+    (tmp_path / agent_data.rel_paths(5, 2)[1]).unlink()
     with pytest.raises(CorruptCheckpointError, match="GPU memory of PID 5"):
         manifest.verify(tmp_path, m)
 

@@ -15,7 +15,7 @@ import pytest
 
 from tests.unit.test_agent import gpu, probe  # noqa: F401  (fixtures)
 from tests.unit.test_agent_mover import Files, ctl_fds
-from torpor import bulk
+from torpor import agent_data
 from torpor.agent import AgentClient, AgentError
 from torpor.errors import CorruptCheckpointError
 from torpor.store import fingerprints, stream
@@ -45,7 +45,7 @@ def _prepare_streamed(p, store: Store, data: Path, nfiles: int = 2, slots: int =
     fingerprints of parts the store has (skipped)."""
     files = Files(data, nfiles)
     fds = files.open(True)
-    fds.append(os.open(data / bulk.INDEX, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+    fds.append(os.open(data / agent_data.INDEX, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
     fds.append(fingerprints.known_fd(known))
     intake = stream.Intake(store, data, nfiles, slots=slots)
     try:
@@ -78,7 +78,7 @@ def _resume_streamed(p, store: Store, data: Path, nfiles: int = 2, slots: int = 
     """What a restore does: the parts from the stream record (as a snapshot would name them)
     fed through a ring while the agent's `resume stream` runs; skipped: fingerprint -> chunk
     of the parts the agent skipped (as a snapshot names them too)."""
-    sizes = [os.path.getsize(data / bulk.file_name(k)) for k in range(nfiles)]
+    sizes = [os.path.getsize(data / agent_data.file_name(k)) for k in range(nfiles)]
     parts = [stream.Source(s.file, s.offset, s.ref)
              for s in fingerprints.read_streamed(data, sizes)]
     parts += [stream.Source(x.file, x.offset, skipped[x.fp])
@@ -123,7 +123,7 @@ def test_a_streamed_prepare_stores_every_part_and_a_streamed_resume_brings_it_ba
     # the data files are holes of their full sizes; the record names every part's chunk
     sizes = reply["files"]
     for k, size in enumerate(sizes):
-        path = data / bulk.file_name(k)
+        path = data / agent_data.file_name(k)
         assert path.stat().st_size == size and path.stat().st_blocks == 0
     parts = fingerprints.read_streamed(data, sizes)
     assert sum(s.length for s in parts) == 34 * MIB
@@ -141,7 +141,7 @@ def test_a_rollback_fills_the_holes_from_the_store_and_resumes_from_the_files(pr
     p = probe()
     mem, store, data, reply = _streamed_out(p, tmp_path, (12,))
     assert reply.get("files"), reply
-    fds = [os.open(data / bulk.file_name(0), os.O_RDWR | os.O_CLOEXEC)]
+    fds = [os.open(data / agent_data.file_name(0), os.O_RDWR | os.O_CLOEXEC)]
     try:
         assert fingerprints.fill(store, data, fds, reply["files"], "uid:0") == 12 * MIB
     finally:
@@ -169,7 +169,7 @@ def test_a_store_that_fails_mid_stream_costs_the_program_nothing(probe, tmp_path
     assert "error" in reply, reply
     with pytest.raises(stream.StreamError, match="No space left"):
         intake.finish()
-    assert not (data / bulk.STREAMED).exists()
+    assert not (data / agent_data.STREAMED).exists()
     st = p.status()
     assert (st["state"], st["gate"]) == ("running", "open")   # nothing was released
     assert _intact(p, mem)
@@ -185,7 +185,7 @@ def test_a_torpor_that_dies_mid_stream_costs_the_program_nothing(probe, tmp_path
         ring.sock.send(stream.SLOT_NO.pack(n))
     data = tmp_path / "data"
     files = Files(data, 1)
-    fds = files.open(True) + [os.open(data / bulk.INDEX, os.O_RDWR | os.O_CREAT, 0o600),
+    fds = files.open(True) + [os.open(data / agent_data.INDEX, os.O_RDWR | os.O_CREAT, 0o600),
                               fingerprints.known_fd([])]
     got = []
 
@@ -276,28 +276,28 @@ def test_the_engine_streams_a_checkpoint_into_the_store_and_restores_it_from_the
     d = _images_dir(tmp_path)
     with store.backend.lock(False, 10), engine.begin("checkpoint", [p.pid]) as op:
         moved = engine.lock_and_checkpoint(
-            op, [p.pid], data=bulk.DataDir(d / bulk.DATA_DIR), agent_dir=p.sock.parent,
+            op, [p.pid], data=agent_data.DataDir(d / agent_data.DATA_DIR), agent_dir=p.sock.parent,
             known_fingerprints=fingerprints.known(store, OWNER).gpu, owner=OWNER,
             stream_into=store)
     streamed = moved[p.pid]["streamed"]
     assert streamed["bytes"] == 34 * MIB and streamed["new_chunks"] >= 9, streamed
-    prog = d / bulk.DATA_DIR / str(p.pid)
+    prog = d / agent_data.DATA_DIR / str(p.pid)
     assert sum(f.stat().st_blocks for f in prog.glob("gpu-memory-*")) == 0   # holes only
     assert fingerprints.any_skipped(d)
     manifest.write(d, sealed(manifest.file_table(d, checksums=False)))
-    assert not any(bulk.STREAMED in rel for rel in manifest.read(d)["files"])  # not the images
+    assert not any(agent_data.STREAMED in rel for rel in manifest.read(d)["files"])  # not the images
     doc, st = images.pack(store, d, "one", OWNER)
     assert st.streamed == streamed["parts"] and st.new_bytes < MIB, st   # taken, not read
-    assert not list(d.glob(f"{bulk.DATA_DIR}/*/{bulk.STREAMED}"))
-    assert bulk.STREAMED not in "".join(doc["files"])
+    assert not list(d.glob(f"{agent_data.DATA_DIR}/*/{agent_data.STREAMED}"))
+    assert agent_data.STREAMED not in "".join(doc["files"])
 
     # the restore: nothing of the GPU data is unpacked; it streams from the store
     in_store = images.gpu_data_files(doc)
     assert len(in_store) == 2
     unpacked = images.unpack(store, d, leave_out=in_store)
-    assert not list(unpacked.glob(f"{bulk.DATA_DIR}/*/gpu-memory-*"))
+    assert not list(unpacked.glob(f"{agent_data.DATA_DIR}/*/gpu-memory-*"))
     manifest.verify(unpacked, manifest.read(unpacked), checksums=False, elsewhere=in_store)
-    target = AgentTarget(p.pid, p.sock, unpacked / bulk.DATA_DIR, p.pid, 2, packed=str(d))
+    target = AgentTarget(p.pid, p.sock, unpacked / agent_data.DATA_DIR, p.pid, 2, packed=str(d))
     with engine.begin("restore", [p.pid]) as op:
         back = engine.restore_and_unlock(op, [p.pid], agents={p.pid: target})
     assert back[p.pid]["streamed"] and back[p.pid]["bytes"] == 34 * MIB
@@ -311,7 +311,7 @@ def test_a_rollback_of_a_streamed_checkpoint_streams_the_memory_back(gpu, probe,
     mem = _program(p, (16, 6))
     store = Store(tmp_path / "store")
     engine = _engine(gpu, tmp_path, store)
-    data = bulk.DataDir(tmp_path / "data")
+    data = agent_data.DataDir(tmp_path / "data")
     gpu.fail("lock", "CUDA_ERROR_UNKNOWN", p.pid)
     with store.backend.lock(False, 10), pytest.raises(RolledBackError):
         with engine.begin("checkpoint", [p.pid]) as op:
@@ -338,7 +338,7 @@ def test_a_failed_stream_fails_the_checkpoint_and_the_program_runs_on(gpu, probe
     with store.backend.lock(False, 10), \
             pytest.raises(RolledBackError, match="No space left on device"):
         with engine.begin("checkpoint", [p.pid]) as op:
-            engine.lock_and_checkpoint(op, [p.pid], data=bulk.DataDir(tmp_path / "data"),
+            engine.lock_and_checkpoint(op, [p.pid], data=agent_data.DataDir(tmp_path / "data"),
                                        agent_dir=p.sock.parent, known_fingerprints=(),
                                        owner=OWNER, stream_into=store)
     st = p.status()
@@ -361,7 +361,7 @@ def test_a_torpor_that_dies_between_a_streamed_checkpoint_and_its_pack_leaves_it
     d = _images_dir(tmp_path)
     op = engine.begin("checkpoint", [p.pid])
     with store.backend.lock(False, 10):
-        engine.lock_and_checkpoint(op, [p.pid], data=bulk.DataDir(d / bulk.DATA_DIR),
+        engine.lock_and_checkpoint(op, [p.pid], data=agent_data.DataDir(d / agent_data.DATA_DIR),
                                    agent_dir=p.sock.parent, known_fingerprints=(),
                                    owner=OWNER, stream_into=store)
     op.phase("dump", images_dir=str(d))
@@ -373,7 +373,7 @@ def test_a_torpor_that_dies_between_a_streamed_checkpoint_and_its_pack_leaves_it
     messages = _engine(gpu, tmp_path, store).recover()
     assert any("filled 12.00 MiB of GPU data" in m for m in messages), messages
     assert not fingerprints.any_skipped(d)
-    prog = d / bulk.DATA_DIR / str(p.pid)
+    prog = d / agent_data.DATA_DIR / str(p.pid)
     assert sum(f.stat().st_blocks for f in prog.glob("gpu-memory-*")) > 0
     manifest.verify(d, manifest.read(d))               # whole, with its checksums
 
@@ -405,7 +405,7 @@ def test_a_pack_that_fails_after_a_streamed_checkpoint_fills_the_directory(
     import errno
 
     from tests.unit.test_manifest import _manifest as sealed
-    from torpor import manifest, packing
+    from torpor import manifest, store_packing
     from torpor.errors import TorporError
     from torpor.store import images
 
@@ -415,7 +415,7 @@ def test_a_pack_that_fails_after_a_streamed_checkpoint_fills_the_directory(
     engine = _engine(gpu, tmp_path, store)
     d = _images_dir(tmp_path)
     with store.backend.lock(False, 10), engine.begin("checkpoint", [p.pid]) as op:
-        engine.lock_and_checkpoint(op, [p.pid], data=bulk.DataDir(d / bulk.DATA_DIR),
+        engine.lock_and_checkpoint(op, [p.pid], data=agent_data.DataDir(d / agent_data.DATA_DIR),
                                    agent_dir=p.sock.parent, known_fingerprints=(),
                                    owner=OWNER, stream_into=store)
     manifest.write(d, sealed(manifest.file_table(d, checksums=False)))
@@ -426,9 +426,9 @@ def test_a_pack_that_fails_after_a_streamed_checkpoint_fills_the_directory(
     monkeypatch.setattr(images, "pack", full)
     with pytest.raises(TorporError, match="No space left on device; the checkpoint in .* is "
                                           "complete, not packed"):
-        packing.pack(engine.journal, store, d, "one", OWNER)
+        store_packing.pack(engine.journal, store, d, "one", OWNER)
     assert not fingerprints.any_skipped(d) and not images.is_packed(d)
-    prog = d / bulk.DATA_DIR / str(p.pid)
+    prog = d / agent_data.DATA_DIR / str(p.pid)
     assert sum(f.stat().st_blocks for f in prog.glob("gpu-memory-*")) > 0
     manifest.verify(d, manifest.read(d))               # with the checksums added
 
@@ -457,7 +457,7 @@ def test_records_outside_the_data_files_are_refused_before_the_commit(tmp_path):
     import mmap
     data = tmp_path / "data"
     data.mkdir(mode=0o700)
-    with open(data / bulk.file_name(0), "wb") as f:
+    with open(data / agent_data.file_name(0), "wb") as f:
         f.truncate(4 * MIB)                                   # the one file, as sized
     intake = stream.Intake(Store(tmp_path / "store", workers=2), data, 1, slots=2)
     ring_fd, sock_fd = intake.agent_fds()
@@ -475,7 +475,7 @@ def test_records_outside_the_data_files_are_refused_before_the_commit(tmp_path):
         assert stream.END not in answers                      # no commit: EOF instead
         with pytest.raises(stream.StreamError, match="outside the data files"):
             intake.finish()
-        assert not (data / bulk.STREAMED).exists()
+        assert not (data / agent_data.STREAMED).exists()
     finally:
         agent.close()
         ring.close()

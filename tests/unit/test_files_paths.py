@@ -132,8 +132,8 @@ def _claim_images(path: Path) -> os.stat_result:
 
 
 def _claim_suspend_dir(path: Path) -> os.stat_result:
-    from torpor import bulk
-    return os.lstat(bulk.claim_suspend_dir(path))
+    from torpor import agent_data
+    return os.lstat(agent_data.claim_suspend_dir(path))
 
 
 @needs_root
@@ -219,11 +219,11 @@ def test_suspend_dir_is_made_without_following_a_users_link(cfg, sticky, root_on
     steers nothing."""
     import dataclasses
 
-    from torpor import bulk
+    from torpor import agent_data
     _user_link(sticky, root_only, "shm")
     c = dataclasses.replace(cfg, suspend_dir=sticky / "shm" / "torpor")
     with pytest.raises(UsageError, match="shm is a symbolic link owned by uid 65534"):
-        bulk.DataDir.scratch(c, 7).make()
+        agent_data.DataDir.scratch(c, 7).make()
     assert list(root_only.iterdir()) == []
 
 

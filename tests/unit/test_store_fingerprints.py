@@ -15,7 +15,7 @@ from tests.conftest import torpor_cmd
 from tests.unit.test_agent import gpu, probe  # noqa: F401  (fixtures)
 from tests.unit.test_agent_mover import ctl_fds
 from tests.unit.test_manifest import _manifest as sealed
-from torpor import bulk, manifest
+from torpor import agent_data, manifest
 from torpor.errors import CorruptCheckpointError, TorporError, UsageError
 from torpor.store import Store, chunk, fingerprints, images, snapshot
 
@@ -32,7 +32,7 @@ def _checkpoint_dir(tmp_path: Path, name: str, p, store: Store, skip: bool = Tru
     d.mkdir(mode=0o700)
     for image in ("pages-1.img", *manifest.REQUIRED_IMAGES):
         (d / image).write_bytes(f"a stand-in {image}".encode())
-    data = bulk.DataDir(d / bulk.DATA_DIR).make()
+    data = agent_data.DataDir(d / agent_data.DATA_DIR).make()
     fds = data.for_prepare(p.pid, 2)
     fds += [data.new_index(p.pid),
             fingerprints.known_fd(fingerprints.known(store, OWNER).gpu if skip else ())]
@@ -71,7 +71,7 @@ def test_a_second_checkpoint_skips_what_the_store_has_and_restores_whole(probe, 
     store = Store(tmp_path / "store")
     one, r1 = _checkpoint_dir(tmp_path, "one", p, store)
     assert r1["fingerprints"]["parts"] > 0 and r1["fingerprints"]["skipped"] == 0
-    whole = {f.name: f.read_bytes() for f in (one / bulk.DATA_DIR / str(p.pid)).iterdir()
+    whole = {f.name: f.read_bytes() for f in (one / agent_data.DATA_DIR / str(p.pid)).iterdir()
              if f.name.startswith("gpu-memory")}
     doc1, _ = images.pack(store, one, "one", OWNER)
     fps = [f for e in doc1["files"].values() for f in e.get("fingerprints", [])]
@@ -93,9 +93,9 @@ def test_a_second_checkpoint_skips_what_the_store_has_and_restores_whole(probe, 
 
     # the restore's files: complete, and the agent's fingerprints check what the store gave
     unpacked = images.unpack(store, two)
-    prog = unpacked / bulk.DATA_DIR / str(p.pid)
+    prog = unpacked / agent_data.DATA_DIR / str(p.pid)
     assert not fingerprints.has_skipped(prog)                 # the store's index is complete
-    fds = bulk.DataDir(unpacked / bulk.DATA_DIR).for_resume(p.pid, 2)
+    fds = agent_data.DataDir(unpacked / agent_data.DATA_DIR).for_resume(p.pid, 2)
     try:
         assert ctl_fds(p.sock, "detach")["ok"]
         r = ctl_fds(p.sock, "resume", fds)
@@ -105,7 +105,7 @@ def test_a_second_checkpoint_skips_what_the_store_has_and_restores_whole(probe, 
     assert r["ok"], r
     assert p.call(f"@check {a} {48 * MIB} 3")["ok"] and p.call(f"@check {b} {8 * MIB} 5")["ok"]
     # the first checkpoint's files are unchanged by all this
-    for f in (images.unpack(store, one) / bulk.DATA_DIR / str(p.pid)).iterdir():
+    for f in (images.unpack(store, one) / agent_data.DATA_DIR / str(p.pid)).iterdir():
         if f.name in whole:
             assert f.read_bytes() == whole[f.name]
 
@@ -133,19 +133,19 @@ def test_fill_completes_an_unpacked_directory_and_checks_the_index(probe, tmp_pa
     a, b, store = _stored_once(p, tmp_path)
     two, r2 = _checkpoint_dir(tmp_path, "two", p, store)      # nothing changed: all skipped
     assert r2["bytes"] == 0 and r2["fingerprints"]["skipped"] == r2["fingerprints"]["parts"]
-    data = bulk.DataDir(two / bulk.DATA_DIR)
+    data = agent_data.DataDir(two / agent_data.DATA_DIR)
     prog = data.path(p.pid)
-    index = (prog / bulk.INDEX).read_text()
+    index = (prog / agent_data.INDEX).read_text()
 
     # an index pointing outside its files is refused before anything is written
     first = index.splitlines()[1].split()
     bad = index.replace(" ".join(first), " ".join([first[0], str(1 << 40), *first[2:]]), 1)
-    (prog / bulk.INDEX).write_text(bad)
+    (prog / agent_data.INDEX).write_text(bad)
     fds = data.for_fill(p.pid, 2)
     sizes = [os.fstat(fd).st_size for fd in fds]
     with pytest.raises(CorruptCheckpointError, match="outside the data files"):
         fingerprints.fill(store, prog, fds, sizes, OWNER)
-    (prog / bulk.INDEX).write_text(index)
+    (prog / agent_data.INDEX).write_text(index)
 
     # a store that lost the snapshot: fill says which chunk it needs
     other = Store(tmp_path / "empty")
@@ -157,7 +157,7 @@ def test_fill_completes_an_unpacked_directory_and_checks_the_index(probe, tmp_pa
     assert fingerprints.fill_dir(store, two, OWNER) == 56 * MIB    # as a failed pack does
     assert not fingerprints.any_skipped(two) and fingerprints.fill_dir(store, two, OWNER) == 0
     assert not fingerprints.has_skipped(prog)
-    assert oct((prog / bulk.INDEX).stat().st_mode & 0o777) == "0o600"
+    assert oct((prog / agent_data.INDEX).stat().st_mode & 0o777) == "0o600"
     assert ctl_fds(p.sock, "abort")["ok"]                      # from the kept, now filled, fds
     assert p.call(f"@check {a} {48 * MIB} 3")["ok"] and p.call(f"@check {b} {8 * MIB} 4")["ok"]
 
@@ -177,7 +177,7 @@ def test_a_rollback_fills_what_the_agent_skipped_then_resumes(gpu, probe, tmp_pa
                            "TORPOR_STORE_DIR": str(store.backend.root),
                            "TORPOR_AGENT_FILES": "2"})
     engine = Engine(cfg)
-    data = bulk.DataDir(tmp_path / "two-data")
+    data = agent_data.DataDir(tmp_path / "two-data")
     gpu.fail("lock", "CUDA_ERROR_UNKNOWN", p.pid)
     with store.backend.lock(False, 10), pytest.raises(RolledBackError):
         with engine.begin("checkpoint", [p.pid]) as op:
@@ -205,7 +205,7 @@ def test_a_restore_does_not_fill_skipped_parts_from_the_store(gpu, probe, tmp_pa
     cfg = config.load(env={**gpu.env(), "TORPOR_STATE_DIR": str(tmp_path / "state"),
                            "TORPOR_STORE_DIR": str(store.backend.root)})
     engine = Engine(cfg)
-    target = AgentTarget(p.pid, p.sock, two / bulk.DATA_DIR, p.pid, 2)
+    target = AgentTarget(p.pid, p.sock, two / agent_data.DATA_DIR, p.pid, 2)
     with engine.begin("restore", [p.pid]) as op, \
             pytest.raises(TorporError, match="only the checkpoint that skipped them fills"):
         engine.restore_and_unlock(op, [], agents={p.pid: target})
@@ -392,7 +392,7 @@ def test_gc_waits_for_a_pack_its_recovery_could_not_finish(gpu, probe, tmp_path)
 
 def _garble_index(two: Path) -> None:
     """What a program can do to its own agent's index (the agent runs inside it)."""
-    index = next((two / bulk.DATA_DIR).glob(f"*/{bulk.INDEX}"))
+    index = next((two / agent_data.DATA_DIR).glob(f"*/{agent_data.INDEX}"))
     header, first, rest = index.read_text().split("\n", 2)
     index.write_text(f"{header}\n{first[:-1]}7\n{rest}")    # skipped: neither 0 nor 1
 

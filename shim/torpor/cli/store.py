@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 import os
 
-from .. import bulk
+from .. import agent_data
 from ..engine import targets_of
 from ..errors import BusyError
 from ..progress import human_bytes
@@ -15,7 +15,7 @@ from ..flows import policy
 from ..store import Store
 from .context import Context
 
-# A pack that a dead torpor left is finished first (packing.py): its directory's holes are
+# A pack that a dead torpor left is finished first (store_packing.py): its directory's holes are
 # filled from chunks that rm and gc could otherwise take away.
 NEEDS_RECOVERY = True
 
@@ -76,7 +76,7 @@ def _refuse_while_a_pack_is_unfinished(ctx: Context) -> None:
                             "chunks now could lose it",
                             hint="see why above; once fixed, any torpor command finishes it")
         streamed = [p for p, t in targets_of(entry.agents).items() if not t.in_process
-                    and (bulk.DataDir(t.data).path(t.name) / bulk.STREAMED).exists()]
+                    and (agent_data.DataDir(t.data).path(t.name) / agent_data.STREAMED).exists()]
         if streamed:
             raise BusyError(f"the GPU data of PID {streamed[0]}, streamed into the store by "
                             f"an interrupted {entry.kind}, is in no snapshot yet and its "

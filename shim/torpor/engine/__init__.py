@@ -5,7 +5,7 @@ operator interrupts, every process is rolled back to RUNNING before the error is
 torpor itself dies, the next torpor (or torpord) finds the journal entry and rolls back.
 
 Programs under the in-process agent (agent.py, agent/PROTOCOL.md) first have their bulk GPU
-memory moved into data files (bulk.py) by their agent, at PCIe speed; the driver's checkpoint
+memory moved into data files (agent_data.py) by their agent, at PCIe speed; the driver's checkpoint
 then moves only what is left. The order, for every caller (flows/: the CLI's and torpord's):
 
     checkpoint  agent-prepare -> agent-detach -> lock -> checkpoint      (then the dump)
@@ -31,7 +31,7 @@ import threading
 from pathlib import Path
 from typing import Any, Collection, Iterable, Mapping
 
-from .. import bulk, interrupts, procs
+from .. import agent_data, interrupts, procs
 from ..config import Config
 from ..driver import Driver, DriverError, ProcessState
 from ..errors import ExitCode, NoDriverError, RolledBackError, TorporError
@@ -99,7 +99,7 @@ class Engine(AgentMoves, Recovery):
         return self.journal.begin(kind, pids)
 
     def lock_and_checkpoint(self, op: Operation, pids: list[int],
-                            data: bulk.DataDir | bulk.InProcess | None = None,
+                            data: agent_data.DataDir | agent_data.InProcess | None = None,
                             agent_dir: Path | None = None,
                             scratch: bool = False,
                             known_fingerprints: Collection[str] | None = None,
@@ -109,7 +109,7 @@ class Engine(AgentMoves, Recovery):
 
         data: where the agents of the pids that have one (a socket in agent_dir, default
         agent.default_dir()) put their GPU memory first (the directory is made here, when one
-        has; bulk.InProcess: the program's own memory); None: driver only. scratch: data is
+        has; agent_data.InProcess: the program's own memory); None: driver only. scratch: data is
         torpor's own (suspend): a recovery removes it. known_fingerprints: the agents
         fingerprint their data on the GPU and skip these parts (owner's snapshots in the image
         store have them: store/fingerprints.py; hold the store's lock until they are packed);
@@ -203,7 +203,7 @@ class Engine(AgentMoves, Recovery):
                               + "; ".join(problems),
                               hint="run 'torpor ps' and 'torpor resume PID'") from error
         if op.entry.data_root:
-            bulk.DataDir(Path(op.entry.data_root)).remove()
+            agent_data.DataDir(Path(op.entry.data_root)).remove()
         op.close()
         code = ExitCode.INTERRUPTED if isinstance(error, KeyboardInterrupt) else None
         raise RolledBackError(f"{during} failed: {_describe(error)}; " + (

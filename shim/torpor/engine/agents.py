@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterable, Mapping, TypeVar
 
-from .. import agent, bulk, procs
+from .. import agent, agent_data, procs
 from ..agent import AgentClient, AgentError, NoAgentError
 from ..errors import (CorruptCheckpointError, TorporError)
 from ..files import tree_size
@@ -46,11 +46,11 @@ class AgentTarget:
     """One program whose agent moves (or moved) its GPU memory: where its agent listens, and
     its data files, <data>/<name>/gpu-memory-<k>.bin for k < files (name: its PID at
     checkpoint, which a container's restore changes); files 0: none, the agent keeps the
-    memory in the program (bulk.InProcess)."""
+    memory in the program (agent_data.InProcess)."""
 
     pid: int            # host PID now
     socket: Path
-    data: Path          # the operation's bulk.DataDir root (unused when files is 0)
+    data: Path          # the operation's agent_data.DataDir root (unused when files is 0)
     name: int
     files: int
     owner: str = ""     # whose store fingerprints its agent was handed (fingerprints.py)
@@ -169,15 +169,15 @@ class AgentMoves:
         return live
 
     def _prepare_agents(self, op: Operation, sockets: Mapping[int, Path],
-                        data: bulk.DataDir | bulk.InProcess, scratch: bool,
+                        data: agent_data.DataDir | agent_data.InProcess, scratch: bool,
                         known: Collection[str] | None = None, owner: str = "",
                         stream_into: Store | None = None) -> dict[int, dict[str, Any]]:
         op.phase("agent-prepare")
         sockets = self._probe(sockets)
         if not sockets:
             return {}
-        in_process = isinstance(data, bulk.InProcess)
-        count = 0 if in_process else bulk.file_count(self.cfg)
+        in_process = isinstance(data, agent_data.InProcess)
+        count = 0 if in_process else agent_data.file_count(self.cfg)
         root = Path() if data.root is None else data.root
         if known is not None and not owner:
             raise ValueError("fingerprints need their owner")
@@ -271,8 +271,8 @@ class AgentMoves:
                 return a.resume(None, self.cfg.agent_timeout_s)
             if t.packed:
                 return self._resume_streamed(a, t, self._packed_sources(t))
-            data = bulk.DataDir(t.data)
-            if fill and (data.path(t.name) / bulk.STREAMED).exists():
+            data = agent_data.DataDir(t.data)
+            if fill and (data.path(t.name) / agent_data.STREAMED).exists():
                 return self._resume_streamed(a, t, self._own_sources(t))
             if fill:
                 self._fill_skipped(t)
@@ -281,7 +281,7 @@ class AgentMoves:
                     f"the GPU data in {t.data}/{t.name} lacks parts its agent skipped because "
                     "the image store had them, and only the checkpoint that skipped them fills "
                     "them in (its pack, or its rollback): refused")
-            fds = bulk.DataDir(t.data).for_resume(t.name, t.files)
+            fds = agent_data.DataDir(t.data).for_resume(t.name, t.files)
             try:
                 return a.resume(fds, self.cfg.agent_timeout_s)
             finally:
@@ -317,15 +317,15 @@ class AgentMoves:
         """The parts of t's data files in the packed checkpoint t.packed names (its chunks
         are in this host's store: the restore's unpack brought in any it lacked)."""
         doc = images.packed_doc(Path(t.packed))
-        prog = f"{bulk.DATA_DIR}/{t.name}"
+        prog = f"{agent_data.DATA_DIR}/{t.name}"
         return Store(self.cfg.store_dir), stream.sources(doc, prog, t.files)
 
     def _own_sources(self, t: AgentTarget) -> tuple[Store, list[stream.Source]]:
         """The parts of t's data that this operation's own prepare streamed into the store
         (its stream record), and those its agent skipped (its owner's fingerprints)."""
         store = Store(self.cfg.store_dir)
-        prog = bulk.DataDir(t.data).path(t.name)
-        sizes = [os.path.getsize(prog / bulk.file_name(k)) for k in range(t.files)]
+        prog = agent_data.DataDir(t.data).path(t.name)
+        sizes = [os.path.getsize(prog / agent_data.file_name(k)) for k in range(t.files)]
         with store.backend.lock(False, store.lock_timeout):
             return store, [stream.Source(p.file, p.offset, ref)
                            for p, ref in fingerprints.holes(store, prog, sizes, t.owner)]
@@ -333,7 +333,7 @@ class AgentMoves:
     def _fill_skipped(self, t: AgentTarget) -> None:
         """The parts t's agent skipped (the image store had them) written into its data files
         from the store (config store_dir), before anything reads them back."""
-        data = bulk.DataDir(t.data)
+        data = agent_data.DataDir(t.data)
         if not fingerprints.has_skipped(data.path(t.name)):
             return
         if not t.owner:

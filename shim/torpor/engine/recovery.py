@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Mapping
 
-from .. import bulk, criu, interrupts, manifest, packing, procs
+from .. import agent_data, criu, interrupts, manifest, procs, store_packing
 from ..errors import (BusyError, DamagedRecordsError)
 from ..journal import Entry
 from ..progress import human_bytes
@@ -83,11 +83,11 @@ class Recovery:
                             + (f"to {entry.data_root}" if entry.data_root
                                else "into the program's host memory"))
         if entry.scratch and entry.data_root:
-            bulk.DataDir(Path(entry.data_root)).remove()
+            agent_data.DataDir(Path(entry.data_root)).remove()
         if entry.kind == "resume":
             messages += self._finish_resume(live)
         if entry.kind == "pack":
-            messages += packing.finish_interrupted(self.cfg, entry)
+            messages += store_packing.finish_interrupted(self.cfg, entry)
         elif entry.images_dir:
             messages += self._finish_images(Path(entry.images_dir), program_alive=bool(live))
             messages += self._fill_images(Path(entry.images_dir), entry)
@@ -99,7 +99,7 @@ class Recovery:
         are suspended no more: their records and the host copies of their GPU memory go."""
         records = {p: r for p, r in self.journal.suspended().items() if p in pids}
         for root in {r["data_root"] for r in records.values() if r.get("data_root")}:
-            bulk.DataDir(Path(root)).remove(background=True)
+            agent_data.DataDir(Path(root)).remove(background=True)
         for p in records:
             self.journal.clear_suspended(p)
         return [f"finished resuming {', '.join(map(str, sorted(records)))}"] if records else []
@@ -151,11 +151,11 @@ class Recovery:
             return []
         owners = {t.owner for t in targets_of(entry.agents).values() if t.owner}
         try:
-            filled = packing.stand_alone(Store(self.cfg.store_dir), images_dir,
+            filled = store_packing.stand_alone(Store(self.cfg.store_dir), images_dir,
                                          next(iter(owners), ""), self.cfg.checksums)
         except DamagedRecordsError as e:
             return [f"the checkpoint in {images_dir}, which an interrupted {entry.kind} left "
-                    "unpacked: " + packing.give_up(images_dir, e)]
+                    "unpacked: " + store_packing.give_up(images_dir, e)]
         return [f"filled {human_bytes(filled)} of GPU data into the checkpoint in {images_dir} "
                 "from the image store: its torpor died before packing it"]
 

@@ -5,7 +5,7 @@ checkpoint: [agent-prepare -> agent-detach ->] lock -> checkpoint -> dump -> sea
             (any failure before seal: rolled back)
 
 The agent phases are those of programs run under the in-process agent (`torpor run`): their
-GPU memory goes into <images dir>/torpor-gpu/ (bulk.py).
+GPU memory goes into <images dir>/torpor-gpu/ (agent_data.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from .. import __version__, bulk, criu, gpus, interrupts, manifest, packing, procs, workloads
+from .. import (__version__, agent_data, criu, gpus, interrupts, manifest, procs, store_packing,
+               workloads)
 from ..driver import ProcessState
 from ..engine import Engine, targets_of
 from ..errors import BusyError, NoDriverError, RolledBackError, TorporError, UsageError
@@ -114,8 +115,8 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
             plan = policy.fingerprint_plan(
                 cfg, store if known is not None else None, owner,
                 policy.FingerprintMode.of(store is not None, leave_running), known)
-            moved = engine.lock_and_checkpoint(op, cuda_pids,
-                                               data=bulk.DataDir(images_dir / bulk.DATA_DIR),
+            data = agent_data.DataDir(images_dir / agent_data.DATA_DIR)
+            moved = engine.lock_and_checkpoint(op, cuda_pids, data=data,
                                                known_fingerprints=plan.skip, owner=owner,
                                                stream_into=plan.stream_into)
         except RolledBackError:
@@ -138,7 +139,7 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
                           shell_job=shell_job, tcp_established=cfg.tcp_established)
         except BaseException as e:
             if not manifest.dump_succeeded(images_dir) and any(procs.alive(p) for p in tree):
-                manifest.clear_partial(images_dir, keep=(bulk.DATA_DIR,))  # until resumed
+                manifest.clear_partial(images_dir, keep=(agent_data.DATA_DIR,))  # until resumed
                 engine.fail(op, cuda_pids, e, during="dump")
             dump_error = e  # the program is gone: its images are all that is left of it
         if leave_running and cuda_pids:
@@ -198,7 +199,7 @@ def store_checkpoint(engine: Engine, store: Store, images_dir: Path, name: str,
     snapshot name (store/images.py), its fingerprints owner's (fingerprints.owner_of; known:
     theirs, when the store's lock was held since they were read). A failure, or Ctrl-C,
     leaves images_dir the complete, unpacked checkpoint it was (what its agents skipped
-    filled in from the store; should torpor die, its recovery does that: packing.py).
+    filled in from the store; should torpor die, its recovery does that: store_packing.py).
     Returns what was written: {"name", "store", "chunks",
     "new_chunks", "new_bytes", "reused_chunks", "by_fingerprint", "zero_chunks", "logical"}."""
     size = tree_size(images_dir)
@@ -210,7 +211,7 @@ def store_checkpoint(engine: Engine, store: Store, images_dir: Path, name: str,
     def by_stream(key: str) -> int:
         return sum(int(s.get(key, 0)) for s in streamed)
     with engine.progress.phase("store", f"{human_bytes(size)} into {store.where} as {name}"):
-        _doc, st = packing.pack(engine.journal, store, images_dir, name, owner, known,
+        _doc, st = store_packing.pack(engine.journal, store, images_dir, name, owner, known,
                                 engine.cfg.checksums)
     return {"name": name, "store": store.where, "chunks": st.chunks,
             "new_chunks": st.new_chunks + by_stream("new_chunks"),

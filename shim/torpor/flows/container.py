@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from .. import bulk, gpus, oci, placement, procs
+from .. import agent_data, gpus, oci, placement, procs
 from ..config import Config
 from ..driver import ProcessState
 from ..engine import Engine, restore_targets, targets_of
@@ -190,7 +190,7 @@ def lock_and_checkpoint(engine: Engine, pids: Sequence[int], *, data: Path | Non
             if data is not None and mode is not policy.FingerprintMode.NONE \
             else policy.NO_FINGERPRINTS
         moved = engine.lock_and_checkpoint(  # rolls back and closes op on failure
-            op, cuda_pids, bulk.DataDir(data) if data else None, agent_dir,
+            op, cuda_pids, agent_data.DataDir(data) if data else None, agent_dir,
             known_fingerprints=plan.skip, owner=owner, stream_into=plan.stream_into)
         try:
             # CHECKPOINTED now: until the operation is in the caller's table (where a rollback,

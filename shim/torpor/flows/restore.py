@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from .. import agent, bulk, criu, gpus, interrupts, manifest, placement, procs
+from .. import agent, agent_data, criu, gpus, interrupts, manifest, placement, procs
 from ..engine import Engine, restore_targets
 from ..errors import (CorruptCheckpointError, CriuError, NoDriverError, PreflightError,
                       TorporError, UsageError)
@@ -47,7 +47,7 @@ def restore(engine: Engine, images_dir: Path, *, device_map: dict[str, str] | No
         raise CorruptCheckpointError(f"{images_dir}: the manifest's agent entries "
                                      f"{sorted(set(moved) - set(cuda_pids))} are not CUDA "
                                      "processes of the image")
-    agents = restore_targets(moved, images_dir.absolute() / bulk.DATA_DIR, agent.default_dir(),
+    agents = restore_targets(moved, images_dir.absolute() / agent_data.DATA_DIR, agent.default_dir(),
                              packed=packed if in_store else None)
     with progress.phase("preflight", "PIDs, driver, GPU model and memory"):
         busy = [p for p in pids if procs.pid_taken(p)]
@@ -133,12 +133,12 @@ def _unpack_in_memory(engine: Engine, images_dir: Path, leave_out: Iterable[str]
     the disk again nor needs the disk space twice; else None (inside images_dir)."""
     try:
         need = images.unpacked_size(images_dir, leave_out)
-        base = bulk.claim_suspend_dir(Path(os.path.abspath(engine.cfg.suspend_dir)))
+        base = agent_data.claim_suspend_dir(Path(os.path.abspath(engine.cfg.suspend_dir)))
         vfs = os.statvfs(base)
     except (TorporError, OSError):
         return None
     available = procs.mem_available()
     room = min(vfs.f_bavail * vfs.f_frsize, available if available is not None else 0)
-    return base if need <= room // 2 and bulk.in_memory(base) else None
+    return base if need <= room // 2 and agent_data.in_memory(base) else None
 
 

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import bulk, procs
+from .. import agent_data, procs
 from ..driver import ProcessState
 from ..engine import Engine, targets_of
 from ..errors import NotFoundError, UsageError
@@ -42,8 +42,8 @@ def suspend(engine: Engine, pid: int) -> dict[str, Any]:
         if available is not None and freed > available:
             raise UsageError(f"suspending {pid} needs {human_bytes(freed)} of host memory for "
                              f"its GPU memory; {human_bytes(available)} is available")
-        data = bulk.InProcess() if engine.cfg.suspend_in_process \
-            else bulk.DataDir.scratch(engine.cfg, pid)
+        data = agent_data.InProcess() if engine.cfg.suspend_in_process \
+            else agent_data.DataDir.scratch(engine.cfg, pid)
         moved = engine.lock_and_checkpoint(op, cuda_pids, data=data, scratch=True)
         try:
             for p in cuda_pids:
@@ -84,7 +84,7 @@ def resume(engine: Engine, pid: int) -> dict[str, Any]:
         back = policy.restore_or_roll_back(engine, op, locked, agents=agents,
                                            retry=todo)
     for root in {r["data_root"] for p, r in records.items() if p in todo and r.get("data_root")}:
-        bulk.DataDir(Path(root)).remove(background=True)
+        agent_data.DataDir(Path(root)).remove(background=True)
     for p in todo:
         engine.journal.clear_suspended(p)
     return {"pids": todo, "agent": {str(p): r for p, r in back.items()},

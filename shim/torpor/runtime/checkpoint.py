@@ -12,7 +12,7 @@ torpord is told our PID: should this process die before Finish/Rollback, torpord
 operation back itself once no dump holds the processes.
 
 Programs under the in-process agent: torpord has their agents move their GPU memory into
-<image-path>/torpor-gpu/ first (bulk.py), so the runtime's image directory, and with it
+<image-path>/torpor-gpu/ first (agent_data.py), so the runtime's image directory, and with it
 podman's --export archive and containerd's checkpoint, carries it; torpor.json lists it
 ("agent", and the file table's checksums). CRIU ignores the directory.
 """
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import __version__, bulk, gpus, interrupts, manifest, oci, procs, workloads
+from .. import __version__, agent_data, gpus, interrupts, manifest, oci, procs, workloads
 from .. import manifest_types as mt
 from ..config import Config
 from ..errors import NoDriverError, TorporError, UsageError
@@ -75,7 +75,7 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
                                   warn=lambda t: print(f"torpor-runtime: {t}", file=sys.stderr))
     thawed = _Thaw(runtime, cid, st.get("status") == "paused")
     private_dir(images)
-    data = bulk.DataDir(images / bulk.DATA_DIR)
+    data = agent_data.DataDir(images / agent_data.DATA_DIR)
     data.remove()   # an earlier checkpoint's, into the same image path
     store_images.forget_packed(images)
     store = _open_store(cfg, cid) if oci.wants_store(spec, cfg.store_containers) else None
@@ -99,7 +99,7 @@ def _open_store(cfg: Config, cid: str) -> Store | None:
 
 
 def _checkpoint(cfg: Config, runtime: Runtime, cid: str, spec: dict[str, Any],
-                use: Any, pid: int, images: Path, data: bulk.DataDir, thawed: "_Thaw",
+                use: Any, pid: int, images: Path, data: agent_data.DataDir, thawed: "_Thaw",
                 leave_running: bool, store: Store | None) -> int:
     t0 = time.monotonic()
     ensure_running(cfg)
@@ -162,7 +162,7 @@ def _checkpoint(cfg: Config, runtime: Runtime, cid: str, spec: dict[str, Any],
 
 
 def _store(cfg: Config, store: Store, images: Path, cid: str) -> None:
-    """Pack the sealed checkpoint into the image store (packing.py). The checkpoint is done
+    """Pack the sealed checkpoint into the image store (store_packing.py). The checkpoint is done
     whatever happens here: a failure leaves it unpacked, the GPU data its agents skipped
     filled in from the store (podman may export the directory to another host), and says
     why."""

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import agent, bulk, manifest, oci
+from .. import agent, agent_data, manifest, oci
 from ..config import Config
 from ..errors import TorporError
 from ..files import read_untrusted
@@ -101,7 +101,7 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
             _device_nodes(pid, list(placed.moves))
         with Client(cfg) as c:
             out = c.restore_and_unlock(pids=[pid], gpu_map=placed.driver_map, agents=moved,
-                                       gpu_data_dir=images / bulk.DATA_DIR if moved else "",
+                                       gpu_data_dir=images / agent_data.DATA_DIR if moved else "",
                                        agent_container_id=cid,
                                        gpu_data_packed=images if moved and in_store else "")
     except TorporError as e:

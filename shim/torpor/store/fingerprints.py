@@ -4,7 +4,7 @@
 A checkpoint into the store (`torpor checkpoint --store`) hands each agent the fingerprints of
 every GPU chunk the store's snapshots hold (`known`). The agent fingerprints every 4 MiB part
 of its data on the GPU; a known part is skipped: its bytes stay a hole in the data file. The
-agent's index (bulk.INDEX, beside the data files) lists every part:
+agent's index (agent_data.INDEX, beside the data files) lists every part:
 
     torpor-gpu-fingerprints 1
     <file k> <offset> <data length> <store chunk length> <32 hex: fingerprint> <skipped 0|1>
@@ -33,7 +33,7 @@ read it back at restore. So a checkpoint is only ever handed, and its index only
 against, the fingerprints of its owner's own snapshots (their meta's "owner").
 
 A checkpoint whose agents streamed their data straight into the store (stream.py) leaves
-every part a hole, and records beside the index which chunk each part is (bulk.STREAMED):
+every part a hole, and records beside the index which chunk each part is (agent_data.STREAMED):
 
     torpor-gpu-streamed 1
     <file k> <offset> <data length> <store chunk length> <sha256, or - for zeros>
@@ -58,7 +58,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from .. import bulk
+from .. import agent_data
 from ..errors import CorruptCheckpointError, DamagedRecordsError, TorporError
 from ..files import atomic_write, fsync_dir, read_untrusted
 from ..layout import MAX_RECORD
@@ -180,27 +180,27 @@ def _read(path: Path, sizes: list[int], parser: Callable[[str, str, list[int]], 
 
 def read(data_dir: Path, sizes: list[int]) -> list[Part] | None:
     """The index of one program's data directory; None when it has none."""
-    return _read(data_dir / bulk.INDEX, sizes, parse)
+    return _read(data_dir / agent_data.INDEX, sizes, parse)
 
 
 def read_streamed(data_dir: Path, sizes: list[int]) -> list[Streamed] | None:
     """The stream record of one program's data directory; None when it has none."""
-    return _read(data_dir / bulk.STREAMED, sizes, parse_streamed)
+    return _read(data_dir / agent_data.STREAMED, sizes, parse_streamed)
 
 
 def has_skipped(data_dir: Path) -> bool:
     """Does the program in data_dir have parts still to fill (fill): skipped, or streamed?"""
-    if os.path.lexists(data_dir / bulk.STREAMED):
+    if os.path.lexists(data_dir / agent_data.STREAMED):
         return True
-    if not os.path.lexists(data_dir / bulk.INDEX):
+    if not os.path.lexists(data_dir / agent_data.INDEX):
         return False
-    sizes = [(data_dir / bulk.file_name(k)).stat().st_size for k in range(_file_count(data_dir))]
+    sizes = [(data_dir / agent_data.file_name(k)).stat().st_size for k in range(_file_count(data_dir))]
     return any(p.skipped for p in read(data_dir, sizes) or ())
 
 
 def any_skipped(images_dir: Path) -> bool:
     """Does a checkpoint directory hold GPU data still to fill from the store?"""
-    return any(has_skipped(p) for p in (images_dir / bulk.DATA_DIR).glob("*")
+    return any(has_skipped(p) for p in (images_dir / agent_data.DATA_DIR).glob("*")
                if p.is_dir() and not p.is_symlink())
 
 
@@ -319,10 +319,10 @@ def fill(store: Store, data_dir: Path, fds: list[int], sizes: list[int], owner: 
         for fd in fds:
             os.fsync(fd)
     if skipped:   # every part is in the files now
-        atomic_write(data_dir / bulk.INDEX,
+        atomic_write(data_dir / agent_data.INDEX,
                      dump(dataclasses.replace(p, skipped=False) for p in parts).encode())
     if streamed:
-        (data_dir / bulk.STREAMED).unlink()
+        (data_dir / agent_data.STREAMED).unlink()
         fsync_dir(data_dir)
     return done
 
@@ -330,7 +330,7 @@ def fill(store: Store, data_dir: Path, fds: list[int], sizes: list[int], owner: 
 def _file_count(prog: Path) -> int:
     """How many data files a program's directory holds (gpu-memory-0.bin ...)."""
     k = 0
-    while (prog / bulk.file_name(k)).is_file():
+    while (prog / agent_data.file_name(k)).is_file():
         k += 1
     return k
 
@@ -338,7 +338,7 @@ def _file_count(prog: Path) -> int:
 def fill_dir(store: Store, images_dir: Path, owner: str) -> int:
     """fill() for every program of a checkpoint directory (its pack failed): the bytes."""
     done = 0
-    data = bulk.DataDir(images_dir / bulk.DATA_DIR)
+    data = agent_data.DataDir(images_dir / agent_data.DATA_DIR)
     for prog in sorted(data.root.glob("*")):
         if not prog.name.isdigit() or not has_skipped(prog):
             continue
@@ -358,12 +358,12 @@ def pack_arguments(store: Store, images_dir: Path, refs: dict[str, list[Any]]
     fingerprints) and its fingerprints; each index goes in with nothing skipped (the
     snapshot's file is complete)."""
     out: dict[str, dict[str, Any]] = {}
-    root = images_dir / bulk.DATA_DIR
+    root = images_dir / agent_data.DATA_DIR
     if not usable(store) or not root.is_dir():
         return out
-    for index in sorted(root.glob(f"*/{bulk.INDEX}")):
+    for index in sorted(root.glob(f"*/{agent_data.INDEX}")):
         prog = index.parent
-        files = [prog / bulk.file_name(k) for k in range(_file_count(prog))]
+        files = [prog / agent_data.file_name(k) for k in range(_file_count(prog))]
         sizes = [f.stat().st_size for f in files]
         parts = _read(index, sizes, parse) or []
         streamed = read_streamed(prog, sizes) or []
@@ -374,7 +374,7 @@ def pack_arguments(store: Store, images_dir: Path, refs: dict[str, list[Any]]
             out[rel] = {"given": chunks,
                         "fingerprints": [[p.chunk, p.fp] for p in parts if p.file == k]}
         if streamed:   # the snapshot's files are whole: no record of holes goes with them
-            out[(prog / bulk.STREAMED).relative_to(images_dir).as_posix()] = {"leave_out": True}
+            out[(prog / agent_data.STREAMED).relative_to(images_dir).as_posix()] = {"leave_out": True}
         out[index.relative_to(images_dir).as_posix()] = {"src": io.BytesIO(dump(
             dataclasses.replace(p, skipped=False) for p in parts).encode())}
     return out

@@ -41,7 +41,7 @@ import stat
 from pathlib import Path
 from typing import Any, Iterable
 
-from .. import bulk
+from .. import agent_data
 from ..errors import CorruptCheckpointError, UsageError
 from ..files import atomic_write
 from ..files import read_untrusted
@@ -91,7 +91,7 @@ def pack(store: Store, images_dir: Path, name: str, owner: str = "",
     for rel in doc["files"]:
         if rel not in KEPT:
             (images_dir / rel).unlink()
-    for record in images_dir.glob(f"{bulk.DATA_DIR}/*/{bulk.STREAMED}"):   # left out of doc
+    for record in images_dir.glob(f"{agent_data.DATA_DIR}/*/{agent_data.STREAMED}"):   # left out of doc
         record.unlink()
     for root, dirs, _names in os.walk(images_dir, topdown=False):
         for d in dirs:
@@ -138,11 +138,11 @@ def unpacked_size(images_dir: Path, leave_out: Iterable[str] = ()) -> int:
 def gpu_data_files(doc: dict[str, Any]) -> dict[str, int]:
     """The agents' data files a packed checkpoint's snapshot holds -> their sizes: what a
     restore streams from the store to the GPU (store/stream.py) rather than unpacking."""
-    names = {bulk.file_name(k) for k in range(bulk.MAX_FILES)}
+    names = {agent_data.file_name(k) for k in range(agent_data.MAX_FILES)}
     out = {}
     for rel, entry in doc["files"].items():
         parts = rel.split("/")
-        if len(parts) == 3 and parts[0] == bulk.DATA_DIR and parts[1].isdigit() \
+        if len(parts) == 3 and parts[0] == agent_data.DATA_DIR and parts[1].isdigit() \
                 and parts[2] in names:
             out[rel] = entry["size"]
     return out

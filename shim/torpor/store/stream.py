@@ -9,7 +9,7 @@ straight from the slot, then sends the slot's number back. Host memory holds at 
 however large the program; the data files stay holes, and no GPU byte is written twice
 (before, the agent wrote the data files and the pack read them back). Once the agent has sent
 every part, torpor makes the chunks durable and writes the program's stream record
-(bulk.STREAMED: the chunk each part is, store/fingerprints.py fills holes from it), and only
+(agent_data.STREAMED: the chunk each part is, store/fingerprints.py fills holes from it), and only
 then commits. The agent releases nothing before the commit, so a torpor that fails or dies
 mid-stream costs the program nothing: it runs on from its GPU memory.
 
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from .. import bulk
+from .. import agent_data
 from ..errors import CorruptCheckpointError, TorporError, describe
 from ..files import atomic_write
 from . import fingerprints
@@ -205,7 +205,7 @@ class Intake:
                     slot, file, offset, length, store_len = RECORD.unpack(msg)
                     if slot == END:
                         break
-                    if not (file < bulk.MAX_FILES and offset % PART == 0
+                    if not (file < agent_data.MAX_FILES and offset % PART == 0
                             and 0 < length <= store_len <= PART):
                         raise StreamError(f"the agent sent a malformed record: {file} "
                                           f"{offset} {length} {store_len}")
@@ -282,9 +282,9 @@ class Intake:
         and the agent releases nothing."""
         self.parts.sort(key=lambda p: (p.file, p.offset))
         text = fingerprints.dump_streamed(self.parts)
-        sizes = [os.path.getsize(self.data_dir / bulk.file_name(k)) for k in range(self.nfiles)]
+        sizes = [os.path.getsize(self.data_dir / agent_data.file_name(k)) for k in range(self.nfiles)]
         fingerprints.parse_streamed(text, f"the stream of {self.data_dir}", sizes)
-        atomic_write(self.data_dir / bulk.STREAMED, text.encode())
+        atomic_write(self.data_dir / agent_data.STREAMED, text.encode())
 
 
 # -- loading ------------------------------------------------------------------------------------
@@ -305,7 +305,7 @@ def sources(doc: dict[str, Any], prog_rel: str, count: int) -> list[Source]:
     runs on to the next), so chunk i of file k is the part at offset i * PART."""
     out = []
     for k in range(count):
-        rel = f"{prog_rel}/{bulk.file_name(k)}"
+        rel = f"{prog_rel}/{agent_data.file_name(k)}"
         entry = doc["files"].get(rel)
         if entry is None:
             raise CorruptCheckpointError(f"snapshot {doc['name']} holds no {rel}")
