@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from torpor import manifest
+from torpor.errors import ExitCode
 from torpor.flows import container
 from torpor.runtime import checkpoint as rt_checkpoint
 from torpor.runtime import main as rt_main
@@ -44,6 +45,12 @@ FAKE_RUNC = textwrap.dedent("""\
         return None
     if "state" in args:
         sys.stdout.write(open(os.path.join(here, "state.json")).read())
+        sys.exit(0)
+    if "resume" in args or "pause" in args:   # the container's status follows
+        path = os.path.join(here, "state.json")
+        st = json.load(open(path))
+        st["status"] = "running" if "resume" in args else "paused"
+        open(path, "w").write(json.dumps(st))
         sys.exit(0)
     if "checkpoint" in args:
         rc = int(open(os.path.join(here, "checkpoint.rc")).read())
@@ -239,6 +246,32 @@ def test_gpu_checkpoint_lock_failure_never_dumps(world):
     assert world["client"].names() == ["ensure", "lock_and_checkpoint"]
     assert world["runc"].commands() == ["state"]   # the container was never dumped
     assert not (world["images"] / manifest.DRAFT).exists()
+
+
+def test_paused_gpu_container_is_thawed_for_the_gpu_steps_only(world):
+    write_spec(world["bundle"], gpu=True)
+    runc, client = world["runc"], world["client"]
+    runc.set_state(id=CID, pid=world["pid"], status="paused", bundle=str(world["bundle"]))
+    seen = []
+    lock = client.lock_and_checkpoint
+
+    def spy(**kw):
+        seen.append(json.loads((runc.root / "state.json").read_text())["status"])
+        return lock(**kw)
+    client.lock_and_checkpoint = spy
+    assert rt_main.main(checkpoint_argv(world["images"], "--leave-running")) == 0
+    assert seen == ["running"]   # torpord's lock reaches running processes
+    assert runc.commands() == ["state", "resume", "state", "pause", "checkpoint",
+                               "resume", "state", "pause"]   # dumped paused, left paused
+    assert json.loads((runc.root / "state.json").read_text())["status"] == "paused"
+
+
+def test_gpu_checkpoint_pre_dump_is_refused_untouched(world, capsys):
+    write_spec(world["bundle"], gpu=True)
+    rc = rt_main.main(checkpoint_argv(world["images"], "--pre-dump"))
+    assert rc == ExitCode.USAGE
+    assert "pre-dump" in capsys.readouterr().err
+    assert world["client"].calls == [] and world["runc"].commands() == ["state"]
 
 
 def test_gpu_checkpoint_leave_running_restores_instead_of_finishing(world):
