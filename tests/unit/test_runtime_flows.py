@@ -313,6 +313,23 @@ def test_gpu_restore_gives_torpord_the_restored_pid(world, monkeypatch, tmp_path
         new.wait()
 
 
+def test_gpu_restore_failure_stops_the_restored_container(world, monkeypatch, tmp_path, capsys):
+    write_spec(world["bundle"], gpu=True)
+    assert rt_main.main(checkpoint_argv(world["images"])) == 0
+    before = sorted(p.name for p in world["images"].iterdir())
+    (world["runc"].root / "restore.pid").write_text(str(world["pid"]))
+    monkeypatch.setattr(rt_restore.container, "place",
+                        lambda cfg, m, b: container.Placement({GPU: GPU}))
+    client = world["client"]
+    client.fail = "restore_and_unlock"
+    argv = ["restore", "--image-path", str(world["images"]), "--bundle", str(world["bundle"]),
+            "--pid-file", str(tmp_path / "pid"), "--detach", CID]
+    assert rt_main.main(argv) != 0
+    assert world["runc"].calls()[-1][-3:] == ["kill", CID, "KILL"]
+    assert "container was stopped" in capsys.readouterr().err
+    assert sorted(p.name for p in world["images"].iterdir()) == before   # checkpoint kept
+
+
 def test_restore_of_a_plain_checkpoint_execs_runc(world, tmp_path):
     images = tmp_path / "plain"
     images.mkdir()
