@@ -1,0 +1,359 @@
+"""torpor-runtime's flows in process (runtime/main.py dispatch, checkpoint.py, restore.py):
+a fake runc (an executable script written here that records its argv and answers `state` from
+a JSON file), a fake torpord client (records each call, answers with the typed values of
+sidecar/convert.py and flows/container.py), os.execv recorded instead of run. No daemon, no
+podman, no GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from torpor import manifest
+from torpor.errors import ExitCode
+from torpor.flows import container
+from torpor.runtime import checkpoint as rt_checkpoint
+from torpor.runtime import main as rt_main
+from torpor.runtime import restore as rt_restore
+from torpor.sidecar.convert import Checkpointed, CudaProcess, OperationResult, Restored
+
+CID = "c0ffee0123456789"
+GPU = "GPU-11111111-2222-3333-4444-555555555555"
+
+FAKE_RUNC = textwrap.dedent("""\
+    #!{python}
+    # fake runc: records argv; `state` answers state.json; `checkpoint` writes an image set
+    # (CRIU's names) and exits with checkpoint.rc; `restore` writes --pid-file from restore.pid
+    import json, os, sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    args = sys.argv[1:]
+    with open(os.path.join(here, "calls.jsonl"), "a") as f:
+        f.write(json.dumps(args) + "\\n")
+    def opt(name):
+        for i, a in enumerate(args):
+            if a == "--" + name and i + 1 < len(args):
+                return args[i + 1]
+            if a.startswith("--" + name + "="):
+                return a.split("=", 1)[1]
+        return None
+    if "state" in args:
+        sys.stdout.write(open(os.path.join(here, "state.json")).read())
+        sys.exit(0)
+    if "resume" in args or "pause" in args:   # the container's status follows
+        path = os.path.join(here, "state.json")
+        st = json.load(open(path))
+        st["status"] = "running" if "resume" in args else "paused"
+        open(path, "w").write(json.dumps(st))
+        sys.exit(0)
+    if "checkpoint" in args:
+        rc = int(open(os.path.join(here, "checkpoint.rc")).read())
+        if rc == 0:
+            for name in ("inventory.img", "pstree.img", "pages-1.img"):
+                with open(os.path.join(opt("image-path"), name), "wb") as f:
+                    f.write(name.encode() * 100)
+        sys.exit(rc)
+    if "restore" in args:
+        if opt("pid-file"):
+            with open(opt("pid-file"), "w") as f:
+                f.write(open(os.path.join(here, "restore.pid")).read())
+        sys.exit(0)
+    sys.exit(0)
+""")
+
+
+class Exec(BaseException):
+    """os.execv, recorded: the flow would have become the real runtime here."""
+
+    def __init__(self, path: str, argv: list[str]):
+        super().__init__(path)
+        self.path, self.argv = path, list(argv)
+
+
+class FakeRunc:
+    def __init__(self, root: Path):
+        self.root = root
+        root.mkdir()
+        self.path = root / "runc"
+        self.path.write_text(FAKE_RUNC.format(python=sys.executable))
+        self.path.chmod(0o755)
+        self.checkpoint_rc = 0
+
+    def set_state(self, **st: Any) -> None:
+        (self.root / "state.json").write_text(json.dumps(st))
+
+    @property
+    def checkpoint_rc(self) -> int:
+        return int((self.root / "checkpoint.rc").read_text())
+
+    @checkpoint_rc.setter
+    def checkpoint_rc(self, rc: int) -> None:
+        (self.root / "checkpoint.rc").write_text(str(rc))
+
+    def calls(self) -> list[list[str]]:
+        f = self.root / "calls.jsonl"
+        return [json.loads(line) for line in f.read_text().splitlines()] if f.exists() else []
+
+    def commands(self) -> list[str]:
+        return [next(a for a in c if not a.startswith("-") and a not in ("/r", "/l"))
+                for c in self.calls()]
+
+
+class FakeClient:
+    """torpord's client: each call recorded as (name, kwargs), typed answers."""
+
+    def __init__(self, pid: int, fail: str = ""):
+        self.pid, self.fail, self.calls = pid, fail, []
+
+    def __call__(self, cfg: Any, timeout: Any = None) -> "FakeClient":
+        return self
+
+    def __enter__(self) -> "FakeClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def _record(self, name: str, **kw: Any) -> None:
+        self.calls.append((name, kw))
+        if name == self.fail:
+            from torpor.errors import TorporError
+            raise TorporError(f"fake torpord: {name} failed")
+
+    def names(self) -> list[str]:
+        return [n for n, _ in self.calls]
+
+    def lock_and_checkpoint(self, **kw: Any) -> Checkpointed:
+        self._record("lock_and_checkpoint", **kw)
+        return Checkpointed(op_id="op-1", pids=(self.pid,),
+                            cuda_processes=(CudaProcess(self.pid, "CHECKPOINTED", (GPU,), 1 << 20,
+                                                        {GPU: 1 << 20}),),
+                            timings={"checkpoint": 0.5}, deadline=0.0, container_id=CID)
+
+    def _result(self, op_id: str, outcome: str) -> OperationResult:
+        return OperationResult(op_id, "checkpoint", (self.pid,), outcome, {"unlock": 0.1})
+
+    def finish(self, op_id: str) -> OperationResult:
+        self._record("finish", op_id=op_id)
+        return self._result(op_id, "finished")
+
+    def rollback(self, op_id: str) -> OperationResult:
+        self._record("rollback", op_id=op_id)
+        return self._result(op_id, "rolled-back")
+
+    def restore_and_unlock(self, **kw: Any) -> Restored:
+        self._record("restore_and_unlock", **kw)
+        return Restored(kw.get("op_id") or "op-2", tuple(kw.get("pids") or (self.pid,)),
+                        dict(kw.get("gpu_map") or {}), (), {"restore": 0.2})
+
+
+@pytest.fixture
+def world(tmp_path: Path, torpor_env: dict[str, str], monkeypatch: pytest.MonkeyPatch):
+    """A fake runc as oci_runtime, os.execv recorded, a running program as the container's
+    init (a real PID: the flow reads its process tree and comm)."""
+    runc = FakeRunc(tmp_path / "fake-runc")
+    monkeypatch.setenv("TORPOR_OCI_RUNTIME", str(runc.path))
+
+    def execv(path: str, argv: list[str]) -> None:
+        raise Exec(path, argv)
+    monkeypatch.setattr(os, "execv", execv)
+    prog = subprocess.Popen(["sleep", "60"])
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    runc.set_state(ociVersion="1.0.2", id=CID, pid=prog.pid, status="running",
+                   bundle=str(bundle))
+    client = FakeClient(prog.pid)
+    for mod in (rt_checkpoint, rt_restore):
+        monkeypatch.setattr(mod, "Client", client)
+        monkeypatch.setattr(mod, "ensure_running", lambda cfg: client.calls.append(("ensure", {})))
+    yield {"runc": runc, "client": client, "bundle": bundle, "pid": prog.pid,
+           "images": tmp_path / "images"}
+    prog.kill()
+    prog.wait()
+
+
+def write_spec(bundle: Path, gpu: bool) -> None:
+    env = ["PATH=/usr/bin"] + ([f"NVIDIA_VISIBLE_DEVICES={GPU}"] if gpu else [])
+    devices = [{"path": "/dev/nvidia0", "type": "c", "major": 195, "minor": 0}] if gpu else []
+    spec = {"ociVersion": "1.0.2", "process": {"args": ["sleep"], "env": env},
+            "root": {"path": "rootfs"}, "linux": {"devices": devices}}
+    (bundle / "config.json").write_text(json.dumps(spec))
+
+
+def checkpoint_argv(images: Path, *extra: str) -> list[str]:
+    return ["--root", "/r", "--log", "/l", "checkpoint", "--image-path", str(images),
+            *extra, CID]
+
+
+def test_non_gpu_checkpoint_execs_runc_with_argv_unchanged(world):
+    write_spec(world["bundle"], gpu=False)
+    argv = checkpoint_argv(world["images"])
+    with pytest.raises(Exec) as e:
+        rt_main.main(argv)
+    assert e.value.path == str(world["runc"].path)
+    assert e.value.argv == [str(world["runc"].path), *argv]
+    assert world["client"].calls == []
+    assert world["runc"].commands() == ["state"]   # only asked, never told to checkpoint
+    assert not world["images"].exists()
+
+
+def test_gpu_checkpoint_locks_dumps_finishes_and_seals(world):
+    write_spec(world["bundle"], gpu=True)
+    argv = checkpoint_argv(world["images"])
+    assert rt_main.main(argv) == 0
+    client, runc = world["client"], world["runc"]
+    assert client.names() == ["ensure", "lock_and_checkpoint", "finish"]
+    lock = client.calls[1][1]
+    assert lock["pids"] == [world["pid"]] and lock["owner_pid"] == os.getpid()
+    assert lock["agent_container_id"] == CID
+    assert client.calls[2][1] == {"op_id": "op-1"}
+    # runc checkpoint ran with our argv, between the lock and the finish (its image is there)
+    assert argv in runc.calls()
+    assert runc.commands() == ["state", "checkpoint"]
+    images = world["images"]
+    assert not (images / manifest.DRAFT).exists()
+    m = manifest.read(images)
+    assert m["container"]["id"] == CID
+    assert m["container"]["visible"] == [GPU] and m["container"]["minors"] == [0]
+    assert [p["pid"] for p in m["processes"]] == [world["pid"]]
+    assert m["processes"][0]["cuda"] is True
+    assert "pages-1.img" in json.dumps(m["files"])
+    assert (images.stat().st_mode & 0o777) == 0o700
+
+
+def test_gpu_checkpoint_runc_failure_rolls_back(world, capsys):
+    write_spec(world["bundle"], gpu=True)
+    world["runc"].checkpoint_rc = 3
+    assert rt_main.main(checkpoint_argv(world["images"])) == 3
+    assert world["client"].names() == ["ensure", "lock_and_checkpoint", "rollback"]
+    assert world["client"].calls[2][1] == {"op_id": "op-1"}
+    images = world["images"]
+    assert not (images / manifest.DRAFT).exists()
+    assert not (images / manifest.MANIFEST).exists()
+    assert "checkpoint failed (exit 3)" in capsys.readouterr().err
+
+
+def test_gpu_checkpoint_lock_failure_never_dumps(world):
+    write_spec(world["bundle"], gpu=True)
+    world["client"].fail = "lock_and_checkpoint"
+    assert rt_main.main(checkpoint_argv(world["images"])) != 0
+    assert world["client"].names() == ["ensure", "lock_and_checkpoint"]
+    assert world["runc"].commands() == ["state"]   # the container was never dumped
+    assert not (world["images"] / manifest.DRAFT).exists()
+
+
+def test_paused_gpu_container_is_thawed_for_the_gpu_steps_only(world):
+    write_spec(world["bundle"], gpu=True)
+    runc, client = world["runc"], world["client"]
+    runc.set_state(id=CID, pid=world["pid"], status="paused", bundle=str(world["bundle"]))
+    seen = []
+    lock = client.lock_and_checkpoint
+
+    def spy(**kw):
+        seen.append(json.loads((runc.root / "state.json").read_text())["status"])
+        return lock(**kw)
+    client.lock_and_checkpoint = spy
+    assert rt_main.main(checkpoint_argv(world["images"], "--leave-running")) == 0
+    assert seen == ["running"]   # torpord's lock reaches running processes
+    assert runc.commands() == ["state", "resume", "state", "pause", "checkpoint",
+                               "resume", "state", "pause"]   # dumped paused, left paused
+    assert json.loads((runc.root / "state.json").read_text())["status"] == "paused"
+
+
+def test_gpu_checkpoint_pre_dump_is_refused_untouched(world, capsys):
+    write_spec(world["bundle"], gpu=True)
+    rc = rt_main.main(checkpoint_argv(world["images"], "--pre-dump"))
+    assert rc == ExitCode.USAGE
+    assert "pre-dump" in capsys.readouterr().err
+    assert world["client"].calls == [] and world["runc"].commands() == ["state"]
+
+
+def test_gpu_checkpoint_leave_running_restores_instead_of_finishing(world):
+    write_spec(world["bundle"], gpu=True)
+    assert rt_main.main(checkpoint_argv(world["images"], "--leave-running")) == 0
+    client = world["client"]
+    assert client.names() == ["ensure", "lock_and_checkpoint", "restore_and_unlock"]
+    assert client.calls[2][1] == {"op_id": "op-1"}
+    m = manifest.read(world["images"])
+    assert m["leave_running"] is True
+
+
+def test_gpu_restore_gives_torpord_the_restored_pid(world, monkeypatch, tmp_path):
+    write_spec(world["bundle"], gpu=True)
+    assert rt_main.main(checkpoint_argv(world["images"])) == 0
+    # restore into a new bundle; the restored init is another process than the checkpointed one
+    new = subprocess.Popen(["sleep", "60"])
+    try:
+        bundle = tmp_path / "bundle2"
+        bundle.mkdir()
+        write_spec(bundle, gpu=True)
+        (world["runc"].root / "restore.pid").write_text(str(new.pid))
+        placed = container.Placement({GPU: GPU})
+        monkeypatch.setattr(rt_restore.container, "place", lambda cfg, m, b: placed)
+        client = world["client"]
+        client.calls.clear()
+        pid_file = tmp_path / "pid"
+        argv = ["--root", "/r", "restore", "--image-path", str(world["images"]), "--bundle",
+                str(bundle), "--pid-file", str(pid_file), "--detach", CID]
+        assert rt_main.main(argv) == 0
+        assert client.names() == ["ensure", "restore_and_unlock"]
+        kw = client.calls[1][1]
+        assert kw["pids"] == [new.pid]
+        assert kw["gpu_map"] == {}   # the same GPU: no pairs for the driver
+        assert kw["agent_container_id"] == CID
+        assert world["runc"].calls()[-1] == argv
+    finally:
+        new.kill()
+        new.wait()
+
+
+def test_gpu_restore_failure_stops_the_restored_container(world, monkeypatch, tmp_path, capsys):
+    write_spec(world["bundle"], gpu=True)
+    assert rt_main.main(checkpoint_argv(world["images"])) == 0
+    before = sorted(p.name for p in world["images"].iterdir())
+    (world["runc"].root / "restore.pid").write_text(str(world["pid"]))
+    monkeypatch.setattr(rt_restore.container, "place",
+                        lambda cfg, m, b: container.Placement({GPU: GPU}))
+    client = world["client"]
+    client.fail = "restore_and_unlock"
+    argv = ["restore", "--image-path", str(world["images"]), "--bundle", str(world["bundle"]),
+            "--pid-file", str(tmp_path / "pid"), "--detach", CID]
+    assert rt_main.main(argv) != 0
+    assert world["runc"].calls()[-1][-3:] == ["kill", CID, "KILL"]
+    assert "container was stopped" in capsys.readouterr().err
+    assert sorted(p.name for p in world["images"].iterdir()) == before   # checkpoint kept
+
+
+def test_restore_of_a_plain_checkpoint_execs_runc(world, tmp_path):
+    images = tmp_path / "plain"
+    images.mkdir()
+    argv = ["restore", "--image-path", str(images), "--bundle", str(world["bundle"]), CID]
+    with pytest.raises(Exec) as e:
+        rt_main.main(argv)
+    assert e.value.argv == [str(world["runc"].path), *argv]
+    assert world["client"].calls == []
+
+
+def test_bundle_without_readable_spec_passes_through(world):
+    # state names a bundle with no config.json
+    argv = checkpoint_argv(world["images"])
+    with pytest.raises(Exec) as e:
+        rt_main.main(argv)
+    assert e.value.argv == [str(world["runc"].path), *argv]
+    assert world["client"].calls == []
+    assert not world["images"].exists()
+
+
+def test_bundle_with_broken_spec_passes_through(world):
+    (world["bundle"] / "config.json").write_text("{not json")
+    argv = checkpoint_argv(world["images"], "--leave-running")
+    with pytest.raises(Exec) as e:
+        rt_main.main(argv)
+    assert e.value.argv == [str(world["runc"].path), *argv]
+    assert world["client"].calls == []
