@@ -31,9 +31,11 @@ def _count(path: Path) -> int:
     raise AssertionError(f"{path} stays empty")
 
 
-def _live_criu() -> list[int]:
-    """CRIU processes that are not zombies (a CRIU another test left to finish on its own is
-    reparented to PID 1, which here may never reap it)."""
+def _live_criu(since: float = 0.0) -> list[int]:
+    """CRIU processes started since `since` (time.time()) that are not zombies: another
+    test's CRIU, left to finish a restore on its own, is not this test's, and one reparented
+    to PID 1 may never be reaped here."""
+    from torpor import procs
     found = []
     for name in os.listdir("/proc"):
         if name.isdigit():
@@ -42,7 +44,8 @@ def _live_criu() -> list[int]:
             except OSError:
                 continue
             comm, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:]
-            if comm == "criu" and not rest.startswith("Z"):
+            if comm == "criu" and not rest.startswith("Z") \
+                    and (procs.started_at(int(name)) or 0) >= since - 1:
                 found.append(int(name))
     return found
 
@@ -405,13 +408,15 @@ def test_sigkill_of_torpor_mid_dump_leaves_program_running(torpor, tmp_path, rea
     reaper.append(prog.pid)
     wait_for(lambda: status.exists(), timeout=60, what="program start")
     images = tmp_path / "ck"
+    began = time.time()
     t = torpor.start("checkpoint", str(prog.pid), "-D", str(images))
     wait_for(lambda: any('"phase": "dump"' in p.read_text() for p in _journal(tmp_path)),
              timeout=30, what="dump phase")
     time.sleep(0.3)
     t.kill()
     t.wait()
-    wait_for(lambda: not _live_criu(), timeout=10, what="CRIU to die with torpor")
+    wait_for(lambda: not _live_criu(began), timeout=10,
+             what=f"CRIU to die with torpor ({_live_criu(began)})")
     n = _count(status)
     wait_for(lambda: _count(status) > n + 10, timeout=10, what="program ticking")
     assert alive(prog.pid)
