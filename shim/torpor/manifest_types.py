@@ -3,7 +3,7 @@
 from_json checks every field's type and range and raises CorruptCheckpointError (exit 9)
 with one line naming the field ("manifest field 'agent.123.seconds' is not a number"); it is
 the only schema check (manifest.validate goes through it). Both of today's builders' shapes
-load: a bare process tree's (process.py: "tcp_established", no GPU "minor") and a container's
+load: a bare process tree's (flows/checkpoint.py: "tcp_established", no GPU "minor") and a container's
 (runtime/checkpoint.py: "container", GPU "minor", an agent block with "fingerprints").
 Keys this torpor does not know are kept (extra) and written back, so a newer torpor's
 manifest survives a seal here. Optional keys that are null or absent are written absent.

@@ -11,6 +11,6 @@ only translate their input into calls of this package and its results into their
   container.py  the operations torpord holds open for a container's runtime (lock and
                 checkpoint, finish, roll back, restore and unlock), typed in and out, and
                 where a container checkpoint's GPUs go on restore (torpor-runtime's)
-Placement ("same GPUs: no pairs") is placement.driver_map; the engine (engine.py) moves the
+Placement ("same GPUs: no pairs") is placement.driver_map; the engine (engine/) moves the
 GPU state and the agents' data.
 """

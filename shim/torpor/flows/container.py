@@ -7,7 +7,7 @@ back CHECKPOINTED under new host PIDs). torpord's handlers parse a request, call
 and turn the frozen result into a response (sidecar/); torpord's operation table holds the
 Operation between the calls (lock_and_checkpoint hands it over through `opened`).
 
-Every function takes an Engine (engine.py moves the GPU state) and leaves the journal entry
+Every function takes an Engine (engine/ moves the GPU state) and leaves the journal entry
 closed on success, or kept for recovery when a rollback failed (the error says so).
 """
 

@@ -9,7 +9,7 @@ torpord) in between, and is rolled back by torpord when not ended within --op-ti
 
 Programs under the in-process agent: given a data directory (gpu_data_dir, torpor-runtime
 names <image-path>/torpor-gpu), LockAndCheckpoint has their agents move their bulk GPU memory
-there first, and every way an operation ends gives it back through the agent (engine.py has
+there first, and every way an operation ends gives it back through the agent (engine/ has
 the order). The sockets are in the container's agent directory (agent.container_dir).
 
 At start torpord rolls back what dead torpor processes left locked or checkpointed
