@@ -10,7 +10,8 @@
 #   4. /etc/torpor/config.toml (kept if present), the torpord systemd unit (not started),
 #      podman's runtime "torpor" (containers.conf.d), containerd's snippet (/etc/containerd)
 #   5. the container engines torpor is tested with: podman, containerd, runc, and iptables
-#      (CRIU locks a container's network with iptables-restore)
+#      (CRIU locks a container's network with iptables-restore); TORPOR_ENGINES=0 leaves them
+#      out (the Kubernetes node image: the node brings its own containerd and runc)
 # Safe to run again. Needs only the distribution's package mirror and PyPI.
 set -Eeuo pipefail
 
@@ -55,7 +56,7 @@ bash packaging/criu/install-criu.sh --pycriu-into "$site" --python "$PREFIX/bin/
 # --no-install-recommends: runc recommends the distribution's criu, older than CRIU 4 on
 # Debian 12 (a second criu on PATH), and podman recommends buildah, slirp4netns, ... (unused).
 missing=()
-for pkg in podman containerd runc iptables; do
+[[ ${TORPOR_ENGINES:-1} == 0 ]] || for pkg in podman containerd runc iptables; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
 done
 if ((${#missing[@]})); then

@@ -14,7 +14,7 @@ if [[ ! -x "$PREFIX/bin/torpor" ]] || ! has_criu; then
     ./install.sh
 fi
 "$PREFIX/bin/python" -m pip install -q --force-reinstall --no-deps . >/dev/null
-"$PREFIX/bin/python" -m pip install -q pytest hypothesis >/dev/null
+"$PREFIX/bin/python" -m pip install -q pytest hypothesis kubernetes-validate >/dev/null
 make -s -C tests/fakes >/dev/null
 
 exec "$PREFIX/bin/python" -m pytest -p no:cacheprovider -ra "${@:-tests}"
