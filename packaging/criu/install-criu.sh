@@ -32,6 +32,9 @@ readonly DEFAULT_WORK=/var/cache/torpor/criu-build
 
 # Overridable from the environment (mostly for testing).
 INSTALL_PATH="${TORPOR_CRIU_INSTALL_PATH:-/usr/local/sbin/criu}"
+# CRIU's cuda plugin (plugins/cuda), built with CRIU for the upstream benchmark leg; never in
+# CRIU's own plugin directory
+UPSTREAM_PLUGIN_DIR="${TORPOR_CRIU_UPSTREAM_PLUGIN_DIR:-/usr/local/lib/torpor/criu-upstream}"
 # Debian suites whose source package of CRIU is tried, newest first.
 read -r -a SRC_SUITES <<<"${TORPOR_CRIU_SRC_SUITE:-unstable trixie}"
 [[ ${#SRC_SUITES[@]} -gt 0 ]] || SRC_SUITES=(unstable trixie)
@@ -375,6 +378,15 @@ build_from_source() {
     mv -f "$INSTALL_PATH.new" "$INSTALL_PATH"
     say "installed CRIU $v to $INSTALL_PATH"
     keep_runtime_libs "$INSTALL_PATH"
+    # CRIU's own cuda plugin, for the benchmarks' upstream leg only (bench/upstream_path.py
+    # gives it to CRIU through --libdir): kept out of CRIU's plugin directory, so no CRIU
+    # run of torpor's or the engines' ever loads it. Seconds once criu is built.
+    if make -C "$src" WERROR=0 cuda_plugin >>"$LOG" 2>&1; then
+        install -d -m 0755 "$UPSTREAM_PLUGIN_DIR"
+        install -m 0644 "$src/plugins/cuda/cuda_plugin.so" "$UPSTREAM_PLUGIN_DIR/cuda_plugin.so"
+    else
+        warn "CRIU's cuda plugin did not build (only the benchmarks' upstream leg needs it; log: $LOG)"
+    fi
     rm -rf "$src"
 }
 

@@ -31,32 +31,10 @@
  */
 #include "fake_common.h"
 #include "cuda_types.h" /* the agent's: the one copy of the driver ABI it and this fake share */
+#include "cuda_checkpoint_types.h"
 
 #include <pthread.h>
 #include <sys/mman.h>
-
-typedef struct { char bytes[16]; } CUuuid;
-
-typedef struct {
-    unsigned int timeoutMs;
-    unsigned int reserved0;
-    uint64_t reserved1[7];
-} CUcheckpointLockArgs;
-typedef struct { uint64_t reserved[8]; } CUcheckpointCheckpointArgs;
-typedef struct { CUuuid oldUuid; CUuuid newUuid; } CUcheckpointGpuPair;
-typedef struct {
-    CUcheckpointGpuPair *gpuPairs;
-    unsigned int gpuPairsCount;
-    char reserved[52 - sizeof(CUcheckpointGpuPair *)];
-    uint64_t reserved1;
-} CUcheckpointRestoreArgs;
-typedef struct { uint64_t reserved[8]; } CUcheckpointUnlockArgs;
-
-_Static_assert(sizeof(CUcheckpointLockArgs) == 64, "CUcheckpointLockArgs");
-_Static_assert(sizeof(CUcheckpointCheckpointArgs) == 64, "CUcheckpointCheckpointArgs");
-_Static_assert(sizeof(CUcheckpointGpuPair) == 32, "CUcheckpointGpuPair");
-_Static_assert(sizeof(CUcheckpointRestoreArgs) == 64, "CUcheckpointRestoreArgs");
-_Static_assert(sizeof(CUcheckpointUnlockArgs) == 64, "CUcheckpointUnlockArgs");
 
 /* The values beyond cuda_types.h's that the fake answers with or is asked about. */
 enum {
