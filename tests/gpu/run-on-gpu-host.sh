@@ -14,7 +14,10 @@
 # inference programs, or STORE_BENCH_KINDS; more arguments in STORE_BENCH_ARGS, e.g. --no-ends;
 # bench/criu_share.py at CRIU_SHARE_MIB, default 8192, 0 for none); CHUNK_WRITES_GIB=16 how fast
 # chunks become durable on the disk (bench/chunk_writes.py, CHUNK_WRITES_THREADS); JAX_BENCH=1
-# which XLA feature keeps a JAX program from the driver path (bench/jax_driver_path.py); TESTS=0
+# which XLA feature keeps a JAX program from the driver path (bench/jax_driver_path.py);
+# UPSTREAM_BENCH_SIZES="4 16" podman + runc + CRIU's cuda plugin + the cuda-checkpoint stand-in
+# against torpor's driver, agent and store legs (bench/upstream_path.py; the plugin from
+# .device/upstream/cuda_plugin.so, UPSTREAM_BENCH_ARGS for more, e.g. --zstd-sizes); TESTS=0
 # skips the tests.
 set -uo pipefail
 cd "$(dirname "$(readlink -f "$0")")/../.."
@@ -77,6 +80,13 @@ fi
 if [[ -n "${JAX_BENCH:-}" ]]; then
     python3 bench/jax_driver_path.py --root /var/tmp/torpor-jax --out "$OUT/jax_driver_path.json" \
         2>&1 | tee "$OUT/jax-bench.txt"
+fi
+if [[ -n "${UPSTREAM_BENCH_SIZES:-}" ]]; then
+    make -s -C bench/upstream BUILD=/tmp/upstream-build &&
+    python3 bench/upstream_path.py --sizes $UPSTREAM_BENCH_SIZES --plugin-dir .device/upstream \
+        --standin /tmp/upstream-build/cuda-checkpoint --runc /opt/podman-bundle/bin/runc \
+        --workdir /var/tmp/torpor-ubench ${UPSTREAM_BENCH_ARGS:-} \
+        --out "$OUT/upstream_path.json" 2>&1 | tee "$OUT/upstream-bench.txt"
 fi
 if [[ -n "${CHUNK_WRITES_GIB:-}" ]]; then
     python3 bench/chunk_writes.py --gib "$CHUNK_WRITES_GIB" --threads ${CHUNK_WRITES_THREADS:-16} \
