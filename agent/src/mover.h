@@ -1,6 +1,6 @@
 /* The mover's parts, private to the agent: the plan of a save (mover.c), the threads that copy
  * (mover_workers.c), the image store's ring (stream.c) and the parts' fingerprints
- * (fingerprint_parts.c). mover.c's top comment tells the whole story. Include after agent.h.
+ * (fingerprint_parts.c), the zero parts (zeros.c). mover.c's top comment tells the whole story. Include after agent.h.
  */
 #ifndef TORPOR_MOVER_H
 #define TORPOR_MOVER_H
@@ -37,7 +37,7 @@ struct part {
 	unsigned char fingerprinted, skip; /* skip: the store has it: neither copied nor written */
 	unsigned char received; /* a streamed load: its bytes came (set once, atomically) */
 	unsigned char zero;     /* it read all zero on the GPU: neither copied nor written, and
-				 * re-created by a memset (fingerprint_parts.c) */
+				 * re-created by a memset (zeros.c) */
 	unsigned long long sink_off; /* where its bytes are in its sink: in a file its place
 				      * (a hole when zero or skipped); in the agent's memory the
 				      * parts that move are packed, the zero ones take no room */
@@ -205,6 +205,9 @@ int known_read(int fd, XXH128_canonical_t **known, size_t *n, char *err, size_t 
  * either, r->fp_error and r->zero_error say why. */
 void fingerprint_parts(const XXH128_canonical_t *known, size_t nknown, int fp, int zeros,
 		       struct move_result *r);
+
+/* -- the zero parts (zeros.c) ----------------------------------------------------------------- */
+
 /* Each part's place in its sink (part.sink_off), the sinks' sizes with it: after the scan. */
 void sinks_layout(void);
 /* A load's first step after the re-creation: every zero part memset on the GPU (async on a
