@@ -250,3 +250,19 @@ def test_zeros_from_the_store_for_a_part_not_saved_as_zeros_are_checked(gpu, pro
     back = _feed_snapshot(p, store, data)
     assert back["bytes"] == SIZE, back
     _intact(p, ptr)
+
+
+def test_the_figures_and_the_cli_line_say_what_stayed_zero():
+    """The client takes zero_bytes from a prepare's "zero" block or a resume's "zero_bytes"
+    (anything but a count is 0: the agent runs inside the program); the CLI's line says it."""
+    from torpor.agent import _zeros
+    from torpor.cli.context import agent_line
+    assert _zeros({"zero": {"bytes": 5}}) == _zeros({"zero_bytes": 5}) == {"zero_bytes": 5}
+    for bad in ({"zero": {"bytes": True}}, {"zero_bytes": -1}, {"zero_bytes": "9"},
+                {"zero": 3}, {"zero_bytes": 1 << 70}, {}):
+        assert _zeros(bad) == {"zero_bytes": 0}, bad
+    moved = {"1": {"bytes": MIB, "seconds": 0.5, "zero_bytes": 8 << 30}}
+    assert "; 8.00 GiB read all zero on the GPU and never crossed PCIe" in agent_line(moved)
+    assert "8.00 GiB read all zero on the GPU and were memset there" in \
+        agent_line(moved, "gave back")
+    assert "zero" not in agent_line({"1": {"bytes": MIB, "seconds": 0.5}})
