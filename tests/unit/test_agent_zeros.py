@@ -221,6 +221,14 @@ def test_a_restore_feeds_zero_parts_as_records_alone_and_data_for_one_is_refused
             next(s for s in parts if s.ref[0] is None)])
     assert p.status()["state"] == "detached"
 
+    # a zeros record for a part the program does not have (past its file; another length;
+    # no such file): refused
+    for file, offset, length in ((0, 1 << 40, PART), (0, 0, PART + 1), (7, 0, PART)):
+        with pytest.raises(AgentError, match="not this program's"):
+            _feed_snapshot(p, store, data, lambda parts: parts + [
+                stream.Source(file, offset, [None, length])])
+        assert p.status()["state"] == "detached"
+
     before = gpu.copies(p.pid)
     back = _feed_snapshot(p, store, data)
     assert back["bytes"] == moved and back["zero_bytes"] == SIZE - moved, back
