@@ -248,6 +248,11 @@ struct move_result {
 	unsigned long long fp_skipped_bytes;
 	double fp_seconds;
 	char fp_error[160];
+	/* zeros (issue 20): parts found all zero on the GPU, neither copied nor written (a save)
+	 * and re-created by a memset (a load), their bytes; zero_error: why none were looked for */
+	long zero_parts;
+	unsigned long long zero_bytes;
+	char zero_error[160];
 	int streamed; /* through the image store's stream (a ring and a socket), not files */
 	char error[256];
 };
@@ -278,8 +283,10 @@ void mover_after_fork(void);
 
 struct fp_seg;
 /* Runs the fingerprint kernel over n segments of the current context's device: lanes gets
- * n * FP_LANES * 2 accumulators. 0, or -1 with err (nothing changed on the GPU). */
-int fp_run(const struct fp_seg *segs, size_t n, uint64_t *lanes, char *err, size_t errsize);
+ * n * FP_LANES * 2 accumulators (NULL: not asked for), nonzero n flags (1: a word of the
+ * segment is not zero). 0, or -1 with err (nothing changed on the GPU). */
+int fp_run(const struct fp_seg *segs, size_t n, uint64_t *lanes, uint32_t *nonzero, char *err,
+	   size_t errsize);
 
 /* -- allocator caches (caches.c) -------------------------------------------------------------- */
 

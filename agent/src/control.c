@@ -461,12 +461,13 @@ static void prepare_reply(struct client *c, const char *arg, char *out, size_t s
 		     "\"cache_released\":%llu,\"seconds\":%.6f,\"in_memory\":%s,"
 		     "\"host_alloc_seconds\":%.6f,\"phases\":{\"staging\":%.6f,\"copy\":%.6f,"
 		     "\"release\":%.6f},\"fingerprints\":{\"parts\":%ld,\"skipped\":%ld,"
-		     "\"skipped_bytes\":%llu,\"seconds\":%.6f,\"error\":\"%s\"},\"streamed\":%s,"
-		     "\"files\":[",
+		     "\"skipped_bytes\":%llu,\"seconds\":%.6f,\"error\":\"%s\"},\"zero\":{\"parts\":%ld,"
+		     "\"bytes\":%llu,\"error\":\"%s\"},\"streamed\":%s,\"files\":[",
 		     r.bytes, r.chunks, r.allocations, released, r.seconds,
 		     r.in_memory ? "true" : "false", r.host_alloc_seconds, r.staging_seconds,
 		     r.copy_seconds, r.vmm_seconds, r.fp_parts, r.fp_skipped, r.fp_skipped_bytes,
-		     r.fp_seconds, r.fp_error, r.streamed ? "true" : "false");
+		     r.fp_seconds, r.fp_error, r.zero_parts, r.zero_bytes, r.zero_error,
+		     r.streamed ? "true" : "false");
 	used = n > 0 && (size_t)n < size ? (size_t)n : size - 1;
 	for (int k = 0; k < r.nfiles && used < size; k++) {
 		n = snprintf(out + used, size - used, "%s%llu", k ? "," : "", r.file_size[k]);
@@ -496,8 +497,8 @@ static int do_resume(int *fds, int nfds, int ring_fd, int sock_fd, char *out, si
 	gate_open();
 	if (out)
 		snprintf(out, size, "{\"ok\":true,\"bytes\":%llu,\"chunks\":%ld,\"seconds\":%.6f,"
-			 "\"streamed\":%s,\"phases\":{\"recreate\":%.6f,\"staging\":%.6f,"
-			 "\"copy\":%.6f}}\n", r.bytes, r.chunks, r.seconds,
+			 "\"zero_bytes\":%llu,\"streamed\":%s,\"phases\":{\"recreate\":%.6f,"
+			 "\"staging\":%.6f,\"copy\":%.6f}}\n", r.bytes, r.chunks, r.seconds, r.zero_bytes,
 			 r.streamed ? "true" : "false", r.vmm_seconds, r.staging_seconds,
 			 r.copy_seconds);
 	return 0;

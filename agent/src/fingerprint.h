@@ -12,6 +12,12 @@
  * the other: a change to any word changes its thread's two accumulators, which XXH3-128 then
  * mixes. Equal fingerprints are taken as equal data (as the store takes equal sha256), at 128
  * bits for memory the program wrote itself.
+ *
+ * The same pass finds the zeros (issue 20): each thread also ORs its words together, the block
+ * ORs its threads' results (bar.red.or, one barrier) and thread 0 writes one flag a segment,
+ * 1 where any word is not zero. That is exact, not a fingerprint's probability: a part all of
+ * whose segments read zero is neither copied nor written, and is re-created by a memset. The
+ * lanes are optional (out 0: only the flags, for a save that needs no fingerprints).
  */
 #ifndef TORPOR_FINGERPRINT_H
 #define TORPOR_FINGERPRINT_H
@@ -67,21 +73,36 @@ static inline void fp_lane(const uint64_t *w, uint64_t n, unsigned t, uint64_t o
 	out[1] = b;
 }
 
-/* The kernel: block b reads segment b; out[(b * FP_LANES + t) * 2 + {0,1}]. */
+/* Any word of w[0..n) not zero? (The CPU's reference of the kernel's flag.) */
+static inline int fp_nonzero(const uint64_t *w, uint64_t n)
+{
+	uint64_t z = 0;
+
+	for (uint64_t i = 0; i < n; i++)
+		z |= w[i];
+	return z != 0;
+}
+
+/* The kernel: block b reads segment b; out[(b * FP_LANES + t) * 2 + {0,1}] (out 0: none),
+ * nonzero[b] (32 bits): 1 when a word of the segment is not zero, else 0. */
 #define FP_KERNEL "torpor_fp"
 #define FP_PTX                                                                    \
 	".version 6.0\n"                                                          \
 	".target sm_50\n"                                                         \
 	".address_size 64\n"                                                      \
-	".visible .entry torpor_fp(.param .u64 segs, .param .u64 out)\n"          \
+	".visible .entry torpor_fp(.param .u64 segs, .param .u64 out, .param .u64 nonzero)\n" \
 	"{\n"                                                                     \
-	"  .reg .pred p;\n"                                                       \
-	"  .reg .b32 blk, tid;\n"                                                 \
-	"  .reg .b64 rsegs, rout, ptr, n, i, a, b, w, x, y, at, p1, p2, p3, p4;\n" \
+	"  .reg .pred p, nz, nolanes;\n"                                          \
+	"  .reg .b32 blk, tid, flag;\n"                                           \
+	"  .reg .b64 rsegs, rout, rnz, ptr, n, i, a, b, w, x, y, z, at, p1, p2, p3, p4;\n" \
 	"  ld.param.u64 rsegs, [segs];\n"                                          \
 	"  ld.param.u64 rout, [out];\n"                                            \
+	"  ld.param.u64 rnz, [nonzero];\n"                                         \
+	"  setp.eq.u64 nolanes, rout, 0;\n"                                        \
 	"  cvta.to.global.u64 rsegs, rsegs;\n"                                      \
 	"  cvta.to.global.u64 rout, rout;\n"                                        \
+	"  cvta.to.global.u64 rnz, rnz;\n"                                          \
+	"  mov.u64 z, 0;\n"                                                         \
 	"  mov.u32 blk, %ctaid.x;\n"                                              \
 	"  mov.u32 tid, %tid.x;\n"                                                \
 	"  mul.wide.u32 at, blk, 16;\n" /* sizeof(struct fp_seg) */               \
@@ -102,6 +123,7 @@ static inline void fp_lane(const uint64_t *w, uint64_t n, unsigned t, uint64_t o
 	"  shl.b64 at, i, 3;\n"                                                   \
 	"  add.s64 at, ptr, at;\n"                                                \
 	"  ld.global.nc.u64 w, [at];\n"                                           \
+	"  or.b64 z, z, w;\n"                                                     \
 	"  mad.lo.u64 x, w, p2, a;\n"                                             \
 	"  shl.b64 y, x, 31;\n"                                                   \
 	"  shr.u64 x, x, 33;\n"                                                   \
@@ -116,7 +138,17 @@ static inline void fp_lane(const uint64_t *w, uint64_t n, unsigned t, uint64_t o
 	"  add.u64 i, i, " FP_S(FP_LANES) ";\n"                                    \
 	"  setp.lt.u64 p, i, n;\n"                                                \
 	"  @p bra LOOP;\n"                                                        \
-	"DONE:\n"                                                                 \
+	"DONE:\n" /* every thread of the block comes here: the barrier takes them all */ \
+	"  setp.ne.u64 nz, z, 0;\n"                                               \
+	"  bar.red.or.pred nz, 0, nz;\n"                                          \
+	"  setp.ne.u32 p, tid, 0;\n"                                              \
+	"  @p bra LANES;\n"                                                       \
+	"  selp.u32 flag, 1, 0, nz;\n"                                            \
+	"  mul.wide.u32 at, blk, 4;\n"                                            \
+	"  add.s64 at, rnz, at;\n"                                                \
+	"  st.global.u32 [at], flag;\n"                                           \
+	"LANES:\n"                                                                \
+	"  @nolanes bra END;\n"                                                   \
 	"  mul.wide.u32 at, blk, " FP_S(FP_LANES) ";\n"                            \
 	"  cvt.u64.u32 i, tid;\n"                                                 \
 	"  add.u64 at, at, i;\n"                                                  \
@@ -124,6 +156,7 @@ static inline void fp_lane(const uint64_t *w, uint64_t n, unsigned t, uint64_t o
 	"  add.s64 at, rout, at;\n"                                                \
 	"  st.global.u64 [at], a;\n"                                              \
 	"  st.global.u64 [at+8], b;\n"                                            \
+	"END:\n"                                                                  \
 	"  ret;\n"                                                                \
 	"}\n"
 

@@ -1,4 +1,11 @@
-/* The fingerprints of the mover's parts (fingerprint.c runs the kernel, fingerprint.h folds).
+/* The fingerprints of the mover's parts (fingerprint.c runs the kernel, fingerprint.h folds),
+ * and the parts that read all zero.
+ *
+ * Before any save, one run of the kernel reads every part on the GPU (at memory speed: a few
+ * ms a GiB) and flags the parts whose every word is zero: those are neither copied over PCIe
+ * nor written (a hole in a file, no room in the agent's memory, no chunk in the store), and a
+ * load re-creates them with cuMemsetD8Async (zeros_fill). A JAX program's arena, one
+ * allocation mostly never written, then costs the time of its data, not of its size.
  *
  * With an index file (prepare ... fp), every part gets a fingerprint on the GPU before anything
  * moves (fingerprint.h), and a part whose fingerprint torpor named as known (the image store
@@ -70,14 +77,18 @@ static int part_readable(const struct part *pt)
 	return pt->nseg > 0;
 }
 
-/* The GPU's lanes of every segment (FP_LANES * 2 each), device by device; NULL with err. */
-static uint64_t *lanes_all(char *err, size_t errsize)
+/* One run of the kernel over every segment, device by device: each segment's zero flag into
+ * *nonzero, and with want_lanes its lanes (FP_LANES * 2 each) into *lanes. 0, or -1 with err
+ * (nothing allocated then). */
+static int scan_all(int want_lanes, uint64_t **lanes, uint32_t **nonzero, char *err,
+		    size_t errsize)
 {
-	uint64_t *lanes = malloc(plan.nsegs * FP_LANES * 2 * sizeof(uint64_t) + 1);
 	struct fp_seg *table = malloc(plan.nsegs * sizeof(*table) + 1);
 	size_t j = 0;
 
-	if (!lanes || !table) {
+	*lanes = want_lanes ? malloc(plan.nsegs * FP_LANES * 2 * sizeof(uint64_t) + 1) : NULL;
+	*nonzero = malloc(plan.nsegs * sizeof(uint32_t) + 1);
+	if (!table || !*nonzero || (want_lanes && !*lanes)) {
 		snprintf(err, errsize, "out of memory for fingerprints");
 		goto fail;
 	}
@@ -96,15 +107,31 @@ static uint64_t *lanes_all(char *err, size_t errsize)
 			snprintf(err, errsize, "no context of device %d", dev);
 			goto fail;
 		}
-		if (fp_run(table + from, to - from, lanes + from * FP_LANES * 2, err, errsize))
+		if (fp_run(table + from, to - from, *lanes ? *lanes + from * FP_LANES * 2 : NULL,
+			   *nonzero + from, err, errsize))
 			goto fail;
 	}
 	free(table);
-	return lanes;
+	return 0;
 fail:
 	free(table);
-	free(lanes);
-	return NULL;
+	free(*lanes);
+	free(*nonzero);
+	*lanes = NULL;
+	*nonzero = NULL;
+	return -1;
+}
+
+/* The GPU's lanes of every segment (fingerprints_verify), or NULL with err. */
+static uint64_t *lanes_all(char *err, size_t errsize)
+{
+	uint64_t *lanes;
+	uint32_t *nonzero;
+
+	if (scan_all(1, &lanes, &nonzero, err, errsize))
+		return NULL;
+	free(nonzero);
+	return lanes;
 }
 
 /* A part's fingerprint from its segments' lanes (lanes: its first segment's): its lengths,
@@ -195,24 +222,44 @@ int known_read(int fd, XXH128_canonical_t **known, size_t *n, char *err, size_t 
 	return 0;
 }
 
-/* Fingerprints every part of the plan (a file save) on the GPU and marks the parts known
- * holds as skipped. Failing, no part is fingerprinted or skipped (all are copied): r->fp_error
- * says why. */
-void fingerprint_parts(const XXH128_canonical_t *known, size_t nknown,
-			      struct move_result *r)
+/* Is part q of c all zero (every segment read, and none had a word that is not)? */
+static int part_zero(const struct part *pt, const uint32_t *nonzero)
+{
+	if (!part_readable(pt))
+		return 0;
+	for (size_t k = 0; k < pt->nseg; k++)
+		if (nonzero[pt->seg + k])
+			return 0;
+	return 1;
+}
+
+/* One pass of the kernel over every part of the plan, before anything moves: with zeros, the
+ * parts that read all zero are marked (never copied nor written; a load memsets them); with
+ * fp (a file save with an index), every part is fingerprinted and those known holds are
+ * skipped. Failing, nothing is marked, fingerprinted or skipped (all is copied): r->fp_error
+ * and r->zero_error say why. */
+void fingerprint_parts(const XXH128_canonical_t *known, size_t nknown, int fp, int zeros,
+		       struct move_result *r)
 {
 	long long t0 = now_ms();
 	uint64_t *lanes;
+	uint32_t *nonzero;
+	char err[160];
 
-	if (segs_build()) {
-		snprintf(r->fp_error, sizeof(r->fp_error), "out of memory");
+	if (!fp && !zeros)
 		return;
+	if (zeros && !real.cuMemsetD8Async) {
+		snprintf(r->zero_error, sizeof(r->zero_error), "the driver lacks cuMemsetD8Async");
+		zeros = 0;
+		if (!fp)
+			return;
 	}
-	lanes = lanes_all(r->fp_error, sizeof(r->fp_error));
-	if (!lanes) {
-		pr_warn("no fingerprints, every chunk is copied: %s", r->fp_error);
-		return;
+	if (!plan.segs && segs_build()) {
+		snprintf(err, sizeof(err), "out of memory");
+		goto fail;
 	}
+	if (scan_all(fp, &lanes, &nonzero, err, sizeof(err)))
+		goto fail;
 	for (size_t j = 0; j < plan.nchunks; j++) {
 		struct chunk *c = &plan.chunks[j];
 
@@ -222,11 +269,20 @@ void fingerprint_parts(const XXH128_canonical_t *known, size_t nknown,
 
 			if (!part_readable(pt))
 				continue;
+			if (zeros && part_zero(pt, nonzero)) {
+				pt->zero = 1;
+				plan.zeros = 1;
+				r->zero_parts++;
+				r->zero_bytes += part_len(c, q);
+			}
+			if (!fp)
+				continue;
 			pt->fp = part_fp(c, q, lanes + pt->seg * FP_LANES * 2);
 			pt->fingerprinted = 1;
 			r->fp_parts++;
 			XXH128_canonicalFromHash(&key, pt->fp);
-			if (nknown && bsearch(&key, known, nknown, sizeof(key), by_bytes)) {
+			if (!pt->zero && nknown &&
+			    bsearch(&key, known, nknown, sizeof(key), by_bytes)) {
 				pt->skip = 1;
 				r->fp_skipped++;
 				r->fp_skipped_bytes += part_len(c, q);
@@ -234,8 +290,16 @@ void fingerprint_parts(const XXH128_canonical_t *known, size_t nknown,
 		}
 	}
 	free(lanes);
-	plan.fingerprinted = 1;
+	free(nonzero);
+	plan.fingerprinted = fp;
 	r->fp_seconds = seconds_since(t0);
+	return;
+fail:
+	pr_warn("no %s, every chunk is copied: %s", fp ? "fingerprints" : "zero parts", err);
+	if (fp)
+		snprintf(r->fp_error, sizeof(r->fp_error), "%s", err);
+	if (zeros)
+		snprintf(r->zero_error, sizeof(r->zero_error), "%s", err);
 }
 
 /* The fingerprint of part q of c as reloaded: from the GPU's lanes, or (lanes NULL) from its
@@ -335,7 +399,8 @@ int fingerprints_verify(const int *fds, struct move_result *r)
 	return ret;
 }
 
-/* The index torpor reads (agent/PROTOCOL.md): one line a fingerprinted part. */
+/* The index torpor reads (agent/PROTOCOL.md): one line a fingerprinted part, its last field
+ * 0 (copied), 1 (skipped: the store has it) or z (zero: neither copied nor stored). */
 int index_write(int fd, char *err, size_t errsize)
 {
 	size_t cap = 64 + plan.nchunks * PARTS * 96, used = 0;
@@ -346,7 +411,7 @@ int index_write(int fd, char *err, size_t errsize)
 		snprintf(err, errsize, "out of memory");
 		return -1;
 	}
-	used += snprintf(text, cap, "torpor-gpu-fingerprints 1\n");
+	used += snprintf(text, cap, "torpor-gpu-fingerprints 2\n");
 	for (size_t j = 0; j < plan.nchunks; j++) {
 		const struct chunk *c = &plan.chunks[j];
 
@@ -362,7 +427,8 @@ int index_write(int fd, char *err, size_t errsize)
 					 pt->store_len);
 			for (int b = 0; b < 16; b++)
 				used += snprintf(text + used, cap - used, "%02x", key.digest[b]);
-			used += snprintf(text + used, cap - used, " %d\n", pt->skip);
+			used += snprintf(text + used, cap - used, " %s\n",
+					 pt->zero ? "z" : pt->skip ? "1" : "0");
 		}
 	}
 	for (size_t done = 0; done < used;) {

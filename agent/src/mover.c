@@ -15,8 +15,13 @@
  * Once every chunk is out, the physical memory of every movable allocation is released
  * (vmm_drop); the addresses stay.
  *
- * Load: every dropped allocation is re-created at its addresses (vmm_recreate), then each
- * worker brings its sink's chunks back, checking each checksum.
+ * Before the copy, one kernel reads every 4 MiB part on the GPU (fingerprint_parts.c): a part
+ * that reads all zero stays behind (not copied, not written: a hole in a file, no room in the
+ * agent's memory), and so does, into the image store, one the store holds already.
+ *
+ * Load: every dropped allocation is re-created at its addresses (vmm_recreate), its zero parts
+ * memset on the GPU (zeros_fill), then each worker brings its sink's chunks back, checking
+ * each checksum.
  *
  * A sink is a data file, or (a prepare without files: a suspend) a region of the agent's own
  * anonymous memory, one a worker, populated by its worker (the kernel zeroes its pages in
@@ -213,6 +218,7 @@ int mover_save(const int *fds, int nfds, int known_fd, int index_fd, int ring_fd
 	XXH128_canonical_t *known = NULL;
 	int ret, in_memory = nfds == 0;
 	const char *check = getenv("TORPOR_AGENT_FP_CHECK");
+	const char *zeros = getenv("TORPOR_AGENT_ZEROS"); /* "0": every part is copied */
 
 	memset(r, 0, sizeof(*r));
 	if (plan.pending) {
@@ -256,9 +262,9 @@ int mover_save(const int *fds, int nfds, int known_fd, int index_fd, int ring_fd
 	}
 	plan.in_memory = in_memory;
 	fp_checking = check && *check && strcmp(check, "0");
-	if (index_fd >= 0)
-		fingerprint_parts(known, nknown, r);
+	fingerprint_parts(known, nknown, index_fd >= 0, !zeros || strcmp(zeros, "0"), r);
 	free(known);
+	sinks_layout();
 	ret = plan.nchunks ? run_workers(in_memory ? NULL : fds, plan.nfiles, 1, r) : 0;
 	/* a file ending in skipped parts (or a hole) still has its full size */
 	for (int k = 0; !ret && !in_memory && k < nfds; k++)
@@ -299,9 +305,9 @@ int mover_save(const int *fds, int nfds, int known_fd, int index_fd, int ring_fd
 	if (!in_memory)
 		memcpy(r->file_size, plan.file_size, sizeof(r->file_size));
 	r->seconds = seconds_since(t0);
-	pr_info("saved %llu bytes (%zu allocations, %zu chunks, %d %s) in %.3f s", r->bytes,
-		plan.nmv, plan.nchunks, plan.nfiles, in_memory ? "regions of host memory" : "files",
-		r->seconds);
+	pr_info("saved %llu bytes (%zu allocations, %zu chunks, %d %s; %llu bytes of zero parts "
+		"stay behind) in %.3f s", r->bytes, plan.nmv, plan.nchunks, plan.nfiles,
+		in_memory ? "regions of host memory" : "files", r->zero_bytes, r->seconds);
 	return 0;
 }
 
@@ -357,8 +363,8 @@ int mover_load(const int *fds, int nfds, int ring_fd, int sock_fd, struct move_r
 	if (ret)
 		return -1;
 	r->seconds = seconds_since(t0);
-	pr_info("reloaded %llu bytes%s in %.3f s", r->bytes,
-		r->streamed ? " from the image store's stream" : "", r->seconds);
+	pr_info("reloaded %llu bytes%s and memset %llu bytes of zero parts in %.3f s", r->bytes,
+		r->streamed ? " from the image store's stream" : "", r->zero_bytes, r->seconds);
 	plan_free();
 	return 0;
 }
@@ -400,6 +406,8 @@ static int mover_load_from(const int *fds, int nfds, struct move_result *r)
 			return -1;
 		}
 	}
+	if (zeros_fill(r))
+		return -1;
 	r->vmm_seconds = seconds_since(t1);
 	if (plan.nchunks && run_workers(plan.in_memory || streamed ? NULL : fds, plan.nfiles, 0, r))
 		return -1;

@@ -1,6 +1,6 @@
 /* The mover's parts, private to the agent: the plan of a save (mover.c), the threads that copy
  * (mover_workers.c), the image store's ring (stream.c) and the parts' fingerprints
- * (fingerprint_parts.c). mover.c's top comment tells the whole story. Include after agent.h.
+ * (fingerprint_parts.c), the zero parts (zeros.c). mover.c's top comment tells the whole story. Include after agent.h.
  */
 #ifndef TORPOR_MOVER_H
 #define TORPOR_MOVER_H
@@ -36,6 +36,11 @@ struct part {
 	size_t seg, nseg;      /* its segments, into plan.segs */
 	unsigned char fingerprinted, skip; /* skip: the store has it: neither copied nor written */
 	unsigned char received; /* a streamed load: its bytes came (set once, atomically) */
+	unsigned char zero;     /* it read all zero on the GPU: neither copied nor written, and
+				 * re-created by a memset (zeros.c) */
+	unsigned long long sink_off; /* where its bytes are in its sink: in a file its place
+				      * (a hole when zero or skipped); in the agent's memory the
+				      * parts that move are packed, the zero ones take no room */
 };
 
 struct chunk {
@@ -73,6 +78,7 @@ struct mover_plan {
 	struct seg *segs; /* fingerprinted: the segments of every part */
 	size_t nsegs;
 	int fingerprinted; /* the parts have fingerprints (some may not: see part) */
+	int zeros;         /* some parts are zero: a load memsets them (zeros_fill) */
 };
 extern struct mover_plan plan;
 
@@ -183,12 +189,30 @@ int stream_complete(struct move_result *r);
 
 /* -- the parts' fingerprints (fingerprint_parts.c) ------------------------------------------- */
 
+/* Does part q of c stay behind on a save (out) or a load? Zero parts never move; skipped ones
+ * (the store has them) are not copied out, but are read back once torpor filled them. */
+static inline int part_stays(const struct part *pt, int out)
+{
+	return pt->zero || (out && pt->skip);
+}
+
 /* The segments of every part (pieces cut at part boundaries) and each part's store length. */
 int segs_build(void);
 /* The sorted fingerprints torpor knows (fd -1: none); 0, or -1 with err. */
 int known_read(int fd, XXH128_canonical_t **known, size_t *n, char *err, size_t errsize);
-/* Fingerprints every part on the GPU, skipping those in known; failing, r->fp_error. */
-void fingerprint_parts(const XXH128_canonical_t *known, size_t nknown, struct move_result *r);
+/* One pass of the kernel over every part: zeros (zeros: marks the parts that read all zero)
+ * and fingerprints (fp: every part fingerprinted, those in known skipped); failing, none of
+ * either, r->fp_error and r->zero_error say why. */
+void fingerprint_parts(const XXH128_canonical_t *known, size_t nknown, int fp, int zeros,
+		       struct move_result *r);
+
+/* -- the zero parts (zeros.c) ----------------------------------------------------------------- */
+
+/* Each part's place in its sink (part.sink_off), the sinks' sizes with it: after the scan. */
+void sinks_layout(void);
+/* A load's first step after the re-creation: every zero part memset on the GPU (async on a
+ * stream a device, waited for). 0, or -1 with r->error. */
+int zeros_fill(struct move_result *r);
 /* The CPU's fingerprint of part q of c from its bytes in buf (TORPOR_AGENT_FP_CHECK). */
 XXH128_hash_t part_fp_host(const struct chunk *c, int q, const unsigned char *buf);
 /* After a reload: every fingerprint checked again; 0, or -1 with r->error. */

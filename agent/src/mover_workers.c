@@ -122,8 +122,8 @@ int copy_range(struct worker *w, unsigned char *host, CUdeviceptr dev, size_t le
 	return 0;
 }
 
-/* Every piece of chunk c between buf and the GPU; out of the GPU, the stretches in skipped
- * parts stay behind (the store has them). */
+/* Every piece of chunk c between buf and the GPU but the stretches in parts that stay behind
+ * (part_stays: zero parts either way, skipped ones out of the GPU). */
 static int copy_chunk(struct worker *w, const struct chunk *c, unsigned char *buf, CUstream s,
 		      int out)
 {
@@ -137,7 +137,7 @@ static int copy_chunk(struct worker *w, const struct chunk *c, unsigned char *bu
 
 			if (end > p->at + p->len)
 				end = p->at + p->len;
-			if (out && c->part[a / FILE_ALIGN].skip) {
+			if (part_stays(&c->part[a / FILE_ALIGN], out)) {
 				if (a > run && copy_range(w, buf + run, dev + (run - p->at), a - run, s, out))
 					return -1;
 				run = end;
@@ -156,7 +156,7 @@ static int copy_chunk(struct worker *w, const struct chunk *c, unsigned char *bu
 static int fp_check(struct worker *w, const struct chunk *c, const unsigned char *buf)
 {
 	for (int q = 0; q < PARTS; q++)
-		if (c->part[q].fingerprinted && !c->part[q].skip &&
+		if (c->part[q].fingerprinted && !part_stays(&c->part[q], 1) &&
 		    !XXH128_isEqual(part_fp_host(c, q, buf), c->part[q].fp)) {
 			fail(w, "fingerprint check: the GPU's fingerprint of %zu bytes at file %d "
 			     "offset %llu differs from the CPU's", part_len(c, q), c->file,
@@ -200,6 +200,8 @@ static int region_get(struct worker *w)
 	unsigned char *p = plan.region[w->k];
 	long long t0;
 
+	if (!size) /* every part of this sink is zero: nothing to keep */
+		return 0;
 	if (!p) {
 		p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
 			 -1, 0);
@@ -239,6 +241,7 @@ static int part_io(struct worker *w, const struct chunk *c, unsigned char *buf, 
 		   uint64_t *sum)
 {
 	size_t first = (size_t)q * FILE_ALIGN, last = first + part_len(c, q);
+	unsigned long long sink = c->part[q].sink_off; /* the part's first byte in the sink */
 	struct sum s;
 
 	if (w->saving && stream_active())
@@ -250,7 +253,7 @@ static int part_io(struct worker *w, const struct chunk *c, unsigned char *buf, 
 		if (w->saving)
 			sum_add(&s, buf + block, n);
 		if (w->region) { /* the agent's memory: the block is still in cache */
-			unsigned char *at = w->region + c->file_off + block;
+			unsigned char *at = w->region + sink + (block - first);
 
 			w->saving ? memcpy(at, buf + block, n) : memcpy(buf + block, at, n);
 			if (!w->saving)
@@ -259,9 +262,9 @@ static int part_io(struct worker *w, const struct chunk *c, unsigned char *buf, 
 		}
 		for (size_t done = 0; done < n;) {
 			ssize_t r = w->saving ? pwrite(w->fd, buf + block + done, n - done,
-						       c->file_off + block + done)
+						       sink + (block - first) + done)
 					      : pread(w->fd, buf + block + done, n - done,
-						      c->file_off + block + done);
+						      sink + (block - first) + done);
 
 			if (r < 0 && errno == EINTR)
 				continue;
@@ -272,7 +275,7 @@ static int part_io(struct worker *w, const struct chunk *c, unsigned char *buf, 
 			}
 			if (r == 0) {
 				fail(w, "data file %d ends at %llu: it is not the file this data was "
-				     "saved to", w->k, c->file_off + block + done);
+				     "saved to", w->k, sink + (block - first) + done);
 				return -1;
 			}
 			done += r;
@@ -287,12 +290,12 @@ static int part_io(struct worker *w, const struct chunk *c, unsigned char *buf, 
 
 /* Writes (saving) or reads one chunk's bytes between buf and the sink, part by part and SUB
  * at a time in a part (each block summed whole: the checksum's stripes must fall the same way
- * on both sides), and returns each part's checksum in sums. Saving, skipped parts are not
- * written (nor summed). */
+ * on both sides), and returns each part's checksum in sums. The parts that stay behind
+ * (part_stays) are neither written nor read (nor summed). */
 static int file_io(struct worker *w, const struct chunk *c, unsigned char *buf, uint64_t *sums)
 {
 	for (int q = 0; q < PARTS && (size_t)q * FILE_ALIGN < c->len; q++) {
-		if (w->saving && c->part[q].skip)
+		if (part_stays(&c->part[q], w->saving))
 			continue;
 		if (part_io(w, c, buf, q, &sums[q]))
 			return -1;
@@ -301,13 +304,13 @@ static int file_io(struct worker *w, const struct chunk *c, unsigned char *buf, 
 }
 
 
-/* The bytes of c a save moves: all but its skipped parts'. */
-static size_t moved_len(const struct chunk *c)
+/* The bytes of c a save (out) or a load moves: all but those of the parts that stay behind. */
+static size_t moved_len(const struct chunk *c, int out)
 {
 	size_t n = c->len;
 
 	for (int q = 0; q < PARTS; q++)
-		n -= c->part[q].skip ? part_len(c, q) : 0;
+		n -= part_stays(&c->part[q], out) ? part_len(c, q) : 0;
 	return n;
 }
 
@@ -320,7 +323,7 @@ static int save_one(struct worker *w, struct chunk *c, const unsigned char *buf)
 		return -1;
 	for (int q = 0; q < PARTS; q++)
 		c->part[q].sum = sums[q];
-	w->bytes += moved_len(c);
+	w->bytes += moved_len(c, 1);
 	return 0;
 }
 
@@ -389,8 +392,10 @@ static void *load_main(struct worker *w)
 		/* the copy that used this buffer two chunks ago must be over */
 		if (wait_stream(w, s[cur]) || file_io(w, c, w->buf[cur], sums))
 			break;
-		for (q = 0; q < PARTS; q++) /* skipped parts: their fingerprints, after the load */
-			if (!c->part[q].skip && part_len(c, q) && sums[q] != c->part[q].sum)
+		/* skipped parts: their fingerprints, after the load; zero ones were not read */
+		for (q = 0; q < PARTS; q++)
+			if (!c->part[q].skip && !c->part[q].zero && part_len(c, q) &&
+			    sums[q] != c->part[q].sum)
 				break;
 		if (q < PARTS) {
 			fail(w, "chunk %zu (%s %d, offset %llu, %zu bytes): checksum mismatch: %s", j,
@@ -402,7 +407,7 @@ static void *load_main(struct worker *w)
 		}
 		if (copy_chunk(w, c, w->buf[cur], s[cur], 0))
 			break;
-		w->bytes += c->len;
+		w->bytes += moved_len(c, 0);
 		cur ^= 1;
 	}
 	return NULL;

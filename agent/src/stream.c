@@ -30,6 +30,7 @@ struct stream_rec {
 };
 
 #define STREAM_END 0xFFFFFFFFu /* a record: no more parts (save); a slot number: commit */
+#define STREAM_ZERO 0xFFFFFFFEu /* a record's slot in a load: the part is zeros, no slot holds it */
 #define STREAM_MAX_SLOTS 4096
 
 static struct {
@@ -206,7 +207,9 @@ int part_stream(struct worker *w, const struct chunk *c, const unsigned char *bu
 
 /* A streamed load: parts come from torpor in any order, each into the half of the staging
  * buffer the GPU is done with, checked, its slot sent back, then its segments copied to the
- * GPU. Ends at EOF (torpor sent every part). */
+ * GPU. A part the store holds as zeros comes as a record alone (slot STREAM_ZERO): nothing
+ * to do for a zero part (zeros_fill made it, and torpor need not send it at all), zeros
+ * through the staging buffer for any other. Ends at EOF (torpor sent every part). */
 void *load_stream_main(struct worker *w)
 {
 	CUstream used[2] = { NULL, NULL }, s[2];
@@ -227,7 +230,7 @@ void *load_stream_main(struct worker *w)
 				fail(w, "%s", err);
 			break;
 		}
-		c = rec.slot < stream.nslots ? chunk_of(&rec, &q) : NULL;
+		c = rec.slot < stream.nslots || rec.slot == STREAM_ZERO ? chunk_of(&rec, &q) : NULL;
 		if (!c) {
 			fail(w, "the image store sent a part that is not this program's (file %u, "
 			     "offset %llu, %llu bytes, slot %u)", rec.file,
@@ -240,19 +243,29 @@ void *load_stream_main(struct worker *w)
 			     (unsigned long long)rec.offset);
 			break;
 		}
+		if (pt->zero) { /* zeros_fill made it: only its record is due */
+			if (rec.slot != STREAM_ZERO) {
+				fail(w, "the image store sent data for the part at file %u offset %llu, "
+				     "which was saved as zeros", rec.file, (unsigned long long)rec.offset);
+				break;
+			}
+			continue;
+		}
 		if (use_device(w, c->dev, s) || (used[cur] && wait_stream(w, used[cur])))
 			break;
-		slot = stream.ring + (size_t)rec.slot * FILE_ALIGN;
+		slot = rec.slot == STREAM_ZERO ? NULL : stream.ring + (size_t)rec.slot * FILE_ALIGN;
 		at = w->buf[cur] + (size_t)q * FILE_ALIGN; /* the part where it is in its chunk */
 		len = part_len(c, q);
 		sum_init(&sum);
 		for (size_t block = 0; block < len; block += SUB) {
 			size_t n = len - block < SUB ? len - block : SUB;
 
-			memcpy(at + block, slot + block, n);
+			/* zeros the store holds as nothing, for a part the GPU did not find zero
+			 * (its save could not look): checked against its sum like any other */
+			slot ? memcpy(at + block, slot + block, n) : memset(at + block, 0, n);
 			sum_add(&sum, at + block, n);
 		}
-		if (stream_send(&rec.slot, sizeof(rec.slot), err, sizeof(err))) {
+		if (slot && stream_send(&rec.slot, sizeof(rec.slot), err, sizeof(err))) {
 			fail(w, "%s", err);
 			break;
 		}
@@ -308,7 +321,8 @@ int stream_complete(struct move_result *r)
 
 	for (size_t j = 0; j < plan.nchunks; j++)
 		for (int q = 0; q < PARTS; q++)
-			missing += part_len(&plan.chunks[j], q) && !plan.chunks[j].part[q].received;
+			missing += part_len(&plan.chunks[j], q) && !plan.chunks[j].part[q].received &&
+				   !plan.chunks[j].part[q].zero;
 	if (missing)
 		snprintf(r->error, sizeof(r->error), "the image store's stream ended %zu part(s) "
 			 "short", missing);

@@ -136,6 +136,16 @@ def _with_phases(out: dict[str, Any], reply: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _zeros(reply: dict[str, Any]) -> dict[str, int]:
+    """{"zero_bytes": n}: the bytes of the parts the agent found all zero on the GPU (a
+    prepare's "zero" block) or memset back (a resume's "zero_bytes"): never copied nor
+    written; "bytes" counts what moved. 0 from an agent older than zero parts (issue 20)."""
+    block = reply.get("zero")
+    n = (block.get("bytes", 0) if isinstance(block, dict) else reply.get("zero_bytes", 0))
+    return {"zero_bytes": n if isinstance(n, int) and not isinstance(n, bool)
+            and 0 <= n < 1 << 62 else 0}
+
+
 class AgentClient:
     """One connection to one program's agent. expect_pid: the host pid of the program; the
     connection is refused when another live process listens on the socket."""
@@ -257,7 +267,8 @@ class AgentClient:
                 stream: Sequence[int] = ()) -> dict[str, Any]:
         """Movable GPU memory into files (fds of empty regular files, read-write), or with no
         files into the program's own host memory; the gate is closed after. Returns the
-        agent's reply: {"bytes", "chunks", "allocations", "cache_released", "seconds",
+        agent's reply: {"bytes" (moved), "zero_bytes" (found zero: stayed), "chunks",
+        "allocations", "cache_released", "seconds",
         "files": [size of each], "in_memory"}.
         fingerprints: (known, index) fds (fingerprints.py): every part fingerprinted on the
         GPU, the known ones skipped, the index written; the reply then has "fingerprints":
@@ -303,6 +314,7 @@ class AgentClient:
                 "parts": _int(f, "parts", "prepare"), "skipped": _int(f, "skipped", "prepare"),
                 "skipped_bytes": _int(f, "skipped_bytes", "prepare"),
                 "seconds": _number(f, "seconds", "prepare"), "error": str(f.get("error", ""))}
+        out.update(_zeros(reply))
         alloc = reply.get("host_alloc_seconds")
         if not files and isinstance(alloc, (int, float)) and not isinstance(alloc, bool) \
                 and 0 <= alloc < 1e9:
@@ -323,7 +335,8 @@ class AgentClient:
             raise ValueError(f"resume takes at most {MAX_FILES} files")
         reply = self.call("resume", fds, timeout)
         return _with_phases({"bytes": _int(reply, "bytes", "resume"),
-                             "seconds": _number(reply, "seconds", "resume")}, reply)
+                             "seconds": _number(reply, "seconds", "resume"),
+                             **_zeros(reply)}, reply)
 
     def resume_stream(self, stream: Sequence[int], timeout: float | None = None
                       ) -> dict[str, Any]:
@@ -336,7 +349,8 @@ class AgentClient:
             raise AgentError("the agent did not resume from the stream (an agent older than "
                              "streaming?)")
         return _with_phases({"bytes": _int(reply, "bytes", "resume"),
-                             "seconds": _number(reply, "seconds", "resume")}, reply)
+                             "seconds": _number(reply, "seconds", "resume"),
+                             **_zeros(reply)}, reply)
 
     def abort(self, timeout: float | None = None) -> dict[str, Any]:
         """A prepare that no checkpoint follows: the memory back from the fds the agent kept."""

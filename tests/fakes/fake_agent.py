@@ -36,6 +36,7 @@ CHUNK = 1 << 20
 PART = 4 << 20                              # the stream's slot: one image-store chunk
 RECORD = struct.Struct("<IIQQQ")            # slot, file, offset, length, store length
 END = 0xFFFFFFFF
+ZERO = 0xFFFFFFFE                           # a load's record of zeros: no slot holds them
 
 
 def pattern(nbytes: int, seed: int) -> bytes:
@@ -323,8 +324,10 @@ class FakeAgent:
             while msg := sock.recv(RECORD.size + 1):
                 slot, k, off, length, _ = RECORD.unpack(msg)
                 n = min(length, self.sizes[k] - off)
-                content[k][off:off + n] = ring[slot * PART:slot * PART + n]
                 got.add((k, off))
+                if slot == ZERO:                    # zeros: no slot (content is zeros)
+                    continue
+                content[k][off:off + n] = ring[slot * PART:slot * PART + n]
                 sock.send(struct.pack("<I", slot))
         finally:
             ring.close()

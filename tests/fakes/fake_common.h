@@ -21,6 +21,8 @@
  *                     cuMemCreate, cuMemAlloc_v2, ...; pid: its getpid()): every call that
  *                     blocks while LOCKED (fake_libcuda.c) takes both
  *   calls.log         one line per checkpoint-API call: "<call> <pid> <CUresult>"
+ *   copies/<key>      what the process copied: "dtoh <n>\nhtod <n>\nmemset <n>" bytes so far
+ *   dirty             present: new physical memory (cuMemCreate) holds 0xA5 bytes, not zeros
  *   cuda_version      optional, e.g. "13000" (cuDriverGetVersion / nvmlSystemGetCudaDriverVersion)
  *   driver_version    optional, e.g. "999.0-fake" (nvmlSystemGetDriverVersion)
  *   .lock             flock()ed around every read-modify-write of proc/<key> and fail/ counts

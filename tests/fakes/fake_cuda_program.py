@@ -1,11 +1,15 @@
 """A CUDA "workload" for tests, against the fake libcuda (tests/fakes/fake_libcuda.c).
 
     python fake_cuda_program.py --gpu N --mem BYTES --status FILE [--lib PATH] [--max-ticks N]
+                                [--fill OFFSET:LENGTH ...]
 
 cuInit, cuCtxCreate_v2 on device N (which registers this pid as a CUDA process), cuMemAlloc_v2
-of BYTES, then forever: cuCtxSynchronize (blocks while the process is LOCKED or CHECKPOINTED),
+of BYTES (never written: zeros), each --fill stretch of it written with random bytes
+(cuMemcpyHtoD_v2), then forever: cuCtxSynchronize (blocks while the process is LOCKED or CHECKPOINTED),
 tick += 1, rewrite FILE atomically with JSON {"pid", "tick"} every ~50 ms.
-The first status (tick 0) is written once the context and the memory exist.
+The first status (tick 0) is written once the context and the memory exist; it also holds
+"ptr", the allocation's device address (the fake's device memory is this process's memory: a
+test reads it through /proc/PID/mem).
 
 The library is --lib, else $TORPOR_LIBCUDA, else libcuda.so.1. On a CUDA error it writes
 {"pid", "tick", "error": "<CUresult name>"} and exits 3.
@@ -42,6 +46,8 @@ def main() -> int:
     ap.add_argument("--status", required=True)
     ap.add_argument("--lib", default=os.environ.get("TORPOR_LIBCUDA", "libcuda.so.1"))
     ap.add_argument("--max-ticks", type=int, default=0, help="exit after this many (0: never)")
+    ap.add_argument("--fill", action="append", default=[], metavar="OFFSET:LENGTH",
+                    help="write random bytes there (the rest stays zeros)")
     args = ap.parse_args()
 
     lib = ctypes.CDLL(args.lib)
@@ -70,8 +76,13 @@ def main() -> int:
     check(lib.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev), "cuCtxCreate_v2")
     ptr = ctypes.c_ulonglong(0)
     check(lib.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(args.mem)), "cuMemAlloc_v2")
+    lib.cuMemcpyHtoD_v2.argtypes = [ctypes.c_ulonglong, ctypes.c_char_p, ctypes.c_size_t]
+    for spec in args.fill:
+        off, length = (int(x) for x in spec.split(":"))
+        data = os.urandom(length)
+        check(lib.cuMemcpyHtoD_v2(ptr.value + off, data, length), "cuMemcpyHtoD_v2")
 
-    doc = {"pid": pid, "tick": tick}
+    doc = {"pid": pid, "tick": tick, "ptr": ptr.value}
     write_status(args.status, doc)
     while True:
         check(lib.cuCtxSynchronize(), "cuCtxSynchronize")

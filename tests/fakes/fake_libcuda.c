@@ -678,6 +678,50 @@ static CUresult copy_from_device(void *dst, CUdeviceptr src, size_t n)
     return rc;
 }
 
+/* What crossed "PCIe": the bytes every copy between host and device memory moved (each way)
+ * and every memset wrote, in this process, since it started (a CRIU restore keeps the counts:
+ * they are its memory). Written after each one to $FAKE_CUDA_STATE_DIR/copies/<key>:
+ * "dtoh <n>\nhtod <n>\nmemset <n>\n" (fixed width: rewritten in place), so that a test can
+ * tell that memory the agent found zero was never copied (fakegpu.FakeGpu.copies). */
+enum { FK_DTOH, FK_HTOD, FK_MEMSET };
+static unsigned long long g_copied[3];
+static pthread_mutex_t g_copied_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static CUresult counted(const fk_call *c, int kind, size_t n, CUresult rc)
+{
+    char path[4096], line[96];
+    int fd, len;
+    if (rc != CUDA_SUCCESS || !c->dir)
+        return rc;
+    pthread_mutex_lock(&g_copied_lock);
+    g_copied[kind] += n;
+    len = snprintf(line, sizeof line, "dtoh %20llu\nhtod %20llu\nmemset %20llu\n",
+                   g_copied[FK_DTOH], g_copied[FK_HTOD], g_copied[FK_MEMSET]);
+    snprintf(path, sizeof path, "%s/copies", c->dir);
+    mkdir(path, 0755);
+    snprintf(path, sizeof path, "%s/copies/%s", c->dir, c->key);
+    fd = open(path, O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+    if (fd >= 0) {
+        if (pwrite(fd, line, (size_t)len, 0) < 0) { /* nothing to do */ }
+        close(fd);
+    }
+    pthread_mutex_unlock(&g_copied_lock);
+    return rc;
+}
+
+static CUresult set_device(CUdeviceptr dst, unsigned char value, size_t n)
+{
+    CUresult rc = CUDA_ERROR_INVALID_VALUE;
+    pthread_rwlock_rdlock(&g_mem);
+    if (dev_ok(dst, n, CU_MEM_ACCESS_FLAGS_PROT_READWRITE)) {
+        if (n)
+            memset((void *)(uintptr_t)dst, value, n);
+        rc = CUDA_SUCCESS;
+    }
+    pthread_rwlock_unlock(&g_mem);
+    return rc;
+}
+
 /* Adds `size` bytes to this process's device memory (proc/<key> mem) if they fit on its GPU
  * beside every other live process's, under the state directory's lock. */
 static CUresult charge(const char *dir, const char *key, size_t size)
@@ -1099,28 +1143,37 @@ EXPORT CUresult cuModuleUnload(void *module)
     return module == &fp_module ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
 }
 
-/* torpor_fp(segs, out): block b folds segment b (device memory: readable by this process). */
+/* torpor_fp(segs, out, nonzero): block b folds segment b (device memory: readable by this
+ * process) into out's lanes (out 0: none) and flags in nonzero[b] whether any of its words is
+ * not zero, as the PTX does. */
 static CUresult run_fingerprints(unsigned int blocks, unsigned int threads, void **params)
 {
     const struct fp_seg *segs;
     uint64_t *out;
+    uint32_t *nonzero;
     CUresult rc = CUDA_SUCCESS;
-    if (threads != FP_LANES || !params || !params[0] || !params[1])
+    if (threads != FP_LANES || !params || !params[0] || !params[1] || !params[2])
         return CUDA_ERROR_INVALID_VALUE;
     segs = (const struct fp_seg *)(uintptr_t)*(CUdeviceptr *)params[0];
     out = (uint64_t *)(uintptr_t)*(CUdeviceptr *)params[1];
+    nonzero = (uint32_t *)(uintptr_t)*(CUdeviceptr *)params[2];
     pthread_rwlock_rdlock(&g_mem);
     if (!dev_ok((CUdeviceptr)(uintptr_t)segs, blocks * sizeof(*segs), CU_MEM_ACCESS_FLAGS_PROT_READ)
-        || !dev_ok((CUdeviceptr)(uintptr_t)out, (size_t)blocks * FP_LANES * 2 * sizeof(uint64_t),
-                   CU_MEM_ACCESS_FLAGS_PROT_READ))
+        || (out && !dev_ok((CUdeviceptr)(uintptr_t)out,
+                           (size_t)blocks * FP_LANES * 2 * sizeof(uint64_t),
+                           CU_MEM_ACCESS_FLAGS_PROT_READWRITE))
+        || !dev_ok((CUdeviceptr)(uintptr_t)nonzero, blocks * sizeof(*nonzero),
+                   CU_MEM_ACCESS_FLAGS_PROT_READWRITE))
         rc = CUDA_ERROR_ILLEGAL_ADDRESS;
     for (unsigned int b = 0; b < blocks && rc == CUDA_SUCCESS; b++)
         if (segs[b].words && !dev_ok(segs[b].ptr, segs[b].words * 8, CU_MEM_ACCESS_FLAGS_PROT_READ))
             rc = CUDA_ERROR_ILLEGAL_ADDRESS;
-    for (unsigned int b = 0; b < blocks && rc == CUDA_SUCCESS; b++)
-        for (unsigned int t = 0; t < FP_LANES; t++)
-            fp_lane((const uint64_t *)(uintptr_t)segs[b].ptr, segs[b].words, t,
-                    out + ((size_t)b * FP_LANES + t) * 2);
+    for (unsigned int b = 0; b < blocks && rc == CUDA_SUCCESS; b++) {
+        const uint64_t *w = (const uint64_t *)(uintptr_t)segs[b].ptr;
+        nonzero[b] = (uint32_t)fp_nonzero(w, segs[b].words);
+        for (unsigned int t = 0; out && t < FP_LANES; t++)
+            fp_lane(w, segs[b].words, t, out + ((size_t)b * FP_LANES + t) * 2);
+    }
     pthread_rwlock_unlock(&g_mem);
     return rc;
 }
@@ -1151,7 +1204,7 @@ EXPORT CUresult cuMemcpyHtoD_v2(CUdeviceptr dstDevice, const void *srcHost, size
     CUresult rc;
     if ((rc = enter("cuMemcpyHtoD_v2", &c)) != CUDA_SUCCESS)
         return rc;
-    return copy_to_device(dstDevice, srcHost, ByteCount);
+    return counted(&c, FK_HTOD, ByteCount, copy_to_device(dstDevice, srcHost, ByteCount));
 }
 
 EXPORT CUresult cuMemcpyDtoH_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount)
@@ -1160,7 +1213,31 @@ EXPORT CUresult cuMemcpyDtoH_v2(void *dstHost, CUdeviceptr srcDevice, size_t Byt
     CUresult rc;
     if ((rc = enter("cuMemcpyDtoH_v2", &c)) != CUDA_SUCCESS)
         return rc;
-    return copy_from_device(dstHost, srcDevice, ByteCount);
+    return counted(&c, FK_DTOH, ByteCount, copy_from_device(dstHost, srcDevice, ByteCount));
+}
+
+static int stream_ok(CUstream s);
+
+/* Memsets: done when called, like the copies; counted apart from them (copies/<key>). */
+EXPORT CUresult cuMemsetD8_v2(CUdeviceptr dstDevice, unsigned char uc, size_t N)
+{
+    fk_call c;
+    CUresult rc;
+    if ((rc = enter("cuMemsetD8_v2", &c)) != CUDA_SUCCESS)
+        return rc;
+    return counted(&c, FK_MEMSET, N, set_device(dstDevice, uc, N));
+}
+
+EXPORT CUresult cuMemsetD8Async(CUdeviceptr dstDevice, unsigned char uc, size_t N,
+                                CUstream hStream)
+{
+    fk_call c;
+    CUresult rc;
+    if ((rc = enter("cuMemsetD8Async", &c)) != CUDA_SUCCESS)
+        return rc;
+    if (!stream_ok(hStream))
+        return CUDA_ERROR_INVALID_HANDLE;
+    return counted(&c, FK_MEMSET, N, set_device(dstDevice, uc, N));
 }
 
 EXPORT CUresult cuCtxPushCurrent_v2(CUcontext ctx)
@@ -1475,6 +1552,27 @@ static void handles_free(fk_call *c, fk_handle *h)
 
 /* Physical memory: size a multiple of the granularity, flags 0; counted on the process's GPU
  * (CUDA_ERROR_OUT_OF_MEMORY when it does not fit), zeroed. */
+/* $FAKE_CUDA_STATE_DIR/dirty present: new physical memory holds 0xA5 bytes, not zeros (a real
+ * GPU's new memory holds whatever it held before; only what a program writes is its own), so a
+ * test sees a re-creation that forgot to write some bytes back. 0, or -1. */
+static int dirty(const char *dir, int fd, size_t size)
+{
+    static char junk[1 << 20];
+    char path[4096];
+    snprintf(path, sizeof path, "%s/dirty", dir);
+    if (access(path, F_OK) != 0)
+        return 0;
+    memset(junk, 0xA5, sizeof junk);
+    for (size_t done = 0; done < size;) {
+        size_t n = size - done < sizeof junk ? size - done : sizeof junk;
+        ssize_t w = pwrite(fd, junk, n, (off_t)done);
+        if (w <= 0)
+            return -1;
+        done += (size_t)w;
+    }
+    return 0;
+}
+
 EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
                             const CUmemAllocationProp *prop, unsigned long long flags)
 {
@@ -1492,7 +1590,7 @@ EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
         h->size = size;
         h->prop = *prop;
         h->refs = 1;
-        if (h->fd >= 0 && ftruncate(h->fd, (off_t)size) == 0) {
+        if (h->fd >= 0 && ftruncate(h->fd, (off_t)size) == 0 && dirty(c.dir, h->fd, size) == 0) {
             pthread_rwlock_wrlock(&g_mem);
             if ((a = grow(g_handles, g_nhandles, &g_handles_cap, sizeof *a))) {
                 g_handles = a;
@@ -1831,7 +1929,7 @@ EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dstDevice, const void *srcHost,
         return rc;
     if (!stream_ok(hStream))
         return CUDA_ERROR_INVALID_HANDLE;
-    return copy_to_device(dstDevice, srcHost, ByteCount);
+    return counted(&c, FK_HTOD, ByteCount, copy_to_device(dstDevice, srcHost, ByteCount));
 }
 
 EXPORT CUresult cuMemcpyDtoHAsync_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount,
@@ -1843,7 +1941,7 @@ EXPORT CUresult cuMemcpyDtoHAsync_v2(void *dstHost, CUdeviceptr srcDevice, size_
         return rc;
     if (!stream_ok(hStream))
         return CUDA_ERROR_INVALID_HANDLE;
-    return copy_from_device(dstHost, srcDevice, ByteCount);
+    return counted(&c, FK_DTOH, ByteCount, copy_from_device(dstHost, srcDevice, ByteCount));
 }
 
 /* -- pinned host memory --------------------------------------------------------------------- */
@@ -1980,6 +2078,7 @@ EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVers
     X(cuLaunchKernel, cuLaunchKernel) X(cuMemcpyHtoD, cuMemcpyHtoD_v2)                       \
     X(cuMemcpyDtoH, cuMemcpyDtoH_v2) X(cuStreamSynchronize, cuStreamSynchronize)             \
     X(cuMemcpyHtoDAsync, cuMemcpyHtoDAsync_v2) X(cuMemcpyDtoHAsync, cuMemcpyDtoHAsync_v2)    \
+    X(cuMemsetD8, cuMemsetD8_v2) X(cuMemsetD8Async, cuMemsetD8Async)                         \
     X(cuStreamCreate, cuStreamCreate) X(cuStreamDestroy, cuStreamDestroy_v2)                 \
     X(cuStreamQuery, cuStreamQuery) X(cuEventCreate, cuEventCreate)                          \
     X(cuEventRecord, cuEventRecord) X(cuEventQuery, cuEventQuery)                            \

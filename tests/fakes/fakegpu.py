@@ -624,6 +624,22 @@ class FakeGpu:
     def clear_calls(self) -> None:
         (self.state_dir / "calls.log").unlink(missing_ok=True)
 
+    def copies(self, pid: int | str) -> dict[str, int]:
+        """What process `pid` (a host pid, or a key when a str) moved between host and device
+        memory since it started: {"dtoh", "htod", "memset"} bytes (copies/<key>, which every
+        copy and memset of the fake rewrites); zeros before its first."""
+        key = pid if isinstance(pid, str) else key_of(pid)
+        try:
+            text = (self.state_dir / "copies" / key).read_text()
+        except FileNotFoundError:
+            text = ""
+        out = {"dtoh": 0, "htod": 0, "memset": 0}
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in out:
+                out[name] = int(value)
+        return out
+
     # -- internals -------------------------------------------------------------------------------
     @staticmethod
     def _check_call(call: str) -> None:

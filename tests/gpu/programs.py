@@ -35,6 +35,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 TORCH_PROGRAM = HERE / "torch_program.py"
 CUPY_PROGRAM = HERE / "cupy_program.py"
+JAX_PROGRAM = HERE / "jax_program.py"
 INFER_PROGRAM = HERE / "infer_program.py"
 CPU_PROGRAM = HERE / "cpu_program.py"
 CUDA_SOURCE = HERE / "cuda_streams.cu"
@@ -79,6 +80,8 @@ def command(kind: str, gib: float, *, seed: int = 1234, max_steps: int = 0,
         argv = [sys.executable, str(script), "--gib", f"{gib:g}"]
     elif kind == "cupy":
         argv = [sys.executable, str(CUPY_PROGRAM), "--gib", f"{gib:g}"]
+    elif kind == "jax":   # XLA_FLAGS for bit-exact runs: jax_program.py's docstring
+        argv = [sys.executable, str(JAX_PROGRAM), "--gib", f"{gib:g}"]
     elif kind == "cuda":
         if cuda_exe is None:
             raise ValueError("kind 'cuda' needs cuda_exe (build_cuda_streams)")

@@ -28,6 +28,10 @@ caching allocator keeps them reserved but unused (a program whose allocator cach
 it uses). The allocator's configuration (PYTORCH_CUDA_ALLOC_CONF, e.g. expandable_segments:True)
 comes from the environment and is recorded in the status.
 
+--zeros-gib N: N GiB more held in torch.zeros tensors (written once, with zeros: memory the
+program reserved and never used, as a JAX arena is), covered by the rotating checksum like the
+bulk (their windows sum to 0 while intact).
+
 --stall-file PATH: while PATH exists, each step first keeps the GPU busy for about STALL_S
 seconds (torch.cuda._sleep, a kernel that only spins; the results do not change), counted in
 the status's "stalls": a program whose work in flight outlasts a driver lock's timeout.
@@ -107,6 +111,8 @@ def main(argv=None) -> int:
                    help="capture the training step in a CUDA graph and replay it")
     p.add_argument("--cache-gib", type=float, default=0.0,
                    help="GiB allocated and freed at start: left reserved in the allocator cache")
+    p.add_argument("--zeros-gib", type=float, default=0.0,
+                   help="GiB more held in torch.zeros tensors (checked, never written again)")
     p.add_argument("--stall-file", help="while this file exists, each step first keeps the GPU "
                    f"busy for about {STALL_S:g} s")
     args = p.parse_args(argv)
@@ -123,6 +129,8 @@ def main(argv=None) -> int:
     write_status(args.status, state)
 
     bulk = make_bulk(args.gib, args.seed, device)
+    bulk += [torch.zeros(n // 4, dtype=torch.float32, device=device)
+             for n in chunk_sizes(args.zeros_gib)]
     windows = slices(bulk)
     torch.manual_seed(args.seed)  # model init on the CPU generator, then moved
     model = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(),

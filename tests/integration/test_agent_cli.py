@@ -171,7 +171,8 @@ def test_the_real_agent_through_checkpoint_and_restore(torpor, gpu, tmp_path, re
     log = open(tmp_path / "program.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "torpor.cli.main", "run", "--",
                              sys.executable, str(PROGRAM), "--mem", str(64 << 20),
-                             "--status", str(status), "--lib", gpu.libcuda],
+                             "--status", str(status), "--lib", gpu.libcuda,
+                             "--fill", f"0:{64 << 20}"],   # data: zeros would not move
                             env=torpor.env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                             start_new_session=True)
     log.close()

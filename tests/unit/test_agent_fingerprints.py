@@ -28,12 +28,13 @@ def _prepare_fp(sock: Path, files: Files, known: list[str], index: Path) -> dict
 
 def _index(path: Path) -> list[dict]:
     lines = path.read_text().splitlines()
-    assert lines[0] == "torpor-gpu-fingerprints 1"
+    assert lines[0] == "torpor-gpu-fingerprints 2"
     out = []
     for line in lines[1:]:
-        f, off, n, store_len, fp, skip = line.split()
+        f, off, n, store_len, fp, flag = line.split()
         out.append({"file": int(f), "offset": int(off), "len": int(n),
-                    "store_len": int(store_len), "fp": fp, "skip": skip == "1"})
+                    "store_len": int(store_len), "fp": fp, "skip": flag == "1",
+                    "zero": flag == "z"})
     return out
 
 

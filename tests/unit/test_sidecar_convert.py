@@ -135,3 +135,13 @@ def test_the_runtime_draft_takes_the_typed_answer(torpor_env):
 
 
 PID_ = 4321
+
+
+def test_a_containers_agent_move_carries_its_zero_bytes():
+    """The parts the agent found zero (issue 20) reach a container's torpor.json through
+    torpord: zero_bytes on the wire and in the entry; an entry without any has no key."""
+    moved = AgentData.from_moved(1234, {**MOVED, "zero_bytes": 7 << 30})
+    flat = to_pb(pb, moved)
+    assert flat.zero_bytes == 7 << 30
+    assert from_pb(AgentData, flat).to_manifest() == {**MOVED, "zero_bytes": 7 << 30}
+    assert "zero_bytes" not in AgentData.from_moved(1234, MOVED).to_manifest()

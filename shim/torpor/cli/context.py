@@ -46,14 +46,18 @@ def agent_line(moved: dict[str, dict[str, Any]], verb: str = "moved") -> str:
     seconds = max(float(r.get("seconds", 0.0)) for r in moved.values())
     skipped = sum(int((r.get("fingerprints") or {}).get("skipped_bytes", 0))
                   for r in moved.values())
-    if not total and not seconds and not skipped:
+    zeros = sum(int(r.get("zero_bytes", 0)) for r in moved.values())
+    if not total and not seconds and not skipped and not zeros:
         return ""   # agents that had nothing to give back (resumed already)
     streamed = any(r.get("streamed") for r in moved.values())
     return (f"the agent {verb} {human_bytes(total)} of GPU memory of {len(moved)} program(s) "
             + ("through the image store's stream " if streamed else "")
             + f"in {seconds:.2f} s ({human_rate(total, seconds)})"
             + (f"; {human_bytes(skipped)} more the image store had already stayed where it "
-               "was (GPU fingerprints)" if skipped else "") + "\n")
+               "was (GPU fingerprints)" if skipped else "")
+            + (f"; {human_bytes(zeros)} read all zero on the GPU and "
+               + ("were memset there" if verb == "gave back" else "never crossed PCIe")
+               if zeros else "") + "\n")
 
 
 def timing_lines(timings: dict[str, float]) -> str:

@@ -65,6 +65,7 @@ class AgentMove:
     fingerprinted: int = 0         # parts fingerprinted on the GPU; 0: none
     skipped: int = 0
     skipped_bytes: int = 0
+    zero_bytes: int = 0            # found all zero on the GPU: never moved (issue 20)
 
     @classmethod
     def of(cls, pid: int, r: Mapping[str, Any]) -> "AgentMove":
@@ -76,6 +77,7 @@ class AgentMove:
                    allocations=int(r.get("allocations", 0)),
                    cache_released=int(r.get("cache_released", 0)),
                    seconds=float(r.get("seconds", 0.0)),
+                   zero_bytes=int(r.get("zero_bytes", 0)),
                    **{mine: int(fp.get(theirs, 0)) for theirs, mine in _FINGERPRINTS})
 
     from_moved = of
@@ -84,6 +86,8 @@ class AgentMove:
         """torpor.json's "agent" entry for this program (keyed by str(pid) there)."""
         out: dict[str, Any] = {k: getattr(self, k) for k in _MOVED}
         out["files"] = list(self.files)
+        if self.zero_bytes:
+            out["zero_bytes"] = self.zero_bytes
         if self.fingerprinted:
             out["fingerprints"] = {theirs: getattr(self, mine) for theirs, mine in _FINGERPRINTS}
         return out

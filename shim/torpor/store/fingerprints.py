@@ -6,8 +6,13 @@ every GPU chunk the store's snapshots hold (`known`). The agent fingerprints eve
 of its data on the GPU; a known part is skipped: its bytes stay a hole in the data file. The
 agent's index (agent_data.INDEX, beside the data files) lists every part:
 
-    torpor-gpu-fingerprints 1
-    <file k> <offset> <data length> <store chunk length> <32 hex: fingerprint> <skipped 0|1>
+    torpor-gpu-fingerprints 2
+    <file k> <offset> <data length> <store chunk length> <32 hex: fingerprint> <0|1|z>
+
+the last field 0 (copied into the file), 1 (skipped) or z (zero: the part read all zero on the
+GPU, issue 20; it is a hole that needs no filling, and its store chunk is zeros, which the
+store holds as nothing). Version 1, written before zero parts, has 0|1 only and is still read;
+a z there, a line naming a part twice, or one outside the data files is refused.
 
 A part is exactly one store chunk of its data file (offsets are multiples of PART, the store's
 chunk size), so its fingerprint names that chunk: a snapshot records, per data file, the
@@ -68,7 +73,8 @@ from .store import CHUNK_SIZE, Store
 from .writer import StreamedRef
 
 PART = 4 << 20          # the agent's part (mover.c FILE_ALIGN): one store chunk
-HEADER = "torpor-gpu-fingerprints 1"
+HEADER = "torpor-gpu-fingerprints 2"
+HEADER_V1 = "torpor-gpu-fingerprints 1"   # before zero parts: still read
 STREAMED_HEADER = "torpor-gpu-streamed 1"
 
 
@@ -80,10 +86,15 @@ class Part:
     store_len: int   # the store chunk it is (data, and the hole after)
     fp: str
     skipped: bool
+    zero: bool = False   # all zero on the GPU: never copied, written nor stored
 
     @property
     def chunk(self) -> int:
         return self.offset // PART
+
+    @property
+    def flag(self) -> str:
+        return "z" if self.zero else "1" if self.skipped else "0"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,22 +120,27 @@ def usable(store: Store) -> bool:
     return store.chunk_size == PART == CHUNK_SIZE
 
 
-def _lines(text: str, origin: str, sizes: list[int], header: str, what: str,
-           make: Callable[[list[str]], Part | Streamed]) -> list[Any]:
-    """The records of an index or a stream record (header, then one a line; make builds one
-    from its fields or raises ValueError), each checked against the data files' sizes;
-    DamagedRecordsError when any line is malformed or points outside its file."""
+def _lines(text: str, origin: str, sizes: list[int], headers: dict[str, int], what: str,
+           make: Callable[[list[str], int], Part | Streamed]) -> list[Any]:
+    """The records of an index or a stream record (one of headers, then one a line; make
+    builds one from its fields and the header's version or raises ValueError), each checked
+    against the data files' sizes; DamagedRecordsError when any line is malformed, points
+    outside its file, or names a part another line names."""
     lines = text.splitlines()
-    if not lines or lines[0] != header:
-        raise DamagedRecordsError(f"{origin}: not a {what} ({header!r})")
+    if not lines or lines[0] not in headers:
+        raise DamagedRecordsError(f"{origin}: not a {what} ({next(iter(headers))!r})")
+    version = headers[lines[0]]
     parts = []
+    seen: set[tuple[int, int]] = set()
     for n, line in enumerate(lines[1:], 2):
         try:
-            p = make(line.split())
+            p = make(line.split(), version)
             if not (0 <= p.file < len(sizes) and p.offset % PART == 0 and p.offset >= 0
                     and 0 < p.length <= p.store_len <= PART
-                    and p.offset + p.store_len <= sizes[p.file]):
+                    and p.offset + p.store_len <= sizes[p.file]
+                    and (p.file, p.offset) not in seen):
                 raise ValueError
+            seen.add((p.file, p.offset))
         except ValueError:
             raise DamagedRecordsError(f"{origin}, line {n}: malformed or outside the data "
                                       f"files: {line[:120]!r}") from None
@@ -132,13 +148,14 @@ def _lines(text: str, origin: str, sizes: list[int], header: str, what: str,
     return parts
 
 
-def _part(f: list[str]) -> Part:
-    if len(f) != 6 or not FINGERPRINT.fullmatch(f[4]) or f[5] not in ("0", "1"):
+def _part(f: list[str], version: int) -> Part:
+    if len(f) != 6 or not FINGERPRINT.fullmatch(f[4]) \
+            or f[5] not in (("0", "1", "z") if version >= 2 else ("0", "1")):
         raise ValueError
-    return Part(int(f[0]), int(f[1]), int(f[2]), int(f[3]), f[4], f[5] == "1")
+    return Part(int(f[0]), int(f[1]), int(f[2]), int(f[3]), f[4], f[5] == "1", f[5] == "z")
 
 
-def _streamed(f: list[str]) -> Streamed:
+def _streamed(f: list[str], version: int) -> Streamed:
     if len(f) != 5 or not (f[4] == "-" or BLOB_NAME.fullmatch(f[4])):
         raise ValueError
     return Streamed(int(f[0]), int(f[1]), int(f[2]), int(f[3]), None if f[4] == "-" else f[4])
@@ -146,12 +163,13 @@ def _streamed(f: list[str]) -> Streamed:
 
 def parse(text: str, origin: str, sizes: list[int]) -> list[Part]:
     """The index text of a program with data files of these sizes, checked."""
-    return _lines(text, origin, sizes, HEADER, "GPU fingerprint index", _part)
+    return _lines(text, origin, sizes, {HEADER: 2, HEADER_V1: 1}, "GPU fingerprint index",
+                  _part)
 
 
 def parse_streamed(text: str, origin: str, sizes: list[int]) -> list[Streamed]:
     """A stream record's parts, checked as an index's are."""
-    return _lines(text, origin, sizes, STREAMED_HEADER, "stream record", _streamed)
+    return _lines(text, origin, sizes, {STREAMED_HEADER: 1}, "stream record", _streamed)
 
 
 def dump_streamed(parts: Iterable[Streamed]) -> str:
@@ -161,7 +179,7 @@ def dump_streamed(parts: Iterable[Streamed]) -> str:
 
 def dump(parts: Iterable[Part]) -> str:
     return "".join([HEADER + "\n"] + [
-        f"{p.file} {p.offset} {p.length} {p.store_len} {p.fp} {int(p.skipped)}\n"
+        f"{p.file} {p.offset} {p.length} {p.store_len} {p.fp} {p.flag}\n"
         for p in parts])
 
 
@@ -258,11 +276,15 @@ def known_fd(fps: Iterable[str]) -> int:
 
 def given(parts: list[Part], refs: dict[str, list[Any]], file: int) -> dict[int, list[Any]]:
     """For data file `file`: chunk index -> the stored chunk each part the store knows is
-    (Writer takes them without reading: skipped, or copied and the same). TorporError when
-    the store no longer names a skipped one."""
-    out = {}
+    (Writer takes them without reading: skipped, or copied and the same), and zeros (stored
+    as nothing) for each zero part. TorporError when the store no longer names a skipped
+    one."""
+    out: dict[int, list[Any]] = {}
     for p in parts:
         if p.file != file:
+            continue
+        if p.zero:
+            out[p.chunk] = [None, p.store_len]
             continue
         ref = refs.get(p.fp)
         if ref is not None and ref[1] == p.store_len:
@@ -371,8 +393,9 @@ def pack_arguments(store: Store, images_dir: Path, refs: dict[str, list[Any]]
             rel = f.relative_to(images_dir).as_posix()
             chunks = given(parts, refs, k)
             chunks.update({s.chunk: StreamedRef(s.ref) for s in streamed if s.file == k})
-            out[rel] = {"given": chunks,
-                        "fingerprints": [[p.chunk, p.fp] for p in parts if p.file == k]}
+            out[rel] = {"given": chunks,   # zero parts: no fingerprint, their chunk is none
+                        "fingerprints": [[p.chunk, p.fp] for p in parts
+                                         if p.file == k and not p.zero]}
         if streamed:   # the snapshot's files are whole: no record of holes goes with them
             out[(prog / agent_data.STREAMED).relative_to(images_dir).as_posix()] = {"leave_out": True}
         out[index.relative_to(images_dir).as_posix()] = {"src": io.BytesIO(dump(

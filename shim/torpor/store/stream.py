@@ -16,7 +16,8 @@ mid-stream costs the program nothing: it runs on from its GPU memory.
 Loading (feed): torpor's pool reads each chunk of the program's data from the store into a
 free slot (a raw chunk straight from its file, a zstd one decompressed into it), checks it
 against its sha256 there and sends its record; the agent copies the part onto the GPU and
-sends the slot back. Reading, decompressing and copying to the GPU overlap, and nothing is
+sends the slot back. A chunk of zeros (stored as nothing: the parts the agent found zero on
+the GPU, issue 20) goes as a record alone, slot ZERO: no slot, no bytes, the agent memsets it. Reading, decompressing and copying to the GPU overlap, and nothing is
 unpacked into files first.
 """
 
@@ -46,6 +47,7 @@ SLOTS = 64                          # 256 MiB of ring: 4 parts in flight per poo
 RECORD = struct.Struct("<IIQQQ")    # slot, file, offset, length, store length (mover.c)
 SLOT_NO = struct.Struct("<I")
 END = 0xFFFFFFFF                    # a record: no more parts; a slot number: commit
+ZERO = 0xFFFFFFFE                   # a record's slot (loading): the part is zeros, in no slot
 
 
 log = logging.getLogger(__name__)
@@ -334,8 +336,8 @@ def spread(parts: list[Source], ways: int) -> list[Source]:
 
 def feed(store: Store, ring: Ring, parts: Iterable[Source], where: str) -> int:
     """Send every part to the agent through the ring (its `resume stream` runs meanwhile), each
-    chunk read from the store straight into a free slot and verified there; then EOF. Returns,
-    with the bytes sent, once the agent has closed its end (its resume is over); a caller
+    chunk read from the store straight into a free slot and verified there (zeros: a record
+    alone); then EOF. Returns, with the bytes sent (zeros not counted), once the agent has closed its end (its resume is over); a caller
     that gives up on the agent shuts ring.sock down to end it sooner. StreamError or
     CorruptCheckpointError on failure (the agent's resume then fails: its gate stays closed,
     nothing lost)."""
@@ -370,6 +372,13 @@ def feed(store: Store, ring: Ring, parts: Iterable[Source], where: str) -> int:
         if not hasattr(local, "clock"):
             local.clock = [0.0, 0.0]
             clocks.append(local.clock)    # list.append: atomic
+        if part.ref[0] is None:           # zeros: a record alone (the agent memsets them)
+            try:
+                ring.sock.send(RECORD.pack(ZERO, part.file, part.offset, part.ref[1],
+                                           part.ref[1]))
+            except (BrokenPipeError, ConnectionResetError):
+                raise StreamError("the agent stopped taking GPU data") from None
+            return 0
         t0 = time.perf_counter()
         n = take_slot()
         t1 = time.perf_counter()
