@@ -1,0 +1,207 @@
+"""The kubelet's checkpoint/restore flow through containerd 2.x's CRI, with torpor as the runtime
+handler: RunPodSandbox -> CreateContainer -> StartContainer -> CheckpointContainer (the
+kubelet's archive) -> a new sandbox -> CreateContainer with the archive as the image ->
+StartContainer, over containerd's CRI socket with a client generated from the CRI api.proto.
+
+A private containerd 2 per test (integration/cri.py: the config ./install.sh installs, with the
+test's paths; the torpor handler runs a wrapper around the installed torpor-runtime that sets
+the test's torpord and fake GPU, and logs its argv); pods on the host network (no CNI); the
+sandbox image built locally; the base image (a static busybox) pulled with PullImage from a
+registry on 127.0.0.1 (containerd 2.1 pulls a checkpoint's base image again at restore).
+Skipped where containerd 2 is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import stat
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from integration import cri as crimod
+from tests.fakes.fakegpu import RUNNING, FakeGpu
+from tests.integration.conftest import needs_criu, wait_for
+from tests.integration.torpord import Daemon
+
+SKIP = crimod.missing()
+pytestmark = [needs_criu, pytest.mark.criu,
+              pytest.mark.skipif(SKIP is not None, reason=SKIP or "")]
+
+GIB = 1 << 30
+TORPOR_RUNTIME = shutil.which("torpor-runtime") or "/usr/local/bin/torpor-runtime"
+COUNTER = ('t=$(head -c8 /dev/urandom | od -An -tx1 | tr -d " \\n"); n=0; '
+           'while :; do n=$((n+1)); echo "$t $n" > /data/counter.tmp; '
+           'mv /data/counter.tmp /data/counter; sleep 0.05; done')
+
+
+@pytest.fixture(scope="module")
+def registry():
+    from integration.oci_registry import LayoutRegistry
+    with LayoutRegistry({"torpor-busybox": crimod.BUSYBOX_TAR}) as reg:
+        yield reg
+
+
+@pytest.fixture
+def base():
+    d = Path(tempfile.mkdtemp(prefix="tcri", dir="/tmp"))  # short: socket paths
+    yield d
+    crimod.remove_tree(d)
+
+
+@pytest.fixture
+def gpu(base):
+    with FakeGpu(base / "gpu") as g:
+        yield g
+
+
+@pytest.fixture
+def daemon(base, gpu):
+    d = Daemon(base, gpu).start()
+    yield d
+    d.stop()
+
+
+class Handler:
+    """The torpor handler's BinaryName: torpor-runtime behind a wrapper that sets the test's
+    torpord and fake GPU (containerd passes the runtime none of ours) and logs each argv."""
+
+    def __init__(self, base: Path, daemon: Daemon):
+        if not os.access(TORPOR_RUNTIME, os.X_OK):
+            pytest.skip("torpor-runtime is not installed (./install.sh)")
+        self.path = base / "torpor-runtime-test"
+        self.calls = base / "runtime-calls.log"
+        self.env = {k: v for k, v in daemon.env.items()
+                    if k.startswith(("TORPOR_", "FAKE_CUDA")) or k == "LD_LIBRARY_PATH"}
+        self.write()
+
+    def write(self, **extra: str) -> None:
+        lines = ["#!/bin/sh"] + [f"export {k}='{v}'" for k, v in {**self.env, **extra}.items()]
+        lines += [f'echo "$*" >> {self.calls}', f'exec {TORPOR_RUNTIME} "$@"']
+        self.path.write_text("\n".join(lines) + "\n")
+        self.path.chmod(0o700)
+
+    def commands(self) -> list[str]:
+        """The runtime commands containerd's shim ran through torpor-runtime, in order."""
+        known = ("create", "start", "checkpoint", "restore", "delete", "kill", "state")
+        out = []
+        for line in self.calls.read_text().splitlines() if self.calls.exists() else []:
+            words = [w for w in line.split() if not w.startswith("-")]
+            out += [w for w in words if w in known][:1]
+        return out
+
+
+@pytest.fixture
+def handler(base, daemon):
+    return Handler(base, daemon)
+
+
+@pytest.fixture
+def node(base, handler, registry, gpu):
+    """A node: containerd 2 with the handlers runc and torpor, CDI specs in base/cdi, the
+    base image pulled through CRI; every pod removed at the end."""
+    cdi = base / "cdi"
+    cdi.mkdir()
+    d = crimod.Containerd2(base / "c2", str(handler.path), cdi_dirs=[cdi],
+                           registries=[f"localhost:{registry.port}"])
+    cri = crimod.Cri(d.socket)
+    try:
+        image = registry.ref("torpor-busybox", "1")
+        cri.pull(image)
+        yield Node(d, cri, image, base, cdi)
+    finally:
+        try:
+            cri.remove_all()
+        finally:
+            cri.close()
+            d.stop()
+
+
+class Node:
+    def __init__(self, daemon: crimod.Containerd2, cri: crimod.Cri, image: str, base: Path,
+                 cdi: Path):
+        self.daemon, self.cri, self.image, self.base, self.cdi = daemon, cri, image, base, cdi
+        self.checkpoints = base / "kubelet" / "checkpoints"   # the kubelet's checkpoint dir
+        self.checkpoints.mkdir(parents=True)
+
+    def run(self, pod_name: str, handler: str, spec: crimod.ContainerSpec,
+            image: str | None = None) -> tuple[crimod.Pod, str]:
+        pod = self.cri.run_pod(pod_name, handler)
+        cid = self.cri.create(pod, spec, image)
+        self.cri.start(cid)
+        assert self.cri.state(cid) == "CONTAINER_RUNNING"
+        return pod, cid
+
+
+class Counter:
+    """The busybox counter: '<token> <n>' in <dir>/counter every 50 ms; the token lives only
+    in the shell's memory, so a restart shows as a new one."""
+
+    def __init__(self, directory: Path):
+        self.dir = directory
+        directory.mkdir()
+
+    def spec(self, image: str) -> crimod.ContainerSpec:
+        return crimod.ContainerSpec("counter", image, ["/bin/sh", "-c", COUNTER],
+                                    mounts=[(str(self.dir), "/data", False)])
+
+    def read(self) -> tuple[str, int] | None:
+        try:
+            tok, n = (self.dir / "counter").read_text().split()
+            return tok, int(n)
+        except (OSError, ValueError):
+            return None
+
+    def beyond(self, n: int, timeout: float = 20) -> tuple[str, int]:
+        return wait_for(lambda: (v := self.read()) and v[1] > n and v, timeout,
+                        f"counter beyond {n} ({self.read()})")
+
+
+def _members(archive: Path) -> list[str]:
+    with tarfile.open(archive) as tf:
+        return tf.getnames()
+
+
+@pytest.mark.parametrize("runtime_handler", ["runc", "torpor"])
+def test_cri_checkpoint_then_restore_from_the_archive_continues(node, handler, runtime_handler):
+    """A CPU container: CheckpointContainer writes the kubelet's archive and leaves it running;
+    a new pod's CreateContainer from the archive brings the same process back at the
+    checkpoint (same token, the count from where it was, not from 1)."""
+    c = Counter(node.base / "data")
+    spec = c.spec(node.image)
+    pod, cid = node.run("counter", runtime_handler, spec)
+    tok, _ = c.beyond(5)
+    archive = crimod.kubelet_archive(node.checkpoints, pod, "counter")
+    assert re.fullmatch(r"checkpoint-counter_default-counter-[0-9T:.\-]+Z\.tar", archive.name)
+    before = c.read()[1]
+    node.cri.checkpoint(cid, archive)
+    after = c.read()[1]
+    assert node.cri.state(cid) == "CONTAINER_RUNNING"      # the kubelet's checkpoint: it runs on
+    names = _members(archive)
+    assert {"config.dump", "spec.dump", "status.dump", "rootfs-diff.tar"} <= set(names)
+    assert "checkpoint/pstree.img" in names
+    assert stat.S_IMODE(archive.stat().st_mode) & 0o077 == 0
+    last = c.beyond(after + 20)[1]                          # it ran on well past the checkpoint
+    node.cri.remove_pod(pod.id)
+    assert c.read()[1] >= last
+
+    pod2, cid2 = node.run("counter-restored", runtime_handler, spec, image=str(archive))
+    first = wait_for(lambda: (v := c.read()) and v[1] < last and v, 20,
+                     "the restored counter's first write")
+    assert first[0] == tok                                  # same process memory
+    assert before < first[1] <= after + 2                   # from the checkpoint on
+    c.beyond(first[1] + 5)
+    status = node.cri.status(cid2).status
+    assert status.annotations.get("restored") == "true"
+    assert node.cri.state(cid2) == "CONTAINER_RUNNING"
+    calls = handler.commands()
+    if runtime_handler == "torpor":
+        assert "checkpoint" in calls and "restore" in calls, calls
+    else:
+        assert calls == [], calls
