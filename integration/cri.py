@@ -242,7 +242,7 @@ class Cri:
             metadata=pb.ContainerMetadata(name=spec.name, attempt=0),
             image=pb.ImageSpec(image=image or spec.image),
             command=list(spec.command),
-            envs=[pb.KeyValue(key=k, value=v) for k, v in spec.env.items()],
+            envs=[pb.KeyValue(key=k, value=self._env_value(v)) for k, v in spec.env.items()],
             mounts=[pb.Mount(host_path=str(h), container_path=c, readonly=ro)
                     for h, c, ro in spec.mounts],
             devices=[pb.Device(host_path=str(h), container_path=c, permissions="rwm")
@@ -251,6 +251,12 @@ class Cri:
             annotations=dict(spec.annotations),
             labels={"io.kubernetes.container.name": spec.name},
             log_path=f"{spec.name}/0.log")
+
+    def _env_value(self, value: str):
+        """KeyValue.value is `string` upstream, `bytes` in some copies of api.proto (Debian's
+        0.36.4): the same bytes on the wire."""
+        field_type = self.pb.KeyValue.DESCRIPTOR.fields_by_name["value"].type
+        return value.encode() if field_type == 12 else value      # 12: TYPE_BYTES
 
     def create(self, pod: Pod, spec: ContainerSpec, image: str | None = None) -> str:
         """CreateContainer; ``image``: instead of spec.image, e.g. a checkpoint archive (the

@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import stat
+import sys
 import tarfile
 import tempfile
 import time
@@ -35,7 +36,11 @@ pytestmark = [needs_criu, pytest.mark.criu,
               pytest.mark.skipif(SKIP is not None, reason=SKIP or "")]
 
 GIB = 1 << 30
-TORPOR_RUNTIME = shutil.which("torpor-runtime") or "/usr/local/bin/torpor-runtime"
+# the torpor-runtime of the venv test.sh installed this tree into (the tests' Python's),
+# else the one on PATH
+_VENV_RUNTIME = Path(sys.executable).parent / "torpor-runtime"
+TORPOR_RUNTIME = (str(_VENV_RUNTIME) if os.access(_VENV_RUNTIME, os.X_OK)
+                  else shutil.which("torpor-runtime") or "/usr/local/bin/torpor-runtime")
 COUNTER = ('t=$(head -c8 /dev/urandom | od -An -tx1 | tr -d " \\n"); n=0; '
            'while :; do n=$((n+1)); echo "$t $n" > /data/counter.tmp; '
            'mv /data/counter.tmp /data/counter; sleep 0.05; done')
@@ -205,3 +210,108 @@ def test_cri_checkpoint_then_restore_from_the_archive_continues(node, handler, r
         assert "checkpoint" in calls and "restore" in calls, calls
     else:
         assert calls == [], calls
+
+
+# -- fake GPU: devices as the NVIDIA device plugin gives them with CDI ---------------------------
+
+def _cdi_spec(node: Node, gpu: FakeGpu) -> None:
+    """nvidia.com/gpu=0 and =1 (device nodes 195:N outside /dev, NVIDIA_VISIBLE_DEVICES the
+    GPU's UUID) and /dev/nvidiactl for every GPU device, in the node's CDI directory."""
+    from tests.integration.test_containers_gpu import fake_nodes
+    nodes = fake_nodes(node.base)
+
+    def dev(minor: int, path: str) -> dict:
+        return {"path": path, "hostPath": str(nodes[minor]), "type": "c", "major": 195,
+                "minor": minor, "permissions": "rw"}
+
+    spec = {"cdiVersion": "0.6.0", "kind": "nvidia.com/gpu",
+            "devices": [{"name": str(i), "containerEdits": {
+                "deviceNodes": [dev(i, f"/dev/nvidia{i}")],
+                "env": [f"NVIDIA_VISIBLE_DEVICES={gpu.uuid(i)}"]}} for i in (0, 1)],
+            "containerEdits": {"deviceNodes": [dev(255, "/dev/nvidiactl")]}}
+    (node.cdi / "nvidia.json").write_text(json.dumps(spec))
+
+
+def _gpu_workload(node: Node, gpu: FakeGpu, gpu_index: int = 0):
+    """The fake CUDA program (host /usr read-only in the busybox image) and its container spec
+    asking for nvidia.com/gpu=<gpu_index> through CDI."""
+    from tests.integration.test_containers_gpu import Workload
+    _cdi_spec(node, gpu)
+    w = Workload(gpu, "cri")
+    return w, _gpu_spec(node, w, gpu_index)
+
+
+def _gpu_spec(node: Node, w, gpu_index: int) -> crimod.ContainerSpec:
+    return crimod.ContainerSpec("cuda", node.image, w.argv, env=w.env,
+                                mounts=[("/usr", "/usr", True), *w.mounts],
+                                cdi_devices=[f"nvidia.com/gpu={gpu_index}"])
+
+
+def _manifest(archive: Path) -> dict:
+    with tarfile.open(archive) as tf:
+        return json.loads(tf.extractfile("checkpoint/torpor.json").read())
+
+
+def _gpu_checkpoint(node: Node, gpu: FakeGpu, w, spec) -> tuple[Path, int, int]:
+    """Run the program in a pod through the torpor handler, CheckpointContainer it (it runs
+    on), remove the pod: (the archive, the host PID it had, the tick at removal)."""
+    pod, cid = node.run("cuda", "torpor", spec)
+    w.wait_ticking()
+    host_pid = w.host_pid()
+    assert host_pid and host_pid == node.cri.pid(cid)
+    archive = crimod.kubelet_archive(node.checkpoints, pod, "cuda")
+    node.cri.checkpoint(cid, archive)
+    assert node.cri.state(cid) == "CONTAINER_RUNNING"
+    w.wait_ticking(w.tick())
+    assert w.entry()["state"] == RUNNING                     # unlocked again after the dump
+    tick = w.tick()
+    node.cri.remove_pod(pod.id)
+    return archive, host_pid, tick
+
+
+def test_cri_gpu_container_checkpoint_and_restore_through_torpor(node, handler, gpu, daemon):
+    """A fake GPU container with nvidia.com/gpu=0 from CDI: CheckpointContainer runs torpor's
+    GPU phases (lock, checkpoint, dump, restore and unlock to run on) and the kubelet's
+    archive carries torpor.json; CreateContainer from the archive in a new pod restores the
+    program with its GPU state (the driver saw restore and unlock on the new host PID)."""
+    w, spec = _gpu_workload(node, gpu)
+    archive, host_pid, tick = _gpu_checkpoint(node, gpu, w, spec)
+    m = _manifest(archive)
+    assert m["container"]["minors"] == [0] and m["container"]["visible"] == [gpu.uuid(0)]
+    assert [g["uuid"] for g in m["gpus"]] == [gpu.uuid(0)]
+    assert [(p["cuda"], p["gpu_memory"]) for p in m["processes"]] == [(True, 2 * GIB)]
+    calls = [(c.call, c.pid) for c in gpu.calls()]
+    assert [c for c, p in calls if p == host_pid and c in ("lock", "checkpoint", "restore",
+                                                           "unlock")] == \
+        ["lock", "checkpoint", "restore", "unlock"]
+
+    pod2, cid2 = node.run("cuda-restored", "torpor", spec, image=str(archive))
+    new_pid = node.cri.pid(cid2)
+    assert new_pid != host_pid and w.host_pid() == new_pid
+    w.wait_ticking(tick)
+    e = w.entry()
+    assert e["state"] == RUNNING and e["gpu"] == gpu.uuid(0)
+    assert [(c.call, c.pid) for c in gpu.calls() if c.pid == new_pid
+            and c.call in ("restore", "unlock")] == [("restore", new_pid), ("unlock", new_pid)]
+    assert handler.commands().count("restore") == 1
+    assert node.cri.status(cid2).status.annotations.get("restored") == "true"
+
+
+def test_cri_gpu_restore_onto_the_gpu_the_new_pod_was_given(node, handler, gpu, daemon):
+    """The new pod is given another GPU (nvidia.com/gpu=1 from the device plugin, while GPU 0
+    is still there): the checkpoint's GPU goes where the kubelet put the container, without
+    any device map, and the program continues on GPU 1 (its driver state restored there,
+    its container's devices and environment those of GPU 1)."""
+    w, spec = _gpu_workload(node, gpu, 0)
+    archive, host_pid, tick = _gpu_checkpoint(node, gpu, w, spec)
+    pod2, cid2 = node.run("cuda-moved", "torpor", _gpu_spec(node, w, 1), image=str(archive))
+    w.wait_ticking(tick)
+    e = w.entry()
+    assert e["state"] == RUNNING and e["gpu"] == gpu.uuid(1)
+    assert e["restored_pairs"] == [(gpu.uuid(0), gpu.uuid(1))]
+    info = json.loads(node.cri.status(cid2).info["info"])
+    spec2 = info["runtimeSpec"]
+    assert f"NVIDIA_VISIBLE_DEVICES={gpu.uuid(1)}" in spec2["process"]["env"]
+    node_path = Path(f"/proc/{node.cri.pid(cid2)}/root/dev/nvidia1")
+    assert stat.S_ISCHR(node_path.stat().st_mode)
+    assert node_path.stat().st_rdev == os.makedev(195, 1)
