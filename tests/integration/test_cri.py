@@ -315,3 +315,22 @@ def test_cri_gpu_restore_onto_the_gpu_the_new_pod_was_given(node, handler, gpu, 
     node_path = Path(f"/proc/{node.cri.pid(cid2)}/root/dev/nvidia1")
     assert stat.S_ISCHR(node_path.stat().st_mode)
     assert node_path.stat().st_rdev == os.makedev(195, 1)
+
+
+def test_cri_restore_refused_before_anything_starts_when_the_given_gpu_does_not_fit(
+        node, handler, gpu, daemon):
+    """The new pod is given a GPU of another model: torpor refuses at StartContainer with its
+    one line, through CRI as the error the kubelet shows; nothing was restored (no driver
+    restore, the container is not running) and the archive is left whole for another try."""
+    w, spec = _gpu_workload(node, gpu, 0)
+    archive, host_pid, tick = _gpu_checkpoint(node, gpu, w, spec)
+    size = archive.stat().st_size
+    gpu.set_gpus([gpu.gpus[0], (gpu.uuid(1), "NVIDIA A100", gpu.gpus[1][2]), *gpu.gpus[2:]])
+    pod2 = node.cri.run_pod("cuda-misfit", "torpor")
+    cid2 = node.cri.create(pod2, _gpu_spec(node, w, 1), image=str(archive))
+    with pytest.raises(crimod.CriError) as err:
+        node.cri.start(cid2)
+    assert "NVIDIA A100" in err.value.details and "NVIDIA H200" in err.value.details, err.value
+    assert node.cri.state(cid2) != "CONTAINER_RUNNING"
+    assert not [c for c in gpu.calls() if c.call == "restore" and c.pid != host_pid]
+    assert archive.stat().st_size == size
