@@ -218,7 +218,8 @@ class Cri:
         return self._call(self.images, "PullImage",
                           pb.PullImageRequest(image=pb.ImageSpec(image=ref))).image_ref
 
-    def run_pod(self, name: str, handler: str = "", namespace: str = "default") -> Pod:
+    def run_pod(self, name: str, handler: str = "", namespace: str = "default",
+                annotations: Mapping[str, str] | None = None) -> Pod:
         """RunPodSandbox with the host network (no CNI here), pod PID namespace per
         container, as the kubelet asks for a pod with hostNetwork: true."""
         pb = self.pb
@@ -228,7 +229,7 @@ class Cri:
         config = pb.PodSandboxConfig(
             metadata=pb.PodSandboxMetadata(name=name, uid=str(uuid.uuid4()),
                                            namespace=namespace, attempt=0),
-            log_directory=str(logs),
+            log_directory=str(logs), annotations=dict(annotations or {}),
             labels={"io.kubernetes.pod.name": name, "io.kubernetes.pod.namespace": namespace},
             linux=pb.LinuxPodSandboxConfig(
                 security_context=pb.LinuxSandboxSecurityContext(namespace_options=ns)))
