@@ -25,7 +25,8 @@ from typing import Mapping
 
 __all__ = ["LayoutRegistry"]
 
-_PATH = re.compile(r"^/v2/(?P<name>[a-z0-9._/-]+)/(?P<kind>manifests|blobs)/(?P<ref>[A-Za-z0-9._:-]+)$")
+_PATH = re.compile(r"^/v2/(?P<name>[a-z0-9._/-]+)/(?P<kind>manifests|blobs)/"
+                   r"(?P<ref>[A-Za-z0-9._:-]+)$")
 
 
 class _Repo:
@@ -60,6 +61,10 @@ class LayoutRegistry:
     def ref(self, name: str, tag: str) -> str:
         return f"localhost:{self.port}/{name}:{tag}"
 
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
     def _handler(self):
         reg = self
 
@@ -67,7 +72,7 @@ class LayoutRegistry:
             def log_message(self, *args) -> None:
                 pass
 
-            def _answer(self, body: bytes | None) -> None:
+            def _answer(self) -> None:
                 reg.requests.append(f"{self.command} {self.path}")
                 if self.path in ("/v2/", "/v2"):
                     return self._send(200, b"{}", "application/json")
@@ -98,16 +103,12 @@ class LayoutRegistry:
                     self.wfile.write(data)
 
             def do_GET(self) -> None:
-                self._answer(None)
+                self._answer()
 
             def do_HEAD(self) -> None:
-                self._answer(None)
+                self._answer()
 
         return Handler
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
     def __enter__(self) -> "LayoutRegistry":
         return self
