@@ -13,6 +13,7 @@ Skipped where containerd 2 is not installed.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -359,3 +360,27 @@ def test_cri_checkpoint_with_subdirectories_fails_in_containerd_and_the_program_
     assert node.cri.state(cid) == "CONTAINER_RUNNING"
     w.wait_ticking(w.tick())
     assert w.entry()["state"] == RUNNING
+
+
+def test_cri_restore_of_a_tampered_archive_is_refused_before_anything_starts(node, handler, gpu,
+                                                                            daemon):
+    """The archive is untrusted: one byte changed in a memory image, and StartContainer fails
+    with torpor's checksum error before CRIU or the driver restore anything."""
+    w, spec = _gpu_workload(node, gpu)
+    archive, host_pid, tick = _gpu_checkpoint(node, gpu, w, spec)
+    bad = archive.with_name("tampered-" + archive.name)
+    with tarfile.open(archive) as src, tarfile.open(bad, "w") as dst:
+        pages = sorted(m.name for m in src.getmembers() if m.name.startswith("checkpoint/pages-"))
+        assert pages
+        for m in src.getmembers():
+            data = src.extractfile(m).read() if m.isfile() else None
+            if m.name == pages[0]:
+                data = bytes([data[0] ^ 0xFF]) + data[1:]
+            dst.addfile(m, io.BytesIO(data) if data is not None else None)
+    pod2 = node.cri.run_pod("cuda-tampered", "torpor")
+    cid2 = node.cri.create(pod2, spec, image=str(bad))
+    with pytest.raises(crimod.CriError) as err:
+        node.cri.start(cid2)
+    assert "checksum mismatch" in err.value.details, err.value
+    assert node.cri.state(cid2) != "CONTAINER_RUNNING"
+    assert not [c for c in gpu.calls() if c.call == "restore" and c.pid != host_pid]
