@@ -153,7 +153,11 @@ class Containerd2:
                 self.stop()
                 raise RuntimeError(f"containerd 2 did not come up:\n{self.log_tail()}")
             time.sleep(0.1)
-        self.ctr("images", "import", PAUSE_TAR)
+        try:
+            self.ctr("images", "import", PAUSE_TAR)
+        except BaseException:
+            self.stop()
+            raise
 
     def _alive(self) -> bool:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
