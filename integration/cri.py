@@ -14,10 +14,11 @@ API::
         .pull(ref) -> str                       # image ref (repo digest)
         .run_pod(name, handler) -> Pod          # host network (NamespaceOption network=NODE)
         .create(pod, spec: ContainerSpec, image=None) -> str
-        .start(cid) / .state(cid) -> str / .pid(cid) -> int
+        .start(cid) / .status(cid) / .state(cid) -> str / .pid(cid) -> int
         .checkpoint(cid, location, timeout=60)  # CheckpointContainer: the kubelet's archive
-        .remove_pod(pod) / .remove_all()
+        .remove_pod(pod_id) / .remove_all()
     kubelet_archive(dir, pod, container) -> Path   # the kubelet's checkpoint file name
+    remove_tree(path)                           # rm -rf after unmounting what is left below
 
 The daemon's config is the one ./install.sh installs, rendered with the test's paths: the
 runtime handlers ``runc`` and ``torpor`` (the runc v2 shim with ``BinaryName`` =
@@ -41,7 +42,7 @@ from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 __all__ = ["PREFIX", "PAUSE_IMAGE", "BUSYBOX_TAR", "missing", "Containerd2", "Cri", "CriError",
-           "Pod", "ContainerSpec", "kubelet_archive"]
+           "Pod", "ContainerSpec", "kubelet_archive", "remove_tree"]
 
 REPO = Path(__file__).resolve().parent.parent
 TEMPLATE = REPO / "packaging" / "containerd" / "containerd2.toml"
@@ -309,14 +310,6 @@ class Cri:
 
     def close(self) -> None:
         self.channel.close()
-
-
-def wait_state(cri: Cri, cid: str, want: str, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while (s := cri.state(cid)) != want:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"container {cid[:12]} is {s}, not {want}")
-        time.sleep(0.05)
 
 
 def remove_tree(path: Path) -> None:
