@@ -12,6 +12,9 @@
 #   5. the container engines torpor is tested with: podman, containerd, runc, and iptables
 #      (CRIU locks a container's network with iptables-restore); TORPOR_ENGINES=0 leaves them
 #      out (the Kubernetes node image: the node brings its own containerd and runc)
+#   6. containerd 2.x with its CRI plugin beside the distribution's 1.6, torpor as its runtime
+#      handler (packaging/containerd/install-containerd2.sh: from Debian unstable, into
+#      /opt/torpor/containerd2; TORPOR_NO_CONTAINERD2=1 skips it)
 # Safe to run again. Needs only the distribution's package mirror and PyPI.
 set -Eeuo pipefail
 
@@ -26,7 +29,8 @@ command -v apt-get >/dev/null || die "this installer knows Debian and Ubuntu (ap
 
 export DEBIAN_FRONTEND=noninteractive
 missing=()
-for pkg in python3 python3-venv python3-dev gcc make procps libxxhash-dev; do
+# libc6-dev: libc.a for the static pause program of containerd 2's sandbox image
+for pkg in python3 python3-venv python3-dev gcc make procps libxxhash-dev libc6-dev; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
 done
 if ((${#missing[@]})); then
@@ -81,6 +85,10 @@ install -d -m 0700 /var/lib/torpor
 if [[ -d /etc/systemd/system ]]; then
     install -m 0644 packaging/systemd/torpord.service /etc/systemd/system/torpord.service
     if [[ -d /run/systemd/system ]]; then systemctl daemon-reload || true; fi
+fi
+
+if [[ "${TORPOR_NO_CONTAINERD2:-0}" != 1 && ${TORPOR_ENGINES:-1} != 0 ]]; then
+    bash packaging/containerd/install-containerd2.sh
 fi
 
 say "installed: $(/usr/local/bin/torpor --version), CRIU $(/usr/local/sbin/criu --version 2>/dev/null | sed -n 's/^Version: //p' || criu --version | sed -n 's/^Version: //p')"

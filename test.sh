@@ -16,5 +16,7 @@ fi
 "$PREFIX/bin/python" -m pip install -q --force-reinstall --no-deps . >/dev/null
 "$PREFIX/bin/python" -m pip install -q pytest hypothesis kubernetes-validate >/dev/null
 make -s -C tests/fakes >/dev/null
+# the CRI client of tests/integration/test_cri.py (from containerd 2's api.proto, if installed)
+"$PREFIX/bin/python" proto/generate_cri.py >/dev/null
 
 exec "$PREFIX/bin/python" -m pytest -p no:cacheprovider -ra "${@:-tests}"

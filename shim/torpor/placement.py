@@ -31,6 +31,17 @@ def parse_device_map(items: list[str]) -> dict[str, str]:
     return out
 
 
+def given_map(m: Mapping[str, Any], given: list[str]) -> dict[str, str]:
+    """OLD=NEW pairs from the GPUs a restored container was given (the new container's spec:
+    the kubelet's device plugin allocates them before CRI CreateContainer restores into it):
+    the checkpoint's GPUs, in order, onto those, when they are as many and not the same set.
+    {} otherwise (a restore into the checkpointed container's own spec: podman, ctr)."""
+    saved = [g["uuid"] for g in m["gpus"]]
+    if not given or len(given) != len(saved) or set(given) == set(saved):
+        return {}
+    return dict(zip(saved, given))
+
+
 def driver_map(gpu_map: Mapping[str, str], explicit: Mapping[str, str]) -> dict[str, str]:
     """The GPU pairs the driver restores with: none when every GPU stays where it was and no
     map was asked for (same GPUs: the driver restores without pairs)."""

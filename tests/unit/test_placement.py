@@ -105,3 +105,18 @@ def test_a_containers_gpus_never_share_one():
         plan(m, _inv((C, "NVIDIA H200", 60)), {A: C, B: C}, share=False)
     with pytest.raises(PreflightError, match="no GPU here can take"):
         plan(m, _inv((C, "NVIDIA H200", 60)), {}, share=False)
+
+
+def test_a_restored_container_goes_to_the_gpus_its_new_spec_was_given():
+    """CRI: the device plugin gives the new container its GPUs before CreateContainer restores
+    into it; the checkpoint's GPUs go onto those, in order. The checkpointed container's own
+    spec (podman, ctr) names the same GPUs: no map, placement as before."""
+    from torpor.placement import given_map
+    two = {"gpus": [{"uuid": A}, {"uuid": B}], "processes": []}
+    assert given_map(_m(1), [B]) == {A: B}
+    assert given_map(two, [C, A]) == {A: C, B: A}
+    assert given_map(two, [B, A]) == {}                   # the same GPUs
+    assert given_map(_m(1), [A]) == {} and given_map(_m(1), []) == {}
+    assert given_map(two, [C]) == {}                      # not as many: placement decides
+    assert plan(_m(1), _inv((A, "NVIDIA H200", 100), (B, "NVIDIA H200", 100)),
+                given_map(_m(1), [B]), share=False) == {A: B}

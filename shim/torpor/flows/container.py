@@ -338,6 +338,8 @@ def place(cfg: Config, m: Mapping[str, Any], bundle: Path) -> Placement:
     spec = oci.load(bundle)
     explicit = placement.parse_device_map(oci.device_map_annotation(spec)
                                           or ([cfg.device_map] if cfg.device_map else []))
+    if not explicit:     # CRI: the GPUs the new container was given (placement.given_map)
+        explicit = placement.given_map(m, oci.detect(spec).uuids(inv))
     gpu_map = placement.plan(m, inv, explicit, share=False)
     moves = oci.moves(gpu_map, m["gpus"], inv)
     unknown = [mv for mv in moves if mv.new_minor is None or mv.old_minor is None]
