@@ -231,3 +231,26 @@ def test_torpor_killed_while_writing_out(env, gpu, tmp_path, reaper):
     i = env.run("inspect", str(images))
     assert i.returncode == 9 and "incomplete" in i.stderr, i.stderr
     assert prog.status()["intact"] is True and prog.ticking()
+
+
+def test_into_the_image_store(env, gpu, tmp_path, reaper):
+    """--store with --leave-running: the agent's fingerprint index is staged and written out
+    with the data, the pack takes the directory once it is whole, and it restores from the
+    store with every byte."""
+    prog = Program(gpu, tmp_path)
+    reaper.append(prog.pid)
+    env.env["TORPOR_STORE_DIR"] = str(tmp_path / "store")
+    images = tmp_path / "ck"
+    out = env.json("checkpoint", str(prog.pid), "-D", str(images), "--leave-running",
+                   "--store", "one")
+    assert out["staged"] is True and out["stored"]["name"] == "one"
+    assert out["durable_s"] >= out["paused_s"] > 0
+    assert out["manifest"]["agent"][str(prog.pid)]["fingerprints"]["parts"] == 0
+    assert f"torpor-gpu/{prog.pid}/gpu-fingerprints.txt" in out["manifest"]["files"]
+    assert _staged_left(tmp_path) == []
+    assert prog.status()["intact"] is True and prog.ticking()
+    prog.proc.kill()
+    prog.proc.wait(timeout=10)
+    r = env.run("restore", "-D", str(images))
+    assert r.returncode == 0, r.stderr
+    assert prog.status()["intact"] is True and prog.ticking()

@@ -164,7 +164,8 @@ class Recovery:
         program: they are all that is left of it), else clear them; a --leave-running one
         whose GPU data was not all written out (flows/writeout.py) is marked damaged."""
         from ..flows import writeout   # flows build on the engine: imported when needed
-        if writeout.abandoned_by_dead(images_dir):
+        partial = program_alive and not manifest.dump_succeeded(images_dir)   # cleared below
+        if not partial and writeout.abandoned_by_dead(images_dir):
             return [f"marked the checkpoint in {images_dir} damaged: its torpor died before "
                     "the GPU data of the program it left running was written out"]
         if not (images_dir / manifest.DRAFT).exists():
