@@ -12,7 +12,9 @@ writes it into the checkpoint directory once the program runs again.
                 into <images dir>/torpor-gpu/<pid>/ (0700 dirs, 0600 files, holes kept,
                 fsynced), at most config writeout_rate_mbps; the staged files are unlinked
                 first (held open), so that nothing of them stays in host memory should torpor
-                die; then the mark goes and the caller seals
+                die, and each range is punched out of them once written (the host memory
+                they hold shrinks as the write-out goes); then the mark goes and the caller
+                seals
     abandon()   a write-out that failed (a full disk, Ctrl-C): the directory emptied but for
                 CRIU's log and marked damaged (torpor-damaged.txt), never taken for a
                 checkpoint; the caller's program runs on
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import ctypes
 import errno
 import os
 import shutil
@@ -137,16 +140,17 @@ class Throttle:
 @contextlib.contextmanager
 def _opened(stage: agent_data.DataDir, pids: list[int], counts: Mapping[int, int]
             ) -> Iterator[list[tuple[int, str, int]]]:
-    """(pid, name, fd read-only) of every staged file; the staged directory is removed as soon
-    as they are open (their memory goes with the last fd: torpor dead or done)."""
+    """(pid, name, fd read-write) of every staged file; the staged directory is removed as
+    soon as they are open (their memory goes with the last fd: torpor dead or done, or as the
+    write-out punches it out)."""
     out: list[tuple[int, str, int]] = []
     try:
         for pid in pids:
-            fds = stage.for_resume(pid, counts[pid])
+            fds = stage.for_fill(pid, counts[pid])
             out += [(pid, agent_data.file_name(k), fd) for k, fd in enumerate(fds)]
             d = os.open(stage.path(pid), _DIR)
             try:
-                fd = os.open(INDEX, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=d)
+                fd = os.open(INDEX, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=d)
                 if not stat.S_ISREG(os.fstat(fd).st_mode):
                     os.close(fd)
                     raise TorporError(f"{stage.path(pid)}/{INDEX} is not a regular file")
@@ -162,8 +166,20 @@ def _opened(stage: agent_data.DataDir, pids: list[int], counts: Mapping[int, int
             os.close(fd)
 
 
-def _copy(src: int, dst: int, throttle: Throttle) -> int:
-    """src's data (its holes stay holes) into dst at the same offsets; fsynced. Bytes copied."""
+_FALLOC_PUNCH = 0x01 | 0x02   # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+
+
+def _release(fd: int, off: int, length: int) -> None:
+    """Give the host memory of a staged range back (a hole punched in the tmpfs file) once it
+    is written out: the staging shrinks as the write-out goes. Best effort."""
+    _libc.fallocate(fd, _FALLOC_PUNCH, off, length)
+
+
+def _copy(src: int, dst: int, throttle: Throttle, release: bool = False) -> int:
+    """src's data (its holes stay holes) into dst at the same offsets; fsynced. Bytes copied.
+    release: each range of src (open read-write) is punched out once copied."""
     size = os.fstat(src).st_size
     copied = synced = 0
     off = 0
@@ -180,6 +196,8 @@ def _copy(src: int, dst: int, throttle: Throttle) -> int:
             n = os.sendfile(dst, src, off, min(throttle.chunk, end - off))
             if n <= 0:
                 raise OSError(f"the staged GPU data ended at {off} of {size} bytes")
+            if release:
+                _release(src, off, n)
             off += n
             copied += n
             throttle.take(n)
@@ -219,7 +237,7 @@ def write_out(engine: Engine, stage: agent_data.DataDir, images_dir: Path,
             fd = os.open(dest / str(pid) / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL
                          | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             try:
-                return _copy(src, fd, throttle)
+                return _copy(src, fd, throttle, release=True)
             finally:
                 os.close(fd)
         workers = max(1, min(16, os.cpu_count() or 2, len(staged)))
