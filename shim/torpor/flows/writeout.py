@@ -10,11 +10,11 @@ writes it into the checkpoint directory once the program runs again.
                 checkpoint (no torpor.json; a recovery marks it damaged instead of sealing it)
     write_out() after the agents' resume (the program runs again): every staged file copied
                 into <images dir>/torpor-gpu/<pid>/ (0700 dirs, 0600 files, holes kept,
-                fsynced), at most config writeout_rate_mbps; the staged files are unlinked
-                first (held open), so that nothing of them stays in host memory should torpor
-                die, and each range is punched out of them once written (the host memory
-                they hold shrinks as the write-out goes); then the mark goes and the caller
-                seals
+                fsynced, and CRIU's images with them), at most config writeout_rate_mbps;
+                the staged files are unlinked first (held open), so that nothing of them
+                stays in host memory should torpor die, and each range is punched out of
+                them once written (the staging shrinks as the write-out goes); then the
+                mark goes and the caller seals
     abandon()   a write-out that failed (a full disk, Ctrl-C): the directory emptied but for
                 CRIU's log and marked damaged (torpor-damaged.txt), never taken for a
                 checkpoint; the caller's program runs on
@@ -246,11 +246,32 @@ def write_out(engine: Engine, stage: agent_data.DataDir, images_dir: Path,
         for pid in pids:
             fsync_dir(dest / str(pid))
         fsync_dir(dest)
+        _sync_images(images_dir)
     os.unlink(images_dir / WRITING)
     fsync_dir(images_dir)
     engine.progress.say(f"  writeout: {human_bytes(written)} in {time.monotonic() - start:.2f} s "
                         f"({human_rate(written, time.monotonic() - start)})")
     return written
+
+
+def _sync_images(images_dir: Path) -> None:
+    """CRIU's images (the regular files directly in images_dir) fsynced too: the checkpoint is
+    durable, not only its GPU data, once the write-out ends."""
+    d = os.open(images_dir, _DIR)
+    try:
+        for name in os.listdir(d):
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                             dir_fd=d)
+            except OSError:
+                continue   # a link, or gone
+            try:
+                if stat.S_ISREG(os.fstat(fd).st_mode):
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+    finally:
+        os.close(d)
 
 
 def abandon(images_dir: Path, error: BaseException) -> str:
