@@ -158,6 +158,8 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
             policy.restore_or_roll_back(engine, op, cuda_pids, agents=agents)
         if leave_running:
             draft["pause"] = {"paused_s": round(time.monotonic() - paused, 4), "staged": staged}
+            progress.say(f"the program runs again, paused {draft['pause']['paused_s']:.2f} s"
+                         + ("; its GPU data is written out while it runs" if staged else ""))
         if staged and stage is not None:
             _write_out(engine, op, stage, images_dir, moved, draft)
         elif leave_running:
