@@ -367,6 +367,7 @@ def test_leave_running_pauses_for_the_copy_not_the_write(torpor, progs, agent_di
     assert r["paused_s"] <= limit, (r["paused_s"], limit)
     assert r["manifest"]["timings"].get("writeout", 0) > 0
     # the program's side: its longest stall while torpor ran (a step's own time added)
+    assert len(seen) > 10, "torpor ended before the program was watched"
     stall, since = 0.0, seen[0]
     for when, step in seen[1:]:
         if step != since[1]:
