@@ -62,11 +62,19 @@ def test_the_throttle_holds_its_rate_over_threads():
 
 
 def test_room_is_bounded_by_memory_and_the_staging_filesystem(tmp_path, monkeypatch):
+    from torpor import agent_data
+    monkeypatch.setattr(agent_data, "_private_mount_namespace", lambda: False)
     monkeypatch.setattr(procs, "mem_available", lambda: 10 * (1 << 30))
     have, bound = writeout.room(tmp_path / "shm", tmpfs=False)   # tmp_path's own filesystem
     assert bound in ("MemAvailable", f"free space in {tmp_path}")
     monkeypatch.setattr(procs, "mem_available", lambda: writeout.HEADROOM + 5 * MIB)
     assert writeout.room(tmp_path / "shm", tmpfs=True) == (5 * MIB, "MemAvailable")
+    monkeypatch.setattr(procs, "mem_available", lambda: 1 << 60)   # the disk is smaller
+    if os.geteuid() == 0:
+        assert writeout.room(tmp_path / "shm", tmpfs=True)[1] == "MemAvailable"
+    # where no huge-page tmpfs can be mounted, the room of the filesystem beneath counts
+    monkeypatch.setattr(agent_data, "_private_mount_namespace", lambda: True)
+    assert writeout.room(tmp_path / "shm", tmpfs=True)[1] == f"free space in {tmp_path}"
     monkeypatch.setattr(procs, "mem_available", lambda: None)
     have, bound = writeout.room(tmp_path / "shm", tmpfs=False)
     assert bound.startswith("free space in") and have > 0

@@ -72,7 +72,8 @@ def room(suspend_dir: Path, tmpfs: bool) -> tuple[int, str]:
     avail = procs.mem_available()
     best = (max(0, avail - HEADROOM), "MemAvailable") if avail is not None else None
     where = Path(os.path.abspath(suspend_dir))
-    fresh = tmpfs and not os.path.ismount(where) and not (where.is_dir() and any(where.iterdir()))
+    fresh = tmpfs and os.geteuid() == 0 and not agent_data._private_mount_namespace() \
+        and not os.path.ismount(where) and not (where.is_dir() and any(where.iterdir()))
     if not fresh:   # a huge-page tmpfs mounted there gets all of memory (agent_data.py)
         probe = where
         while not probe.exists() and probe != probe.parent:
