@@ -46,6 +46,8 @@ class Config:
     store_containers: bool = False              # torpor-runtime packs checkpoints into the store
     store_stream: bool = True                   # agents stream GPU data into and out of the store
     tcp_established: bool = False               # bare checkpoints keep established TCP connections
+    leave_running_staging: bool = True          # --leave-running: agents' data staged in suspend_dir
+    writeout_rate_mbps: float = 0.0             # ... and written out at most this fast (0: no limit)
 
     @property
     def journal_dir(self) -> Path:
@@ -116,6 +118,8 @@ def load(path: Path | None = None, env: dict[str, str] | None = None) -> Config:
         raise UsageError("lock_timeout_s must be a number of seconds between 0 and 3600")
     if not math.isfinite(cfg.agent_timeout_s) or not 0 < cfg.agent_timeout_s <= 86400:
         raise UsageError("agent_timeout_s must be a number of seconds between 0 and 86400")
+    if not math.isfinite(cfg.writeout_rate_mbps) or cfg.writeout_rate_mbps < 0:
+        raise UsageError("writeout_rate_mbps must be 0 (no limit) or a positive number of MB/s")
     if not 0 <= cfg.agent_files <= 16:
         raise UsageError("agent_files must be 0 (automatic) to 16")
     return cfg

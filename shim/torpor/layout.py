@@ -18,6 +18,7 @@ DUMP_LOG = "dump.log"                  # CRIU's log of the dump, kept with the i
 DATA_DIR = "torpor-gpu"                # the agents' GPU memory files, one folder per PID
 INDEX = "gpu-fingerprints.txt"         # beside a program's files: store/fingerprints.py
 STREAMED = "gpu-streamed.txt"          # beside them: the parts streamed into the store
+WRITING = ".torpor-writing"           # a --leave-running checkpoint's GPU data being written out
 PACKED = "torpor-store.json"           # a packed directory's snapshot (store/images.py)
 CHUNKS = "torpor-chunks"               # a packed directory's chunk links
 REQUIRED_IMAGES = ("inventory.img", "pstree.img")  # CRIU writes both on every dump

@@ -11,7 +11,8 @@ resume comes while the driver holds the program locked (the real agent would blo
     agent.hang.add("prepare")                    # never answer
     agent.stop()
 
-Also a program (python fake_agent.py DIR LOG [--bytes N] [--lib FAKE_LIBCUDA], main()): serves
+Also a program (python fake_agent.py DIR LOG [--bytes N] [--lib FAKE_LIBCUDA] [--ticks FILE],
+main()): serves
 agent-<its pid>.sock in DIR until killed, logging to LOG; `agent.fail` etc. come from
 <socket>.faults.json if present.
 Events ("agent prepare 1234", "driver lock 1234") go to a shared list or file in call order.
@@ -455,6 +456,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("log")
     ap.add_argument("--bytes", type=int, default=3 * CHUNK + 12345)
     ap.add_argument("--lib", default="")
+    ap.add_argument("--ticks", default="",
+                    help="append a timestamp a loop to this file, and wait while the gate is "
+                         "closed (as a real program's CUDA calls do): its longest gap is how "
+                         "long the program was paused")
     args = ap.parse_args(argv[1:])
     preload = os.environ.get("LD_PRELOAD", "")
     if "libtorpor-agent" in preload:   # a container preloads the real agent: be the only one
@@ -471,9 +476,14 @@ def main(argv: list[str]) -> int:
     agent.start()
     try:
         while True:
+            while args.ticks and agent.gate == "closed":
+                time.sleep(0.005)
             if args.lib:
                 lib.cuCtxSynchronize()
-            time.sleep(0.05)
+            if args.ticks:
+                with open(args.ticks, "a") as f:
+                    f.write(f"{time.time():.4f}\n")
+            time.sleep(0.05 if not args.ticks else 0.01)
     finally:
         agent.stop()
 

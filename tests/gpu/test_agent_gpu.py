@@ -373,6 +373,62 @@ def test_sigkill_of_torpor_mid_agent_prepare(torpor, progs, agent_dir, tmp_path,
     bit_exact(ref, prog)
 
 
+PAUSE_GIB = float(os.environ.get("TORPOR_TEST_PAUSE_GIB", "8"))
+PINNED_GBPS = 50.0                          # the H200 host's pinned copy rate, about
+
+
+def test_leave_running_pauses_for_the_copy_not_the_write(torpor, progs, agent_dir, tmp_path):
+    """A --leave-running checkpoint of a PyTorch program holding PAUSE_GIB (default 8) GiB: it
+    is paused while its GPU memory goes to host memory and CRIU dumps, not while the data is
+    written to disk (flows/writeout.py): paused_s <= 1.5 x (GPU bytes / ~50 GB/s) + 1 s, from
+    --json, and the program's own steps stall no longer than that. The checkpoint then
+    restores (the left-running program killed first) and continues bit-exact."""
+    ref = progs("torch", "ref", PAUSE_GIB)
+    prog = progs("torch", "prog", PAUSE_GIB, agent=True)
+    prog.wait_ready(600)
+    prog.wait_step(5)
+    under_agent(prog, agent_dir, PAUSE_GIB * GiB * 0.9)
+    images = tmp_path / "ck"
+    t = torpor.start("--json", "checkpoint", str(prog.pid), "-D", str(images),
+                     "--leave-running")
+    seen: list[tuple[float, int]] = []            # (when, step) as the program reports it
+    while t.poll() is None:
+        seen.append((time.monotonic(), prog.step()))
+        time.sleep(0.01)
+    out, err = t.communicate()
+    print(err[-4000:], flush=True)
+    assert t.returncode == 0, err
+    r = json.loads(out)
+    rec = moved_bytes(r["manifest"], prog.pid, "leave-running checkpoint")
+    gpu_bytes = rec["bytes"]
+    limit = 1.5 * gpu_bytes / (PINNED_GBPS * 1e9) + 1.0
+    show("pause", {"paused_s": r["paused_s"], "durable_s": r["durable_s"], "limit_s": limit,
+                   "staged": r["staged"], "gpu_bytes": gpu_bytes,
+                   "timings": r["manifest"]["timings"]})
+    assert r["staged"] is True, err
+    assert gpu_bytes >= PAUSE_GIB * GiB * 0.9, rec
+    assert r["paused_s"] <= limit, (r["paused_s"], limit)
+    assert r["manifest"]["timings"].get("writeout", 0) > 0
+    # the program's side: its longest stall while torpor ran (a step's own time added)
+    assert len(seen) > 10, "torpor ended before the program was watched"
+    stall, since = 0.0, seen[0]
+    for when, step in seen[1:]:
+        if step != since[1]:
+            stall, since = max(stall, when - since[0]), (when, step)
+    step_s = 1.0 / max(prog.status().get("steps_per_s") or 1.0, 1e-3)
+    print(f"longest stall of the program's steps: {stall:.2f} s (a step: {step_s:.3f} s)")
+    assert stall <= r["paused_s"] + 2 * step_s + 0.5, (stall, r["paused_s"])
+    prog.wait_step(prog.step() + 5)                   # running on, on the GPU
+    assert torpor.json("inspect", str(images), "--verify")["verified"]
+    prog.kill()
+    at = prog.step()
+    back = torpor.json("restore", "-D", str(images), timeout=600)
+    show("restore result", back)
+    assert agent_record(back, prog.pid), "restore: the agent did not get the memory back"
+    prog.wait_step(at + 10)
+    bit_exact(ref, prog)
+
+
 # -- CUDA C (runtime API, streams and events) ------------------------------------------------
 def test_cuda_streams_suspend_resume_checkpoint_restore(torpor, progs, agent_dir, tmp_path,
                                                         cuda_exe):

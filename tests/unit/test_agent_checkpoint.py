@@ -396,12 +396,19 @@ def test_checkpoint_and_restore_carry_the_memory_in_the_images(world, fake_criu)
 def test_leave_running_gives_the_memory_back_after_the_dump(world, fake_criu):
     images = world.tmp / "ckpt"
     m = process.checkpoint(world.engine(), PID, images, leave_running=True)
-    assert world.log() == ["agent status", "agent prepare", "agent detach", "driver lock",
-                           "driver checkpoint", "criu dump", "driver restore", "driver unlock",
-                           "agent status", "agent resume"]
+    # the first status: what staging its data in host memory takes (flows/writeout.py)
+    assert world.log() == ["agent status", "agent status", "agent prepare", "agent detach",
+                           "driver lock", "driver checkpoint", "criu dump", "driver restore",
+                           "driver unlock", "agent status", "agent resume"]
     assert world.agent.intact
     assert sum(m["files"][r]["size"] for r in agent_data.rel_paths(PID, 3)) == \
         len(world.agent.original)
+    # staged in suspend_dir (host memory), written out after the resume, nothing left there
+    prepared = next(s for s in world.agent.seen if s["cmd"] == "prepare")
+    assert all(f["path"].startswith(str(world.cfg.suspend_dir)) for f in prepared["fds"])
+    assert list(world.cfg.suspend_dir.iterdir()) == []
+    assert m["pause"]["staged"] is True and "writeout" in m["timings"]
+    manifest.verify(images, manifest.read(images))
 
 
 def test_failed_dump_resumes_the_agent_then_clears_the_images(world, fake_criu):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 from .. import procs
@@ -31,18 +32,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace, ctx: Context) -> int:
     pid = procs.parse_pid(args.pid)
     kw = {"leave_running": args.leave_running, "shell_job": args.shell_job}
+    start = time.monotonic()
     if args.store:
         m, stored = checkpoint_into_store(ctx.engine, pid, args.images_dir, args.store, **kw)
     else:
         m, stored = checkpoint(ctx.engine, pid, args.images_dir, **kw), None
+    durable = round(time.monotonic() - start, 4)   # sealed (and stored): on disk, fsynced
+    pause = m.get("pause") if isinstance(m.get("pause"), dict) else {}
     cuda = [p for p in m["processes"] if p["cuda"]]
-    ctx.emit({"images_dir": str(args.images_dir), "manifest": m, "stored": stored},
+    out = {"images_dir": str(args.images_dir), "manifest": m, "stored": stored,
+           "durable_s": durable}
+    if pause:
+        out.update(paused_s=pause.get("paused_s"), staged=bool(pause.get("staged")))
+    ctx.emit(out,
              f"checkpointed PID {pid} ({len(m['processes'])} process(es), {len(cuda)} with CUDA "
              f"state, {human_bytes(m['sizes']['gpu_memory'])} GPU memory) into {args.images_dir}: "
              f"{human_bytes(m['sizes']['total'])}\n"
              + agent_line(m.get("agent", {}))
              + (store_line(stored) if stored else "")
-             + ("the program is still running\n" if args.leave_running else "")
+             + (pause_line(pause, durable) if args.leave_running else "")
              + timing_lines(ctx.engine.progress.timings))  # torpor.json's, plus the seal
     return 0
 
@@ -54,3 +62,12 @@ def store_line(s: dict) -> str:
             f"fingerprint), {s['zero_chunks']} zero"
             + (f"; {s['streamed']} streamed by the agents straight into the store"
                if s.get("streamed") else "") + "\n")
+
+
+def pause_line(pause: dict, durable: float) -> str:
+    """--leave-running: how long the program was paused, and when the checkpoint was durable."""
+    if not pause:
+        return "the program is still running\n"
+    return (f"the program is still running: paused {float(pause.get('paused_s', 0)):.2f} s"
+            + (", its GPU data written out while it ran" if pause.get("staged") else "")
+            + f"; the checkpoint durable after {durable:.2f} s\n")

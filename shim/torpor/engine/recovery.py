@@ -161,7 +161,13 @@ class Recovery:
 
     def _finish_images(self, images_dir: Path, program_alive: bool) -> list[str]:
         """An interrupted checkpoint's images: seal them if CRIU finished (or ended the
-        program: they are all that is left of it), else clear them."""
+        program: they are all that is left of it), else clear them; a --leave-running one
+        whose GPU data was not all written out (flows/writeout.py) is marked damaged."""
+        from ..flows import writeout   # flows build on the engine: imported when needed
+        partial = program_alive and not manifest.dump_succeeded(images_dir)   # cleared below
+        if not partial and writeout.abandoned_by_dead(images_dir):
+            return [f"marked the checkpoint in {images_dir} damaged: its torpor died before "
+                    "the GPU data of the program it left running was written out"]
         if not (images_dir / manifest.DRAFT).exists():
             return []
         if manifest.dump_succeeded(images_dir) or not program_alive:

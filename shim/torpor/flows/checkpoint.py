@@ -3,9 +3,13 @@ of the sealed checkpoint into the image store.
 
 checkpoint: [agent-prepare -> agent-detach ->] lock -> checkpoint -> dump -> seal
             (any failure before seal: rolled back)
+--leave-running: ... dump -> gpu-restore -> unlock [-> agent-resume -> writeout] -> seal
 
 The agent phases are those of programs run under the in-process agent (`torpor run`): their
-GPU memory goes into <images dir>/torpor-gpu/ (agent_data.py).
+GPU memory goes into <images dir>/torpor-gpu/ (agent_data.py). Left running, they stage it in
+host memory instead (writeout.py) and it is written into the directory once the program runs
+again: the program is paused for the copy to host memory and the dump, not for the disk. The
+manifest's "pause" says how long it was paused ({"paused_s", "staged"}).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import contextlib
 import fcntl
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +26,14 @@ from .. import (__version__, agent_data, criu, gpus, interrupts, manifest, procs
                workloads)
 from ..driver import ProcessState
 from ..engine import Engine, targets_of
-from ..errors import BusyError, NoDriverError, RolledBackError, TorporError, UsageError
+from ..errors import (BusyError, ExitCode, NoDriverError, RolledBackError, TorporError,
+                      UsageError, describe)
 from ..files import open_trusted_dir, remove_lone_file, tree_size
 from ..progress import human_bytes
 from ..store import Store, fingerprints
 from ..store.backend import check_snapshot_name
 from .. import manifest_types as mt
-from . import policy
+from . import policy, writeout
 
 
 def _claim_images_dir(images_dir: Path) -> int:
@@ -111,22 +117,28 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
         # Written before any driver call: a failure here needs no rollback.
         draft = _manifest(tool, inv, engine, comms, states, pid, shell_job, leave_running, {})
         manifest.write_draft(images_dir, draft)
+        stage = writeout.staging(engine, cuda_pids, sum(inv.memory_of(p) for p in cuda_pids)
+                                 if inv else 0) if leave_running else None
+        paused = time.monotonic()
         try:
             plan = policy.fingerprint_plan(
                 cfg, store if known is not None else None, owner,
                 policy.FingerprintMode.of(store is not None, leave_running), known)
-            data = agent_data.DataDir(images_dir / agent_data.DATA_DIR)
-            moved = engine.lock_and_checkpoint(op, cuda_pids, data=data,
+            data = stage or agent_data.DataDir(images_dir / agent_data.DATA_DIR)
+            moved = engine.lock_and_checkpoint(op, cuda_pids, data=data, scratch=bool(stage),
                                                known_fingerprints=plan.skip, owner=owner,
                                                stream_into=plan.stream_into)
         except RolledBackError:
             (images_dir / manifest.DRAFT).unlink(missing_ok=True)  # the directory is reusable
             raise
         agents = targets_of(op.entry.agents)
+        staged = stage is not None and bool(moved)
         if moved:   # before the dump: a recovery seals what the draft says
             draft["agent"] = {str(p): r for p, r in moved.items()}
             try:
                 manifest.write_draft(images_dir, draft)
+                if staged:   # ... unless its GPU data is not written out yet
+                    writeout.begin(images_dir)
             except BaseException as e:
                 engine.fail(op, cuda_pids, e, during="manifest")
         stack.enter_context(interrupts.deferred())  # from here on, Ctrl-C waits for the end
@@ -144,6 +156,14 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
             dump_error = e  # the program is gone: its images are all that is left of it
         if leave_running and cuda_pids:
             policy.restore_or_roll_back(engine, op, cuda_pids, agents=agents)
+        if leave_running:
+            draft["pause"] = {"paused_s": round(time.monotonic() - paused, 4), "staged": staged}
+            progress.say(f"the program runs again, paused {draft['pause']['paused_s']:.2f} s"
+                         + ("; its GPU data is written out while it runs" if staged else ""))
+        if staged and stage is not None:
+            _write_out(engine, op, stage, images_dir, moved, draft)
+        elif leave_running:
+            manifest.write_draft(images_dir, draft)
         op.phase("seal")
         # into the store: its sha256 names every chunk, and a pack that fails adds them
         checksums = cfg.checksums and store is None
@@ -154,6 +174,27 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
                               f"its images in {images_dir} were kept and sealed, but may be "
                               "incomplete")
     return m
+
+
+def _write_out(engine: Engine, op: Any, stage: agent_data.DataDir, images_dir: Path,
+               moved: dict[int, dict[str, Any]], draft: dict[str, Any]) -> None:
+    """The staged GPU data into images_dir while the program runs (writeout.py). A failure
+    leaves the program running, the directory marked damaged and nothing staged: it says so
+    (exit 8, as a rolled-back checkpoint)."""
+    op.phase("writeout")
+    try:
+        manifest.write_draft(images_dir, draft)
+        writeout.write_out(engine, stage, images_dir, moved)
+    except BaseException as e:
+        stage.remove()
+        why = writeout.abandon(images_dir, e)
+        op.close()
+        raise RolledBackError(
+            f"writeout failed: {describe(e)}; the program runs on (it was resumed before its "
+            f"GPU data was written out), and {images_dir} is no checkpoint ({why.split(':')[0]}"
+            ", marked damaged): remove it",
+            exit_code=ExitCode.INTERRUPTED if isinstance(e, KeyboardInterrupt) else None
+        ) from e
 
 
 def _manifest(tool: criu.Criu, inv: gpus.Inventory | None, engine: Engine, comms: dict[int, str],
