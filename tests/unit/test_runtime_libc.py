@@ -354,3 +354,12 @@ def test_create_skips_the_agent_where_it_cannot_load(world, tmp_path, caplog, im
     assert ("GLIBC_2.17" in reason) if image == "old-glibc" else ("musl" in reason)
     assert any("agent not preloaded" in r.getMessage() and reason in r.getMessage()
                for r in caplog.records)
+
+
+def test_doctor_tells_about_the_agent(cfg):
+    """`torpor doctor` says where the agent goes by default and how a bare program gets it."""
+    from torpor import doctor
+    agent_library()
+    (check,) = [c for c in doctor.run_checks(cfg) if c.name == "agent"]
+    assert check.status == doctor.OK and "glibc >= 2.17" in check.detail
+    assert "org.torpor.agent=off" in check.detail and "`torpor run -- CMD`" in check.detail
