@@ -33,8 +33,9 @@ MULTIARCH = {"x86_64": "x86_64-linux-gnu", "aarch64": "aarch64-linux-gnu",
 
 @dataclasses.dataclass(frozen=True)
 class Fit:
-    """loads: the agent can be preloaded; libc: what the container has ("glibc 2.28 at
-    /usr/lib64/libc.so.6", "musl", "no libc"); reason: why not (empty when it loads)."""
+    """loads: the agent can be preloaded; libc: what the container has ("glibc at
+    /usr/lib64/libc.so.6, versions up to GLIBC_2.28", "musl", "no glibc"); reason: why not
+    (empty when it loads)."""
 
     loads: bool
     libc: str
@@ -149,9 +150,9 @@ def container_libc(spec: Mapping[str, Any], bundle: Path, machine: int
         except (OSError, elf_versions.ElfError) as e:
             problems.append(f"{path}: {e}")
             continue
-        if v.machine == machine:
-            return f"glibc {elf_versions.newest_glibc(v.defined).removeprefix('GLIBC_') or '?'}" \
-                   f" at {path}", v
+        if v.machine == machine:   # a release adds no version of its own when it adds no
+            # symbol (2.31's newest is GLIBC_2.30): say what the file defines, not a release
+            return f"glibc at {path}, versions up to {elf_versions.newest_glibc(v.defined)}", v
     musl = f"/lib/ld-musl-{arch}.so.1"
     if view.resolve(musl) is not None:
         return "musl", None
