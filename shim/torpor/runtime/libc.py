@@ -175,6 +175,6 @@ def agent_fit(spec: Mapping[str, Any], bundle: Path, library: Path) -> Fit:
     missing = needs.needed.get("libc.so.6", frozenset()) - libc.defined
     if missing:
         newest = elf_versions.newest_glibc(missing) or sorted(missing)[0]
-        return Fit(False, what, f"the agent needs {newest} "
-                                f"({', '.join(sorted(missing))} missing from the container's {what})")
+        return Fit(False, what, f"the agent needs {newest} ({', '.join(sorted(missing))} "
+                                f"missing from the container's {what})")
     return Fit(True, what)
