@@ -86,6 +86,22 @@ def test_agent_needs_no_glibc_newer_than_2_17(which):
         assert {f: set(v) for f, v in mine.items()} == theirs   # the parser agrees with binutils
 
 
+ARM_CC = "aarch64-linux-gnu-gcc"
+
+
+@pytest.mark.skipif(shutil.which(ARM_CC) is None, reason=f"needs {ARM_CC} (gcc-aarch64-linux-gnu)")
+def test_aarch64_build_needs_no_glibc_newer_than_2_17(tmp_path):
+    """aarch64's first glibc is 2.17: every binding there is GLIBC_2.17."""
+    r = subprocess.run(["make", "-s", "-C", str(ROOT / "agent"), f"CC={ARM_CC}",
+                        f"BUILD={tmp_path}", "EXTRA_CFLAGS=-Werror"], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    v = elf_versions.read(tmp_path / "libtorpor-agent.so")
+    assert v.arch == "aarch64"
+    assert v.needed.get("libc.so.6") == {"GLIBC_2.17"}, v.needed
+    assert all(too_new(versions) == [] for versions in v.needed.values()), v.needed
+
+
 def test_agent_names_libpthread_and_libdl():
     """Before glibc 2.34 pthread_create and dlopen live there only: a program that links
     neither (a container's /bin/sh) must still resolve the agent's."""
