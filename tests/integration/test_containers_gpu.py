@@ -274,6 +274,45 @@ def test_podman_agent_preloaded_by_default_and_answers_after_restore(podman, gpu
     assert not agents.exists()                                # removed with the container
 
 
+STATIC_PROGRAM = "#include <unistd.h>\nint main(void) { for (;;) pause(); }\n"
+
+
+def test_podman_image_whose_libc_cannot_load_the_agent_starts_without_it(podman, gpu, daemon,
+                                                                         shim, name, base):
+    """An image whose libc.so.6 defines no version past GLIBC_2.12 (older than the agent
+    needs; a synthetic ELF bound over the host's in the image's /usr) running a static
+    program: created without the agent, a warning in runtime.log, the reason in the spec's
+    annotation org.torpor.agent-skipped and so in torpord's record of the container."""
+    from tests.fakes.fake_elf import fake_libc
+    if not Path("/usr/lib/x86_64-linux-gnu/libc.so.6").exists() or shutil.which("gcc") is None:
+        pytest.skip("needs x86_64 Debian's libc path and gcc")
+    src, prog = base / "static.c", base / "static-prog"
+    src.write_text(STATIC_PROGRAM)
+    r = subprocess.run(["gcc", "-static", "-o", str(prog), str(src)], capture_output=True,
+                       text=True)
+    if r.returncode != 0:
+        pytest.skip(f"no static libc to build with: {r.stderr[-300:]}")
+    old_libc = fake_libc(base / "old" / "libc.so.6", newest="2.12")
+    nodes = fake_nodes(base)
+    podman.run(name, [str(prog)], env={"NVIDIA_VISIBLE_DEVICES": gpu.uuid(0)},
+               mounts=[(str(old_libc), "/usr/lib/x86_64-linux-gnu/libc.so.6", True),
+                       (str(prog), str(prog), True)],
+               devices=[f"{nodes[0]}:/dev/nvidia0", f"{nodes[255]}:/dev/nvidiactl"])
+    try:
+        assert podman.state(name) == "running"
+        cid = podman.inspect(name, "{{.Id}}")
+        spec = json.loads((podman.bundle(name) / "config.json").read_text())
+        reason = spec["annotations"]["org.torpor.agent-skipped"]
+        assert "GLIBC_2.17" in reason, reason
+        assert not any("libtorpor-agent" in e for e in spec["process"]["env"])
+        assert f"create {cid}: agent not preloaded" in shim.log(daemon)
+        wait_for(lambda: any(c.id == cid and c.annotations.get("org.torpor.agent-skipped")
+                             == reason for c in daemon.client().list().containers), 10,
+                 "torpord's record with the reason")
+    finally:
+        podman.rm(name)
+
+
 def test_podman_restore_onto_other_gpu_rewrites_bundle(podman, gpu, daemon, shim, name, base,
                                                        running):
     w = running
