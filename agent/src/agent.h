@@ -10,6 +10,7 @@
 #define _GNU_SOURCE
 #endif
 #include <errno.h>
+#include "glibc_compat.h" /* old glibcs load it too: after <features.h> */
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>

@@ -35,7 +35,7 @@ class Config:
     socket_owner_uid: int = 0                   # besides root, the one uid torpord answers
     oci_runtime: str = "runc"                   # what torpor-runtime wraps: runc or crun (name or path)
     device_map: str = ""                        # restores of containers: OLD_UUID=NEW_UUID,... (wins over placement)
-    agent: bool = False                         # torpor-runtime preloads the agent into GPU containers
+    agent: bool = True                          # torpor-runtime preloads the agent into GPU containers
     use_agent: bool = True                      # checkpoints move GPU memory through a program's agent
     agent_files: int = 0                        # data files per program (0: one per CPU, 1-16)
     agent_timeout_s: float = 600.0              # how long one agent prepare/resume may take

@@ -95,6 +95,20 @@ def run_checks(cfg: Config, sidecar: Callable[[], Check] | None = None) -> list[
     checks.append(_guard("gpus", nvml, "GPU checkpoints need an NVIDIA GPU and NVML",
                          missing=WARN))
 
+    def agent_check() -> Check:
+        from . import agent, elf_versions
+        lib = agent.library()
+        needs = elf_versions.read(lib).needed.get("libc.so.6", frozenset())
+        newest = elf_versions.newest_glibc(needs).removeprefix("GLIBC_") or "?"
+        where = ("preloaded into GPU containers whose libc can load it (annotation "
+                 "org.torpor.agent=off opts one out)") if cfg.agent else \
+            "not preloaded into GPU containers (config agent = false; org.torpor.agent=on " \
+            "opts one in)"
+        return Check("agent", OK, f"{lib.name} (glibc >= {newest}): {where}; bare programs "
+                     "take the driver's slower path unless started as `torpor run -- CMD`")
+    checks.append(_guard("agent", agent_check, "reinstall torpor (its build compiles agent/ "
+                         "with make and gcc)", missing=WARN))
+
     if sidecar is not None:
         checks.append(_guard("torpord", sidecar, torpord_hint(),
                              missing=WARN))

@@ -30,6 +30,8 @@ VISIBLE = "NVIDIA_VISIBLE_DEVICES"
 DEVICE_MAP_ANNOTATION = "org.torpor.device-map"  # OLD_UUID=NEW_UUID,...: restore placement
 HOOK_ANNOTATION = "org.torpor.hooks"             # "off": the shim adds no hooks at create
 AGENT_ANNOTATION = "org.torpor.agent"            # "on"/"off": preload the agent (config `agent`)
+AGENT_SKIPPED_ANNOTATION = "org.torpor.agent-skipped"  # set by torpor-runtime: why the agent
+                                                 # was not preloaded (the container's libc)
 STORE_ANNOTATION = "org.torpor.store"            # "on"/"off": pack checkpoints into the image
                                                  # store (config `store_containers`)
 AGENT_LIBRARY_IN_CONTAINER = "/run/torpor/agent/libtorpor-agent.so"
@@ -285,6 +287,15 @@ def add_agent(spec: dict[str, Any], library: Path, host_dir: Path) -> bool:
     env.append(f"TORPOR_AGENT_DIR={AGENT_DIR_IN_CONTAINER}")
     process["env"] = env
     return True
+
+
+def mark_agent_skipped(spec: dict[str, Any], reason: str) -> None:
+    """Say in the spec's annotations (which torpor-hook registers with torpord) why the agent
+    was not preloaded."""
+    annotations = spec.get("annotations")
+    if not isinstance(annotations, dict):
+        annotations = spec["annotations"] = {}
+    annotations[AGENT_SKIPPED_ANNOTATION] = reason[:500]
 
 
 def has_agent(spec: Mapping[str, Any]) -> bool:

@@ -38,6 +38,20 @@ def xla_without_agent(pids: Iterable[int], agents: Iterable[int]) -> list[int]:
     return [p for p in pids if p not in under_agent and runs_xla(p)]
 
 
+def driver_path_note(pids: Iterable[int], agents: Iterable[int], container: bool) -> str:
+    """One progress line for the CUDA pids a checkpoint or suspend takes on the driver's path
+    (no agent), saying how to get the agent's faster one; "" when every pid has an agent."""
+    under_agent = set(agents)
+    bare = [p for p in pids if p not in under_agent]
+    if not bare:
+        return ""
+    who = f"PID{'s' if len(bare) > 1 else ''} {', '.join(map(str, bare))}"
+    how = ("the container runs without the agent (org.torpor.agent=off, or its libc cannot "
+           "load it: see the annotation org.torpor.agent-skipped)") if container else \
+        "start it with `torpor run -- CMD` for the agent's fast path"
+    return f"driver path for {who} (slower, no JAX): {how}"
+
+
 def refuse_unrestorable(pids: Iterable[int], agents: Iterable[int], *, leave_running: bool,
                         warn) -> None:
     """Refuse (PreflightError, exit 7) a driver-path checkpoint that would end a JAX program;

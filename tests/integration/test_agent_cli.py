@@ -66,7 +66,9 @@ def env(torpor, program, tmp_path):
 
 def test_checkpoint_and_restore_through_the_agent(env, program, gpu, tmp_path, reaper):
     images = tmp_path / "ck"
-    out = env.json("checkpoint", str(program.pid), "-D", str(images))
+    run = env.run("--json", "checkpoint", str(program.pid), "-D", str(images), check=True)
+    out = json.loads(run.stdout)
+    assert "driver path" not in run.stderr              # under the agent: no advice to start so
     program.proc.wait(timeout=10)
     assert program.log() == ["agent status", "agent prepare", "agent detach"]
     m = out["manifest"]

@@ -194,8 +194,11 @@ def test_gpu_process_roundtrip_with_device_map(torpor, gpu, tmp_path, reaper):
     reaper.append(prog.pid)
     prog.wait_tick(2)
     images = tmp_path / "ck"
-    m = torpor.json("checkpoint", str(prog.pid), "-D", str(images))["manifest"]
+    out = torpor.run("--json", "checkpoint", str(prog.pid), "-D", str(images), check=True)
+    m = json.loads(out.stdout)["manifest"]
     checkpointed_and_reaped(prog)
+    # not under the agent: its progress says so, and how to get the agent's path
+    assert f"driver path for PID {prog.pid}" in out.stderr and "torpor run --" in out.stderr
     (proc,) = m["processes"]
     assert proc["cuda"] and proc["gpus"] == [gpu.uuid(0)] and proc["gpu_memory"] == 3 << 30
     assert proc["gpu_memory_by_gpu"] == {gpu.uuid(0): 3 << 30}      # per GPU: restore's pre-flight

@@ -173,15 +173,20 @@ def running(podman, gpu, base, name) -> Workload:
         podman.rm(name)
 
 
+DRIVER_PATH = {"org.torpor.agent": "off"}   # these tests check the driver's path: opt out of
+                                            # the agent, preloaded into GPU containers by default
+
+
 def _podman_workload(podman: Podman, gpu: FakeGpu, base: Path, name: str,
                      annotations: dict[str, str] | None = None) -> Workload:
-    """The fake CUDA program started in a podman container with GPU 0 (remove it after)."""
+    """The fake CUDA program started in a podman container with GPU 0, on the driver path
+    (remove it after)."""
     nodes = fake_nodes(base)
     w = Workload(gpu, "w")
     podman.run(name, w.argv, mounts=w.mounts,
                env={**w.env, "NVIDIA_VISIBLE_DEVICES": gpu.uuid(0)},
                devices=[f"{nodes[0]}:/dev/nvidia0", f"{nodes[255]}:/dev/nvidiactl"],
-               annotations=annotations)
+               annotations={**DRIVER_PATH, **(annotations or {})})
     return w
 
 
@@ -236,19 +241,22 @@ def test_podman_export_import_same_gpu(podman, gpu, daemon, name, base, running)
     assert calls == [("restore", new_pid), ("unlock", new_pid)]
 
 
-def test_podman_agent_preloaded_on_request_and_answers_after_restore(podman, gpu, daemon,
+def test_podman_agent_preloaded_by_default_and_answers_after_restore(podman, gpu, daemon,
                                                                     name, base):
-    """Annotation org.torpor.agent=on: the agent wraps the program's driver calls in the
-    container and answers on the host, in a directory of the container's own; a podman
-    checkpoint/restore brings its socket back."""
+    """No annotation: the agent is preloaded (config `agent`, on by default; the image's libc,
+    the host's /usr here, can load it), wraps the program's driver calls in the container and
+    answers on the host, in a directory of the container's own; a podman checkpoint/restore
+    brings its socket back."""
     w = Workload(gpu, "agent")
     nodes = fake_nodes(base)
-    podman.run(name, w.argv, mounts=w.mounts, annotations={"org.torpor.agent": "on"},
+    podman.run(name, w.argv, mounts=w.mounts,
                env={**w.env, "NVIDIA_VISIBLE_DEVICES": gpu.uuid(0)},
                devices=[f"{nodes[0]}:/dev/nvidia0", f"{nodes[255]}:/dev/nvidiactl"])
     try:
         w.wait_ticking()
         cid = podman.inspect(name, "{{.Id}}")
+        spec = json.loads((podman.bundle(name) / "config.json").read_text())
+        assert "org.torpor.agent-skipped" not in (spec.get("annotations") or {})
         agents = daemon.cfg.run_dir / "agents" / cid
         assert stat.S_IMODE(agents.stat().st_mode) == 0o700
         sock = agents / f"agent-{w.doc()['pid']}.sock"       # the PID inside the container
@@ -264,6 +272,45 @@ def test_podman_agent_preloaded_on_request_and_answers_after_restore(podman, gpu
     finally:
         podman.rm(name)
     assert not agents.exists()                                # removed with the container
+
+
+STATIC_PROGRAM = "#include <unistd.h>\nint main(void) { for (;;) pause(); }\n"
+
+
+def test_podman_image_whose_libc_cannot_load_the_agent_starts_without_it(podman, gpu, daemon,
+                                                                         shim, name, base):
+    """An image whose libc.so.6 defines no version past GLIBC_2.12 (older than the agent
+    needs; a synthetic ELF bound over the host's in the image's /usr) running a static
+    program: created without the agent, a warning in runtime.log, the reason in the spec's
+    annotation org.torpor.agent-skipped and so in torpord's record of the container."""
+    from tests.fakes.fake_elf import fake_libc
+    if not Path("/usr/lib/x86_64-linux-gnu/libc.so.6").exists() or shutil.which("gcc") is None:
+        pytest.skip("needs x86_64 Debian's libc path and gcc")
+    src, prog = base / "static.c", base / "static-prog"
+    src.write_text(STATIC_PROGRAM)
+    r = subprocess.run(["gcc", "-static", "-o", str(prog), str(src)], capture_output=True,
+                       text=True)
+    if r.returncode != 0:
+        pytest.skip(f"no static libc to build with: {r.stderr[-300:]}")
+    old_libc = fake_libc(base / "old" / "libc.so.6", newest="2.12")
+    nodes = fake_nodes(base)
+    podman.run(name, [str(prog)], env={"NVIDIA_VISIBLE_DEVICES": gpu.uuid(0)},
+               mounts=[(str(old_libc), "/usr/lib/x86_64-linux-gnu/libc.so.6", True),
+                       (str(prog), str(prog), True)],
+               devices=[f"{nodes[0]}:/dev/nvidia0", f"{nodes[255]}:/dev/nvidiactl"])
+    try:
+        assert podman.state(name) == "running"
+        cid = podman.inspect(name, "{{.Id}}")
+        spec = json.loads((podman.bundle(name) / "config.json").read_text())
+        reason = spec["annotations"]["org.torpor.agent-skipped"]
+        assert "GLIBC_2.17" in reason, reason
+        assert not any("libtorpor-agent" in e for e in spec["process"]["env"])
+        assert f"create {cid}: agent not preloaded" in shim.log(daemon)
+        wait_for(lambda: any(c.id == cid and c.annotations.get("org.torpor.agent-skipped")
+                             == reason for c in daemon.client().list().containers), 10,
+                 "torpord's record with the reason")
+    finally:
+        podman.rm(name)
 
 
 def test_podman_restore_onto_other_gpu_rewrites_bundle(podman, gpu, daemon, shim, name, base,
@@ -460,7 +507,7 @@ def _containerd_workload(containerd: Containerd, gpu: FakeGpu, name: str,
     reference for it (remove both after)."""
     w = Workload(gpu, scope)
     containerd.run(name, w.argv, mounts=w.mounts,
-                   env={**w.env, "NVIDIA_VISIBLE_DEVICES": gpu.uuid(0)})
+                   env={**w.env, "NVIDIA_VISIBLE_DEVICES": gpu.uuid(0)}, annotations=DRIVER_PATH)
     return w, f"localhost/torpor-test-ck:{name.lower()}"
 
 

@@ -233,7 +233,7 @@ def test_aarch64_build_keeps_rtld_next_and_reaches_the_wrappers(gpu, tmp_path):
                         "EXTRA_CFLAGS=-Werror"], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     subprocess.run([ARM_CC, "-shared", "-fPIC", "-O1", "-fvisibility=hidden",
-                    "-Wl,-soname,libcuda.so.1", "-o", str(arm / "libcuda.so.1"),
+                    f"-I{AGENT_DIR / 'src'}", "-Wl,-soname,libcuda.so.1", "-o", str(arm / "libcuda.so.1"),
                     str(ROOT / "tests" / "fakes" / "fake_libcuda.c")], check=True)
     exe = arm / "agent_plain"
     subprocess.run([ARM_CC, "-o", str(exe), str(PLAIN_C), f"-L{arm}", "-l:libcuda.so.1", "-ldl"],

@@ -66,3 +66,15 @@ def test_under_the_agent_or_left_running_it_goes_ahead(mapping):
     said: list[str] = []
     workloads.refuse_unrestorable([pid], [], leave_running=True, warn=said.append)
     assert said and "will not restore" in said[0]
+
+
+def test_driver_path_note_tells_how_to_get_the_agent():
+    """A checkpoint's or suspend's progress line for programs not under the agent: bare ones
+    are told `torpor run`, containers the annotation; none when every one has its agent."""
+    bare = workloads.driver_path_note([10, 11], [11], container=False)
+    assert bare.startswith("driver path for PID 10 ") and "`torpor run -- CMD`" in bare
+    both = workloads.driver_path_note([10, 11], [], container=False)
+    assert "PIDs 10, 11" in both
+    box = workloads.driver_path_note([10], [], container=True)
+    assert "org.torpor.agent" in box and "torpor run" not in box
+    assert workloads.driver_path_note([10, 11], [10, 11], container=False) == ""

@@ -31,7 +31,7 @@ import threading
 from pathlib import Path
 from typing import Any, Collection, Iterable, Mapping
 
-from .. import agent_data, interrupts, procs
+from .. import agent, agent_data, interrupts, procs, workloads
 from ..config import Config
 from ..driver import Driver, DriverError, ProcessState
 from ..errors import ExitCode, NoDriverError, RolledBackError, TorporError
@@ -125,6 +125,11 @@ class Engine(AgentMoves, Recovery):
         moved: dict[int, dict[str, Any]] = {}
         try:
             sockets = self.agent_sockets(pids, agent_dir) if data is not None else {}
+            if data is not None and self.cfg.use_agent:
+                container = agent_dir is not None and agent_dir != agent.default_dir()
+                note = workloads.driver_path_note(pids, sockets, container)
+                if note:
+                    self.progress.say(note)
             if sockets and data is not None:
                 moved = self._prepare_agents(op, sockets, data, scratch, known_fingerprints,
                                              owner, stream_into)

@@ -17,6 +17,7 @@ from .. import agent, oci
 from ..config import Config
 from ..errors import TorporError
 from ..files import private_dir
+from . import libc
 from .argv import Invocation
 from .runc import Runtime
 
@@ -55,14 +56,29 @@ def create(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
                     log.info("create %s: GPUs %s; added hooks %s", inv.container_id, use,
                              ",".join(added))
         if use and oci.wants_agent(spec, cfg.agent):
-            host_dir = agent_dir(cfg, inv.container_id, spec)
-            if oci.add_agent(spec, agent.library(), host_dir):
-                oci.save(bundle, spec)
-                log.info("create %s: agent preloaded, sockets in %s", inv.container_id, host_dir)
+            preload_agent(cfg, bundle, spec, inv.container_id)
     except Exception as e:  # whatever it is, the container must still start
         log.warning("create %s: spec left as it was: %s", inv.container_id, e,
                     exc_info=not isinstance(e, (TorporError, OSError, ValueError)))
     runtime.exec()
+
+
+def preload_agent(cfg: Config, bundle: Path, spec: dict, cid: str) -> None:
+    """The agent into the container's spec, where its libc can load it (libc.py); else the
+    spec gets the annotation org.torpor.agent-skipped with the reason (torpor-hook copies the
+    annotations into torpord's record) and the container runs on the driver path."""
+    library = agent.library()
+    fit = libc.agent_fit(spec, bundle, library)
+    if not fit.loads:
+        log.warning("create %s: agent not preloaded, the container takes the driver path: %s",
+                    cid, fit.reason)
+        oci.mark_agent_skipped(spec, fit.reason)
+        oci.save(bundle, spec)
+        return
+    host_dir = agent_dir(cfg, cid, spec)
+    if oci.add_agent(spec, library, host_dir):
+        oci.save(bundle, spec)
+        log.info("create %s: agent preloaded (%s), sockets in %s", cid, fit.libc, host_dir)
 
 
 def agent_dirs(cfg: Config) -> Path:
