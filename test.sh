@@ -16,6 +16,15 @@ fi
 "$PREFIX/bin/python" -m pip install -q --force-reinstall --no-deps . >/dev/null
 "$PREFIX/bin/python" -m pip install -q pytest hypothesis kubernetes-validate >/dev/null
 make -s -C tests/fakes >/dev/null
+# an older glibc (Debian 11's 2.31, Ubuntu 20.04's) for the agent's load test
+# (tests/unit/test_agent_glibc.py); fetched once, the test skips if it cannot be had
+OLD_GLIBC=/var/cache/torpor/glibc-2.31
+if [[ -z "${TORPOR_OLD_GLIBC:-}" ]]; then
+    [[ -x $OLD_GLIBC/usr/bin/getconf ]] ||
+        timeout 300 bash tests/fakes/fetch_old_glibc.sh "$OLD_GLIBC" >/dev/null 2>&1 ||
+        echo "test.sh: no older glibc could be fetched; the agent's old-glibc load test skips" >&2
+    [[ -x $OLD_GLIBC/usr/bin/getconf ]] && export TORPOR_OLD_GLIBC=$OLD_GLIBC
+fi
 # the CRI client of tests/integration/test_cri.py (from containerd 2's api.proto, if installed)
 "$PREFIX/bin/python" proto/generate_cri.py >/dev/null
 
