@@ -277,16 +277,25 @@ struct settings {
 	char run_dir[PATH_MAX];
 };
 
+/* a regular file's bytes, NUL-terminated; NULL and *err if it cannot be read (a FIFO or a
+ * device is refused at once: reading one could block the engine) */
 static char *read_file(const char *path, size_t max, size_t *size, int *err)
 {
-	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
 	char *buf = NULL;
 	size_t n = 0, cap = 0;
+	struct stat st;
 
 	*err = 0;
 	if (fd < 0) {
 		*err = errno;
 		return NULL;
+	}
+	if (fstat(fd, &st))
+		goto fail;
+	if (!S_ISREG(st.st_mode)) {
+		errno = EINVAL;
+		goto fail;
 	}
 	for (;;) {
 		ssize_t r;

@@ -132,9 +132,13 @@ def test_escapes_of_characters_no_rule_reads_stay_with_runc(w):
     assert w.goes("create", "--bundle", str(w.bundle), CID) == "runc"
 
 
-@pytest.mark.parametrize("setup", ["missing", "directory", "unreadable-bundle"])
+@pytest.mark.parametrize("setup", ["missing", "directory", "unreadable-bundle", "fifo"])
 def test_create_with_a_spec_the_front_cannot_read_goes_to_python(w, setup):
-    if setup == "missing":
+    if setup == "fifo":          # reading it would block: refused at once
+        (w.bundle / "config.json").unlink()
+        os.mkfifo(w.bundle / "config.json")
+        bundle = w.bundle
+    elif setup == "missing":
         (w.bundle / "config.json").unlink()
         bundle = w.bundle
     elif setup == "directory":

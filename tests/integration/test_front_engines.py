@@ -17,26 +17,32 @@ from pathlib import Path
 
 import pytest
 
-from integration.containers import Podman
+from integration.containers import Containerd, Podman
 from tests.integration.conftest import needs_criu
 
 FRONT = Path(sys.prefix) / "bin" / "torpor-runtime"
 pytestmark = [needs_criu, pytest.mark.criu]
 
 
+def wrapper(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """(the wrapped front, its run_dir, its routing log)"""
+    if not FRONT.exists() or FRONT.read_bytes()[:4] != b"\x7fELF":
+        pytest.skip(f"{FRONT} is not the native front (./test.sh installs it)")
+    run_dir, log = tmp_path / "run", tmp_path / "front.log"
+    path = tmp_path / "torpor-runtime-wrapped"
+    path.write_text(f"#!/bin/sh\nexport TORPOR_DEBUG=1 TORPOR_RUN_DIR='{run_dir}' "
+                    f"TORPOR_STATE_DIR='{tmp_path}/state'\n"
+                    f"exec '{FRONT}' \"$@\" 2>>'{log}'\n")
+    path.chmod(0o755)
+    return path, run_dir, log
+
+
 @pytest.fixture
 def wrapped(tmp_path: Path, podman_image: str) -> tuple[Podman, Path, Path]:
     if shutil.which("podman") is None:
         pytest.skip("needs podman (./install.sh)")
-    if not FRONT.exists() or FRONT.read_bytes()[:4] != b"\x7fELF":
-        pytest.skip(f"{FRONT} is not the native front (./test.sh installs it)")
-    run_dir, log = tmp_path / "run", tmp_path / "front.log"
-    wrapper = tmp_path / "torpor-runtime-wrapped"
-    wrapper.write_text(f"#!/bin/sh\nexport TORPOR_DEBUG=1 TORPOR_RUN_DIR='{run_dir}' "
-                       f"TORPOR_STATE_DIR='{tmp_path}/state'\n"
-                       f"exec '{FRONT}' \"$@\" 2>>'{log}'\n")
-    wrapper.chmod(0o755)
-    return Podman(str(wrapper)), run_dir, log
+    path, run_dir, log = wrapper(tmp_path)
+    return Podman(str(path)), run_dir, log
 
 
 def routes(log: Path) -> list[tuple[str, str]]:
@@ -84,3 +90,26 @@ def test_podman_container_python_declines_stays_with_runc_after_create(wrapped):
     r = routes(log)
     assert r[0] == ("create", "python"), r
     assert all(where == "runc" for c, where in r[1:]), r
+
+
+def test_ctr_run_rm_of_a_cpu_container_goes_straight_to_runc(tmp_path):
+    if shutil.which("containerd") is None or shutil.which("ctr") is None:
+        pytest.skip("needs containerd and ctr (./install.sh)")
+    path, run_dir, log = wrapper(tmp_path)
+    ctrd = Containerd(str(path))
+    try:
+        name = f"tf{os.getpid()}"
+        out = subprocess.run([ctrd.ctr, "--address", str(ctrd.address), "--namespace",
+                              ctrd.namespace, "run", "--rm", "--runtime", Containerd.RUNTIME,
+                              "--runc-binary", str(path), "--mount",
+                              "type=bind,src=/usr,dst=/usr,options=bind:ro",
+                              ctrd.ensure_image(), name, "/usr/bin/sh", "-c", "echo hi from ctr"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert "hi from ctr" in out.stdout
+    finally:
+        ctrd.stop()
+    r = routes(log)
+    # containerd's shim passes --root /run/containerd/runc/<namespace>, --log, --log-format json
+    assert ("create", "runc") in r and ("start", "runc") in r and ("delete", "runc") in r, r
+    assert {where for _, where in r} == {"runc"}, r
