@@ -13,8 +13,9 @@ round, so drift on a shared machine falls on all legs alike), after --warmup rou
            --runc-binary)
   call     one runtime call alone: `<runtime> state <no such container>` (runc answers),
            --call-repeat times per leg and round (a few ms each: more samples for the median)
-Medians, means, spreads and the ratios leg/runc of the medians go to --out (JSON). The target
-of issue 20: front/runc within 1.05 for podman and ctr.
+Medians, means, spreads, the ratios leg/runc of the medians and the paired figures (median of
+each round's difference and ratio to that round's runc) go to --out (JSON). The target of
+issue 20: front/runc within 1.05 for podman and ctr.
 
     python3 bench/runtime_front.py --runs 15 --out bench/results/runtime_front-cpu-DATE.json
         [--front /usr/local/bin/torpor-runtime] [--python <venv>/bin/torpor-runtime-py]
@@ -156,7 +157,13 @@ def main() -> int:
         base = legs_out.get("runc", {}).get("median_s")
         ratios = {f"{leg}/runc": legs_out[leg]["median_s"] / base
                   for leg in legs_out if leg != "runc" and base}
-        results[tool] = {"legs": legs_out, "median_ratio": ratios,
+        # paired: each round's leg against that round's runc, so drift of the shared
+        # machine between rounds cancels (the estimate that counts under load)
+        paired = {f"{leg}/runc": {
+            "median_diff_s": statistics.median(y - x for x, y in zip(samples[tool]["runc"], xs)),
+            "median_ratio": statistics.median(y / x for x, y in zip(samples[tool]["runc"], xs))}
+            for leg, xs in samples[tool].items() if leg != "runc" and "runc" in samples[tool]}
+        results[tool] = {"legs": legs_out, "median_ratio": ratios, "paired": paired,
                          "median_overhead_s": {f"{leg}-runc": legs_out[leg]["median_s"] - base
                                                for leg in legs_out if leg != "runc" and base}}
     doc = {
@@ -178,7 +185,10 @@ def main() -> int:
     for tool in a.tools:
         print(f"{tool}: " + "  ".join(
             f"{leg} {v['median_s'] * 1000:.1f} ms" for leg, v in results[tool]["legs"].items())
-            + "  " + "  ".join(f"{k} {v:.3f}" for k, v in results[tool]["median_ratio"].items()))
+            + "  " + "  ".join(f"{k} {v:.3f}" for k, v in results[tool]["median_ratio"].items())
+            + "  paired " + "  ".join(
+                f"{k} {v['median_ratio']:.3f} ({v['median_diff_s'] * 1000:+.1f} ms)"
+                for k, v in results[tool]["paired"].items()))
     print(f"wrote {a.out}")
     return 0
 
