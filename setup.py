@@ -59,7 +59,8 @@ class BuildPyWithProto(build_py):
 
     def _build_front(self) -> None:
         try:
-            subprocess.run(["make", "-s", "-C", str(HERE / "shim" / "front")], check=True)
+            # -B: always from the sources here (an sdist may carry a binary built elsewhere)
+            subprocess.run(["make", "-B", "-s", "-C", str(HERE / "shim" / "front")], check=True)
         except (OSError, subprocess.CalledProcessError) as e:
             raise SystemExit(f"building torpor-runtime (make -C shim/front) failed: {e}; "
                              "it needs make and a C compiler (./install.sh installs them)")
