@@ -31,12 +31,14 @@ RECORDER = textwrap.dedent("""\
 
 @pytest.fixture(scope="module")
 def front(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The front, compiled from this tree with warnings as errors."""
+    """The front, compiled from this tree with warnings as errors (TORPOR_FRONT_CFLAGS: more,
+    e.g. -fsanitize=address,undefined)."""
     if shutil.which("make") is None or shutil.which("gcc") is None:
         pytest.skip("needs make and gcc (./install.sh)")
     build = tmp_path_factory.mktemp("front")
     subprocess.run(["make", "-s", "-C", str(ROOT / "shim" / "front"), f"BUILD={build}",
-                    "EXTRA_CFLAGS=-Werror"], check=True)
+                    "EXTRA_CFLAGS=-Werror " + os.environ.get("TORPOR_FRONT_CFLAGS", "")],
+                   check=True)
     return build / "torpor-runtime"
 
 
@@ -375,3 +377,28 @@ def test_installed_venv_has_the_front_and_the_python_side():
         pytest.skip("torpor is not installed in this venv (./test.sh installs it)")
     assert front.read_bytes()[:4] == b"\x7fELF"
     assert os.access(PY_SIDE, os.X_OK)
+
+
+# ---- any argv: one of the two, argv unchanged, never a crash -----------------------------
+
+TOKENS = ["--root", "/r", "--root=/r", "-root", "--log", "--log-format=json", "--debug",
+          "--systemd-cgroup", "--bogus", "-", "--", "---x", "-=", "create", "run", "delete",
+          "state", "exec", "ps", "kill", "checkpoint", "restore", "list", "help", "--bundle",
+          "-b", "--bundle=", "--force", "-f", "--help", "-h", "--version", CID, "KILL", "",
+          "a" * 300, "x/y", "..", "--pid-file", "-e=A=1"]
+
+
+def test_any_argv_goes_to_runc_or_python_unchanged(w):
+    from hypothesis import HealthCheck, given, settings, strategies as st
+
+    w.mark()
+    chars = st.characters(blacklist_categories=("Cs",), blacklist_characters="\0")
+
+    @settings(max_examples=int(os.environ.get("TORPOR_FUZZ_EXAMPLES", "60")), deadline=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(st.lists(st.sampled_from(TOKENS) | st.text(chars, max_size=12), max_size=8))
+    def check(argv):
+        who, _ = w.call(*argv, cwd=w.bundle)   # asserts rc 0 and the argv unchanged
+        assert who in ("runc", "torpor-runtime-py")
+
+    check()
