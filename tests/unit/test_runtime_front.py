@@ -402,3 +402,27 @@ def test_any_argv_goes_to_runc_or_python_unchanged(w):
         assert who in ("runc", "torpor-runtime-py")
 
     check()
+
+
+# ---- the Python side in process: a restored GPU container is marked too -----------------
+
+from tests.unit.test_runtime_flows import (  # noqa: E402,F401  (world: a fixture)
+    CID as FLOW_CID, GPU, checkpoint_argv, world, write_spec)
+
+
+def test_python_marks_a_restored_gpu_container(world, monkeypatch, tmp_path, cfg):
+    from torpor.flows import container
+    from torpor.runtime import main as rt_main
+    from torpor.runtime import restore as rt_restore
+
+    write_spec(world["bundle"], gpu=True)
+    assert rt_main.main(checkpoint_argv(world["images"])) == 0
+    marker = cfg.run_dir / "containers" / FLOW_CID
+    assert not marker.exists()            # the checkpoint marks nothing (create does)
+    (world["runc"].root / "restore.pid").write_text(str(world["pid"]))
+    monkeypatch.setattr(rt_restore.container, "place",
+                        lambda cfg, m, b: container.Placement({GPU: GPU}))
+    argv = ["--root", "/r", "restore", "--image-path", str(world["images"]), "--bundle",
+            str(world["bundle"]), "--pid-file", str(tmp_path / "pid"), "--detach", FLOW_CID]
+    assert rt_main.main(argv) == 0
+    assert json.loads(marker.read_text()) == {"root": "/r"}
