@@ -6,7 +6,8 @@
 #   2. CRIU >= 4.2 (packaging/criu/install-criu.sh: the distribution's, or built from Debian's
 #      source package, unstable first; >= 4 with a warning where 4.2 cannot be had) and pycriu
 #   3. torpor itself in a virtual environment ($TORPOR_PREFIX, default /opt/torpor/venv),
-#      its commands linked into /usr/local/bin
+#      its commands linked into /usr/local/bin (torpor-runtime is the native front that
+#      `pip install .` builds from shim/front; it execs runc, or torpor-runtime-py beside it)
 #   4. /etc/torpor/config.toml (kept if present), the torpord systemd unit (not started),
 #      podman's runtime "torpor" (containers.conf.d), containerd's snippet (/etc/containerd)
 #   5. the container engines torpor is tested with: podman, containerd, runc, and iptables
@@ -69,7 +70,7 @@ if ((${#missing[@]})); then
     apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-for cmd in torpor torpord torpor-runtime torpor-hook; do
+for cmd in torpor torpord torpor-runtime torpor-runtime-py torpor-hook; do
     ln -sf "$PREFIX/bin/$cmd" "/usr/local/bin/$cmd"
 done
 # podman learns the runtime "torpor" (podman --runtime torpor, or runtime = "torpor" in that

@@ -1,9 +1,12 @@
-"""setuptools glue for pyproject.toml: compile proto/torpor.proto and the agent while building.
+"""setuptools glue for pyproject.toml: compile proto/torpor.proto, the agent and the native
+runtime front while building.
 
 Everything else (metadata, packages, scripts) is in pyproject.toml. build_py generates
 torpor/_proto/ and builds agent/ (make) into torpor/_agent/libtorpor-agent.so, in the build
 directory (or the source tree for editable installs), so `pip install .` ships both without
-either being committed.
+either being committed. It also builds shim/front (make) into shim/front/build/torpor-runtime,
+which data_files install as <prefix>/bin/torpor-runtime, beside the Python side's
+torpor-runtime-py (a console script) that it execs.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class BuildPyWithProto(build_py):
         for path in _generator().generate(out):
             self.announce(f"generated {path}", level=2)
         self._build_agent(out.parent / "_agent")
+        self._build_front()
 
     def _build_agent(self, out: Path) -> None:
         with tempfile.TemporaryDirectory(prefix="torpor-agent-") as tmp:
@@ -53,10 +57,24 @@ class BuildPyWithProto(build_py):
         self.announce(f"built {out / 'libtorpor-agent.so'}", level=2)
 
 
+    def _build_front(self) -> None:
+        try:
+            # -B: always from the sources here (an sdist may carry a binary built elsewhere)
+            subprocess.run(["make", "-B", "-s", "-C", str(HERE / "shim" / "front")], check=True)
+        except (OSError, subprocess.CalledProcessError) as e:
+            raise SystemExit(f"building torpor-runtime (make -C shim/front) failed: {e}; "
+                             "it needs make and a C compiler (./install.sh installs them)")
+        self.announce(f"built {FRONT}", level=2)
+
+
+FRONT = "shim/front/build/torpor-runtime"
+
+
 class SdistWithProto(sdist):
     def add_defaults(self) -> None:
         super().add_defaults()
-        for name in ("proto/torpor.proto", "proto/generate.py", "agent/Makefile"):
+        for name in ("proto/torpor.proto", "proto/generate.py", "agent/Makefile",
+                     "shim/front/Makefile", "shim/front/torpor-runtime.c"):
             self.filelist.append(name)
         self.filelist.recursive_include("agent/src", "*")
 
@@ -69,4 +87,5 @@ class BinaryDistribution(Distribution):
 
 
 setup(cmdclass={"build_py": BuildPyWithProto, "sdist": SdistWithProto},
-      distclass=BinaryDistribution)
+      distclass=BinaryDistribution,
+      data_files=[("bin", [FRONT])])

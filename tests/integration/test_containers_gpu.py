@@ -427,7 +427,7 @@ def test_podman_sigkill_of_torpor_runtime_mid_checkpoint_container_recovers(
                            str(base / "ck.tar"), name], stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
     try:
-        shim_pid = wait_for(lambda: _pgrep("torpor-runtime .*checkpoint --image-path"), 20,
+        shim_pid = wait_for(lambda: _pgrep("torpor-runtime(-py)? .*checkpoint --image-path"), 20,
                             "torpor-runtime checkpoint")
         wait_for(lambda: any(c.call == "lock" for c in gpu.calls()), 10, "the lock")
         os.kill(shim_pid, signal.SIGKILL)

@@ -1,5 +1,9 @@
 """torpor-runtime: an OCI runtime (runc/crun command line) that adds GPU state to checkpoints.
 
+This package is its Python side, torpor-runtime-py. torpor-runtime, the command engines call,
+is a native front (shim/front) that execs runc itself for every call torpor has nothing to do
+with and this package for the rest (docs/containers.md, "The native front"; markers.py).
+
 podman (containers.conf `[engine.runtimes]`) and containerd (runc shim option `BinaryName`)
 call it exactly as they call runc. Every command goes to the real runtime (config
 `oci_runtime`) unchanged; four get GPU handling around them, and only for containers whose

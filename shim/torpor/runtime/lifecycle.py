@@ -2,7 +2,8 @@
 
 Neither may stop a container from starting or going away: what fails here is logged and the
 real runtime runs anyway (a container without hooks is still checkpointed with its GPU state:
-the checkpoint flow reads the runtime's state itself).
+the checkpoint flow reads the runtime's state itself). create marks each GPU container for
+the native front (markers.py), delete removes the mark once the runtime has deleted it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from .. import agent, oci
 from ..config import Config
 from ..errors import TorporError
 from ..files import private_dir
-from . import libc
+from . import libc, markers
 from .argv import Invocation
 from .runc import Runtime
 
@@ -43,6 +44,10 @@ def create(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
     try:
         spec = oci.load(bundle)
         use = oci.detect(spec)
+        if use:
+            markers.write(cfg, inv)
+        elif markers.remove(cfg, inv):   # an earlier container's of this id and root
+            log.info("create %s: removed a stale marker", inv.container_id)
         off = (spec.get("annotations") or {}).get(oci.HOOK_ANNOTATION) == "off"
         if use and not off:
             path = hook_path()
@@ -96,6 +101,8 @@ def agent_dir(cfg: Config, container_id: str, spec: dict) -> Path:
 
 def delete(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
     rc = runtime.run().wait()
+    if rc == 0:
+        markers.remove(cfg, inv)
     try:
         if rc == 0:
             shutil.rmtree(agent_dirs(cfg) / oci.validate_container_id(inv.container_id),

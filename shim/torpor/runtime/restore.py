@@ -34,6 +34,7 @@ from ..layout import MAX_MANIFEST
 from ..sidecar.client import Client, ensure_running
 from ..sidecar.convert import AgentData
 from ..store import images as store_images
+from . import markers
 from .argv import Invocation
 from .lifecycle import agent_dir
 from .runc import Runtime
@@ -86,6 +87,7 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
         ensure_running(cfg)   # a sidecar that cannot start is a refusal, before anything runs
     log.info("restore %s: pre-flight done in %.2f s; GPU map %s%s", cid, time.monotonic() - t0,
              dict(placed.gpu_map) or "none", " (explicit)" if placed.explicit else "")
+    markers.write(cfg, inv)   # delete of the restored container comes back here
     proc = runtime.run()
     detached = inv.flag("detach", "d")
     if detached or not cuda:

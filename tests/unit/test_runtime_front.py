@@ -1,0 +1,428 @@
+"""torpor-runtime's native front (shim/front/torpor-runtime.c), built from this tree: which
+calls it execs runc for and which it hands to the Python side, always with the argv unchanged.
+
+A fake runc and a fake Python side (TORPOR_RUNTIME_PY) record (who, argv); the last tests run
+the real Python side (torpor-runtime-py of this venv) behind the front, to see the markers it
+leaves for GPU containers decide later calls. No daemon, no podman, no GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CID = "c0ffee0123456789"
+
+RECORDER = textwrap.dedent("""\
+    #!{python}
+    import json, os, sys
+    with open({log!r}, "a") as f:
+        f.write(json.dumps([os.path.basename(sys.argv[0]), sys.argv[0], sys.argv[1:]]) + "\\n")
+    sys.exit(0)
+""")
+
+
+@pytest.fixture(scope="module")
+def front(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The front, compiled from this tree with warnings as errors (TORPOR_FRONT_CFLAGS: more,
+    e.g. -fsanitize=address,undefined)."""
+    if shutil.which("make") is None or shutil.which("gcc") is None:
+        pytest.skip("needs make and gcc (./install.sh)")
+    build = tmp_path_factory.mktemp("front")
+    subprocess.run(["make", "-s", "-C", str(ROOT / "shim" / "front"), f"BUILD={build}",
+                    "EXTRA_CFLAGS=-Werror " + os.environ.get("TORPOR_FRONT_CFLAGS", "")],
+                   check=True)
+    return build / "torpor-runtime"
+
+
+class World:
+    """A fake runc and a fake Python side in tmp, the front's environment, a bundle."""
+
+    def __init__(self, tmp: Path, front: Path):
+        self.tmp, self.front = tmp, front
+        self.log = tmp / "calls.jsonl"
+        self.bin = tmp / "bin"
+        self.bin.mkdir()
+        self.runc = self.recorder("runc")
+        self.py = self.recorder("torpor-runtime-py")
+        self.run_dir = tmp / "run"
+        self.bundle = tmp / "bundle"
+        self.bundle.mkdir()
+        self.env = {"PATH": "/usr/bin:/bin", "TORPOR_OCI_RUNTIME": str(self.runc),
+                    "TORPOR_RUNTIME_PY": str(self.py), "TORPOR_RUN_DIR": str(self.run_dir),
+                    "TORPOR_CONFIG": str(tmp / "no-config.toml")}
+        self.spec({"process": {"args": ["sh"], "env": ["PATH=/usr/bin", "TERM=xterm"]},
+                   "root": {"path": "rootfs"}, "linux": {"devices": []}})
+
+    def recorder(self, name: str) -> Path:
+        p = self.bin / name
+        p.write_text(RECORDER.format(python=sys.executable, log=str(self.log)))
+        p.chmod(0o755)
+        return p
+
+    def spec(self, doc: dict | str) -> None:
+        (self.bundle / "config.json").write_text(doc if isinstance(doc, str) else json.dumps(doc))
+
+    def mark(self, cid: str = CID) -> None:
+        d = self.run_dir / "containers"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / cid).write_text('{"root": ""}\n')
+
+    def call(self, *argv: str, cwd: Path | None = None, **env: str) -> tuple[str, list[str]]:
+        """Run the front; returns (who ran: runc or torpor-runtime-py, its argv[1:])."""
+        self.log.unlink(missing_ok=True)
+        out = subprocess.run([str(self.front), *argv], env={**self.env, **env}, cwd=cwd,
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        lines = self.log.read_text().splitlines()
+        assert len(lines) == 1, lines
+        who, _argv0, args = json.loads(lines[0])
+        assert args == list(argv)    # always the argv it was given, unchanged
+        return who, args
+
+    def goes(self, *argv: str, **env: str) -> str:
+        return {"runc": "runc", "torpor-runtime-py": "python"}[self.call(*argv, **env)[0]]
+
+
+@pytest.fixture
+def w(tmp_path: Path, front: Path) -> World:
+    return World(tmp_path, front)
+
+
+GLOBALS = ["--root", "/run/x", "--log", "/tmp/l.json", "--log-format", "json",
+           "--systemd-cgroup"]
+
+
+def test_cpu_create_goes_straight_to_runc(w):
+    assert w.goes(*GLOBALS, "create", "--bundle", str(w.bundle), "--pid-file", "/p",
+                  "--console-socket", "/s", CID) == "runc"
+    assert w.goes("create", f"--bundle={w.bundle}", CID) == "runc"
+    assert w.goes("create", "-b", str(w.bundle), CID) == "runc"
+    assert w.goes("run", "-d", "--bundle", str(w.bundle), CID) == "runc"
+
+
+def test_create_reads_the_bundle_in_the_current_directory_by_default(w):
+    assert w.call("create", CID, cwd=w.bundle)[0] == "runc"
+    w.spec({"linux": {"devices": [{"path": "/dev/nvidia0"}]}})
+    assert w.call("create", CID, cwd=w.bundle)[0] == "torpor-runtime-py"
+
+
+@pytest.mark.parametrize("spec", [
+    {"linux": {"devices": [{"path": "/dev/nvidia3", "type": "c", "major": 195, "minor": 3}]}},
+    {"process": {"env": ["NVIDIA_VISIBLE_DEVICES=all"]}},
+    {"process": {"env": ["NVIDIA_VISIBLE_DEVICES=none"]}},    # Python's to decide, not ours
+    {"annotations": {"cdi.k8s.io/gpu": "nvidia.com/gpu=0"}},
+    {"annotations": {"org.torpor.agent": "on"}},
+    '{"linux": {"devices": [{"path": "\\/dev\\/nvidia0"}]}}',  # JSON may escape "/"
+    '{"process": {"env": ["NVIDIA_VISIBLE_DEVICE\\u0053=all"]}}',
+], ids=["device", "env", "env-none", "cdi", "annotation", "escaped-slash", "u-escape"])
+def test_create_of_anything_torpor_may_handle_goes_to_python(w, spec):
+    w.spec(spec)
+    assert w.goes(*GLOBALS, "create", "--bundle", str(w.bundle), CID) == "python"
+
+
+def test_escapes_of_characters_no_rule_reads_stay_with_runc(w):
+    # Go's encoder writes <, > and & as \\u003c, \\u003e, \\u0026: none spells a GPU
+    w.spec('{"process": {"env": ["URL=http://x/?a=1\\u0026b=\\u003cc\\u003e", "Q=\\"x\\""]}}')
+    assert w.goes("create", "--bundle", str(w.bundle), CID) == "runc"
+
+
+@pytest.mark.parametrize("setup", ["missing", "directory", "unreadable-bundle", "fifo"])
+def test_create_with_a_spec_the_front_cannot_read_goes_to_python(w, setup):
+    if setup == "fifo":          # reading it would block: refused at once
+        (w.bundle / "config.json").unlink()
+        os.mkfifo(w.bundle / "config.json")
+        bundle = w.bundle
+    elif setup == "missing":
+        (w.bundle / "config.json").unlink()
+        bundle = w.bundle
+    elif setup == "directory":
+        (w.bundle / "config.json").unlink()
+        (w.bundle / "config.json").mkdir()
+        bundle = w.bundle
+    else:
+        bundle = w.tmp / "no-such-bundle"
+    assert w.goes("create", "--bundle", str(bundle), CID) == "python"
+
+
+@pytest.mark.parametrize("command", ["delete", "state", "start", "kill", "pause", "resume",
+                                     "ps", "events", "update", "exec"])
+def test_container_commands_follow_the_marker(w, command):
+    extra = {"kill": ["KILL"], "exec": ["sh", "-c", "true"]}.get(command, [])
+    argv = [*GLOBALS, command, CID, *extra]
+    assert w.goes(*argv) == "runc"
+    w.mark()
+    assert w.goes(*argv) == "python"
+    assert w.goes(*GLOBALS, command, "--help", CID, *extra) == "runc"   # help: runc's
+
+
+def test_marker_of_another_container_changes_nothing(w):
+    w.mark("other")
+    assert w.goes("delete", "--force", CID) == "runc"
+
+
+def test_options_after_the_container_id_are_read_as_runc_reorders_them(w):
+    w.mark()
+    assert w.goes("delete", CID, "--force") == "python"
+    assert w.goes("delete", "-f", CID) == "python"
+    assert w.goes("kill", "--all=true", CID, "9") == "python"
+    # exec and ps stop at the id: what follows is the process's own argv
+    assert w.goes("exec", "--tty", "--env", "A=1", "-u", "0", CID, "ls", "--bogus") == "python"
+    assert w.goes("exec", "-e=A=1", "--", CID, "ls") == "python"
+    assert w.goes("ps", "-f", "json", CID, "--", "-ef") == "python"
+
+
+def test_checkpoint_and_restore_always_go_to_python(w):
+    assert w.goes(*GLOBALS, "checkpoint", "--image-path", "/i", CID) == "python"
+    assert w.goes("restore", "--image-path", "/i", "--bundle", str(w.bundle), CID) == "python"
+
+
+@pytest.mark.parametrize("argv", [
+    ["--version"], ["-v"], ["--help"], ["list"], ["--root", "/r", "list", "-q"],
+    ["spec", "--rootless"], ["features"], ["help", "create"], ["--root", "/r", "--help",
+                                                                 "checkpoint", CID],
+    ["state"],   # runc says the id is missing
+])
+def test_calls_without_a_container_go_to_runc(w, argv):
+    w.mark()
+    assert w.goes(*argv) == "runc"
+
+
+@pytest.mark.parametrize("argv", [
+    ["--bogus", "state", CID],                  # a global option runc does not have
+    ["state", "--bogus", CID],                  # a command option runc does not have
+    ["---root", "/r", "state", CID],            # Go's flag package refuses it
+    ["--root", "--log", "x", "state", CID],     # a value that looks like an option
+    ["--root"],                                 # a value missing
+    ["create", "--bundle", CID],
+    ["create", "-b", "/a", "--bundle", "/b", CID],   # both forms: runc refuses it
+    ["frobnicate", CID],                        # a command of a newer runc, or none
+    ["state", "bad/id"], ["state", ".."], ["state", "x" * 129],
+])
+def test_anything_the_front_cannot_read_goes_to_python(w, argv):
+    assert w.goes(*argv) == "python"
+
+
+def test_root_is_read_in_every_form_runc_accepts(w, tmp_path):
+    w.mark()
+    for g in (["--root", "/r"], ["--root=/r"], ["-root", "/r"], ["-root=/r"], ["--debug"],
+              ["--debug=false", "--criu", "c", "--rootless", "auto"], ["--"]):
+        assert w.goes(*g, "state", CID) == "python", g
+
+
+# ---- settings: the runtime and run_dir as torpor.config finds them ----------------------
+
+def test_runtime_from_the_config_file(w, tmp_path):
+    other = w.recorder("crun")
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(f"# torpor\nagent = true\nlock_timeout_s = 10.0\n"
+                   f"oci_runtime = '{other}'  # the real one\nrun_dir = \"{w.run_dir}\"\r\n")
+    env = {"TORPOR_CONFIG": str(cfg), "TORPOR_OCI_RUNTIME": ""}   # empty: not set
+    who, _ = w.call("state", CID, **env)
+    assert who == "crun"
+    w.mark()
+    assert w.goes("state", CID, **env) == "python"    # run_dir from the file
+    assert w.goes("state", CID, TORPOR_CONFIG=str(cfg)) == "python"
+    assert w.call("list", TORPOR_CONFIG=str(cfg))[0] == "runc"   # the environment wins
+
+
+def test_runtime_found_on_path(w):
+    w.recorder("crun-x")
+    who, _ = w.call("list", TORPOR_OCI_RUNTIME="crun-x", PATH=f"/nonexistent::{w.bin}")
+    assert who == "crun-x"
+
+
+@pytest.mark.parametrize("text", [
+    "[engine]\noci_runtime = 'runc'\n",            # a table: not a key of torpor's
+    "oci_runtime = \"\"\"\nrunc\"\"\"\n",          # multi-line string
+    "oci_runtime = \"ru\\u006ec\"\n",              # an escape
+    "oci_runtime = 'a'\noci_runtime = 'b'\n",      # twice: TOML refuses it
+    "\"oci_runtime\" = 'runc'\n",                  # a quoted key
+    "oci_runtime = 'runc' junk\n",
+    "checksums = [\n true,\n]\n",
+])
+def test_a_config_file_the_front_cannot_read_for_sure_goes_to_python(w, tmp_path, text):
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(text)
+    assert w.goes("list", TORPOR_CONFIG=str(cfg), TORPOR_OCI_RUNTIME="") == "python"
+
+
+def test_unreadable_config_goes_to_python(w, tmp_path):
+    assert w.goes("list", TORPOR_CONFIG=str(tmp_path)) == "python"       # a directory
+    assert w.goes("list", TORPOR_CONFIG="") == "python"
+
+
+@pytest.mark.parametrize("runtime", ["no-such-runtime", "/nonexistent/runc",
+                                     "torpor-runtime", "SELF"])
+def test_missing_or_looping_runtime_goes_to_python(w, runtime):
+    if runtime == "torpor-runtime":
+        w.recorder("torpor-runtime")
+        runtime = str(w.bin / "torpor-runtime")
+    if runtime == "SELF":
+        (w.bin / "link").symlink_to(w.front)
+        runtime = str(w.bin / "link")
+    assert w.goes("list", TORPOR_OCI_RUNTIME=runtime) == "python"
+
+
+def test_python_side_found_next_to_the_front(w, tmp_path):
+    d = tmp_path / "venv-bin"
+    d.mkdir()
+    shutil.copy2(w.front, d / "torpor-runtime")
+    (d / "torpor-runtime-py").symlink_to(w.py)
+    link = tmp_path / "usr-local-bin-torpor-runtime"
+    link.symlink_to(d / "torpor-runtime")       # /usr/local/bin links to the venv
+    w.front = link
+    env = {"TORPOR_RUNTIME_PY": ""}
+    who, _ = w.call("checkpoint", CID, **env)
+    assert who == "torpor-runtime-py"
+    lines = [json.loads(x) for x in w.log.read_text().splitlines()]
+    assert lines[0][1] == str(d / "torpor-runtime-py")   # argv[0]: its real place
+
+
+def test_no_python_side_is_one_clear_line(w, tmp_path):
+    out = subprocess.run([str(w.front), "checkpoint", CID],
+                         env={**w.env, "TORPOR_RUNTIME_PY": str(tmp_path / "gone")},
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1
+    assert out.stderr.startswith("torpor-runtime: error: cannot run torpor-runtime-py")
+    assert not w.log.exists()
+
+
+def test_debug_says_where_and_why(w):
+    out = subprocess.run([str(w.front), "delete", CID], env={**w.env, "TORPOR_DEBUG": "1"},
+                         capture_output=True, text=True, timeout=30)
+    assert "delete c0ffee0123456789: runc (no marker)" in out.stderr
+
+
+# ---- behind the front, the real Python side: markers -----------------------------------
+
+PY_SIDE = Path(sys.prefix) / "bin" / "torpor-runtime-py"
+
+
+@pytest.fixture
+def real(w, torpor_env) -> World:
+    if not os.access(PY_SIDE, os.X_OK):
+        pytest.skip(f"{PY_SIDE} is not installed (./test.sh installs it)")
+    w.env.update(torpor_env)
+    w.env["TORPOR_RUN_DIR"] = str(w.run_dir)
+    w.env["TORPOR_RUNTIME_PY"] = str(PY_SIDE)
+    return w
+
+
+def gpu_spec(w: World) -> None:
+    w.spec({"process": {"args": ["sh"], "env": ["NVIDIA_VISIBLE_DEVICES=0"]},
+            "root": {"path": "rootfs"}, "linux": {"devices": []}})
+
+
+def test_python_marks_a_gpu_container_at_create_and_forgets_it_at_delete(real):
+    w = real
+    gpu_spec(w)
+    assert w.call("--root", "/r", "create", "--bundle", str(w.bundle), CID)[0] == "runc"
+    marker = w.run_dir / "containers" / CID
+    assert json.loads(marker.read_text()) == {"root": "/r"}
+    assert marker.stat().st_mode & 0o777 == 0o600
+    assert marker.parent.stat().st_mode & 0o777 == 0o700
+    # the marker sends the container's calls through Python, which passes them on
+    assert w.goes("--root", "/r", "state", CID) == "runc"   # execs runc in the end, unchanged
+    out = subprocess.run([str(w.front), "--root", "/r", "state", CID],
+                         env={**w.env, "TORPOR_DEBUG": "1"}, capture_output=True, text=True)
+    assert "state c0ffee0123456789: python (marker)" in out.stderr
+    # a delete under another root (same id) leaves it; the container's own delete removes it
+    assert w.call("--root", "/other", "delete", CID)[0] == "runc"
+    assert marker.exists()
+    assert w.call("--root", "/r", "delete", "--force", CID)[0] == "runc"
+    assert not marker.exists()
+    assert w.goes("--root", "/r", "delete", CID) == "runc"   # straight there now
+
+
+def test_python_leaves_no_marker_for_a_container_without_gpus(real):
+    w = real
+    w.spec({"process": {"args": ["sh"], "env": ["NVIDIA_VISIBLE_DEVICES=void"]},
+            "annotations": {"org.torpor.agent": "on"}})
+    assert w.call("create", "--bundle", str(w.bundle), CID)[0] == "runc"   # via Python
+    assert not (w.run_dir / "containers" / CID).exists()
+
+
+def test_python_removes_a_stale_marker_of_the_same_root_at_create(real):
+    w = real
+    w.mark()     # root "": an earlier container of this id, gone without a delete
+    w.spec({"annotations": {"org.torpor.hooks": "off"}})
+    w.call("create", "--bundle", str(w.bundle), CID)
+    assert not (w.run_dir / "containers" / CID).exists()
+
+
+def test_no_marker_when_the_delete_fails(real, tmp_path):
+    w = real
+    gpu_spec(w)
+    w.call("create", "--bundle", str(w.bundle), CID)
+    failing = w.bin / "runc-fails"
+    failing.write_text("#!/bin/sh\nexit 1\n")
+    failing.chmod(0o755)
+    out = subprocess.run([str(w.front), "delete", CID],
+                         env={**w.env, "TORPOR_OCI_RUNTIME": str(failing)})
+    assert out.returncode == 1
+    assert (w.run_dir / "containers" / CID).exists()   # the container is still there
+
+
+def test_installed_venv_has_the_front_and_the_python_side():
+    front = Path(sys.prefix) / "bin" / "torpor-runtime"
+    if not front.exists():
+        pytest.skip("torpor is not installed in this venv (./test.sh installs it)")
+    assert front.read_bytes()[:4] == b"\x7fELF"
+    assert os.access(PY_SIDE, os.X_OK)
+
+
+# ---- any argv: one of the two, argv unchanged, never a crash -----------------------------
+
+TOKENS = ["--root", "/r", "--root=/r", "-root", "--log", "--log-format=json", "--debug",
+          "--systemd-cgroup", "--bogus", "-", "--", "---x", "-=", "create", "run", "delete",
+          "state", "exec", "ps", "kill", "checkpoint", "restore", "list", "help", "--bundle",
+          "-b", "--bundle=", "--force", "-f", "--help", "-h", "--version", CID, "KILL", "",
+          "a" * 300, "x/y", "..", "--pid-file", "-e=A=1"]
+
+
+def test_any_argv_goes_to_runc_or_python_unchanged(w):
+    from hypothesis import HealthCheck, given, settings, strategies as st
+
+    w.mark()
+    chars = st.characters(blacklist_categories=("Cs",), blacklist_characters="\0")
+
+    @settings(max_examples=int(os.environ.get("TORPOR_FUZZ_EXAMPLES", "60")), deadline=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(st.lists(st.sampled_from(TOKENS) | st.text(chars, max_size=12), max_size=8))
+    def check(argv):
+        who, _ = w.call(*argv, cwd=w.bundle)   # asserts rc 0 and the argv unchanged
+        assert who in ("runc", "torpor-runtime-py")
+
+    check()
+
+
+# ---- the Python side in process: a restored GPU container is marked too -----------------
+
+from tests.unit.test_runtime_flows import (  # noqa: E402,F401  (world: a fixture)
+    CID as FLOW_CID, GPU, checkpoint_argv, world, write_spec)
+
+
+def test_python_marks_a_restored_gpu_container(world, monkeypatch, tmp_path, cfg):
+    from torpor.flows import container
+    from torpor.runtime import main as rt_main
+    from torpor.runtime import restore as rt_restore
+
+    write_spec(world["bundle"], gpu=True)
+    assert rt_main.main(checkpoint_argv(world["images"])) == 0
+    marker = cfg.run_dir / "containers" / FLOW_CID
+    assert not marker.exists()            # the checkpoint marks nothing (create does)
+    (world["runc"].root / "restore.pid").write_text(str(world["pid"]))
+    monkeypatch.setattr(rt_restore.container, "place",
+                        lambda cfg, m, b: container.Placement({GPU: GPU}))
+    argv = ["--root", "/r", "restore", "--image-path", str(world["images"]), "--bundle",
+            str(world["bundle"]), "--pid-file", str(tmp_path / "pid"), "--detach", FLOW_CID]
+    assert rt_main.main(argv) == 0
+    assert json.loads(marker.read_text()) == {"root": "/r"}
