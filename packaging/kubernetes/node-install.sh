@@ -73,11 +73,18 @@ bundle() {
     rm -rf "$stage/python/lib/python3/dist-packages"/{pip,setuptools,_pytest,pytest,hypothesis}
     install -m 0755 "$real" "$stage/python/bin/.python-real"
     install -m 0755 "$SRC_CRIU" "$stage/libexec/criu"
+    # torpor-runtime's native front (shim/front), which execs runc itself for containers
+    # torpor has nothing to do with; a venv without it has the Python entry only
+    local front=""
+    if [[ $(head -c4 "$SRC_PREFIX/bin/torpor-runtime" | od -An -c | tr -d ' ') == '177ELF' ]]; then
+        front="$SRC_PREFIX/bin/torpor-runtime"
+        install -m 0755 "$front" "$stage/libexec/torpor-runtime"
+    fi
     cp -L "$(needed_libs "$real" | grep '/ld-linux' | head -1)" "$stage/lib/ld.so"
     # the loader's closure of everything the bundle runs; torpor's agent is left out: it is
     # preloaded into containers and loads with their libc, never through this loader
     {
-        needed_libs "$real"; needed_libs "$SRC_CRIU"
+        needed_libs "$real"; needed_libs "$SRC_CRIU"; [[ -z $front ]] || needed_libs "$front"
         find "$stage/python" -name '*.so*' -type f ! -path '*/_agent/*' -print0 |
             while IFS= read -r -d '' so; do needed_libs "$so"; done
     } | grep -v '/ld-linux' | sort -u | while read -r lib; do cp -L "$lib" "$stage/lib/"; done
@@ -99,8 +106,13 @@ bundle() {
     local cmd
     wrap() { printf '%s\n' "$2" > "$dest/bin/.$1.new"; chmod 0755 "$dest/bin/.$1.new"; mv -T "$dest/bin/.$1.new" "$dest/bin/$1"; }
     wrap criu "$(printf '#!/bin/sh\nexec %s --argv0 "$0" %s/libexec/criu "$@"\n' "$loader" "$cur")"
-    for cmd in torpor:torpor.cli.main torpord:torpor.sidecar.daemon \
-               torpor-runtime:torpor.runtime.main torpor-hook:torpor_hook; do
+    if [[ -n $front ]]; then   # the Python side is named to it: it is not next to the loader
+        wrap torpor-runtime "$(printf '#!/bin/sh\nTORPOR_RUNTIME_PY=%s/bin/torpor-runtime-py exec %s --argv0 "$0" %s/libexec/torpor-runtime "$@"\n' "$NODE_DIR" "$loader" "$cur")"
+    fi
+    for cmd in torpor:torpor.cli.main torpord:torpor.sidecar.daemon torpor-hook:torpor_hook \
+               torpor-runtime-py:torpor.runtime.main \
+               ${front:+x}torpor-runtime:torpor.runtime.main; do
+        [[ $cmd == x* ]] && continue
         wrap "${cmd%%:*}" "$(printf '#!%s/python/bin/python3 -s\nimport sys\nfrom %s import main\nsys.exit(main())\n' "$cur" "${cmd#*:}")"
     done
 }

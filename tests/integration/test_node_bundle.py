@@ -75,6 +75,12 @@ def test_the_bundle_runs_on_its_own_loader_and_libraries(node: Path) -> None:
         r = subprocess.run([str(bundle / "bin" / cmd), "--version"], env=CLEAN,
                            capture_output=True, text=True, timeout=60)
         assert want in r.stdout, r.stderr
+    # torpor-runtime is the native front: what torpor has nothing to do with goes to the
+    # runtime it wraps as it came (here echo stands for runc)
+    r = subprocess.run([str(bundle / "bin" / "torpor-runtime"), "list", "--format", "json"],
+                       env={**CLEAN, "TORPOR_OCI_RUNTIME": "/bin/echo"}, capture_output=True,
+                       text=True, timeout=60)
+    assert r.stdout == "list --format json\n", r.stderr
     # torpor's config on the node: the ConfigMap's, with the bundle's CRIU
     cfg = tomllib.loads((node / "etc" / "config.toml").read_text())
     assert cfg == {"oci_runtime": "runc", "criu": f"{bundle}/bin/criu"}
