@@ -39,11 +39,16 @@ if [[ -f .device/podman-bundle.tar.xz ]]; then
     printf '#!/bin/sh\nLD_LIBRARY_PATH=/opt/podman-bundle/lib exec /opt/podman-bundle/bin/podman "$@"\n' \
         > /usr/local/bin/podman
     chmod 755 /usr/local/bin/podman
-    for cmd in torpor-runtime:torpor.runtime.main torpor-hook:torpor_hook; do
+    for cmd in torpor-runtime-py:torpor.runtime.main torpor-hook:torpor_hook; do
         printf '#!/bin/sh\nunset LD_LIBRARY_PATH\nexport PYTHONPATH="%s" TORPOR_CRIU=/opt/criu/bin/criu TORPOR_OCI_RUNTIME=/opt/podman-bundle/bin/runc\nexec %s -m %s "$@"\n' \
             "$PYTHONPATH" "$(command -v python3)" "${cmd#*:}" > "/usr/local/bin/${cmd%%:*}"
         chmod 755 "/usr/local/bin/${cmd%%:*}"
     done
+    # torpor-runtime: the native front (shim/front), as ./install.sh installs it
+    make -s -C shim/front BUILD=/tmp/front-build || echo "torpor-runtime front build failed"
+    printf '#!/bin/sh\nunset LD_LIBRARY_PATH\nexport TORPOR_OCI_RUNTIME=/opt/podman-bundle/bin/runc TORPOR_RUNTIME_PY=/usr/local/bin/torpor-runtime-py\nexec /tmp/front-build/torpor-runtime "$@"\n' \
+        > /usr/local/bin/torpor-runtime
+    chmod 755 /usr/local/bin/torpor-runtime
 fi
 python3 -m torpor.cli.main doctor 2>&1 | tee "$OUT/doctor.txt"
 rc=0
