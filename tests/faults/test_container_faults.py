@@ -172,26 +172,33 @@ def env(base, gpu, podman_image):  # noqa: F811
     e.close()
 
 
+def _freezer(pid: int) -> Path | None:
+    """The file that says whether pid's cgroup is frozen (v2 cgroup.freeze, v1 freezer.state)."""
+    try:
+        cgroups = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in cgroups:
+        _, controllers, path = line.split(":", 2)
+        f = Path("/sys/fs/cgroup", path.lstrip("/"), "cgroup.freeze") if controllers == "" \
+            else Path("/sys/fs/cgroup/freezer", path.lstrip("/"), "freezer.state") \
+            if "freezer" in controllers.split(",") else None
+        if f is not None and f.exists():
+            return f
+    return None
+
+
 def frozen(pid: int) -> str:
     """Why pid counts as frozen (stopped, or its cgroup frozen), or ''."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        cgroups = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
     except OSError:
         return ""
     if state in ("T", "t"):
         return f"process state {state}"
-    for line in cgroups:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":
-            f = Path("/sys/fs/cgroup", path.lstrip("/"), "cgroup.freeze")
-            if f.exists() and f.read_text().strip() == "1":
-                return f"cgroup {path} frozen"
-        elif "freezer" in controllers.split(","):
-            f = Path("/sys/fs/cgroup/freezer", path.lstrip("/"), "freezer.state")
-            if f.exists() and f.read_text().strip() != "THAWED":
-                return f"freezer {path} {f.read_text().strip()}"
-    return ""
+    f = _freezer(pid)
+    said = f.read_text().strip() if f else ""
+    return f"{f}: {said}" if said not in ("", "0", "THAWED") else ""
 
 
 def _assert_counting(env: Env, w: Workload, name: str, floor: int, where: str) -> None:
@@ -231,6 +238,9 @@ class Case:
         self.env, self.victim, self.op, self.name = env, victim, op, name
         self.archive = env.base / "ck.tar"
         self.w = env.start(name, "cf")
+        if any(Path(p).exists() for p in ("/sys/fs/cgroup/freezer",
+                                          "/sys/fs/cgroup/cgroup.controllers")):
+            assert _freezer(env.podman.pid(name)), "the container's freezer state cannot be read"
         self.floor = -1   # a restore's program must count beyond its tick at the checkpoint
         if op == "restore":
             env.podman.checkpoint(name, export=self.archive, compress="none")
