@@ -73,6 +73,8 @@ class Entry:
     # of the image, which a CRIU that died half-way may have left half-restored
     work_dir: str = ""
     image_pids: list[int] = dataclasses.field(default_factory=list)
+    # a container restore's (runtime/restore.py): id, runtime, argv, pid_file, state_argv
+    container: dict = dataclasses.field(default_factory=dict)
     owner: int = dataclasses.field(default_factory=os.getpid)
     started: float = dataclasses.field(default_factory=time.time)
 
@@ -102,6 +104,7 @@ class Entry:
                    store_owner=str(d.get("store_owner", "")),
                    work_dir=str(d.get("work_dir", "")),
                    image_pids=[int(p) for p in d.get("image_pids", [])],
+                   container=dict(d.get("container") or {}),
                    owner=int(d.get("owner", 0)), started=float(d.get("started", 0)))
 
 

@@ -3,10 +3,12 @@ cleared by the next torpor command or torpord. Recovery is mixed into Engine."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Mapping
@@ -45,6 +47,11 @@ class Recovery:
         """Roll back one dead operation's processes, finish its images, then forget it. On
         any failure the entry stays for the next try."""
         said: list[str] = []
+        if entry.kind == "restore" and entry.phase == "container-restore":
+            keep, said = self._interrupted_container_restore(entry)
+            if keep:
+                os.close(fd)    # the runtime or torpord is still at it: look again later
+                return said
         if entry.kind == "restore" and entry.phase == "restore" and entry.work_dir:
             keep, said = self._interrupted_restore(entry)
             if keep:
@@ -141,6 +148,52 @@ class Recovery:
             f"that an interrupted restore ({entry.id}) left frozen; the checkpoint is "
             "unchanged: restore it again"]
 
+    def _interrupted_container_restore(self, entry: Entry, wait_s: float = 10.0
+                                       ) -> tuple[bool, list[str]]:
+        """A container restore whose torpor-runtime died (runtime/restore.py's entry). Its
+        engine took the restore as failed (conmon waits for the container to end before it
+        says so) and its CUDA processes would stay CHECKPOINTED for good: once the real runtime,
+        which outlives torpor-runtime, has finished (given wait_s, else the entry is kept), the
+        container it restored is stopped, unless torpord is restoring its GPU state right now
+        (then the entry is kept for the next look). The checkpoint is unchanged: restore it
+        again. Returns (keep the entry, what to say)."""
+        c = entry.container
+        cid, argv = str(c.get("id", "")), [str(a) for a in c.get("argv") or []]
+
+        def runtimes() -> list[int]:
+            return [p for p in procs.find_argv(*argv)
+                    if (t := procs.started_at(p)) is not None and t >= entry.started - 1.0] \
+                if argv else []
+        deadline = time.monotonic() + wait_s
+        while runtimes() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if runtimes():
+            return True, [f"the interrupted restore of container {cid} ({entry.id}) is still "
+                          f"being run by {Path(argv[0]).name} (PID {runtimes()[0]}): look "
+                          "again when it ends"]
+        pid = _container_pid(c)
+        if pid is None or (t := procs.started_at(pid)) is None or t < entry.started - 1.0:
+            entry.pids = []
+            return False, []        # nothing was restored (or it is gone already)
+        try:
+            claims = self.journal.claim([pid])
+        except BusyError:
+            return True, []         # torpord's RestoreAndUnlock holds it: its own entry
+        try:
+            os.kill(pid, signal.SIGKILL)   # the container's init: its PID namespace goes along
+            deadline = time.monotonic() + 5.0
+            while procs.alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        except ProcessLookupError:
+            pass
+        finally:
+            for fd in claims:
+                os.close(fd)
+        entry.pids = []
+        return False, [f"stopped container {cid} (PID {pid}), which an interrupted restore "
+                       f"({entry.id}) had restored but not given its GPU state back; the "
+                       "checkpoint is unchanged: restore it again"]
+
     def _fill_images(self, images_dir: Path, entry: Entry) -> list[str]:
         """A sealed checkpoint into the store whose torpor died before its pack began: what
         its agents skipped or streamed into the store is written into its data files, so the
@@ -177,6 +230,20 @@ class Recovery:
         manifest.clear_partial(images_dir)
         return [f"removed the partial images of an interrupted dump from {images_dir}"]
 
+
+
+def _container_pid(c: Mapping) -> int | None:
+    """The host PID of a container the runtime restored: its pid file, else its state."""
+    try:
+        if c.get("pid_file"):
+            text = Path(str(c["pid_file"])).read_text().strip()
+            return int(text) if text.isdigit() and int(text) > 1 else None
+        out = subprocess.run([str(a) for a in c.get("state_argv") or []], capture_output=True,
+                             text=True, timeout=30)
+        pid = int(json.loads(out.stdout).get("pid") or 0) if out.returncode == 0 else 0
+        return pid if pid > 1 else None
+    except (OSError, ValueError, AttributeError, subprocess.SubprocessError):
+        return None
 
 
 def _suspended_by_then(records: Mapping[int, Mapping], entry: Entry) -> set[int]:

@@ -30,7 +30,7 @@ from typing import Any
 from .. import __version__, agent_data, gpus, interrupts, manifest, oci, procs, workloads
 from .. import manifest_types as mt
 from ..config import Config
-from ..errors import NoDriverError, TorporError, UsageError
+from ..errors import NoDriverError, NotFoundError, SidecarError, TorporError, UsageError
 from ..files import private_dir
 from ..flows import policy
 from ..flows.checkpoint import store_checkpoint
@@ -138,11 +138,8 @@ def _checkpoint(cfg: Config, runtime: Runtime, cid: str, spec: dict[str, Any],
             return rc
         t = time.monotonic()
         with thawed:
-            if leave_running:
-                out = c.restore_and_unlock(op_id=op_id)
-            else:
-                out = c.finish(op_id)
-        timings.update(out.timings)
+            out = _end(cfg, c, cid, op_id, leave_running)
+        timings.update(out.timings if out else {})
         timings["finish"] = time.monotonic() - t
     try:
         # into the store: its sha256 names every chunk, and a pack that fails adds them
@@ -159,6 +156,27 @@ def _checkpoint(cfg: Config, runtime: Runtime, cid: str, spec: dict[str, Any],
     if store is not None:
         _store(cfg, store, images, cid)
     return 0
+
+
+def _end(cfg: Config, c: Client, cid: str, op_id: str, leave_running: bool) -> Any:
+    """Finish the operation after a dump that succeeded (--leave-running: RestoreAndUnlock).
+    A torpord that died meanwhile took the operation with it (the next one does not know it,
+    or none answers): its recovery at start, which the journal entry is left to, gives live
+    processes their GPU state back, and started here if need be. The checkpoint is complete
+    either way: not a failure to report. None then."""
+    try:
+        return c.restore_and_unlock(op_id=op_id) if leave_running else c.finish(op_id)
+    except (NotFoundError, SidecarError) as e:
+        note = f"torpord lost the operation {op_id} after the dump ({e.line()}); the " \
+               "checkpoint is complete" + ("; torpord's recovery gives the container its GPU "
+                                           "state back" if leave_running else "")
+        log.warning("checkpoint %s: %s", cid, note)
+        print(f"torpor-runtime: warning: {note}", file=sys.stderr)
+        try:
+            ensure_running(cfg)   # a torpord to recover the operation (a no-op if one runs)
+        except TorporError as err:
+            log.error("checkpoint %s: %s", cid, err.line())
+        return None
 
 
 def _store(cfg: Config, store: Store, images: Path, cid: str) -> None:

@@ -30,6 +30,8 @@ from ..config import Config
 from ..errors import TorporError
 from ..files import read_untrusted
 from ..flows import container, policy
+from ..engine import Engine
+from ..journal import Journal, Operation
 from ..layout import MAX_MANIFEST
 from ..sidecar.client import Client, ensure_running
 from ..sidecar.convert import AgentData
@@ -88,11 +90,50 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
     log.info("restore %s: pre-flight done in %.2f s; GPU map %s%s", cid, time.monotonic() - t0,
              dict(placed.gpu_map) or "none", " (explicit)" if placed.explicit else "")
     markers.write(cfg, inv)   # delete of the restored container comes back here
+    if not cuda:
+        return runtime.run().wait()
+    op = _journalled(cfg, runtime, inv)
+    try:
+        rc = _restore(cfg, runtime, inv, op, images, placed, moved, in_store)
+    except TorporError:
+        op.close()   # the restored container, if any, was stopped: nothing left to recover
+        raise
+    except BaseException:
+        op.release()   # recovery stops what the runtime restored (engine/recovery.py)
+        raise
+    op.close()
+    return rc
+
+
+def _journalled(cfg: Config, runtime: Runtime, inv: Invocation) -> Operation:
+    """A journal entry for the runtime's restore, with what a recovery needs should this process
+    die before it ends: the engine (conmon, containerd's shim) then takes the restore as failed
+    and waits for the container to end, whose CUDA processes nobody would give their GPU state
+    back. Recovery (engine/recovery.py) lets the real runtime finish, then stops the container
+    it restored; the checkpoint, which a restore never changes, is intact."""
+    for msg in Engine(cfg).recover():   # an earlier restore's first: its pid file is not ours
+        log.warning("restore %s: recovery: %s", inv.container_id, msg)
+    op = Journal(cfg).begin("restore", [])
+    cid = inv.container_id
+    op.entry.container = {"id": cid, "runtime": runtime.path, "argv": [runtime.path, *inv.argv],
+                          "pid_file": str(Path(inv.opt("pid-file")).absolute())
+                          if inv.opt("pid-file") else "",
+                          "state_argv": runtime.argv("state", cid)}
+    op.phase("container-restore")
+    return op
+
+
+def _restore(cfg: Config, runtime: Runtime, inv: Invocation, op: Operation, images: Path,
+             placed: container.Placement, moved: list[AgentData], in_store: dict[str, int]
+             ) -> int:
+    """The real runtime's restore, then torpord's RestoreAndUnlock of the container's CUDA
+    processes (op closed once done); a failure of the latter stops the container."""
+    cid = inv.container_id
     proc = runtime.run()
     detached = inv.flag("detach", "d")
-    if detached or not cuda:
+    if detached:
         rc = proc.wait()
-        if rc != 0 or not cuda:
+        if rc != 0:
             return rc
     pid = _wait_for_pid(runtime, inv, proc)
     if pid is None:
@@ -112,6 +153,7 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
                           f"container was stopped, the checkpoint in {images} is unchanged") from e
     log.info("restore %s: host PID %d, CUDA PIDs %s restored and unlocked in %.2f s", cid, pid,
              list(out.pids), time.monotonic() - t)
+    op.close()   # restored: a runtime that dies from now on leaves nothing to recover
     return 0 if detached else proc.wait()
 
 
