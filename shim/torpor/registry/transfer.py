@@ -1,0 +1,289 @@
+"""`torpor image push` and `torpor image pull`: an image layout <-> a registry.
+
+Push sends only the blobs the registry lacks (HEAD first), each in pieces (PATCH), then the
+chunk artifact's manifest (by digest) and the image's (by tag). The upload of a blob in progress
+is recorded (its Location) under the state dir, so a push cut off mid-blob (a registry that died,
+a lost connection) resumes where the registry stands when run again; the local layout is only
+read.
+
+Pull fetches the image's manifest, config and layer, each checked against its digest and size
+before it is used; unpacks the layer (layer.unpack: plain files at safe paths only) into a new
+private directory, checks torpor.json against the image's annotation, and for a packed
+checkpoint gets every chunk its snapshot names: hard-linked from the node's store where it has
+it, else fetched from the chunk artifact, checked against the blob digest and the chunk's own
+sha256 name before it is written. Any failure removes the directory: nothing half-pulled is left
+to restore from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
+
+from ..errors import CorruptCheckpointError, UsageError
+from ..files import atomic_write, loads_json, private_dir, write_new
+from ..layout import CHUNKS, MANIFEST, PACKED, safe_relpath
+from ..store import Store, chunk, images, snapshot
+from ..store.backend import BLOB_NAME
+from . import layer, oci
+from .client import Client
+
+PIECE = 8 << 20
+MAX_CHUNK_BLOB = chunk.HEADER.size + chunk.MAX_CHUNK + 1024
+LAYER_TYPES = (oci.LAYER_TYPE, "application/vnd.docker.image.rootfs.diff.tar",
+               oci.LAYER_TYPE + "+gzip", "application/vnd.docker.image.rootfs.diff.tar.gzip")
+
+
+@dataclasses.dataclass(frozen=True)
+class PushResult:
+    reference: str
+    digest: str
+    blobs: int
+    uploaded_blobs: int
+    skipped_blobs: int        # the registry had them
+    resumed_blobs: int        # an upload cut off earlier, continued
+    bytes_total: int          # of all the image's blobs
+    bytes_sent: int           # on the wire, manifests included
+
+
+@dataclasses.dataclass(frozen=True)
+class PullResult:
+    reference: str
+    digest: str
+    directory: str            # the unpacked layer
+    checkpoint: str           # where torpor.json is: restore -D this
+    chunks: int
+    chunks_fetched: int
+    chunks_from_store: int
+    bytes_received: int
+
+
+# --- push -------------------------------------------------------------------------------------
+
+def _read_layout(path: Path) -> tuple[oci.Descriptor, oci.Manifest, oci.Manifest | None]:
+    """The image manifest of an OCI layout torpor built (its first manifest) and its chunk
+    artifact's, each checked against its digest."""
+    def blob(d: oci.Descriptor) -> bytes:
+        data = (path / "blobs" / "sha256" / d.digest.removeprefix("sha256:")).read_bytes()
+        if oci.digest_of(data) != d.digest:
+            raise CorruptCheckpointError(f"{path}: blob {d.digest} does not match its digest")
+        return data
+    try:
+        index = loads_json((path / "index.json").read_bytes())
+        image_d = oci.Descriptor.from_json(index["manifests"][0], f"{path}/index.json")
+    except FileNotFoundError:
+        raise UsageError(f"{path} is not an OCI image layout (no index.json)") from None
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise CorruptCheckpointError(f"{path}/index.json is not an OCI image index") from None
+    image = oci.Manifest.parse(blob(image_d), f"{path}: {image_d.digest}")
+    chunks_digest = image.annotation(oci.A_CHUNKS)
+    art = None
+    if chunks_digest:
+        d = oci.Descriptor(oci.MANIFEST_TYPE, chunks_digest, 0)
+        art = oci.Manifest.parse(blob(d), f"{path}: {chunks_digest}")
+    return image_d, image, art
+
+
+class _Uploads:
+    """Uploads in progress, one file each under state_dir/registry-uploads: the Location to
+    resume at."""
+
+    def __init__(self, state_dir: Path, client: Client) -> None:
+        self.dir, self.client = state_dir / "registry-uploads", client
+
+    def _file(self, digest: str) -> Path:
+        key = f"{self.client.ref.host}/{self.client.ref.repository}@{digest}"
+        return self.dir / hashlib.sha256(key.encode()).hexdigest()
+
+    def resume(self, digest: str) -> tuple[str, int] | None:
+        try:
+            location = self._file(digest).read_text()
+        except (FileNotFoundError, UnicodeDecodeError):
+            return None
+        offset = self.client.upload_offset(location)
+        return None if offset is None else (location, offset)
+
+    def save(self, digest: str, location: str) -> None:
+        private_dir(self.dir)
+        atomic_write(self._file(digest), location.encode())
+
+    def done(self, digest: str) -> None:
+        self._file(digest).unlink(missing_ok=True)
+
+
+def push(layout: Path, client: Client, state_dir: Path,
+         say: Callable[[str], None] = lambda s: None) -> PushResult:
+    image_d, image, art = _read_layout(layout)
+    blobs: dict[str, oci.Descriptor] = {}
+    for m in ([art] if art else []) + [image]:
+        for d in (m.config, *m.layers):
+            blobs.setdefault(d.digest, d)
+    client.ping()
+    uploads = _Uploads(state_dir, client)
+    uploaded = skipped = resumed = 0
+    for i, d in enumerate(blobs.values()):
+        if client.has_blob(d.digest):
+            skipped += 1
+            continue
+        path = layout / "blobs" / "sha256" / d.digest.removeprefix("sha256:")
+        if os.path.getsize(path) != d.size:
+            raise CorruptCheckpointError(f"{layout}: blob {d.digest} has "
+                                         f"{os.path.getsize(path)} bytes, {d.size} expected")
+        at = uploads.resume(d.digest)
+        if at:
+            resumed += 1
+            say(f"resuming blob {d.digest[:19]} at byte {at[1]}")
+        location, offset = at or (client.start_upload(), 0)
+        uploads.save(d.digest, location)
+        with open(path, "rb") as f:
+            f.seek(offset)
+            while offset < d.size:
+                data = f.read(PIECE)
+                if not data:
+                    raise CorruptCheckpointError(f"{layout}: blob {d.digest} ends early")
+                location = client.patch(location, data, offset)
+                offset += len(data)
+                uploads.save(d.digest, location)
+        client.finish_upload(location, d.digest)
+        uploads.done(d.digest)
+        uploaded += 1
+        if i % 50 == 0:
+            say(f"pushed {i + 1}/{len(blobs)} blobs")
+    if art:
+        client.put_manifest(image.annotation(oci.A_CHUNKS) or "", art.dump())
+    client.put_manifest(client.ref.tag or "latest", _layout_bytes(layout, image_d))
+    return PushResult(str(client.ref), image_d.digest, len(blobs), uploaded, skipped, resumed,
+                      sum(d.size for d in blobs.values()), client.sent)
+
+
+def _layout_bytes(layout: Path, d: oci.Descriptor) -> bytes:
+    return (layout / "blobs" / "sha256" / d.digest.removeprefix("sha256:")).read_bytes()
+
+
+# --- pull -------------------------------------------------------------------------------------
+
+def _manifest(client: Client, ref: str, want: str | None) -> tuple[bytes, oci.Manifest]:
+    data = client.get_manifest(ref)
+    if want and oci.digest_of(data) != want:
+        raise CorruptCheckpointError(f"registry {client.ref.host}: manifest {ref} does not "
+                                     f"match its digest {want}: tampered, refused")
+    return data, oci.Manifest.parse(data, f"{client.ref}")
+
+
+def pull(client: Client, dest: Path, store: Store,
+         layout_out: Path | None = None) -> PullResult:
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise UsageError(f"{dest} is not a new or empty directory")
+    private_dir(dest)
+    try:
+        return _pull(client, dest, store, layout_out)
+    except BaseException:
+        shutil.rmtree(dest, ignore_errors=True)
+        raise
+
+
+def _pull(client: Client, dest: Path, store: Store, layout_out: Path | None) -> PullResult:
+    ref = client.ref
+    raw, image = _manifest(client, ref.ref, ref.digest)
+    digest = oci.digest_of(raw)
+    if len(image.layers) != 1 or image.layers[0].media_type not in LAYER_TYPES:
+        raise CorruptCheckpointError(f"{ref} is not a checkpoint image (one tar layer)")
+    config = io.BytesIO()
+    if image.config.size > oci.MAX_CONFIG_BYTES:
+        raise CorruptCheckpointError(f"{ref}: its config is implausibly large")
+    client.get_blob(image.config, config)
+    layer_d = image.layers[0]
+    tmp = dest / ".layer.tmp"
+    with open(tmp, "xb") as f:
+        client.get_blob(layer_d, f)
+    try:
+        with open(tmp, "rb") as f:
+            cap = layer_d.size if layer_d.media_type in LAYER_TYPES[:2] \
+                else shutil.disk_usage(dest).free
+            files = layer.unpack(f, dest, f"{ref} layer", cap)
+    finally:
+        if layout_out is None:
+            tmp.unlink()
+    top = _checkpoint_dir(image, dest, files, str(ref))
+    fetched = from_store = n = 0
+    chunks_digest = image.annotation(oci.A_CHUNKS)
+    if (top / PACKED).exists():
+        if not chunks_digest:
+            raise CorruptCheckpointError(f"{ref}: a packed checkpoint without its chunk artifact")
+        _d, art = _manifest(client, chunks_digest, chunks_digest)
+        n, fetched, from_store = _chunks(client, art, top, store)
+    if layout_out is not None:
+        _write_layout(layout_out, image, raw, config.getvalue(), tmp, ref.tag or "latest")
+        tmp.unlink()
+    return PullResult(str(ref), digest, str(dest), str(top), n, fetched, from_store,
+                      client.received)
+
+
+def _checkpoint_dir(image: oci.Manifest, dest: Path, files: list[str], where: str) -> Path:
+    """The directory of torpor.json in the unpacked layer, checked against the annotation."""
+    path = image.annotation(oci.A_PATH) or next(
+        (f for f in sorted(files, key=lambda f: f.count("/")) if f.endswith(MANIFEST)), None)
+    if path is None or path not in files:
+        raise CorruptCheckpointError(f"{where} holds no {MANIFEST}: not a torpor checkpoint image")
+    safe_relpath(path)
+    want = image.annotation(oci.A_MANIFEST)
+    if want and "sha256:" + hashlib.sha256((dest / path).read_bytes()).hexdigest() != want:
+        raise CorruptCheckpointError(f"{where}: {path} does not match the image's annotation "
+                                     f"{oci.A_MANIFEST}: tampered, refused")
+    return (dest / path).parent
+
+
+def _chunks(client: Client, art: oci.Manifest, top: Path, store: Store) -> tuple[int, int, int]:
+    """Every chunk top's snapshot names into top/torpor-chunks: (chunks, fetched, from the
+    store)."""
+    if art.artifact_type != oci.CHUNKS_ARTIFACT:
+        raise CorruptCheckpointError(f"{client.ref}: its chunk artifact has artifactType "
+                                     f"{str(art.artifact_type)[:80]!r}")
+    by_name: dict[str, oci.Descriptor] = {}
+    for d in art.layers:
+        name = d.annotation(oci.A_CHUNK) or ""
+        if d.media_type != oci.CHUNK_TYPE or not BLOB_NAME.fullmatch(name) \
+                or d.size > MAX_CHUNK_BLOB:
+            raise CorruptCheckpointError(f"{client.ref}: its chunk artifact lists a blob that "
+                                         "is no chunk: refused")
+        by_name[name] = d
+    names = sorted(snapshot.chunk_names(images.packed_doc(top)))
+    missing = [c for c in names if c not in by_name]
+    if missing:
+        raise CorruptCheckpointError(f"{client.ref}: chunk {missing[0]} of the checkpoint is not "
+                                     f"in its chunk artifact ({len(missing)} missing)")
+    out = private_dir(top / CHUNKS)
+    fetched = from_store = 0
+    for name in names:
+        src = store.backend.blob_path(name) if store.backend.has_blob(name) else None
+        if src is not None:
+            try:
+                os.link(src, out / name)
+                from_store += 1
+                continue
+            except OSError:
+                pass
+        buf = io.BytesIO()
+        client.get_blob(by_name[name], buf)
+        blob = buf.getvalue()
+        chunk.decode(blob, name, f"{client.ref} chunk artifact")
+        write_new(out / name, blob)
+        fetched += 1
+    return len(names), fetched, from_store
+
+
+def _write_layout(path: Path, image: oci.Manifest, raw: bytes, config: bytes, layer_tmp: Path,
+                  tag: str) -> None:
+    """The pulled image (manifest as the registry gave it, config, layer) as an OCI layout; the
+    chunks stay in the checkpoint directory."""
+    from .build import Layout
+    lay = Layout(path)
+    lay.add(config)
+    os.link(layer_tmp, lay.blob_path(image.layers[0].digest))
+    digest = lay.add(raw)
+    lay.finish(oci.Descriptor(oci.MANIFEST_TYPE, digest, len(raw), ((oci.A_REF_NAME, tag),)), [])
