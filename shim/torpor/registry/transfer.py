@@ -91,7 +91,10 @@ def _read_layout(path: Path) -> tuple[oci.Descriptor, oci.Manifest, oci.Manifest
 
 class _Uploads:
     """Uploads in progress, one file each under state_dir/registry-uploads: the Location to
-    resume at."""
+    resume at and the bytes the registry had acknowledged there. An upload resumes only where
+    the registry still stands at exactly that offset: a PATCH cut off midway leaves bytes that
+    were never acknowledged (docker-registry then refuses or garbles the upload), and that
+    blob starts over."""
 
     def __init__(self, state_dir: Path, client: Client) -> None:
         self.dir, self.client = state_dir / "registry-uploads", client
@@ -102,15 +105,17 @@ class _Uploads:
 
     def resume(self, digest: str) -> tuple[str, int] | None:
         try:
-            location = self._file(digest).read_text()
-        except (FileNotFoundError, UnicodeDecodeError):
+            saved = loads_json(self._file(digest).read_bytes())
+            location, offset = saved["location"], saved["offset"]
+        except (FileNotFoundError, ValueError, TypeError, KeyError):
             return None
-        offset = self.client.upload_offset(location)
-        return None if offset is None else (location, offset)
+        if not isinstance(location, str) or not isinstance(offset, int) or offset <= 0:
+            return None
+        return (location, offset) if self.client.upload_offset(location) == offset else None
 
-    def save(self, digest: str, location: str) -> None:
+    def save(self, digest: str, location: str, offset: int) -> None:
         private_dir(self.dir)
-        atomic_write(self._file(digest), location.encode())
+        atomic_write(self._file(digest), oci.canonical({"location": location, "offset": offset}))
 
     def done(self, digest: str) -> None:
         self._file(digest).unlink(missing_ok=True)
@@ -139,7 +144,6 @@ def push(layout: Path, client: Client, state_dir: Path,
             resumed += 1
             say(f"resuming blob {d.digest[:19]} at byte {at[1]}")
         location, offset = at or (client.start_upload(), 0)
-        uploads.save(d.digest, location)
         with open(path, "rb") as f:
             f.seek(offset)
             while offset < d.size:
@@ -148,7 +152,7 @@ def push(layout: Path, client: Client, state_dir: Path,
                     raise CorruptCheckpointError(f"{layout}: blob {d.digest} ends early")
                 location = client.patch(location, data, offset)
                 offset += len(data)
-                uploads.save(d.digest, location)
+                uploads.save(d.digest, location, offset)
         client.finish_upload(location, d.digest)
         uploads.done(d.digest)
         uploaded += 1
