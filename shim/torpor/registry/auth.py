@@ -62,9 +62,9 @@ def parse_reference(text: str) -> Reference:
         host, path = first, tail
     else:
         host, path = DOCKER_HUB, rest if "/" in rest.split(":")[0] else f"library/{rest}"
-    repo, _, tag = path.rpartition(":") if ":" in path else (path, "", "")
-    if not _HOST.fullmatch(host) or not _REPO.fullmatch(repo) or (tag and not _TAG.fullmatch(tag)) \
-            or (digest and not _DIGEST.fullmatch(digest)):
+    repo, colon, tag = path.rpartition(":") if ":" in path else (path, "", "")
+    if not _HOST.fullmatch(host) or not _REPO.fullmatch(repo) or (colon and not _TAG.fullmatch(tag)) \
+            or ("@" in text and not _DIGEST.fullmatch(digest)):
         raise bad
     return Reference(host, repo, tag or None, digest or None)
 
