@@ -55,7 +55,9 @@ bash packaging/criu/install-criu.sh --pycriu-into "$site" --python "$PREFIX/bin/
 # --no-install-recommends: runc recommends the distribution's criu, older than CRIU 4 on
 # Debian 12 (a second criu on PATH), and podman recommends buildah, slirp4netns, ... (unused).
 missing=()
-for pkg in podman containerd runc iptables; do
+# docker-registry, apache2-utils (htpasswd), openssl: tests/integration/test_registry.py runs a
+# real registry with TLS and htpasswd auth, as a user would (docs/registries.md).
+for pkg in podman containerd runc iptables docker-registry apache2-utils openssl; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
 done
 if ((${#missing[@]})); then

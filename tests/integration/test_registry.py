@@ -246,3 +246,45 @@ def test_a_push_cut_off_by_a_dying_registry_resumes(node_a, node_b, registry, tm
     node_b.json("restore", "-D", pulled["checkpoint"])
     n = _count(status)
     wait_for(lambda: _count(status) > n + 3, 10, "the restored program to go on")
+
+
+def _checkpointctl() -> str | None:
+    """checkpointctl where ./install.sh built it (packaging/checkpointctl/build.sh), or
+    $TORPOR_CHECKPOINTCTL."""
+    import shutil
+    return os.environ.get("TORPOR_CHECKPOINTCTL") or shutil.which("checkpointctl")
+
+
+def test_a_podman_checkpoint_image_round_trips_and_podman_restores_it(node_a, node_b, registry,
+                                                                      podman_image, tmp_path):
+    from integration.containers import Counter, Podman
+    podman, counter, name = Podman("runc"), Counter(tmp_path / "data"), f"reg-{os.getpid()}"
+    try:
+        podman.run(name, counter.cmd, mounts=[counter.mount])
+        token, _ = counter.wait_beyond(5)
+        podman.checkpoint(name, export=tmp_path / "ckpt.tar.zst")
+        at = counter.read()[1]
+        built = node_a.json("image", "build", str(tmp_path / "ckpt.tar.zst"), "-o",
+                            str(tmp_path / "img"))
+        assert built["annotations"]["org.criu.checkpoint.container.name"] == name
+        assert built["annotations"]["io.podman.annotations.checkpoint.name"] == name
+        assert built["annotations"]["org.criu.checkpoint.engine.name"] == "podman"
+        node_a.json("image", "push", str(tmp_path / "img"), f"{registry.host}/pod/ck:v1",
+                    *registry.args())
+        podman.rm(name)
+        pulled = node_b.json("image", "pull", f"{registry.host}/pod/ck:v1", "-D",
+                             str(tmp_path / "p"), "--archive", str(tmp_path / "pulled.tar"),
+                             *registry.args())
+        assert not pulled["has_manifest"]
+        assert {"config.dump", "spec.dump", "checkpoint"} <= {p.name for p in (tmp_path / "p").iterdir()}
+        tool = _checkpointctl()
+        if tool:
+            for cmd in ("show", "inspect"):
+                out = subprocess.run([tool, cmd, str(tmp_path / "pulled.tar")], capture_output=True,
+                                     text=True, timeout=60)
+                assert out.returncode == 0 and name in out.stdout, (cmd, out.stdout, out.stderr)
+        podman.restore(import_=tmp_path / "pulled.tar")
+        assert podman.state(name) == "running"
+        counter.wait_beyond(at + 3, token=token)
+    finally:
+        podman.rm(name)

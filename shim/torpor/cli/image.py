@@ -56,6 +56,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="new or empty directory for the image's files (created 0700)")
     g.add_argument("--oci-layout", type=Path,
                    help="also keep the image (manifest, config, layer) as an OCI layout here")
+    g.add_argument("--archive", type=Path,
+                   help="also write the verified layer here as a checkpoint archive (for a "
+                        "podman image: podman container restore --import ARCHIVE)")
     _registry_args(g)
     g.set_defaults(action=_pull)
 
@@ -90,7 +93,8 @@ def _push(args: argparse.Namespace, ctx: Context) -> None:
 def _pull(args: argparse.Namespace, ctx: Context) -> None:
     client = _client(args)
     try:
-        r = transfer.pull(client, args.directory, policy.open_store(ctx.cfg), args.oci_layout)
+        r = transfer.pull(client, args.directory, policy.open_store(ctx.cfg), args.oci_layout,
+                          args.archive)
     finally:
         client.close()
     ctx.emit(dataclasses.asdict(r),
@@ -98,7 +102,9 @@ def _pull(args: argparse.Namespace, ctx: Context) -> None:
              + (f": {r.chunks} chunk(s), {r.chunks_fetched} fetched, {r.chunks_from_store} "
                 "from the image store" if r.chunks else "")
              + f"; {human_bytes(r.bytes_received)} received\n"
-             f"restore it with: torpor restore -D {r.checkpoint}")
+             + (f"restore it with: torpor restore -D {r.checkpoint}" if r.has_manifest else
+                "an engine's checkpoint (no torpor.json): restore it with podman container "
+                "restore --import (see --archive)"))
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import archive, manifest
-from ..errors import UsageError
+from ..errors import NotFoundError, UsageError
 from ..files import atomic_write, loads_json, private_dir, write_new
 from ..layout import CHUNKS, MANIFEST
 from ..store import chunk, images, snapshot
@@ -111,17 +111,19 @@ def annotations_for(m: dict[str, Any], name: str, manifest_bytes: bytes, manifes
     a = {
         "org.criu.checkpoint.container.name": name,
         "org.criu.checkpoint.engine.name": "podman" if config else "torpor",
-        "org.criu.checkpoint.engine.version": str(m.get("torpor_version", "")),
+        "org.criu.checkpoint.engine.version": str(m.get("torpor_version", "")
+                                                  or config.get("podmanVersion", "") or ""),
         "org.criu.checkpoint.criu.version": str(m.get("criu_version", "")),
         "org.criu.checkpoint.host.arch": GOARCH.get(platform.machine(), platform.machine()),
         "org.criu.checkpoint.host.kernel": str(m.get("kernel", "")),
         "io.kubernetes.cri-o.annotations.checkpoint.name": name,
         "io.podman.annotations.checkpoint.name": name,
-        oci.A_MANIFEST: "sha256:" + hashlib.sha256(manifest_bytes).hexdigest(),
-        oci.A_PATH: manifest_path,
-        oci.A_GPUS: json.dumps([{k: g.get(k) for k in ("uuid", "name", "memory_total")}
-                                for g in m.get("gpus", [])], separators=(",", ":")),
     }
+    if manifest_path:
+        a[oci.A_MANIFEST] = "sha256:" + hashlib.sha256(manifest_bytes).hexdigest()
+        a[oci.A_PATH] = manifest_path
+        a[oci.A_GPUS] = json.dumps([{k: g.get(k) for k in ("uuid", "name", "memory_total")}
+                                    for g in m.get("gpus", [])], separators=(",", ":"))
     for key, field in (("rootfsImage", "rootfsImage"), ("rootfsImageName", "rootfsImageName"),
                        ("rootfsImageID", "rootfsImageRef"), ("runtime.name", "ociRuntime")):
         if isinstance(config.get(field), str) and config[field]:
@@ -136,9 +138,15 @@ def build(src: Path, out: Path, name: str = "", tag: str = "latest") -> Built:
         mbytes = (src / MANIFEST).read_bytes()
         mpath, engine, packed = f"{CHECKPOINT_DIR}/{MANIFEST}", {}, images.is_packed(src)
     elif os.path.lexists(src):
-        top, mbytes = archive._find(src)
-        m = manifest.parse(mbytes, f"{src}:{MANIFEST}")
-        mpath, engine, packed = (top / MANIFEST).as_posix(), _engine_files(src), False
+        engine, packed = _engine_files(src), False
+        try:
+            top, mbytes = archive._find(src)
+            m, mpath = manifest.parse(mbytes, f"{src}:{MANIFEST}"), (top / MANIFEST).as_posix()
+        except NotFoundError:   # an engine's own checkpoint (runc, crun): no torpor.json
+            if not engine:
+                raise UsageError(f"{src} holds neither {MANIFEST} nor config.dump/spec.dump: "
+                                 "not a checkpoint archive") from None
+            m, mbytes, mpath = {}, b"", ""
     else:
         raise UsageError(f"no checkpoint directory or archive {src}")
     name = name or (src.name if src.is_dir() else "")

@@ -56,11 +56,12 @@ class PullResult:
     reference: str
     digest: str
     directory: str            # the unpacked layer
-    checkpoint: str           # where torpor.json is: restore -D this
+    checkpoint: str           # where torpor.json is: restore -D this (else the directory)
     chunks: int
     chunks_fetched: int
     chunks_from_store: int
     bytes_received: int
+    has_manifest: bool        # torpor's checkpoint; else an engine's own (runc, crun)
 
 
 # --- push -------------------------------------------------------------------------------------
@@ -179,19 +180,20 @@ def _manifest(client: Client, ref: str, want: str | None) -> tuple[bytes, oci.Ma
     return data, oci.Manifest.parse(data, f"{client.ref}")
 
 
-def pull(client: Client, dest: Path, store: Store,
-         layout_out: Path | None = None) -> PullResult:
+def pull(client: Client, dest: Path, store: Store, layout_out: Path | None = None,
+         archive_out: Path | None = None) -> PullResult:
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise UsageError(f"{dest} is not a new or empty directory")
     private_dir(dest)
     try:
-        return _pull(client, dest, store, layout_out)
+        return _pull(client, dest, store, layout_out, archive_out)
     except BaseException:
         shutil.rmtree(dest, ignore_errors=True)
         raise
 
 
-def _pull(client: Client, dest: Path, store: Store, layout_out: Path | None) -> PullResult:
+def _pull(client: Client, dest: Path, store: Store, layout_out: Path | None,
+          archive_out: Path | None) -> PullResult:
     ref = client.ref
     raw, image = _manifest(client, ref.ref, ref.digest)
     digest = oci.digest_of(raw)
@@ -205,14 +207,10 @@ def _pull(client: Client, dest: Path, store: Store, layout_out: Path | None) -> 
     tmp = dest / ".layer.tmp"
     with open(tmp, "xb") as f:
         client.get_blob(layer_d, f)
-    try:
-        with open(tmp, "rb") as f:
-            cap = layer_d.size if layer_d.media_type in LAYER_TYPES[:2] \
-                else shutil.disk_usage(dest).free
-            files = layer.unpack(f, dest, f"{ref} layer", cap)
-    finally:
-        if layout_out is None:
-            tmp.unlink()
+    with open(tmp, "rb") as f:
+        cap = layer_d.size if layer_d.media_type in LAYER_TYPES[:2] \
+            else shutil.disk_usage(dest).free
+        files = layer.unpack(f, dest, f"{ref} layer", cap)
     top = _checkpoint_dir(image, dest, files, str(ref))
     fetched = from_store = n = 0
     chunks_digest = image.annotation(oci.A_CHUNKS)
@@ -223,17 +221,28 @@ def _pull(client: Client, dest: Path, store: Store, layout_out: Path | None) -> 
         n, fetched, from_store = _chunks(client, art, top, store)
     if layout_out is not None:
         _write_layout(layout_out, image, raw, config.getvalue(), tmp, ref.tag or "latest")
-        tmp.unlink()
+    if archive_out is not None:   # the layer, verified and checked: an engine's archive
+        try:
+            os.link(tmp, archive_out)
+        except FileExistsError:
+            raise UsageError(f"{archive_out} exists already") from None
+    tmp.unlink()
     return PullResult(str(ref), digest, str(dest), str(top), n, fetched, from_store,
-                      client.received)
+                      client.received, (top / MANIFEST).is_file())
 
 
 def _checkpoint_dir(image: oci.Manifest, dest: Path, files: list[str], where: str) -> Path:
-    """The directory of torpor.json in the unpacked layer, checked against the annotation."""
-    path = image.annotation(oci.A_PATH) or next(
-        (f for f in sorted(files, key=lambda f: f.count("/")) if f.endswith(MANIFEST)), None)
-    if path is None or path not in files:
-        raise CorruptCheckpointError(f"{where} holds no {MANIFEST}: not a torpor checkpoint image")
+    """The directory of torpor.json in the unpacked layer, checked against the annotation;
+    dest itself for an engine's checkpoint image without torpor's manifest."""
+    path = image.annotation(oci.A_PATH)
+    if path is None:
+        if any(k.startswith(("org.criu.checkpoint.", "io.podman.annotations.checkpoint."))
+               for k, _v in image.annotations):
+            return dest
+        raise CorruptCheckpointError(f"{where} is not a checkpoint image (no checkpoint "
+                                     "annotations)")
+    if path not in files:
+        raise CorruptCheckpointError(f"{where} holds no {path[:200]}: refused")
     safe_relpath(path)
     want = image.annotation(oci.A_MANIFEST)
     if want and "sha256:" + hashlib.sha256((dest / path).read_bytes()).hexdigest() != want:
