@@ -364,3 +364,24 @@ def test_a_manifest_that_does_not_match_the_digest_asked_for_is_refused(tmp_path
     reg.ref = auth.parse_reference(f"reg:5000/a/b@{want}")
     with pytest.raises(CorruptCheckpointError, match="tampered"):
         transfer.pull(reg, tmp_path / "p", Store(tmp_path / "store-b"))
+
+
+def test_a_layer_that_brings_its_own_chunk_folder_is_refused(tmp_path):
+    reg, _ = _pushed_packed(tmp_path)
+    image = oci.Manifest.parse(reg.manifests["v1"], "t")
+    layer_d = image.layers[0]
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=io.BytesIO(reg.blobs[layer_d.digest])) as src, \
+            tarfile.open(fileobj=buf, mode="w") as out:
+        for m in src:
+            out.addfile(m, src.extractfile(m) if m.isfile() else None)
+        planted = tarfile.TarInfo("checkpoint/torpor-chunks/" + "0" * 64)
+        planted.size = 3
+        out.addfile(planted, io.BytesIO(b"bad"))
+    new_layer = oci.Descriptor.of(oci.LAYER_TYPE, buf.getvalue())
+    reg.blobs[new_layer.digest] = buf.getvalue()
+    forged = oci.Manifest(image.config, (new_layer,), image.annotations).dump()
+    reg.manifests["v1"] = forged
+    with pytest.raises(CorruptCheckpointError, match="torpor-chunks"):
+        transfer.pull(reg, tmp_path / "p", Store(tmp_path / "store-b"))
+    assert not (tmp_path / "p").exists()

@@ -270,6 +270,9 @@ def _chunks(client: Client, art: oci.Manifest, top: Path, store: Store) -> tuple
     if missing:
         raise CorruptCheckpointError(f"{client.ref}: chunk {missing[0]} of the checkpoint is not "
                                      f"in its chunk artifact ({len(missing)} missing)")
+    if os.path.lexists(top / CHUNKS):
+        raise CorruptCheckpointError(f"{client.ref}: its layer brings a {CHUNKS}/ of its own: "
+                                     "chunks travel only in the chunk artifact, refused")
     out = private_dir(top / CHUNKS)
     fetched = from_store = 0
     for name in names:
