@@ -385,3 +385,91 @@ def test_a_layer_that_brings_its_own_chunk_folder_is_refused(tmp_path):
     with pytest.raises(CorruptCheckpointError, match="torpor-chunks"):
         transfer.pull(reg, tmp_path / "p", Store(tmp_path / "store-b"))
     assert not (tmp_path / "p").exists()
+
+
+# --- the HTTP client against a small TLS server ---------------------------------------------
+
+import http.server  # noqa: E402
+import ssl  # noqa: E402
+import subprocess  # noqa: E402
+import threading  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tls_cert(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tls")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
+                    str(d / "key.pem"), "-out", str(d / "ca.crt"), "-days", "1", "-subj",
+                    "/CN=localhost", "-addext", "subjectAltName=DNS:localhost"],
+                   check=True, capture_output=True)
+    return d
+
+
+def _server(tls_cert: Path, scheme: str):
+    seen: list[tuple[str, str, str | None]] = []
+
+    class H(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *a):
+            pass
+
+        def _send(self, code: int, body: bytes = b"", headers: dict | None = None) -> None:
+            self.send_response(code)
+            for k, v in (headers or {}).items():
+                self.send_header(k, v)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+
+        def _handle(self) -> None:
+            got = self.headers.get("Authorization")
+            seen.append((self.command, self.path, got))
+            basic = "Basic " + base64.b64encode(b"u:p").decode()
+            if self.path.startswith("/token"):
+                return self._send(200, b'{"token": "T0K"}' if got == basic else b"", None) \
+                    if got == basic else self._send(401)
+            want = basic if scheme == "basic" else "Bearer T0K"
+            if got != want:
+                port = self.server.server_address[1]
+                challenge = ('Basic realm="r"' if scheme == "basic" else
+                             f'Bearer realm="https://localhost:{port}/token",service="reg"')
+                return self._send(401, b"{}", {"WWW-Authenticate": challenge})
+            if self.command == "HEAD":
+                self.close_connection = True   # drops a kept-alive connection, unannounced
+                return self._send(404)
+            self._send(200, b"{}")
+
+        do_GET = do_HEAD = do_PUT = _handle
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(tls_cert / "ca.crt", tls_cert / "key.pem")
+    srv.socket = ctx.wrap_socket(srv.socket, server_side=True)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, seen
+
+
+@pytest.mark.parametrize("scheme", ["basic", "bearer"])
+def test_the_client_authenticates_as_the_registry_asks_and_survives_a_dropped_connection(
+        tls_cert, scheme):
+    srv, seen = _server(tls_cert, scheme)
+    try:
+        ref = auth.parse_reference(f"localhost:{srv.server_address[1]}/a/b:v1")
+        c = Client(ref, auth.tls_context(ref.host, tls_cert), ("u", "p"))
+        c.ping()
+        assert c.has_blob("sha256:" + "0" * 64) is False       # the server drops the connection
+        assert c.has_blob("sha256:" + "0" * 64) is False       # ... and the client reconnects
+        c.close()
+        if scheme == "bearer":
+            assert any(p.startswith("/token?") and "scope=repository%3Aa%2Fb%3Apull%2Cpush" in p
+                       for _m, p, _a in seen), seen
+        no_creds = Client(ref, auth.tls_context(ref.host, tls_cert), None)
+        with pytest.raises(RegistryError, match="authentication required"):
+            no_creds.ping()
+        untrusted = Client(ref, ssl.create_default_context(), ("u", "p"))
+        with pytest.raises(RegistryError, match="not trusted"):
+            untrusted.ping()
+    finally:
+        srv.shutdown()

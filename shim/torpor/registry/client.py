@@ -78,10 +78,21 @@ class Client:
         if body is not None:
             hdrs.setdefault("Content-Length", str(len(body)))
         what = what or f"{method} {path}"
+        reused = self._conn is not None
         try:
-            conn = self._connection()
-            conn.request(method, path, body=body, headers=hdrs)
-            resp = conn.getresponse()
+            try:
+                conn = self._connection()
+                conn.request(method, path, body=body, headers=hdrs)
+                resp = conn.getresponse()
+            except (ConnectionError, http.client.RemoteDisconnected):
+                # a kept-alive connection the registry closed meanwhile: once more on a new
+                # one, except for a PATCH (the registry may hold part of it: push resumes)
+                self.close()
+                if not reused or method == "PATCH":
+                    raise
+                conn = self._connection()
+                conn.request(method, path, body=body, headers=hdrs)
+                resp = conn.getresponse()
         except ssl.SSLCertVerificationError as e:
             self.close()
             raise self._fail(what, f"TLS certificate not trusted ({e.verify_message}): put its "
@@ -135,6 +146,11 @@ class Client:
             raise self._fail(what, f"token service {realm.netloc}: {e}") from None
         finally:
             conn.close()
+        if resp.status == 401:
+            raise self._fail(what, "authentication refused by the token service: log in with "
+                             "podman login (or give --authfile)" if self.creds else
+                             "authentication required: no credentials for it in the auth files "
+                             "(podman login, or --authfile)")
         if resp.status != 200:
             raise self._fail(what, f"token service refused: HTTP {resp.status}")
         try:
