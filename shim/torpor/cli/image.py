@@ -1,5 +1,5 @@
-"""torpor image build|push|pull: checkpoints as OCI checkpoint images, through a registry
-(docs/registries.md)."""
+"""torpor image build|push|pull: checkpoints as OCI checkpoint images, moved between nodes
+through a container registry (the containers auth files and certs.d apply)."""
 
 from __future__ import annotations
 
@@ -61,6 +61,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "podman image: podman container restore --import ARCHIVE)")
     _registry_args(g)
     g.set_defaults(action=_pull)
+    for action in (b, u, g):   # --json after the action too
+        action.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                            help="print the result as JSON")
 
 
 def _client(args: argparse.Namespace) -> Client:
