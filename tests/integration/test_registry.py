@@ -129,6 +129,27 @@ def test_a_second_checkpoint_pushes_only_what_changed(node_a, node_b, registry, 
     wait_for(lambda: _count(status) > before + 3, 10, "the restored program to go on")
 
 
+def test_a_bare_checkpoint_travels_as_one_layer(node_a, node_b, registry, tmp_path, reaper):
+    prog, status = _stable_program(tmp_path, reaper)
+    node_a.json("checkpoint", str(prog.pid), "-D", str(tmp_path / "ck"))
+    checkpointed_and_reaped(type("P", (), {"proc": prog})())
+    built = node_a.json("image", "build", str(tmp_path / "ck"), "-o", str(tmp_path / "img"))
+    assert built["chunks"] == 0 and built["layer_bytes"] > 64 << 20
+    pushed = node_a.json("image", "push", str(tmp_path / "img"), f"{registry.host}/bare/ck:v1",
+                         *registry.args())
+    assert pushed["blobs"] == 2 and pushed["bytes_sent"] >= built["layer_bytes"]
+    pulled = node_b.json("image", "pull", f"{registry.host}/bare/ck:v1", "-D", str(tmp_path / "p"),
+                         "--oci-layout", str(tmp_path / "layout"), *registry.args())
+    assert pulled["chunks"] == 0 and pulled["has_manifest"]
+    assert sorted(p.name for p in Path(pulled["checkpoint"]).iterdir()) == \
+        sorted(p.name for p in (tmp_path / "ck").iterdir())
+    index = json.loads((tmp_path / "layout" / "index.json").read_text())
+    assert index["manifests"][0]["digest"] == pushed["digest"] == built["digest"]
+    n = _count(status)
+    node_b.json("restore", "-D", pulled["checkpoint"])    # verifies torpor.json's checksums
+    wait_for(lambda: _count(status) > n + 3, 10, "the restored program to go on")
+
+
 def _tamper(path: Path, truncate: bool) -> None:
     data = bytearray(path.read_bytes())
     if truncate:
