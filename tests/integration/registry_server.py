@@ -24,9 +24,9 @@ def missing() -> str | None:
     return None
 
 
-def _free_port() -> int:
+def _free_port(ip: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((ip, 0))
         return s.getsockname()[1]
 
 
@@ -35,11 +35,13 @@ def _openssl(*args: str, cwd: Path) -> None:
 
 
 class Registry:
-    def __init__(self, root: Path) -> None:
-        self.root = root
+    def __init__(self, root: Path, ip: str = "127.0.0.1") -> None:
+        """ip: the address it listens on (127.0.0.1, named localhost; or a veth's, reached from
+        another network namespace)."""
+        self.root, self.ip = root, ip
         root.mkdir(parents=True, exist_ok=True)
-        self.port = _free_port()
-        self.host = f"localhost:{self.port}"
+        self.port = _free_port(ip)
+        self.host = f"localhost:{self.port}" if ip == "127.0.0.1" else f"{ip}:{self.port}"
         self.storage = root / "storage"
         self.certs = root / "certs.d" / self.host    # what --cert-dir is given
         self.certs.mkdir(parents=True)
@@ -47,7 +49,7 @@ class Registry:
                  "ca.crt", "-days", "2", "-subj", "/CN=torpor test CA", cwd=root)
         _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out",
                  "server.csr", "-subj", "/CN=localhost", cwd=root)
-        (root / "san.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+        (root / "san.cnf").write_text(f"subjectAltName=DNS:localhost,IP:127.0.0.1,IP:{ip}\n")
         _openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
                  "-CAcreateserial", "-out", "server.crt", "-days", "2", "-extfile", "san.cnf",
                  cwd=root)
@@ -68,7 +70,7 @@ storage:
   delete:
     enabled: true
 http:
-  addr: 127.0.0.1:{self.port}
+  addr: {ip}:{self.port}
   secret: torpor-test-secret-kept-across-restarts
   tls:
     certificate: {root}/server.crt
@@ -90,7 +92,7 @@ auth:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"docker-registry exited: {(self.root / 'registry.log').read_text()}")
             try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                socket.create_connection((self.ip, self.port), timeout=1).close()
                 return self
             except OSError:
                 time.sleep(0.1)

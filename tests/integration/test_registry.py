@@ -309,3 +309,69 @@ def test_a_podman_checkpoint_image_round_trips_and_podman_restores_it(node_a, no
         counter.wait_beyond(at + 3, token=token)
     finally:
         podman.rm(name)
+
+
+class _InNetns(Torpor):
+    """torpor run inside network namespace ns (ip netns exec): a second node's own network."""
+
+    def __init__(self, env: dict[str, str], ns: str) -> None:
+        super().__init__(env)
+        self.ns = ns
+
+    def run(self, *args: str, timeout: float = 120, check: bool = False):
+        proc = subprocess.run(["ip", "netns", "exec", self.ns, sys.executable, "-m",
+                               "torpor.cli.main", *args], env=self.env, capture_output=True,
+                              text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"torpor {' '.join(args)} in {self.ns} exited "
+                                 f"{proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+        return proc
+
+
+@pytest.fixture
+def netns():
+    """A network namespace joined to this one by a veth pair: (its name, the address on this
+    side, reachable from it). Link-local addresses, on this machine only."""
+    ns, k = f"torpor-reg-{os.getpid()}", os.getpid() % 250 + 1
+    here, there = f"169.254.{k}.1", f"169.254.{k}.2"
+    cmds = [["ip", "netns", "add", ns],
+            ["ip", "link", "add", f"trg{k}a", "type", "veth", "peer", "name", f"trg{k}b"],
+            ["ip", "link", "set", f"trg{k}b", "netns", ns],
+            ["ip", "addr", "add", f"{here}/30", "dev", f"trg{k}a"],
+            ["ip", "link", "set", f"trg{k}a", "up"],
+            ["ip", "netns", "exec", ns, "ip", "addr", "add", f"{there}/30", "dev", f"trg{k}b"],
+            ["ip", "netns", "exec", ns, "ip", "link", "set", f"trg{k}b", "up"],
+            ["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"]]
+    try:
+        for c in cmds:
+            r = subprocess.run(c, capture_output=True, text=True)
+            if r.returncode != 0:
+                pytest.skip(f"cannot make a network namespace here: {' '.join(c)}: {r.stderr}")
+        yield ns, here
+    finally:
+        subprocess.run(["ip", "link", "del", f"trg{k}a"], capture_output=True)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def test_a_second_node_in_its_own_network_namespace_pulls_and_restores(node_a, netns, tmp_path,
+                                                                       reaper):
+    ns, ip = netns
+    registry = Registry(tmp_path / "registry", ip=ip).start()
+    try:
+        prog, status = _stable_program(tmp_path, reaper)
+        node_a.json("checkpoint", str(prog.pid), "-D", str(tmp_path / "ck"), "--store", "one")
+        checkpointed_and_reaped(type("P", (), {"proc": prog})())
+        _build_push(node_a, registry, tmp_path / "ck", tmp_path / "img", "ns/ck:v1")
+        node_b = _InNetns({**node_a.env, "TORPOR_STATE_DIR": str(tmp_path / "b-state"),
+                           "TORPOR_RUN_DIR": str(tmp_path / "b-run"),
+                           "TORPOR_STORE_DIR": str(tmp_path / "store-b")}, ns)
+        pulled = node_b.json("image", "pull", f"{registry.host}/ns/ck:v1", "-D",
+                             str(tmp_path / "p"), *registry.args())
+        assert pulled["chunks_fetched"] == pulled["chunks"] >= 16
+        n = _count(status)
+        node_b.json("restore", "-D", pulled["checkpoint"])
+        wait_for(lambda: _count(status) > n + 3, 10, "the restored program to go on")
+        netns_of = os.readlink(f"/proc/{prog.pid}/ns/net")
+        assert netns_of != os.readlink("/proc/self/ns/net")     # it lives on node b's network
+    finally:
+        registry.kill()
