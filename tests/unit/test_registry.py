@@ -331,6 +331,8 @@ def test_a_pull_verifies_every_chunk_and_takes_what_the_store_has(tmp_path):
                       other)
     assert r.chunks >= 3 and r.chunks_fetched == r.chunks and r.chunks_from_store == 0
     assert images.verify(Path(r.checkpoint)) == r.chunks
+    for c in (Path(r.checkpoint) / "torpor-chunks").iterdir():    # into node b's store, linked
+        assert other.backend.has_blob(c.name) and c.stat().st_nlink == 2
     assert manifest.read(Path(r.checkpoint))["gpus"][0]["uuid"] == "GPU-1234"
     local = transfer.pull(FakeRegistry(blobs=reg.blobs, manifests=reg.manifests), tmp_path / "q",
                           store, layout_out=tmp_path / "layout")

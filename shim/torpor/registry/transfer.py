@@ -9,9 +9,10 @@ read.
 Pull fetches the image's manifest, config and layer, each checked against its digest and size
 before it is used; unpacks the layer (layer.unpack: plain files at safe paths only) into a new
 private directory, checks torpor.json against the image's annotation, and for a packed
-checkpoint gets every chunk its snapshot names: hard-linked from the node's store where it has
-it, else fetched from the chunk artifact, checked against the blob digest and the chunk's own
-sha256 name before it is written. Any failure removes the directory: nothing half-pulled is left
+checkpoint gets every chunk its snapshot names into the node's image store: only those it
+lacks are fetched from the chunk artifact, each checked against the blob digest and the
+chunk's own sha256 name before it enters the store. The directory's torpor-chunks/ then links
+to the store's copies (a packed directory, self-contained, restored like any). Any failure removes the directory: nothing half-pulled is left
 to restore from.
 """
 
@@ -275,22 +276,33 @@ def _chunks(client: Client, art: oci.Manifest, top: Path, store: Store) -> tuple
                                      "chunks travel only in the chunk artifact, refused")
     out = private_dir(top / CHUNKS)
     fetched = from_store = 0
-    for name in names:
-        src = store.backend.blob_path(name) if store.backend.has_blob(name) else None
-        if src is not None:
-            try:
-                os.link(src, out / name)
+    with store.backend.lock(False, store.lock_timeout):   # gc waits: no chunk goes meanwhile
+        for name in names:
+            if store.backend.has_blob(name):
                 from_store += 1
-                continue
-            except OSError:
-                pass
-        buf = io.BytesIO()
-        client.get_blob(by_name[name], buf)
-        blob = buf.getvalue()
-        chunk.decode(blob, name, f"{client.ref} chunk artifact")
-        write_new(out / name, blob)
-        fetched += 1
+            else:
+                buf = io.BytesIO()
+                client.get_blob(by_name[name], buf)
+                blob = buf.getvalue()
+                chunk.decode(blob, name, f"{client.ref} chunk artifact")
+                store.backend.put_blob(name, blob)
+                fetched += 1
+            _link_from_store(store, name, out / name)
+        store.backend.sync()
     return len(names), fetched, from_store
+
+
+def _link_from_store(store: Store, name: str, dest: Path) -> None:
+    """dest as a hard link to the store's blob name (a copy where the store has no local file
+    or another filesystem): the pulled directory carries its chunks, and gc keeps them."""
+    src = store.backend.blob_path(name)
+    if src is not None:
+        try:
+            os.link(src, dest)
+            return
+        except OSError:
+            pass
+    write_new(dest, store.backend.read_blob(name))
 
 
 def _write_layout(path: Path, image: oci.Manifest, raw: bytes, config: bytes, layer_tmp: Path,
