@@ -475,3 +475,15 @@ def test_the_client_authenticates_as_the_registry_asks_and_survives_a_dropped_co
             untrusted.ping()
     finally:
         srv.shutdown()
+
+
+def test_a_layer_larger_than_the_disk_is_refused_before_it_is_fetched(tmp_path):
+    reg, _ = _pushed_packed(tmp_path)
+    image = oci.Manifest.parse(reg.manifests["v1"], "t")
+    huge = oci.Descriptor(image.layers[0].media_type, image.layers[0].digest, 1 << 49)
+    reg.manifests["v1"] = oci.Manifest(image.config, (huge,), image.annotations).dump()
+    fetched = []
+    reg.get_blob = lambda d, out: fetched.append(d)   # type: ignore[method-assign]
+    with pytest.raises(UsageError, match="free"):
+        transfer.pull(reg, tmp_path / "p", Store(tmp_path / "store-b"))
+    assert [d.digest for d in fetched] == [image.config.digest] and not (tmp_path / "p").exists()

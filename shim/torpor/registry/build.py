@@ -29,8 +29,8 @@ from typing import Any
 
 from .. import archive, manifest
 from ..errors import NotFoundError, UsageError
-from ..files import atomic_write, loads_json, private_dir, write_new
-from ..layout import CHUNKS, MANIFEST
+from ..files import atomic_write, loads_json, private_dir, read_untrusted, write_new
+from ..layout import CHUNKS, MANIFEST, MAX_MANIFEST
 from ..store import chunk, images, snapshot
 from . import layer, oci
 
@@ -135,7 +135,7 @@ def build(src: Path, out: Path, name: str = "", tag: str = "latest") -> Built:
     """Build the checkpoint image of src into the OCI layout out (module docstring)."""
     if src.is_dir():
         m = manifest.read(src)
-        mbytes = (src / MANIFEST).read_bytes()
+        mbytes = read_untrusted(src, MANIFEST, MAX_MANIFEST)   # no link, as manifest.read
         mpath, engine, packed = f"{CHECKPOINT_DIR}/{MANIFEST}", {}, images.is_packed(src)
     elif os.path.lexists(src):
         engine, packed = _engine_files(src), False

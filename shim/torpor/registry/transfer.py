@@ -205,6 +205,9 @@ def _pull(client: Client, dest: Path, store: Store, layout_out: Path | None,
         raise CorruptCheckpointError(f"{ref}: its config is implausibly large")
     client.get_blob(image.config, config)
     layer_d = image.layers[0]
+    free = shutil.disk_usage(dest).free
+    if layer_d.size > free:
+        raise UsageError(f"{ref}: its layer has {layer_d.size} bytes, {dest} has {free} free")
     tmp = dest / ".layer.tmp"
     with open(tmp, "xb") as f:
         client.get_blob(layer_d, f)
