@@ -204,7 +204,11 @@ class _CutProxy:
                 c, _ = self.sock.accept()
             except OSError:
                 return
-            u = socket.create_connection(("127.0.0.1", self.upstream))
+            try:
+                u = socket.create_connection(("127.0.0.1", self.upstream))
+            except OSError:   # the registry is gone: so is this connection
+                c.close()
+                continue
             threading.Thread(target=self._pipe, args=(c, u, True), daemon=True).start()
             threading.Thread(target=self._pipe, args=(u, c, False), daemon=True).start()
 

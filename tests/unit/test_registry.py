@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import itertools
 import json
 import os
 import tarfile
@@ -241,15 +242,19 @@ class FakeRegistry(Client):
         self.uploads: dict[str, bytearray] = {}
         self.fail_patch_after: int | None = None
         self.patches = 0
+        self._ids = itertools.count()
 
     def ping(self) -> None:
         pass
+
+    def clone(self) -> "FakeRegistry":
+        return self   # one registry in memory, whatever the connections
 
     def has_blob(self, digest: str) -> bool:
         return digest in self.blobs
 
     def start_upload(self) -> str:
-        loc = f"/up/{len(self.uploads)}"
+        loc = f"/up/{next(self._ids)}"
         self.uploads[loc] = bytearray()
         return loc
 
@@ -289,9 +294,9 @@ def test_a_push_cut_off_mid_blob_resumes_at_the_acknowledged_offset(tmp_path, mo
     reg = FakeRegistry()
     reg.fail_patch_after = 3
     with pytest.raises(RegistryError):
-        transfer.push(tmp_path / "out", reg, tmp_path / "state")
+        transfer.push(tmp_path / "out", reg, tmp_path / "state", workers=1)
     reg.fail_patch_after, reg.sent = None, 0
-    res = transfer.push(tmp_path / "out", reg, tmp_path / "state")
+    res = transfer.push(tmp_path / "out", reg, tmp_path / "state", workers=1)
     assert res.resumed_blobs == 1 and res.digest == r.digest and res.skipped_blobs == 1  # config
     assert res.bytes_sent == r.layer_bytes - (2 << 20)           # two pieces not sent again
     assert reg.manifests["v1"] == (tmp_path / "out/blobs/sha256" / r.digest[7:]).read_bytes()
@@ -306,11 +311,11 @@ def test_a_resume_where_the_registry_stands_elsewhere_starts_the_blob_over(tmp_p
     reg = FakeRegistry()
     reg.fail_patch_after = 2
     with pytest.raises(RegistryError):
-        transfer.push(tmp_path / "out", reg, tmp_path / "state")
+        transfer.push(tmp_path / "out", reg, tmp_path / "state", workers=1)
     (loc,) = reg.uploads
     reg.uploads[loc] += b"half a piece the registry kept"   # a PATCH cut midway
     reg.fail_patch_after, reg.sent = None, 0
-    res = transfer.push(tmp_path / "out", reg, tmp_path / "state")
+    res = transfer.push(tmp_path / "out", reg, tmp_path / "state", workers=1)
     assert res.resumed_blobs == 0 and res.uploaded_blobs == 1 and res.bytes_sent == r.layer_bytes
 
 

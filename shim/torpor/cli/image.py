@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+from ..errors import UsageError
 from ..flows import policy
 from ..progress import human_bytes
 from ..registry import auth, build, transfer
@@ -23,6 +24,8 @@ def _registry_args(p: argparse.ArgumentParser) -> None:
                         "(default /etc/containers/certs.d/HOST:PORT)")
     p.add_argument("--tls-verify", action=argparse.BooleanOptionalAction, default=True,
                    help="verify the registry's TLS certificate (default: yes)")
+    p.add_argument("--jobs", type=int, default=transfer.WORKERS, metavar="N",
+                   help=f"connections at once (default {transfer.WORKERS})")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -72,6 +75,12 @@ def _client(args: argparse.Namespace) -> Client:
                   auth.credentials(ref, args.authfile))
 
 
+def _jobs(args: argparse.Namespace) -> int:
+    if not 1 <= args.jobs <= 64:
+        raise UsageError("--jobs must be 1 to 64")
+    return args.jobs
+
+
 def _build(args: argparse.Namespace, ctx: Context) -> None:
     r = build.build(args.source, args.output, args.name, args.tag)
     ctx.emit(dataclasses.asdict(r) | {"layout": str(r.layout)},
@@ -83,7 +92,7 @@ def _build(args: argparse.Namespace, ctx: Context) -> None:
 def _push(args: argparse.Namespace, ctx: Context) -> None:
     client = _client(args)
     try:
-        r = transfer.push(args.layout, client, ctx.cfg.state_dir, ctx.progress.say)
+        r = transfer.push(args.layout, client, ctx.cfg.state_dir, ctx.progress.say, _jobs(args))
     finally:
         client.close()
     ctx.emit(dataclasses.asdict(r),
@@ -97,7 +106,7 @@ def _pull(args: argparse.Namespace, ctx: Context) -> None:
     client = _client(args)
     try:
         r = transfer.pull(client, args.directory, policy.open_store(ctx.cfg), args.oci_layout,
-                          args.archive)
+                          args.archive, _jobs(args))
     finally:
         client.close()
     ctx.emit(dataclasses.asdict(r),

@@ -50,6 +50,12 @@ class Client:
         self._auth: str | None = None
         self.base = f"/v2/{ref.repository}"
 
+    def clone(self) -> "Client":
+        """Another connection to the same registry, with the authorization found so far."""
+        c = Client(self.ref, self.ctx, self.creds)
+        c._auth = self._auth
+        return c
+
     # --- plumbing ----------------------------------------------------------------------------
 
     def _fail(self, what: str, why: str) -> RegistryError:

@@ -23,8 +23,10 @@ import hashlib
 import io
 import os
 import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable, TypeVar
 
 from ..errors import CorruptCheckpointError, UsageError
 from ..files import atomic_write, loads_json, private_dir, write_new
@@ -35,6 +37,7 @@ from . import layer, oci
 from .client import Client
 
 PIECE = 8 << 20
+WORKERS = 4   # connections at once: blobs are mostly 4 MiB chunks, one round trip each
 MAX_CHUNK_BLOB = chunk.HEADER.size + chunk.MAX_CHUNK + 1024
 LAYER_TYPES = (oci.LAYER_TYPE, "application/vnd.docker.image.rootfs.diff.tar",
                oci.LAYER_TYPE + "+gzip", "application/vnd.docker.image.rootfs.diff.tar.gzip")
@@ -63,6 +66,44 @@ class PullResult:
     chunks_from_store: int
     bytes_received: int
     has_manifest: bool        # torpor's checkpoint; else an engine's own (runc, crun)
+
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def _each(client: Client, items: Iterable[T], fn: Callable[[Client, T], R], workers: int
+          ) -> list[R]:
+    """fn(c, item) for every item, over `workers` connections at once (each thread its own
+    clone of client); the results in order. The first failure is raised once the calls under
+    way have ended (the rest are not started); the clones' byte counts go to client."""
+    items = list(items)
+    if workers <= 1 or len(items) <= 1:
+        return [fn(client, it) for it in items]
+    local, clones, lock = threading.local(), [], threading.Lock()
+
+    def run(it: T) -> R:
+        c = getattr(local, "client", None)
+        if c is None:
+            c = local.client = client.clone()
+            with lock:
+                clones.append(c)
+        return fn(c, it)
+    try:
+        with ThreadPoolExecutor(workers) as pool:
+            futures = [pool.submit(run, it) for it in items]
+            try:
+                return [f.result() for f in futures]
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
+    finally:
+        for c in clones:
+            if c is not client:
+                client.sent += c.sent
+                client.received += c.received
+                c.close()
 
 
 # --- push -------------------------------------------------------------------------------------
@@ -105,7 +146,7 @@ class _Uploads:
         key = f"{self.client.ref.host}/{self.client.ref.repository}@{digest}"
         return self.dir / hashlib.sha256(key.encode()).hexdigest()
 
-    def resume(self, digest: str) -> tuple[str, int] | None:
+    def resume(self, digest: str, client: Client) -> tuple[str, int] | None:
         try:
             saved = loads_json(self._file(digest).read_bytes())
             location, offset = saved["location"], saved["offset"]
@@ -113,10 +154,9 @@ class _Uploads:
             return None
         if not isinstance(location, str) or not isinstance(offset, int) or offset <= 0:
             return None
-        return (location, offset) if self.client.upload_offset(location) == offset else None
+        return (location, offset) if client.upload_offset(location) == offset else None
 
     def save(self, digest: str, location: str, offset: int) -> None:
-        private_dir(self.dir)
         atomic_write(self._file(digest), oci.canonical({"location": location, "offset": offset}))
 
     def done(self, digest: str) -> None:
@@ -124,7 +164,7 @@ class _Uploads:
 
 
 def push(layout: Path, client: Client, state_dir: Path,
-         say: Callable[[str], None] = lambda s: None) -> PushResult:
+         say: Callable[[str], None] = lambda s: None, workers: int = WORKERS) -> PushResult:
     image_d, image, art = _read_layout(layout)
     blobs: dict[str, oci.Descriptor] = {}
     for m in ([art] if art else []) + [image]:
@@ -132,39 +172,43 @@ def push(layout: Path, client: Client, state_dir: Path,
             blobs.setdefault(d.digest, d)
     client.ping()
     uploads = _Uploads(state_dir, client)
-    uploaded = skipped = resumed = 0
-    for i, d in enumerate(blobs.values()):
-        if client.has_blob(d.digest):
-            skipped += 1
-            continue
+    private_dir(uploads.dir)   # once, before the workers write into it
+    done = [0]
+
+    def one(c: Client, d: oci.Descriptor) -> str:
+        if c.has_blob(d.digest):
+            return "skipped"
         path = layout / "blobs" / "sha256" / d.digest.removeprefix("sha256:")
         if os.path.getsize(path) != d.size:
             raise CorruptCheckpointError(f"{layout}: blob {d.digest} has "
                                          f"{os.path.getsize(path)} bytes, {d.size} expected")
-        at = uploads.resume(d.digest)
+        at = uploads.resume(d.digest, c)
         if at:
-            resumed += 1
             say(f"resuming blob {d.digest[:19]} at byte {at[1]}")
-        location, offset = at or (client.start_upload(), 0)
+        location, offset = at or (c.start_upload(), 0)
         with open(path, "rb") as f:
             f.seek(offset)
             while offset < d.size:
                 data = f.read(PIECE)
                 if not data:
                     raise CorruptCheckpointError(f"{layout}: blob {d.digest} ends early")
-                location = client.patch(location, data, offset)
+                location = c.patch(location, data, offset)
                 offset += len(data)
                 uploads.save(d.digest, location, offset)
-        client.finish_upload(location, d.digest)
+        c.finish_upload(location, d.digest)
         uploads.done(d.digest)
-        uploaded += 1
-        if i % 50 == 0:
-            say(f"pushed {i + 1}/{len(blobs)} blobs")
+        done[0] += 1
+        if done[0] % 50 == 0:
+            say(f"pushed {done[0]} blobs")
+        return "resumed" if at else "uploaded"
+
+    outcome = _each(client, blobs.values(), one, workers)
     if art:
         client.put_manifest(image.annotation(oci.A_CHUNKS) or "", art.dump())
     client.put_manifest(client.ref.tag or "latest", _layout_bytes(layout, image_d))
-    return PushResult(str(client.ref), image_d.digest, len(blobs), uploaded, skipped, resumed,
-                      sum(d.size for d in blobs.values()), client.sent)
+    return PushResult(str(client.ref), image_d.digest, len(blobs),
+                      len(outcome) - outcome.count("skipped"), outcome.count("skipped"),
+                      outcome.count("resumed"), sum(d.size for d in blobs.values()), client.sent)
 
 
 def _layout_bytes(layout: Path, d: oci.Descriptor) -> bytes:
@@ -182,19 +226,19 @@ def _manifest(client: Client, ref: str, want: str | None) -> tuple[bytes, oci.Ma
 
 
 def pull(client: Client, dest: Path, store: Store, layout_out: Path | None = None,
-         archive_out: Path | None = None) -> PullResult:
+         archive_out: Path | None = None, workers: int = WORKERS) -> PullResult:
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise UsageError(f"{dest} is not a new or empty directory")
     private_dir(dest)
     try:
-        return _pull(client, dest, store, layout_out, archive_out)
+        return _pull(client, dest, store, layout_out, archive_out, workers)
     except BaseException:
         shutil.rmtree(dest, ignore_errors=True)
         raise
 
 
 def _pull(client: Client, dest: Path, store: Store, layout_out: Path | None,
-          archive_out: Path | None) -> PullResult:
+          archive_out: Path | None, workers: int) -> PullResult:
     ref = client.ref
     raw, image = _manifest(client, ref.ref, ref.digest)
     digest = oci.digest_of(raw)
@@ -222,7 +266,7 @@ def _pull(client: Client, dest: Path, store: Store, layout_out: Path | None,
         if not chunks_digest:
             raise CorruptCheckpointError(f"{ref}: a packed checkpoint without its chunk artifact")
         _d, art = _manifest(client, chunks_digest, chunks_digest)
-        n, fetched, from_store = _chunks(client, art, top, store)
+        n, fetched, from_store = _chunks(client, art, top, store, workers)
     if layout_out is not None:
         _write_layout(layout_out, image, raw, config.getvalue(), tmp, ref.tag or "latest")
     if archive_out is not None:   # the layer, verified and checked: an engine's archive
@@ -255,7 +299,8 @@ def _checkpoint_dir(image: oci.Manifest, dest: Path, files: list[str], where: st
     return (dest / path).parent
 
 
-def _chunks(client: Client, art: oci.Manifest, top: Path, store: Store) -> tuple[int, int, int]:
+def _chunks(client: Client, art: oci.Manifest, top: Path, store: Store, workers: int
+            ) -> tuple[int, int, int]:
     """Every chunk top's snapshot names into top/torpor-chunks: (chunks, fetched, from the
     store)."""
     if art.artifact_type != oci.CHUNKS_ARTIFACT:
@@ -278,20 +323,24 @@ def _chunks(client: Client, art: oci.Manifest, top: Path, store: Store) -> tuple
         raise CorruptCheckpointError(f"{client.ref}: its layer brings a {CHUNKS}/ of its own: "
                                      "chunks travel only in the chunk artifact, refused")
     out = private_dir(top / CHUNKS)
-    fetched = from_store = 0
+    def one(c: Client, name: str) -> bool:
+        """Chunk name into the store (fetched and verified unless it is there): fetched?"""
+        if store.backend.has_blob(name):
+            return False
+        buf = io.BytesIO()
+        c.get_blob(by_name[name], buf)
+        blob = buf.getvalue()
+        chunk.decode(blob, name, f"{client.ref} chunk artifact")
+        store.backend.put_blob(name, blob)
+        return True
+
     with store.backend.lock(False, store.lock_timeout):   # gc waits: no chunk goes meanwhile
-        for name in names:
-            if store.backend.has_blob(name):
-                from_store += 1
-            else:
-                buf = io.BytesIO()
-                client.get_blob(by_name[name], buf)
-                blob = buf.getvalue()
-                chunk.decode(blob, name, f"{client.ref} chunk artifact")
-                store.backend.put_blob(name, blob)
-                fetched += 1
-            _link_from_store(store, name, out / name)
+        got = _each(client, names, one, workers)
         store.backend.sync()
+        for name in names:
+            _link_from_store(store, name, out / name)
+    fetched = sum(got)
+    from_store = len(names) - fetched
     return len(names), fetched, from_store
 
 
