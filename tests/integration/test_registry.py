@@ -3,7 +3,7 @@ CA made here) and htpasswd auth, as a user runs it. A checkpoint is built into a
 pulled on a "second node" (its own state dir and image store) and restored there; a second
 checkpoint of a barely changed program pushes little; a tampered or truncated blob is refused
 before anything restores; a registry killed mid-push leaves a push that resumes (the blobs it
-finished are not sent again; resuming within a blob is tested in tests/unit/test_registry.py)."""
+finished are not sent again; resuming within a blob is tested in tests/unit/test_registry_images.py)."""
 
 from __future__ import annotations
 
@@ -99,6 +99,26 @@ def test_a_gpu_checkpoint_round_trips_through_the_registry(node_a, node_b, gpu, 
     again = node_b.json("image", "pull", f"{registry.host}/ck/gpu:v1", "-D",
                         str(tmp_path / "pulled2"), *registry.args())
     assert again["chunks_fetched"] == 0 and again["chunks_from_store"] == built["chunks"]
+
+
+def test_a_node_whose_gpu_cannot_take_it_refuses_before_fetching_the_chunks(node_a, node_b, gpu,
+                                                                            registry, tmp_path,
+                                                                            reaper):
+    prog = gpu.spawn(gpu_index=0, mem=8 << 30)
+    reaper.append(prog.pid)
+    prog.wait_tick(2)
+    node_a.json("checkpoint", str(prog.pid), "-D", str(tmp_path / "ck"), "--store", "one")
+    checkpointed_and_reaped(prog)
+    _build_push(node_a, registry, tmp_path / "ck", tmp_path / "img", "fit/ck:v1")
+    gpu.set_gpus([(gpu.uuid(0), "NVIDIA H200", 4 << 30)])     # node b: too little memory
+    ref = f"{registry.host}/fit/ck:v1"
+    out = node_b.run("image", "pull", ref, "-D", str(tmp_path / "p"), *registry.args())
+    assert out.returncode == 7 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "no GPU here can take" in out.stderr and not (tmp_path / "p").exists()
+    assert not list((tmp_path / "store-b").glob("chunks/*/*"))   # no chunk was fetched
+    r = node_b.json("image", "pull", ref, "-D", str(tmp_path / "p"), "--no-preflight",
+                    *registry.args())
+    assert r["chunks_fetched"] == r["chunks"] >= 1
 
 
 def test_a_second_checkpoint_pushes_only_what_changed(node_a, node_b, registry, tmp_path,

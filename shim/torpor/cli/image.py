@@ -6,9 +6,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from pathlib import Path
+from typing import Any, Callable
 
-from ..errors import UsageError
+from .. import gpus, placement
+from ..errors import NoDriverError, PreflightError, UsageError
 from ..flows import policy
+from ..placement import parse_device_map
 from ..progress import human_bytes
 from ..registry import auth, build, transfer
 from ..registry.client import Client
@@ -59,6 +62,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="new or empty directory for the image's files (created 0700)")
     g.add_argument("--oci-layout", type=Path,
                    help="also keep the image (manifest, config, layer) as an OCI layout here")
+    g.add_argument("--device-map", action="append", default=[], metavar="OLD=NEW",
+                   help="the GPU map the restore will be given: the pre-flight checks it")
+    g.add_argument("--no-preflight", action="store_true",
+                   help="pull even if this node's GPUs cannot take the checkpoint (to restore "
+                        "it elsewhere)")
     g.add_argument("--archive", type=Path,
                    help="also write the verified layer here as a checkpoint archive (for a "
                         "podman image: podman container restore --import ARCHIVE)")
@@ -79,6 +87,23 @@ def _jobs(args: argparse.Namespace) -> int:
     if not 1 <= args.jobs <= 64:
         raise UsageError("--jobs must be 1 to 64")
     return args.jobs
+
+
+def _preflight(device_map: dict[str, str]) -> Callable[[dict[str, Any]], None]:
+    """The restore's GPU pre-flight (placement.plan), run on a pulled manifest before its
+    chunks are fetched: a node whose GPUs cannot take the checkpoint says so first (exit 7)."""
+    def check(m: dict[str, Any]) -> None:
+        if not any(p.get("cuda") for p in m["processes"]):
+            if device_map:
+                raise UsageError("--device-map given but the checkpoint holds no GPU state")
+            return
+        try:
+            inv = gpus.discover()
+        except NoDriverError as e:
+            raise PreflightError(f"the checkpoint holds GPU state but {e}",
+                                 hint="--no-preflight pulls it anyway") from e
+        placement.plan(m, inv, device_map, share="container" not in m)
+    return check
 
 
 def _build(args: argparse.Namespace, ctx: Context) -> None:
@@ -105,8 +130,9 @@ def _push(args: argparse.Namespace, ctx: Context) -> None:
 def _pull(args: argparse.Namespace, ctx: Context) -> None:
     client = _client(args)
     try:
+        check = None if args.no_preflight else _preflight(parse_device_map(args.device_map))
         r = transfer.pull(client, args.directory, policy.open_store(ctx.cfg), args.oci_layout,
-                          args.archive, _jobs(args))
+                          args.archive, _jobs(args), check)
     finally:
         client.close()
     ctx.emit(dataclasses.asdict(r),

@@ -26,8 +26,9 @@ import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterable, TypeVar
+from typing import Any, Callable, Iterable, TypeVar
 
+from .. import manifest
 from ..errors import CorruptCheckpointError, UsageError
 from ..files import atomic_write, loads_json, private_dir, write_new
 from ..layout import CHUNKS, MANIFEST, PACKED, safe_relpath
@@ -226,19 +227,24 @@ def _manifest(client: Client, ref: str, want: str | None) -> tuple[bytes, oci.Ma
 
 
 def pull(client: Client, dest: Path, store: Store, layout_out: Path | None = None,
-         archive_out: Path | None = None, workers: int = WORKERS) -> PullResult:
+         archive_out: Path | None = None, workers: int = WORKERS,
+         preflight: Callable[[dict[str, Any]], None] | None = None) -> PullResult:
+    """Pull client.ref into dest (module docstring). preflight(torpor.json, validated) runs
+    once the layer is unpacked, before any chunk is fetched: a node whose GPUs cannot take the
+    checkpoint refuses it (PreflightError) before the bulk of it crosses the network."""
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise UsageError(f"{dest} is not a new or empty directory")
     private_dir(dest)
     try:
-        return _pull(client, dest, store, layout_out, archive_out, workers)
+        return _pull(client, dest, store, layout_out, archive_out, workers, preflight)
     except BaseException:
         shutil.rmtree(dest, ignore_errors=True)
         raise
 
 
 def _pull(client: Client, dest: Path, store: Store, layout_out: Path | None,
-          archive_out: Path | None, workers: int) -> PullResult:
+          archive_out: Path | None, workers: int,
+          preflight: Callable[[dict[str, Any]], None] | None) -> PullResult:
     ref = client.ref
     raw, image = _manifest(client, ref.ref, ref.digest)
     digest = oci.digest_of(raw)
@@ -260,6 +266,8 @@ def _pull(client: Client, dest: Path, store: Store, layout_out: Path | None,
             else shutil.disk_usage(dest).free
         files = layer.unpack(f, dest, f"{ref} layer", cap)
     top = _checkpoint_dir(image, dest, files, str(ref))
+    if preflight is not None and (top / MANIFEST).is_file():
+        preflight(manifest.read(top))
     fetched = from_store = n = 0
     chunks_digest = image.annotation(oci.A_CHUNKS)
     if (top / PACKED).exists():
