@@ -61,13 +61,24 @@ bash packaging/criu/install-criu.sh --pycriu-into "$site" --python "$PREFIX/bin/
 # --no-install-recommends: runc recommends the distribution's criu, older than CRIU 4 on
 # Debian 12 (a second criu on PATH), and podman recommends buildah, slirp4netns, ... (unused).
 missing=()
-[[ ${TORPOR_ENGINES:-1} == 0 ]] || for pkg in podman containerd runc iptables; do
+# docker-registry, apache2-utils (htpasswd), openssl: tests/integration/test_registry.py runs a
+# real registry with TLS and htpasswd auth, as a user would (docs/registries.md).
+[[ ${TORPOR_ENGINES:-1} == 0 ]] ||
+    for pkg in podman containerd runc iptables docker-registry apache2-utils openssl; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
 done
 if ((${#missing[@]})); then
     say "installing ${missing[*]}"
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# checkpointctl (optional: tests/integration/test_registry.py has it read a pulled checkpoint
+# image): Debian 12 has none; built from Debian's source (docs/registries.md).
+if [[ ${TORPOR_ENGINES:-1} != 0 ]] && ! command -v checkpointctl >/dev/null; then
+    say "building checkpointctl from Debian's source (optional)"
+    bash packaging/checkpointctl/build.sh /usr/local/bin/checkpointctl >/dev/null 2>&1 \
+        || say "checkpointctl was not built (optional; its test part is skipped)"
 fi
 
 for cmd in torpor torpord torpor-runtime torpor-runtime-py torpor-hook; do

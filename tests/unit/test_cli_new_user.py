@@ -86,7 +86,8 @@ def test_json_is_taken_before_or_after_any_subcommand():
     parser = cli.build_parser()
     for name, sub in parser._subparsers._group_actions[0].choices.items():  # type: ignore
         argv = {"checkpoint": ["1", "-D", "d"], "restore": ["-D", "d"], "suspend": ["1"],
-                "resume": ["1"], "inspect": ["d"], "rm": ["n"], "run": []}.get(name, [])
+                "resume": ["1"], "inspect": ["d"], "rm": ["n"], "run": [],
+                "image": ["pull", "h:1/r", "-D", "d"]}.get(name, [])
         for args in ([name, "--json", *argv], ["--json", name, *argv], [name, *argv, "--json"]):
             if name == "run" and args[-1] == "--json" and args[0] == name:
                 continue   # after run's COMMAND, --json is the program's

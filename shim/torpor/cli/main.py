@@ -19,13 +19,13 @@ from .. import __version__, config, logs
 from ..errors import ExitCode, TorporError
 from ..files import printable
 from ..progress import Progress
-from . import checkpoint, demo, doctor, inspect, ps, restore, run, store, suspend
+from . import checkpoint, demo, doctor, image, inspect, ps, restore, run, store, suspend
 from .context import Context
 
 COMMANDS: dict[str, ModuleType] = {
     "doctor": doctor, "ps": ps, "checkpoint": checkpoint, "restore": restore,
     "suspend": suspend, "resume": suspend, "inspect": inspect, "demo": demo, "run": run,
-    "ls": store, "rm": store, "gc": store,
+    "ls": store, "rm": store, "gc": store, "image": image,
 }
 
 

@@ -1,0 +1,283 @@
+"""A small client for the registry HTTP API (the OCI distribution spec), on http.client.
+
+One persistent HTTPS connection per registry; Basic auth, or a Bearer token fetched from the
+realm the registry names (with the same credentials), as docker-registry and the public
+registries ask. Counts the bytes it sends and receives (push/pull report them). Every failure
+is one RegistryError line naming the registry and what it answered; nothing read from the
+registry is trusted (bodies are read up to a cap, redirects only to https).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import http.client
+import json
+import logging
+import re
+import ssl
+import urllib.parse
+from typing import BinaryIO
+
+from ..errors import CorruptCheckpointError, TorporError
+from ..files import loads_json, printable
+from . import oci
+from .auth import Reference
+
+log = logging.getLogger(__name__)
+TIMEOUT = 60.0
+MAX_ERROR_BODY = 4096
+MAX_TOKEN = 1 << 20
+READ = 1 << 20
+ACCEPT = ", ".join([oci.MANIFEST_TYPE, oci.DOCKER_MANIFEST_TYPE])
+
+
+class RegistryError(TorporError):
+    """The registry could not be reached, refused us, or answered something unexpected."""
+
+
+def _challenge(header: str) -> tuple[str, dict[str, str]]:
+    scheme, _, rest = header.strip().partition(" ")
+    return scheme.lower(), dict(re.findall(r'(\w+)="([^"]*)"', rest))
+
+
+class Client:
+    def __init__(self, ref: Reference, ctx: ssl.SSLContext,
+                 creds: tuple[str, str] | None) -> None:
+        self.ref, self.ctx, self.creds = ref, ctx, creds
+        self.sent = self.received = 0
+        self._conn: http.client.HTTPSConnection | None = None
+        self._auth: str | None = None
+        self.base = f"/v2/{ref.repository}"
+
+    def clone(self) -> "Client":
+        """Another connection to the same registry, with the authorization found so far."""
+        c = Client(self.ref, self.ctx, self.creds)
+        c._auth = self._auth
+        return c
+
+    # --- plumbing ----------------------------------------------------------------------------
+
+    def _fail(self, what: str, why: str) -> RegistryError:
+        return RegistryError(f"registry {self.ref.host}: {what}: {printable(why, 300)}")
+
+    def _connection(self) -> http.client.HTTPSConnection:
+        if self._conn is None:
+            self._conn = http.client.HTTPSConnection(self.ref.host, timeout=TIMEOUT,
+                                                     context=self.ctx)
+        return self._conn
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def request(self, method: str, path: str, body: bytes | None = None,
+                headers: dict[str, str] | None = None, what: str = "",
+                ok: tuple[int, ...] = (200,), retry_auth: bool = True
+                ) -> http.client.HTTPResponse:
+        """One request; the response (status in ok, or 404 for HEAD/GET, else RegistryError),
+        its body still to be read by the caller."""
+        hdrs = dict(headers or {})
+        if self._auth:
+            hdrs["Authorization"] = self._auth
+        if body is not None:
+            hdrs.setdefault("Content-Length", str(len(body)))
+        what = what or f"{method} {path}"
+        reused = self._conn is not None
+        try:
+            try:
+                conn = self._connection()
+                conn.request(method, path, body=body, headers=hdrs)
+                resp = conn.getresponse()
+            except (ConnectionError, http.client.RemoteDisconnected):
+                # a kept-alive connection the registry closed meanwhile: once more on a new
+                # one, except for a PATCH (the registry may hold part of it: push resumes)
+                self.close()
+                if not reused or method == "PATCH":
+                    raise
+                conn = self._connection()
+                conn.request(method, path, body=body, headers=hdrs)
+                resp = conn.getresponse()
+        except ssl.SSLCertVerificationError as e:
+            self.close()
+            raise self._fail(what, f"TLS certificate not trusted ({e.verify_message}): put its "
+                             f"CA in /etc/containers/certs.d/{self.ref.host}/ca.crt or give "
+                             "--cert-dir") from None
+        except (OSError, http.client.HTTPException) as e:
+            self.close()
+            raise self._fail(what, f"{type(e).__name__}: {e}") from None
+        if body is not None:
+            self.sent += len(body)
+        if resp.status == 401 and retry_auth:
+            challenge = resp.getheader("WWW-Authenticate", "")
+            resp.read(MAX_ERROR_BODY)
+            self._authenticate(challenge, what)
+            return self.request(method, path, body, headers, what, ok, retry_auth=False)
+        if resp.status in ok or (resp.status == 404 and method in ("HEAD", "GET")):
+            return resp
+        detail = resp.read(MAX_ERROR_BODY).decode("utf-8", "replace") if method != "HEAD" else ""
+        if resp.status == 401:
+            detail = ("authentication refused: log in with podman login (or give --authfile)"
+                      if self.creds else "authentication required: no credentials for it in "
+                      "the auth files (podman login, or --authfile)")
+        raise self._fail(what, f"HTTP {resp.status} {resp.reason} {_error_text(detail)}".strip())
+
+    def _authenticate(self, challenge: str, what: str) -> None:
+        scheme, params = _challenge(challenge)
+        if scheme == "basic":
+            if not self.creds:
+                raise self._fail(what, "authentication required: no credentials for it in the "
+                                 "auth files (podman login, or --authfile)")
+            self._auth = "Basic " + base64.b64encode(":".join(self.creds).encode()).decode()
+            return
+        if scheme != "bearer" or "realm" not in params:
+            raise self._fail(what, f"unsupported authentication challenge {challenge[:100]!r}")
+        realm = urllib.parse.urlsplit(params["realm"])
+        if realm.scheme != "https" or not realm.netloc:
+            raise self._fail(what, "the token realm is not an https URL: refused")
+        query = {k: v for k, v in params.items() if k in ("service", "scope")}
+        query.setdefault("scope", f"repository:{self.ref.repository}:pull,push")
+        hdrs = {}
+        if self.creds:
+            hdrs["Authorization"] = "Basic " + base64.b64encode(
+                ":".join(self.creds).encode()).decode()
+        conn = http.client.HTTPSConnection(realm.netloc, timeout=TIMEOUT, context=self.ctx)
+        try:
+            conn.request("GET", f"{realm.path or '/'}?{urllib.parse.urlencode(query)}",
+                         headers=hdrs)
+            resp = conn.getresponse()
+            data = resp.read(MAX_TOKEN)
+        except (OSError, http.client.HTTPException) as e:
+            raise self._fail(what, f"token service {realm.netloc}: {e}") from None
+        finally:
+            conn.close()
+        if resp.status == 401:
+            raise self._fail(what, "authentication refused by the token service: log in with "
+                             "podman login (or give --authfile)" if self.creds else
+                             "authentication required: no credentials for it in the auth files "
+                             "(podman login, or --authfile)")
+        if resp.status != 200:
+            raise self._fail(what, f"token service refused: HTTP {resp.status}")
+        try:
+            doc = loads_json(data)
+            token = doc.get("token") or doc.get("access_token")
+        except (ValueError, AttributeError):
+            token = None
+        if not isinstance(token, str) or not token:
+            raise self._fail(what, "token service answered no token")
+        self._auth = f"Bearer {token}"
+
+    def _path(self, location: str) -> str:
+        """An upload Location (absolute or relative) as a path on this registry."""
+        u = urllib.parse.urlsplit(location)
+        if u.netloc and u.netloc != self.ref.host:
+            raise self._fail("upload", f"upload location on another host {u.netloc!r}: refused")
+        return urllib.parse.urlunsplit(("", "", u.path, u.query, ""))
+
+    # --- the API -----------------------------------------------------------------------------
+
+    def ping(self) -> None:
+        self.request("GET", "/v2/", what="ping").read(MAX_ERROR_BODY)
+
+    def has_blob(self, digest: str) -> bool:
+        resp = self.request("HEAD", f"{self.base}/blobs/{digest}", what=f"blob {digest}")
+        resp.read()
+        return resp.status == 200
+
+    def start_upload(self) -> str:
+        resp = self.request("POST", f"{self.base}/blobs/uploads/", b"", what="start upload",
+                            ok=(202,))
+        resp.read(MAX_ERROR_BODY)
+        return self._path(resp.getheader("Location") or "")
+
+    def upload_offset(self, location: str) -> int | None:
+        """Where an upload stands (the bytes the registry has), None when it is gone."""
+        try:
+            resp = self.request("GET", self._path(location), what="upload status", ok=(204,))
+        except RegistryError:
+            return None
+        resp.read(MAX_ERROR_BODY)
+        if resp.status != 204:
+            return None
+        m = re.fullmatch(r"(?:bytes=)?0-(\d+)", resp.getheader("Range") or "")
+        return int(m.group(1)) + 1 if m else 0
+
+    def patch(self, location: str, data: bytes, start: int) -> str:
+        resp = self.request("PATCH", self._path(location), data, {
+            "Content-Type": "application/octet-stream",
+            "Content-Range": f"{start}-{start + len(data) - 1}"}, what="upload", ok=(202,))
+        resp.read(MAX_ERROR_BODY)
+        return self._path(resp.getheader("Location") or location)
+
+    def finish_upload(self, location: str, digest: str) -> None:
+        path = self._path(location)
+        sep = "&" if "?" in path else "?"
+        self.request("PUT", f"{path}{sep}digest={digest}", b"", what=f"blob {digest}",
+                     ok=(201, 204)).read(MAX_ERROR_BODY)
+
+    def put_manifest(self, ref: str, data: bytes) -> None:
+        self.request("PUT", f"{self.base}/manifests/{ref}", data,
+                     {"Content-Type": oci.MANIFEST_TYPE}, what=f"manifest {ref}",
+                     ok=(201, 200)).read(MAX_ERROR_BODY)
+
+    def get_manifest(self, ref: str) -> bytes:
+        resp = self.request("GET", f"{self.base}/manifests/{ref}", headers={"Accept": ACCEPT},
+                            what=f"manifest {ref}")
+        if resp.status == 404:
+            resp.read(MAX_ERROR_BODY)
+            raise RegistryError(f"registry {self.ref.host}: no image {self.ref.repository}:{ref}",
+                                exit_code=3)
+        data = resp.read(oci.MAX_MANIFEST_BYTES + 1)
+        self.received += len(data)
+        if len(data) > oci.MAX_MANIFEST_BYTES:
+            self.close()
+            raise CorruptCheckpointError(f"registry {self.ref.host}: manifest {ref} is larger "
+                                         f"than {oci.MAX_MANIFEST_BYTES} bytes: refused")
+        return data
+
+    def get_blob(self, d: oci.Descriptor, out: BinaryIO) -> None:
+        """Blob d written to out, refused (CorruptCheckpointError, exit 9) unless it is exactly
+        d.size bytes whose sha256 is d.digest."""
+        resp = self.request("GET", f"{self.base}/blobs/{d.digest}", what=f"blob {d.digest}",
+                            ok=(200, 307))
+        if resp.status == 307:   # a storage backend's redirect: follow it once, https only
+            resp.read(MAX_ERROR_BODY)
+            raise self._fail(f"blob {d.digest}", "redirects are not followed (filesystem "
+                             "storage serves blobs itself)")
+        if resp.status == 404:
+            resp.read(MAX_ERROR_BODY)
+            raise CorruptCheckpointError(f"registry {self.ref.host}: blob {d.digest} of the "
+                                         "image is missing")
+        h, got = hashlib.sha256(), 0
+        try:
+            while got <= d.size:
+                data = resp.read(min(READ, d.size + 1 - got))
+                if not data:
+                    break
+                h.update(data)
+                got += len(data)
+                out.write(data)
+        except (OSError, http.client.HTTPException) as e:
+            self.close()
+            raise CorruptCheckpointError(f"registry {self.ref.host}: blob {d.digest} was cut "
+                                         f"off after {got} of {d.size} bytes ({e}): refused") from None
+        finally:
+            self.received += got
+        if got != d.size:
+            self.close()
+            raise CorruptCheckpointError(f"registry {self.ref.host}: blob {d.digest} has "
+                                         f"{'more than ' if got > d.size else ''}{got} bytes, its "
+                                         f"manifest says {d.size}: truncated or tampered, refused")
+        if "sha256:" + h.hexdigest() != d.digest:
+            raise CorruptCheckpointError(f"registry {self.ref.host}: blob {d.digest} does not "
+                                         "match its digest: tampered or damaged, refused")
+
+
+def _error_text(detail: str) -> str:
+    """The registry's error JSON ({"errors": [{"code", "message"}]}) in a few words."""
+    try:
+        errs = json.loads(detail).get("errors") or []
+        return "; ".join(f"{e.get('code', '')}: {e.get('message', '')}" for e in errs[:3])
+    except (ValueError, AttributeError, TypeError):
+        return detail[:200]
