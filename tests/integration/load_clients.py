@@ -6,7 +6,8 @@ gRPC state crosses a fork). One JSON line on stdout at the end, what they saw.
                             (the gRPC server's first bytes came, still open), closed (refused or
                             shed: EOF) and silent (open, nothing came)
     flood PATH SECONDS      connect and close as fast as it goes, SECONDS long
-    rpcs PATH N CHANNELS    N Status calls at once over CHANNELS connections; counts by status
+    rpcs PATH N CHANNELS    N Status calls at once over CHANNELS connections (a line "ready"
+                            once they are connected); counts by status
     call PATH               one Status call (its status; exit 0 when OK)
 """
 
@@ -90,7 +91,11 @@ def _stub(path: str):
 
 
 def rpcs(path: str, n: int, channels: int) -> dict:
+    import grpc
     stubs = [_stub(path) for _ in range(channels)]
+    for _pb, ch, _s in stubs:
+        grpc.channel_ready_future(ch).result(timeout=30)
+    print("ready", flush=True)         # connected: the caller may start the other floods
     t0 = time.monotonic()
     futures = [stub.Status.future(pb.StatusRequest(pids=[os.getpid()]), timeout=120)
                for i in range(n) for pb, _ch, stub in [stubs[i % channels]]]

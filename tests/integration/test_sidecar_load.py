@@ -10,6 +10,7 @@ after each flood against stated bounds. The floods, at the issue's CI figures by
 - emfile: torpord's descriptor limit lowered under it (prlimit) and the owner holding more
   connections than it has descriptors: accept must go on, root be answered, and the owner's
   ordinary calls served again afterwards.
+- all at once: rpcs, idle and refused together.
 Also the proxy's limits in process (per-uid cap, root's place when full, idle timeout).
 
 Counts by env var: TORPOR_LOAD_IDLE (default 10000), TORPOR_LOAD_RPCS (default 10000),
@@ -47,6 +48,7 @@ if not (PKG / "_proto" / "torpor_pb2_grpc.py").exists():
 
 from tests.fakes.fakegpu import FakeGpu  # noqa: E402
 from tests.integration.torpord import Daemon  # noqa: E402
+from torpor.errors import SidecarError  # noqa: E402
 from torpor.sidecar.client import Client  # noqa: E402
 from torpor.sidecar.peercred import PER_UID, PeerCredProxy, bind_unix  # noqa: E402
 
@@ -118,25 +120,35 @@ def _threads(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/task"))
 
 
-def _root_call(d: Daemon) -> float:
-    """Seconds root's Status RPC took on a new connection (raises when it failed)."""
+def _root_call(d: Daemon, public: bool = False) -> float:
+    """Seconds root's Status RPC took on a new connection (raises when it failed): through
+    root's own door, as root's clients call, or through the public socket and the proxy."""
     t0 = time.monotonic()
-    with Client(d.cfg, timeout=5) as c:
+    with Client(d.cfg, d.cfg.socket_path if public else None, timeout=5) as c:
         c.status(pids=[os.getpid()])
     return time.monotonic() - t0
 
 
-def _under(d: Daemon, name: str, kids: list[subprocess.Popen]) -> dict:
-    """Call torpord as root every 50 ms until every kid has exited; the figures."""
+def _before(d: Daemon) -> tuple[int, int, int]:
+    """torpord's VmRSS, threads and log size now."""
+    return _rss(d.proc.pid), _threads(d.proc.pid), d.log.stat().st_size
+
+
+def _under(d: Daemon, name: str, kids: list[subprocess.Popen],
+           before: tuple[int, int, int] | None = None) -> dict:
+    """Call torpord as root every 50 ms until every kid has exited; the figures (from before,
+    taken now when not given)."""
     pid = d.proc.pid
-    rss0, threads0, log0 = _rss(pid), _threads(pid), d.log.stat().st_size
+    rss0, threads0, log0 = before or _before(d)
     took, failed, threads, rss = [], [], threads0, rss0
+    public, public_failed = [], []
     try:
         while any(k.poll() is None for k in kids):
-            try:
-                took.append(_root_call(d))
-            except Exception as e:     # UNAVAILABLE, DEADLINE_EXCEEDED: a failure as well
-                failed.append(repr(e)[:200])
+            for times, fails, way in ((took, failed, False), (public, public_failed, True)):
+                try:
+                    times.append(_root_call(d, way))
+                except Exception as e:     # UNAVAILABLE, DEADLINE_EXCEEDED: a failure as well
+                    fails.append(repr(e)[:200])
             threads, rss = max(threads, _threads(pid)), max(rss, _rss(pid))
             time.sleep(0.05)
         results = [_result(k) for k in kids]
@@ -146,24 +158,33 @@ def _under(d: Daemon, name: str, kids: list[subprocess.Popen]) -> dict:
                 k.kill()
                 k.wait()
     f = {"calls": len(took) + len(failed), "failed": failed, "max_s": max(took, default=0.0),
+         "public_failed": public_failed, "public_max_s": max(public, default=0.0),
          "rss0": rss0, "rss_max": rss, "rss1": _rss(pid), "threads0": threads0,
          "threads_max": threads, "log_bytes": d.log.stat().st_size - log0, "results": results}
     print(f"\nload[{name}]: root {f['calls']} calls, {len(failed)} failed, slowest "
-          f"{f['max_s']:.3f} s; VmRSS {rss0 >> 20} -> {f['rss1'] >> 20} MiB (peak "
+          f"{f['max_s']:.3f} s (through the public socket: {len(public_failed)} failed, slowest "
+          f"{f['public_max_s']:.3f} s); VmRSS {rss0 >> 20} -> {f['rss1'] >> 20} MiB (peak "
           f"{rss >> 20}); threads {threads0} -> at most {threads}; log +{f['log_bytes']} B; "
           f"clients {results}")
     return f
 
 
-def _assert_bounded(d: Daemon, f: dict) -> None:
+def _assert_bounded(d: Daemon, f: dict, public: bool = True,
+                    within: float = ROOT_WITHIN_S) -> None:
+    """Root answered, each call within `within` (through the public socket too, given
+    public), and torpord within its bounds, then and after."""
     assert not f["failed"], f"root's calls failed under the flood: {f['failed'][:5]}"
     assert f["calls"] >= 5, "root was not called during the flood"
-    assert f["max_s"] <= ROOT_WITHIN_S, f"a root call took {f['max_s']:.2f} s"
+    assert f["max_s"] <= within, f"a root call took {f['max_s']:.2f} s"
+    if public:
+        assert not f["public_failed"], f"through the public socket: {f['public_failed'][:5]}"
+        assert f["public_max_s"] <= within, f"public: a call took {f['public_max_s']:.2f} s"
     assert f["threads_max"] <= MAX_THREADS, f"torpord ran {f['threads_max']} threads"
     assert f["rss1"] - f["rss0"] <= MAX_RSS_GROWTH, \
         f"torpord's VmRSS grew {f['rss0'] >> 20} -> {f['rss1'] >> 20} MiB"
     assert f["log_bytes"] <= MAX_LOG_GROWTH, f"torpord logged {f['log_bytes']} bytes"
     assert _root_call(d) < ROOT_WITHIN_S           # and serves on afterwards
+    assert _root_call(d, public=True) < ROOT_WITHIN_S
     assert d.proc.poll() is None
     assert "loop failed" not in d.log_text()
 
@@ -204,10 +225,64 @@ def test_concurrent_rpcs_of_the_owner_are_bounded_and_root_answered(daemon):
 
 
 @needs_root
+def test_all_floods_at_once_leave_root_answered_and_torpord_bounded(daemon):
+    sock = daemon.cfg.socket_path
+    os.chmod(sock, 0o666)
+    before = _before(daemon)
+    rpcs = _client(OWNER, "rpcs", sock, RPCS, 16)
+    assert rpcs.stdout.readline().strip() == "ready"   # its 16 connections hold 16 of PER_UID
+    f = _under(daemon, "all at once", [
+        rpcs, _client(OWNER, "hold", sock, IDLE, SECONDS),
+        _client(NOBODY, "flood", sock, SECONDS), _client(NOBODY, "flood", sock, SECONDS)], before)
+    codes, held = f["results"][0]["codes"], f["results"][1]
+    assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED", "CANCELLED"} and sum(codes.values()) == RPCS
+    assert codes.get("OK", 0) > 0
+    assert held.get("served", 0) + held.get("silent", 0) <= PER_UID - 16
+    # the public socket's backlog may overflow here (one Python process refuses for all):
+    # root's clients use their own door; the public route is only reported
+    _assert_bounded(daemon, f, public=False)
+
+
+@needs_root
+def test_root_is_answered_when_the_public_socket_takes_no_connection(daemon, base):
+    """A flood that fills the public socket's backlog, here a listener that never accepts in
+    its place, filled up, does not keep root's clients out: they use root's own door."""
+    sock = daemon.cfg.socket_path
+    os.rename(sock, base / "moved.sock")
+    jam, fillers = bind_unix(sock, 0o666, backlog=0), []
+    try:
+        while True:
+            c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            c.setblocking(False)
+            fillers.append(c)
+            try:
+                c.connect(str(sock))
+            except BlockingIOError:
+                break
+        assert _root_call(daemon) < ROOT_WITHIN_S
+        with pytest.raises(SidecarError):               # the public route is jammed
+            _root_call(daemon, public=True)
+    finally:
+        for c in fillers:
+            c.close()
+        jam.close()
+        os.rename(base / "moved.sock", sock)
+    deadline = time.monotonic() + 10     # gRPC's client backs off from the jammed address
+    while True:
+        try:
+            assert _root_call(daemon, public=True) < ROOT_WITHIN_S
+            break
+        except SidecarError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+@needs_root
 def test_out_of_descriptors_torpord_accepts_on_answers_root_then_serves_the_owner(daemon):
     pid, sock = daemon.proc.pid, daemon.cfg.socket_path
     fds = lambda: len(os.listdir(f"/proc/{pid}/fd"))  # noqa: E731
-    base = fds()
+    base, before = fds(), _before(daemon)
     first = _client(OWNER, "hold", sock, PER_UID, SECONDS)
     deadline = time.monotonic() + 20
     while fds() < base + 2 * PER_UID and time.monotonic() < deadline:
@@ -216,11 +291,12 @@ def test_out_of_descriptors_torpord_accepts_on_answers_root_then_serves_the_owne
     # far below what is open now: torpord's next descriptor, whatever takes it, is EMFILE
     limit = base + 48
     resource.prlimit(pid, resource.RLIMIT_NOFILE, (limit, limit))
-    f = _under(daemon, "emfile", [first, _client(OWNER, "hold", sock, 400, SECONDS)])
+    f = _under(daemon, "emfile", [first, _client(OWNER, "hold", sock, 400, SECONDS)], before)
     assert "Too many open files" in daemon.log_text(), "torpord never ran out of descriptors"
     # the longest-idle went, down to what the limit leaves room for (4 connections)
     assert f["results"][0].get("closed", 0) >= PER_UID - 4, f["results"][0]
-    _assert_bounded(daemon, f)
+    # a gRPC listener that met EMFILE in accept retries it a second later: a call may wait that
+    _assert_bounded(daemon, f, within=ROOT_WITHIN_S + 1.0)
     assert _result(_client(OWNER, "call", sock))["code"] == "OK"
     assert resource.prlimit(pid, resource.RLIMIT_NOFILE) == (limit, limit)
     assert fds() <= limit
