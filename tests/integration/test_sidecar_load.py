@@ -60,6 +60,7 @@ SECONDS = float(os.environ.get("TORPOR_LOAD_SECONDS", "8"))
 ROOT_WITHIN_S = 1.0      # every root call, on a new connection, during every flood
 MAX_THREADS = 64         # gRPC's pools (16 + 4 workers) and its own, the proxy's one
 MAX_RSS_GROWTH = 96 << 20          # bytes of VmRSS a flood may leave behind
+MAX_RSS_PEAK = 192 << 20           # and may add at its peak (sampled every call)
 MAX_LOG_GROWTH = 64 << 10          # bytes torpord may log (at debug level) during a flood
 CLIENTS = (Path(__file__).with_name("load_clients.py")).read_text()
 
@@ -182,6 +183,7 @@ def _assert_bounded(d: Daemon, f: dict, public: bool = True,
     assert f["threads_max"] <= MAX_THREADS, f"torpord ran {f['threads_max']} threads"
     assert f["rss1"] - f["rss0"] <= MAX_RSS_GROWTH, \
         f"torpord's VmRSS grew {f['rss0'] >> 20} -> {f['rss1'] >> 20} MiB"
+    assert f["rss_max"] - f["rss0"] <= MAX_RSS_PEAK, f"VmRSS peaked at {f['rss_max'] >> 20} MiB"
     assert f["log_bytes"] <= MAX_LOG_GROWTH, f"torpord logged {f['log_bytes']} bytes"
     assert _root_call(d) < ROOT_WITHIN_S           # and serves on afterwards
     assert _root_call(d, public=True) < ROOT_WITHIN_S
