@@ -50,7 +50,7 @@ from tests.fakes.fakegpu import FakeGpu  # noqa: E402
 from tests.integration.torpord import Daemon  # noqa: E402
 from torpor.errors import SidecarError  # noqa: E402
 from torpor.sidecar.client import Client  # noqa: E402
-from torpor.sidecar.peercred import PER_UID, PeerCredProxy, bind_unix  # noqa: E402
+from torpor.sidecar.peercred import PER_UID, RESERVE_FDS, PeerCredProxy, bind_unix  # noqa: E402
 
 NOBODY = 65534
 OWNER = 65533
@@ -382,4 +382,32 @@ def test_proxy_caps_a_uid_serves_root_when_full_and_times_idle_out(base, echo):
         os.kill(kid, 9)
         os.waitpid(kid, 0)
     finally:
+        p.close()
+
+
+@needs_root
+def test_proxy_room_follows_the_descriptor_limit(base, echo):
+    """Three descriptors a connection, RESERVE_FDS left to the rest of torpord: a low limit
+    (here 10 connections' worth) caps the connections before max_conns does."""
+    pub = base / "pub.sock"
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    p = PeerCredProxy(pub, echo, [0, OWNER], mode=0o666)
+    p.start()
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (RESERVE_FDS + 3 * 10, hard))
+        assert p.room() == 10
+        r, w = os.pipe()
+
+        def owner():
+            held = [_served(pub) for _ in range(12)]
+            os.write(w, bytes([sum(1 for h in held if h)]))
+            time.sleep(30)
+        kid = _child_as(OWNER, owner)
+        try:
+            assert os.read(r, 1)[0] == 10 and p.active() == 10
+        finally:
+            os.kill(kid, 9)
+            os.waitpid(kid, 0)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         p.close()
