@@ -1,17 +1,20 @@
-"""torpord under load (issue 18 item 3, the "Load" suite): each flood from a process of its own
-uid while root calls torpord on a new connection every 50 ms, every call answered within a
-second; torpord's memory (VmRSS), threads (/proc/PID/task) and log bytes measured before and
-after each flood against stated bounds. The floods, at the issue's CI figures by default:
+"""torpord under load (issue 18 item 3, the "Load" suite): each flood from processes of their
+own uid while root calls torpord every 50 ms on a new connection, both through root's own door
+(as root's clients do) and through the public socket and the proxy, every call answered within
+a second; torpord's memory (VmRSS before, peak, after), threads (/proc/PID/task) and log bytes
+against stated bounds. The floods, at the issue's CI figures by default:
 - idle: IDLE connections held by the configured owner uid (the proxy splices PER_UID of them;
   every other one is refused, never queued);
 - refused: connect-and-close from a uid that is not allowed (socket opened up to it);
 - rpcs: RPCS concurrent Status calls from the owner over 16 connections (those past the shared
   gRPC server's bounds are refused: RESOURCE_EXHAUSTED or CANCELLED; nothing else may fail);
-- emfile: torpord's descriptor limit lowered under it (prlimit) and the owner holding more
-  connections than it has descriptors: accept must go on, root be answered, and the owner's
-  ordinary calls served again afterwards.
-- all at once: rpcs, idle and refused together.
-Also the proxy's limits in process (per-uid cap, root's place when full, idle timeout).
+- all at once: rpcs, idle and refused together (the public route only reported: its backlog
+  may overflow, which is why root has a door);
+- emfile: torpord's descriptor limit lowered under it (prlimit) far below what the owner's
+  connections hold: accept goes on, root is answered (within 2 s: gRPC's listener retries a
+  failed accept a second later) and the owner's ordinary calls are served afterwards.
+Also: root answered while the public socket takes no connection at all; the proxy's limits in
+process (per-uid cap, root's place when full, idle timeout, room under a descriptor limit).
 
 Counts by env var: TORPOR_LOAD_IDLE (default 10000), TORPOR_LOAD_RPCS (default 10000),
 TORPOR_LOAD_SECONDS (how long idle connections are held and refused floods last, default 8).
