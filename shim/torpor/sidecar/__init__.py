@@ -15,12 +15,19 @@ as a gRPC status.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Iterable
 
 import grpc
 
 from .. import errors
 from ..errors import ExitCode, TorporError
+
+def root_socket(run_dir: Path) -> Path:
+    """Root's own door: its gRPC server's socket, in torpord's 0700 private directory, which
+    root's clients use when it is there; no flood on the public socket can stand before it."""
+    return Path(run_dir).absolute() / "private" / "root.sock"
+
 
 def proto():
     """The generated modules (torpor._proto); a clear error when they were never generated."""

@@ -2,7 +2,9 @@
 
     torpord [--foreground] [--socket PATH] [--op-timeout SECONDS] [--log-level LEVEL]
 
-gRPC (proto/torpor.proto) on <run_dir>/torpord.sock, behind a SO_PEERCRED check (peercred.py).
+gRPC (proto/torpor.proto) on <run_dir>/torpord.sock, behind a SO_PEERCRED check (peercred.py);
+root's calls are served apart, also on <run_dir>/private/root.sock (root_socket()), which
+root's clients use first.
 A container checkpoint is LockAndCheckpoint, then the runtime's CRIU dump, then Finish,
 Rollback or RestoreAndUnlock; the operation stays open (journal entry and PID locks held by
 torpord) in between, and is rolled back by torpord when not ended within --op-timeout.
@@ -41,7 +43,7 @@ from ..engine import Engine
 from ..errors import SidecarError, TorporError, UsageError
 from ..files import private_dir
 from ..progress import Progress
-from . import proto
+from . import proto, root_socket
 from .operations import DEFAULT_OP_TIMEOUT_S
 from .peercred import PeerCredProxy
 from .service import Service, servicer
@@ -171,7 +173,7 @@ def _serve(cfg: config.Config, args: argparse.Namespace, public: Path, private: 
     # Two gRPC servers over one service: root's calls have workers of their own, so that no
     # flood of the socket owner's calls queues in front of them (the proxy routes by uid);
     # past its bound a flood's calls are refused (RESOURCE_EXHAUSTED), not queued without end.
-    root_private = private.with_name("root.sock")
+    root_private = root_socket(cfg.run_dir)
     servers = []
     for path, workers, bound in ((private, 16, 256), (root_private, 4, 64)):
         if path.is_socket():
