@@ -65,8 +65,8 @@ def test_podman_export_import_through_the_agent(podman, gpu, daemon, name, base)
         entry = m["agent"][str(old_pid)]
         assert entry["nspid"] == 1 and entry["bytes"] == 5 << 20
         for k, size in enumerate(entry["files"]):
-            rel = f"torpor-gpu/{old_pid}/gpu-memory-{k}.bin"
-            assert f"checkpoint/{rel}" in names
+            rel = f"torpor-gpu/{old_pid}/gpu-memory-{k}.bin"   # the file table's name
+            assert f"checkpoint/torpor-gpu+{old_pid}+gpu-memory-{k}.bin" in names   # flat.py
             assert m["files"][rel]["size"] == size and m["files"][rel]["sha256"] is None
         podman.rm(name)
 
