@@ -208,7 +208,8 @@ def test_a_packed_checkpoint_flattened_verifies_and_unpacks_elsewhere(tmp_path):
     from torpor.store import Store
     d = tmp_path / "ck"
     files = {"torpor.json": b'{"kind": "torpor-checkpoint"}', "inventory.img": b"inv",
-             "pages-1.img": os.urandom(3 << 20), "torpor-gpu/7/gpu-memory-0.bin": os.urandom(1 << 20)}
+             "pages-1.img": os.urandom(3 << 20),
+             "torpor-gpu/7/gpu-memory-0.bin": os.urandom(1 << 20)}
     for rel, data in files.items():
         (d / rel).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         (d / rel).write_bytes(data)

@@ -411,3 +411,26 @@ def test_restore_refuses_a_hostile_flat_name_before_runc(world, monkeypatch, cap
     assert "not a valid flat name" in capsys.readouterr().err
     assert world["runc"].calls() == []                      # nothing restored
     assert (images / "torpor-gpu+4242+gpu-memory-0.bin").exists()   # nothing moved
+
+
+def test_a_checkpoint_that_cannot_be_flattened_is_kept_whole_with_a_warning(world, capsys):
+    """flat.py refuses (here a link among the agents' files): the checkpoint is done, kept with
+    its subdirectories (podman and ctr take it), and the user is told containerd's CRI
+    cannot archive it."""
+    write_spec(world["bundle"], gpu=True)
+    client = world["client"]
+    _agent_files(client, 4242)
+    lock = client.lock_and_checkpoint
+
+    def with_link(**kw: Any) -> Checkpointed:
+        out = lock(**kw)
+        (Path(kw["gpu_data_dir"]) / "4242" / "planted").symlink_to("/etc/hostname")
+        return out
+    client.lock_and_checkpoint = with_link
+    assert rt_main.main(checkpoint_argv(world["images"], "--leave-running")) == 0
+    err = capsys.readouterr().err
+    assert "subdirectories kept" in err and "not a regular file" in err
+    images = world["images"]
+    assert (images / "torpor-gpu" / "4242" / "gpu-memory-0.bin").is_file()
+    assert not list(images.glob("torpor-gpu+*"))
+    manifest.verify(images, manifest.read(images))
