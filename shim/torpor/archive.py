@@ -4,7 +4,8 @@ archive's members against it.
 Archives are tar files, plain or compressed (gzip, bzip2, xz, or zstd: podman's
 `checkpoint --export` default). Nothing is extracted, so paths inside an archive are never
 used on the host; the archive file is opened without blocking (a FIFO cannot hang torpor) and
-must be a regular file.
+must be a regular file. Members with flat names (flat.py) are checked as the tree paths they
+stand for.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import tarfile
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO, Callable, Iterator
 
-from . import manifest
+from . import flat, manifest
 from .errors import CorruptCheckpointError, NotFoundError, UsageError
 from .layout import MANIFEST, MAX_MANIFEST, PACKED
 
@@ -99,6 +100,13 @@ def _blocks(f: BinaryIO, size: int) -> Iterator[str]:
             return
 
 
+def _tree_path(name: PurePosixPath) -> PurePosixPath:
+    """A member's name with a flat file name (flat.py: torpor-runtime's image directory, as
+    containerd 2's CRI archives it) put back as the tree path the file table lists."""
+    tree = flat.decode(name.name) if flat.is_flat(name.name) else None
+    return name.parent / tree if tree is not None else name
+
+
 def verify_archive(path: Path) -> dict[str, Any]:
     """The archive's manifest, after one streaming pass checked its members against the file
     table: every listed file present once, a regular file of the listed size and checksum,
@@ -108,9 +116,15 @@ def verify_archive(path: Path) -> dict[str, Any]:
     members: dict[PurePosixPath, tuple[str, int, list[str] | None]] = {}   # name -> kind, size, sums
     wanted: set[str] = set()   # names a table may list: hashed as they pass, judged at the end
     twice: list[PurePosixPath] = []
+    unnamed: list[tuple[PurePosixPath, str]] = []   # flat names that do not decode: why
 
     def each(tar: tarfile.TarFile, member: tarfile.TarInfo) -> None:
         name = PurePosixPath(member.name)
+        try:
+            name = _tree_path(name)
+        except CorruptCheckpointError as e:
+            unnamed.append((name, str(e)))
+            return
         if name.name == MANIFEST and member.isfile() and not found:
             if member.size > MAX_MANIFEST:
                 raise CorruptCheckpointError(f"{path}: {member.name} is implausibly large")
@@ -134,6 +148,7 @@ def verify_archive(path: Path) -> dict[str, Any]:
     _depth, top, data = found[0]
     m = manifest.parse(data, f"{path}:{MANIFEST}")
     bad = [f"{manifest.printable(n)} is in the archive twice" for n in twice if top in n.parents]
+    bad += [why for n, why in unnamed if top in n.parents]
     seen: set[str] = set()
     for name, (kind, size, sums) in members.items():
         if top not in name.parents:

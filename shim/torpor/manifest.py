@@ -32,6 +32,8 @@ Optional:
                     it back through the agent (`resume`). pid: at checkpoint; nspid: in its own
                     pid namespace (finds the agent of a container's restored process).
 
+Paths in `files` are the tree paths (torpor-gpu/<pid>/...) also where torpor-runtime left the
+directory flattened (flat.py): those files are found under their flat names.
 Paths in `files` are never trusted: each must be a plain relative path that stays inside the
 checkpoint directory (layout.safe_relpath), or reading fails with CorruptCheckpointError.
 The schema check is manifest_types.Manifest.from_json (every field's type and range, one
@@ -42,6 +44,7 @@ caps); verify trusts torpor.json itself as strictly as the images (manifest_untr
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import hashlib
 import os
@@ -50,7 +53,7 @@ import stat
 from pathlib import Path, PurePosixPath
 from typing import Any, Mapping
 
-from . import agent_data
+from . import agent_data, flat
 from . import manifest_types
 from .errors import CorruptCheckpointError, NotFoundError
 from .files import (TRUSTED_UIDS, atomic_write, loads_json, printable, read_untrusted,
@@ -109,9 +112,15 @@ def _image_files(images_dir: Path) -> list[str]:
             dirs.remove(CHUNKS)
         for n in names:
             rel = os.path.relpath(os.path.join(root, n), images_dir)
-            if rel not in NOT_CHECKSUMMED and rel != PACKED \
-                    and not os.path.islink(os.path.join(root, n)) and not _stream_record(rel):
+            if root == str(images_dir) and flat.is_flat(n):
+                rel = str(flat.decode(n))   # a flattened directory's (flat.py): its tree path
+            if rel not in NOT_CHECKSUMMED and rel != PACKED and not is_kept_out(rel) \
+                    and not os.path.islink(os.path.join(root, n)):
                 out.append(rel)
+    twice = sorted(r for r, n in collections.Counter(out).items() if n > 1)
+    if twice:
+        raise CorruptCheckpointError(f"{images_dir}: {printable(twice[0])} is there both as a "
+                                     "file of its folder and as a flat file")
     return sorted(out)
 
 
@@ -303,7 +312,7 @@ def verify(images_dir: Path, m: dict[str, Any], checksums: bool = True,
                 bad.append(f"{printable(rel)} has {elsewhere[rel]} bytes in the image store, manifest "
                            f"says {info['size']}")
             continue
-        path = (images_dir / safe_relpath(rel))
+        path = flat.locate(images_dir, safe_relpath(rel))
         try:
             real = path.resolve(strict=True)
         except (OSError, RuntimeError):   # missing, a link loop, a name too long

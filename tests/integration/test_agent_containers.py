@@ -65,8 +65,8 @@ def test_podman_export_import_through_the_agent(podman, gpu, daemon, name, base)
         entry = m["agent"][str(old_pid)]
         assert entry["nspid"] == 1 and entry["bytes"] == 5 << 20
         for k, size in enumerate(entry["files"]):
-            rel = f"torpor-gpu/{old_pid}/gpu-memory-{k}.bin"
-            assert f"checkpoint/{rel}" in names
+            rel = f"torpor-gpu/{old_pid}/gpu-memory-{k}.bin"   # the file table's name
+            assert f"checkpoint/torpor-gpu+{old_pid}+gpu-memory-{k}.bin" in names   # flat.py
             assert m["files"][rel]["size"] == size and m["files"][rel]["sha256"] is None
         podman.rm(name)
 
@@ -79,8 +79,42 @@ def test_podman_export_import_through_the_agent(podman, gpu, daemon, name, base)
         with AgentClient(new_dir / "agent-1.sock") as a:
             st = a.status()
         assert (st["state"], st["gate"], st["intact"]) == ("running", "open", True)
+
+        # an export made before the flat layout (torpor-gpu/<pid>/...) still imports
+        podman.rm(name)
+        old = _with_subdirectories(archive, base / "old-layout.tar")
+        events.unlink()
+        podman.restore(import_=old)
+        assert _events(events) == ["agent status", "agent resume"]
+        with AgentClient(daemon.cfg.run_dir / "agents" / podman.inspect(name, "{{.Id}}")
+                         / "agent-1.sock") as a:
+            st = a.status()
+        assert (st["state"], st["gate"], st["intact"]) == ("running", "open", True)
     finally:
         podman.rm(name)
+
+
+def _with_subdirectories(archive: Path, out: Path) -> Path:
+    """archive with its flat files (flat.py) back in their subdirectories, as torpor wrote
+    checkpoints before."""
+    from torpor import flat
+    with tarfile.open(archive) as src, tarfile.open(out, "w") as dst:
+        made: set[str] = set()
+        for m in src.getmembers():
+            data = src.extractfile(m) if m.isfile() else None
+            head, _, leaf = m.name.rpartition("/")
+            tree = flat.decode(leaf) if head == "checkpoint" else None
+            if tree is not None:
+                for parent in reversed(tree.parents[:-1]):
+                    if str(parent) not in made:
+                        made.add(str(parent))
+                        d = tarfile.TarInfo(f"checkpoint/{parent}")
+                        d.type, d.mode = tarfile.DIRTYPE, 0o700
+                        dst.addfile(d)
+                m.name = f"checkpoint/{tree}"
+            dst.addfile(m, data)
+    assert made, "no flat file in the archive"
+    return out
 
 
 def _events(path: Path) -> list[str]:

@@ -31,6 +31,7 @@ from integration import cri as crimod
 from tests.fakes.fakegpu import RUNNING, FakeGpu
 from tests.integration.conftest import needs_criu, wait_for
 from tests.integration.torpord import Daemon
+from torpor import config
 
 SKIP = crimod.missing()
 pytestmark = [needs_criu, pytest.mark.criu,
@@ -339,27 +340,143 @@ def test_cri_restore_refused_before_anything_starts_when_the_given_gpu_does_not_
     assert archive.stat().st_size == size
 
 
-def test_cri_checkpoint_with_subdirectories_fails_in_containerd_and_the_program_runs_on(
-        node, handler, gpu, daemon):
-    """The pod annotation org.torpor.store=on reaches torpor-runtime (the handler passes
-    org.torpor.* through), whose image directory then holds torpor-chunks/. containerd 2.1's
-    CheckpointContainer copies the runtime's image directory into its archive flat (every tar
-    entry os.Create'd: writeCriuCheckpointData), so it fails on the subdirectory after the
-    dump; the program must run on, unlocked, as before the checkpoint. (The agent's
-    torpor-gpu/ meets the same; docs/containers.md.)"""
-    store = node.base / "store"
-    handler.write(TORPOR_STORE_DIR=str(store))
-    w, spec = _gpu_workload(node, gpu)
-    pod, cid = node.run("cuda", "torpor", spec, annotations={"org.torpor.store": "on"})
-    w.wait_ticking()
+def _agent_events(path: Path) -> list[str]:
+    return [e.rsplit(" ", 1)[0] for e in path.read_text().splitlines()] if path.exists() else []
+
+
+def _flat_members(archive: Path) -> list[str]:
+    """The archive's checkpoint/ members, each a plain file directly in checkpoint/ (what
+    containerd 2.1's writeCriuCheckpointData can copy: it os.Create's every entry)."""
+    with tarfile.open(archive) as tf:
+        inside = [m for m in tf.getmembers() if m.name.startswith("checkpoint/")]
+    assert all(m.isfile() and "/" not in m.name[len("checkpoint/"):] for m in inside), \
+        [m.name for m in inside if not m.isfile() or "/" in m.name[len("checkpoint/"):]]
+    return [m.name[len("checkpoint/"):] for m in inside]
+
+
+def _agent_socket(daemon: Daemon, cid: str, gpu: FakeGpu, scope: str) -> Path:
+    """The socket of the container's program under its agent (agent-<PID in the pod>.sock in
+    the directory torpor-runtime bound to /run/torpor/agents), once it serves."""
+    def found() -> Path | None:
+        for sock in (daemon.cfg.run_dir / "agents" / cid).glob("agent-*.sock"):
+            if gpu.proc_entry(f"{scope}.{sock.stem.split('-')[1]}"):
+                return sock
+        return None
+    return wait_for(found, 20, "the program under its agent")
+
+
+def _agent_round_trip(node: Node, handler: Handler, gpu: FakeGpu, daemon: Daemon,
+                      annotations: dict[str, str], nbytes: int) -> tuple[dict, list[str]]:
+    """fake_agent.py (its "GPU memory" a pattern it checks) under the agent in a pod through
+    the torpor handler: CheckpointContainer (it runs on, its agent resumed from the image
+    directory), the pod removed, a new pod's CreateContainer from the archive and
+    StartContainer: its agent resumes from the archive's data and its memory is intact. The
+    archive's manifest and checkpoint/ members."""
+    from tests.integration.test_agent_containers import agent_workload
+    from torpor.agent import AgentClient
+    from torpor.archive import verify_archive
+    _cdi_spec(node, gpu)
+    events = gpu.state_dir / "agent-events"
+    argv, env, mounts = agent_workload(gpu, "agcri", nbytes, events)
+    spec = crimod.ContainerSpec("cuda", node.image, argv, env=env,
+                                mounts=[("/usr", "/usr", True), *mounts],
+                                cdi_devices=["nvidia.com/gpu=0"])
+    pod, cid = node.run("cuda-agent", "torpor", spec, annotations=annotations)
+    sock = _agent_socket(daemon, cid, gpu, "agcri")
+    old_pid = node.cri.pid(cid)
     archive = crimod.kubelet_archive(node.checkpoints, pod, "cuda")
-    with pytest.raises(crimod.CriError) as err:
-        node.cri.checkpoint(cid, archive)
-    assert "torpor-chunks" in err.value.details and "not a directory" in err.value.details
-    assert list((store / "snapshots").glob("*.json"))        # torpor did pack it
+    node.cri.checkpoint(cid, archive)
     assert node.cri.state(cid) == "CONTAINER_RUNNING"
-    w.wait_ticking(w.tick())
-    assert w.entry()["state"] == RUNNING
+    ev = _agent_events(events)
+    assert ev[0] == "agent status" and ev[1].startswith("agent prepare") and "agent detach" in ev
+    assert ev[-2:] == ["agent status", "agent resume"], ev   # left running: resumed from the files
+    with AgentClient(sock) as a:
+        st = a.status()
+    assert (st["state"], st["gate"], st["intact"]) == ("running", "open", True)
+    members = _flat_members(archive)
+    m = _manifest(archive)
+    assert m["agent"][str(old_pid)]["bytes"] == nbytes
+    if "torpor-store.json" not in members:
+        assert verify_archive(archive) == m     # torpor inspect --verify of the kubelet's archive
+    events.unlink()
+    node.cri.remove_pod(pod.id)
+
+    pod2, cid2 = node.run("cuda-agent-restored", "torpor", spec, image=str(archive))
+    assert node.cri.pid(cid2) != old_pid
+    assert _agent_events(events)[0] == "agent status" and "agent resume" in _agent_events(events)
+    with AgentClient(_agent_socket(daemon, cid2, gpu, "agcri")) as a:
+        st = a.status()
+    assert (st["state"], st["gate"], st["intact"]) == ("running", "open", True)
+    assert node.cri.status(cid2).status.annotations.get("restored") == "true"
+    assert handler.commands().count("restore") == 1
+    return m, members
+
+
+def test_cri_checkpoint_and_restore_under_the_agent(node, handler, gpu, daemon):
+    """org.torpor.agent=on: the agent's data files reach the kubelet's archive as flat files
+    (torpor-gpu+<pid>+gpu-memory-<k>.bin; containerd 2.1 copies the runtime's image directory
+    entry by entry as plain files, a subdirectory failed the checkpoint), listed under their
+    tree paths in the file table; the restore puts them back and the program's memory comes
+    back bit-exact through its agent."""
+    m, members = _agent_round_trip(node, handler, gpu, daemon, {"org.torpor.agent": "on"},
+                                   3 << 20)
+    pid, entry = next(iter(m["agent"].items()))
+    for k, size in enumerate(entry["files"]):
+        assert f"torpor-gpu+{pid}+gpu-memory-{k}.bin" in members
+        assert m["files"][f"torpor-gpu/{pid}/gpu-memory-{k}.bin"]["size"] == size
+
+
+def test_cri_checkpoint_packed_into_the_store_and_restored(node, handler, gpu, daemon):
+    """org.torpor.store=on (and the agent): torpor-runtime packs the checkpoint into the node's
+    store, its chunk links flat in the archive (torpor-chunks+<sha256>, still hard links into
+    the store until containerd copies them); the restore brings them back, verifies every chunk
+    and the program's memory is intact."""
+    store = node.base / "store"
+    daemon.stop()   # the node's one store, as its config would give torpord and the runtime
+    daemon.env["TORPOR_STORE_DIR"] = str(store)
+    daemon.cfg = config.load(env=daemon.env)
+    daemon.start()
+    handler.write(TORPOR_STORE_DIR=str(store))
+    m, members = _agent_round_trip(node, handler, gpu, daemon,
+                                   {"org.torpor.agent": "on", "org.torpor.store": "on"}, 5 << 20)
+    assert list((store / "snapshots").glob("*.json"))        # torpor packed it
+    assert "torpor-store.json" in members
+    chunks = [n for n in members if n.startswith("torpor-chunks+")]
+    assert chunks and all(re.fullmatch(r"torpor-chunks\+[0-9a-f]{64}", n) for n in chunks)
+    assert not [n for n in members if n.startswith("torpor-gpu")]   # only in the chunks
+
+
+def test_cri_restore_refuses_a_hostile_flat_name_before_anything_starts(node, handler, gpu,
+                                                                        daemon):
+    """The archive is untrusted: a flat name that would climb out of the checkpoint
+    (torpor-gpu+...), added to an agent checkpoint's archive, is refused at StartContainer
+    with torpor's one line, before CRIU or the driver restore anything."""
+    from tests.integration.test_agent_containers import agent_workload
+    _cdi_spec(node, gpu)
+    argv, env, mounts = agent_workload(gpu, "aghost", 1 << 20, gpu.state_dir / "agent-events")
+    spec = crimod.ContainerSpec("cuda", node.image, argv, env=env,
+                                mounts=[("/usr", "/usr", True), *mounts],
+                                cdi_devices=["nvidia.com/gpu=0"])
+    pod, cid = node.run("cuda-agent", "torpor", spec, annotations={"org.torpor.agent": "on"})
+    _agent_socket(daemon, cid, gpu, "aghost")
+    archive = crimod.kubelet_archive(node.checkpoints, pod, "cuda")
+    node.cri.checkpoint(cid, archive)
+    node.cri.remove_pod(pod.id)
+    bad = archive.with_name("hostile-" + archive.name)
+    with tarfile.open(archive) as src, tarfile.open(bad, "w") as dst:
+        for mem in src.getmembers():
+            dst.addfile(mem, src.extractfile(mem) if mem.isfile() else None)
+        info = tarfile.TarInfo("checkpoint/torpor-gpu+1+.hidden")
+        info.size = 4
+        dst.addfile(info, io.BytesIO(b"evil"))
+    restores = len([c for c in gpu.calls() if c.call == "restore"])
+    pod2 = node.cri.run_pod("cuda-hostile", "torpor")
+    cid2 = node.cri.create(pod2, spec, image=str(bad))
+    with pytest.raises(crimod.CriError) as err:
+        node.cri.start(cid2)
+    assert "not a valid flat name" in err.value.details, err.value
+    assert node.cri.state(cid2) != "CONTAINER_RUNNING"
+    assert len([c for c in gpu.calls() if c.call == "restore"]) == restores
 
 
 def test_cri_restore_of_a_tampered_archive_is_refused_before_anything_starts(node, handler, gpu,

@@ -357,3 +357,80 @@ def test_bundle_with_broken_spec_passes_through(world):
         rt_main.main(argv)
     assert e.value.argv == [str(world["runc"].path), *argv]
     assert world["client"].calls == []
+
+
+def _agent_files(client: FakeClient, pid: int) -> None:
+    """The fake torpord's lock also has an "agent" move memory into gpu_data_dir (<pid>/...)."""
+    lock = client.lock_and_checkpoint
+
+    def moving(**kw: Any) -> Checkpointed:
+        d = Path(kw["gpu_data_dir"]) / str(pid)
+        d.mkdir(parents=True, mode=0o700)
+        for k in range(2):
+            (d / f"gpu-memory-{k}.bin").write_bytes(bytes([k]) * 1000)
+        return lock(**kw)
+    client.lock_and_checkpoint = moving
+
+
+def test_gpu_checkpoint_leaves_no_subdirectory_and_restore_puts_them_back(world, monkeypatch,
+                                                                         tmp_path):
+    """containerd 2's CRI copies the image directory as plain files: torpor-runtime's
+    checkpoint ends flat (an earlier checkpoint's flat files gone first), its restore puts the
+    tree back before anything runs."""
+    write_spec(world["bundle"], gpu=True)
+    images = world["images"]
+    images.mkdir(mode=0o700)
+    (images / "torpor-gpu+1+gpu-memory-0.bin").write_bytes(b"an earlier checkpoint's")
+    _agent_files(world["client"], 4242)
+    assert rt_main.main(checkpoint_argv(images)) == 0
+    assert all(p.is_file() for p in images.iterdir()), sorted(os.listdir(images))
+    assert sorted(p.name for p in images.glob("torpor-gpu+*")) == \
+        ["torpor-gpu+4242+gpu-memory-0.bin", "torpor-gpu+4242+gpu-memory-1.bin"]
+    m = manifest.read(images)
+    assert m["files"]["torpor-gpu/4242/gpu-memory-1.bin"]["size"] == 1000
+    manifest.verify(images, m)
+    monkeypatch.setattr(rt_restore.container, "place",
+                        lambda cfg, m, b: container.Placement({GPU: GPU}))
+    argv = ["restore", "--image-path", str(images), "--bundle", str(world["bundle"]), CID]
+    assert rt_main.main(argv) == 0
+    assert (images / "torpor-gpu" / "4242" / "gpu-memory-1.bin").read_bytes() == b"\x01" * 1000
+    assert not list(images.glob("torpor-gpu+*"))
+
+
+def test_restore_refuses_a_hostile_flat_name_before_runc(world, monkeypatch, capsys):
+    write_spec(world["bundle"], gpu=True)
+    images = world["images"]
+    _agent_files(world["client"], 4242)
+    assert rt_main.main(checkpoint_argv(images)) == 0
+    (images / "torpor-gpu+4242+..+x").write_bytes(b"x")
+    monkeypatch.setattr(rt_restore.container, "place",
+                        lambda cfg, m, b: container.Placement({GPU: GPU}))
+    world["runc"].root.joinpath("calls.jsonl").unlink()
+    argv = ["restore", "--image-path", str(images), "--bundle", str(world["bundle"]), CID]
+    assert rt_main.main(argv) == ExitCode.CORRUPT
+    assert "not a valid flat name" in capsys.readouterr().err
+    assert world["runc"].calls() == []                      # nothing restored
+    assert (images / "torpor-gpu+4242+gpu-memory-0.bin").exists()   # nothing moved
+
+
+def test_a_checkpoint_that_cannot_be_flattened_is_kept_whole_with_a_warning(world, capsys):
+    """flat.py refuses (here a link among the agents' files): the checkpoint is done, kept with
+    its subdirectories (podman and ctr take it), and the user is told containerd's CRI
+    cannot archive it."""
+    write_spec(world["bundle"], gpu=True)
+    client = world["client"]
+    _agent_files(client, 4242)
+    lock = client.lock_and_checkpoint
+
+    def with_link(**kw: Any) -> Checkpointed:
+        out = lock(**kw)
+        (Path(kw["gpu_data_dir"]) / "4242" / "planted").symlink_to("/etc/hostname")
+        return out
+    client.lock_and_checkpoint = with_link
+    assert rt_main.main(checkpoint_argv(world["images"], "--leave-running")) == 0
+    err = capsys.readouterr().err
+    assert "subdirectories kept" in err and "not a regular file" in err
+    images = world["images"]
+    assert (images / "torpor-gpu" / "4242" / "gpu-memory-0.bin").is_file()
+    assert not list(images.glob("torpor-gpu+*"))
+    manifest.verify(images, manifest.read(images))

@@ -14,7 +14,9 @@ operation back itself once no dump holds the processes.
 Programs under the in-process agent: torpord has their agents move their GPU memory into
 <image-path>/torpor-gpu/ first (agent_data.py), so the runtime's image directory, and with it
 podman's --export archive and containerd's checkpoint, carries it; torpor.json lists it
-("agent", and the file table's checksums). CRIU ignores the directory.
+("agent", and the file table's checksums). CRIU ignores the directory. Once the checkpoint is
+done, its subdirectories become flat files (flat.py: containerd 2's CRI copies the directory
+into the kubelet's archive as plain files only); restore.py turns them back.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import __version__, agent_data, gpus, interrupts, manifest, oci, procs, workloads
+from .. import __version__, agent_data, flat, gpus, interrupts, manifest, oci, procs, workloads
 from .. import manifest_types as mt
 from ..config import Config
 from ..errors import NoDriverError, NotFoundError, SidecarError, TorporError, UsageError
@@ -78,15 +80,35 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
     data = agent_data.DataDir(images / agent_data.DATA_DIR)
     data.remove()   # an earlier checkpoint's, into the same image path
     store_images.forget_packed(images)
+    flat.remove_flat(images)
     store = _open_store(cfg, cid) if oci.wants_store(spec, cfg.store_containers) else None
     if store is None:
-        return _checkpoint(cfg, runtime, cid, spec, use, pid, images, data, thawed,
-                           leave_running, None)
-    # the store's lock, shared, from the agents' skipping of what it holds to the pack: gc
-    # cannot take those chunks in between
-    with store.backend.lock(False, store.lock_timeout):
-        return _checkpoint(cfg, runtime, cid, spec, use, pid, images, data, thawed,
-                           leave_running, store)
+        rc = _checkpoint(cfg, runtime, cid, spec, use, pid, images, data, thawed,
+                         leave_running, None)
+    else:
+        # the store's lock, shared, from the agents' skipping of what it holds to the pack: gc
+        # cannot take those chunks in between
+        with store.backend.lock(False, store.lock_timeout):
+            rc = _checkpoint(cfg, runtime, cid, spec, use, pid, images, data, thawed,
+                             leave_running, store)
+    if rc == 0:
+        _flatten(images, cid)
+    return rc
+
+
+def _flatten(images: Path, cid: str) -> None:
+    """The image directory's subdirectories as flat files (flat.py): containerd 2's CRI
+    archives it as if every entry were a file. The checkpoint is done whatever happens here:
+    left with its subdirectories, podman and ctr still take it."""
+    try:
+        n = flat.flatten(images)
+    except (OSError, TorporError) as e:
+        log.error("checkpoint %s: image directory not flattened: %s", cid, e)
+        print(f"torpor-runtime: warning: {images}: subdirectories kept ({e}); containerd's "
+              "CRI cannot archive this checkpoint", file=sys.stderr)
+        return
+    if n:
+        log.info("checkpoint %s: %d file(s) of its subdirectories flattened", cid, n)
 
 
 def _open_store(cfg: Config, cid: str) -> Store | None:

@@ -12,7 +12,8 @@ it kills the half-restored container and says why. RestoreAndUnlock also gives p
 the agent the GPU memory their agent moved into <image-path>/torpor-gpu/ (torpor.json's
 "agent"), found by their PID in the container's namespace. A checkpoint packed into the image
 store (config store_containers) first gets its files back, its chunks imported into this host's
-store and verified (store/images.py).
+store and verified (store/images.py). A checkpoint whose subdirectories were flattened
+(flat.py: containerd 2's CRI archive) gets them back first, every name checked.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import agent, agent_data, manifest, oci
+from .. import agent, agent_data, flat, manifest, oci
 from ..config import Config
 from ..errors import TorporError
 from ..files import read_untrusted
@@ -59,6 +60,9 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
     images = Path(inv.opt("image-path") or "checkpoint").absolute()
     if not any((images / n).exists() for n in (manifest.MANIFEST, manifest.DRAFT)):
         runtime.exec()   # not a torpor checkpoint: exactly what plain runc does
+    moved_back = flat.unflatten(images)   # checked name by name (flat.py): refused, nothing ran
+    if moved_back:
+        log.info("restore %s: %d flat file(s) back in their subdirectories", cid, moved_back)
     bundle = Path(inv.opt("bundle", "b") or ".").absolute()
     t0 = time.monotonic()
     # packed at checkpoint (store_containers): the files back, every chunk's sha256 checked on

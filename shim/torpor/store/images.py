@@ -41,7 +41,7 @@ import stat
 from pathlib import Path
 from typing import Any, Iterable
 
-from .. import agent_data
+from .. import agent_data, flat
 from ..errors import CorruptCheckpointError, UsageError
 from ..files import atomic_write
 from ..files import read_untrusted
@@ -111,12 +111,14 @@ def forget_packed(images_dir: Path) -> None:
 
 def verify(images_dir: Path) -> int:
     """Check a packed checkpoint directory on its own: its snapshot, and every chunk it names
-    present in torpor-chunks/ and matching its name. The number of chunks checked."""
+    present in torpor-chunks/ (or flat: flat.py) and matching its name. The number of chunks
+    checked."""
     doc = snapshot.parse(read_untrusted(images_dir, PACKED, MAX_PACKED), f"{images_dir}/{PACKED}")
     names = sorted(snapshot.chunk_names(doc))
     for name in names:
         try:
-            blob = chunk.read_blob_file(images_dir / CHUNKS / name, f"{images_dir}/{CHUNKS}")
+            blob = chunk.read_blob_file(flat.locate(images_dir, f"{CHUNKS}/{name}"),
+                                        f"{images_dir}/{CHUNKS}")
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{images_dir}: chunk {name} is missing from "
                                          f"{CHUNKS}/") from None
