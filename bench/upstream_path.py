@@ -14,7 +14,7 @@
 
 Every container runs the same seed: each leg's steps file must agree line by line with the
 first leg's after its restore (bit_exact). Per leg: checkpoint and restore seconds, end to end,
-archive bytes, whether the plugin ran (its lines in the archive's dump.log, upstream) or the
+archive bytes, whether the plugin ran (the stand-in's call log, upstream) or the
 agent moved the GPU data (torpor's manifest); per size, the ratios against the upstream leg
 with the same compression. JSON rewritten after each measurement (a cut-short run keeps what
 it measured).
@@ -33,7 +33,6 @@ import os
 import platform
 import shutil
 import sys
-import tarfile
 import time
 from pathlib import Path
 
@@ -48,6 +47,7 @@ from torpor import archive  # noqa: E402
 GB = 1e9
 RUNC_CONF = Path("/etc/criu/runc.conf")
 STANDIN_AT = Path("/usr/local/bin/cuda-checkpoint")
+CALL_LOG = Path("/run/torpor-cuda-checkpoint-standin.log")   # the stand-in's calls (its Makefile)
 LEGS = {"upstream": {}, "driver": {"org.torpor.agent": "off"}, "agent": {},
         "store": {"org.torpor.store": "on"}}
 
@@ -63,26 +63,16 @@ def upstream_plugin(plugin_dir: Path, standin: Path):
     RUNC_CONF.parent.mkdir(parents=True, exist_ok=True)
     RUNC_CONF.write_text((before or "") + f"libdir {plugin_dir.resolve()}\n")
     shutil.copy2(standin, STANDIN_AT)
+    CALL_LOG.write_text("")
     try:
         yield
     finally:
         STANDIN_AT.unlink(missing_ok=True)
+        CALL_LOG.unlink(missing_ok=True)
         if before is None:
             RUNC_CONF.unlink(missing_ok=True)
         else:
             RUNC_CONF.write_text(before)
-
-
-def dump_log(arch: Path) -> str:
-    """The dump.log podman puts into an export archive ('' if none)."""
-    try:
-        with tarfile.open(arch) as tf:
-            for m in tf:
-                if Path(m.name).name == "dump.log" and m.isfile() and m.size < 64 << 20:
-                    return tf.extractfile(m).read().decode(errors="replace")
-    except (tarfile.TarError, OSError):
-        pass
-    return ""
 
 
 def one_leg(leg: str, podman: Podman, gib: float, compress: str, work: Path) -> dict:
@@ -98,9 +88,10 @@ def one_leg(leg: str, podman: Podman, gib: float, compress: str, work: Path) -> 
     podman.checkpoint(name, export=arch, compress=compress, timeout=3000)
     out["checkpoint_s"] = time.perf_counter() - t0
     out["archive_bytes"] = arch.stat().st_size
-    if leg == "upstream":
-        log = dump_log(arch) if compress == "none" else ""
-        out["plugin_ran"] = "cuda_plugin: Checkpointing CUDA devices" in log if log else None
+    if leg == "upstream":   # the plugin ran the stand-in: lock and checkpoint, both done
+        calls = CALL_LOG.read_text().split()
+        out["plugin_calls_checkpoint"] = " ".join(calls)
+        out["plugin_ran"] = "lock" in calls and "checkpoint" in calls
     else:
         m = archive.manifest_from_archive(arch)
         out["agent_moved"] = bool(m.get("agent"))
@@ -111,6 +102,8 @@ def one_leg(leg: str, podman: Podman, gib: float, compress: str, work: Path) -> 
     t0 = time.perf_counter()
     podman.restore(import_=arch, timeout=3000)
     out["restore_s"] = time.perf_counter() - t0
+    if leg == "upstream":
+        out["plugin_calls"] = CALL_LOG.read_text().splitlines()
     out["end_to_end_s"] = out["checkpoint_s"] + out["restore_s"]
     tc.wait_step(at + 5, timeout=900)
     out["steps_file"] = str(tc.steps)

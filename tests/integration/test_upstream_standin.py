@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def standin(tmp_path_factory: pytest.TempPathFactory) -> Path:
     build = tmp_path_factory.mktemp("upstream")
-    r = subprocess.run(["make", "-s", "-C", str(ROOT / "bench" / "upstream"), f"BUILD={build}"],
+    r = subprocess.run(["make", "-s", "-C", str(ROOT / "bench" / "upstream"), f"BUILD={build}",
+                        f"CALL_LOG={build / 'calls.log'}"],
                        capture_output=True, text=True, timeout=120)
     if r.returncode != 0:
         pytest.fail(f"the stand-in does not build:\n{r.stderr}")
@@ -106,6 +107,8 @@ def test_criu_with_its_cuda_plugin_and_the_standin_checkpoints_and_restores(
            "PATH": f"{standin.parent}:{os.environ['PATH']}"}
     images = tmp_path / "images"
     images.mkdir()
+    calls_log = standin.parent / "calls.log"       # the stand-in logs there once it exists
+    calls_log.write_text("")
     criu = ["/usr/local/sbin/criu", "-D", str(images), "-v4", "--libdir", str(PLUGIN),
             "--shell-job"]
     r = subprocess.run([criu[0], "dump", "-t", str(prog.pid), *criu[1:], "-o", "dump.log"],
@@ -123,9 +126,14 @@ def test_criu_with_its_cuda_plugin_and_the_standin_checkpoints_and_restores(
         calls = [c.call for c in gpu.calls() if c.pid == prog.pid and c.name == "CUDA_SUCCESS"]
         assert [c for c in calls if c in ("lock", "checkpoint", "restore", "unlock")] == \
             ["lock", "checkpoint", "restore", "unlock"]
+        logged = [line.split() for line in calls_log.read_text().splitlines()]
+        assert [w for w, pid, rc in logged if pid == str(prog.pid) and rc == "0"
+                and w in ("lock", "checkpoint", "restore", "unlock")] == \
+            ["lock", "checkpoint", "restore", "unlock"]
         at = prog.tick()
         wait_for(lambda: prog.tick() > at + 2, what="the restored program to tick")
     finally:
+        calls_log.unlink(missing_ok=True)
         try:
             os.kill(prog.pid, 9)
         except ProcessLookupError:
