@@ -1,5 +1,6 @@
 """Fault injection (issue 18's suite): torpor SIGKILLed at a random moment of checkpoint,
-restore, suspend and resume, of a CPU program and of a fake-GPU program (real CRIU, the fake
+restore, suspend and resume, of a CPU program, of a fake-GPU program and of a fake-GPU program
+under the real agent (`torpor run`: libtorpor-agent.so moves its memory) (real CRIU, the fake
 driver). After each kill the next torpor command recovers, and then the program must run
 correctly (ticking, RUNNING on the GPU, or suspended on purpose and resumable), or be gone with
 its checkpoint sealed and restorable; nothing frozen, no journal entry left.
@@ -64,6 +65,32 @@ class CpuProgram:
         return wait_for(lambda: (t := self.tick()) > above and t, timeout, f"tick > {above}")
 
 
+class AgentProgram(CpuProgram):
+    """A fake CUDA program started by `torpor run`, the C agent preloaded: 64 MiB of written
+    GPU memory the agent moves (zeros would not move)."""
+
+    def __init__(self, torpor, gpu, status: Path, agents: Path):
+        from tests.fakes.fakegpu import PROGRAM
+        import json
+        self._json = json
+        self.status_path, self.agents = status, agents
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "torpor.cli.main", "run", "--", sys.executable, str(PROGRAM),
+             "--mem", str(64 << 20), "--status", str(status), "--lib", gpu.libcuda,
+             "--fill", f"0:{64 << 20}"],
+            env=torpor.env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, start_new_session=True)
+        self.pid = self.proc.pid
+        wait_for(lambda: self.tick() > 0 and (agents / f"agent-{self.pid}.sock").exists(),
+                 timeout=60, what="the program under the agent")
+
+    def agent_state(self) -> tuple[str, str]:
+        from torpor.agent import AgentClient
+        with AgentClient.for_pid(self.pid, self.agents) as a:
+            st = a.status()
+        return st.get("state"), st.get("gate")
+
+
 def _journal(tmp: Path) -> list[Path]:
     return sorted((tmp / "state" / "journal").glob("*.json"))
 
@@ -86,10 +113,12 @@ class Case:
     def program(self):
         self.n += 1
         if self.kind == "cpu":
-            p = CpuProgram(self.tmp / f"cpu{self.n}.json")
-            return p
-        p = self.gpu.spawn(mem=64 << 20)
-        return p
+            return CpuProgram(self.tmp / f"cpu{self.n}.json")
+        if self.kind == "agent":
+            agents = self.tmp / "agents"
+            self.torpor.env["TORPOR_AGENT_DIR"] = str(agents)
+            return AgentProgram(self.torpor, self.gpu, self.tmp / f"agent{self.n}.json", agents)
+        return self.gpu.spawn(mem=64 << 20)
 
     def prepare(self, prog, images: Path) -> None:
         """What must be true before the operation: a checkpoint to restore, a suspended
@@ -127,6 +156,9 @@ class Case:
                 assert r.returncode == 0, f"{where}: resume after the kill: {r.stderr}"
                 state = self.gpu_state(prog.pid)
             assert state == RUNNING, f"{where}: left in GPU state {state}; {ps.stderr}"
+            if self.kind == "agent":     # its memory back on the GPU, its gate open
+                st = prog.agent_state()
+                assert st == ("running", "open"), f"{where}: agent left {st}; {ps.stderr}"
             t = prog.tick()
             try:
                 prog.wait_tick(t + 3, timeout=10)
@@ -143,12 +175,17 @@ class Case:
         assert r.returncode == 0, f"{where}: checkpoint not restorable: {r.stderr}"
         t = prog.tick()
         prog.wait_tick(t + 3, timeout=10)
+        if self.kind == "agent":
+            st = prog.agent_state()
+            assert st == ("running", "open"), f"{where}: restored agent {st}"
         return "restorable"
 
 
 CASES = [("cpu", "checkpoint"), ("cpu", "checkpoint-left-running"), ("cpu", "restore"),
          ("gpu", "checkpoint"), ("gpu", "checkpoint-left-running"), ("gpu", "restore"),
-         ("gpu", "suspend"), ("gpu", "resume")]
+         ("gpu", "suspend"), ("gpu", "resume"),
+         ("agent", "checkpoint"), ("agent", "checkpoint-left-running"), ("agent", "restore"),
+         ("agent", "suspend"), ("agent", "resume")]
 
 
 @pytest.mark.parametrize("kind,op", CASES, ids=[f"{k}-{o}" for k, o in CASES])
@@ -181,3 +218,29 @@ def test_sigkill_of_torpor_at_a_random_moment(kind, op, torpor, gpu, tmp_path):
         shutil.rmtree(images, ignore_errors=True)
     print(f"{kind} {op}: {RUNS} kills over {duration:.2f} s, seed {SEED}: "
           f"{outcomes.count('running')} running, {outcomes.count('restorable')} restorable")
+
+
+def test_a_resume_killed_before_it_names_its_agents_gives_the_memory_back(torpor, gpu, tmp_path):
+    """A resume of a suspended program under the agent, SIGKILLed right after its journal entry
+    began (the entry names no agents yet: a torpor stand-in begins it and dies, as a kill at
+    that moment leaves it). The next command's recovery must have the agent take its memory
+    back from the suspend's data (the suspend record names it) before that data goes, not
+    leave the program with its GPU state RUNNING, its agent detached and its gate closed:
+    frozen, its data deleted (seen once in the random kills)."""
+    case = Case("agent", "resume", torpor, gpu, tmp_path)
+    prog = case.program()
+    try:
+        torpor.run("suspend", str(prog.pid), check=True)
+        dies = subprocess.run(
+            [sys.executable, "-c",
+             "import os, sys\n"
+             "from torpor import config\n"
+             "from torpor.journal import Journal\n"
+             "Journal(config.load()).begin('resume', [int(sys.argv[1])])\n"
+             "os.kill(os.getpid(), 9)", str(prog.pid)],
+            env=torpor.env, capture_output=True, text=True, timeout=60)
+        assert dies.returncode == -9, dies.stderr
+        assert len(_journal(tmp_path)) == 1
+        assert case.check(prog, tmp_path / "unused", "resume killed as it began") == "running"
+    finally:
+        _kill_tree(prog.pid)

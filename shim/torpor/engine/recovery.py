@@ -68,6 +68,13 @@ class Recovery:
             os.close(fd)  # a live operation owns these processes now; not ours to touch
             return []
         agents = {p: t for p, t in targets_of(entry.agents).items() if p in live}
+        if entry.kind == "resume":
+            # a resume killed before it wrote its agents: they are in the suspend records
+            # (what resume itself reads), and the data must go back before the records go
+            for p, r in self.journal.suspended().items():
+                for t in targets_of(r.get("agents", {})).values():
+                    if p in live and t.pid == p:
+                        agents.setdefault(p, t)
         try:
             with interrupts.deferred():
                 problems = self.rollback(live, entry.gpu_map or None, agents) if live else []
