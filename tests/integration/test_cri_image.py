@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,7 @@ from tests.integration.registry_server import PASSWORD, USER, Registry
 from tests.integration.registry_server import missing as registry_missing
 from tests.integration.test_cri import (  # noqa: F401  (fixtures)
     Node, _gpu_checkpoint, _gpu_workload, base, daemon, gpu, handler, node, registry)
+from torpor import config
 
 SKIP = crimod.missing() or registry_missing()
 pytestmark = [needs_criu, pytest.mark.criu,
@@ -114,3 +116,68 @@ def test_cri_restores_a_gpu_checkpoint_image_pulled_from_a_registry(node, node_b
     ann = node_b.cri.status(cid).status.annotations
     assert ann.get("restored") == "true", ann
     assert handler.commands().count("restore") == 1
+
+
+def _use_store(daemon, handler, store: Path) -> None:
+    """The node's one store, as its config would give torpord and torpor-runtime."""
+    daemon.stop()
+    daemon.env["TORPOR_STORE_DIR"] = str(store)
+    daemon.cfg = config.load(env=daemon.env)
+    daemon.start()
+    handler.write(TORPOR_STORE_DIR=str(store))
+
+
+def _layer_names(layout: Path, digest: str) -> list[str]:
+    blobs = layout / "blobs" / "sha256"
+    image = json.loads((blobs / digest[7:]).read_text())
+    with tarfile.open(blobs / image["layers"][0]["digest"][7:]) as tf:
+        return tf.getnames()
+
+
+def test_cri_restores_a_packed_checkpoint_image_once_its_chunks_are_in_the_nodes_store(
+        node, node_b, handler, gpu, daemon, docker_registry):
+    """org.torpor.store=on: the kubelet's archive carries the chunk links (torpor-chunks+<sha>);
+    `torpor image build` puts them in the chunk artifact and the layer keeps only references
+    (torpor-store.json). On node B, whose store lacks the chunks, the restore from the image
+    is refused at StartContainer before anything restores; after `torpor image pull` into
+    node B's store, CreateContainer from the same image restores and the program continues."""
+    _use_store(daemon, handler, node.base / "store-a")
+    w, spec = _gpu_workload(node, gpu)
+    archive, host_pid, tick = _gpu_checkpoint(node, gpu, w, spec,
+                                              annotations={"org.torpor.store": "on"})
+    with tarfile.open(archive) as tf:
+        links = [n for n in tf.getnames() if n.startswith("checkpoint/torpor-chunks+")]
+    assert links
+    layout = node.base / "image"
+    built = _torpor(daemon.env, "image", "build", str(archive), "-o", str(layout),
+                    "--name", "cuda")
+    assert built["chunks"] == len(links) and "io.torpor.chunks" in built["annotations"]
+    names = _layer_names(layout, built["digest"])
+    assert "checkpoint/torpor-store.json" in names and "config.dump" in names
+    assert not [n for n in names if "torpor-chunks" in n], names      # references only
+    ref = f"{docker_registry.host}/ckpt/cuda-store:v1"
+    _torpor(daemon.env, "image", "push", str(layout), ref, *docker_registry.args())
+
+    _use_store(daemon, handler, node.base / "store-b")                  # node B's store
+    node_b.cdi.joinpath("nvidia.json").write_text((node.cdi / "nvidia.json").read_text())
+    node_b.cri.pull(ref, auth=(USER, PASSWORD))
+    restores = len([c for c in gpu.calls() if c.call == "restore"])
+    pod = node_b.cri.run_pod("cuda-no-chunks", "torpor")
+    cid = node_b.cri.create(pod, spec, image=ref)
+    with pytest.raises(crimod.CriError) as err:
+        node_b.cri.start(cid)
+    assert "nor store" in err.value.details, err.value
+    assert node_b.cri.state(cid) != "CONTAINER_RUNNING"
+    assert len([c for c in gpu.calls() if c.call == "restore"]) == restores
+    node_b.cri.remove_pod(pod.id)
+
+    pulled = _torpor(daemon.env, "image", "pull", ref, "-D", str(node.base / "pulled"),
+                     *docker_registry.args())
+    assert pulled["chunks_fetched"] == built["chunks"]
+    pod2, cid2 = node_b.run("cuda-from-image", "torpor", spec, image=ref)
+    new_pid = node_b.cri.pid(cid2)
+    assert new_pid != host_pid and w.host_pid() == new_pid
+    w.wait_ticking(tick)
+    e = w.entry()
+    assert e["state"] == RUNNING and e["gpu"] == gpu.uuid(0)
+    assert node_b.cri.status(cid2).status.annotations.get("restored") == "true"
