@@ -11,7 +11,8 @@ API::
     Containerd2(base, torpor_runtime, *, registries=(), cdi_dirs=())   # a private daemon
         .socket / .ctr(*args) / .stop()         # config: packaging/containerd/containerd2.toml
     Cri(socket)                                 # the kubelet's calls, typed
-        .pull(ref) -> str                       # image ref (repo digest)
+        .pull(ref, auth=None) -> str            # image ref; auth: (user, password), as
+                                                # the kubelet passes an imagePullSecret
         .run_pod(name, handler) -> Pod          # host network (NamespaceOption network=NODE)
         .create(pod, spec: ContainerSpec, image=None) -> str
         .start(cid) / .status(cid) / .state(cid) -> str / .pid(cid) -> int
@@ -218,10 +219,11 @@ class Cri:
         r = self._call(self.runtime, "Version", self.pb.VersionRequest())
         return f"{r.runtime_name} {r.runtime_version}"
 
-    def pull(self, ref: str) -> str:
+    def pull(self, ref: str, auth: tuple[str, str] | None = None) -> str:
         pb = self.pb
+        creds = pb.AuthConfig(username=auth[0], password=auth[1]) if auth else None
         return self._call(self.images, "PullImage",
-                          pb.PullImageRequest(image=pb.ImageSpec(image=ref))).image_ref
+                          pb.PullImageRequest(image=pb.ImageSpec(image=ref), auth=creds)).image_ref
 
     def run_pod(self, name: str, handler: str = "", namespace: str = "default",
                 annotations: Mapping[str, str] | None = None) -> Pod:

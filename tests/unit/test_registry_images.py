@@ -149,6 +149,65 @@ def test_a_damaged_chunk_is_refused_at_build_and_no_layout_is_left(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def _kubelet_archive(tmp_path: Path, damage: bool = False, drop: bool = False
+                     ) -> tuple[Path, str]:
+    """A packed checkpoint as the kubelet's archive carries it: config.dump and spec.dump at the
+    root, the checkpoint under checkpoint/, its chunk links flat (torpor-chunks+<sha256>);
+    damage: flip a byte of the largest chunk; drop: leave it out. (archive, that chunk)"""
+    src = _sealed(tmp_path, big=9 << 20)
+    doc, _ = images.pack(Store(tmp_path / "store"), src, "one")
+    out = tmp_path / "checkpoint-pod_default-c-2026.tar"
+    biggest = max((src / "torpor-chunks").iterdir(), key=lambda p: p.stat().st_size).name
+    with tarfile.open(out, "w") as tar:
+        for n in ("config.dump", "spec.dump"):
+            info = tarfile.TarInfo(n)
+            data = json.dumps({"name": "c"}).encode()
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        for path in sorted(src.rglob("*")):
+            if path.is_dir():
+                continue
+            rel = path.relative_to(src).as_posix().replace("torpor-chunks/", "torpor-chunks+")
+            data = path.read_bytes()
+            if path.name == biggest and drop:
+                continue
+            if path.name == biggest and damage:
+                data = data[:-1] + bytes([data[-1] ^ 1])
+            info = tarfile.TarInfo(f"checkpoint/{rel}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return out, biggest
+
+
+def test_an_archive_of_a_packed_checkpoint_carries_its_chunks_beside_the_image(tmp_path):
+    archive, _ = _kubelet_archive(tmp_path)
+    doc = images.packed_doc(tmp_path / "img")
+    r = build.build(archive, tmp_path / "out", name="c")
+    _index, image, blobs = _layout(tmp_path / "out")
+    art = json.loads((blobs / image["annotations"][oci.A_CHUNKS][7:]).read_text())
+    names = {d["annotations"][oci.A_CHUNK] for d in art["layers"]}
+    assert names == {c for f in doc["files"].values() for c, _n in f["chunks"] if c}
+    assert r.chunks == len(names) >= 3
+    for d in art["layers"]:
+        assert hashlib.sha256((blobs / d["digest"][7:]).read_bytes()).hexdigest() == d["digest"][7:]
+    with tarfile.open(blobs / image["layers"][0]["digest"][7:]) as tar:
+        members = {m.name for m in tar}
+    assert {"config.dump", "spec.dump", "checkpoint/torpor-store.json",
+            "checkpoint/torpor.json"} <= members
+    assert not any("torpor-chunks" in m for m in members)
+
+
+def test_an_archive_whose_chunk_link_is_damaged_or_missing_is_not_built(tmp_path):
+    archive, victim = _kubelet_archive(tmp_path / "a", drop=True)
+    with pytest.raises(UsageError, match=f"chunk {victim} is missing from its torpor-chunks"):
+        build.build(archive, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    archive, victim = _kubelet_archive(tmp_path / "b", damage=True)
+    with pytest.raises(CorruptCheckpointError, match=victim):
+        build.build(archive, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_link_in_a_checkpoint_is_not_built_into_an_image(tmp_path):
     src = _sealed(tmp_path)
     (src / "sub" / "x.img").unlink()

@@ -12,7 +12,12 @@ image layout directory (new or empty, 0700) holding
     CRIU's small files and torpor-store.json (the snapshot naming the chunks), not the chunks.
 
 A bare directory's files go under checkpoint/ in the layer, where podman and CRI-O keep CRIU's
-images; an archive's members keep their own paths (podman's --create-image layout).
+images; an archive's members keep their own paths (podman's --create-image layout, and what
+containerd 2's CRI restores from: config.dump, spec.dump, status.dump at the layer's root).
+An archive of a packed checkpoint (torpor-store.json beside torpor.json, the chunk links as
+torpor-chunks+<sha256> flat files, as torpor-runtime leaves them for the kubelet's archive and
+podman's export, or under torpor-chunks/) is split the same way: its chunks, each verified,
+go to the chunk artifact, the layer keeps the rest.
 """
 
 from __future__ import annotations
@@ -27,10 +32,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from .. import archive, manifest
+from .. import archive, flat, manifest
 from ..errors import NotFoundError, UsageError
 from ..files import atomic_write, loads_json, private_dir, read_untrusted, write_new
-from ..layout import CHUNKS, MANIFEST, MAX_MANIFEST
+from ..layout import CHUNKS, MANIFEST, MAX_MANIFEST, MAX_PACKED, PACKED
 from ..store import chunk, images, snapshot
 from . import layer, oci
 
@@ -142,6 +147,10 @@ def build(src: Path, out: Path, name: str = "", tag: str = "latest") -> Built:
         try:
             top, mbytes = archive._find(src)
             m, mpath = manifest.parse(mbytes, f"{src}:{MANIFEST}"), (top / MANIFEST).as_posix()
+            prefix = layer._norm(top.as_posix())
+            prefix = prefix + "/" if prefix and prefix != "." else ""
+            doc = _archive_packed_doc(src, prefix)
+            packed = prefix if doc is not None else False
         except NotFoundError:   # an engine's own checkpoint (runc, crun): no torpor.json
             if not engine:
                 raise UsageError(f"{src} holds neither {MANIFEST} nor config.dump/spec.dump: "
@@ -160,11 +169,16 @@ def build(src: Path, out: Path, name: str = "", tag: str = "latest") -> Built:
 
 
 def _build(src: Path, lay: Layout, m: dict[str, Any], mbytes: bytes, ann: dict[str, str],
-           packed: bool, tag: str) -> Built:
+           packed: bool | str, tag: str) -> Built:
+    """packed: True for a packed directory, the path of torpor.json's directory inside the
+    archive ("" or "dir/") for an archive of a packed checkpoint, False for neither."""
     extra: list[oci.Descriptor] = []
     chunks, chunk_bytes = 0, 0
-    if packed:
+    if packed is True:
         art, chunk_bytes = _chunk_artifact(lay, src)
+    elif packed is not False:
+        art, chunk_bytes = _archive_chunk_artifact(lay, src, str(packed))
+    if packed is not False:
         chunks = len(art.layers)
         data = art.dump()
         extra.append(oci.Descriptor.of(oci.MANIFEST_TYPE, data))
@@ -176,7 +190,8 @@ def _build(src: Path, lay: Layout, m: dict[str, Any], mbytes: bytes, ann: dict[s
             layer.write_dir(w, src, CHECKPOINT_DIR, lambda rel: packed and (
                 rel == CHUNKS or rel.startswith(images.UNPACKED_PREFIX)))  # type: ignore[arg-type]
         else:
-            layer.write_archive(w, src)  # type: ignore[arg-type]
+            layer.write_archive(w, src, lambda name: packed is not False and  # type: ignore
+                                _chunk_member(name, str(packed)) is not None)
         f.flush()
         os.fsync(f.fileno())
     layer_d = oci.Descriptor(oci.LAYER_TYPE, w.digest(), w.size)
@@ -212,3 +227,61 @@ def _chunk_artifact(lay: Layout, src: Path) -> tuple[oci.Manifest, int]:
         layers.append(d)
         total += d.size
     return oci.Manifest(oci.empty_config(), tuple(layers), (), oci.CHUNKS_ARTIFACT), total
+
+
+def _chunk_member(name: str, prefix: str) -> str | None:
+    """The chunk an archive member is the link of (prefix/torpor-chunks+<name> as torpor-runtime
+    flattens it, or prefix/torpor-chunks/<name>), else None."""
+    if not name.startswith(prefix):
+        return None
+    rel = name[len(prefix):]
+    for lead in (CHUNKS + flat.SEP, CHUNKS + "/"):
+        if rel.startswith(lead):
+            return rel[len(lead):]
+    return None
+
+
+def _archive_packed_doc(src: Path, prefix: str) -> dict[str, Any] | None:
+    """The snapshot (torpor-store.json beside torpor.json) of an archive of a packed checkpoint,
+    validated; None where the archive holds none."""
+    found: list[dict[str, Any]] = []
+
+    def each(tar: Any, m: Any) -> None:
+        if layer._norm(m.name) != prefix + PACKED:
+            return
+        if found or not m.isfile() or m.size > MAX_PACKED:
+            raise UsageError(f"{src}: {m.name[:80]!r} is not one plain file of at most "
+                             f"{MAX_PACKED} bytes")
+        found.append(snapshot.parse(tar.extractfile(m).read(), f"{src}:{m.name}"))
+    archive._members(src, each)
+    return found[0] if found else None
+
+
+def _archive_chunk_artifact(lay: Layout, src: Path, prefix: str) -> tuple[oci.Manifest, int]:
+    """The chunk artifact of an archive of a packed checkpoint: each chunk its snapshot names,
+    read from the archive's chunk links, verified against its name, added as a blob."""
+    doc = _archive_packed_doc(src, prefix)
+    assert doc is not None
+    needed = snapshot.chunk_names(doc)
+    found: dict[str, oci.Descriptor] = {}
+    lay.add(oci.EMPTY_JSON)
+
+    def each(tar: Any, m: Any) -> None:
+        name = _chunk_member(layer._norm(m.name), prefix)
+        if name is None or name not in needed or name in found:
+            return
+        if not m.isfile() or m.issparse() or m.size > chunk.HEADER.size + chunk.MAX_CHUNK + 1024:
+            raise UsageError(f"{src}: chunk link {m.name[:120]!r} is not a plain file of a "
+                             "chunk's size")
+        blob = tar.extractfile(m).read()
+        chunk.decode(blob, name, f"{src}:{prefix}{CHUNKS}")
+        found[name] = oci.Descriptor.of(oci.CHUNK_TYPE, blob, {oci.A_CHUNK: name})
+        lay.add(blob)
+    archive._members(src, each)
+    lost = sorted(needed - found.keys())
+    if lost:
+        raise UsageError(f"{src}: chunk {lost[0]} is missing from its {CHUNKS} links "
+                         f"({len(lost)} missing)")
+    layers = tuple(found[n] for n in sorted(found))
+    return (oci.Manifest(oci.empty_config(), layers, (), oci.CHUNKS_ARTIFACT),
+            sum(d.size for d in layers))

@@ -85,13 +85,15 @@ def write_dir(out: BinaryIO, src: Path, prefix: str, skip: Callable[[str], bool]
                     tar.addfile(_info(f"{prefix}/{rel}", tarfile.REGTYPE, st.st_size), f)
 
 
-def write_archive(out: BinaryIO, src: Path) -> None:
-    """The members of checkpoint archive src (podman's --export, any compression) in a tar
-    written to out, as podman's --create-image lays them out: the archive's own tree."""
+def write_archive(out: BinaryIO, src: Path,
+                  skip: Callable[[str], bool] = lambda name: False) -> None:
+    """The members of checkpoint archive src (podman's --export, the kubelet's archive, any
+    compression) in a tar written to out, as podman's --create-image lays them out: the
+    archive's own tree; skip(name) leaves some out (a packed checkpoint's chunk links)."""
     with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
         def each(src_tar: tarfile.TarFile, m: tarfile.TarInfo) -> None:
             name = _norm(m.name)
-            if not name:
+            if not name or skip(name):
                 return
             safe_relpath(name)
             if m.isdir():

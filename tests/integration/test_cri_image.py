@@ -1,0 +1,183 @@
+"""Restore from a checkpoint *image* through containerd 2.x's CRI, the image moved through a real
+registry: CheckpointContainer of a fake-GPU container on node A (the kubelet's archive) ->
+`torpor image build` from that archive -> `torpor image push` to Debian's docker-registry (TLS
+with a CA made here, htpasswd auth: tests/integration/registry_server.py) -> on node B, a
+second containerd 2 (its own root, state, socket, and certs.d/<registry>/hosts.toml naming the
+CA), the kubelet's PullImage with the pull secret's credentials, then CreateContainer with
+image = the checkpoint image's reference and StartContainer: the program continues.
+
+containerd 2.1 knows a checkpoint image by the annotation org.criu.checkpoint.container.name on
+the image's manifest (internal/cri/server/container_checkpoint_linux.go,
+checkIfCheckpointOCIImage), only once the image is on the node (it resolves it locally: the
+kubelet's PullImage comes first), and restores from the layer's files (config.dump, spec.dump,
+status.dump, checkpoint/ at its root, as the kubelet's archive has them).
+
+Skipped without containerd 2 or docker-registry.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from integration import cri as crimod
+from tests.fakes.fakegpu import RUNNING
+from tests.integration.conftest import needs_criu
+from tests.integration.registry_server import PASSWORD, USER, Registry
+from tests.integration.registry_server import missing as registry_missing
+from tests.integration.test_cri import (  # noqa: F401  (fixtures)
+    Node, _gpu_checkpoint, _gpu_workload, base, daemon, gpu, handler, node, registry)
+from torpor import config
+
+SKIP = crimod.missing() or registry_missing()
+pytestmark = [needs_criu, pytest.mark.criu,
+              pytest.mark.skipif(SKIP is not None, reason=SKIP or "")]
+
+
+@pytest.fixture
+def docker_registry(base):
+    r = Registry(base / "docker-registry").start()
+    yield r
+    r.kill()
+
+
+def _torpor(env: dict[str, str], *args: str) -> dict:
+    r = subprocess.run([sys.executable, "-m", "torpor.cli.main", "--json", *args], env=env,
+                       capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, f"torpor {' '.join(args)} exited {r.returncode}: {r.stderr}"
+    return json.loads(r.stdout)
+
+
+@pytest.fixture
+def node_b(base, handler, registry, docker_registry):
+    """Node B: a second containerd 2 (own root, state, socket), the same handler and fake GPU
+    host; base images from the plain-HTTP layout registry, the docker-registry over TLS with
+    its CA in certs.d/<host>/hosts.toml (containerd's per-registry TLS settings)."""
+    cdi = base / "cdi-b"
+    cdi.mkdir()
+    d = crimod.Containerd2(base / "c2b", str(handler.path), cdi_dirs=[cdi],
+                           registries=[f"localhost:{registry.port}"])
+    hosts = d.base / "certs.d" / docker_registry.host / "hosts.toml"
+    hosts.parent.mkdir(parents=True)
+    ca = docker_registry.certs / "ca.crt"
+    hosts.write_text(f'server = "https://{docker_registry.host}"\n'
+                     f'[host."https://{docker_registry.host}"]\n'
+                     '  capabilities = ["pull", "resolve"]\n'
+                     f'  ca = "{ca}"\n')
+    cri = crimod.Cri(d.socket)
+    try:
+        yield Node(d, cri, registry.ref("torpor-busybox", "1"), base / "b", cdi)
+    finally:
+        try:
+            cri.remove_all()
+        finally:
+            cri.close()
+            d.stop()
+
+
+def test_cri_restores_a_gpu_checkpoint_image_pulled_from_a_registry(node, node_b, handler, gpu,
+                                                                    daemon, docker_registry):
+    """A fake-GPU container checkpointed through CRI on node A, its archive built into a
+    checkpoint image and pushed; node B pulls it as the kubelet does (PullImage with the pull
+    secret's credentials; without them the registry refuses) and CreateContainer with the
+    image reference restores it: the program continues on node B with its GPU state."""
+    w, spec = _gpu_workload(node, gpu)
+    archive, host_pid, tick = _gpu_checkpoint(node, gpu, w, spec)
+    layout = node.base / "image"
+    built = _torpor(daemon.env, "image", "build", str(archive), "-o", str(layout),
+                    "--name", "cuda")
+    assert built["annotations"]["org.criu.checkpoint.container.name"] == "cuda"
+    ref = f"{docker_registry.host}/ckpt/cuda:v1"
+    pushed = _torpor(daemon.env, "image", "push", str(layout), ref, *docker_registry.args())
+    assert pushed["digest"] == built["digest"]
+
+    cri = node_b.cri
+    with pytest.raises(crimod.CriError) as err:            # no pull secret: refused
+        cri.pull(ref)
+    assert "no basic auth credentials" in err.value.details, err.value
+    image_ref = cri.pull(ref, auth=(USER, PASSWORD))
+    assert image_ref.startswith("sha256:")
+    # node B's device plugin: the same CDI spec (the same fake GPU host)
+    node_b.cdi.joinpath("nvidia.json").write_text((node.cdi / "nvidia.json").read_text())
+
+    pod, cid = node_b.run("cuda-from-image", "torpor", spec, image=ref)
+    new_pid = node_b.cri.pid(cid)
+    assert new_pid != host_pid and w.host_pid() == new_pid
+    w.wait_ticking(tick)
+    e = w.entry()
+    assert e["state"] == RUNNING and e["gpu"] == gpu.uuid(0)
+    assert [(c.call, c.pid) for c in gpu.calls() if c.pid == new_pid
+            and c.call in ("restore", "unlock")] == [("restore", new_pid), ("unlock", new_pid)]
+    ann = node_b.cri.status(cid).status.annotations
+    assert ann.get("restored") == "true", ann
+    assert handler.commands().count("restore") == 1
+
+
+def _use_store(daemon, handler, store: Path) -> None:
+    """The node's one store, as its config would give torpord and torpor-runtime."""
+    daemon.stop()
+    daemon.env["TORPOR_STORE_DIR"] = str(store)
+    daemon.cfg = config.load(env=daemon.env)
+    daemon.start()
+    handler.write(TORPOR_STORE_DIR=str(store))
+
+
+def _layer_names(layout: Path, digest: str) -> list[str]:
+    blobs = layout / "blobs" / "sha256"
+    image = json.loads((blobs / digest[7:]).read_text())
+    with tarfile.open(blobs / image["layers"][0]["digest"][7:]) as tf:
+        return tf.getnames()
+
+
+def test_cri_restores_a_packed_checkpoint_image_once_its_chunks_are_in_the_nodes_store(
+        node, node_b, handler, gpu, daemon, docker_registry):
+    """org.torpor.store=on: the kubelet's archive carries the chunk links (torpor-chunks+<sha>);
+    `torpor image build` puts them in the chunk artifact and the layer keeps only references
+    (torpor-store.json). On node B, whose store lacks the chunks, the restore from the image
+    is refused at StartContainer before anything restores; after `torpor image pull` into
+    node B's store, CreateContainer from the same image restores and the program continues."""
+    _use_store(daemon, handler, node.base / "store-a")
+    w, spec = _gpu_workload(node, gpu)
+    archive, host_pid, tick = _gpu_checkpoint(node, gpu, w, spec,
+                                              annotations={"org.torpor.store": "on"})
+    with tarfile.open(archive) as tf:
+        links = [n for n in tf.getnames() if n.startswith("checkpoint/torpor-chunks+")]
+    assert links
+    layout = node.base / "image"
+    built = _torpor(daemon.env, "image", "build", str(archive), "-o", str(layout),
+                    "--name", "cuda")
+    assert built["chunks"] == len(links) and "io.torpor.chunks" in built["annotations"]
+    names = _layer_names(layout, built["digest"])
+    assert "checkpoint/torpor-store.json" in names and "config.dump" in names
+    assert not [n for n in names if "torpor-chunks" in n], names      # references only
+    ref = f"{docker_registry.host}/ckpt/cuda-store:v1"
+    _torpor(daemon.env, "image", "push", str(layout), ref, *docker_registry.args())
+
+    _use_store(daemon, handler, node.base / "store-b")                  # node B's store
+    node_b.cdi.joinpath("nvidia.json").write_text((node.cdi / "nvidia.json").read_text())
+    node_b.cri.pull(ref, auth=(USER, PASSWORD))
+    restores = len([c for c in gpu.calls() if c.call == "restore"])
+    pod = node_b.cri.run_pod("cuda-no-chunks", "torpor")
+    cid = node_b.cri.create(pod, spec, image=ref)
+    with pytest.raises(crimod.CriError) as err:
+        node_b.cri.start(cid)
+    assert "nor store" in err.value.details, err.value
+    assert node_b.cri.state(cid) != "CONTAINER_RUNNING"
+    assert len([c for c in gpu.calls() if c.call == "restore"]) == restores
+    node_b.cri.remove_pod(pod.id)
+
+    pulled = _torpor(daemon.env, "image", "pull", ref, "-D", str(node.base / "pulled"),
+                     *docker_registry.args())
+    assert pulled["chunks_fetched"] == built["chunks"]
+    pod2, cid2 = node_b.run("cuda-from-image", "torpor", spec, image=ref)
+    new_pid = node_b.cri.pid(cid2)
+    assert new_pid != host_pid and w.host_pid() == new_pid
+    w.wait_ticking(tick)
+    e = w.entry()
+    assert e["state"] == RUNNING and e["gpu"] == gpu.uuid(0)
+    assert node_b.cri.status(cid2).status.annotations.get("restored") == "true"
