@@ -17,6 +17,7 @@ rebuilt from the `torpor-exit-code` trailer; SidecarError when torpord cannot be
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -39,6 +40,22 @@ from .convert import (AgentData, Checkpointed, Container, Listing, OperationResu
 FINGERPRINTS = {"": 0, "index": 1, "skip": 2}   # LockAndCheckpointRequest.fingerprints
 
 
+def _answers(path: Path) -> bool:
+    """Does a socket listen at path? A torpord killed leaves its root door behind, and a
+    client that took it would fail where the public socket (or starting torpord) works."""
+    if not path.is_socket():
+        return False
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(1.0)
+    try:
+        s.connect(str(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
 class Client:
     """One channel to torpord. Thread-safe; close() (or `with`) when done."""
 
@@ -49,8 +66,9 @@ class Client:
         self.timeout = timeout
         self.pb, pb_grpc = proto()
         door = root_socket(cfg.run_dir)   # root's own, past any flood on the public socket
-        use = door if socket_path is None and os.geteuid() == 0 and door.is_socket() else None
-        self.channel = grpc.insecure_channel(f"unix://{use or self.socket_path}")
+        use = door if socket_path is None and os.geteuid() == 0 and _answers(door) else None
+        self.target = use or self.socket_path
+        self.channel = grpc.insecure_channel(f"unix://{self.target}")
         self.stub = pb_grpc.TorporStub(self.channel)
 
     def close(self) -> None:
