@@ -1,6 +1,6 @@
 """The load suite's clients, run as a fresh process of another uid (test_sidecar_load.py starts
-them with `python -c` and this text, so that no uid but root has to read the worktree, and no
-gRPC state crosses a fork). One JSON line on stdout at the end, what they saw.
+them as root with `python -c`, this text and the uid first; they become that uid at once: no
+uid but root has to read the worktree, and no gRPC state crosses a fork). One JSON line on stdout at the end, what they saw.
 
     hold PATH N SECONDS     open N connections to PATH, keep them SECONDS, then count: served
                             (the gRPC server's first bytes came, still open), closed (refused or
@@ -124,9 +124,19 @@ def call(path: str) -> dict:
         ch.close()
 
 
+def _become(uid: int) -> None:
+    """Drop root for uid here, not in subprocess.Popen(user=...): that makes CPython fork()
+    rather than vfork(), which runs gRPC's pthread_atfork handlers in the test process (they
+    stop and restart its gRPC threads while its calls are in flight)."""
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+
+
 if __name__ == "__main__":
+    _become(int(sys.argv[1]))
     _nofile()
-    mode, path, *rest = sys.argv[1:]
+    mode, path, *rest = sys.argv[2:]
     fn = {"hold": hold, "flood": flood, "rpcs": rpcs, "call": call}[mode]
     args = [float(a) if "." in a else int(a) for a in rest]
     out = fn(path, *args)

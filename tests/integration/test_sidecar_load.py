@@ -100,9 +100,12 @@ def _raise_nofile(want: int) -> None:
 
 
 def _client(uid: int, *args: object) -> subprocess.Popen:
-    """load_clients.py as uid (a fresh process: no gRPC state crosses a fork)."""
-    return subprocess.Popen([sys.executable, "-c", CLIENTS, *map(str, args)], user=uid, group=uid,
-                            extra_groups=[], cwd="/", stdin=subprocess.DEVNULL,
+    """load_clients.py as uid (a fresh process: no gRPC state crosses a fork). It drops root
+    itself: Popen(user=...) would fork() this process, not vfork() it, and fork() runs gRPC's
+    pthread_atfork handlers here, which stop and restart this process's gRPC threads (the
+    test process then hung about once in ten runs after the EMFILE flood)."""
+    return subprocess.Popen([sys.executable, "-c", CLIENTS, str(uid), *map(str, args)],
+                            cwd="/", stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
