@@ -1,6 +1,7 @@
 """The load suite's clients, run as a fresh process of another uid (test_sidecar_load.py starts
 them as root with `python -c`, this text and the uid first; they become that uid at once: no
-uid but root has to read the worktree, and no gRPC state crosses a fork). One JSON line on stdout at the end, what they saw.
+uid but root has to read the worktree, and no gRPC state crosses a fork). One JSON line on
+stdout at the end, what they saw.
 
     hold PATH N SECONDS     open N connections to PATH, keep them SECONDS, then count: served
                             (the gRPC server's first bytes came, still open), closed (refused or
