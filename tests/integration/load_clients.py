@@ -10,6 +10,8 @@ stdout at the end, what they saw.
     rpcs PATH N CHANNELS    N Status calls at once over CHANNELS connections (a line "ready"
                             once they are connected); counts by status
     call PATH               one Status call (its status; exit 0 when OK)
+    echo PATH N SECONDS     N connections to an echo server behind PATH, each sending "ping":
+                            how many got it back (a line at once), then held SECONDS
 """
 
 from __future__ import annotations
@@ -125,6 +127,25 @@ def call(path: str) -> dict:
         ch.close()
 
 
+def echo(path: str, n: int, seconds: float) -> dict:
+    held = []
+    for _ in range(n):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(2)
+        try:
+            s.connect(path)
+            s.sendall(b"ping")
+            if s.recv(4) == b"ping":
+                held.append(s)
+                continue
+        except OSError:
+            pass
+        s.close()
+    print(json.dumps({"served": len(held)}), flush=True)
+    time.sleep(seconds)
+    return {"served": len(held)}
+
+
 def _become(uid: int) -> None:
     """Drop root for uid here, not in subprocess.Popen(user=...): that makes CPython fork()
     rather than vfork(), which runs gRPC's pthread_atfork handlers in the test process (they
@@ -138,7 +159,7 @@ if __name__ == "__main__":
     _become(int(sys.argv[1]))
     _nofile()
     mode, path, *rest = sys.argv[2:]
-    fn = {"hold": hold, "flood": flood, "rpcs": rpcs, "call": call}[mode]
+    fn = {"hold": hold, "flood": flood, "rpcs": rpcs, "call": call, "echo": echo}[mode]
     args = [float(a) if "." in a else int(a) for a in rest]
     out = fn(path, *args)
     print(json.dumps(out), flush=True)
