@@ -136,7 +136,8 @@ def _root_call(d: Daemon, public: bool = False) -> float:
     """Seconds root's Status RPC took on a new connection (raises when it failed): through
     root's own door, as root's clients call, or through the public socket and the proxy.
     In a thread of its own, watched: a client that hangs past its deadline fails the test
-    instead of hanging it (seen once in ~10 runs, cause unknown)."""
+    instead of hanging it (seen once in ~10 runs; the likely cause, gRPC's fork handlers run
+    by Popen(user=...), is gone: see _client)."""
     out: list = []
 
     def call() -> None:
