@@ -1,6 +1,7 @@
 """The load suite's clients, run as a fresh process of another uid (test_sidecar_load.py starts
-them with `python -c` and this text, so that no uid but root has to read the worktree, and no
-gRPC state crosses a fork). One JSON line on stdout at the end, what they saw.
+them as root with `python -c`, this text and the uid first; they become that uid at once: no
+uid but root has to read the worktree, and no gRPC state crosses a fork). One JSON line on
+stdout at the end, what they saw.
 
     hold PATH N SECONDS     open N connections to PATH, keep them SECONDS, then count: served
                             (the gRPC server's first bytes came, still open), closed (refused or
@@ -9,6 +10,8 @@ gRPC state crosses a fork). One JSON line on stdout at the end, what they saw.
     rpcs PATH N CHANNELS    N Status calls at once over CHANNELS connections (a line "ready"
                             once they are connected); counts by status
     call PATH               one Status call (its status; exit 0 when OK)
+    echo PATH N SECONDS     N connections to an echo server behind PATH, each sending "ping":
+                            how many got it back (a line at once), then held SECONDS
 """
 
 from __future__ import annotations
@@ -124,10 +127,39 @@ def call(path: str) -> dict:
         ch.close()
 
 
+def echo(path: str, n: int, seconds: float) -> dict:
+    held = []
+    for _ in range(n):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(2)
+        try:
+            s.connect(path)
+            s.sendall(b"ping")
+            if s.recv(4) == b"ping":
+                held.append(s)
+                continue
+        except OSError:
+            pass
+        s.close()
+    print(json.dumps({"served": len(held)}), flush=True)
+    time.sleep(seconds)
+    return {"served": len(held)}
+
+
+def _become(uid: int) -> None:
+    """Drop root for uid here, not in subprocess.Popen(user=...): that makes CPython fork()
+    rather than vfork(), which runs gRPC's pthread_atfork handlers in the test process (they
+    stop and restart its gRPC threads while its calls are in flight)."""
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+
+
 if __name__ == "__main__":
+    _become(int(sys.argv[1]))
     _nofile()
-    mode, path, *rest = sys.argv[1:]
-    fn = {"hold": hold, "flood": flood, "rpcs": rpcs, "call": call}[mode]
+    mode, path, *rest = sys.argv[2:]
+    fn = {"hold": hold, "flood": flood, "rpcs": rpcs, "call": call, "echo": echo}[mode]
     args = [float(a) if "." in a else int(a) for a in rest]
     out = fn(path, *args)
     print(json.dumps(out), flush=True)
