@@ -468,61 +468,35 @@ def test_second_torpord_on_same_run_dir_refuses(daemon):
 
 # -- peer credentials -----------------------------------------------------------------------------------
 
-def _probe(path: Path) -> str:
-    """Connect; send the HTTP/2 preface and an empty SETTINGS frame: a gRPC server answers with
-    its own SETTINGS frame (served), a refused connection is closed at once (refused)."""
-    import socket
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(5)
-    try:
-        s.connect(str(path))
-        s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))
-        data = s.recv(64)
-    except (ConnectionResetError, BrokenPipeError):
-        data = b""
-    finally:
-        s.close()
-    return "served" if len(data) >= 9 and data[3] == 4 else "refused"
+_PROBE = """
+import os, socket, sys
+uid, path = int(sys.argv[1]), sys.argv[2]
+os.setgroups([]); os.setgid(uid); os.setuid(uid)
+assert os.geteuid() == uid
+# the HTTP/2 preface and an empty SETTINGS frame: a gRPC server answers with its own SETTINGS
+# frame (served), a refused connection is closed at once (refused)
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.settimeout(5)
+try:
+    s.connect(path)
+    s.sendall(b"PRI * HTTP/2.0\\r\\n\\r\\nSM\\r\\n\\r\\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))
+    data = s.recv(64)
+except (ConnectionResetError, BrokenPipeError):
+    data = b""
+finally:
+    s.close()
+print("served" if len(data) >= 9 and data[3] == 4 else "refused", end="")
+"""
 
 
 def _connect_as(uid: int, path: Path) -> str:
-    """Fork; the child drops to uid/gid `uid` (no supplementary groups) and probes the socket."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: no Python-level cleanup, no pytest, just the probe
-        code = 1
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            assert os.geteuid() == uid
-            os.write(w, _probe(path).encode())
-            code = 0
-        except BaseException as e:
-            os.write(w, f"child error: {type(e).__name__}: {e}".encode())
-        finally:
-            os._exit(code)
-    os.close(w)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                raise AssertionError("the probing child hung")
-            time.sleep(0.02)
-        with os.fdopen(r, "rb") as f:
-            out = f.read().decode(errors="replace")
-            r = -1
-    finally:
-        if r != -1:
-            os.close(r)
-    assert os.waitstatus_to_exitcode(status) == 0, out
-    return out
+    """A child that drops to uid/gid `uid` itself (no supplementary groups) probes the socket.
+    Spawned, never forked: a fork of this process, which has used gRPC, runs gRPC's fork
+    handlers (Popen's user= forks too), which can leave its threads stuck."""
+    r = subprocess.run([sys.executable, "-c", _PROBE, str(uid), str(path)], capture_output=True,
+                       text=True, timeout=30, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
 
 
 @needs_root
