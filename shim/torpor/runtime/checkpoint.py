@@ -34,7 +34,8 @@ from .. import manifest_types as mt
 from ..config import Config
 from ..errors import NoDriverError, NotFoundError, SidecarError, TorporError, UsageError
 from ..files import private_dir
-from ..flows import policy
+from ..flows import policy, writeout
+from ..layout import WRITING
 from ..flows.checkpoint import store_checkpoint
 from ..engine import Engine
 from ..sidecar.client import Client, ensure_running
@@ -42,6 +43,7 @@ from ..sidecar.convert import Checkpointed
 from ..store import Store, fingerprints
 from ..store import images as store_images
 from .argv import Invocation
+from . import pause
 from .runc import Runtime
 
 log = logging.getLogger("torpor.runtime")
@@ -127,23 +129,36 @@ def _checkpoint(cfg: Config, runtime: Runtime, cid: str, spec: dict[str, Any],
     ensure_running(cfg)
     timings: dict[str, float] = {}
     fps = policy.FingerprintMode.of(store is not None, leave_running).value
+    stage = pause.staging(cfg, cid, pid) if leave_running else None
     with Client(cfg) as c, interrupts.deferred():
-        with thawed:
-            ck = c.lock_and_checkpoint(pids=[pid], owner_pid=os.getpid(),
-                                       gpu_data_dir=data.root, agent_container_id=cid,
-                                       fingerprints=fps)
+        paused = time.monotonic()
+        try:
+            with thawed:
+                ck = c.lock_and_checkpoint(pids=[pid], owner_pid=os.getpid(),
+                                           gpu_data_dir=(stage or data).root,
+                                           agent_container_id=cid, fingerprints=fps,
+                                           staged=stage is not None)
+        finally:   # rolled back (the agents have their data back), or nothing staged
+            if stage is not None and not (sys.exc_info()[0] is None and ck.agents):
+                stage.remove()
+        staged = stage if stage is not None and ck.agents else None
         op_id = ck.op_id
         timings.update(ck.timings)
         log.info("checkpoint %s: %s locked and checkpointed %s in %.2f s%s", cid, op_id,
                  [p.pid for p in ck.cuda_processes], time.monotonic() - t0,
                  "".join(f"; agent of {a.pid} moved {a.bytes} bytes in {a.seconds:.2f} s"
                          for a in ck.agents))
+        draft = _draft(cid, spec, use, ck, pid, leave_running)
         try:
-            manifest.write_draft(images, _draft(cid, spec, use, ck, pid, leave_running))
+            manifest.write_draft(images, draft)
+            if staged is not None:   # no checkpoint until written out (a recovery: damaged)
+                writeout.begin(images)
         except BaseException:
             with thawed:
                 c.rollback(op_id)
             data.remove()
+            if stage is not None:
+                stage.remove()
             raise
         t = time.monotonic()
         rc = runtime.run().wait()
@@ -152,7 +167,10 @@ def _checkpoint(cfg: Config, runtime: Runtime, cid: str, spec: dict[str, Any],
             with thawed:
                 c.rollback(op_id)   # the agents have their memory back: their files can go
             (images / manifest.DRAFT).unlink(missing_ok=True)
+            (images / WRITING).unlink(missing_ok=True)
             data.remove()
+            if stage is not None:
+                stage.remove()   # the agents have it back
             report = f"{Path(runtime.path).name} checkpoint failed (exit {rc}); the container's " \
                      "GPU state was rolled back, it keeps running"
             log.error("checkpoint %s: %s", cid, report)
@@ -163,6 +181,9 @@ def _checkpoint(cfg: Config, runtime: Runtime, cid: str, spec: dict[str, Any],
             out = _end(cfg, c, cid, op_id, leave_running)
         timings.update(out.timings if out else {})
         timings["finish"] = time.monotonic() - t
+        if leave_running:
+            pause.after(cfg, cid, images, draft, staged, ck, out is not None, paused,
+                        timings)
     try:
         # into the store: its sha256 names every chunk, and a pack that fails adds them
         m = manifest.seal(images, cfg.checksums and store is None, timings)
