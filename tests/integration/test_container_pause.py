@@ -1,0 +1,103 @@
+"""Short pauses for containers (issue 20, item 3): a podman --leave-running checkpoint of a
+container under the (fake) agent stages its GPU data in host memory and torpor-runtime (this
+venv's, behind a wrapper) writes it into the image directory once the container runs again.
+
+What is checked: the pause (torpor.json's "pause", the runtime's log) ends well before the
+write-out, slowed to writeout_rate_mbps, does; podman gets a complete image directory (its
+export restores every byte); nothing stays staged; a write-out onto a full disk leaves the
+container running, torpor-runtime exits 8 with one line, nothing staged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from integration.containers import Podman
+from tests.integration.conftest import wait_for
+from tests.integration.test_agent_containers import _events, agent_workload
+from tests.integration.test_containers_gpu import (  # noqa: F401  (fixtures)
+    base, daemon, fake_nodes, gpu, name, needs_criu)
+from torpor.agent import AgentClient
+
+pytestmark = [needs_criu, pytest.mark.criu]
+RUNTIME = Path(sys.executable).parent / "torpor-runtime"   # this tree's
+NBYTES = 48 << 20
+RATE_MBPS = 16          # the write-out takes about 3 s
+
+
+@pytest.fixture
+def mine(base, daemon, gpu, podman_image):
+    if not os.access(RUNTIME, os.X_OK):
+        pytest.skip(f"no torpor-runtime beside {sys.executable}")
+    (base / "config.toml").write_text(f"writeout_rate_mbps = {RATE_MBPS}\n")
+    env = {k: v for k, v in daemon.env.items()
+           if k.startswith(("TORPOR_", "FAKE_CUDA")) or k == "LD_LIBRARY_PATH"}
+    wrapper = base / "torpor-runtime-mine"
+    wrapper.write_text("#!/bin/sh\n" + "".join(f"export {k}='{v}'\n" for k, v in env.items())
+                       + f'exec {RUNTIME} "$@"\n')
+    wrapper.chmod(0o700)
+    return Podman(str(wrapper), timeout=120)
+
+
+def _start(podman, gpu, daemon, base, name) -> tuple[Path, Path]:
+    nodes = fake_nodes(base)
+    events = gpu.state_dir / "agent-events"
+    argv, env, mounts = agent_workload(gpu, "pz", NBYTES, events)
+    podman.run(name, argv, mounts=mounts, env=env, annotations={"org.torpor.agent": "on"},
+               devices=[f"{nodes[0]}:/dev/nvidia0", f"{nodes[255]}:/dev/nvidiactl"])
+    sock = daemon.cfg.run_dir / "agents" / podman.inspect(name, "{{.Id}}") / "agent-1.sock"
+    wait_for(lambda: sock.exists() and gpu.proc_entry("pz.1"), 20, "the program under its agent")
+    return events, sock
+
+
+def _staged(daemon) -> set[Path]:
+    """suspend_dir's entries (shared with other tests: compare before and after)."""
+    d = Path(daemon.cfg.suspend_dir)
+    return set(d.iterdir()) if d.is_dir() else set()
+
+
+def test_leave_running_pause_is_shorter_than_the_write_out(mine, gpu, daemon, base, name):
+    podman = mine
+    events, sock = _start(podman, gpu, daemon, base, name)
+    try:
+        archive = base / "ck.tar"
+        before = _staged(daemon)
+        podman.checkpoint(name, export=archive, leave_running=True, compress="none")
+        assert podman.state(name) == "running"
+        assert _events(events)[-1] == "agent resume"   # the agent has its memory back
+        assert _staged(daemon) - before == set()
+        with tarfile.open(archive) as tf:
+            m = json.loads(tf.extractfile("checkpoint/torpor.json").read())
+            names = tf.getnames()
+        pause = m["pause"]
+        assert pause["staged"] is True, (pause, daemon.log_text())
+        writeout_s = NBYTES / (RATE_MBPS * 1e6)
+        # paused for the copy to host memory and the dump only; durable after the write-out
+        assert pause["durable_s"] - pause["paused_s"] >= 0.8 * writeout_s, pause
+        assert pause["paused_s"] < pause["durable_s"] / 2, pause
+        assert m["timings"]["writeout"] >= 0.8 * writeout_s, m["timings"]
+        pid = next(iter(m["agent"]))
+        assert all(f"checkpoint/torpor-gpu+{pid}+gpu-memory-{k}.bin" in names
+                   for k in range(len(m["agent"][pid]["files"]))), names
+        log = (daemon.cfg.state_dir / "runtime.log").read_text()
+        assert f"paused {pause['paused_s']:.2f} s, durable after" in log, log[-2000:]
+        with AgentClient(sock) as a:
+            assert a.status()["state"] == "running"
+
+        podman.rm(name)
+        events.unlink()
+        podman.restore(import_=archive)
+        assert _events(events) == ["agent status", "agent resume"]
+        with AgentClient(daemon.cfg.run_dir / "agents" / podman.inspect(name, "{{.Id}}")
+                         / "agent-1.sock") as a:
+            st = a.status()
+        assert (st["state"], st["gate"], st["intact"]) == ("running", "open", True)
+    finally:
+        podman.rm(name)
