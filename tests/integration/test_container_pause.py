@@ -101,3 +101,49 @@ def test_leave_running_pause_is_shorter_than_the_write_out(mine, gpu, daemon, ba
         assert (st["state"], st["gate"], st["intact"]) == ("running", "open", True)
     finally:
         podman.rm(name)
+
+
+def _fill(path: Path) -> None:
+    """Fill path's filesystem up (the write-out racing for the same space)."""
+    block = b"\xa5" * (1 << 20)
+    with open(path, "wb", buffering=0) as f:
+        while True:
+            try:
+                f.write(block)
+            except OSError:
+                try:
+                    f.write(block[:4096])
+                except OSError:
+                    return
+
+
+def test_disk_full_during_the_write_out_leaves_the_container_running(mine, gpu, daemon, base,
+                                                                     name):
+    podman = mine
+    events, sock = _start(podman, gpu, daemon, base, name)
+    images = podman.bundle(name) / "checkpoint"
+    images.mkdir(mode=0o700, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=192m,mode=0700", "tmpfs", str(images)],
+                   check=True)
+    try:
+        before = _staged(daemon)
+        ck = subprocess.Popen([*podman.base, "container", "checkpoint",
+                               "--leave-running", name], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+        # the container runs again, its data being written out: the disk fills up
+        wait_for(lambda: (images / ".torpor-writing").exists()
+                 and (images / "torpor-gpu").exists(), 60, "the write-out")
+        _fill(images / "filler")
+        out, _ = ck.communicate(timeout=120)
+        assert ck.returncode != 0, out
+        assert "writeout failed" in out and "the container runs on" in out, out
+        assert podman.state(name) == "running"
+        with AgentClient(sock) as a:
+            st = a.status()
+        assert (st["state"], st["gate"]) == ("running", "open"), st
+        assert _staged(daemon) - before == set()
+        assert (images / "torpor-damaged.txt").exists() and \
+            not (images / "torpor.json").exists(), sorted(os.listdir(images))
+    finally:
+        subprocess.run(["umount", "-l", str(images)], check=False)
+        podman.rm(name)
