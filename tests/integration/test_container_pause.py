@@ -23,7 +23,8 @@ from integration.containers import Podman
 from tests.integration.conftest import wait_for
 from tests.integration.test_agent_containers import _events, agent_workload
 from tests.integration.test_containers_gpu import (  # noqa: F401  (fixtures)
-    base, daemon, fake_nodes, gpu, name, needs_criu)
+    base, fake_nodes, gpu, name, needs_criu)
+from tests.integration.torpord import Daemon
 from torpor.agent import AgentClient
 
 pytestmark = [needs_criu, pytest.mark.criu]
@@ -32,11 +33,21 @@ NBYTES = 48 << 20
 RATE_MBPS = 16          # the write-out takes about 3 s
 
 
+CONFIG = f"writeout_rate_mbps = {RATE_MBPS}\nsuspend_tmpfs = false\n"
+
+
+@pytest.fixture
+def daemon(base, gpu):
+    """torpord and torpor-runtime (the same config) staging in this test's own suspend_dir."""
+    d = Daemon(base, gpu, CONFIG + f'suspend_dir = "{base / "shm"}"\n').start()
+    yield d
+    d.stop()
+
+
 @pytest.fixture
 def mine(base, daemon, gpu, podman_image):
     if not os.access(RUNTIME, os.X_OK):
         pytest.skip(f"no torpor-runtime beside {sys.executable}")
-    (base / "config.toml").write_text(f"writeout_rate_mbps = {RATE_MBPS}\n")
     env = {k: v for k, v in daemon.env.items()
            if k.startswith(("TORPOR_", "FAKE_CUDA")) or k == "LD_LIBRARY_PATH"}
     wrapper = base / "torpor-runtime-mine"
@@ -58,7 +69,7 @@ def _start(podman, gpu, daemon, base, name) -> tuple[Path, Path]:
 
 
 def _staged(daemon) -> set[Path]:
-    """suspend_dir's entries (shared with other tests: compare before and after)."""
+    """suspend_dir's entries."""
     d = Path(daemon.cfg.suspend_dir)
     return set(d.iterdir()) if d.is_dir() else set()
 
@@ -68,11 +79,10 @@ def test_leave_running_pause_is_shorter_than_the_write_out(mine, gpu, daemon, ba
     events, sock = _start(podman, gpu, daemon, base, name)
     try:
         archive = base / "ck.tar"
-        before = _staged(daemon)
         podman.checkpoint(name, export=archive, leave_running=True, compress="none")
         assert podman.state(name) == "running"
         assert _events(events)[-1] == "agent resume"   # the agent has its memory back
-        assert _staged(daemon) - before == set()
+        assert _staged(daemon) == set()
         with tarfile.open(archive) as tf:
             m = json.loads(tf.extractfile("checkpoint/torpor.json").read())
             names = tf.getnames()
@@ -126,7 +136,6 @@ def test_disk_full_during_the_write_out_leaves_the_container_running(mine, gpu, 
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=192m,mode=0700", "tmpfs", str(images)],
                    check=True)
     try:
-        before = _staged(daemon)
         ck = subprocess.Popen([*podman.base, "container", "checkpoint",
                                "--leave-running", name], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
@@ -141,9 +150,54 @@ def test_disk_full_during_the_write_out_leaves_the_container_running(mine, gpu, 
         with AgentClient(sock) as a:
             st = a.status()
         assert (st["state"], st["gate"]) == ("running", "open"), st
-        assert _staged(daemon) - before == set()
+        assert _staged(daemon) == set()
         assert (images / "torpor-damaged.txt").exists() and \
             not (images / "torpor.json").exists(), sorted(os.listdir(images))
     finally:
         subprocess.run(["umount", "-l", str(images)], check=False)
+        podman.rm(name)
+
+
+def _runtime_pids(cid: str) -> list[int]:
+    """torpor-runtime's checkpoint of cid (the wrapper execs it), however it is started."""
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(b"torpor-runtime" in a for a in argv) and b"checkpoint" in argv \
+                and cid.encode() in argv:
+            out.append(int(d.name))
+    return out
+
+
+def test_torpor_runtime_killed_during_the_write_out_is_recovered(mine, gpu, daemon, base, name):
+    """SIGKILL of torpor-runtime while it writes out: the container runs on; the next
+    recovery (its journal entry) marks the image directory damaged, never a checkpoint, and
+    nothing of the staging stays in host memory."""
+    from torpor.engine import Engine
+    podman = mine
+    events, sock = _start(podman, gpu, daemon, base, name)
+    cid = podman.inspect(name, "{{.Id}}")
+    images = podman.bundle(name) / "checkpoint"
+    try:
+        ck = subprocess.Popen([*podman.base, "container", "checkpoint", "--leave-running", name],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        wait_for(lambda: (images / "torpor-gpu").exists(), 60, "the write-out")
+        for pid in _runtime_pids(cid):
+            os.kill(pid, 9)
+        out, _ = ck.communicate(timeout=120)
+        assert ck.returncode != 0, out
+        assert podman.state(name) == "running"
+        said = Engine(daemon.cfg).recover()
+
+        assert any("damaged" in m for m in said), said
+        assert (images / "torpor-damaged.txt").exists() and \
+            not (images / "torpor.json").exists(), sorted(os.listdir(images))
+        assert _staged(daemon) == set()
+        with AgentClient(sock) as a:
+            st = a.status()
+        assert (st["state"], st["gate"]) == ("running", "open"), st
+    finally:
         podman.rm(name)
