@@ -17,6 +17,9 @@ podman's --export archive and containerd's checkpoint, carries it; torpor.json l
 ("agent", and the file table's checksums). CRIU ignores the directory. Once the checkpoint is
 done, its subdirectories become flat files (flat.py: containerd 2's CRI copies the directory
 into the kubelet's archive as plain files only); restore.py turns them back.
+--leave-running (a kubelet's CRI checkpoint too): the agents' data is staged in host memory
+and written into <image-path>/torpor-gpu/ once the container runs again, before this returns
+(pause.py): the container is paused for the copy to host memory and the dump only.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from .. import manifest_types as mt
 from ..config import Config
 from ..errors import NoDriverError, NotFoundError, SidecarError, TorporError, UsageError
 from ..files import private_dir
-from ..flows import policy, writeout
+from ..flows import policy
 from ..layout import WRITING
 from ..flows.checkpoint import store_checkpoint
 from ..engine import Engine
@@ -149,10 +152,11 @@ def _checkpoint(cfg: Config, runtime: Runtime, cid: str, spec: dict[str, Any],
                  "".join(f"; agent of {a.pid} moved {a.bytes} bytes in {a.seconds:.2f} s"
                          for a in ck.agents))
         draft = _draft(cid, spec, use, ck, pid, leave_running)
+        ours = None   # our journal entry while a write-out is ahead (pause.py)
         try:
             manifest.write_draft(images, draft)
             if staged is not None:   # no checkpoint until written out (a recovery: damaged)
-                writeout.begin(images)
+                ours = pause.begin(cfg, images)
         except BaseException:
             with thawed:
                 c.rollback(op_id)
@@ -171,6 +175,8 @@ def _checkpoint(cfg: Config, runtime: Runtime, cid: str, spec: dict[str, Any],
             data.remove()
             if stage is not None:
                 stage.remove()   # the agents have it back
+            if ours is not None:
+                ours.close()
             report = f"{Path(runtime.path).name} checkpoint failed (exit {rc}); the container's " \
                      "GPU state was rolled back, it keeps running"
             log.error("checkpoint %s: %s", cid, report)
@@ -182,7 +188,7 @@ def _checkpoint(cfg: Config, runtime: Runtime, cid: str, spec: dict[str, Any],
         timings.update(out.timings if out else {})
         timings["finish"] = time.monotonic() - t
         if leave_running:
-            pause.after(cfg, cid, images, draft, staged, ck, out is not None, paused,
+            pause.after(cfg, cid, images, draft, staged, ours, ck, out is not None, paused,
                         timings)
     try:
         # into the store: its sha256 names every chunk, and a pack that fails adds them

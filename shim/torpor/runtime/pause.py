@@ -8,6 +8,8 @@ implementation, its memory check, fallback and failure rules).
                              data then goes into <image-path>/torpor-gpu/ while the container
                              waits, as before): not under the agent, not enough host memory,
                              config leave_running_staging off
+    begin(cfg, images)       before the dump: the image directory marked WRITING and a journal
+                             entry of ours naming it
     after(...)               once runc's dump is done and torpord gave the container its GPU
                              back: the staged data written into the image directory while the
                              container runs (the image directory is complete when
@@ -15,10 +17,11 @@ implementation, its memory check, fallback and failure rules).
                              "staged", "durable_s"}) and the runtime's log say how long it was
                              paused and when its checkpoint was durable
 
-Should torpor-runtime die during the write-out, its journal entry (phase "writeout", no PIDs:
-the container runs) makes the next recovery (torpord's, periodically) remove the staging and
-mark the image directory damaged; should torpord die (or lose the operation) before it gave the
-container its GPU back, its own entry gives the agents their data back from the staging and
+Should torpor-runtime die after begin(), its journal entry (no PIDs: torpord's operation holds
+the container's) makes the next recovery (torpord's, periodically) mark the image directory
+damaged, and remove the staging once the write-out began (the agents had their data back);
+should torpord die (or lose the operation) before it gave the container its GPU back, its own
+entry gives the agents their data back from the staging and
 removes it. A write-out that fails leaves the container running, nothing staged, the image
 directory marked damaged and torpor-runtime exits 8 (RolledBackError) with one line.
 """
@@ -35,6 +38,7 @@ from ..config import Config
 from ..engine import Engine
 from ..errors import ExitCode, NoDriverError, RolledBackError, TorporError, describe
 from ..flows import writeout
+from ..journal import Operation
 from ..progress import Progress
 from ..sidecar.convert import Checkpointed
 
@@ -73,12 +77,27 @@ def staging(cfg: Config, cid: str, pid: int) -> agent_data.DataDir | None:
         return None
 
 
+def begin(cfg: Config, images: Path) -> Operation:
+    """Before the dump of a staged checkpoint: images marked WRITING (no checkpoint until
+    written out) and our journal entry naming it (no PIDs: torpord's operation holds the
+    container's), so that a recovery marks it damaged should torpor-runtime die first."""
+    writeout.begin(images)
+    op = _engine(cfg).begin("checkpoint", [])
+    try:
+        op.phase("stage", images_dir=str(images))
+    except BaseException:
+        op.close()
+        raise
+    return op
+
+
 def after(cfg: Config, cid: str, images: Path, draft: dict[str, Any],
-          stage: agent_data.DataDir | None, ck: Checkpointed, resumed: bool, t0: float,
-          timings: dict[str, float]) -> None:
+          stage: agent_data.DataDir | None, op: Operation | None, ck: Checkpointed,
+          resumed: bool, t0: float, timings: dict[str, float]) -> None:
     """The dump is done and the container runs again (resumed: torpord gave it its GPU back;
-    t0: when the pause began). Writes the staged data out and the draft with its "pause";
-    raises RolledBackError (the container runs on, images marked damaged, nothing staged)."""
+    t0: when the pause began). Writes the staged data out (op: begin()'s) and the draft with
+    its "pause"; raises RolledBackError (the container runs on, images marked damaged,
+    nothing staged)."""
     paused = round(time.monotonic() - t0, 4)
     draft["pause"] = {"paused_s": paused, "staged": stage is not None}
     log.info("checkpoint %s: the container runs again, paused %.2f s%s", cid, paused,
@@ -87,11 +106,13 @@ def after(cfg: Config, cid: str, images: Path, draft: dict[str, Any],
         # torpord's recovery gives the agents their data back from the staging (and removes
         # it): it cannot be written out meanwhile
         why = writeout.abandon(images, TorporError("torpord lost the operation"))
+        if op is not None:
+            op.close()
         raise RolledBackError(f"checkpoint {cid}: torpord lost the operation before the "
                               f"staged GPU data was written out; the container runs on, and "
                               f"{images} is no checkpoint ({why.split(':')[0]}, marked damaged)")
-    if stage is not None:
-        _write_out(cfg, cid, images, draft, stage, ck, timings)
+    if stage is not None and op is not None:
+        _write_out(cfg, cid, images, draft, stage, op, ck, timings)
     draft["pause"]["durable_s"] = round(time.monotonic() - t0, 4)
     manifest.write_draft(images, draft)
     log.info("checkpoint %s: paused %.2f s, durable after %.2f s", cid, paused,
@@ -99,10 +120,11 @@ def after(cfg: Config, cid: str, images: Path, draft: dict[str, Any],
 
 
 def _write_out(cfg: Config, cid: str, images: Path, draft: dict[str, Any],
-               stage: agent_data.DataDir, ck: Checkpointed, timings: dict[str, float]) -> None:
+               stage: agent_data.DataDir, op: Operation, ck: Checkpointed,
+               timings: dict[str, float]) -> None:
     engine = _engine(cfg)
-    op = engine.begin("checkpoint", [])   # the container runs: no PIDs to claim or roll back
     try:
+        # the agents have their data back: from here a recovery removes the staging
         op.phase("writeout", images_dir=str(images), data_root=str(stage.root), scratch=True)
         manifest.write_draft(images, draft)
         moved = {a.pid: a.to_manifest() for a in ck.agents}
