@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -190,14 +191,50 @@ def test_torpor_runtime_killed_during_the_write_out_is_recovered(mine, gpu, daem
         out, _ = ck.communicate(timeout=120)
         assert ck.returncode != 0, out
         assert podman.state(name) == "running"
-        said = Engine(daemon.cfg).recover()
-
-        assert any("damaged" in m for m in said), said
+        # ours, or torpord's periodic one, whichever comes first
+        wait_for(lambda: Engine(daemon.cfg).recover() is not None
+                 and (images / "torpor-damaged.txt").exists(), 60, "the recovery")
         assert (images / "torpor-damaged.txt").exists() and \
             not (images / "torpor.json").exists(), sorted(os.listdir(images))
         assert _staged(daemon) == set()
         with AgentClient(sock) as a:
             st = a.status()
         assert (st["state"], st["gate"]) == ("running", "open"), st
+    finally:
+        podman.rm(name)
+
+
+def test_torpor_runtime_killed_during_the_dump_is_rolled_back(mine, gpu, daemon, base, name):
+    """SIGKILL of torpor-runtime once the image directory is marked (the dump under way):
+    torpord rolls its operation back (the agents get their data back from the staging, which
+    then goes), and the recovery of the runtime's own entry marks the directory damaged."""
+    from torpor.engine import Engine
+    podman = mine
+    events, sock = _start(podman, gpu, daemon, base, name)
+    cid = podman.inspect(name, "{{.Id}}")
+    images = podman.bundle(name) / "checkpoint"
+    try:
+        ck = subprocess.Popen([*podman.base, "container", "checkpoint", "--leave-running", name],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 60
+        while not (images / ".torpor-writing").exists() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        for pid in _runtime_pids(cid):
+            os.kill(pid, 9)
+        assert not (images / "torpor-gpu").exists()   # killed before its write-out
+        out, _ = ck.communicate(timeout=120)
+        assert ck.returncode != 0, out
+        wait_for(lambda: _staged(daemon) == set() and _events(events)[-1] == "agent resume", 60,
+                 "torpord's rollback")
+        assert podman.state(name) == "running"
+        # never a checkpoint: marked damaged by the recovery of the runtime's entry (ours, or
+        # torpord's periodic one), or still marked WRITING (killed before its entry was made)
+        Engine(daemon.cfg).recover()
+        assert not (images / "torpor.json").exists(), sorted(os.listdir(images))
+        assert (images / "torpor-damaged.txt").exists() or \
+            (images / ".torpor-writing").exists(), sorted(os.listdir(images))
+        with AgentClient(sock) as a:
+            st = a.status()
+        assert (st["state"], st["gate"], st["intact"]) == ("running", "open", True), st
     finally:
         podman.rm(name)

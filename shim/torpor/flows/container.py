@@ -263,6 +263,8 @@ def roll_back(engine: Engine, op: Operation, cuda_pids: Sequence[int]) -> Operat
     live = [p for p in cuda_pids if procs.alive(p)]
     with engine.progress.phase("rollback"):
         _roll_back(engine, op, live, f"rollback of {op.entry.id}")
+    if op.entry.scratch and op.entry.data_root:   # a staging: the agents have their data back
+        agent_data.DataDir(Path(op.entry.data_root)).remove()
     op.close()
     log.info("%s rolled back (%s running again)", op.entry.id,
              ",".join(map(str, live)) or "none")
