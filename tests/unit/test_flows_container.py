@@ -223,3 +223,18 @@ def test_driver_map_same_gpus_no_pairs():
     assert placement.driver_map({"A": "A", "B": "B"}, {}) == {}
     assert placement.driver_map({"A": "A"}, {"A": "A"}) == {"A": "A"}
     assert placement.driver_map({"A": "B", "B": "B"}, {}) == {"A": "B", "B": "B"}
+
+
+@pytest.mark.parametrize("where", ["elsewhere/x", "shm", "shm/a/b", "shm/.."])
+def test_a_staged_data_dir_only_directly_in_suspend_dir(world, tmp_path, where):
+    """LockAndCheckpoint's `staged`: torpord (root) makes and later removes the directory, so
+    it takes none but a new one directly in its own suspend_dir; refused before any lock."""
+    cfg, drv = world
+    cfg = dataclasses.replace(cfg, suspend_dir=tmp_path / "shm")
+    with pytest.raises(UsageError, match="staged gpu_data_dir"):
+        container.lock_and_checkpoint(
+            engine(cfg), [PID], data=tmp_path / where, agent_dir=None, owner_container="c1",
+            mode=policy.FingerprintMode.NONE, opened=lambda op, cuda: None, staged=True)
+    assert drv.states[PID] == S.RUNNING and journal(cfg) == []
+    d = container.staged_data(cfg, tmp_path / "shm" / "1-ab")
+    assert d.private_parent and d.root == tmp_path / "shm" / "1-ab"

@@ -55,7 +55,7 @@ class FakeOp:
         self.world = world
         world.seq += 1
         self.entry = SimpleNamespace(id=f"op-{world.seq}", kind=kind, pids=pids, phase="start",
-                                     agents={}, started=time.time(), data_root="")
+                                     agents={}, started=time.time(), data_root="", scratch=False)
         self.ended = ""
 
     def phase(self, name: str, **kw: Any) -> None:

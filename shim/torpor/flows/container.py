@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -172,12 +173,17 @@ def cuda_processes(pids: Sequence[int], states: Mapping[int, ProcessState]
 def lock_and_checkpoint(engine: Engine, pids: Sequence[int], *, data: Path | None,
                         agent_dir: Path | None, owner_container: str,
                         mode: policy.FingerprintMode, opened: Callable[[Operation, list[int]],
-                                                                       None]) -> Checkpointed:
+                                                                       None],
+                        staged: bool = False) -> Checkpointed:
     """RUNNING -> CHECKPOINTED for the CUDA processes among pids (their agents' data into
     data, their sockets in agent_dir), fingerprints as mode says for owner_container's
     snapshots (policy.fingerprint_plan). opened(op, cuda_pids) takes the operation over (the
-    caller's table); a failure there, or before, rolls everything back and raises."""
+    caller's table); a failure there, or before, rolls everything back and raises.
+    staged: data is a --leave-running checkpoint's staging in host memory, a new directory
+    directly in config suspend_dir (made as a suspend's; a recovery removes it)."""
     pids = list(pids)
+    where = staged_data(engine.cfg, data) if staged else \
+        (agent_data.DataDir(data) if data else None)
     op = engine.begin("checkpoint", pids)        # BusyError when another op holds them
     try:
         states = engine.cuda_states(pids)
@@ -194,8 +200,8 @@ def lock_and_checkpoint(engine: Engine, pids: Sequence[int], *, data: Path | Non
             if data is not None and mode is not policy.FingerprintMode.NONE \
             else policy.NO_FINGERPRINTS
         moved = engine.lock_and_checkpoint(  # rolls back and closes op on failure
-            op, cuda_pids, agent_data.DataDir(data) if data else None, agent_dir,
-            known_fingerprints=plan.skip, owner=owner, stream_into=plan.stream_into)
+            op, cuda_pids, where, agent_dir, scratch=staged, known_fingerprints=plan.skip,
+            owner=owner, stream_into=plan.stream_into)
         try:
             # CHECKPOINTED now: until the operation is in the caller's table (where a rollback,
             # a timeout or a shutdown finds it), any failure rolls back at once.
@@ -211,6 +217,15 @@ def lock_and_checkpoint(engine: Engine, pids: Sequence[int], *, data: Path | Non
     return Checkpointed(op.entry.id, tuple(pids), tuple(cuda_pids), cuda,
                         tuple(AgentMove.of(p, r) for p, r in sorted(moved.items())),
                         policy.timings(engine))
+
+
+def staged_data(cfg: Config, data: Path | None) -> agent_data.DataDir:
+    """A caller's staging directory (flows/writeout.py): only a new one directly in
+    suspend_dir, which torpord makes 0700 and its own (never a path elsewhere)."""
+    base = Path(os.path.abspath(cfg.suspend_dir))
+    if data is None or Path(os.path.abspath(data)).parent != base or data.name in ("", ".", ".."):
+        raise UsageError(f"a staged gpu_data_dir must be a new directory in {base}, not {data}")
+    return agent_data.DataDir(data, private_parent=True, huge_tmpfs=cfg.suspend_tmpfs)
 
 
 def finish(engine: Engine, op: Operation, cuda_pids: Sequence[int]) -> OperationResult:
@@ -248,6 +263,8 @@ def roll_back(engine: Engine, op: Operation, cuda_pids: Sequence[int]) -> Operat
     live = [p for p in cuda_pids if procs.alive(p)]
     with engine.progress.phase("rollback"):
         _roll_back(engine, op, live, f"rollback of {op.entry.id}")
+    if op.entry.scratch and op.entry.data_root:   # a staging: the agents have their data back
+        agent_data.DataDir(Path(op.entry.data_root)).remove()
     op.close()
     log.info("%s rolled back (%s running again)", op.entry.id,
              ",".join(map(str, live)) or "none")

@@ -53,10 +53,12 @@ _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 # -- where the agents' data goes -----------------------------------------------------------------
 
-def staged_need(engine: Engine, pids: list[int], nvml: int) -> tuple[dict[int, Path], int]:
-    """The agents of pids (pid -> socket) and the host memory staging their data takes: the
-    larger of NVML's figure (nvml) and what the agents say they can move."""
-    sockets = engine.agent_sockets(pids)
+def staged_need(engine: Engine, pids: list[int], nvml: int, agent_dir: Path | None = None
+                ) -> tuple[dict[int, Path], int]:
+    """The agents of pids (pid -> socket; agent_dir: a container's, see engine.agent_sockets)
+    and the host memory staging their data takes: the larger of NVML's figure (nvml) and
+    what the agents say they can move."""
+    sockets = engine.agent_sockets(pids, agent_dir)
     movable = 0
     for pid, path in sockets.items():
         try:
@@ -84,13 +86,15 @@ def room(suspend_dir: Path, tmpfs: bool) -> tuple[int, str]:
     return best if best is not None else (0, "unknown memory")
 
 
-def staging(engine: Engine, pids: list[int], nvml: int) -> agent_data.DataDir | None:
+def staging(engine: Engine, pids: list[int], nvml: int, agent_dir: Path | None = None
+            ) -> agent_data.DataDir | None:
     """A private directory under suspend_dir for the agents' data of a --leave-running
-    checkpoint of pids, or None (said why) when it goes straight into the images."""
+    checkpoint of pids (their agents' sockets in agent_dir, a container's), or None (said
+    why) when it goes straight into the images."""
     cfg, say = engine.cfg, engine.progress.say
     if not pids:
         return None
-    sockets, need = staged_need(engine, pids, nvml)
+    sockets, need = staged_need(engine, pids, nvml, agent_dir)
     if not sockets:
         say("the driver path pauses the program for the whole dump (its GPU memory comes out "
             "through CRIU's dump of the driver's host copy); under the agent ('torpor run') "

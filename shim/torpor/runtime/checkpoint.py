@@ -17,6 +17,9 @@ podman's --export archive and containerd's checkpoint, carries it; torpor.json l
 ("agent", and the file table's checksums). CRIU ignores the directory. Once the checkpoint is
 done, its subdirectories become flat files (flat.py: containerd 2's CRI copies the directory
 into the kubelet's archive as plain files only); restore.py turns them back.
+--leave-running (a kubelet's CRI checkpoint too): the agents' data is staged in host memory
+and written into <image-path>/torpor-gpu/ once the container runs again, before this returns
+(pause.py): the container is paused for the copy to host memory and the dump only.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from ..config import Config
 from ..errors import NoDriverError, NotFoundError, SidecarError, TorporError, UsageError
 from ..files import private_dir
 from ..flows import policy
+from ..layout import WRITING
 from ..flows.checkpoint import store_checkpoint
 from ..engine import Engine
 from ..sidecar.client import Client, ensure_running
@@ -42,6 +46,7 @@ from ..sidecar.convert import Checkpointed
 from ..store import Store, fingerprints
 from ..store import images as store_images
 from .argv import Invocation
+from . import pause
 from .runc import Runtime
 
 log = logging.getLogger("torpor.runtime")
@@ -127,23 +132,37 @@ def _checkpoint(cfg: Config, runtime: Runtime, cid: str, spec: dict[str, Any],
     ensure_running(cfg)
     timings: dict[str, float] = {}
     fps = policy.FingerprintMode.of(store is not None, leave_running).value
+    stage = pause.staging(cfg, cid, pid) if leave_running else None
     with Client(cfg) as c, interrupts.deferred():
-        with thawed:
-            ck = c.lock_and_checkpoint(pids=[pid], owner_pid=os.getpid(),
-                                       gpu_data_dir=data.root, agent_container_id=cid,
-                                       fingerprints=fps)
+        paused = time.monotonic()
+        try:
+            with thawed:
+                ck = c.lock_and_checkpoint(pids=[pid], owner_pid=os.getpid(),
+                                           gpu_data_dir=(stage or data).root,
+                                           agent_container_id=cid, fingerprints=fps,
+                                           staged=stage is not None)
+        finally:   # rolled back (the agents have their data back), or nothing staged
+            if stage is not None and not (sys.exc_info()[0] is None and ck.agents):
+                stage.remove()
+        staged = stage if stage is not None and ck.agents else None
         op_id = ck.op_id
         timings.update(ck.timings)
         log.info("checkpoint %s: %s locked and checkpointed %s in %.2f s%s", cid, op_id,
                  [p.pid for p in ck.cuda_processes], time.monotonic() - t0,
                  "".join(f"; agent of {a.pid} moved {a.bytes} bytes in {a.seconds:.2f} s"
                          for a in ck.agents))
+        draft = _draft(cid, spec, use, ck, pid, leave_running)
+        ours = None   # our journal entry while a write-out is ahead (pause.py)
         try:
-            manifest.write_draft(images, _draft(cid, spec, use, ck, pid, leave_running))
+            manifest.write_draft(images, draft)
+            if staged is not None:   # no checkpoint until written out (a recovery: damaged)
+                ours = pause.begin(cfg, images)
         except BaseException:
             with thawed:
                 c.rollback(op_id)
             data.remove()
+            if stage is not None:
+                stage.remove()
             raise
         t = time.monotonic()
         rc = runtime.run().wait()
@@ -152,7 +171,12 @@ def _checkpoint(cfg: Config, runtime: Runtime, cid: str, spec: dict[str, Any],
             with thawed:
                 c.rollback(op_id)   # the agents have their memory back: their files can go
             (images / manifest.DRAFT).unlink(missing_ok=True)
+            (images / WRITING).unlink(missing_ok=True)
             data.remove()
+            if stage is not None:
+                stage.remove()   # the agents have it back
+            if ours is not None:
+                ours.close()
             report = f"{Path(runtime.path).name} checkpoint failed (exit {rc}); the container's " \
                      "GPU state was rolled back, it keeps running"
             log.error("checkpoint %s: %s", cid, report)
@@ -163,6 +187,9 @@ def _checkpoint(cfg: Config, runtime: Runtime, cid: str, spec: dict[str, Any],
             out = _end(cfg, c, cid, op_id, leave_running)
         timings.update(out.timings if out else {})
         timings["finish"] = time.monotonic() - t
+        if leave_running:
+            pause.after(cfg, cid, images, draft, staged, ours, ck, out is not None, paused,
+                        timings)
     try:
         # into the store: its sha256 names every chunk, and a pack that fails adds them
         m = manifest.seal(images, cfg.checksums and store is None, timings)

@@ -129,7 +129,8 @@ class Service:
             agent_dir=_agent_dir(self.cfg.run_dir, request.agent_container_id,
                                  request.container_id),
             owner_container=request.agent_container_id or request.container_id,
-            mode=_fingerprint_mode(request.fingerprints), opened=opened)
+            mode=_fingerprint_mode(request.fingerprints), opened=opened,
+            staged=request.staged)
         return to_pb(self.pb, convert.Checkpointed.of(ck, deadline, request.container_id))
 
     @_rpc

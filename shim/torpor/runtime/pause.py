@@ -1,0 +1,144 @@
+"""Short pauses for a container's --leave-running checkpoint (a kubelet's CRI checkpoint is
+always one): the agents' GPU data is staged in host memory and written into the image
+directory once the container runs again, as a bare checkpoint's (flows/writeout.py: the one
+implementation, its memory check, fallback and failure rules).
+
+    staging(cfg, cid, pid)   where the agents put their data: a new directory in suspend_dir
+                             (torpord makes it: LockAndCheckpoint's `staged`), or None (the
+                             data then goes into <image-path>/torpor-gpu/ while the container
+                             waits, as before): not under the agent, not enough host memory,
+                             config leave_running_staging off
+    begin(cfg, images)       before the dump: the image directory marked WRITING and a journal
+                             entry of ours naming it
+    after(...)               once runc's dump is done and torpord gave the container its GPU
+                             back: the staged data written into the image directory while the
+                             container runs (the image directory is complete when
+                             torpor-runtime returns), torpor.json's "pause" ({"paused_s",
+                             "staged", "durable_s"}) and the runtime's log say how long it was
+                             paused and when its checkpoint was durable
+
+Should torpor-runtime die after begin(), its journal entry (no PIDs: torpord's operation holds
+the container's) makes the next recovery (torpord's, periodically) mark the image directory
+damaged, and remove the staging once the write-out began (the agents had their data back);
+should torpord die (or lose the operation) before it gave the container its GPU back, its own
+entry gives the agents their data back from the staging and
+removes it. A write-out that fails leaves the container running, nothing staged, the image
+directory marked damaged and torpor-runtime exits 8 (RolledBackError) with one line.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from .. import agent, agent_data, gpus, manifest, procs
+from ..config import Config
+from ..engine import Engine
+from ..errors import ExitCode, NoDriverError, RolledBackError, TorporError, describe
+from ..flows import writeout
+from ..journal import Operation
+from ..progress import Progress
+from ..sidecar.convert import Checkpointed
+
+log = logging.getLogger("torpor.runtime")
+
+
+class _LogStream:
+    """Progress lines into the runtime's log (podman shows a runtime's stderr as an error)."""
+
+    def write(self, text: str) -> int:
+        if text.strip():
+            log.info("%s", text.strip())
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def _engine(cfg: Config) -> Engine:
+    return Engine(cfg, Progress(stream=_LogStream()))  # type: ignore[arg-type]
+
+
+def staging(cfg: Config, cid: str, pid: int) -> agent_data.DataDir | None:
+    """A staging directory (not made yet) for the agents of container cid (root pid), or None
+    when their data goes straight into the image directory (the reason is logged)."""
+    try:
+        tree = procs.tree(pid)
+        try:
+            inv = gpus.discover()
+            nvml = sum(inv.memory_of(p) for p in tree)
+        except NoDriverError:
+            nvml = 0
+        return writeout.staging(_engine(cfg), tree, nvml, agent.container_dir(cfg.run_dir, cid))
+    except (OSError, TorporError) as e:
+        log.warning("checkpoint %s: not staged in host memory: %s", cid, describe(e))
+        return None
+
+
+def begin(cfg: Config, images: Path) -> Operation:
+    """Before the dump of a staged checkpoint: images marked WRITING (no checkpoint until
+    written out) and our journal entry naming it (no PIDs: torpord's operation holds the
+    container's), so that a recovery marks it damaged should torpor-runtime die first."""
+    writeout.begin(images)
+    op = _engine(cfg).begin("checkpoint", [])
+    try:
+        op.phase("stage", images_dir=str(images))
+    except BaseException:
+        op.close()
+        raise
+    return op
+
+
+def after(cfg: Config, cid: str, images: Path, draft: dict[str, Any],
+          stage: agent_data.DataDir | None, op: Operation | None, ck: Checkpointed,
+          resumed: bool, t0: float, timings: dict[str, float]) -> None:
+    """The dump is done and the container runs again (resumed: torpord gave it its GPU back;
+    t0: when the pause began). Writes the staged data out (op: begin()'s) and the draft with
+    its "pause"; raises RolledBackError (the container runs on, images marked damaged,
+    nothing staged)."""
+    paused = round(time.monotonic() - t0, 4)
+    draft["pause"] = {"paused_s": paused, "staged": stage is not None}
+    log.info("checkpoint %s: the container runs again, paused %.2f s%s", cid, paused,
+             "; its GPU data is written out while it runs" if stage is not None else "")
+    if stage is not None and not resumed:
+        # torpord's recovery gives the agents their data back from the staging (and removes
+        # it): it cannot be written out meanwhile
+        why = writeout.abandon(images, TorporError("torpord lost the operation"))
+        if op is not None:
+            op.close()
+        raise RolledBackError(f"checkpoint {cid}: torpord lost the operation before the "
+                              f"staged GPU data was written out; the container runs on, and "
+                              f"{images} is no checkpoint ({why.split(':')[0]}, marked damaged)")
+    if stage is not None and op is not None:
+        _write_out(cfg, cid, images, draft, stage, op, ck, timings)
+    draft["pause"]["durable_s"] = round(time.monotonic() - t0, 4)
+    manifest.write_draft(images, draft)
+    log.info("checkpoint %s: paused %.2f s, durable after %.2f s", cid, paused,
+             draft["pause"]["durable_s"])
+
+
+def _write_out(cfg: Config, cid: str, images: Path, draft: dict[str, Any],
+               stage: agent_data.DataDir, op: Operation, ck: Checkpointed,
+               timings: dict[str, float]) -> None:
+    engine = _engine(cfg)
+    try:
+        # the agents have their data back: from here a recovery removes the staging
+        op.phase("writeout", images_dir=str(images), data_root=str(stage.root), scratch=True)
+        manifest.write_draft(images, draft)
+        moved = {a.pid: a.to_manifest() for a in ck.agents}
+        t = time.monotonic()
+        writeout.write_out(engine, stage, images, moved)
+        timings["writeout"] = time.monotonic() - t
+    except BaseException as e:
+        stage.remove()
+        why = writeout.abandon(images, e)
+        op.close()
+        raise RolledBackError(
+            f"checkpoint {cid}: writeout failed: {describe(e)}; the container runs on (it was "
+            f"resumed before its GPU data was written out), and {images} is no checkpoint "
+            f"({why.split(':')[0]}, marked damaged)",
+            exit_code=ExitCode.INTERRUPTED if isinstance(e, KeyboardInterrupt) else None
+        ) from e
+    op.close()

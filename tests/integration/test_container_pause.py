@@ -1,0 +1,240 @@
+"""Short pauses for containers (issue 20, item 3): a podman --leave-running checkpoint of a
+container under the (fake) agent stages its GPU data in host memory and torpor-runtime (this
+venv's, behind a wrapper) writes it into the image directory once the container runs again.
+
+What is checked: the pause (torpor.json's "pause", the runtime's log) ends well before the
+write-out, slowed to writeout_rate_mbps, does; podman gets a complete image directory (its
+export restores every byte); nothing stays staged; a write-out onto a full disk leaves the
+container running, torpor-runtime exits 8 with one line, nothing staged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from integration.containers import Podman
+from tests.integration.conftest import wait_for
+from tests.integration.test_agent_containers import _events, agent_workload
+from tests.integration.test_containers_gpu import (  # noqa: F401  (fixtures)
+    base, fake_nodes, gpu, name, needs_criu)
+from tests.integration.torpord import Daemon
+from torpor.agent import AgentClient
+
+pytestmark = [needs_criu, pytest.mark.criu]
+RUNTIME = Path(sys.executable).parent / "torpor-runtime"   # this tree's
+NBYTES = 48 << 20
+RATE_MBPS = 16          # the write-out takes about 3 s
+
+
+CONFIG = f"writeout_rate_mbps = {RATE_MBPS}\nsuspend_tmpfs = false\n"
+
+
+@pytest.fixture
+def daemon(base, gpu):
+    """torpord and torpor-runtime (the same config) staging in this test's own suspend_dir."""
+    d = Daemon(base, gpu, CONFIG + f'suspend_dir = "{base / "shm"}"\n').start()
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def mine(base, daemon, gpu, podman_image):
+    if not os.access(RUNTIME, os.X_OK):
+        pytest.skip(f"no torpor-runtime beside {sys.executable}")
+    env = {k: v for k, v in daemon.env.items()
+           if k.startswith(("TORPOR_", "FAKE_CUDA")) or k == "LD_LIBRARY_PATH"}
+    wrapper = base / "torpor-runtime-mine"
+    wrapper.write_text("#!/bin/sh\n" + "".join(f"export {k}='{v}'\n" for k, v in env.items())
+                       + f'exec {RUNTIME} "$@"\n')
+    wrapper.chmod(0o700)
+    return Podman(str(wrapper), timeout=120)
+
+
+def _start(podman, gpu, daemon, base, name) -> tuple[Path, Path]:
+    nodes = fake_nodes(base)
+    events = gpu.state_dir / "agent-events"
+    argv, env, mounts = agent_workload(gpu, "pz", NBYTES, events)
+    podman.run(name, argv, mounts=mounts, env=env, annotations={"org.torpor.agent": "on"},
+               devices=[f"{nodes[0]}:/dev/nvidia0", f"{nodes[255]}:/dev/nvidiactl"])
+    sock = daemon.cfg.run_dir / "agents" / podman.inspect(name, "{{.Id}}") / "agent-1.sock"
+    wait_for(lambda: sock.exists() and gpu.proc_entry("pz.1"), 20, "the program under its agent")
+    return events, sock
+
+
+def _staged(daemon) -> set[Path]:
+    """suspend_dir's entries."""
+    d = Path(daemon.cfg.suspend_dir)
+    return set(d.iterdir()) if d.is_dir() else set()
+
+
+def test_leave_running_pause_is_shorter_than_the_write_out(mine, gpu, daemon, base, name):
+    podman = mine
+    events, sock = _start(podman, gpu, daemon, base, name)
+    try:
+        archive = base / "ck.tar"
+        podman.checkpoint(name, export=archive, leave_running=True, compress="none")
+        assert podman.state(name) == "running"
+        assert _events(events)[-1] == "agent resume"   # the agent has its memory back
+        assert _staged(daemon) == set()
+        with tarfile.open(archive) as tf:
+            m = json.loads(tf.extractfile("checkpoint/torpor.json").read())
+            names = tf.getnames()
+        pause = m["pause"]
+        assert pause["staged"] is True, (pause, daemon.log_text())
+        writeout_s = NBYTES / (RATE_MBPS * 1e6)
+        # paused for the copy to host memory and the dump only; durable after the write-out
+        assert pause["durable_s"] - pause["paused_s"] >= 0.8 * writeout_s, pause
+        assert pause["paused_s"] < pause["durable_s"] / 2, pause
+        assert m["timings"]["writeout"] >= 0.8 * writeout_s, m["timings"]
+        pid = next(iter(m["agent"]))
+        assert all(f"checkpoint/torpor-gpu+{pid}+gpu-memory-{k}.bin" in names
+                   for k in range(len(m["agent"][pid]["files"]))), names
+        log = (daemon.cfg.state_dir / "runtime.log").read_text()
+        assert f"paused {pause['paused_s']:.2f} s, durable after" in log, log[-2000:]
+        with AgentClient(sock) as a:
+            assert a.status()["state"] == "running"
+
+        podman.rm(name)
+        events.unlink()
+        podman.restore(import_=archive)
+        assert _events(events) == ["agent status", "agent resume"]
+        with AgentClient(daemon.cfg.run_dir / "agents" / podman.inspect(name, "{{.Id}}")
+                         / "agent-1.sock") as a:
+            st = a.status()
+        assert (st["state"], st["gate"], st["intact"]) == ("running", "open", True)
+    finally:
+        podman.rm(name)
+
+
+def _fill(path: Path) -> None:
+    """Fill path's filesystem up (the write-out racing for the same space)."""
+    block = b"\xa5" * (1 << 20)
+    with open(path, "wb", buffering=0) as f:
+        while True:
+            try:
+                f.write(block)
+            except OSError:
+                try:
+                    f.write(block[:4096])
+                except OSError:
+                    return
+
+
+def test_disk_full_during_the_write_out_leaves_the_container_running(mine, gpu, daemon, base,
+                                                                     name):
+    podman = mine
+    events, sock = _start(podman, gpu, daemon, base, name)
+    images = podman.bundle(name) / "checkpoint"
+    images.mkdir(mode=0o700, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=192m,mode=0700", "tmpfs", str(images)],
+                   check=True)
+    try:
+        ck = subprocess.Popen([*podman.base, "container", "checkpoint",
+                               "--leave-running", name], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+        # the container runs again, its data being written out: the disk fills up
+        wait_for(lambda: (images / ".torpor-writing").exists()
+                 and (images / "torpor-gpu").exists(), 60, "the write-out")
+        _fill(images / "filler")
+        out, _ = ck.communicate(timeout=120)
+        assert ck.returncode != 0, out
+        assert "writeout failed" in out and "the container runs on" in out, out
+        assert podman.state(name) == "running"
+        with AgentClient(sock) as a:
+            st = a.status()
+        assert (st["state"], st["gate"]) == ("running", "open"), st
+        assert _staged(daemon) == set()
+        assert (images / "torpor-damaged.txt").exists() and \
+            not (images / "torpor.json").exists(), sorted(os.listdir(images))
+    finally:
+        subprocess.run(["umount", "-l", str(images)], check=False)
+        podman.rm(name)
+
+
+def _runtime_pids(cid: str) -> list[int]:
+    """torpor-runtime's checkpoint of cid (the wrapper execs it), however it is started."""
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(b"torpor-runtime" in a for a in argv) and b"checkpoint" in argv \
+                and cid.encode() in argv:
+            out.append(int(d.name))
+    return out
+
+
+def test_torpor_runtime_killed_during_the_write_out_is_recovered(mine, gpu, daemon, base, name):
+    """SIGKILL of torpor-runtime while it writes out: the container runs on; the next
+    recovery (its journal entry) marks the image directory damaged, never a checkpoint, and
+    nothing of the staging stays in host memory."""
+    from torpor.engine import Engine
+    podman = mine
+    events, sock = _start(podman, gpu, daemon, base, name)
+    cid = podman.inspect(name, "{{.Id}}")
+    images = podman.bundle(name) / "checkpoint"
+    try:
+        ck = subprocess.Popen([*podman.base, "container", "checkpoint", "--leave-running", name],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        wait_for(lambda: (images / "torpor-gpu").exists(), 60, "the write-out")
+        for pid in _runtime_pids(cid):
+            os.kill(pid, 9)
+        out, _ = ck.communicate(timeout=120)
+        assert ck.returncode != 0, out
+        assert podman.state(name) == "running"
+        # ours, or torpord's periodic one, whichever comes first
+        wait_for(lambda: Engine(daemon.cfg).recover() is not None
+                 and (images / "torpor-damaged.txt").exists(), 60, "the recovery")
+        assert (images / "torpor-damaged.txt").exists() and \
+            not (images / "torpor.json").exists(), sorted(os.listdir(images))
+        assert _staged(daemon) == set()
+        with AgentClient(sock) as a:
+            st = a.status()
+        assert (st["state"], st["gate"]) == ("running", "open"), st
+    finally:
+        podman.rm(name)
+
+
+def test_torpor_runtime_killed_during_the_dump_is_rolled_back(mine, gpu, daemon, base, name):
+    """SIGKILL of torpor-runtime once the image directory is marked (the dump under way):
+    torpord rolls its operation back (the agents get their data back from the staging, which
+    then goes), and the recovery of the runtime's own entry marks the directory damaged."""
+    from torpor.engine import Engine
+    podman = mine
+    events, sock = _start(podman, gpu, daemon, base, name)
+    cid = podman.inspect(name, "{{.Id}}")
+    images = podman.bundle(name) / "checkpoint"
+    try:
+        ck = subprocess.Popen([*podman.base, "container", "checkpoint", "--leave-running", name],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 60
+        while not (images / ".torpor-writing").exists() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        for pid in _runtime_pids(cid):
+            os.kill(pid, 9)
+        assert not (images / "torpor-gpu").exists()   # killed before its write-out
+        out, _ = ck.communicate(timeout=120)
+        assert ck.returncode != 0, out
+        wait_for(lambda: _staged(daemon) == set() and _events(events)[-1] == "agent resume", 60,
+                 "torpord's rollback")
+        assert podman.state(name) == "running"
+        # never a checkpoint: marked damaged by the recovery of the runtime's entry (ours, or
+        # torpord's periodic one), or still marked WRITING (killed before its entry was made)
+        Engine(daemon.cfg).recover()
+        assert not (images / "torpor.json").exists(), sorted(os.listdir(images))
+        assert (images / "torpor-damaged.txt").exists() or \
+            (images / ".torpor-writing").exists(), sorted(os.listdir(images))
+        with AgentClient(sock) as a:
+            st = a.status()
+        assert (st["state"], st["gate"], st["intact"]) == ("running", "open", True), st
+    finally:
+        podman.rm(name)
