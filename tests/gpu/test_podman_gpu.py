@@ -94,6 +94,32 @@ def test_podman_export_import_continues_bit_exact(podman, containers, tmp_path):
     _bit_exact(ref, tc, 59)
 
 
+def test_podman_leave_running_pauses_for_the_copy_and_its_export_restores_bit_exact(
+        podman, containers, tmp_path):
+    """Issue 20 item 3 for containers: `--leave-running` pauses the program only for the copy
+    to host memory and the dump; the write-out runs while it trains on, and the export is a
+    whole checkpoint: restored after the original is gone, it continues bit-exact."""
+    ref, tc = _started(containers, "gpu-lr", 4.0, last=79, at_step=10)
+    archive = tmp_path / "gpu-lr.tar"
+    podman.checkpoint(tc.name, export=archive, leave_running=True, compress="none")
+    assert podman.state(tc.name) == "running"
+    at = tc.step()
+    tc.wait_step(at + 5)                                 # trains on after the checkpoint
+    with tarfile.open(archive) as tf:
+        m = json.loads(tf.extractfile("checkpoint/torpor.json").read())
+    pause = m["pause"]
+    moved = sum(a.get("bytes", 0) for a in (m.get("agent") or {}).values())
+    print(f"leave-running: {moved / 2**30:.2f} GiB moved, paused {pause['paused_s']:.2f} s, "
+          f"durable {pause['durable_s']:.2f} s, timings {m.get('timings')}")
+    assert pause["staged"] is True and moved >= 3 << 30, (pause, m.get("agent"))
+    assert pause["paused_s"] < pause["durable_s"], pause
+    podman.rm(tc.name)
+    podman.restore(import_=archive)
+    assert _cuda_state(podman.pid(tc.name)) == "RUNNING"
+    tc.wait_step(at + 10)
+    _bit_exact(ref, tc, 79)
+
+
 def test_podman_restore_with_device_map_onto_same_gpu_uuid(podman, containers, tmp_path):
     u = gpu_uuid()
     ref, tc = _started(containers, "gpu2", 1.0, last=39, at_step=5,
