@@ -156,7 +156,7 @@ def _checkpoint(cfg: Config, runtime: Runtime, cid: str, spec: dict[str, Any],
         try:
             manifest.write_draft(images, draft)
             if staged is not None:   # no checkpoint until written out (a recovery: damaged)
-                ours = pause.begin(cfg, images)
+                ours = pause.begin(cfg, images, staged)
         except BaseException:
             with thawed:
                 c.rollback(op_id)
