@@ -18,7 +18,8 @@
 # UPSTREAM_BENCH_SIZES="4 16" podman + runc + CRIU's cuda plugin + the cuda-checkpoint stand-in
 # against torpor's driver, agent and store legs (bench/upstream_path.py; the plugin from
 # .device/upstream/cuda_plugin.so, UPSTREAM_BENCH_ARGS for more, e.g. --zstd-sizes); TESTS=0
-# skips the tests.
+# skips the tests. AGENT_OVERHEAD_REPS=10 the agent's cost to a training loop and token latency
+# (bench/agent_overhead.py; AGENT_OVERHEAD_ARGS for more, e.g. --steps 200).
 set -uo pipefail
 cd "$(dirname "$(readlink -f "$0")")/../.."
 OUT="${OUT:-/tmp/torpor-out}"; mkdir -p "$OUT"
@@ -96,6 +97,10 @@ fi
 if [[ -n "${CHUNK_WRITES_GIB:-}" ]]; then
     python3 bench/chunk_writes.py --gib "$CHUNK_WRITES_GIB" --threads ${CHUNK_WRITES_THREADS:-16} \
         --root /var/tmp/torpor-cw --out "$OUT/chunk_writes.json" 2>&1 | tee "$OUT/chunk-writes.txt"
+fi
+if [[ -n "${AGENT_OVERHEAD_REPS:-}" ]]; then   # what the agent costs a running program
+    python3 bench/agent_overhead.py --reps "$AGENT_OVERHEAD_REPS" ${AGENT_OVERHEAD_ARGS:-} \
+        --out "$OUT/agent_overhead.json" 2>&1 | tee "$OUT/agent-overhead.txt"
 fi
 # torpor's logs as one file: the device tool brings back at most 8 files, and four logs beside
 # the results once crowded out store_e2e.json
