@@ -572,7 +572,18 @@ def main() -> int:
     ap.add_argument("--agent-dir", type=Path, default=None)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--out", type=Path, default=Path("bench/results/agent_path.json"))
+    ap.add_argument("--dry-run", action="store_true", help="print what would run and stop")
     args = ap.parse_args()
+    if args.dry_run:
+        for gib in args.sizes:
+            paths = "agent, driver" if gib <= args.driver_max_gib else "agent"
+            print(f"{gib:g} GiB: {paths}; checkpoints {' '.join(args.where) or 'none'}"
+                  + (" (driver: suspend/resume only)" if not args.driver_checkpoints else "")
+                  + ("; leave-running pause" if args.pause else ""))
+        print(f"pinned yardstick {args.pinned_gib:g} GiB; jax {args.jax_gib:g} GiB; cache "
+              f"{args.cache_gib:g} GiB; overhead reps {args.overhead_reps}; tmpfs "
+              f"{args.shm_tmpfs_gib:g} GiB at {args.shm_root}")
+        return 0
     for root in (args.shm_root, args.disk_root):
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
     with contextlib.ExitStack() as stack:

@@ -253,6 +253,9 @@ def main() -> int:
                     help="GiB of live tensors, one row each (none: only --cache-gib's row)")
     ap.add_argument("--zstd-sizes", type=float, nargs="*", default=[4],
                     help="sizes also measured with podman's default zstd (slow: 75 s at 4 GiB)")
+    ap.add_argument("--compressions", nargs="+", default=["none", "zstd"],
+                    choices=["none", "zstd"],
+                    help="which rows of --sizes: --compress none, zstd (at --zstd-sizes)")
     ap.add_argument("--legs", nargs="+", default=list(LEGS), choices=list(LEGS))
     ap.add_argument("--cache-gib", type=float, default=0,
                     help="a row of a program holding this many GiB live and as many cached "
@@ -267,13 +270,20 @@ def main() -> int:
     ap.add_argument("--runtime", default="/usr/local/bin/torpor-runtime")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/torpor-ubench"))
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--dry-run", action="store_true", help="print the rows and legs and stop")
     args = ap.parse_args()
     plan = [(gib, c, 0.0, args.legs) for gib in args.sizes
-            for c in ["none"] + (["zstd"] if gib in args.zstd_sizes else [])]
+            for c in ["none"] + (["zstd"] if gib in args.zstd_sizes else [])
+            if c in args.compressions]
     if args.cache_gib > 0:
         plan.append((args.cache_gib, "none", args.cache_gib, args.cache_legs))
     if not plan:
         ap.error("nothing to measure: give --sizes or --cache-gib")
+    if args.dry_run:
+        for gib, compress, cache_gib, legs in plan:
+            print(f"{gib:g} GiB live + {cache_gib:g} cached, --compress {compress}: "
+                  + " ".join(g for g in legs if not (compress == "zstd" and g == "store")))
+        return 0
     shutil.rmtree(args.workdir, ignore_errors=True)
     args.workdir.mkdir(parents=True)
     plain, torpor = Podman(args.runc, timeout=3000), Podman(args.runtime, timeout=3000)
@@ -289,7 +299,10 @@ def main() -> int:
         os.replace(tmp, args.out)           # a run killed mid-write leaves the last whole one
 
     if args.disk_probe_gib > 0:
-        doc["disk"] = disk_gbps(args.workdir, args.disk_probe_gib)
+        try:
+            doc["disk"] = disk_gbps(args.workdir, args.disk_probe_gib)
+        except OSError as e:                # the figures without their bound, and why
+            doc["disk"] = {"error": f"{type(e).__name__}: {e}"}
         print(f"== disk: {doc['disk']}", flush=True)
         save()
     plain.ensure_image()

@@ -17,8 +17,8 @@
 # which XLA feature keeps a JAX program from the driver path (bench/jax_driver_path.py);
 # UPSTREAM_BENCH_SIZES="4 16" podman + runc + CRIU's cuda plugin + the cuda-checkpoint stand-in
 # against torpor's driver, agent and store legs (bench/upstream_path.py; the plugin from
-# .device/upstream/cuda_plugin.so, UPSTREAM_BENCH_ARGS for more, e.g. --zstd-sizes); TESTS=0
-# skips the tests.
+# .device/upstream/cuda_plugin.so, UPSTREAM_BENCH_ARGS for more, e.g. --zstd-sizes, or alone:
+# --cache-gib 4 with no sizes); TESTS=0 skips the tests.
 set -uo pipefail
 cd "$(dirname "$(readlink -f "$0")")/../.."
 OUT="${OUT:-/tmp/torpor-out}"; mkdir -p "$OUT"
@@ -86,9 +86,9 @@ if [[ -n "${JAX_BENCH:-}" ]]; then
     python3 bench/jax_driver_path.py --root /var/tmp/torpor-jax --out "$OUT/jax_driver_path.json" \
         2>&1 | tee "$OUT/jax-bench.txt"
 fi
-if [[ -n "${UPSTREAM_BENCH_SIZES:-}" ]]; then
+if [[ -n "${UPSTREAM_BENCH_SIZES:-}${UPSTREAM_BENCH_ARGS:-}" ]]; then   # ARGS alone: e.g. --cache-gib 4
     make -s -C bench/upstream BUILD=/tmp/upstream-build &&
-    python3 bench/upstream_path.py --sizes $UPSTREAM_BENCH_SIZES --plugin-dir .device/upstream \
+    python3 bench/upstream_path.py --sizes ${UPSTREAM_BENCH_SIZES:-} --plugin-dir .device/upstream \
         --standin /tmp/upstream-build/cuda-checkpoint --runc /opt/podman-bundle/bin/runc \
         --workdir /var/tmp/torpor-ubench ${UPSTREAM_BENCH_ARGS:-} \
         --out "$OUT/upstream_path.json" 2>&1 | tee "$OUT/upstream-bench.txt"

@@ -1,0 +1,107 @@
+"""Issue 20's benchmark arithmetic, without a GPU: the bounds agent_path.py puts beside each
+size (bench/agent_path.py bounds()), upstream_path.py's comparison of its legs (compare_legs,
+table) and the yardsticks that need no GPU (bench/yardsticks.py). The GPU host's run only
+fills these in; a wrong figure here would be a wrong figure in the docs."""
+
+import os
+import time
+
+import pytest
+
+from bench import agent_path, upstream_path, yardsticks
+
+GB = 1e9
+
+
+def agent_row(moved=55e9, wall=2.0, resume=1.5, driver=True, pause=None):
+    a = {"suspend": {"wall_s": wall, "agent": {"bytes": moved},
+                     "timings": {"agent-prepare": 1.0, "lock": 0.01, "checkpoint": 0.49}},
+         "resume": {"wall_s": resume, "agent": {"bytes": moved},
+                    # a resume's timings hold its suspend's too (one engine): only its own count
+                    "timings": {"checkpoint": 0.49, "gpu-restore": 0.25, "unlock": 0.05}}}
+    if pause:
+        a["pause_disk"] = pause
+    row = {"gib": 16, "agent": a}
+    if driver:
+        row["driver"] = {"suspend": {"wall_s": 12.0}, "resume": {"wall_s": 4.0}}
+    return row
+
+
+def test_suspend_and_resume_bounds_are_the_copy_at_the_pinned_rate_plus_the_driver_residual():
+    b = agent_path.bounds(agent_row(), {"d2h": 55.0, "h2d": 50.0})
+    s, r = b["suspend"], b["resume"]
+    assert s["copy_s"] == pytest.approx(1.0) and s["driver_residual_s"] == pytest.approx(0.5)
+    assert s["bound_s"] == pytest.approx(1.5) and s["over_bound"] == pytest.approx(2.0 / 1.5)
+    assert s["speedup"] == pytest.approx(6.0)
+    assert s["speedup_bound_allows"] == pytest.approx(8.0)
+    assert s["target_speedup_min"] == 10.0
+    assert r["copy_s"] == pytest.approx(1.1) and r["driver_residual_s"] == pytest.approx(0.3)
+    assert r["bound_s"] == pytest.approx(1.4) and r["speedup"] == pytest.approx(4.0 / 1.5)
+
+
+def test_pause_target_is_one_and_a_half_copies_plus_a_second():
+    pause = {"paused_s": 2.4, "durable_s": 12.0, "gpu_bytes": 55e9}
+    b = agent_path.bounds(agent_row(pause=pause), {"d2h": 55.0, "h2d": 50.0})
+    p = b["pause_disk"]
+    assert p["copy_s"] == pytest.approx(1.0) and p["target_s"] == pytest.approx(2.5)
+    assert p["met"] is True and p["over_target"] == pytest.approx(2.4 / 2.5)
+    pause["paused_s"] = 2.6
+    assert agent_path.bounds(agent_row(pause=pause), {"d2h": 55.0})["pause_disk"]["met"] is False
+
+
+def test_no_yardstick_or_no_driver_gives_no_ratio_rather_than_a_wrong_one():
+    b = agent_path.bounds(agent_row(driver=False, pause={"paused_s": 1.0, "gpu_bytes": 1e9}),
+                          {"error": "no torch"})
+    assert b["suspend"]["bound_s"] is None and b["suspend"]["over_bound"] is None
+    assert "speedup" not in b["suspend"] and b["pause_disk"]["met"] is None
+    lines = agent_path.bound_lines("16", b)      # and the table still prints
+    assert len(lines) == 3 and "MISSED" not in "".join(lines)
+
+
+def leg(steps, e2e, archive, bound=None):
+    return {"checkpoint_s": e2e * 0.5, "restore_s": e2e * 0.5, "end_to_end_s": e2e,
+            "archive_bytes": archive, "steps_file": str(steps), "disk_bound_s": bound}
+
+
+def test_upstream_legs_compared_bit_exact_and_against_upstream(tmp_path):
+    lines = [f"{i} 0x1.0p+0 {i:016x}\n" for i in range(10)]
+    for name, body in (("up", lines), ("agent", lines), ("store", lines[:4] + ["4 x y\n"])):
+        (tmp_path / name).write_text("".join(body))
+    row = {"gib": 4, "compress": "none", "cache_gib": 4, "legs": {
+        "upstream": leg(tmp_path / "up", 20.0, 10 * GB, 12.0),
+        "agent": leg(tmp_path / "agent", 10.0, 4.5 * GB, 5.0),
+        "store": leg(tmp_path / "store", 8.0, 3 * GB, 4.0),
+        "driver": {"leg": "driver", "error": "ContainerError: no"}}}
+    upstream_path.compare_legs(row)
+    legs, rv = row["legs"], row["ratios_vs_upstream"]
+    assert legs["agent"]["bit_exact"] is True and legs["store"]["bit_exact"] is False
+    assert set(rv) == {"agent", "store"}
+    assert rv["agent"]["end_to_end_speedup"] == pytest.approx(2.0)
+    assert rv["agent"]["archive_ratio"] == pytest.approx(0.45)
+    assert rv["agent"]["speedup_disk_bound_allows"] == pytest.approx(4.0)
+    text = upstream_path.table({"disk": {"write": 1.5, "read": 2.0}, "rows": [row]})
+    assert "agent: archive 0.45 of upstream's (issue 20: <= 0.5: ok)" in text
+    assert "store: archive 0.30" in text and "ContainerError" in text
+
+
+def test_disk_probe_measures_and_leaves_nothing(tmp_path):
+    d = yardsticks.disk_gbps(tmp_path, 1 / 16)
+    assert d["bytes"] == 64 << 20 and d["write"] > 0 and d["read"] > 0
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_stall_watch_sees_the_longest_time_the_steps_stood_still():
+    t0 = time.monotonic()
+
+    def step():        # one step every 20 ms, but none from 0.2 s to 0.5 s
+        t = time.monotonic() - t0
+        return int(t / 0.02) if t < 0.2 else 10 if t < 0.5 else 10 + int((t - 0.5) / 0.02)
+    with yardsticks.StallWatch(step) as w:
+        time.sleep(0.7)
+    assert 0.25 <= w.longest_s <= 0.45 and w.samples > 20
+
+
+def test_upstream_leg_refused_where_the_disk_cannot_hold_its_images_and_archive(tmp_path):
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    assert upstream_path.room(tmp_path, 0.5) == ""
+    assert "needs" in upstream_path.room(tmp_path, free / (1 << 30))
