@@ -132,13 +132,14 @@ def upstream(out: Path, names: list[str]) -> None:
     bound of each leg's archive, the speed-up over upstream; archive GB below. A leg that did
     not finish (skipped, failed, cut short) is left out of its row."""
     rows = [(name, row) for name in names for row in load(name)["rows"]]
-    rows = [(n, r) for n, r in rows if any("end_to_end_s" in v for v in r["legs"].values())]
+    done = lambda v: "end_to_end_s" in v and "error" not in v   # noqa: E731
+    rows = [(n, r) for n, r in rows if any(done(v) for v in r["legs"].values())]
     if not rows:
         raise SystemExit(f"no finished leg in {names}")
     fig, axes = plt.subplots(2, len(rows), figsize=(max(7.5, 3.8 * len(rows) + 1), 6.4), squeeze=False,
                              gridspec_kw={"height_ratios": [3, 1.3]})
     for k, (name, row) in enumerate(rows):
-        legs = [(leg, v) for leg, v in row["legs"].items() if "end_to_end_s" in v]
+        legs = [(leg, v) for leg, v in row["legs"].items() if done(v)]
         ratios = row.get("ratios_vs_upstream", {})
         x = list(range(len(legs)))
         ax, ax2 = axes[0][k], axes[1][k]
@@ -170,7 +171,11 @@ def upstream(out: Path, names: list[str]) -> None:
         if k == 0:
             ax.set_ylabel("seconds, end to end")
             ax2.set_ylabel("archive GB")
-    axes[0][0].legend(fontsize=7, loc="upper left")
+    seen: dict = {}                       # every panel's entries (the tick only where measured)
+    for ax in axes[0]:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(lab, h)
+    axes[0][0].legend(list(seen.values()), list(seen), fontsize=7, loc="upper left")
     fig.suptitle("podman checkpoint --export / restore --import of a PyTorch GPU container, "
                  "legs side by side in one run\n" + ", ".join(Path(n).name for n in names) +
                  "\n(upstream: CRIU 4.2.1's cuda plugin; its cuda-checkpoint is a stand-in "

@@ -185,8 +185,9 @@ def one_leg(leg: str, podman: Podman, gib: float, compress: str, work: Path,
 
 
 def compare_legs(row: dict) -> None:
-    """bit_exact per leg against the row's first, and the ratios against upstream."""
-    legs = {k: v for k, v in row["legs"].items() if "end_to_end_s" in v}
+    """bit_exact per leg against the row's first, and the ratios against upstream (legs that
+    finished: a leg that failed after its restore, e.g. never stepping on, has no figure)."""
+    legs = {k: v for k, v in row["legs"].items() if "steps_file" in v and "error" not in v}
     if not legs:
         return
     first = next(iter(legs.values()))
@@ -218,7 +219,7 @@ def table(doc: dict) -> str:
     for row in doc["rows"]:
         label = f"{row['gib']:g}" + (f"+{row['cache_gib']:g}c" if row.get("cache_gib") else "")
         for leg, r in row["legs"].items():
-            if "end_to_end_s" not in r:
+            if "end_to_end_s" not in r or "error" in r:
                 what = r.get("error") or r.get("skipped") or "not finished"
                 print(f"{label:>6} {row['compress']:>8} {leg:>8} {what[:100]}", file=out)
                 continue
@@ -332,7 +333,7 @@ def main() -> int:
     doc["table"] = table(doc)
     print(doc["table"])
     save()
-    ok = all("end_to_end_s" in r and r.get("bit_exact") for row in doc["rows"]
+    ok = all("error" not in r and r.get("bit_exact") for row in doc["rows"]
              for r in row["legs"].values())
     return 0 if ok else 1
 

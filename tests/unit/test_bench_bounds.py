@@ -105,3 +105,15 @@ def test_upstream_leg_refused_where_the_disk_cannot_hold_its_images_and_archive(
     free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
     assert upstream_path.room(tmp_path, 0.5) == ""
     assert "needs" in upstream_path.room(tmp_path, free / (1 << 30))
+
+
+def test_a_leg_that_failed_after_its_restore_is_left_out_of_the_comparison(tmp_path):
+    (tmp_path / "up").write_text("".join(f"{i} a b\n" for i in range(10)))
+    failed = {**leg(tmp_path / "nowhere", 9.0, 1 * GB), "error": "AssertionError: no step"}
+    del failed["steps_file"]                # it never stepped on after the restore
+    row = {"gib": 16, "compress": "none", "legs": {
+        "upstream": leg(tmp_path / "up", 20.0, 10 * GB), "agent": failed}}
+    upstream_path.compare_legs(row)
+    assert row["legs"]["upstream"]["bit_exact"] is True
+    assert row["ratios_vs_upstream"] == {}
+    assert "AssertionError: no step" in upstream_path.table({"rows": [row]})
