@@ -485,6 +485,8 @@ def table(doc: dict) -> str:
             for k in ("checkpoint", "restore"):
                 ops.append((f"{k}_{where}", cd.get(f"{k}_wall_s"), ca.get(f"{k}_wall_s")))
         for name, ds, as_ in ops:
+            if ds is None and as_ is None:       # not measured (--where) or skipped on both
+                continue
             ratio = r.get(name)
             target = TARGETS.get(name)
             verdict = "" if target is None or ratio is None else \

@@ -3,8 +3,10 @@ size (bench/agent_path.py bounds()), upstream_path.py's comparison of its legs (
 table) and the yardsticks that need no GPU (bench/yardsticks.py). The GPU host's run only
 fills these in; a wrong figure here would be a wrong figure in the docs."""
 
+import json
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -117,3 +119,146 @@ def test_a_leg_that_failed_after_its_restore_is_left_out_of_the_comparison(tmp_p
     assert row["legs"]["upstream"]["bit_exact"] is True
     assert row["ratios_vs_upstream"] == {}
     assert "AssertionError: no step" in upstream_path.table({"rows": [row]})
+
+
+# -- agent_path.py's run, start to end, with the GPU and torpor's flows played by doubles -------
+class FakeGpu:
+    """What the doubles share: each program's NVML bytes and what its agent moves."""
+    def __init__(self):
+        self.nvml, self.moved, self.calls = {}, {}, []
+
+
+class FakeProgram:
+    """programs.Program's face over a `sleep` (a real PID, ended by a checkpoint as CRIU's
+    dump ends it); its steps advance with time and are the same for every program."""
+    gpu: FakeGpu
+
+    def __init__(self, workdir, name, argv, *, env=None, agent=False):
+        import subprocess
+        self.name, self.agent, self.env = name, agent, env or {}
+        self.steps = Path(workdir) / f"{name}.steps"
+        self.proc = subprocess.Popen(["sleep", "600"])
+        self.pid = self.proc.pid
+        gib = float(argv[argv.index("--gib") + 1])
+        jax = "jax_program" in " ".join(argv)
+        prealloc = jax and self.env.get("XLA_PYTHON_CLIENT_PREALLOCATE") != "false"
+        self.gpu.nvml[self.pid] = 106e9 if prealloc else gib * (1 << 30) + 1.2e9
+        self.gpu.moved[self.pid] = 3e9 if jax else gib * (1 << 30)
+        self.t0 = time.monotonic()
+
+    def step(self):
+        return int((time.monotonic() - self.t0) / 0.002)
+
+    def wait_ready(self, timeout=0):
+        pass
+
+    def wait_step(self, above, timeout=0):
+        while self.step() <= above:
+            time.sleep(0.002)
+        n = self.step()
+        self.steps.write_text("".join(f"{i} 0x1.0p+0 {i:016x}\n" for i in range(n + 1)))
+        return n
+
+    def status(self):
+        return {"pid": self.pid, "step": self.step(), "ready": True}
+
+    def reap(self, timeout=0):
+        self.proc.wait(timeout=10)
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.wait()
+
+
+def test_agent_path_runs_every_operation_of_issue_20s_command(torpor_env, tmp_path,
+                                                             monkeypatch, capsys):
+    """The GPU host's command (--where fit --pause --driver-max-gib --no-driver-checkpoints
+    --jax-gib, sizes 16 and 64) through agent_path.main with doubles for the GPU: the 16 GiB
+    program checkpoints to the disk, the 64 GiB one (its data larger than the disk) to host
+    memory, each after its leave-running pause; the driver only at 16 GiB and only for suspend
+    and resume; JAX's preallocated arena sized by what its agent moves; every figure and bound
+    in the JSON and the table; nothing left in either root."""
+    import signal
+    import sys
+    import types
+    gpu = FakeGpu()
+    FakeProgram.gpu = gpu
+    disk, shm = tmp_path / "disk", tmp_path / "shm"
+
+    def discover():
+        return types.SimpleNamespace(gpus=[types.SimpleNamespace(name="fake")],
+                                     driver_version="0",
+                                     memory_of=lambda pid: int(gpu.nvml.get(pid, 0)))
+
+    def agent_rec(pid):
+        return {str(pid): {"bytes": int(gpu.moved[pid]), "zero_bytes": 0}}
+
+    def suspend(engine, pid):
+        gpu.calls.append(("suspend", pid))
+        return {"timings": {"lock": 0.001, "checkpoint": 0.3}, "agent": agent_rec(pid),
+                "gpu_memory_released": int(gpu.nvml[pid])}
+
+    def resume(engine, pid):
+        gpu.calls.append(("resume", pid))
+        return {"timings": {"lock": 0.001, "checkpoint": 0.3, "gpu-restore": 0.2,
+                            "unlock": 0.01}, "agent": agent_rec(pid)}
+
+    def checkpoint(engine, pid, images, leave_running=False):
+        gpu.calls.append(("checkpoint-lr" if leave_running else "checkpoint", pid, images))
+        (images / "torpor-gpu").mkdir(parents=True)
+        (images / "torpor-gpu" / "data.bin").write_bytes(b"x" * 4096)
+        (images / "pages-1.img").write_bytes(b"y" * 1024)
+        if not leave_running:
+            os.kill(pid, signal.SIGKILL)
+        m = {"timings": {"lock": 0.001, "checkpoint": 0.3, "dump": 0.4}, "agent": agent_rec(pid)}
+        if leave_running:
+            m["pause"] = {"paused_s": 0.5, "staged": True}
+        return m
+
+    def restore(engine, images):
+        gpu.calls.append(("restore", images))
+        return {"timings": {"restore": 0.4}, "agent": {}}
+
+    def disk_usage(path):
+        free = 60e9 if Path(path).is_relative_to(disk) else 118e9    # a 64 GB disk
+        return types.SimpleNamespace(free=free, total=2 * free, used=free)
+
+    monkeypatch.setattr(agent_path.programs, "Program", FakeProgram)
+    monkeypatch.setattr(agent_path.gpus, "discover", discover)
+    monkeypatch.setattr(agent_path.procs, "mem_available", lambda: 130e9)
+    monkeypatch.setattr(agent_path.shutil, "disk_usage", disk_usage)
+    monkeypatch.setattr(agent_path, "pinned_copy_gbps", lambda gib: {"d2h": 50.0, "h2d": 50.0})
+    for name, fn in (("suspend", suspend), ("resume", resume), ("checkpoint", checkpoint),
+                     ("restore", restore)):
+        monkeypatch.setattr(agent_path.process, name, fn)
+    real_find = agent_path.importlib.util.find_spec
+    monkeypatch.setattr(agent_path.importlib.util, "find_spec",
+                        lambda n, *a: object() if n == "jax" else real_find(n, *a))
+    out = tmp_path / "agent_path.json"
+    monkeypatch.setattr(sys, "argv", [
+        "agent_path.py", "--sizes", "16", "64", "--shm-root", str(shm), "--disk-root", str(disk),
+        "--where", "fit", "--pause", "--driver-max-gib", "16", "--no-driver-checkpoints",
+        "--jax-gib", "2", "--cache-gib", "0", "--overhead-reps", "0",
+        "--agent-dir", str(tmp_path / "agents"), "--out", str(out)])
+    assert agent_path.main() == 0, capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["pinned_copy_gb_per_s"] == {"d2h": 50.0, "h2d": 50.0} and not doc["errors"]
+    r16, r64 = doc["runs"]
+    assert set(k for k in r16["agent"] if k.startswith(("pause_", "checkpoint_"))) == \
+        {"pause_disk", "checkpoint_disk"}
+    assert "checkpoint_wall_s" in r16["agent"]["checkpoint_disk"]
+    assert set(r16["driver"]) >= {"suspend", "resume", "bit_exact"}
+    assert not any(k.startswith("checkpoint_") for k in r16["driver"])
+    assert r16["bounds"]["suspend"]["speedup"] is not None and r16["agent"]["bit_exact"]
+    assert r16["bounds"]["pause_disk"]["target_s"] == pytest.approx(
+        1.5 * 16 * (1 << 30) / 50e9 + 1)
+    assert "needs" in r64["agent"]["checkpoint_disk"]["skipped"]       # 69 GB > the disk
+    assert "checkpoint_wall_s" in r64["agent"]["checkpoint_shm"] and "pause_shm" in r64["agent"]
+    assert r64["driver"] == {"skipped": "above --driver-max-gib 16"}
+    assert "speedup" not in r64["bounds"]["suspend"]
+    jax = doc["jax"]["agent"]
+    assert jax["bit_exact"] and "checkpoint_wall_s" in jax["checkpoint_disk"]  # 3 GB moved
+    assert doc["jax"]["bounds"]["suspend"]["moved_bytes"] == 3e9
+    text = capsys.readouterr().out
+    assert "pause_shm: paused 0.50 s" in text and "jax suspend" in text
+    assert list(disk.iterdir()) == [] and list(shm.iterdir()) == []
