@@ -262,3 +262,104 @@ def test_agent_path_runs_every_operation_of_issue_20s_command(torpor_env, tmp_pa
     text = capsys.readouterr().out
     assert "pause_shm: paused 0.50 s" in text and "jax suspend" in text
     assert list(disk.iterdir()) == [] and list(shm.iterdir()) == []
+
+
+# -- upstream_path.py's run, start to end, with podman and the GPU played by doubles ----------
+class FakePodman:
+    """Podman's face: a checkpoint writes an archive whose size stands for the GPU memory the
+    leg keeps (upstream and the driver path: live + cached; the agent: live only)."""
+    made: list = []
+
+    def __init__(self, runtime, timeout=0):
+        self.runtime, self.alive = runtime, set()
+        FakePodman.made.append(self)
+
+    def ensure_image(self):
+        return "img"
+
+    def rm(self, name):
+        self.alive.discard(name)
+
+    def inspect(self, name, fmt):
+        return f"{name}-id"
+
+    def pid(self, name):
+        return os.getpid()
+
+    def checkpoint(self, name, export, compress, timeout=0):
+        c = FakeContainer.started[name]
+        cached = c.extra[1] if c.extra else "0"
+        keeps = c.gib + (float(cached) if c.annotations.get("org.torpor.agent") == "off"
+                         or self.runtime == "runc" else 0)
+        with open(export, "wb") as f:
+            f.truncate(int(keeps * (1 << 20)))      # MiB standing for GiB
+        if self.runtime == "runc":
+            upstream_path.CALL_LOG.write_text("lock 1 0\ncheckpoint 1 0\n")
+
+    def restore(self, import_, timeout=0):
+        assert import_.exists()
+
+
+class FakeContainer:
+    started: dict = {}
+
+    def __init__(self, podman, name, work, gib, seed=0, annotations=None, extra=()):
+        self.name, self.gib, self.annotations, self.extra = name, gib, annotations or {}, extra
+        self.steps = Path(work) / f"{name}.steps"
+        self.n = 0
+        FakeContainer.started[name] = self
+
+    def start(self):
+        pass
+
+    def wait_ready(self, timeout=0):
+        pass
+
+    def status(self):
+        return {"reserved": 1, "allocated": 1}
+
+    def step(self):
+        return self.n
+
+    def wait_step(self, above, timeout=0):
+        self.n = above + 1
+        self.steps.write_text("".join(f"{i} 0x1.0p+0 {i:016x}\n" for i in range(self.n + 1)))
+        return self.n
+
+
+def test_upstream_path_runs_the_16_gib_rows_and_the_cache_row(torpor_env, tmp_path,
+                                                              monkeypatch, capsys):
+    """`--sizes 16 --cache-gib 4` through upstream_path.main with doubles for podman and the
+    container: the disk is measured first, the 16 GiB row has all four legs, the cache row
+    upstream, agent and store, each leg with its disk bound; the cache row's archive ratio is
+    what the legs kept; nothing stays in the workdir."""
+    import contextlib
+    import sys
+    work = tmp_path / "work"
+    monkeypatch.setattr(upstream_path, "Podman", FakePodman)
+    monkeypatch.setattr(upstream_path, "TorchContainer", FakeContainer)
+    monkeypatch.setattr(upstream_path, "upstream_plugin",
+                        lambda *a: contextlib.nullcontext())
+    monkeypatch.setattr(upstream_path, "CALL_LOG", tmp_path / "calls.log")
+    monkeypatch.setattr(upstream_path.archive, "manifest_from_archive",
+                        lambda p: {"agent": {"1": {}}, "sizes": {"gpu_memory": 1},
+                                   "timings": {"dump": 0.1}})
+    out = tmp_path / "u.json"
+    monkeypatch.setattr(sys, "argv", [
+        "upstream_path.py", "--sizes", "16", "--cache-gib", "4", "--disk-probe-gib", "0.0625",
+        "--workdir", str(work), "--out", str(out)])
+    assert upstream_path.main() == 0, capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["disk"]["write"] > 0 and doc["disk"]["read"] > 0
+    big, cache = doc["rows"]
+    assert list(big["legs"]) == ["upstream", "driver", "agent", "store"]
+    assert (cache["gib"], cache["cache_gib"], list(cache["legs"])) == \
+        (4, 4, ["upstream", "agent", "store"])
+    for row in (big, cache):
+        for v in row["legs"].values():
+            assert v["bit_exact"] and v["disk_bound_s"] > 0 and v["over_disk_bound"] > 0, v
+    assert big["legs"]["upstream"]["plugin_ran"] is True
+    assert cache["ratios_vs_upstream"]["agent"]["archive_ratio"] == pytest.approx(0.5)
+    assert cache["legs"]["store"]["store_cleanup"]["snapshots_removed"] == []
+    assert "agent: archive 0.50 of upstream's (issue 20: <= 0.5: ok)" in doc["table"]
+    assert [p.name for p in work.iterdir() if p.suffix == ".tar"] == []
