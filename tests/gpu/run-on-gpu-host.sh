@@ -17,8 +17,8 @@
 # which XLA feature keeps a JAX program from the driver path (bench/jax_driver_path.py);
 # UPSTREAM_BENCH_SIZES="4 16" podman + runc + CRIU's cuda plugin + the cuda-checkpoint stand-in
 # against torpor's driver, agent and store legs (bench/upstream_path.py; the plugin from
-# .device/upstream/cuda_plugin.so, UPSTREAM_BENCH_ARGS for more, e.g. --zstd-sizes, or alone:
-# --cache-gib 4 with no sizes); TESTS=0 skips the tests.
+# .device/upstream/cuda_plugin.so, UPSTREAM_BENCH_ARGS for more, e.g. --zstd-sizes); TESTS=0
+# skips the tests.
 set -uo pipefail
 cd "$(dirname "$(readlink -f "$0")")/../.."
 OUT="${OUT:-/tmp/torpor-out}"; mkdir -p "$OUT"
