@@ -76,8 +76,9 @@ class TorchContainer(TorchStatus):
 
     def __init__(self, podman: Podman, name: str, workdir: Path, gib: float, seed: int = 1234,
                  max_steps: int = 0, annotations: dict[str, str] | None = None,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, extra: tuple[str, ...] = ()):
         self.podman, self.name, self.workdir = podman, name, Path(workdir)
+        self.extra = tuple(extra)   # more of torch_program.py's arguments (e.g. --cache-gib)
         self.gib, self.seed, self.max_steps = gib, seed, max_steps
         self.annotations = annotations or {}
         self.env = env or {}    # more of the program's environment
@@ -89,7 +90,7 @@ class TorchContainer(TorchStatus):
         self.workdir.mkdir(parents=True, exist_ok=True)
         argv = [sys.executable, str(TORCH_PROGRAM), "--gib", str(self.gib), "--seed",
                 str(self.seed), "--steps-file", str(self.steps), "--status",
-                str(self.status_path), "--max-steps", str(self.max_steps)]
+                str(self.status_path), "--max-steps", str(self.max_steps), *self.extra]
         shell = " ".join(f"'{a}'" for a in argv) + f" >>'{self.log}' 2>&1"
         # The image has no /etc/passwd: torch asks getpass for a cache directory name.
         env = {"USER": "root", "HOME": str(self.workdir),

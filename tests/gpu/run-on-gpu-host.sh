@@ -87,9 +87,9 @@ if [[ -n "${JAX_BENCH:-}" ]]; then
     python3 bench/jax_driver_path.py --root /var/tmp/torpor-jax --out "$OUT/jax_driver_path.json" \
         2>&1 | tee "$OUT/jax-bench.txt"
 fi
-if [[ -n "${UPSTREAM_BENCH_SIZES:-}" ]]; then
+if [[ -n "${UPSTREAM_BENCH_SIZES:-}${UPSTREAM_BENCH_ARGS:-}" ]]; then   # ARGS alone: e.g. --cache-gib 4
     make -s -C bench/upstream BUILD=/tmp/upstream-build &&
-    python3 bench/upstream_path.py --sizes $UPSTREAM_BENCH_SIZES --plugin-dir .device/upstream \
+    python3 bench/upstream_path.py --sizes ${UPSTREAM_BENCH_SIZES:-} --plugin-dir .device/upstream \
         --standin /tmp/upstream-build/cuda-checkpoint --runc /opt/podman-bundle/bin/runc \
         --workdir /var/tmp/torpor-ubench ${UPSTREAM_BENCH_ARGS:-} \
         --out "$OUT/upstream_path.json" 2>&1 | tee "$OUT/upstream-bench.txt"
