@@ -260,3 +260,36 @@ def test_a_tampered_manifest_refuses_the_restore_before_anything_starts(criu, gp
     assert r.returncode != 0
     assert "nothing was restored" in Criu.log(images, "restore")
     assert not alive(prog.pid)
+
+
+def test_a_program_under_the_agent_moves_its_gpu_memory_through_the_images(base, gpu,
+                                                                           plugin_dir, reaper):
+    """The agent's path: torpord has the program's agent write its GPU memory into
+    <images>/torpor-gpu/<pid>/ before the lock, the archive carries it, and after the
+    restore the (restored) agent reads every byte back."""
+    from tests.integration.test_agent_cli import Program
+    program = Program(gpu, base)
+    reaper.append(program.pid)
+    d = Daemon(base, gpu)
+    d.env["TORPOR_AGENT_DIR"] = str(program.agents)
+    d.start()
+    try:
+        criu = Criu(base, d, plugin_dir)
+        images = base / "images"
+        r = criu.run("dump", images, "-t", str(program.pid))
+        assert r.returncode == 0, Criu.log(images, "dump")[-3000:]
+        program.proc.wait(timeout=10)
+        assert program.log() == ["agent status", "agent prepare", "agent detach"]
+        entry = json.loads((images / "torpor-criu.json").read_text())["agents"][str(program.pid)]
+        assert entry["bytes"] == 5 << 20 and entry["nspid"] == program.pid
+        files = sorted((images / "torpor-gpu" / str(program.pid)).iterdir())
+        assert [f.stat().st_size for f in files] == entry["files"]
+        wait_for(lambda: _no_open_ops(d), what="the dump's operation to end")
+        r = criu.run("restore", images, "-d")
+        assert r.returncode == 0, Criu.log(images, "restore")[-3000:]
+        assert program.log() == ["agent status", "agent resume"]
+        st = program.status()
+        assert st["state"] == "running" and st["gate"] == "open" and st["intact"] is True
+        assert gpu.state(program.pid)["state"] == RUNNING
+    finally:
+        d.stop()
