@@ -293,3 +293,49 @@ def test_a_program_under_the_agent_moves_its_gpu_memory_through_the_images(base,
         assert gpu.state(program.pid)["state"] == RUNNING
     finally:
         d.stop()
+
+
+def test_stock_runc_under_podman_checkpoints_and_restores_a_fake_gpu_container(
+        criu, gpu, base, podman_image):
+    """No torpor-runtime: podman with stock runc, whose CRIU loads the plugin. podman hands the
+    runtime none of its environment, so podman's runtime is a two-line wrapper that sets what a
+    node has by default (the plugin in CRIU's /usr/lib/criu: CRIU_LIBS_DIR here; torpord's
+    socket and the helper: this test's) and execs /usr/sbin/runc: runc hands it to CRIU. The
+    export carries torpor-criu.json; the restored container runs on, on the same GPU."""
+    if shutil.which("podman") is None or shutil.which("runc") is None:
+        pytest.skip("needs podman and runc")
+    from integration.containers import Podman
+    from tests.integration.test_containers_gpu import DRIVER_PATH, Workload, fake_nodes
+    env = {k: v for k, v in criu.env.items()
+           if k.startswith(("TORPOR_", "FAKE_CUDA")) or k in ("PYTHONPATH", "LD_LIBRARY_PATH")}
+    env["CRIU_LIBS_DIR"] = str(criu.plugin_dir)
+    runc = base / "runc-with-node-env"
+    runc.write_text("#!/bin/sh\n" + "".join(f"export {k}='{v}'\n" for k, v in env.items())
+                    + f'exec {shutil.which("runc")} "$@"\n')
+    runc.chmod(0o755)
+    podman = Podman(str(runc))
+    name = f"tcp-{base.name[-6:].lower()}"
+    nodes = fake_nodes(base)
+    w = Workload(gpu, "w")
+    podman.run(name, w.argv, mounts=w.mounts,
+               env={**w.env, "NVIDIA_VISIBLE_DEVICES": gpu.uuid(0)},
+               devices=[f"{nodes[0]}:/dev/nvidia0", f"{nodes[255]}:/dev/nvidiactl"],
+               annotations=DRIVER_PATH)
+    try:
+        w.wait_ticking()
+        archive = base / "ck.tar"
+        podman.checkpoint(name, export=archive, compress="none")
+        assert criu.helper_runs() == ["lock"]
+        assert w.entry()["state"] == CHECKPOINTED
+        import tarfile
+        with tarfile.open(archive) as tf:
+            assert "checkpoint/torpor-criu.json" in tf.getnames()
+        tick = w.tick()
+        podman.rm(name)
+        wait_for(lambda: _no_open_ops(criu.daemon), what="the dump's operation to end")
+        podman.restore(import_=archive)
+        assert criu.helper_runs() == ["lock", "check", "restore"]
+        w.wait_ticking(tick + 2)
+        assert w.entry()["state"] == RUNNING and w.entry()["gpu"] == gpu.uuid(0)
+    finally:
+        podman.rm(name)
