@@ -19,8 +19,9 @@ helper ends the operation (Finish: the dumped tasks are gone, --leave-running on
 Rollback: RUNNING again). Should the helper die, torpord rolls back (owner gone, no ptrace). The GPU manifest (MANIFEST, 0600)
 and the agents' data (DATA_DIR) go into CRIU's images directory, so the archive an engine packs
 from it carries them. restore reads that manifest back (untrusted: every field checked) and has
-torpord restore and unlock the restored PIDs, onto the GPUs of $TORPOR_GPU_MAP (OLD=NEW,...)
-when given, else the same GPUs.
+torpord restore and unlock the restored PIDs, on the GPUs placement.plan picks (the explicit
+$TORPOR_GPU_MAP OLD=NEW,... first, else the same GPU where it fits, else another of its model);
+check refuses (PREFLIGHT) before CRIU restores anything when no GPU here fits.
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from . import config, procs
+from . import config, gpus, placement, procs
 from .errors import BusyError, CorruptCheckpointError as CorruptError, TorporError, UsageError
 from .files import write_json
-from .flows.container import AgentMove
+from .flows.container import AgentMove, CudaProcess
+from .gpus import Inventory
 from .placement import parse_device_map
 from .sidecar.client import Client
 
@@ -84,9 +86,7 @@ def lock(pid: int, images: Path) -> tuple[str, str]:
         try:
             write_json(images / MANIFEST, {
                 "format": FORMAT, "version": VERSION, "op_id": ck.op_id, "root_pid": pid,
-                "pids": list(ck.pids),
-                "cuda": [{"pid": p.pid, "gpu_uuids": list(p.gpu_uuids)}
-                         for p in ck.cuda_processes],
+                "pids": list(ck.pids), **gpu_entries(ck.cuda_processes, _inventory()),
                 "agents": {str(a.pid): a.to_manifest() for a in ck.agents}})
         except BaseException:
             c.rollback(ck.op_id)
@@ -119,6 +119,43 @@ def _detach_stdio() -> None:
     os.close(null)
 
 
+def _inventory() -> Inventory | None:
+    try:
+        return gpus.discover()
+    except TorporError:
+        return None
+
+
+def gpu_entries(cuda: Sequence[CudaProcess], inv: Inventory | None) -> dict[str, Any]:
+    """The manifest's "gpus" (uuid, name: "" where NVML is missing) and "processes" (pid, its
+    GPUs and memory on each), as torpor.json spells them: placement.plan reads them."""
+    used = sorted({u for p in cuda for u in p.gpu_uuids})
+    names = {u: (g.name if inv and (g := inv.by_uuid(u)) else "") for u in used}
+    return {"gpus": [{"uuid": u, "name": names[u]} for u in used],
+            "processes": [{"pid": p.pid, "gpus": list(p.gpu_uuids),
+                           "gpu_memory": p.gpu_memory,
+                           "gpu_memory_by_gpu": dict(p.gpu_memory_by_gpu)} for p in cuda]}
+
+
+def _check_gpus(m: dict[str, Any]) -> None:
+    gpus_, procs_ = m.get("gpus"), m.get("processes")
+    if not isinstance(gpus_, list) or not isinstance(procs_, list):
+        raise ValueError("no 'gpus' or 'processes' list")
+    for g in gpus_:
+        if not (isinstance(g, dict) and isinstance(g.get("uuid"), str)
+                and isinstance(g.get("name"), str)):
+            raise ValueError("bad 'gpus' entry")
+    known = {g["uuid"] for g in gpus_}
+    for p in procs_:
+        if not (isinstance(p, dict) and isinstance(p.get("pid"), int)
+                and isinstance(p.get("gpus"), list) and set(p["gpus"]) <= known
+                and isinstance(p.get("gpu_memory"), int) and p["gpu_memory"] >= 0
+                and isinstance(p.get("gpu_memory_by_gpu"), dict)
+                and all(k in known and isinstance(v, int) and v >= 0
+                        for k, v in p["gpu_memory_by_gpu"].items())):
+            raise ValueError("bad 'processes' entry")
+
+
 def read_manifest(images: Path) -> dict[str, Any]:
     """The plugin's manifest, checked; CorruptError for anything else."""
     path = images / MANIFEST
@@ -134,12 +171,9 @@ def read_manifest(images: Path) -> dict[str, Any]:
         m = json.loads(raw)
         if m.get("format") != FORMAT or m.get("version") != VERSION:
             raise ValueError(f"not a {FORMAT} version {VERSION} manifest")
-        if not isinstance(m.get("cuda"), list) or not isinstance(m.get("agents"), dict):
-            raise ValueError("no 'cuda' list or 'agents' map")
-        for p in m["cuda"]:
-            if not isinstance(p.get("pid"), int) or not all(
-                    isinstance(u, str) for u in p.get("gpu_uuids", [])):
-                raise ValueError("bad 'cuda' entry")
+        if not isinstance(m.get("op_id"), str) or not isinstance(m.get("agents"), dict):
+            raise ValueError("no 'op_id' or 'agents' map")
+        _check_gpus(m)
         agents = [AgentMove.of(int(k), v) for k, v in m["agents"].items()]
         if any(a.pid <= 0 or a.nspid <= 0 or any(n < 0 for n in a.files) for a in agents):
             raise ValueError("bad 'agents' entry")
@@ -149,16 +183,22 @@ def read_manifest(images: Path) -> dict[str, Any]:
     return m
 
 
-def _gpu_map() -> dict[str, str]:
-    return parse_device_map([os.environ.get("TORPOR_GPU_MAP", "")])
+def gpu_map(m: dict[str, Any], inv: Inventory | None) -> dict[str, str]:
+    """Where the checkpoint's GPUs go: placement.plan's rules (an explicit $TORPOR_GPU_MAP
+    OLD=NEW,... first, else the same GPU where it fits, else another of its model with room);
+    PreflightError when none fits. Without NVML (here or at the dump) only the explicit map."""
+    explicit = parse_device_map([os.environ.get("TORPOR_GPU_MAP", "")])
+    if inv is None or any(not g["name"] for g in m["gpus"]):
+        return explicit
+    return placement.driver_map(placement.plan(m, inv, explicit), explicit)
 
 
 def check(images: Path, wait_s: float = 60.0) -> str:
-    """The restore's init: the manifest reads, the map parses, torpord answers, and the dump's
+    """The restore's init: the manifest reads, the GPUs fit (gpu_map), torpord answers, the dump's
     operation is over (its helper ends it just after that CRIU exited: a restore right after
     must not race it)."""
     m = read_manifest(images)
-    _gpu_map()
+    gpu_map(m, _inventory())
     deadline = time.monotonic() + wait_s
     with _client() as c:
         while any(o.op_id == m.get("op_id") for o in c.list(timeout=10).operations):
@@ -176,7 +216,8 @@ def restore(images: Path, pids: Sequence[int]) -> str:
         kw: dict[str, Any] = {}
         if m["agents"]:
             kw = {"gpu_data_dir": images / DATA_DIR, "agents": m["agents"]}
-        c.restore_and_unlock(pids=pids, gpu_map=_gpu_map(), descendants=False, **kw)
+        c.restore_and_unlock(pids=pids, gpu_map=gpu_map(m, _inventory()), descendants=False,
+                             **kw)
     return "ok"
 
 

@@ -107,7 +107,7 @@ def _no_open_ops(daemon: Daemon) -> bool:
 
 
 def _dump_restore(criu: Criu, gpu: FakeGpu, images: Path, reaper: list[int],
-                  env: dict | None = None):
+                  env: dict | None = None, before_restore=lambda: None):
     prog = gpu.spawn(gpu_index=0, mem=64 << 20)
     r = criu.run("dump", images, "-t", str(prog.pid))
     assert r.returncode == 0, Criu.log(images, "dump")[-3000:]
@@ -116,10 +116,12 @@ def _dump_restore(criu: Criu, gpu: FakeGpu, images: Path, reaper: list[int],
     assert "locked and checkpointed by torpord" in dump_log
     m = json.loads((images / "torpor-criu.json").read_text())
     assert stat.S_IMODE((images / "torpor-criu.json").stat().st_mode) == 0o600
-    assert [p["pid"] for p in m["cuda"]] == [prog.pid]
+    assert [p["pid"] for p in m["processes"]] == [prog.pid]
+    assert m["gpus"] == [{"uuid": gpu.uuid(0), "name": gpu.gpus[0][1]}]  # placement reads it
     assert gpu.state(prog.pid)["state"] == CHECKPOINTED   # in host memory: in the image
     # the helper ends the operation (Finish) once that CRIU has exited
     wait_for(lambda: _no_open_ops(criu.daemon), what="the dump's operation to end")
+    before_restore()
     r = criu.run("restore", images, "-d", env=env)
     reaper.append(prog.pid)
     assert r.returncode == 0, Criu.log(images, "restore")[-3000:]
@@ -141,6 +143,33 @@ def test_restore_onto_another_gpu_with_torpor_gpu_map(criu, gpu, base, reaper):
     env = {"TORPOR_GPU_MAP": f"{gpu.uuid(0)}={gpu.uuid(1)}"}
     prog = _dump_restore(criu, gpu, base / "images", reaper, env=env)
     assert gpu.state(prog.pid)["gpu"] == gpu.uuid(1)
+
+
+def test_restore_on_a_host_without_the_gpu_places_it_on_another_of_its_model(criu, gpu, base,
+                                                                            reaper):
+    """torpor's placement rules (placement.plan) at the restore's init: GPU 0 is gone (another
+    host), the program goes to another GPU of the same model."""
+    gone = gpu.uuid(0)
+    prog = _dump_restore(criu, gpu, base / "images", reaper,
+                         before_restore=lambda: gpu.set_gpus(gpu.gpus[1:]))
+    assert gpu.state(prog.pid)["gpu"] in [u for u, _, _ in gpu.gpus]
+    assert gone not in [u for u, _, _ in gpu.gpus] and gpu.state(prog.pid)["gpu"] != gone
+
+
+def test_restore_where_no_gpu_fits_is_refused_before_anything_starts(criu, gpu, base):
+    prog = gpu.spawn(gpu_index=0, mem=64 << 20)
+    images = base / "images"
+    r = criu.run("dump", images, "-t", str(prog.pid))
+    assert r.returncode == 0, Criu.log(images, "dump")[-3000:]
+    prog.proc.wait(timeout=10)
+    wait_for(lambda: _no_open_ops(criu.daemon), what="the dump's operation to end")
+    gpu.set_gpus([(u, "NVIDIA A100", total) for u, _, total in gpu.gpus])  # another model
+    r = criu.run("restore", images, "-d")
+    assert r.returncode != 0
+    log = Criu.log(images, "restore")
+    assert "nothing was restored" in log and "A100" in log
+    assert not alive(prog.pid)
+    assert criu.helper_runs() == ["lock", "check"]
 
 
 def test_leave_running_dump_resumes_the_gpu_program(criu, gpu, base, reaper):
