@@ -244,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--images", required=True)
     p = sub.add_parser("restore")
     p.add_argument("--images", required=True)
-    p.add_argument("--pids", type=_pids, required=True)
+    p.add_argument("--pids", required=True)
     args = ap.parse_args(argv)
     try:
         images = _images(args.images)
@@ -262,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.cmd == "check":
             res = check(images)
         else:
-            res = restore(images, args.pids)
+            res = restore(images, _pids(args.pids))
     except TorporError as e:
         print(f"torpor-criu-helper: {e.line()}", file=sys.stderr)
         return e.exit_code
