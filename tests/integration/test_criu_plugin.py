@@ -368,3 +368,32 @@ def test_stock_runc_under_podman_checkpoints_and_restores_a_fake_gpu_container(
         assert w.entry()["state"] == RUNNING and w.entry()["gpu"] == gpu.uuid(0)
     finally:
         podman.rm(name)
+
+
+def test_the_install_option_puts_a_plugin_criu_loads_into_the_plugin_dir(base, criu, gpu,
+                                                                        reaper):
+    """packaging/criu-plugin/install.sh (./install.sh with TORPOR_INSTALL_CRIU_PLUGIN=1) into
+    a scratch plugin directory: the plugin there is the one the dump loads; --uninstall
+    removes it."""
+    target = base / "criu-lib"
+    env = {**os.environ, "TORPOR_CRIU_PLUGIN_DIR": str(target),
+           "TORPOR_CRIU_HELPER": str(criu.helper), "TORPOR_INCLUDE_DIR": str(base / "include")}
+    script = ROOT / "packaging" / "criu-plugin" / "install.sh"
+    r = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert (base / "include" / "criu" / "criu-plugin.h").exists()
+    assert [p.name for p in target.iterdir()] == ["torpor_criu_plugin.so"]
+    criu.plugin_dir = target
+    prog = gpu.spawn(gpu_index=0, mem=64 << 20)
+    reaper.append(prog.pid)
+    images = base / "images"
+    # no TORPOR_CRIU_HELPER: the helper path built into the plugin
+    r = criu.run("dump", images, "-t", str(prog.pid), "-R", env={"TORPOR_CRIU_HELPER": ""})
+    assert r.returncode == 0, Criu.log(images, "dump")[-3000:]
+    assert "locked and checkpointed by torpord" in Criu.log(images, "dump")
+    assert criu.helper_runs() == ["lock"]
+    wait_for(lambda: gpu.state(prog.pid)["state"] == RUNNING, what="RUNNING again")
+    r = subprocess.run(["bash", str(script), "--uninstall"], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and not any(target.iterdir()), r.stderr
