@@ -397,3 +397,40 @@ def test_the_install_option_puts_a_plugin_criu_loads_into_the_plugin_dir(base, c
     r = subprocess.run(["bash", str(script), "--uninstall"], env=env, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0 and not any(target.iterdir()), r.stderr
+
+
+def test_torpor_runtime_with_the_plugin_present_locks_once(criu, gpu, base, podman_image):
+    """torpor-runtime's own checkpoint with the plugin in CRIU's plugin directory: torpord's
+    LockAndCheckpoint is open while runc's CRIU runs, so the plugin stays out (the runtime's
+    TORPOR_CRIU_PLUGIN=off, or, with a torpor-runtime older than it, the helper finding the
+    program in torpord's open operation): the driver sees one lock. Its restore has no
+    torpor-criu.json: the plugin stays out of that too."""
+    if shutil.which("podman") is None:
+        pytest.skip("needs podman")
+    from integration.containers import Podman
+    from tests.integration.test_containers_gpu import Shim, _podman_workload
+    shim = Shim(base, criu.daemon, gpu)
+    shim.write(CRIU_LIBS_DIR=str(criu.plugin_dir), TORPOR_CRIU_HELPER=str(criu.helper))
+    podman = Podman(str(shim.path))
+    name = f"tcp-rt-{base.name[-6:].lower()}"
+    w = _podman_workload(podman, gpu, base, name)
+    try:
+        w.wait_ticking()
+        pid = w.host_pid()
+        archive = base / "ck.tar"
+        podman._p("container", "checkpoint", "--keep", "--export", str(archive),
+                  "--compress", "none", name)           # --keep: CRIU's dump.log stays
+        assert _lock_calls(gpu, pid) == ["lock", "checkpoint"]
+        dump_log = (podman.bundle(name) / "dump.log").read_text(errors="replace")
+        if criu.helper_runs():      # a torpor-runtime without the marker: the helper skipped
+            assert criu.helper_runs() == ["lock"] and "left alone: skip" in dump_log
+        else:
+            assert "TORPOR_CRIU_PLUGIN=off" in dump_log
+        tick = w.tick()
+        podman.rm(name)
+        podman.restore(import_=archive)
+        w.wait_ticking(tick + 2)
+        assert w.entry()["state"] == RUNNING
+        assert criu.helper_runs() in ([], ["lock"])
+    finally:
+        podman.rm(name)
