@@ -32,8 +32,9 @@
  * holds or whose CUDA processes are not RUNNING (never locked twice); trees that map no
  * libcuda never reach the helper; pre-dump is ignored.
  *
- * Hooks return 0 when done or not ours, a negative value to fail the dump. Only the dump's
- * PAUSE_DEVICES and the restore's init can fail CRIU; both run before the program is touched.
+ * Hooks answer -ENOTSUP for what is not ours (CRIU then asks the next plugin), 0 for a tree
+ * we locked, a negative errno to fail the dump. Only the dump's PAUSE_DEVICES and the
+ * restore's init can fail CRIU; both run before the program is touched.
  */
 #include <dirent.h>
 #include <errno.h>
@@ -64,6 +65,15 @@ extern void print_on_level(unsigned int loglevel, const char *format, ...)
 #define LOG_WARN  2
 #define LOG_INFO  3
 #define LOG_DEBUG 4
+/*
+ * CRIU >= 4.1's record of the plugins a dump used (criu/image.c, exported like the logger but
+ * not in criu-plugin.h; weak: NULL on a CRIU without them). A dump that locked adds us: CRIU
+ * then refuses to restore it where this plugin is missing, and disables the other plugins
+ * that did not act (CRIU's cuda_plugin) at its restore; the restore must take us off the list.
+ */
+extern int add_inventory_plugin(const char *name) __attribute__((weak));
+extern bool check_and_remove_inventory_plugin(const char *name, size_t n) __attribute__((weak));
+
 #define pr_err(fmt, ...)  print_on_level(LOG_ERROR, "torpor_plugin: " fmt, ##__VA_ARGS__)
 #define pr_warn(fmt, ...) print_on_level(LOG_WARN, "torpor_plugin: " fmt, ##__VA_ARGS__)
 #define pr_info(fmt, ...) print_on_level(LOG_INFO, "torpor_plugin: " fmt, ##__VA_ARGS__)
@@ -290,7 +300,10 @@ int torpor_plugin_init(int stage)
 	}
 	if (stage == CR_PLUGIN_STAGE__RESTORE) {
 		snprintf(path, sizeof(path), "%s/%s", images, MANIFEST);
-		if (lstat(path, &st)) {
+		/* ours: the dump listed us (true too for images without a list), and the manifest */
+		if ((check_and_remove_inventory_plugin &&
+		     !check_and_remove_inventory_plugin(CR_PLUGIN_DESC.name, strlen(CR_PLUGIN_DESC.name))) ||
+		    lstat(path, &st)) {
 			disabled = true; /* not a torpor plugin checkpoint */
 			return 0;
 		}
@@ -316,11 +329,11 @@ int torpor_plugin_pause_devices(int pid)
 	if (disabled || stage_now != CR_PLUGIN_STAGE__DUMP)
 		return -ENOTSUP;
 	if (paused)
-		return 0; /* the root's call covered its whole tree */
+		return op_id[0] ? 0 : -ENOTSUP; /* the root's call covered its whole tree */
 	paused = true;
 	if (!maps_libcuda(pid, 0)) {
 		pr_info("no process of tree %d maps libcuda: nothing to do\n", pid);
-		return 0;
+		return -ENOTSUP; /* the next plugin's turn (run_plugins stops at the first answer) */
 	}
 	snprintf(pidbuf, sizeof(pidbuf), "%d", pid);
 	snprintf(criubuf, sizeof(criubuf), "%d", (int)getpid());
@@ -343,18 +356,22 @@ int torpor_plugin_pause_devices(int pid)
 		       "dump refused, the program keeps running\n", pid, rc);
 		return -1;
 	}
-	if (strncmp(res, "locked ", 7) == 0) {
-		snprintf(op_id, sizeof(op_id), "%s", res + 7);
-		pr_info("tree %d locked and checkpointed by torpord (operation %s)\n", pid, op_id);
-	} else {
+	if (strncmp(res, "locked ", 7) != 0) {
 		pr_info("tree %d left alone: %s\n", pid, res);
+		return -ENOTSUP;
+	}
+	snprintf(op_id, sizeof(op_id), "%s", res + 7);
+	pr_info("tree %d locked and checkpointed by torpord (operation %s)\n", pid, op_id);
+	if (add_inventory_plugin && add_inventory_plugin(CR_PLUGIN_DESC.name)) {
+		pr_err("cannot record the plugin in the inventory: dump refused\n");
+		return -1; /* fini says failed: the helper rolls back once CRIU has exited */
 	}
 	return 0;
 }
 
 int torpor_plugin_checkpoint_devices(int pid)
 {
-	if (disabled || stage_now != CR_PLUGIN_STAGE__DUMP)
+	if (disabled || stage_now != CR_PLUGIN_STAGE__DUMP || !op_id[0])
 		return -ENOTSUP;
 	return 0; /* the GPU state went to host memory at PAUSE_DEVICES, before CRIU stopped it */
 }
@@ -373,7 +390,9 @@ int torpor_plugin_resume_devices_late(int pid)
 		cap_restored = cap;
 	}
 	restored[n_restored++] = pid;
-	return 0; /* the driver's restore runs once CRIU lets the tasks go: fini */
+	/* the driver's restore runs once CRIU lets the tasks go (fini); CRIU ignores this
+	 * hook's errors, and other plugins may want the call too */
+	return -ENOTSUP;
 }
 
 static void kill_restored(void)

@@ -172,6 +172,23 @@ def test_restore_where_no_gpu_fits_is_refused_before_anything_starts(criu, gpu, 
     assert criu.helper_runs() == ["lock", "check"]
 
 
+def test_a_node_without_the_plugin_refuses_the_restore_before_anything_starts(criu, gpu, base):
+    """The dump lists the plugin in CRIU's inventory (as CRIU's own plugins do): a CRIU that
+    does not load it refuses the checkpoint instead of starting a program without its GPU."""
+    prog = gpu.spawn(gpu_index=0, mem=64 << 20)
+    images = base / "images"
+    r = criu.run("dump", images, "-t", str(prog.pid))
+    assert r.returncode == 0, Criu.log(images, "dump")[-3000:]
+    prog.proc.wait(timeout=10)
+    wait_for(lambda: _no_open_ops(criu.daemon), what="the dump's operation to end")
+    criu.plugin_dir = base / "no-plugins"
+    criu.plugin_dir.mkdir()
+    r = criu.run("restore", images, "-d")
+    assert r.returncode != 0
+    assert "torpor_plugin" in Criu.log(images, "restore")
+    assert not alive(prog.pid) and criu.helper_runs() == ["lock"]
+
+
 def test_leave_running_dump_resumes_the_gpu_program(criu, gpu, base, reaper):
     prog = gpu.spawn(gpu_index=0, mem=64 << 20)
     reaper.append(prog.pid)
