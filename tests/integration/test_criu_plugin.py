@@ -451,3 +451,45 @@ def test_torpor_runtime_with_the_plugin_present_locks_once(criu, gpu, base, podm
         assert criu.helper_runs() in ([], ["lock"])
     finally:
         podman.rm(name)
+
+
+def test_a_tree_whose_gpu_program_is_a_child_of_a_plain_shell(criu, gpu, base, reaper):
+    """The root maps no libcuda, its child does: the tree is locked from the root (PAUSE_DEVICES
+    comes for it first), restored with every PID CRIU restored, the shell's among them."""
+    argv, env, _ = gpu.container_workload("tree", 0, 64 << 20, base / "tree.status.json")
+    env = {**os.environ, **gpu.env(), **{k: v for k, v in env.items() if k != "FAKE_CUDA_SCOPE"}}
+    env.pop("FAKE_CUDA_SCOPE", None)
+    shell = subprocess.Popen(["sh", "-c", '"$@" & wait', "sh", *argv], env=env,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    status = base / "tree.status.json"
+
+    def tick() -> int:
+        try:
+            return int(json.loads(status.read_text()).get("tick", -1))
+        except (OSError, ValueError):
+            return -1
+    wait_for(lambda: tick() > 0, 20, "the child ticking")
+    child = int((Path(f"/proc/{shell.pid}/task/{shell.pid}/children").read_text().split())[0])
+    reaper.extend([shell.pid, child])
+    images = base / "images"
+    r = criu.run("dump", images, "-t", str(shell.pid))
+    assert r.returncode == 0, Criu.log(images, "dump")[-3000:]
+    shell.wait(timeout=10)
+
+    def gone(pid: int) -> bool:     # the dumped child, reparented to us if we are a subreaper
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        return not Path(f"/proc/{pid}").exists()
+    wait_for(lambda: gone(child), what="the dumped child gone")
+    assert [p["pid"] for p in json.loads((images / "torpor-criu.json").read_text())
+            ["processes"]] == [child]
+    wait_for(lambda: _no_open_ops(criu.daemon), what="the dump's operation to end")
+    at = tick()
+    r = criu.run("restore", images, "-d")
+    assert r.returncode == 0, Criu.log(images, "restore")[-3000:]
+    assert f"GPU state of PIDs {shell.pid},{child} restored" in Criu.log(images, "restore")
+    wait_for(lambda: tick() > at + 2, what="the restored child ticking")
+    assert gpu.state(child)["state"] == RUNNING
