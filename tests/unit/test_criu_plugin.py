@@ -117,3 +117,31 @@ def test_check_of_a_corrupt_manifest_says_so_and_exits_corrupt(tmp_path: Path, c
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and criu_plugin.MANIFEST in err
     assert os.path.exists(tmp_path / criu_plugin.MANIFEST)
+
+
+class _Exec(Exception):
+    pass
+
+
+def test_torpor_runtime_hands_runc_the_marker_that_keeps_the_plugin_out(
+        monkeypatch: pytest.MonkeyPatch, torpor_env) -> None:
+    """torpor-runtime locks the GPU itself: the CRIU its runc starts (runc hands CRIU its
+    environment) must see TORPOR_CRIU_PLUGIN=off, for every command it passes on."""
+    from torpor.runtime import main as rt_main
+
+    monkeypatch.delenv("TORPOR_CRIU_PLUGIN", raising=False)
+    monkeypatch.setenv("TORPOR_OCI_RUNTIME", "/bin/true")
+    seen: dict[str, str | None] = {}
+
+    def execv(path: str, argv: list[str]) -> None:
+        seen["marker"] = os.environ.get("TORPOR_CRIU_PLUGIN")
+        raise _Exec()
+    monkeypatch.setattr(os, "execv", execv)
+    with pytest.raises(_Exec):
+        rt_main.main(["--root", "/r", "state", "c1"])
+    assert seen == {"marker": "off"}
+
+
+def test_the_clis_criu_environment_carries_the_marker() -> None:
+    from torpor import criu
+    assert criu.CLEAN_ENV["TORPOR_CRIU_PLUGIN"] == "off"
