@@ -147,11 +147,14 @@ static int run_helper_ctl(char *const argv[], char *out, size_t size, int ctl, b
 	}
 	if (pid == 0) {
 		long max = sysconf(_SC_OPEN_MAX), i;
-		int null = open("/dev/null", O_RDONLY);
+		/* above 0-3 first: under an engine CRIU's own 0-2 may be closed, and a pipe end
+		 * there would be clobbered by the dup2()s below */
+		int null = open("/dev/null", O_RDONLY), w = fcntl(fd[1], F_DUPFD, 10),
+		    c = ctl >= 0 ? fcntl(ctl, F_DUPFD, 10) : -1;
 
-		if (null < 0 || dup2(null, 0) < 0 || dup2(fd[1], 1) < 0 || dup2(fd[1], 2) < 0)
+		if (null < 0 || w < 0 || (ctl >= 0 && c < 0))
 			_exit(127);
-		if (ctl >= 0 && dup2(ctl, 3) < 0)
+		if (dup2(null, 0) < 0 || dup2(w, 1) < 0 || dup2(w, 2) < 0 || (c >= 0 && dup2(c, 3) < 0))
 			_exit(127);
 		for (i = ctl >= 0 ? 4 : 3; i < (max > 0 && max < 65536 ? max : 65536); i++)
 			close(i);

@@ -50,8 +50,12 @@ RESULT = "torpor-criu-result:"
 MAX_MANIFEST = 1 << 20
 
 
+CALL_TIMEOUT_S = 900.0   # one torpord call; a lock of a large program moves GBs first. A helper
+                         # killed meanwhile is a dead owner: torpord rolls its operation back
+
+
 def _client() -> Client:
-    return Client(config.load())
+    return Client(config.load(), timeout=CALL_TIMEOUT_S)
 
 
 def _images(path: str) -> Path:
