@@ -41,6 +41,7 @@ from .flows.container import AgentMove, CudaProcess
 from .gpus import Inventory
 from .placement import parse_device_map
 from .sidecar.client import Client
+from .sidecar.convert import ProcessStatus
 
 MANIFEST = "torpor-criu.json"   # in CRIU's images directory (the plugin's MANIFEST)
 DATA_DIR = "torpor-gpu"         # the agents' data files, <images>/torpor-gpu/<pid>/
@@ -65,10 +66,11 @@ def _images(path: str) -> Path:
     return p
 
 
-def held_by_torpor(c: Client, tree: Sequence[int]) -> str | None:
-    """Why torpor already holds this tree, or None: a process in an open torpord operation,
-    or a CUDA process some other torpor locked (its driver state is not RUNNING)."""
-    for p in c.status(pids=tree).processes:
+def held_by_torpor(processes: Sequence[ProcessStatus]) -> str | None:
+    """Why torpor already holds these processes (torpord's Status of them), or None: one in
+    an open torpord operation, or a CUDA process some other torpor locked (its driver state is
+    not RUNNING)."""
+    for p in processes:
         if p.op_id:
             return f"PID {p.pid} is held by torpord operation {p.op_id}"
         if p.cuda and p.state and p.state != "RUNNING":
@@ -80,10 +82,11 @@ def lock(pid: int, images: Path) -> tuple[str, str]:
     """The dump's device phase: (result line's value, the open operation or "")."""
     tree = procs.tree(procs.require(pid))
     with _client() as c:
-        why = held_by_torpor(c, tree)
+        processes = c.status(pids=tree).processes
+        why = held_by_torpor(processes)
         if why:
             return f"skip {why}", ""
-        if not any(p.cuda for p in c.status(pids=tree).processes):
+        if not any(p.cuda for p in processes):
             return "skip no CUDA process in the tree", ""
         ck = c.lock_and_checkpoint([pid], owner_pid=os.getpid(),
                                    gpu_data_dir=images / DATA_DIR)

@@ -145,3 +145,15 @@ def test_torpor_runtime_hands_runc_the_marker_that_keeps_the_plugin_out(
 def test_the_clis_criu_environment_carries_the_marker() -> None:
     from torpor import criu
     assert criu.CLEAN_ENV["TORPOR_CRIU_PLUGIN"] == "off"
+
+
+def test_held_by_torpor_never_twice_and_not_for_a_running_tree() -> None:
+    from torpor.sidecar.convert import ProcessStatus
+    running = ProcessStatus(42, True, True, "RUNNING")
+    plain = ProcessStatus(41, True, False)
+    assert criu_plugin.held_by_torpor([plain, running]) is None
+    assert "operation op-7" in criu_plugin.held_by_torpor(
+        [plain, ProcessStatus(42, True, True, "RUNNING", op_id="op-7")])
+    assert "already CHECKPOINTED" in criu_plugin.held_by_torpor(
+        [plain, ProcessStatus(42, True, True, "CHECKPOINTED")])
+    assert "already LOCKED" in criu_plugin.held_by_torpor([ProcessStatus(42, True, True, "LOCKED")])
