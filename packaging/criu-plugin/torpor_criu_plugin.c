@@ -15,8 +15,10 @@
  *              Finish (dead ones closed, live ones RUNNING again) or Rollback. Should CRIU or
  *              the helper die, EOF means failed, and torpord rolls back an operation whose
  *              owner died as soon as no ptrace holds the processes.
- *   restore  init: an images directory with torpor-criu.json -> helper check (manifest
- *              readable, torpord answers); a failure fails the restore before anything starts
+ *            The dump lists the plugin in CRIU's inventory (CRIU refuses its restore without it).
+ *   restore  init: ours (inventory, torpor-criu.json) -> helper check (manifest readable, a
+ *              GPU fits by torpor's placement rules, torpord answers, the dump's operation
+ *              ended); a failure fails the restore before anything starts
  *            RESUME_DEVICES_LATE: collect the restored host PIDs (the tasks are still stopped)
  *            fini (after CRIU let them go) -> helper restore: RestoreAndUnlock of those PIDs;
  *              should it fail the restored tree is killed: a program left CHECKPOINTED would
