@@ -16,9 +16,9 @@ one without CUDA processes. Otherwise torpord's LockAndCheckpoint, owned by this
 prints its result, lets go of its stdout/stderr and stays: the plugin writes its verdict ("ok"
 after a dump, else "failed"; EOF if CRIU died) to fd 3 at its fini; once CRIU has exited the
 helper ends the operation (Finish: the dumped tasks are gone, --leave-running ones RUNNING again;
-Rollback: RUNNING again). Should the helper die, torpord rolls back (owner gone, no ptrace). The GPU manifest (MANIFEST, 0600)
-and the agents' data (DATA_DIR) go into CRIU's images directory, so the archive an engine packs
-from it carries them. restore reads that manifest back (untrusted: every field checked) and has
+Rollback: RUNNING again). Should the helper die, torpord rolls back (owner gone, no ptrace).
+The GPU manifest (MANIFEST, 0600) and the agents' data (DATA_DIR) go into CRIU's images
+directory, so the archive an engine packs from it carries them. restore reads that manifest back (untrusted: every field checked) and has
 torpord restore and unlock the restored PIDs, on the GPUs placement.plan picks (the explicit
 $TORPOR_GPU_MAP OLD=NEW,... first, else the same GPU where it fits, else another of its model);
 check refuses (PREFLIGHT) before CRIU restores anything when no GPU here fits.
@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from . import config, gpus, placement, procs
-from .errors import BusyError, CorruptCheckpointError as CorruptError, TorporError, UsageError
+from .errors import BusyError, ExitCode, TorporError, UsageError
+from .errors import CorruptCheckpointError as CorruptError
 from .files import write_json
 from .flows.container import AgentMove, CudaProcess
 from .gpus import Inventory
@@ -273,6 +274,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TorporError as e:
         print(f"torpor-criu-helper: {e.line()}", file=sys.stderr)
         return e.exit_code
+    except OSError as e:     # e.g. the manifest could not be written (rolled back first)
+        print(f"torpor-criu-helper: {e}", file=sys.stderr)
+        return ExitCode.ERROR
     print(f"{RESULT} {res}", flush=True)
     return 0
 

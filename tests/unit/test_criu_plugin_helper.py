@@ -157,3 +157,39 @@ def test_held_by_torpor_never_twice_and_not_for_a_running_tree() -> None:
     assert "already CHECKPOINTED" in criu_plugin.held_by_torpor(
         [plain, ProcessStatus(42, True, True, "CHECKPOINTED")])
     assert "already LOCKED" in criu_plugin.held_by_torpor([ProcessStatus(42, True, True, "LOCKED")])
+
+
+def test_a_manifest_that_cannot_be_written_rolls_the_lock_back_in_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """The lock happened, the manifest write failed (a full disk): torpord rolls back, the
+    helper says one line and gives no result, so the plugin refuses the dump."""
+    from torpor.sidecar.convert import Checkpointed, ProcessStatus
+    calls: list[str] = []
+
+    class Fake:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def status(self, pids):
+            return type("S", (), {"processes": (ProcessStatus(os.getpid(), True, True,
+                                                              "RUNNING"),)})()
+
+        def lock_and_checkpoint(self, pids, **kw):
+            calls.append("lock")
+            return Checkpointed("op-9", (os.getpid(),), (), {}, 0.0)
+
+        def rollback(self, op_id, timeout=None):
+            calls.append(f"rollback {op_id}")
+
+    def full(path, obj):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(criu_plugin, "_client", Fake)
+    monkeypatch.setattr(criu_plugin, "write_json", full)
+    rc = criu_plugin.main(["lock", "--pid", str(os.getpid()), "--images", str(tmp_path),
+                           "--criu-pid", "1"])
+    out, err = capsys.readouterr()
+    assert rc == ExitCode.ERROR and calls == ["lock", "rollback op-9"]
+    assert criu_plugin.RESULT not in out and err.count("\n") == 1 and "No space" in err
