@@ -18,8 +18,9 @@ after a dump, else "failed"; EOF if CRIU died) to fd 3 at its fini; once CRIU ha
 helper ends the operation (Finish: the dumped tasks are gone, --leave-running ones RUNNING again;
 Rollback: RUNNING again). Should the helper die, torpord rolls back (owner gone, no ptrace).
 The GPU manifest (MANIFEST, 0600) and the agents' data (DATA_DIR) go into CRIU's images
-directory, so the archive an engine packs from it carries them. restore reads that manifest back (untrusted: every field checked) and has
-torpord restore and unlock the restored PIDs, on the GPUs placement.plan picks (the explicit
+directory, so the archive an engine packs from it carries them. restore reads that manifest
+back (untrusted: every field checked) and has torpord restore and unlock the restored PIDs,
+on the GPUs placement.plan picks (the explicit
 $TORPOR_GPU_MAP OLD=NEW,... first, else the same GPU where it fits, else another of its model);
 check refuses (PREFLIGHT) before CRIU restores anything when no GPU here fits.
 """
