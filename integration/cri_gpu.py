@@ -85,37 +85,31 @@ def gpu_binds(*rw: Path) -> list[tuple[str, str, bool]]:
     return out + [(str(p), str(p), False) for p in rw]
 
 
-def _node(path: str) -> dict:
-    st = os.stat(path)
-    assert stat.S_ISCHR(st.st_mode), f"{path} is not a character device"
-    return {"path": path, "hostPath": path, "type": "c", "major": os.major(st.st_rdev),
+def _node(path: str, host: Path) -> dict:
+    st = os.stat(host)
+    assert stat.S_ISCHR(st.st_mode), f"{host} is not a character device"
+    return {"path": path, "hostPath": str(host), "type": "c", "major": os.major(st.st_rdev),
             "minor": os.minor(st.st_rdev), "permissions": "rw"}
 
 
 def gpu_uuids() -> list[tuple[int, str]]:
-    """(minor number, UUID) of each GPU, from NVML."""
-    import pynvml
-    pynvml.nvmlInit()
-    try:
-        out = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            u = pynvml.nvmlDeviceGetUUID(h)
-            uuid = u.decode() if isinstance(u, bytes) else u
-            out.append((pynvml.nvmlDeviceGetMinorNumber(h), uuid))
-        return out
-    finally:
-        pynvml.nvmlShutdown()
+    """(minor number, UUID) of each GPU, from NVML (torpor's own inventory)."""
+    from torpor import gpus
+    return [(g.minor if g.minor is not None else g.index, g.uuid) for g in gpus.discover().gpus]
 
 
-def write_cdi_spec(directory: Path) -> Path:
-    """The device plugin's CDI spec for this host's GPUs: nvidia.com/gpu=<index>."""
+def write_cdi_spec(directory: Path, gpus: list[tuple[int, str]] | None = None,
+                   dev: Path = Path("/dev")) -> Path:
+    """The device plugin's CDI spec for this host's GPUs (``gpus``: (minor, UUID) each,
+    default :func:`gpu_uuids`; device nodes under ``dev``): nvidia.com/gpu=<index>."""
+    gpus = gpu_uuids() if gpus is None else gpus
     devices = [{"name": str(i), "containerEdits": {
-        "deviceNodes": [_node(f"/dev/nvidia{minor}")],
-        "env": [f"NVIDIA_VISIBLE_DEVICES={uuid}"]}} for i, (minor, uuid) in enumerate(gpu_uuids())]
+        "deviceNodes": [_node(f"/dev/nvidia{minor}", dev / f"nvidia{minor}")],
+        "env": [f"NVIDIA_VISIBLE_DEVICES={uuid}"]}} for i, (minor, uuid) in enumerate(gpus)]
+    control = [_node(p, dev / Path(p).name) for p in CONTROL_NODES
+               if (dev / Path(p).name).exists()]
     spec = {"cdiVersion": "0.6.0", "kind": "nvidia.com/gpu", "devices": devices,
-            "containerEdits": {"deviceNodes": [_node(p) for p in CONTROL_NODES
-                                               if os.path.exists(p)]}}
+            "containerEdits": {"deviceNodes": control}}
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "nvidia.json"
     path.write_text(json.dumps(spec, indent=1))

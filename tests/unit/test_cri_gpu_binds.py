@@ -40,3 +40,28 @@ def test_a_file_mounted_over_is_bound_as_that_file(tmp_path):
     lib.write_text("")
     got = cover(str(usr), {str(lib)})
     assert str(lib) in got and str(usr / "lib") not in got and str(usr / "bin") in got
+
+
+def test_the_cdi_spec_names_each_gpu_and_the_driver_nodes_as_the_host_has_them(tmp_path):
+    """nvidia.com/gpu=<index>: the GPU's node by its minor (not its index) with the host's
+    major/minor, NVIDIA_VISIBLE_DEVICES its UUID; the control nodes the host has, for all."""
+    import json
+    import os
+    import stat
+
+    from integration.cri_gpu import write_cdi_spec
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    for name, minor in (("nvidia3", 3), ("nvidiactl", 255)):
+        os.mknod(dev / name, stat.S_IFCHR | 0o600, os.makedev(195, minor))
+    os.mknod(dev / "nvidia-uvm", stat.S_IFCHR | 0o600, os.makedev(509, 0))
+    spec = json.loads(write_cdi_spec(tmp_path / "cdi", [(3, "GPU-abc")], dev).read_text())
+    assert spec["kind"] == "nvidia.com/gpu"
+    (gpu,) = spec["devices"]
+    assert gpu["name"] == "0"
+    assert gpu["containerEdits"]["env"] == ["NVIDIA_VISIBLE_DEVICES=GPU-abc"]
+    (node,) = gpu["containerEdits"]["deviceNodes"]
+    assert (node["path"], node["hostPath"], node["major"], node["minor"]) == \
+        ("/dev/nvidia3", str(dev / "nvidia3"), 195, 3)
+    control = {n["path"]: (n["major"], n["minor"]) for n in spec["containerEdits"]["deviceNodes"]}
+    assert control == {"/dev/nvidiactl": (195, 255), "/dev/nvidia-uvm": (509, 0)}
