@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from integration import cri
-from integration.cri_gpu import CriTorch, GpuNode
+from integration.cri_gpu import CriTorch, GpuNode, gpu_uuids
 from integration.oci_registry import LayoutRegistry
 from tests.gpu.compare_steps import compare
 from tests.gpu.conftest import GPU_SKIP
@@ -103,8 +103,8 @@ def _trained_and_checkpointed(node: GpuNode, work: Path, gib: float, last: int
     at = tc.step()
     tc.wait_step(at + 3)
     m = _manifest(archive)
-    assert m["container"]["minors"] == [0], m["container"]
-    assert [p["cuda"] for p in m["processes"]] == [True], m["processes"]
+    assert m["container"]["minors"] == [gpu_uuids()[0][0]], m["container"]   # nvidia.com/gpu=0
+    assert any(p["cuda"] for p in m["processes"]), m["processes"]
     moved = sum(a.get("bytes", 0) for a in (m.get("agent") or {}).values())
     assert moved + m["sizes"].get("gpu_memory", 0) >= gib * (1 << 30) * 0.9, (m["sizes"], moved)
     tc.remove()
