@@ -8,7 +8,7 @@ export/import of the same container, and checkpoint images through a registry, i
             CreateContainer from the archive and StartContainer
   podman    podman container checkpoint --export / restore --import (--compress none) through
             torpor-runtime (bench/podman_path.py's torpor path), the same program and seed
-  registry  (--registry-gib, default the first size; 0: none) org.torpor.store=on: two
+  registry  (--registry-gib, default 2; 0: none) org.torpor.store=on: two
             CheckpointContainer of one training pod a few steps apart, each `torpor image
             build` + `torpor image push` to Debian's docker-registry (TLS, htpasswd), then
             `torpor image pull` of each into a second node's empty store: seconds and bytes
@@ -19,13 +19,14 @@ Both restored programs (cri and podman) train the same seed: their steps files m
 rewritten after each leg, so a run cut short keeps what it measured.
 
     python3 bench/cri_path.py --sizes 4 8 --workdir /var/tmp/torpor-cbench --out cri_path.json
-        [--registry-gib 4] [--no-podman] [--runtime /usr/local/bin/torpor-runtime]
+        [--registry-gib 2] [--budget-s 480] [--no-podman] [--runtime torpor-runtime]
         [--cpu]   (tests/gpu/cpu_program.py, no GPU, no podman leg: a rehearsal of the harness)
 
 Time on an H200 (disk 1.4-1.9 GB/s; podman_path measured 13.6 s + 12.7 s for 4 GiB): about
 45 s + 7 s/GiB per size and path (a program start, a checkpoint, a restore, a few steps) and
-40 s + 10 s/GiB for the registry leg: --sizes 4 8 with the registry at 4 GiB about 7 min (the
-set-up of run-on-gpu-host.sh not counted); it prints its own estimate first.
+40 s + 10 s/GiB for the registry leg: --sizes 4 8 with the registry at 2 GiB about 6.5 min
+(the set-up of run-on-gpu-host.sh not counted); it prints its own estimate first. --budget-s
+skips a leg that would end past it (the GPU host's commands stop at 10 min), saying so.
 """
 
 from __future__ import annotations
@@ -54,10 +55,14 @@ GB = 1e9
 SEED = 4321
 
 
+def leg_s(gib: float, registry: bool = False) -> float:
+    """Estimated seconds of one leg on the H200 (module docstring)."""
+    return 40 + 10 * gib if registry else 45 + 7 * gib
+
+
 def estimate_s(sizes: list[float], podman: bool, registry_gib: float) -> float:
     legs = 2 if podman else 1
-    return (sum(legs * (45 + 7 * g) for g in sizes)
-            + (40 + 10 * registry_gib if registry_gib else 0))
+    return sum(legs * leg_s(g) for g in sizes) + (leg_s(registry_gib, True) if registry_gib else 0)
 
 
 def _manifest(archive: Path) -> dict:
@@ -197,8 +202,10 @@ def registry_leg(node: GpuNode, gib: float, work: Path, program: Path, gpu: bool
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=float, nargs="+", default=[4, 8], help="GiB held")
-    ap.add_argument("--registry-gib", type=float, default=None,
-                    help="size of the registry leg (default the first size; 0: none)")
+    ap.add_argument("--registry-gib", type=float, default=2,
+                    help="size of the registry leg (0: none)")
+    ap.add_argument("--budget-s", type=float, default=0,
+                    help="skip a leg whose estimate would end the run past this (0: no limit)")
     ap.add_argument("--no-podman", action="store_true")
     ap.add_argument("--cpu", action="store_true",
                     help="tests/gpu/cpu_program.py without a GPU or podman: rehearse the harness")
@@ -211,7 +218,7 @@ def main() -> int:
         print(f"cri_path: {why}", file=sys.stderr)
         return 2
     podman = not (args.no_podman or args.cpu) and shutil.which("podman") is not None
-    reg_gib = args.sizes[0] if args.registry_gib is None else args.registry_gib
+    reg_gib = args.registry_gib
     from tests.integration.registry_server import missing as registry_missing
     reg_why = registry_missing() if reg_gib else "--registry-gib 0"
     program, gpu = (CPU_PROGRAM, False) if args.cpu else (TORCH_PROGRAM, True)
@@ -231,6 +238,15 @@ def main() -> int:
         args.out.write_text(json.dumps(doc, indent=1))
 
     ok = True
+
+    def fits(est_s: float, what: str) -> bool:
+        left = args.budget_s - (time.perf_counter() - t_all)
+        if args.budget_s and est_s > left:
+            print(f"== {what}: skipped, estimated {est_s:.0f} s, {left:.0f} s of the budget left",
+                  flush=True)
+            doc.setdefault("skipped", []).append(what)
+            return False
+        return True
     with LayoutRegistry({"torpor-busybox": cri.BUSYBOX_TAR}) as base_images:
         node = GpuNode(args.workdir / "node-a", args.runtime, base_images, gpu=gpu)
         doc["containerd"] = node.cri.version()
@@ -239,11 +255,13 @@ def main() -> int:
                 row: dict = {"gib": gib}
                 doc["rows"].append(row)
                 work = args.workdir / f"w{gib:g}"
+                if not fits(leg_s(gib), f"{gib:g} GiB cri"):
+                    continue
                 print(f"== {gib:g} GiB: cri", flush=True)
                 row["cri"] = cri_leg(node, gib, work, program, gpu)
                 print(json.dumps(row["cri"]), flush=True)
                 save()
-                if podman:
+                if podman and fits(leg_s(gib), f"{gib:g} GiB podman"):
                     print(f"== {gib:g} GiB: podman", flush=True)
                     row["podman"] = podman_leg(args.runtime, gib, work)
                     print(json.dumps(row["podman"]), flush=True)
@@ -257,13 +275,13 @@ def main() -> int:
                         row[f"ratio_{k}_cri_podman"] = row["cri"][ck] / row["podman"][pk]
                 shutil.rmtree(work, ignore_errors=True)
                 save()
-            if not reg_why:
+            if not reg_why and fits(leg_s(reg_gib, True), "registry"):
                 print(f"== registry, {reg_gib:g} GiB, store on", flush=True)
                 doc["registry"] = registry_leg(node, reg_gib, args.workdir / "reg", program, gpu)
                 if not args.cpu:     # --cpu: runc's own checkpoints, no store, no chunks
                     ok &= doc["registry"]["second_push_within_10pct"]
             else:
-                doc["registry"] = {"skipped": reg_why}
+                doc["registry"] = {"skipped": reg_why or "budget"}
             save()
         finally:
             node.close()

@@ -19,8 +19,8 @@
 # chunks become durable on the disk (bench/chunk_writes.py, CHUNK_WRITES_THREADS); JAX_BENCH=1
 # which XLA feature keeps a JAX program from the driver path (bench/jax_driver_path.py);
 # CRI_BENCH_SIZES="4 8" CRI CheckpointContainer + CreateContainer-restore through containerd 2
-# + torpor against podman export/import, and registry push/pull (bench/cri_path.py,
-# CRI_BENCH_ARGS for more); UPSTREAM_BENCH_SIZES="4 16" podman + runc + CRIU's cuda plugin + the cuda-checkpoint stand-in
+# + torpor against podman export/import, and registry push/pull (bench/cri_path.py; legs that
+# would end past CRI_BENCH_BUDGET_S, default 450 s, are skipped; CRI_BENCH_ARGS for more); UPSTREAM_BENCH_SIZES="4 16" podman + runc + CRIU's cuda plugin + the cuda-checkpoint stand-in
 # against torpor's driver, agent and store legs (bench/upstream_path.py; the plugin from
 # .device/upstream/cuda_plugin.so, UPSTREAM_BENCH_ARGS for more, e.g. --zstd-sizes); TESTS=0
 # skips the tests.
@@ -120,7 +120,7 @@ if [[ -n "${JAX_BENCH:-}" ]]; then
 fi
 if [[ -n "${CRI_BENCH_SIZES:-}" ]]; then
     python3 bench/cri_path.py --sizes $CRI_BENCH_SIZES --workdir /var/tmp/torpor-cbench \
-        --runtime /usr/local/bin/torpor-runtime \
+        --runtime /usr/local/bin/torpor-runtime --budget-s "${CRI_BENCH_BUDGET_S:-450}" \
         ${CRI_BENCH_ARGS:-} --out "$OUT/cri_path.json" 2>&1 | tee "$OUT/cri-bench.txt"
 fi
 if [[ -n "${UPSTREAM_BENCH_SIZES:-}" ]]; then
