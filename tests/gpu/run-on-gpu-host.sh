@@ -9,7 +9,8 @@
 #   .device/podman-bundle.tar.xz, .device/gpubase-rootfs.tar   podman 4.3 + runc (../shared/gpu-host)
 #   .device/include/xxhash.h   the agent's one build dependency (libxxhash-dev's header)
 #   .device/containerd2-bundle.tar.xz   containerd 2 + docker-registry (gpu-host-bundle.sh)
-#                  -> /opt/torpor-c2; integration/_cri (test.sh's CRI client) carried with it
+#                  -> /opt/torpor-c2; integration/_cri (test.sh's CRI client) carried with it;
+#                  CRI_BENCH_SIZES="4 8" runs bench/cri_path.py (below)
 # Usage: tests/gpu/run-on-gpu-host.sh [pytest args...]; BENCH_SIZES="1 8 32" to benchmark the
 # driver path, PODMAN_BENCH_SIZES="1 4 16" the podman path, AGENT_BENCH_SIZES="1 16" the
 # in-process agent against the driver path (bench/agent_path.py), STORE_BENCH_SIZES="16" the
@@ -18,9 +19,7 @@
 # bench/criu_share.py at CRIU_SHARE_MIB, default 8192, 0 for none); CHUNK_WRITES_GIB=16 how fast
 # chunks become durable on the disk (bench/chunk_writes.py, CHUNK_WRITES_THREADS); JAX_BENCH=1
 # which XLA feature keeps a JAX program from the driver path (bench/jax_driver_path.py);
-# CRI_BENCH_SIZES="4 8" CRI CheckpointContainer + CreateContainer-restore through containerd 2
-# + torpor against podman export/import, and registry push/pull (bench/cri_path.py; legs that
-# would end past CRI_BENCH_BUDGET_S, default 450 s, are skipped; CRI_BENCH_ARGS for more); UPSTREAM_BENCH_SIZES="4 16" podman + runc + CRIU's cuda plugin + the cuda-checkpoint stand-in
+# UPSTREAM_BENCH_SIZES="4 16" podman + runc + CRIU's cuda plugin + the cuda-checkpoint stand-in
 # against torpor's driver, agent and store legs (bench/upstream_path.py; the plugin from
 # .device/upstream/cuda_plugin.so, UPSTREAM_BENCH_ARGS for more, e.g. --zstd-sizes); TESTS=0
 # skips the tests.
@@ -99,6 +98,14 @@ if [[ -n "${PODMAN_BENCH_SIZES:-}" ]]; then
         --runc /opt/podman-bundle/bin/runc \
         --out "$OUT/podman_path.json" 2>&1 | tee "$OUT/podman-bench.txt"
 fi
+# CRI CheckpointContainer + CreateContainer-restore through containerd 2 + torpor against podman
+# export/import, and registry push/pull (bench/cri_path.py); legs that would end past
+# CRI_BENCH_BUDGET_S (default 450 s) are skipped; CRI_BENCH_ARGS for more
+if [[ -n "${CRI_BENCH_SIZES:-}" ]]; then
+    python3 bench/cri_path.py --sizes $CRI_BENCH_SIZES --workdir /var/tmp/torpor-cbench \
+        --runtime /usr/local/bin/torpor-runtime --budget-s "${CRI_BENCH_BUDGET_S:-450}" \
+        ${CRI_BENCH_ARGS:-} --out "$OUT/cri_path.json" 2>&1 | tee "$OUT/cri-bench.txt"
+fi
 if [[ -n "${AGENT_BENCH_SIZES:-}" ]]; then
     python3 bench/agent_path.py --sizes $AGENT_BENCH_SIZES --shm-root /dev/shm/torpor-abench \
         --disk-root /var/tmp/torpor-abench ${AGENT_BENCH_ARGS:-} \
@@ -117,11 +124,6 @@ fi
 if [[ -n "${JAX_BENCH:-}" ]]; then
     python3 bench/jax_driver_path.py --root /var/tmp/torpor-jax --out "$OUT/jax_driver_path.json" \
         2>&1 | tee "$OUT/jax-bench.txt"
-fi
-if [[ -n "${CRI_BENCH_SIZES:-}" ]]; then
-    python3 bench/cri_path.py --sizes $CRI_BENCH_SIZES --workdir /var/tmp/torpor-cbench \
-        --runtime /usr/local/bin/torpor-runtime --budget-s "${CRI_BENCH_BUDGET_S:-450}" \
-        ${CRI_BENCH_ARGS:-} --out "$OUT/cri_path.json" 2>&1 | tee "$OUT/cri-bench.txt"
 fi
 if [[ -n "${UPSTREAM_BENCH_SIZES:-}" ]]; then
     make -s -C bench/upstream BUILD=/tmp/upstream-build &&
