@@ -86,13 +86,14 @@ def _bit_exact(ref: CriTorch, tc: CriTorch, last: int) -> None:
     assert n >= last, f"only {n} common steps"
 
 
-def _trained_and_checkpointed(node: GpuNode, work: Path, gib: float, last: int
+def _trained_and_checkpointed(node: GpuNode, work: Path, gib: float, last: int,
+                              annotations: dict[str, str] | None = None
                               ) -> tuple[CriTorch, CriTorch, Path, int]:
     """A reference pod (stops at step `last`) and a training pod, both through the torpor
     handler; the training one CheckpointContainer'd past step 10, trains on, its pod removed.
     (reference, trained, archive, its host PID)."""
-    ref = CriTorch(node, "ref", work, gib, max_steps=last + 1)
-    tc = CriTorch(node, "train", work, gib)
+    ref = CriTorch(node, "ref", work, gib, max_steps=last + 1, annotations=annotations)
+    tc = CriTorch(node, "train", work, gib, annotations=annotations)
     ref.run("torpor")
     tc.run("torpor")
     tc.wait_ready()
@@ -106,15 +107,23 @@ def _trained_and_checkpointed(node: GpuNode, work: Path, gib: float, last: int
     assert m["container"]["minors"] == [gpu_uuids()[0][0]], m["container"]   # nvidia.com/gpu=0
     assert any(p["cuda"] for p in m["processes"]), m["processes"]
     moved = sum(a.get("bytes", 0) for a in (m.get("agent") or {}).values())
-    assert moved + m["sizes"].get("gpu_memory", 0) >= gib * (1 << 30) * 0.9, (m["sizes"], moved)
+    if (annotations or {}).get("org.torpor.agent") == "off":
+        assert not moved, m.get("agent")
+    gpu_bytes = (m.get("sizes") or {}).get("gpu_memory", 0)
+    assert moved + gpu_bytes >= gib * (1 << 30) * 0.9, (m.get("sizes"), moved)
     tc.remove()
     return ref, tc, archive, old_pid
 
 
-def test_cri_gpu_checkpoint_and_restore_from_the_kubelets_archive_continues_bit_exact(nodes,
-                                                                                     base):
+@pytest.mark.parametrize("agent", ["default", "off"])
+def test_cri_gpu_checkpoint_and_restore_from_the_kubelets_archive_continues_bit_exact(nodes, base,
+                                                                                     agent):
+    """The agent preloaded as GPU containers get it by default, and org.torpor.agent=off (the
+    driver's checkpoint API)."""
     node = nodes("a")
-    ref, tc, archive, old_pid = _trained_and_checkpointed(node, base / "work", 2.0, last=59)
+    ann = {"org.torpor.agent": "off"} if agent == "off" else None
+    ref, tc, archive, old_pid = _trained_and_checkpointed(node, base / "work", 2.0, last=59,
+                                                          annotations=ann)
     at = tc.step()
     tc.run("torpor", image=str(archive))                 # a new pod, from the archive
     new_pid = node.cri.pid(tc.cid)
