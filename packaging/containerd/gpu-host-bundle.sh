@@ -15,8 +15,12 @@
 #   setup.sh PREFIX                                  copies the tree to PREFIX (default
 #                                                    /opt/torpor-c2) and checks it runs
 # The binaries are Go programs that share much of their runtime and libraries: one xz stream
-# with a dictionary larger than the tree (-9e, dict 192 MiB) stores them in 18.9 MB where
-# separately xz'd they take 22.3 MB (measured 2026-12-04; decompressing needs ~200 MiB).
+# with a dictionary larger than the tree (-9e, dict 192 MiB) stores containerd, the shim and
+# docker-registry in 16.7 MB where xz'd apart they take 20.1 MB (15.2 + 4.9); ctr adds 2.2 MB,
+# the images and the rest 0.9 MB: 19.8 MB in all (measured 2026-12-04; decompressing needs
+# ~200 MiB of memory). Re-packing the podman bundle into the same stream would save 4 MB more
+# (29.4 MB for both against 33.4 MB), but the podman set-up reads its own file; packing CRIU's
+# directory (CRIU_DIR below) saves 10 MB.
 # With CRIU_DIR (a CRIU bundle directory, e.g. ../shared/gpu-host/criu) it also writes
 # OUT_DIR/criu.tar.xz (14 MB -> 4.4 MB): run-on-gpu-host.sh takes it in place of .device/criu.
 # Environment: TORPOR_CONTAINERD2 (where containerd 2 is installed, default
