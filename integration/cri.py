@@ -137,6 +137,12 @@ class Containerd2:
         if cdi:
             assert DEFAULT_CDI in text, "containerd2.toml lost its cdi_spec_dirs line"
             text = text.replace(DEFAULT_CDI, repr(cdi))
+        snapshotter = os.environ.get("TORPOR_CONTAINERD2_SNAPSHOTTER")   # e.g. native where
+        if snapshotter:                                     # overlay cannot mount (GPU host)
+            # CRI's pulls go through the transfer service, which unpacks for overlayfs only
+            # unless told otherwise: pull (and unpack) in the CRI plugin itself
+            text = text.replace("snapshotter = 'overlayfs'", f"snapshotter = '{snapshotter}'\n"
+                                "  use_local_image_pull = true")
         for k, v in {"@ROOT@": self.root, "@STATE@": self.state, "@PREFIX@": self.prefix,
                      "@CONFIG_DIR@": self.base, "@TORPOR_RUNTIME@": torpor_runtime}.items():
             text = text.replace(k, str(v))
