@@ -21,8 +21,6 @@ import shutil
 import stat
 import sys
 import tarfile
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -30,7 +28,8 @@ import pytest
 from integration import cri as crimod
 from tests.fakes.fakegpu import RUNNING, FakeGpu
 from tests.integration.conftest import needs_criu, wait_for
-from tests.integration.torpord import Daemon
+from tests.integration.torpord import (  # noqa: F401  (fixtures)
+    Daemon, base, gpu, daemon)
 from torpor import config
 
 SKIP = crimod.missing()
@@ -53,26 +52,6 @@ def registry():
     from integration.oci_registry import LayoutRegistry
     with LayoutRegistry({"torpor-busybox": crimod.BUSYBOX_TAR}) as reg:
         yield reg
-
-
-@pytest.fixture
-def base():
-    d = Path(tempfile.mkdtemp(prefix="tcri", dir="/tmp"))  # short: socket paths
-    yield d
-    crimod.remove_tree(d)
-
-
-@pytest.fixture
-def gpu(base):
-    with FakeGpu(base / "gpu") as g:
-        yield g
-
-
-@pytest.fixture
-def daemon(base, gpu):
-    d = Daemon(base, gpu).start()
-    yield d
-    d.stop()
 
 
 class Handler:

@@ -14,40 +14,20 @@ import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
 from tests.fakes.fakegpu import FakeGpu
 from tests.integration.conftest import alive, needs_criu, wait_for
-from tests.integration.torpord import Daemon
+from tests.integration.torpord import (  # noqa: F401  (fixtures)
+    Daemon, base, gpu, daemon)
 
 pytestmark = [needs_criu, pytest.mark.criu]
 ROOT = Path(__file__).resolve().parents[2]
 CRIU = "/usr/local/sbin/criu" if os.access("/usr/local/sbin/criu", os.X_OK) else \
     (shutil.which("criu") or "criu")
 RUNNING, LOCKED, CHECKPOINTED = 0, 1, 2
-
-
-@pytest.fixture
-def base():
-    d = Path(tempfile.mkdtemp(prefix="tcp", dir="/tmp"))  # short: socket paths
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def gpu(base):
-    with FakeGpu(base / "gpu") as g:
-        yield g
-
-
-@pytest.fixture
-def daemon(base, gpu):
-    d = Daemon(base, gpu).start()
-    yield d
-    d.stop()
 
 
 @pytest.fixture(scope="module")
