@@ -30,12 +30,11 @@ import json
 import os
 import stat
 import sys
-import time
 from pathlib import Path
 from typing import Mapping
 
 from . import cri
-from .gpu import TORCH_PROGRAM, TorchStatus
+from .gpu import TORCH_PROGRAM, ContainedTorch
 
 __all__ = ["cover", "gpu_binds", "write_cdi_spec", "GpuNode", "CriTorch", "CPU_PROGRAM"]
 
@@ -160,44 +159,30 @@ class GpuNode:
             self.daemon.stop()
 
 
-class CriTorch(TorchStatus):
+class CriTorch(ContainedTorch):
     """``program`` (torch_program.py) in a pod of its own on ``node``: steps, status and log
     in ``workdir``, so a restored container goes on writing the same files."""
 
     def __init__(self, node: GpuNode, name: str, workdir: Path, gib: float, seed: int = 1234,
                  max_steps: int = 0, annotations: Mapping[str, str] | None = None,
                  program: Path = TORCH_PROGRAM, gpu: bool = True):
-        self.node, self.name, self.workdir = node, name, Path(workdir)
-        self.gib, self.seed, self.max_steps = gib, seed, max_steps
-        self.annotations, self.program, self.gpu = dict(annotations or {}), program, gpu
-        self.steps = self.workdir / f"{name}.steps"
-        self.status_path = self.workdir / f"{name}.status.json"
-        self.log = self.workdir / f"{name}.log"
+        super().__init__(name, workdir, gib, seed, max_steps, program)
+        self.node, self.annotations, self.gpu = node, dict(annotations or {}), gpu
         self.pod: cri.Pod | None = None
         self.cid = ""
         self.runs = 0
 
     def spec(self) -> cri.ContainerSpec:
-        argv = [sys.executable, str(self.program), "--gib", str(self.gib), "--seed",
-                str(self.seed), "--steps-file", str(self.steps), "--status",
-                str(self.status_path), "--max-steps", str(self.max_steps)]
-        shell = " ".join(f"'{a}'" for a in argv) + f" >>'{self.log}' 2>&1"
-        # the image has no /etc/passwd: torch asks getpass for a cache directory name
-        env = {"USER": "root", "HOME": str(self.workdir),
-               "TORCHINDUCTOR_CACHE_DIR": str(self.workdir / "inductor")}
-        return cri.ContainerSpec(self.name, self.node.image, ["/bin/sh", "-c", f"exec {shell}"],
-                                 env=env, mounts=gpu_binds(self.workdir, self.program.parent),
+        argv, env = self.command()
+        return cri.ContainerSpec(self.name, self.node.image, argv, env=env,
+                                 mounts=gpu_binds(self.workdir, self.program.parent),
                                  cdi_devices=["nvidia.com/gpu=0"] if self.gpu else [],
                                  annotations=self.annotations)
 
     def run(self, handler: str = "torpor", image: str | None = None) -> str:
         """RunPodSandbox, CreateContainer (from ``image``: an archive or checkpoint image),
         StartContainer; returns the container's ID."""
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.runs += 1
-        self.pod = self.node.cri.run_pod(f"{self.name}-{self.runs}", handler,
-                                         annotations=self.annotations)
-        self.cid = self.node.cri.create(self.pod, self.spec(), image)
+        self.create(handler, image)
         self.node.cri.start(self.cid)
         return self.cid
 
@@ -221,29 +206,5 @@ class CriTorch(TorchStatus):
         except cri.CriError as e:
             return f"unknown ({e})"
 
-    def _tail(self) -> str:
-        try:
-            return self.log.read_text(errors="replace")[-2000:]
-        except OSError:
-            return "(no log)"
-
-    def wait(self, pred, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        next_check = time.monotonic() + 2
-        while time.monotonic() < deadline:
-            if pred():
-                return
-            if time.monotonic() > next_check:   # a container that exited will not get there
-                next_check = time.monotonic() + 2
-                if self.state() != "CONTAINER_RUNNING":
-                    break
-            time.sleep(0.05)
-        raise AssertionError(f"{self.name}: timed out waiting for {what}; state {self.state()};"
-                             f" log: {self._tail()}")
-
-    def wait_ready(self, timeout: float = 300) -> None:
-        self.wait(lambda: self.status().get("ready"), timeout, "ready")
-
-    def wait_step(self, above: int, timeout: float = 300) -> int:
-        self.wait(lambda: self.step() > above, timeout, f"step > {above}")
-        return self.step()
+    def running(self, state: str) -> bool:
+        return state == "CONTAINER_RUNNING"
