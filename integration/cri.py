@@ -248,7 +248,10 @@ class Cri:
         pb = self.pb
         return pb.ContainerConfig(
             metadata=pb.ContainerMetadata(name=spec.name, attempt=0),
-            image=pb.ImageSpec(image=image or spec.image),
+            # the kubelet (1.29+) also gives the pod's image as it was written: containerd's
+            # restore from a checkpoint image passes it on (annotation checkpointImage)
+            image=pb.ImageSpec(image=image or spec.image,
+                               user_specified_image=image or spec.image),
             command=list(spec.command),
             envs=[pb.KeyValue(key=k, value=self._env_value(v)) for k, v in spec.env.items()],
             mounts=[pb.Mount(host_path=str(h), container_path=c, readonly=ro)

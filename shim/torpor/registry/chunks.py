@@ -144,40 +144,47 @@ def for_restore(cfg: Config, top: Path, store: Store, annotations: Mapping[str, 
         return None
     what = (f"{len(lacking)} chunk(s) of the packed checkpoint are in neither {CHUNKS}/ nor "
             f"store {store.where}")
-    prefetch = ("pre-fetch them into this node's store with: torpor image pull REFERENCE -D "
-                "DIR (the node's credentials), then restore again")
+    prefetch = ("pre-fetch them into this node's store with: torpor image pull {ref} -D DIR, "
+                "then restore again")
     ref_text = annotations.get(IMAGE_ANNOTATION) if isinstance(annotations, Mapping) else None
     if not isinstance(ref_text, str) or not ref_text:
         raise CorruptCheckpointError(
             f"{what}, and the container names no image to fetch them from (containerd 2 passes "
             f"it as the annotation {IMAGE_ANNOTATION} when the runtime handler's "
-            f"container_annotations lists it); {prefetch}")
+            f"container_annotations lists it); {prefetch.format(ref='REFERENCE')}")
     if cfg.restore_fetch_timeout_s <= 0:
         raise CorruptCheckpointError(f"{what}, and fetching at restore is off "
-                                     f"(restore_fetch_timeout_s = 0); {prefetch}")
+                                     f"(restore_fetch_timeout_s = 0); "
+                                 f"{prefetch.format(ref=printable(ref_text, 200))}")
     try:
         ref = auth.parse_reference(ref_text)
     except UsageError:
         raise UsageError(f"{what}, and the image reference {printable(ref_text, 200)!r} the "
-                         f"container names is not one torpor reads; {prefetch}") from None
+                         f"container names is not one torpor reads; "
+                         f"{prefetch.format(ref='REFERENCE')}") from None
     t0 = time.monotonic()
     client = Client(ref, auth.node_tls_context(ref.host, cfg.registry_hosts_dir),
                     auth.credentials(ref, files=auth.node_auth_files(cfg.registry_auth_file,
                                                                      env)),
                     deadline=t0 + cfg.restore_fetch_timeout_s)
+    client.auth_advice = (f"check registry_auth_file ({cfg.registry_auth_file or 'not set'}) "
+                          "in torpor's config", "none in torpor's registry_auth_file ("
+                          f"{cfg.registry_auth_file or 'not set'}) nor the node's auth files")
+    client.tls_advice = (f"give its CA in {cfg.registry_hosts_dir}/{{host}}/hosts.toml (ca = ...) "
+                         "as containerd has it (registry_hosts_dir)")
     log.info("restore: %d chunk(s) missing from the store: fetching them from %s", len(lacking),
              ref)
     try:
         n, fetched = _fetch_from(client, top, store)
     except DeadlineError:
         raise TorporError(f"fetching the chunks of {ref} into store {store.where} did not end "
-                          f"within restore_fetch_timeout_s ({cfg.restore_fetch_timeout_s:.0f} s, "
+                          f"within restore_fetch_timeout_s ({cfg.restore_fetch_timeout_s:g} s, "
                           f"inside the kubelet's StartContainer deadline): nothing restored, "
                           f"the chunks fetched so far are kept; pre-fetch the rest with: "
                           f"torpor image pull {ref} -D DIR") from None
     except TorporError as e:
         raise TorporError(f"fetching the chunks of {ref} for the restore: {e.line()}; nothing "
-                          f"restored ({prefetch})", exit_code=e.exit_code) from e
+                          f"restored; {prefetch.format(ref=ref)}", exit_code=e.exit_code) from e
     finally:
         client.close()
     return Fetched(str(ref), n, fetched, client.received, time.monotonic() - t0)

@@ -53,6 +53,12 @@ def _challenge(header: str) -> tuple[str, dict[str, str]]:
 
 
 class Client:
+    # what an operator does about refused credentials or an untrusted certificate (the CLI's
+    # options; torpor-runtime names its config keys instead)
+    auth_advice = ("log in with podman login (or give --authfile)",
+                   "no credentials for it in the auth files (podman login, or --authfile)")
+    tls_advice = "put its CA in /etc/containers/certs.d/{host}/ca.crt or give --cert-dir"
+
     def __init__(self, ref: Reference, ctx: ssl.SSLContext,
                  creds: tuple[str, str] | None, deadline: float | None = None) -> None:
         self.ref, self.ctx, self.creds, self.deadline = ref, ctx, creds, deadline
@@ -126,9 +132,8 @@ class Client:
                 resp = conn.getresponse()
         except ssl.SSLCertVerificationError as e:
             self.close()
-            raise self._fail(what, f"TLS certificate not trusted ({e.verify_message}): put its "
-                             f"CA in /etc/containers/certs.d/{self.ref.host}/ca.crt or give "
-                             "--cert-dir") from None
+            raise self._fail(what, f"TLS certificate not trusted ({e.verify_message}): "
+                             + self.tls_advice.format(host=self.ref.host)) from None
         except (OSError, http.client.HTTPException) as e:
             self.close()
             self._timeout(what)   # DeadlineError where the deadline cut it short
@@ -144,17 +149,18 @@ class Client:
             return resp
         detail = resp.read(MAX_ERROR_BODY).decode("utf-8", "replace") if method != "HEAD" else ""
         if resp.status == 401:
-            detail = ("authentication refused: log in with podman login (or give --authfile)"
-                      if self.creds else "authentication required: no credentials for it in "
-                      "the auth files (podman login, or --authfile)")
+            detail = self._auth_advice()
         raise self._fail(what, f"HTTP {resp.status} {resp.reason} {_error_text(detail)}".strip())
+
+    def _auth_advice(self) -> str:
+        return (f"authentication refused: {self.auth_advice[0]}" if self.creds
+                else f"authentication required: {self.auth_advice[1]}")
 
     def _authenticate(self, challenge: str, what: str) -> None:
         scheme, params = _challenge(challenge)
         if scheme == "basic":
             if not self.creds:
-                raise self._fail(what, "authentication required: no credentials for it in the "
-                                 "auth files (podman login, or --authfile)")
+                raise self._fail(what, self._auth_advice())
             self._auth = "Basic " + base64.b64encode(":".join(self.creds).encode()).decode()
             return
         if scheme != "bearer" or "realm" not in params:
@@ -180,10 +186,8 @@ class Client:
         finally:
             conn.close()
         if resp.status == 401:
-            raise self._fail(what, "authentication refused by the token service: log in with "
-                             "podman login (or give --authfile)" if self.creds else
-                             "authentication required: no credentials for it in the auth files "
-                             "(podman login, or --authfile)")
+            raise self._fail(what, "authentication refused by the token service: "
+                             f"{self.auth_advice[0]}" if self.creds else self._auth_advice())
         if resp.status != 200:
             raise self._fail(what, f"token service refused: HTTP {resp.status}")
         try:
