@@ -162,6 +162,9 @@ def for_restore(cfg: Config, top: Path, store: Store, annotations: Mapping[str, 
         raise UsageError(f"{what}, and the image reference {printable(ref_text, 200)!r} the "
                          f"container names is not one torpor reads; "
                          f"{prefetch.format(ref='REFERENCE')}") from None
+    if cfg.registry_auth_file and not Path(cfg.registry_auth_file).is_file():
+        raise UsageError(f"{what}; fetching them needs the registry_auth_file of torpor's config, "
+                         f"{cfg.registry_auth_file}, which does not exist")
     t0 = time.monotonic()
     client = Client(ref, auth.node_tls_context(ref.host, cfg.registry_hosts_dir),
                     auth.credentials(ref, files=auth.node_auth_files(cfg.registry_auth_file,
