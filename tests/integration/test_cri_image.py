@@ -18,8 +18,12 @@ Skipped without containerd 2 or docker-registry.
 from __future__ import annotations
 
 import base64
+import ctypes
 import json
+import os
+import socket
 import subprocess
+import threading
 import sys
 import tarfile
 from pathlib import Path
@@ -33,6 +37,7 @@ from tests.integration.registry_server import PASSWORD, USER, Registry
 from tests.integration.registry_server import missing as registry_missing
 from tests.integration.test_cri import (  # noqa: F401  (fixtures)
     Node, _gpu_checkpoint, _gpu_workload, base, daemon, gpu, handler, node, registry)
+from tests.integration.test_registry import netns  # noqa: F401  (fixture)
 from torpor import config
 from torpor.store import chunk
 
@@ -55,15 +60,16 @@ def _torpor(env: dict[str, str], *args: str) -> dict:
     return json.loads(r.stdout)
 
 
-@pytest.fixture
-def node_b(base, handler, registry, docker_registry):
+def _second_node(base: Path, handler, registry, docker_registry: Registry,
+                 netns: str | None = None):
     """Node B: a second containerd 2 (own root, state, socket), the same handler and fake GPU
     host; base images from the plain-HTTP layout registry, the docker-registry over TLS with
-    its CA in certs.d/<host>/hosts.toml (containerd's per-registry TLS settings)."""
+    its CA in certs.d/<host>/hosts.toml (containerd's per-registry TLS settings). netns: its
+    network namespace (the daemon, its shims and its host-network pods there)."""
     cdi = base / "cdi-b"
     cdi.mkdir()
     d = crimod.Containerd2(base / "c2b", str(handler.path), cdi_dirs=[cdi],
-                           registries=[f"localhost:{registry.port}"])
+                           registries=[f"localhost:{registry.port}"], netns=netns)
     hosts = d.base / "certs.d" / docker_registry.host / "hosts.toml"
     hosts.parent.mkdir(parents=True)
     ca = docker_registry.certs / "ca.crt"
@@ -80,6 +86,89 @@ def node_b(base, handler, registry, docker_registry):
         finally:
             cri.close()
             d.stop()
+
+
+@pytest.fixture
+def node_b(base, handler, registry, docker_registry):
+    yield from _second_node(base, handler, registry, docker_registry)
+
+
+def _setns(path: str) -> None:
+    """This thread into the network namespace at path (setns(2) moves only the caller)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if libc.setns(fd, 0x40000000) != 0:                   # CLONE_NEWNET
+            raise OSError(ctypes.get_errno(), f"setns {path}")
+    finally:
+        os.close(fd)
+
+
+class _Forward:
+    """127.0.0.1:port inside network namespace ns forwarded to 127.0.0.1:port here: node B
+    reaches the base images' layout registry at the address the checkpoint names (containerd
+    pulls the base image again at a restore)."""
+
+    def __init__(self, ns: str, port: int) -> None:
+        self.port, made = port, {}
+
+        def listen() -> None:
+            _setns(f"/run/netns/{ns}")
+            s = socket.socket()
+            s.bind(("127.0.0.1", port))
+            s.listen(16)
+            made["sock"] = s                                     # stays in ns once made
+        t = threading.Thread(target=listen)
+        t.start()
+        t.join()
+        self.sock = made["sock"]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+                up = socket.create_connection(("127.0.0.1", self.port))
+            except OSError:
+                return
+            for a, b in ((conn, up), (up, conn)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a: socket.socket, b: socket.socket) -> None:
+        try:
+            while data := a.recv(1 << 16):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            try:
+                b.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+@pytest.fixture
+def node_b_netns(base, handler, registry, netns):
+    """Node B in a network namespace of its own (veth to this one, test_registry.py's), and
+    a docker-registry (TLS, htpasswd) listening on this side's veth address: (node, registry,
+    namespace)."""
+    ns, here = netns
+    r = Registry(base / "docker-registry-ns", ip=here).start()
+    fwd = _Forward(ns, registry.port)
+    try:
+        for n in _second_node(base, handler, registry, r, netns=ns):
+            yield n, r, ns
+    finally:
+        fwd.close()
+        r.kill()
 
 
 def test_cri_restores_a_gpu_checkpoint_image_pulled_from_a_registry(node, node_b, handler, gpu,
@@ -157,7 +246,7 @@ def _store_chunks(store: Path) -> set[str]:
 
 
 def test_cri_restores_a_packed_checkpoint_image_fetching_the_chunks_its_store_lacks(
-        node, node_b, handler, gpu, daemon, docker_registry):
+        node, node_b_netns, handler, gpu, daemon):
     """org.torpor.store=on: the kubelet's archive carries the chunk links (torpor-chunks+<sha>);
     `torpor image build` puts them in the chunk artifact and the layer keeps only references
     (torpor-store.json). On node B, whose store is empty, with no `torpor image pull`:
@@ -167,7 +256,9 @@ def test_cri_restores_a_packed_checkpoint_image_fetching_the_chunks_its_store_la
     hosts.toml), each verified, and the program continues. Before that, wrong credentials, a
     tampered or truncated chunk, an unreachable registry and a fetch that cannot finish in its
     time are each refused at StartContainer with one line naming `torpor image pull`: nothing
-    restored, nothing running, every chunk in node B's store whole and verified."""
+    restored, nothing running, every chunk in node B's store whole and verified. Node B has
+    its own network namespace: the program continues there."""
+    node_b, docker_registry, ns = node_b_netns
     _use_store(daemon, handler, node.base / "store-a")
     w, spec = _gpu_workload(node, gpu)
     archive, host_pid, tick = _gpu_checkpoint(node, gpu, w, spec,
@@ -244,3 +335,4 @@ def test_cri_restores_a_packed_checkpoint_image_fetching_the_chunks_its_store_la
     assert e["state"] == RUNNING and e["gpu"] == gpu.uuid(0)
     assert node_b.cri.status(cid).status.annotations.get("restored") == "true"
     assert {n for n, _d in art} <= _store_chunks(store_b)               # fetched, verified
+    assert os.stat(f"/proc/{new_pid}/ns/net").st_ino == os.stat(f"/run/netns/{ns}").st_ino
