@@ -142,18 +142,22 @@ def _cfg(tmp_path: Path, **kw) -> Config:
 def test_a_restore_without_an_image_reference_is_refused_naming_torpor_image_pull(tmp_path):
     _reg, top, store = _node_b(tmp_path)
     for given, cfg in [({}, _cfg(tmp_path)),
-                             ({"checkpointImage": ""}, _cfg(tmp_path)),
-                             ({"checkpointImage": "reg:5000/a/b:v1"},
-                              _cfg(tmp_path, restore_fetch_timeout_s=0.0))]:
+                       ({"checkpointImage": ""}, _cfg(tmp_path)),
+                       ({"checkpointImage": "/var/lib/kubelet/checkpoints/c.tar"}, _cfg(tmp_path)),
+                       ({"checkpointImage": "sha256:" + "a" * 64}, _cfg(tmp_path)),
+                       ({"checkpointImage": "http://x/y"}, _cfg(tmp_path)),
+                       ({"checkpointImage": "reg:5000/a/b:v1"},
+                        _cfg(tmp_path, restore_fetch_timeout_s=0.0))]:
         with pytest.raises(CorruptCheckpointError, match="nor store.*torpor image pull") as e:
             chunks.for_restore(cfg, top, store, given)
         assert e.value.exit_code == ExitCode.CORRUPT
-    with pytest.raises(UsageError, match="torpor image pull"):
-        chunks.for_restore(_cfg(tmp_path), top, store, {"checkpointImage": "http://x/y"})
     with pytest.raises(UsageError, match="registry_auth_file .*missing.json.* does not exist"):
         chunks.for_restore(_cfg(tmp_path, registry_auth_file=str(tmp_path / "missing.json")),
                            top, store, {"checkpointImage": "reg:5000/a/b:v1"})
     assert not _store_is_whole(store) and not (top / CHUNKS).exists()
+    (top / CHUNKS).mkdir()                 # a checkpoint that brings chunks must bring them all
+    with pytest.raises(CorruptCheckpointError, match="torpor-chunks/ lacks them"):
+        chunks.for_restore(_cfg(tmp_path), top, store, {"checkpointImage": "reg:5000/a/b:v1"})
 
 
 def test_nothing_is_fetched_when_the_store_has_every_chunk(tmp_path):

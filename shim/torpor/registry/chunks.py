@@ -34,7 +34,7 @@ from typing import Any, Mapping
 
 from ..config import Config
 from ..errors import CorruptCheckpointError, TorporError, UsageError
-from ..files import printable, private_dir, write_new
+from ..files import private_dir, write_new
 from ..layout import CHUNKS, MANIFEST
 from ..store import Store, chunk, images, snapshot
 from ..store.backend import BLOB_NAME
@@ -146,22 +146,18 @@ def for_restore(cfg: Config, top: Path, store: Store, annotations: Mapping[str, 
             f"store {store.where}")
     prefetch = ("pre-fetch them into this node's store with: torpor image pull {ref} -D DIR, "
                 "then restore again")
-    ref_text = annotations.get(IMAGE_ANNOTATION) if isinstance(annotations, Mapping) else None
-    if not isinstance(ref_text, str) or not ref_text:
+    if os.path.lexists(top / CHUNKS):   # a checkpoint that brings its chunks brings them all
+        raise CorruptCheckpointError(f"{what}: its {CHUNKS}/ lacks them, e.g. {lacking[0]}")
+    ref = _reference(annotations.get(IMAGE_ANNOTATION) if isinstance(annotations, Mapping)
+                     else None)
+    if ref is None:
         raise CorruptCheckpointError(
-            f"{what}, and the container names no image to fetch them from (containerd 2 passes "
-            f"it as the annotation {IMAGE_ANNOTATION} when the runtime handler's "
-            f"container_annotations lists it); {prefetch.format(ref='REFERENCE')}")
+            f"{what}, and the container was restored from no image reference to fetch them from "
+            f"(containerd 2 passes it as the annotation {IMAGE_ANNOTATION} when the runtime "
+            f"handler's container_annotations lists it); {prefetch.format(ref='REFERENCE')}")
     if cfg.restore_fetch_timeout_s <= 0:
         raise CorruptCheckpointError(f"{what}, and fetching at restore is off "
-                                     f"(restore_fetch_timeout_s = 0); "
-                                 f"{prefetch.format(ref=printable(ref_text, 200))}")
-    try:
-        ref = auth.parse_reference(ref_text)
-    except UsageError:
-        raise UsageError(f"{what}, and the image reference {printable(ref_text, 200)!r} the "
-                         f"container names is not one torpor reads; "
-                         f"{prefetch.format(ref='REFERENCE')}") from None
+                                     f"(restore_fetch_timeout_s = 0); {prefetch.format(ref=ref)}")
     if cfg.registry_auth_file and not Path(cfg.registry_auth_file).is_file():
         raise UsageError(f"{what}; fetching them needs the registry_auth_file of torpor's config, "
                          f"{cfg.registry_auth_file}, which does not exist")
@@ -191,6 +187,18 @@ def for_restore(cfg: Config, top: Path, store: Store, annotations: Mapping[str, 
     finally:
         client.close()
     return Fetched(str(ref), n, fetched, client.received, time.monotonic() - t0)
+
+
+def _reference(text: object) -> auth.Reference | None:
+    """The image reference containerd restored from; None for none, for a checkpoint archive's
+    path (containerd sets the annotation to that too) or an image ID."""
+    if not isinstance(text, str) or not text or text.startswith(("/", ".", "sha256:")) \
+            or oci.DIGEST.fullmatch("sha256:" + text):
+        return None
+    try:
+        return auth.parse_reference(text)
+    except UsageError:
+        return None
 
 
 def _fetch_from(client: Client, top: Path, store: Store) -> tuple[int, int]:
