@@ -6,8 +6,10 @@ verified, the store left whole."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import shutil
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -218,3 +220,47 @@ def test_a_deadline_passed_is_refused_before_any_connection():
     with pytest.raises(DeadlineError, match="not done in time"):
         c.ping()
     assert time.monotonic() - t < 1 and c._conn is None
+
+
+@pytest.mark.parametrize("how", ["silent", "trickle"])
+def test_a_registry_too_slow_for_the_deadline_is_given_up_on_at_it(tmp_path, certs, how):
+    """A registry that accepts and never answers, or answers a blob one byte at a time: the
+    fetch stops at its deadline (not the 60 s socket timeout, not the whole blob's time)."""
+    import ssl
+    import threading
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(certs / "ca.crt", certs / "ca.key")
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        if how == "silent":
+            stop.wait(30)
+            conn.close()
+            return
+        with server_ctx.wrap_socket(conn, server_side=True) as tls:
+            tls.recv(65536)
+            tls.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\n")
+            while not stop.is_set():
+                try:
+                    tls.sendall(b"x")
+                except OSError:
+                    return
+                time.sleep(0.02)
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    ctx = ssl.create_default_context()
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    ref = auth.parse_reference(f"127.0.0.1:{listener.getsockname()[1]}/a:v1")
+    c = Client(ref, ctx, None, deadline=time.monotonic() + 1.5)
+    d = oci.Descriptor(oci.CHUNK_TYPE, "sha256:" + "0" * 64, 1000000)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(DeadlineError, match="not done in time"):
+            c.get_blob(d, io.BytesIO())
+        assert time.monotonic() - t0 < 4
+    finally:
+        stop.set()
+        c.close()
+        listener.close()

@@ -283,9 +283,12 @@ class Client:
         h, got = hashlib.sha256(), 0
         try:
             while got <= d.size:
-                if self.deadline is not None and self._conn and self._conn.sock:
-                    self._conn.sock.settimeout(self._timeout(f"blob {d.digest}"))
-                data = resp.read(min(READ, d.size + 1 - got))
+                if self.deadline is None:
+                    data = resp.read(min(READ, d.size + 1 - got))
+                else:   # what has come, at most one wait of what is left: a trickle stops too
+                    if self._conn and self._conn.sock:
+                        self._conn.sock.settimeout(self._timeout(f"blob {d.digest}"))
+                    data = resp.read1(min(READ, d.size + 1 - got))
                 if not data:
                     break
                 h.update(data)
