@@ -219,7 +219,7 @@ def _gpu_workload(node: Node, gpu: FakeGpu, gpu_index: int = 0):
     asking for nvidia.com/gpu=<gpu_index> through CDI."""
     from tests.integration.test_containers_gpu import Workload
     _cdi_spec(node, gpu)
-    w = Workload(gpu, "cri")
+    w = Workload(gpu, f"cri{os.getpid()}")   # its own: other test runs on this host
     return w, _gpu_spec(node, w, gpu_index)
 
 
