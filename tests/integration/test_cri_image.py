@@ -36,7 +36,8 @@ from tests.integration.conftest import needs_criu
 from tests.integration.registry_server import PASSWORD, USER, Registry
 from tests.integration.registry_server import missing as registry_missing
 from tests.integration.test_cri import (  # noqa: F401  (fixtures)
-    Node, _gpu_checkpoint, _gpu_workload, base, daemon, gpu, handler, node, registry)
+    Node, _gpu_checkpoint, _gpu_workload, handler, node, registry)
+from tests.integration.torpord import base, daemon, gpu  # noqa: F401  (fixtures)
 from tests.integration.test_registry import netns  # noqa: F401  (fixture)
 from torpor import config
 from torpor.store import chunk
