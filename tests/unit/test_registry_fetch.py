@@ -264,3 +264,73 @@ def test_a_registry_too_slow_for_the_deadline_is_given_up_on_at_it(tmp_path, cer
         stop.set()
         c.close()
         listener.close()
+
+
+@pytest.mark.parametrize("deadline", [None, 30.0])
+def test_blobs_one_after_another_on_one_kept_alive_connection(certs, deadline):
+    """A restore fetches many chunks over one connection. Read to its last byte under a
+    deadline (read1), a blob's response must still end, or the next request on that
+    connection fails (http.client's ResponseNotReady: seen in the CRI image test); an error
+    body read only in part must not poison the connection either."""
+    import hashlib
+    import ssl
+    import threading
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(certs / "ca.crt", certs / "ca.key")
+    listener = socket.create_server(("127.0.0.1", 0))
+    blobs = [os.urandom(70000), os.urandom(12345), b"z" * 5]
+    digests = ["sha256:" + hashlib.sha256(b).hexdigest() for b in blobs]
+    connections = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            connections.append(conn)
+            threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+    def handle(conn) -> None:
+        try:
+            answer(conn)
+        except OSError:   # the client closed a connection whose 404 body it did not want
+            pass
+
+    def answer(conn) -> None:
+        with server_ctx.wrap_socket(conn, server_side=True) as tls:
+            buf = b""
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    data = tls.recv(65536)
+                    if not data:
+                        return
+                    buf += data
+                head, buf = buf.split(b"\r\n\r\n", 1)
+                path = head.split(b" ")[1].decode()
+                digest = path.rsplit("/", 1)[-1]
+                if digest in digests:
+                    body = blobs[digests.index(digest)]
+                    tls.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body)
+                                + body)
+                else:   # a 404 whose body is larger than the client reads of an error
+                    body = b"x" * (1 << 20)
+                    tls.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: %d\r\n\r\n"
+                                % len(body) + body)
+    threading.Thread(target=serve, daemon=True).start()
+    ctx = ssl.create_default_context()
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    ref = auth.parse_reference(f"127.0.0.1:{listener.getsockname()[1]}/a:v1")
+    c = Client(ref, ctx, None, deadline=None if deadline is None else time.monotonic() + deadline)
+    try:
+        for _ in range(2):
+            for b, d in zip(blobs, digests):
+                out = io.BytesIO()
+                c.get_blob(oci.Descriptor(oci.CHUNK_TYPE, d, len(b)), out)
+                assert out.getvalue() == b
+            with pytest.raises(CorruptCheckpointError, match="missing"):
+                c.get_blob(oci.Descriptor(oci.CHUNK_TYPE, "sha256:" + "1" * 64, 3), io.BytesIO())
+        assert len(connections) <= 3, "a new connection for every blob"
+    finally:
+        c.close()
+        listener.close()

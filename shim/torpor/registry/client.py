@@ -64,6 +64,7 @@ class Client:
         self.ref, self.ctx, self.creds, self.deadline = ref, ctx, creds, deadline
         self.sent = self.received = 0
         self._conn: http.client.HTTPSConnection | None = None
+        self._last: http.client.HTTPResponse | None = None   # the connection's latest response
         self._auth: str | None = None
         self.base = f"/v2/{ref.repository}"
 
@@ -91,6 +92,8 @@ class Client:
 
     def _connection(self, what: str = "") -> http.client.HTTPSConnection:
         timeout = self._timeout(what)
+        if self._last is not None and not self._last.isclosed():
+            self.close()   # a response not read to its end (an error's body): a new connection
         if self._conn is None:
             self._conn = http.client.HTTPSConnection(self.ref.host, timeout=timeout,
                                                      context=self.ctx)
@@ -99,6 +102,7 @@ class Client:
         return self._conn
 
     def close(self) -> None:
+        self._last = None
         if self._conn is not None:
             self._conn.close()
             self._conn = None
@@ -138,6 +142,7 @@ class Client:
             self.close()
             self._timeout(what)   # DeadlineError where the deadline cut it short
             raise self._fail(what, f"{type(e).__name__}: {e}") from None
+        self._last = resp
         if body is not None:
             self.sent += len(body)
         if resp.status == 401 and retry_auth:
@@ -283,7 +288,9 @@ class Client:
         h, got = hashlib.sha256(), 0
         try:
             while got <= d.size:
-                if self.deadline is None:
+                if self.deadline is None or got == d.size:
+                    # read() ends the response at its last byte, read1() would leave it
+                    # open (http.client), and the connection then takes no next request
                     data = resp.read(min(READ, d.size + 1 - got))
                 else:   # what has come, at most one wait of what is left: a trickle stops too
                     if self._conn and self._conn.sock:
