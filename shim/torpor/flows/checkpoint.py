@@ -26,8 +26,7 @@ from .. import (__version__, agent_data, criu, gpus, interrupts, manifest, procs
                workloads)
 from ..driver import ProcessState
 from ..engine import Engine, targets_of
-from ..errors import (BusyError, ExitCode, NoDriverError, RolledBackError, TorporError,
-                      UsageError, describe)
+from ..errors import BusyError, NoDriverError, RolledBackError, TorporError, UsageError
 from ..files import open_trusted_dir, remove_lone_file, tree_size
 from ..progress import human_bytes
 from ..store import Store, fingerprints
@@ -186,15 +185,7 @@ def _write_out(engine: Engine, op: Any, stage: agent_data.DataDir, images_dir: P
         manifest.write_draft(images_dir, draft)
         writeout.write_out(engine, stage, images_dir, moved)
     except BaseException as e:
-        stage.remove()
-        why = writeout.abandon(images_dir, e)
-        op.close()
-        raise RolledBackError(
-            f"writeout failed: {describe(e)}; the program runs on (it was resumed before its "
-            f"GPU data was written out), and {images_dir} is no checkpoint ({why.split(':')[0]}"
-            ", marked damaged): remove it",
-            exit_code=ExitCode.INTERRUPTED if isinstance(e, KeyboardInterrupt) else None
-        ) from e
+        raise writeout.failed(e, stage, images_dir, op, advice=": remove it") from e
 
 
 def _manifest(tool: criu.Criu, inv: gpus.Inventory | None, engine: Engine, comms: dict[int, str],

@@ -40,7 +40,7 @@ from typing import Any, Iterator, Mapping
 from .. import agent_data, manifest, procs
 from ..agent import AgentClient
 from ..engine import Engine, STATUS_TIMEOUT_S
-from ..errors import TorporError, describe
+from ..errors import ExitCode, RolledBackError, TorporError, describe
 from ..files import fsync_dir
 from ..layout import INDEX, WRITING
 from ..progress import human_bytes, human_rate
@@ -292,6 +292,21 @@ def abandon(images_dir: Path, error: BaseException) -> str:
         manifest.mark_damaged(images_dir, why)
         os.unlink(images_dir / WRITING)
     return why
+
+
+def failed(error: BaseException, stage: agent_data.DataDir, images_dir: Path, op: Any,
+           what: str = "the program", prefix: str = "", advice: str = "") -> RolledBackError:
+    """A write-out that raised `error`: nothing staged, images_dir abandoned (marked
+    damaged), the operation closed; the error to raise (exit 8, as a rolled-back checkpoint;
+    what: who runs on)."""
+    stage.remove()
+    why = abandon(images_dir, error)
+    op.close()
+    return RolledBackError(
+        f"{prefix}writeout failed: {describe(error)}; {what} runs on (it was resumed before its "
+        f"GPU data was written out), and {images_dir} is no checkpoint ({why.split(':')[0]}, "
+        f"marked damaged){advice}",
+        exit_code=ExitCode.INTERRUPTED if isinstance(error, KeyboardInterrupt) else None)
 
 
 def abandoned_by_dead(images_dir: Path) -> bool:

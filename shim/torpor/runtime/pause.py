@@ -37,7 +37,7 @@ from typing import Any
 from .. import agent, agent_data, gpus, manifest, procs
 from ..config import Config
 from ..engine import Engine
-from ..errors import ExitCode, NoDriverError, RolledBackError, TorporError, describe
+from ..errors import NoDriverError, RolledBackError, TorporError, describe
 from ..flows import writeout
 from ..journal import Operation
 from ..progress import Progress
@@ -135,13 +135,6 @@ def _write_out(cfg: Config, cid: str, images: Path, draft: dict[str, Any],
         writeout.write_out(engine, stage, images, moved)
         timings["writeout"] = time.monotonic() - t
     except BaseException as e:
-        stage.remove()
-        why = writeout.abandon(images, e)
-        op.close()
-        raise RolledBackError(
-            f"checkpoint {cid}: writeout failed: {describe(e)}; the container runs on (it was "
-            f"resumed before its GPU data was written out), and {images} is no checkpoint "
-            f"({why.split(':')[0]}, marked damaged)",
-            exit_code=ExitCode.INTERRUPTED if isinstance(e, KeyboardInterrupt) else None
-        ) from e
+        raise writeout.failed(e, stage, images, op, "the container",
+                              prefix=f"checkpoint {cid}: ") from e
     op.close()
