@@ -17,7 +17,13 @@
 #   3. containerd's runtime handler "$HANDLER" (runc v2 shim, BinaryName = the bundle's
 #      torpor-runtime) in $CONTAINERD_DIR/conf.d/torpor.toml, imported from config.toml (kept
 #      as config.toml.torpor-orig the first time), then containerd restarted ($RESTART=1)
-# uninstall: the handler and the import removed, containerd restarted, the bundle removed.
+#   4. with CRIU_PLUGIN=1, torpor's CRIU plugin (packaging/criu-plugin, docs/criu-plugin.md)
+#      built against the bundle's helper ($NODE_DIR/bin/torpor-criu-helper) into the node's
+#      CRIU plugin directory ($CRIU_PLUGIN_DIR, default /usr/lib/criu): GPU-aware checkpoints
+#      through the node's own runtime. HANDLER="" leaves containerd alone (nodes that cannot
+#      change their runtime handler: the plugin is then their only door).
+# uninstall: the handler and the import removed, containerd restarted, the plugin and the
+#   bundle removed.
 #   Containers started through the handler still call torpor-runtime for their delete and
 #   checkpoint: drain the node of them first (the DaemonSet's pod never uninstalls by itself).
 # Safe to run again. Needs bash, coreutils, ldd, python3 (the image's).
@@ -30,15 +36,20 @@ SRC_CRIU="${SRC_CRIU:-/usr/local/sbin/criu}"
 CONFIG="${CONFIG:-/etc/torpor-k8s/config.toml}"  # the ConfigMap's config (absent: defaults)
 CONTAINERD_DIR="${CONTAINERD_DIR:-/etc/containerd}"
 TORPOR_ETC="${TORPOR_ETC:-/etc/torpor}"            # where the node's torpor reads config.toml
-HANDLER="${HANDLER:-torpor}"
+HANDLER="${HANDLER-torpor}"                       # "" (set, empty): no runtime handler
 RESTART="${RESTART:-1}"                          # restart containerd on the node (hostPID)
+CRIU_PLUGIN="${CRIU_PLUGIN:-0}"                  # 1: torpor's CRIU plugin too (step 4)
+CRIU_PLUGIN_DIR="${CRIU_PLUGIN_DIR:-/usr/lib/criu}"      # as the node sees it
+PLUGIN_SRC="${PLUGIN_SRC:-/opt/torpor/k8s/criu-plugin}"  # its source in the image
 
 say() { printf 'torpor-node: %s\n' "$*"; }
 die() { printf 'torpor-node: error: %s\n' "$*" >&2; exit 1; }
 trap 'die "failed at line $LINENO"' ERR
 
 [[ $NODE_DIR == /* && $NODE_DIR != */ && $NODE_DIR != *..* ]] || die "NODE_DIR must be an absolute path"
-[[ $HANDLER =~ ^[a-z0-9][a-z0-9-]{0,62}$ ]] || die "HANDLER must be a DNS label"
+[[ -z $HANDLER || $HANDLER =~ ^[a-z0-9][a-z0-9-]{0,62}$ ]] || die "HANDLER must be a DNS label, or empty for none"
+[[ $CRIU_PLUGIN == 0 || $CRIU_PLUGIN == 1 ]] || die "CRIU_PLUGIN must be 0 or 1"
+[[ $CRIU_PLUGIN_DIR == /* && $CRIU_PLUGIN_DIR != *..* ]] || die "CRIU_PLUGIN_DIR must be an absolute path"
 root="${HOST_ROOT%/}"
 dest="$root$NODE_DIR"
 conf="$root$CONTAINERD_DIR/config.toml"
@@ -110,7 +121,7 @@ bundle() {
         wrap torpor-runtime "$(printf '#!/bin/sh\nTORPOR_RUNTIME_PY=%s/bin/torpor-runtime-py exec %s --argv0 "$0" %s/libexec/torpor-runtime "$@"\n' "$NODE_DIR" "$loader" "$cur")"
     fi
     for cmd in torpor:torpor.cli.main torpord:torpor.sidecar.daemon torpor-hook:torpor_hook \
-               torpor-runtime-py:torpor.runtime.main \
+               torpor-runtime-py:torpor.runtime.main torpor-criu-helper:torpor.criu_plugin \
                ${front:+x}torpor-runtime:torpor.runtime.main; do
         [[ $cmd == x* ]] && continue
         wrap "${cmd%%:*}" "$(printf '#!%s/python/bin/python3 -s\nimport sys\nfrom %s import main\nsys.exit(main())\n' "$cur" "${cmd#*:}")"
@@ -211,6 +222,20 @@ EOF
     mv "$snippet.tmp" "$snippet"
 }
 
+# torpor's CRIU plugin, built here against the bundle's helper, into the node's CRIU plugin
+# directory in one rename (a CRIU starting meanwhile loads the old one or the new one)
+install_plugin() {
+    local dir="$root$CRIU_PLUGIN_DIR" build
+    [[ -f $PLUGIN_SRC/Makefile ]] || die "no CRIU plugin source at $PLUGIN_SRC in the image"
+    build=$(mktemp -d)
+    make -s -C "$PLUGIN_SRC" BUILD="$build" HELPER="$NODE_DIR/bin/torpor-criu-helper" \
+        >/dev/null || { rm -rf "$build"; die "the CRIU plugin did not build"; }
+    install -d -m 0755 "$dir"
+    install -m 0755 "$build/torpor_criu_plugin.so" "$dir/.torpor_criu_plugin.so.new"
+    mv -f "$dir/.torpor_criu_plugin.so.new" "$dir/torpor_criu_plugin.so"
+    rm -rf "$build"
+}
+
 restart_containerd() {
     [[ $RESTART == 1 ]] || { say "containerd not restarted (RESTART=$RESTART)"; return 0; }
     say "restarting containerd on the node"
@@ -225,16 +250,27 @@ case "${1:-}" in
         "$dest/bin/torpor" --version >/dev/null 2>&1 || [[ -n $root ]] ||
             die "the bundle does not run: $dest/bin/torpor --version failed"
         write_config
-        [[ -f $conf && ! -e $conf.torpor-orig ]] && cp -p "$conf" "$conf.torpor-orig"
-        write_snippet
-        containerd_import add
-        restart_containerd
-        say "installed: runtime handler \"$HANDLER\" -> $NODE_DIR/bin/torpor-runtime"
+        if [[ $CRIU_PLUGIN == 1 ]]; then
+            install_plugin
+            say "installed: CRIU plugin $CRIU_PLUGIN_DIR/torpor_criu_plugin.so (every CRIU on the node loads it; torpord must run)"
+        fi
+        if [[ -n $HANDLER ]]; then
+            [[ -f $conf && ! -e $conf.torpor-orig ]] && cp -p "$conf" "$conf.torpor-orig"
+            write_snippet
+            containerd_import add
+            restart_containerd
+            say "installed: runtime handler \"$HANDLER\" -> $NODE_DIR/bin/torpor-runtime"
+        else
+            say "no runtime handler (HANDLER is empty): containerd left as it is"
+        fi
         ;;
     uninstall)
-        containerd_import remove
-        rm -f "$snippet"
-        restart_containerd
+        rm -f "$root$CRIU_PLUGIN_DIR/torpor_criu_plugin.so"
+        if [[ -n $HANDLER ]]; then
+            containerd_import remove
+            rm -f "$snippet"
+            restart_containerd
+        fi
         rm -rf "$dest"
         say "uninstalled"
         ;;

@@ -163,8 +163,54 @@ def test_a_version_3_config_keeps_its_imports_and_uninstall_restores_it(tmp_path
     assert not snippet.exists() and not (tmp_path / "node").exists()
 
 
+def test_the_criu_plugin_option_without_a_handler(tmp_path: Path) -> None:
+    """A node whose runtime handler cannot change: CRIU_PLUGIN=1 HANDLER="" puts torpor's
+    CRIU plugin, built against the bundle's helper, into the node's CRIU plugin directory;
+    containerd's config is left as it was; a CRIU loads the plugin (a process without CUDA:
+    nothing to do); uninstall takes it out again."""
+    if os.geteuid() != 0 or not Path("/usr/local/sbin/criu").exists():
+        pytest.skip("needs root and CRIU at /usr/local/sbin/criu (./install.sh)")
+    (tmp_path / "containerd").mkdir()
+    (tmp_path / "containerd" / "config.toml").write_text(V2_CONFIG)
+    plugins = tmp_path / "usr-lib-criu"
+    env = {"CRIU_PLUGIN": "1", "HANDLER": "", "CRIU_PLUGIN_DIR": str(plugins),
+           "PLUGIN_SRC": str(ROOT / "packaging" / "criu-plugin")}
+    r = node_install(tmp_path, "install", **env)
+    assert r.returncode == 0, r.stderr
+    assert "containerd left as it is" in r.stdout, r.stdout
+    assert (tmp_path / "containerd" / "config.toml").read_text() == V2_CONFIG
+    assert not (tmp_path / "containerd" / "conf.d").exists()
+    so = plugins / "torpor_criu_plugin.so"
+    helper = tmp_path / "node" / "bin" / "torpor-criu-helper"
+    assert str(helper).encode() in so.read_bytes()         # the bundle's helper, baked in
+    h = subprocess.run([str(helper), "check", "--images", str(tmp_path / "none")],
+                       env=CLEAN, capture_output=True, text=True, timeout=60)
+    assert h.returncode != 0 and "Traceback" not in h.stderr and h.stderr.strip(), h.stderr
+    sleeper = subprocess.Popen(["sleep", "100"], start_new_session=True,
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    try:
+        images = tmp_path / "images"
+        images.mkdir()
+        d = subprocess.run([str(tmp_path / "node" / "bin" / "criu"), "dump", "-t",
+                            str(sleeper.pid), "-D", str(images), "-L", str(plugins), "-v4",
+                            "-o", "dump.log", "--shell-job"], env=CLEAN, capture_output=True,
+                           text=True, timeout=120)
+        log = (images / "dump.log").read_text(errors="replace")
+        assert d.returncode == 0, log[-2000:]
+        assert 'Plugin "torpor_plugin"' in log and "maps libcuda: nothing to do" in log, log[-2000:]
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    r = node_install(tmp_path, "uninstall", **env)
+    assert r.returncode == 0, r.stderr
+    assert not so.exists() and not (tmp_path / "node").exists()
+    assert (tmp_path / "containerd" / "config.toml").read_text() == V2_CONFIG
+
+
 @pytest.mark.parametrize("bad", [{"NODE_DIR": "relative/node"}, {"NODE_DIR": "/opt/../etc"},
-                                 {"HANDLER": "Bad Handler"}])
+                                 {"HANDLER": "Bad Handler"}, {"CRIU_PLUGIN": "yes"},
+                                 {"CRIU_PLUGIN_DIR": "usr/lib/criu"}])
 def test_bad_settings_are_refused_with_one_line(tmp_path: Path, bad: dict[str, str]) -> None:
     r = node_install(tmp_path, "install", **bad)
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "error" in r.stderr
