@@ -68,6 +68,18 @@ def summary(times: list[float]) -> dict:
             "p90_s": s[min(len(s) - 1, int(0.9 * len(s)))], "min_s": s[0]}
 
 
+def _timed(step, warmup: int, steps: int) -> list[float]:
+    """step() warmup times, then each of `steps` calls timed (seconds)."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    return times
+
+
 def child_train(a: argparse.Namespace) -> list[float]:
     import torch
     torch.manual_seed(a.seed)
@@ -87,14 +99,7 @@ def child_train(a: argparse.Namespace) -> list[float]:
         opt.step()
         torch.cuda.synchronize()
 
-    for _ in range(a.warmup):
-        step()
-    times = []
-    for _ in range(a.steps):
-        t = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t)
-    return times
+    return _timed(step, a.warmup, a.steps)
 
 
 def child_infer(a: argparse.Namespace) -> list[float]:
@@ -141,14 +146,7 @@ def child_infer(a: argparse.Namespace) -> list[float]:
 def child_cpu(a: argparse.Namespace) -> list[float]:
     def step() -> int:
         return sum(i * i for i in range(20000))
-    for _ in range(a.warmup):
-        step()
-    times = []
-    for _ in range(a.steps):
-        t = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t)
-    return times
+    return _timed(step, a.warmup, a.steps)
 
 
 def child(a: argparse.Namespace) -> int:
