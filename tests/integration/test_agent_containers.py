@@ -20,7 +20,8 @@ from pathlib import Path
 
 from tests.integration.conftest import wait_for
 from tests.integration.test_containers_gpu import (  # noqa: F401  (fixtures)
-    GIB, base, containerd, daemon, fake_nodes, gpu, name, needs_criu, podman, shim)
+    GIB, containerd, fake_nodes, name, needs_criu, podman, shim)
+from tests.integration.torpord import base, daemon, gpu  # noqa: F401  (fixtures)
 from torpor.agent import AgentClient
 import pytest
 

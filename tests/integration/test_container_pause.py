@@ -24,8 +24,8 @@ from integration.containers import Podman
 from tests.integration.conftest import wait_for
 from tests.integration.test_agent_containers import _events, agent_workload
 from tests.integration.test_containers_gpu import (  # noqa: F401  (fixtures)
-    base, fake_nodes, gpu, name, needs_criu)
-from tests.integration.torpord import Daemon
+    fake_nodes, name, needs_criu)
+from tests.integration.torpord import Daemon, base, gpu  # noqa: F401  (fixtures)
 from torpor.agent import AgentClient
 
 pytestmark = [needs_criu, pytest.mark.criu]
@@ -73,6 +73,21 @@ def _staged(daemon) -> set[Path]:
     """suspend_dir's entries."""
     d = Path(daemon.cfg.suspend_dir)
     return set(d.iterdir()) if d.is_dir() else set()
+
+
+def _leave_running(podman, name: str, images: Path, until: str) -> subprocess.Popen:
+    """`podman container checkpoint --leave-running name`, started once `until` appears in
+    the image directory (".torpor-writing": the dump under way; "torpor-gpu": the write-out),
+    looked for every millisecond: the moment a kill is meant to land in is short."""
+    ck = subprocess.Popen([*podman.base, "container", "checkpoint", "--leave-running", name],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while not (images / until).exists():
+        if time.monotonic() > deadline or ck.poll() is not None:
+            out, _ = ck.communicate()
+            raise AssertionError(f"no {until} in {images}: {out}")
+        time.sleep(0.001)
+    return ck
 
 
 def test_leave_running_pause_is_shorter_than_the_write_out(mine, gpu, daemon, base, name):
@@ -183,9 +198,7 @@ def test_torpor_runtime_killed_during_the_write_out_is_recovered(mine, gpu, daem
     cid = podman.inspect(name, "{{.Id}}")
     images = podman.bundle(name) / "checkpoint"
     try:
-        ck = subprocess.Popen([*podman.base, "container", "checkpoint", "--leave-running", name],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        wait_for(lambda: (images / "torpor-gpu").exists(), 60, "the write-out")
+        ck = _leave_running(podman, name, images, "torpor-gpu")
         for pid in _runtime_pids(cid):
             os.kill(pid, 9)
         out, _ = ck.communicate(timeout=120)
@@ -214,11 +227,7 @@ def test_torpor_runtime_killed_during_the_dump_is_rolled_back(mine, gpu, daemon,
     cid = podman.inspect(name, "{{.Id}}")
     images = podman.bundle(name) / "checkpoint"
     try:
-        ck = subprocess.Popen([*podman.base, "container", "checkpoint", "--leave-running", name],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 60
-        while not (images / ".torpor-writing").exists() and time.monotonic() < deadline:
-            time.sleep(0.001)
+        ck = _leave_running(podman, name, images, ".torpor-writing")
         for pid in _runtime_pids(cid):
             os.kill(pid, 9)
         assert not (images / "torpor-gpu").exists()   # killed before its write-out
@@ -267,11 +276,7 @@ def test_torpord_killed_during_the_dump_of_a_staged_checkpoint(mine, gpu, daemon
     events, sock = _start(podman, gpu, daemon, base, name)
     images = podman.bundle(name) / "checkpoint"
     try:
-        ck = subprocess.Popen([*podman.base, "container", "checkpoint", "--leave-running", name],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 60
-        while not (images / ".torpor-writing").exists() and time.monotonic() < deadline:
-            time.sleep(0.001)
+        ck = _leave_running(podman, name, images, ".torpor-writing")
         assert not (images / "torpor-gpu").exists()    # still dumping
         _kill_torpord(daemon)
         out, _ = ck.communicate(timeout=120)
@@ -296,9 +301,7 @@ def test_torpord_killed_during_the_write_out_changes_nothing(mine, gpu, daemon, 
     events, sock = _start(podman, gpu, daemon, base, name)
     images = podman.bundle(name) / "checkpoint"
     try:
-        ck = subprocess.Popen([*podman.base, "container", "checkpoint", "--leave-running", name],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        wait_for(lambda: (images / "torpor-gpu").exists(), 60, "the write-out")
+        ck = _leave_running(podman, name, images, "torpor-gpu")
         _kill_torpord(daemon)
         out, _ = ck.communicate(timeout=120)
         assert ck.returncode == 0, out
