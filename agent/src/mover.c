@@ -207,6 +207,8 @@ static int memory_sinks(void)
 		n = CPU_COUNT(&set);
 	if (n < 1)
 		n = (int)sysconf(_SC_NPROCESSORS_ONLN);
+	if (tune.workers) /* TORPOR_AGENT_MOVER_WORKERS */
+		n = tune.workers;
 	return n < 1 ? 1 : n > MAX_FILES ? MAX_FILES : n;
 }
 
@@ -216,7 +218,7 @@ int mover_save(const int *fds, int nfds, int known_fd, int index_fd, int ring_fd
 	long long t0 = now_ms(), t1;
 	size_t dropped = 0, nknown = 0;
 	XXH128_canonical_t *known = NULL;
-	int ret, in_memory = nfds == 0;
+	int ret, in_memory = nfds == 0, gpu_check;
 	const char *check = getenv("TORPOR_AGENT_FP_CHECK");
 	const char *zeros = getenv("TORPOR_AGENT_ZEROS"); /* "0": every part is copied */
 
@@ -262,7 +264,12 @@ int mover_save(const int *fds, int nfds, int known_fd, int index_fd, int ring_fd
 	}
 	plan.in_memory = in_memory;
 	fp_checking = check && *check && strcmp(check, "0");
-	fingerprint_parts(known, nknown, index_fd >= 0, !zeros || strcmp(zeros, "0"), r);
+	/* TORPOR_AGENT_MOVER_CHECK=gpu: every part fingerprinted in the zero scan's pass, for a
+	 * check on the GPU after the reload instead of the host's sums (not where the image
+	 * store is involved: its index and stream keep their own rules) */
+	gpu_check = tune.gpu_check && index_fd < 0 && ring_fd < 0;
+	fingerprint_parts(known, nknown, index_fd >= 0 || gpu_check, !zeros || strcmp(zeros, "0"), r);
+	plan.gpu_check = gpu_check && plan.fingerprinted;
 	free(known);
 	sinks_layout();
 	ret = plan.nchunks ? run_workers(in_memory ? NULL : fds, plan.nfiles, 1, r) : 0;
