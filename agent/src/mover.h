@@ -207,6 +207,18 @@ int copy_range(struct worker *w, unsigned char *host, CUdeviceptr dev, size_t le
 	       int out);
 int wait_stream(struct worker *w, CUstream s);
 
+/* -- straight between the GPU and the sink (mover_direct.c; tune.direct) ------------------------ */
+
+/* After region_get: the sink mapped (and for direct-whole registered); a refusal leaves the
+ * worker staged, with one warning. direct_close undoes it, with every slot's registration. */
+void direct_open(struct worker *w);
+void direct_close(struct worker *w);
+/* Does chunk c go straight, in slot i (its span registered for direct, until direct_end)? */
+int direct_begin(struct worker *w, const struct chunk *c, int i);
+void direct_end(struct worker *w, int i);
+/* The host sums of c's parts that move, read from the sink. */
+void direct_sums(const struct worker *w, const struct chunk *c, uint64_t *sums);
+
 /* -- the image store's ring (stream.c; agent/PROTOCOL.md, "Streaming") ----------------------- */
 
 /* Maps the ring and takes the socket for one save or load; 0, or -1 with err. */
