@@ -328,7 +328,7 @@ def table(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=float, nargs="+", default=[8, 16])
@@ -347,7 +347,7 @@ def main() -> int:
     ap.add_argument("--pinned", action="store_true", help=argparse.SUPPRESS)  # the child
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--out", type=Path, default=Path("bench/results/mover_sweep.json"))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.pinned:
         print(json.dumps(pinned_limit(args.pinned_gib, args.pinned_reps)))
         return 0
