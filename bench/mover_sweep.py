@@ -32,7 +32,6 @@ not depend on the bulk's size: one small reference at the end serves every progr
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -338,9 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--leave-running", action="store_true",
                     help="one --leave-running checkpoint a program in stage 2 (CRIU needed)")
     ap.add_argument("--ck-root", default="/dev/shm/torpor-msweep-ck")
-    ap.add_argument("--budget-s", type=float, default=170,
+    ap.add_argument("--budget-s", type=float, default=150,
                     help="no program is started after this many seconds")
-    ap.add_argument("--warm-gib", type=float, default=48,
+    ap.add_argument("--warm-gib", type=float, default=36,
                     help="host memory touched once before any program (0: none)")
     ap.add_argument("--pinned-gib", type=float, default=4)
     ap.add_argument("--pinned-reps", type=int, default=3)
@@ -398,6 +397,18 @@ def main(argv: list[str] | None = None) -> int:
                 plan = [(v, g, args.leave_running) for g in args.sizes[1:] for v in chosen]
                 if not args.sizes[1:] and args.leave_running:   # one size: leave-running there
                     plan = [(v, args.sizes[0], True) for v in chosen]
+        # every program's loss at each step against the others' (the same seed: the same
+        # losses, whatever the bulk's size), whether or not the reference below runs
+        kept = {id(r): read_steps(Path(r["steps_file"])) for r in doc["runs"]
+                if r.get("steps_file")}
+        first: dict[int, str] = {}
+        for steps in kept.values():
+            for step, v in steps.items():
+                first.setdefault(step, v[0])
+        for r in doc["runs"]:
+            if id(r) in kept:
+                r["losses_agree_across_programs"] = all(
+                    first[s] == v[0] for s, v in kept[id(r)].items())
         upto = sw.max_step
         if upto and sw.elapsed() < args.budget_s + 60:
             print(f"== reference to step {upto}", flush=True)

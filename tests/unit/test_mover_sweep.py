@@ -118,6 +118,7 @@ def test_every_variant_then_the_fastest_at_the_next_size(sweep):
         [("default", 2), ("direct-gpucheck", 2), ("gpucheck-buffers4", 2)]
     for r in doc["runs"]:
         assert r["slices_ok"] and r["losses_ok"] and "error" not in r, r
+        assert r["losses_agree_across_programs"], r
         assert len(r["rounds"]) == 2
         s = r["rounds"][0]["suspend"]
         assert s["copy_gbps"] == pytest.approx(GOOD_RATE[r["variant"]], rel=1e-3)
