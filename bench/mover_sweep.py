@@ -12,8 +12,8 @@ phase timings, the agent's reply (bytes moved, its staging / copy / release phas
 three ways (the agent's copy phase, the agent's whole reply, the wall), each also as a ratio
 of the pinned limit of its direction.
 
-Stage 1 runs every variant at the first size; stage 2 runs the default and the --top fastest
-other variants of stage 1 (by the suspend's copy GB/s) at the other sizes, with the
+Stage 1 runs every variant at the first size; stage 2 runs the fastest other variant of stage 1
+(by the suspend's copy GB/s), the default, then the next --top - 1 at the other sizes, with the
 leave-running checkpoint when --leave-running. --budget-s stops starting programs once spent
 (what was skipped is recorded). The pinned limit: a torch pinned tensor copied to and from the
 GPU (one stream, and two streams of half each), best of --pinned-reps, in a child process
@@ -49,13 +49,15 @@ sys.path[:0] = [str(ROOT / "shim"), str(ROOT)]
 GB, GiB, SLICE = 1e9, 1 << 30, 256 << 20
 
 # name -> the program's environment (mover_tune.c) and config changes (engine side)
+# (in the order stage 1 runs them: the budget cuts the last)
 VARIANTS: dict[str, dict] = {
     "default": {},
-    "buffers4": {"TORPOR_AGENT_MOVER_BUFFERS": "4"},
+    "no-presize": {"TORPOR_AGENT_MOVER_PRESIZE": "0"},
     "gpucheck": {"TORPOR_AGENT_MOVER_CHECK": "gpu"},
+    "direct-gpucheck": {"TORPOR_AGENT_MOVER_SINK": "direct", "TORPOR_AGENT_MOVER_CHECK": "gpu"},
+    "buffers4": {"TORPOR_AGENT_MOVER_BUFFERS": "4"},
     "gpucheck-buffers4": {"TORPOR_AGENT_MOVER_CHECK": "gpu", "TORPOR_AGENT_MOVER_BUFFERS": "4"},
     "direct": {"TORPOR_AGENT_MOVER_SINK": "direct"},
-    "direct-gpucheck": {"TORPOR_AGENT_MOVER_SINK": "direct", "TORPOR_AGENT_MOVER_CHECK": "gpu"},
     "direct-whole-gpucheck": {"TORPOR_AGENT_MOVER_SINK": "direct-whole",
                               "TORPOR_AGENT_MOVER_CHECK": "gpu"},
 }
@@ -392,7 +394,9 @@ def main(argv: list[str] | None = None) -> int:
                 ranked = sorted((r for r in doc["runs"] if r.get("best_suspend_copy_gbps")
                                  and r["variant"] != "default" and r.get("slices_ok")),
                                 key=lambda r: -r["best_suspend_copy_gbps"])
-                chosen = ["default"] + [r["variant"] for r in ranked[:args.top]]
+                # the fastest first (the budget may cut the last), then the default
+                top = [r["variant"] for r in ranked[:args.top]]
+                chosen = top[:1] + ["default"] + top[1:]
                 doc["stage2_variants"] = chosen
                 plan = [(v, g, args.leave_running) for g in args.sizes[1:] for v in chosen]
                 if not args.sizes[1:] and args.leave_running:   # one size: leave-running there

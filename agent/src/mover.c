@@ -212,6 +212,18 @@ static int memory_sinks(void)
 	return n < 1 ? 1 : n > MAX_FILES ? MAX_FILES : n;
 }
 
+/* Every data file at its full size (its holes too); 0, or -1 with r->error. */
+static int size_files(const int *fds, int nfds, struct move_result *r)
+{
+	for (int k = 0; !plan.in_memory && k < nfds; k++)
+		if (ftruncate(fds[k], plan.file_size[k]) < 0) {
+			snprintf(r->error, sizeof(r->error), "sizing data file %d: %s", k,
+				 strerror(errno));
+			return -1;
+		}
+	return 0;
+}
+
 int mover_save(const int *fds, int nfds, int known_fd, int index_fd, int ring_fd, int sock_fd,
 	       struct move_result *r)
 {
@@ -278,16 +290,11 @@ int mover_save(const int *fds, int nfds, int known_fd, int index_fd, int ring_fd
 	 * workers write 1 MiB at a time, each past the end of a growing file: measured on Linux
 	 * 6.18, 256 MiB written so got no 2 MiB page, and every page once the file was sized
 	 * first. */
-	ret = 0;
-	for (int k = 0; !in_memory && k < nfds; k++)
-		if (ftruncate(fds[k], plan.file_size[k]) < 0) {
-			snprintf(r->error, sizeof(r->error), "sizing data file %d: %s", k,
-				 strerror(errno));
-			ret = -1;
-			break;
-		}
+	ret = tune.presize ? size_files(fds, nfds, r) : 0;
 	if (!ret && plan.nchunks)
 		ret = run_workers(in_memory ? NULL : fds, plan.nfiles, 1, r);
+	if (!ret && !tune.presize) /* TORPOR_AGENT_MOVER_PRESIZE=0: as before, to measure */
+		ret = size_files(fds, nfds, r);
 	/* the index before anything is released: without it the skipped parts are lost */
 	if (!ret && index_fd >= 0)
 		ret = index_write(index_fd, r->error, sizeof(r->error));

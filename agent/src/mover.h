@@ -41,6 +41,8 @@ struct mover_tune {
 			  * the reload (saves without an index or a stream only) */
 	int region_huge; /* TORPOR_AGENT_MOVER_REGION_HUGE=1: the agent's memory regions with
 			  * transparent huge pages (MADV_HUGEPAGE) */
+	int presize;     /* TORPOR_AGENT_MOVER_PRESIZE=0: data files sized after they are
+			  * written, not before (the mover before issue 20: measured against) */
 };
 extern struct mover_tune tune;
 

@@ -27,6 +27,8 @@
  *                                     sink if the kernel cannot run then). Saves without an
  *                                     index or a stream only: the image store's own rules stay.
  *   TORPOR_AGENT_MOVER_REGION_HUGE=1  the agent's memory regions get MADV_HUGEPAGE (default 0)
+ *   TORPOR_AGENT_MOVER_PRESIZE=0      data files sized once written, as before, instead of
+ *                                     before the first write (default 1: mover.c says why)
  */
 #define LOG_PREFIX "mover: "
 #include "agent.h" /* first: _GNU_SOURCE */
@@ -37,7 +39,7 @@
 #include "mover.h"
 
 struct mover_tune tune = { .buffers = 2, .workers = 0, .direct = DIRECT_OFF, .gpu_check = 0,
-			   .region_huge = 0 };
+			   .region_huge = 0, .presize = 1 };
 
 /* name's value as an integer in [lo, hi] into *out; unset leaves it, anything else warns. */
 static void tune_int(const char *name, int lo, int hi, int *out)
@@ -85,9 +87,10 @@ void mover_tune_read(void)
 	tune_word("TORPOR_AGENT_MOVER_SINK", sinks, 3, &t.direct);
 	tune_word("TORPOR_AGENT_MOVER_CHECK", checks, 2, &t.gpu_check);
 	tune_word("TORPOR_AGENT_MOVER_REGION_HUGE", onoff, 2, &t.region_huge);
+	tune_word("TORPOR_AGENT_MOVER_PRESIZE", onoff, 2, &t.presize);
 	if (memcmp(&t, &tune, sizeof(t)))
-		pr_info("tuned: buffers %d, workers %d, sink %s, check %s, region huge pages %s",
-			t.buffers, t.workers, sinks[t.direct], checks[t.gpu_check],
-			t.region_huge ? "on" : "off");
+		pr_info("tuned: buffers %d, workers %d, sink %s, check %s, region huge pages %s, "
+			"files sized %s", t.buffers, t.workers, sinks[t.direct], checks[t.gpu_check],
+			t.region_huge ? "on" : "off", t.presize ? "first" : "last");
 	tune = t;
 }
