@@ -231,3 +231,19 @@ def test_data_files_on_a_within_size_tmpfs_get_huge_pages(gpu, probe, tmp_path, 
         assert p.call(f"@check {ptr} {128 * MIB} 5")["ok"]
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_the_prepare_progress_counts_written_bytes_not_sized_files(tmp_path):
+    """The agent sizes its files before writing them: the prepare's progress (engine/agents.py)
+    counts what is allocated, so a file sized but not yet written is not reported as moved."""
+    import os
+    from torpor.files import tree_size
+    d = tmp_path / "data"
+    d.mkdir()
+    with open(d / "gpu-memory-0.bin", "wb") as f:
+        f.truncate(64 * MIB)
+        f.write(b"x" * MIB)
+        f.flush()
+        os.fsync(f.fileno())
+    assert tree_size(d) == 64 * MIB
+    assert MIB <= tree_size(d, allocated=True) < 4 * MIB
