@@ -16,6 +16,8 @@
 #   6. containerd 2.x with its CRI plugin beside the distribution's 1.6, torpor as its runtime
 #      handler (packaging/containerd/install-containerd2.sh: from Debian unstable, into
 #      /opt/torpor/containerd2; TORPOR_NO_CONTAINERD2=1 skips it)
+#   7. optional, TORPOR_INSTALL_CRIU_PLUGIN=1: torpor's CRIU plugin into /usr/lib/criu
+#      (packaging/criu-plugin/install.sh, docs/criu-plugin.md)
 # Safe to run again. Needs only the distribution's package mirror and PyPI.
 set -Eeuo pipefail
 
@@ -81,9 +83,14 @@ if [[ ${TORPOR_ENGINES:-1} != 0 ]] && ! command -v checkpointctl >/dev/null; the
         || say "checkpointctl was not built (optional; its test part is skipped)"
 fi
 
-for cmd in torpor torpord torpor-runtime torpor-runtime-py torpor-hook; do
+for cmd in torpor torpord torpor-runtime torpor-runtime-py torpor-hook torpor-criu-helper; do
     ln -sf "$PREFIX/bin/$cmd" "/usr/local/bin/$cmd"
 done
+# torpor's CRIU plugin (docs/criu-plugin.md): GPU checkpoints through any engine's own CRIU,
+# for nodes that cannot use torpor-runtime. Off by default: every CRIU on the node loads it.
+if [[ ${TORPOR_INSTALL_CRIU_PLUGIN:-0} == 1 ]]; then
+    bash packaging/criu-plugin/install.sh
+fi
 # podman learns the runtime "torpor" (podman --runtime torpor, or runtime = "torpor" in that
 # file makes it the default); containerd's snippet is copied for the operator to import.
 install -d -m 0755 /etc/containers/containers.conf.d

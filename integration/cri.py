@@ -8,7 +8,7 @@ under ``$TORPOR_CONTAINERD2``, default /opt/torpor/containerd2) and the CRI clie
 
 API::
 
-    Containerd2(base, torpor_runtime, *, registries=(), cdi_dirs=())   # a private daemon
+    Containerd2(base, torpor_runtime, *, registries=(), cdi_dirs=(), netns=None)  # a private daemon
         .socket / .ctr(*args) / .stop()         # config: packaging/containerd/containerd2.toml
     Cri(socket)                                 # the kubelet's calls, typed
         .pull(ref, auth=None) -> str            # image ref; auth: (user, password), as
@@ -120,7 +120,10 @@ class Containerd2:
     :meth:`stop`; the sandbox image is imported at start."""
 
     def __init__(self, base: Path, torpor_runtime: str, *, registries: Iterable[str] = (),
-                 cdi_dirs: Iterable[Path] = (), prefix: Path = PREFIX, timeout: float = 60):
+                 cdi_dirs: Iterable[Path] = (), prefix: Path = PREFIX, timeout: float = 60,
+                 netns: str | None = None):
+        """netns: a network namespace (ip netns add) the daemon, and so its pods of the host
+        network, run in: a node of its own on this machine."""
         self.base, self.prefix, self.timeout = Path(base), Path(prefix), timeout
         self.root, self.state = self.base / "root", self.base / "state"
         self.socket = self.state / "containerd.sock"
@@ -137,6 +140,12 @@ class Containerd2:
         if cdi:
             assert DEFAULT_CDI in text, "containerd2.toml lost its cdi_spec_dirs line"
             text = text.replace(DEFAULT_CDI, repr(cdi))
+        snapshotter = os.environ.get("TORPOR_CONTAINERD2_SNAPSHOTTER")   # e.g. native where
+        if snapshotter:                                     # overlay cannot mount (GPU host)
+            # CRI's pulls go through the transfer service, which unpacks for overlayfs only
+            # unless told otherwise: pull (and unpack) in the CRI plugin itself
+            text = text.replace("snapshotter = 'overlayfs'", f"snapshotter = '{snapshotter}'\n"
+                                "  use_local_image_pull = true")
         for k, v in {"@ROOT@": self.root, "@STATE@": self.state, "@PREFIX@": self.prefix,
                      "@CONFIG_DIR@": self.base, "@TORPOR_RUNTIME@": torpor_runtime}.items():
             text = text.replace(k, str(v))
@@ -145,8 +154,10 @@ class Containerd2:
         env["TMPDIR"] = str(self.base / "tmp")   # CRI restore unpacks archives there
         self.log = self.base / "containerd.log"
         with open(self.log, "ab") as log:
-            self.daemon = subprocess.Popen([str(self.prefix / "bin" / "containerd"), "--config",
-                                            str(self.config)], stdin=subprocess.DEVNULL,
+            enter = ["nsenter", f"--net=/run/netns/{netns}", "--"] if netns else []
+            self.daemon = subprocess.Popen([*enter, str(self.prefix / "bin" / "containerd"),
+                                            "--config", str(self.config)],
+                                           stdin=subprocess.DEVNULL,
                                            stdout=log, stderr=log, env=env,
                                            start_new_session=True)
         deadline = time.monotonic() + 30
@@ -248,7 +259,10 @@ class Cri:
         pb = self.pb
         return pb.ContainerConfig(
             metadata=pb.ContainerMetadata(name=spec.name, attempt=0),
-            image=pb.ImageSpec(image=image or spec.image),
+            # the kubelet (1.29+) also gives the pod's image as it was written: containerd's
+            # restore from a checkpoint image passes it on (annotation checkpointImage)
+            image=pb.ImageSpec(image=image or spec.image,
+                               user_specified_image=image or spec.image),
             command=list(spec.command),
             envs=[pb.KeyValue(key=k, value=self._env_value(v)) for k, v in spec.env.items()],
             mounts=[pb.Mount(host_path=str(h), container_path=c, readonly=ro)

@@ -20,6 +20,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Mapping
 
 from .containers import Podman
 
@@ -71,33 +72,38 @@ class TorchStatus:
         return int(self.status().get("step", -1))
 
 
-class TorchContainer(TorchStatus):
-    """tests/gpu/torch_program.py in a podman container named `name`."""
+class ContainedTorch(TorchStatus):
+    """torch_program.py in a container (podman's or a CRI pod's): its steps, status and log
+    files in ``workdir`` (a restored container goes on writing the same ones), its command
+    line, and waiting on it. A subclass says how its engine starts it and what state it is in
+    (``state()``, ``running()``)."""
 
-    def __init__(self, podman: Podman, name: str, workdir: Path, gib: float, seed: int = 1234,
-                 max_steps: int = 0, annotations: dict[str, str] | None = None,
-                 env: dict[str, str] | None = None):
-        self.podman, self.name, self.workdir = podman, name, Path(workdir)
+    def __init__(self, name: str, workdir: Path, gib: float, seed: int, max_steps: int,
+                 program: Path = TORCH_PROGRAM, extra: tuple[str, ...] = ()):
+        self.name, self.workdir, self.program = name, Path(workdir), Path(program)
         self.gib, self.seed, self.max_steps = gib, seed, max_steps
-        self.annotations = annotations or {}
-        self.env = env or {}    # more of the program's environment
+        self.extra = tuple(extra)   # more of the program's arguments (e.g. --cache-gib)
         self.steps = self.workdir / f"{name}.steps"
         self.status_path = self.workdir / f"{name}.status.json"
         self.log = self.workdir / f"{name}.log"
 
-    def start(self) -> str:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        argv = [sys.executable, str(TORCH_PROGRAM), "--gib", str(self.gib), "--seed",
+    def command(self, env: Mapping[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+        """The container's argv (a shell that execs the program, its output into the log) and
+        environment (``env`` added)."""
+        argv = [sys.executable, str(self.program), "--gib", str(self.gib), "--seed",
                 str(self.seed), "--steps-file", str(self.steps), "--status",
-                str(self.status_path), "--max-steps", str(self.max_steps)]
+                str(self.status_path), "--max-steps", str(self.max_steps), *self.extra]
         shell = " ".join(f"'{a}'" for a in argv) + f" >>'{self.log}' 2>&1"
         # The image has no /etc/passwd: torch asks getpass for a cache directory name.
-        env = {"USER": "root", "HOME": str(self.workdir),
-               "TORCHINDUCTOR_CACHE_DIR": str(self.workdir / "inductor"), **self.env}
-        return self.podman.run(self.name, ["/bin/sh", "-c", f"exec {shell}"], env=env,
-                               devices=nvidia_devices(),
-                               mounts=gpu_mounts(self.workdir, TORCH_PROGRAM.parent),
-                               annotations=self.annotations)
+        return ["/bin/sh", "-c", f"exec {shell}"], {
+            "USER": "root", "HOME": str(self.workdir),
+            "TORCHINDUCTOR_CACHE_DIR": str(self.workdir / "inductor"), **(env or {})}
+
+    def state(self) -> str:
+        raise NotImplementedError
+
+    def running(self, state: str) -> bool:
+        raise NotImplementedError
 
     def _tail(self) -> str:
         try:
@@ -113,11 +119,11 @@ class TorchContainer(TorchStatus):
                 return
             if time.monotonic() > next_check:   # a container that exited will not get there
                 next_check = time.monotonic() + 2
-                if self.podman.state(self.name) not in ("running", "paused"):
+                if not self.running(self.state()):
                     break
             time.sleep(0.05)
         raise AssertionError(f"{self.name}: timed out waiting for {what}; "
-                             f"state {self.podman.state(self.name)}; log: {self._tail()}")
+                             f"state {self.state()}; log: {self._tail()}")
 
     def wait_ready(self, timeout: float = 300) -> None:
         self.wait(lambda: self.status().get("ready"), timeout, "ready")
@@ -125,3 +131,28 @@ class TorchContainer(TorchStatus):
     def wait_step(self, above: int, timeout: float = 300) -> int:
         self.wait(lambda: self.step() > above, timeout, f"step > {above}")
         return self.step()
+
+
+class TorchContainer(ContainedTorch):
+    """tests/gpu/torch_program.py in a podman container named `name`."""
+
+    def __init__(self, podman: Podman, name: str, workdir: Path, gib: float, seed: int = 1234,
+                 max_steps: int = 0, annotations: dict[str, str] | None = None,
+                 env: dict[str, str] | None = None, extra: tuple[str, ...] = ()):
+        super().__init__(name, workdir, gib, seed, max_steps, extra=extra)
+        self.podman = podman
+        self.annotations = annotations or {}
+        self.env = env or {}    # more of the program's environment
+
+    def start(self) -> str:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        argv, env = self.command(self.env)
+        return self.podman.run(self.name, argv, env=env, devices=nvidia_devices(),
+                               mounts=gpu_mounts(self.workdir, self.program.parent),
+                               annotations=self.annotations)
+
+    def state(self) -> str:
+        return self.podman.state(self.name)
+
+    def running(self, state: str) -> bool:
+        return state in ("running", "paused")

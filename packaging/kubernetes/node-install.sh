@@ -199,9 +199,10 @@ version = $version
 [$plugin.$HANDLER]
   runtime_type = "io.containerd.runc.v2"
   # torpor's annotations (org.torpor.agent, .store, .device-map) reach the OCI spec from the
-  # pod's or the container's annotations (containerd drops the others)
+  # pod's or the container's annotations (containerd drops the others); checkpointImage (the
+  # CRI restore's image reference): where torpor-runtime fetches the chunks its store lacks
   pod_annotations = ["org.torpor.*"]
-  container_annotations = ["org.torpor.*"]
+  container_annotations = ["org.torpor.*", "checkpointImage"]
 
 [$plugin.$HANDLER.options]
   BinaryName = "$NODE_DIR/bin/torpor-runtime"

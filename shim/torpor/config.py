@@ -4,7 +4,8 @@ The TOML file is optional. Every key is documented in packaging/config.toml, whi
 what ./install.sh puts in /etc/torpor/. Environment variables exist for tests and one-off
 runs: TORPOR_STATE_DIR, TORPOR_RUN_DIR, TORPOR_LIBCUDA, TORPOR_CRIU, TORPOR_LOCK_TIMEOUT,
 TORPOR_OCI_RUNTIME, TORPOR_DEVICE_MAP, TORPOR_SUSPEND_DIR, TORPOR_SUSPEND_TMPFS (true/false),
-TORPOR_STORE_DIR, TORPOR_STORE_STREAM, TORPOR_TCP_ESTABLISHED.
+TORPOR_STORE_DIR, TORPOR_STORE_STREAM, TORPOR_TCP_ESTABLISHED, TORPOR_REGISTRY_AUTH_FILE,
+TORPOR_REGISTRY_HOSTS_DIR, TORPOR_RESTORE_FETCH_TIMEOUT.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ class Config:
     tcp_established: bool = False               # bare checkpoints keep established TCP connections
     leave_running_staging: bool = True          # --leave-running: agents' data staged in suspend_dir
     writeout_rate_mbps: float = 0.0             # ... and written out at most this fast (0: no limit)
+    # torpor-runtime fetching a checkpoint image's chunks at restore (registry/chunks.py)
+    registry_auth_file: str = ""                # read first: the node's registry credentials
+    registry_hosts_dir: Path = Path("/etc/containerd/certs.d")  # containerd's config_path (TLS)
+    restore_fetch_timeout_s: float = 90.0       # within the kubelet's 2 min; 0: never fetch
 
     @property
     def journal_dir(self) -> Path:
@@ -75,6 +80,9 @@ _ENV = {
     "TORPOR_STORE_DIR": ("store_dir", Path),
     "TORPOR_STORE_STREAM": ("store_stream", bool),
     "TORPOR_TCP_ESTABLISHED": ("tcp_established", bool),
+    "TORPOR_REGISTRY_AUTH_FILE": ("registry_auth_file", str),
+    "TORPOR_REGISTRY_HOSTS_DIR": ("registry_hosts_dir", Path),
+    "TORPOR_RESTORE_FETCH_TIMEOUT": ("restore_fetch_timeout_s", float),
 }
 _BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
@@ -120,6 +128,9 @@ def load(path: Path | None = None, env: dict[str, str] | None = None) -> Config:
         raise UsageError("agent_timeout_s must be a number of seconds between 0 and 86400")
     if not math.isfinite(cfg.writeout_rate_mbps) or cfg.writeout_rate_mbps < 0:
         raise UsageError("writeout_rate_mbps must be 0 (no limit) or a positive number of MB/s")
+    if not math.isfinite(cfg.restore_fetch_timeout_s) or not 0 <= cfg.restore_fetch_timeout_s \
+            <= 3600:
+        raise UsageError("restore_fetch_timeout_s must be 0 (never fetch) to 3600 seconds")
     if not 0 <= cfg.agent_files <= 16:
         raise UsageError("agent_files must be 0 (automatic) to 16")
     return cfg

@@ -28,7 +28,10 @@ log = logging.getLogger(__name__)
 
 MIN_VERSION = (4, 0)
 SEARCH = ("/usr/local/sbin/criu", "/usr/sbin/criu", "/usr/local/bin/criu", "/usr/bin/criu")
-CLEAN_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C"}
+# TORPOR_CRIU_PLUGIN=off: torpor's CRIU plugin (packaging/criu-plugin), loaded by every CRIU
+# run, leaves torpor's own dumps and restores alone (they lock the GPU themselves)
+CLEAN_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C",
+             "TORPOR_CRIU_PLUGIN": "off"}
 
 DUMP_LOG = manifest.DUMP_LOG  # in the image directory, travels with the checkpoint
 RESTORE_LOG = "restore.log"  # in the restore's work directory

@@ -260,6 +260,23 @@ class Journal:
                 continue
             yield entry, fd
 
+    def names_data(self, data_root: str, *, but: str) -> bool:
+        """Whether an entry other than `but` (live or orphaned) names data_root: its data is
+        still that operation's to give back or remove. An unreadable entry counts as one."""
+        want = os.path.abspath(data_root)
+        for path in self.dir.glob("*.json"):
+            if path.stem == but:
+                continue
+            try:
+                root = json.loads(path.read_text()).get("data_root") or ""
+            except FileNotFoundError:
+                continue        # finished between our glob and our read
+            except (OSError, ValueError, AttributeError):
+                return True
+            if root and os.path.abspath(root) == want:
+                return True
+        return False
+
     def claim(self, pids: list[int]) -> list[int]:
         """Claim pids outside an operation (recovery); BusyError if a live one holds any."""
         return self._claim(pids)

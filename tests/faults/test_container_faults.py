@@ -23,7 +23,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -33,7 +32,8 @@ from integration.containers import Podman, _engine_env
 from tests.fakes.fakegpu import RUNNING, FakeGpu
 from tests.integration.conftest import alive, needs_criu, podman_image, wait_for  # noqa: F401
 from tests.integration.test_containers_gpu import Workload, fake_nodes
-from tests.integration.torpord import Daemon
+from tests.integration.torpord import (  # noqa: F401  (fixtures)
+    Daemon, base, gpu)
 
 pytestmark = [needs_criu, pytest.mark.criu]
 RUNS = int(os.environ.get("TORPOR_FAULT_RUNS", "5"))
@@ -41,19 +41,6 @@ SEED = int(os.environ.get("TORPOR_FAULT_SEED", str(random.randrange(1 << 30))))
 RUNTIME = Path(sys.executable).parent / "torpor-runtime"   # this tree's, in the test's venv
 SLOW_MS = 150   # each driver call torpord makes: a kill can land inside one
 MIB = 1 << 20
-
-
-@pytest.fixture
-def base():
-    d = Path(tempfile.mkdtemp(prefix="tcf", dir="/tmp"))  # short: socket paths
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def gpu(base):
-    with FakeGpu(base / "gpu") as g:
-        yield g
 
 
 class Env:

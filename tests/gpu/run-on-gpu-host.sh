@@ -2,11 +2,15 @@
 # Runs the GPU tests and the driver-path benchmark on the GPU host, which has PyTorch and the
 # driver but no CRIU and no package access. What it needs travels in ignored folders:
 #   .device/criu   CRIU >= 4 bundle (../shared/gpu-host/criu)      -> /opt/criu
+#                  (or .device/criu.tar.xz, the same packed: packaging/containerd/gpu-host-bundle.sh)
 #   .device/py     CRIU's pycriu, generated for the protobuf below
 #   .whl           protobuf, grpcio, zstandard and xxhash wheels (cp312, manylinux)
 #   shim/torpor/_proto  proto/generate.py output
 #   .device/podman-bundle.tar.xz, .device/gpubase-rootfs.tar   podman 4.3 + runc (../shared/gpu-host)
 #   .device/include/xxhash.h   the agent's one build dependency (libxxhash-dev's header)
+#   .device/containerd2-bundle.tar.xz   containerd 2 + docker-registry (gpu-host-bundle.sh)
+#                  -> /opt/torpor-c2; integration/_cri (test.sh's CRI client) carried with it;
+#                  CRI_BENCH_SIZES="4 8" runs bench/cri_path.py (below)
 # Usage: tests/gpu/run-on-gpu-host.sh [pytest args...]; BENCH_SIZES="1 8 32" to benchmark the
 # driver path, PODMAN_BENCH_SIZES="1 4 16" the podman path, AGENT_BENCH_SIZES="1 16" the
 # in-process agent against the driver path (bench/agent_path.py), STORE_BENCH_SIZES="16" the
@@ -20,11 +24,17 @@
 # .device/upstream/cuda_plugin.so, UPSTREAM_BENCH_ARGS for more, e.g. --zstd-sizes);
 # MOVER_SWEEP=1 the agent mover's tunings against the pinned-copy limit (bench/mover_sweep.py,
 # MOVER_SWEEP_SIZES default "8 16", MOVER_SWEEP_ARGS e.g. --leave-running); TESTS=0 skips the
-# tests.
+# tests. AGENT_OVERHEAD_REPS=10 the agent's cost to a training loop and token latency
+# (bench/agent_overhead.py; AGENT_OVERHEAD_ARGS for more, e.g. --steps 200).
 set -uo pipefail
 cd "$(dirname "$(readlink -f "$0")")/../.."
 OUT="${OUT:-/tmp/torpor-out}"; mkdir -p "$OUT"
-sh .device/criu/install.sh /opt/criu >/dev/null || { echo "CRIU bundle install failed"; exit 1; }
+criu_bundle=.device/criu
+if [[ ! -f .device/criu/install.sh && -f .device/criu.tar.xz ]]; then
+    rm -rf /tmp/criu-bundle && mkdir -p /tmp/criu-bundle &&
+        tar xJf .device/criu.tar.xz -C /tmp/criu-bundle && criu_bundle=/tmp/criu-bundle/criu
+fi
+sh "$criu_bundle/install.sh" /opt/criu >/dev/null || { echo "CRIU bundle install failed"; exit 1; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
 mkdir -p /etc/criu && echo "network-lock nftables" > /etc/criu/runc.conf
@@ -52,6 +62,28 @@ if [[ -f .device/podman-bundle.tar.xz ]]; then
         > /usr/local/bin/torpor-runtime
     chmod 755 /usr/local/bin/torpor-runtime
 fi
+# containerd 2 (the CRI tests and bench/cri_path.py start private daemons from
+# TORPOR_CONTAINERD2, as integration/cri.py renders packaging/containerd/containerd2.toml):
+# its runc handler runs `runc` from PATH (the podman bundle's), torpor's the torpor-runtime
+# above. A smoke run first, as install-containerd2.sh sets it up: the config rendered with
+# root and state under /var/lib/torpor-c2, the sandbox image imported, CRI's Version; then
+# stopped. Where overlay does not mount, containerd's native snapshotter.
+if [[ -f .device/containerd2-bundle.tar.xz ]]; then
+    rm -rf /tmp/c2 && tar xJf .device/containerd2-bundle.tar.xz -C /tmp &&
+        sh /tmp/c2/setup.sh /opt/torpor-c2 >/dev/null || echo "containerd 2 bundle set-up failed"
+    export TORPOR_CONTAINERD2=/opt/torpor-c2 TORPOR_DOCKER_REGISTRY=/opt/torpor-c2/bin/docker-registry
+    command -v openssl >/dev/null && command -v htpasswd >/dev/null ||
+        export TORPOR_REGISTRY_TLS=/opt/torpor-c2/share/registry-tls
+    [[ -e /usr/local/bin/runc || ! -x /opt/podman-bundle/bin/runc ]] ||
+        ln -s /opt/podman-bundle/bin/runc /usr/local/bin/runc
+    [[ -f integration/_cri/api_pb2.py ]] || python3 proto/generate_cri.py ||
+        echo "no CRI client: carry integration/_cri (test.sh generates it)"
+    o=$(mktemp -d /var/tmp/torpor-ovl.XXXXXX) && mkdir "$o"/{l,u,w,m} &&   # overlay here?
+        { mount -t overlay overlay -o "lowerdir=$o/l,upperdir=$o/u,workdir=$o/w" "$o/m" 2>/dev/null &&
+          umount "$o/m"; } || export TORPOR_CONTAINERD2_SNAPSHOTTER=native
+    rm -rf "$o"
+    python3 tests/gpu/containerd2_smoke.py /var/lib/torpor-c2 2>&1 | tee "$OUT/containerd2-smoke.txt"
+fi
 python3 -m torpor.cli.main doctor 2>&1 | tee "$OUT/doctor.txt"
 rc=0
 if [[ "${TESTS:-1}" != 0 ]]; then
@@ -68,6 +100,14 @@ if [[ -n "${PODMAN_BENCH_SIZES:-}" ]]; then
     python3 bench/podman_path.py --sizes $PODMAN_BENCH_SIZES --workdir /tmp/torpor-pbench \
         --runc /opt/podman-bundle/bin/runc \
         --out "$OUT/podman_path.json" 2>&1 | tee "$OUT/podman-bench.txt"
+fi
+# CRI CheckpointContainer + CreateContainer-restore through containerd 2 + torpor against podman
+# export/import, and registry push/pull (bench/cri_path.py); legs that would end past
+# CRI_BENCH_BUDGET_S (default 450 s) are skipped; CRI_BENCH_ARGS for more
+if [[ -n "${CRI_BENCH_SIZES:-}" ]]; then
+    python3 bench/cri_path.py --sizes $CRI_BENCH_SIZES --workdir /var/tmp/torpor-cbench \
+        --runtime /usr/local/bin/torpor-runtime --budget-s "${CRI_BENCH_BUDGET_S:-450}" \
+        ${CRI_BENCH_ARGS:-} --out "$OUT/cri_path.json" 2>&1 | tee "$OUT/cri-bench.txt"
 fi
 if [[ -n "${AGENT_BENCH_SIZES:-}" ]]; then
     python3 bench/agent_path.py --sizes $AGENT_BENCH_SIZES --shm-root /dev/shm/torpor-abench \
@@ -88,9 +128,9 @@ if [[ -n "${JAX_BENCH:-}" ]]; then
     python3 bench/jax_driver_path.py --root /var/tmp/torpor-jax --out "$OUT/jax_driver_path.json" \
         2>&1 | tee "$OUT/jax-bench.txt"
 fi
-if [[ -n "${UPSTREAM_BENCH_SIZES:-}" ]]; then
+if [[ -n "${UPSTREAM_BENCH_SIZES:-}${UPSTREAM_BENCH_ARGS:-}" ]]; then   # ARGS alone: e.g. --cache-gib 4
     make -s -C bench/upstream BUILD=/tmp/upstream-build &&
-    python3 bench/upstream_path.py --sizes $UPSTREAM_BENCH_SIZES --plugin-dir .device/upstream \
+    python3 bench/upstream_path.py --sizes ${UPSTREAM_BENCH_SIZES:-} --plugin-dir .device/upstream \
         --standin /tmp/upstream-build/cuda-checkpoint --runc /opt/podman-bundle/bin/runc \
         --workdir /var/tmp/torpor-ubench ${UPSTREAM_BENCH_ARGS:-} \
         --out "$OUT/upstream_path.json" 2>&1 | tee "$OUT/upstream-bench.txt"
@@ -102,6 +142,10 @@ fi
 if [[ -n "${CHUNK_WRITES_GIB:-}" ]]; then
     python3 bench/chunk_writes.py --gib "$CHUNK_WRITES_GIB" --threads ${CHUNK_WRITES_THREADS:-16} \
         --root /var/tmp/torpor-cw --out "$OUT/chunk_writes.json" 2>&1 | tee "$OUT/chunk-writes.txt"
+fi
+if [[ -n "${AGENT_OVERHEAD_REPS:-}" ]]; then   # what the agent costs a running program
+    python3 bench/agent_overhead.py --reps "$AGENT_OVERHEAD_REPS" ${AGENT_OVERHEAD_ARGS:-} \
+        --out "$OUT/agent_overhead.json" 2>&1 | tee "$OUT/agent-overhead.txt"
 fi
 # torpor's logs as one file: the device tool brings back at most 8 files, and four logs beside
 # the results once crowded out store_e2e.json

@@ -13,12 +13,21 @@ import subprocess
 import time
 from pathlib import Path
 
-BINARY = "/usr/bin/docker-registry"
+BINARY = os.environ.get("TORPOR_DOCKER_REGISTRY", "/usr/bin/docker-registry")
 USER, PASSWORD = "torpor", "s3cret-pass"
+# Made ahead for a host without openssl and htpasswd (the GPU host: packaging/containerd/
+# gpu-host-bundle.sh): ca.crt, server.crt and server.key for localhost/127.0.0.1, htpasswd.
+PREMADE = ("ca.crt", "server.crt", "server.key", "htpasswd")
+
+
+def _premade() -> Path | None:
+    d = os.environ.get("TORPOR_REGISTRY_TLS")
+    return Path(d) if d and all((Path(d) / f).is_file() for f in PREMADE) else None
 
 
 def missing() -> str | None:
-    for tool in (BINARY, shutil.which("openssl"), shutil.which("htpasswd")):
+    tools = (BINARY,) if _premade() else (BINARY, shutil.which("openssl"), shutil.which("htpasswd"))
+    for tool in tools:
         if not tool or not os.access(tool, os.X_OK):
             return "needs docker-registry, openssl and htpasswd (apache2-utils): ./install.sh"
     return None
@@ -45,18 +54,14 @@ class Registry:
         self.storage = root / "storage"
         self.certs = root / "certs.d" / self.host    # what --cert-dir is given
         self.certs.mkdir(parents=True)
-        _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
-                 "ca.crt", "-days", "2", "-subj", "/CN=torpor test CA", cwd=root)
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out",
-                 "server.csr", "-subj", "/CN=localhost", cwd=root)
-        (root / "san.cnf").write_text(f"subjectAltName=DNS:localhost,IP:127.0.0.1,IP:{ip}\n")
-        _openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-                 "-CAcreateserial", "-out", "server.crt", "-days", "2", "-extfile", "san.cnf",
-                 cwd=root)
+        premade = _premade() if ip == "127.0.0.1" else None
+        if premade:
+            for f in PREMADE:
+                shutil.copy(premade / f, root / f)
+            (root / "server.key").chmod(0o600)
+        else:
+            self._make_tls_and_htpasswd(root, ip)
         shutil.copy(root / "ca.crt", self.certs / "ca.crt")
-        htpasswd = subprocess.run(["htpasswd", "-Bbn", USER, PASSWORD], check=True,
-                                  capture_output=True, text=True).stdout
-        (root / "htpasswd").write_text(htpasswd)
         self.authfile = root / "auth.json"
         token = base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
         self.authfile.write_text(json.dumps({"auths": {self.host: {"auth": token}}}))
@@ -81,6 +86,20 @@ auth:
     path: {root}/htpasswd
 """)
         self.proc: subprocess.Popen | None = None
+
+    @staticmethod
+    def _make_tls_and_htpasswd(root: Path, ip: str) -> None:
+        _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
+                 "ca.crt", "-days", "2", "-subj", "/CN=torpor test CA", cwd=root)
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out",
+                 "server.csr", "-subj", "/CN=localhost", cwd=root)
+        (root / "san.cnf").write_text(f"subjectAltName=DNS:localhost,IP:127.0.0.1,IP:{ip}\n")
+        _openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+                 "-CAcreateserial", "-out", "server.crt", "-days", "2", "-extfile", "san.cnf",
+                 cwd=root)
+        htpasswd = subprocess.run(["htpasswd", "-Bbn", USER, PASSWORD], check=True,
+                                  capture_output=True, text=True).stdout
+        (root / "htpasswd").write_text(htpasswd)
 
     def start(self) -> "Registry":
         self.log = open(self.root / "registry.log", "ab")

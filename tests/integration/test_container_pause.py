@@ -238,3 +238,75 @@ def test_torpor_runtime_killed_during_the_dump_is_rolled_back(mine, gpu, daemon,
         assert (st["state"], st["gate"], st["intact"]) == ("running", "open", True), st
     finally:
         podman.rm(name)
+
+
+def _kill_torpord(daemon) -> None:
+    """SIGKILL of torpord (and any a torpor-runtime started meanwhile), then a new one."""
+    want = f"TORPOR_STATE_DIR={daemon.cfg.state_dir}".encode()
+    for d in Path("/proc").iterdir():
+        try:
+            if b"torpor.sidecar.daemon" in (d / "cmdline").read_bytes() and \
+                    want in (d / "environ").read_bytes().split(b"\0"):
+                os.kill(int(d.name), 9)
+        except (OSError, ValueError):
+            continue
+    daemon.proc.wait(timeout=20)
+    try:
+        daemon.start()
+    except AssertionError:      # lost the race to one a torpor-runtime started
+        pass
+
+
+def test_torpord_killed_during_the_dump_of_a_staged_checkpoint(mine, gpu, daemon, base, name):
+    """SIGKILL of torpord while runc dumps (its operation open, the agents' data staged):
+    the new torpord's recovery gives the agents their data back from the staging and removes
+    it; torpor-runtime, its operation lost, says the container runs on and leaves no
+    checkpoint."""
+    from torpor.engine import Engine
+    podman = mine
+    events, sock = _start(podman, gpu, daemon, base, name)
+    images = podman.bundle(name) / "checkpoint"
+    try:
+        ck = subprocess.Popen([*podman.base, "container", "checkpoint", "--leave-running", name],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 60
+        while not (images / ".torpor-writing").exists() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert not (images / "torpor-gpu").exists()    # still dumping
+        _kill_torpord(daemon)
+        out, _ = ck.communicate(timeout=120)
+        assert ck.returncode != 0, out
+        wait_for(lambda: _staged(daemon) == set() and _events(events)[-1] == "agent resume", 60,
+                 "the new torpord's recovery")
+        assert podman.state(name) == "running"
+        Engine(daemon.cfg).recover()
+        assert not (images / "torpor.json").exists(), sorted(os.listdir(images))
+        with AgentClient(sock) as a:
+            st = a.status()
+        assert (st["state"], st["gate"], st["intact"]) == ("running", "open", True), st
+        assert not list((daemon.cfg.state_dir / "journal").glob("*.json"))
+    finally:
+        podman.rm(name)
+
+
+def test_torpord_killed_during_the_write_out_changes_nothing(mine, gpu, daemon, base, name):
+    """The write-out is torpor-runtime's alone (torpord's operation ended when the container
+    got its GPU back): torpord's death then leaves a whole checkpoint and nothing staged."""
+    podman = mine
+    events, sock = _start(podman, gpu, daemon, base, name)
+    images = podman.bundle(name) / "checkpoint"
+    try:
+        ck = subprocess.Popen([*podman.base, "container", "checkpoint", "--leave-running", name],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        wait_for(lambda: (images / "torpor-gpu").exists(), 60, "the write-out")
+        _kill_torpord(daemon)
+        out, _ = ck.communicate(timeout=120)
+        assert ck.returncode == 0, out
+        m = json.loads((images / "torpor.json").read_text())
+        assert m["pause"]["staged"] is True and m["pause"]["durable_s"] > m["pause"]["paused_s"]
+        assert _staged(daemon) == set() and podman.state(name) == "running"
+        with AgentClient(sock) as a:
+            st = a.status()
+        assert (st["state"], st["gate"], st["intact"]) == ("running", "open", True), st
+    finally:
+        podman.rm(name)

@@ -20,7 +20,6 @@ import stat
 import subprocess
 import sys
 import tarfile
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -28,7 +27,8 @@ import pytest
 from integration.containers import ContainerError, Containerd, Podman
 from tests.fakes.fakegpu import CHECKPOINTED, RUNNING, FakeGpu, pid_of
 from tests.integration.conftest import needs_criu, wait_for
-from tests.integration.torpord import Daemon
+from tests.integration.torpord import (  # noqa: F401  (fixtures)
+    Daemon, base, gpu, daemon)
 from torpor.agent import AgentClient
 from torpor.archive import _open_stream
 
@@ -41,26 +41,6 @@ def _needs(*tools: str) -> None:
     missing = [t for t in tools if shutil.which(t) is None]
     if missing:
         pytest.skip(f"needs {' '.join(missing)} (./install.sh)")
-
-
-@pytest.fixture
-def base():
-    d = Path(tempfile.mkdtemp(prefix="tpc", dir="/tmp"))  # short: socket paths
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def gpu(base):
-    with FakeGpu(base / "gpu") as g:
-        yield g
-
-
-@pytest.fixture
-def daemon(base, gpu):
-    d = Daemon(base, gpu).start()
-    yield d
-    d.stop()
 
 
 class Shim:

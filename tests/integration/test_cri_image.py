@@ -17,8 +17,13 @@ Skipped without containerd 2 or docker-registry.
 
 from __future__ import annotations
 
+import base64
+import ctypes
 import json
+import os
+import socket
 import subprocess
+import threading
 import sys
 import tarfile
 from pathlib import Path
@@ -31,8 +36,11 @@ from tests.integration.conftest import needs_criu
 from tests.integration.registry_server import PASSWORD, USER, Registry
 from tests.integration.registry_server import missing as registry_missing
 from tests.integration.test_cri import (  # noqa: F401  (fixtures)
-    Node, _gpu_checkpoint, _gpu_workload, base, daemon, gpu, handler, node, registry)
+    Node, _gpu_checkpoint, _gpu_workload, handler, node, registry)
+from tests.integration.torpord import base, daemon, gpu  # noqa: F401  (fixtures)
+from tests.integration.test_registry import netns  # noqa: F401  (fixture)
 from torpor import config
+from torpor.store import chunk
 
 SKIP = crimod.missing() or registry_missing()
 pytestmark = [needs_criu, pytest.mark.criu,
@@ -53,15 +61,16 @@ def _torpor(env: dict[str, str], *args: str) -> dict:
     return json.loads(r.stdout)
 
 
-@pytest.fixture
-def node_b(base, handler, registry, docker_registry):
+def _second_node(base: Path, handler, registry, docker_registry: Registry,
+                 netns: str | None = None):
     """Node B: a second containerd 2 (own root, state, socket), the same handler and fake GPU
     host; base images from the plain-HTTP layout registry, the docker-registry over TLS with
-    its CA in certs.d/<host>/hosts.toml (containerd's per-registry TLS settings)."""
+    its CA in certs.d/<host>/hosts.toml (containerd's per-registry TLS settings). netns: its
+    network namespace (the daemon, its shims and its host-network pods there)."""
     cdi = base / "cdi-b"
     cdi.mkdir()
     d = crimod.Containerd2(base / "c2b", str(handler.path), cdi_dirs=[cdi],
-                           registries=[f"localhost:{registry.port}"])
+                           registries=[f"localhost:{registry.port}"], netns=netns)
     hosts = d.base / "certs.d" / docker_registry.host / "hosts.toml"
     hosts.parent.mkdir(parents=True)
     ca = docker_registry.certs / "ca.crt"
@@ -78,6 +87,89 @@ def node_b(base, handler, registry, docker_registry):
         finally:
             cri.close()
             d.stop()
+
+
+@pytest.fixture
+def node_b(base, handler, registry, docker_registry):
+    yield from _second_node(base, handler, registry, docker_registry)
+
+
+def _setns(path: str) -> None:
+    """This thread into the network namespace at path (setns(2) moves only the caller)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if libc.setns(fd, 0x40000000) != 0:                   # CLONE_NEWNET
+            raise OSError(ctypes.get_errno(), f"setns {path}")
+    finally:
+        os.close(fd)
+
+
+class _Forward:
+    """127.0.0.1:port inside network namespace ns forwarded to 127.0.0.1:port here: node B
+    reaches the base images' layout registry at the address the checkpoint names (containerd
+    pulls the base image again at a restore)."""
+
+    def __init__(self, ns: str, port: int) -> None:
+        self.port, made = port, {}
+
+        def listen() -> None:
+            _setns(f"/run/netns/{ns}")
+            s = socket.socket()
+            s.bind(("127.0.0.1", port))
+            s.listen(16)
+            made["sock"] = s                                     # stays in ns once made
+        t = threading.Thread(target=listen)
+        t.start()
+        t.join()
+        self.sock = made["sock"]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+                up = socket.create_connection(("127.0.0.1", self.port))
+            except OSError:
+                return
+            for a, b in ((conn, up), (up, conn)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a: socket.socket, b: socket.socket) -> None:
+        try:
+            while data := a.recv(1 << 16):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            try:
+                b.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+@pytest.fixture
+def node_b_netns(base, handler, registry, netns):
+    """Node B in a network namespace of its own (veth to this one, test_registry.py's), and
+    a docker-registry (TLS, htpasswd) listening on this side's veth address: (node, registry,
+    namespace)."""
+    ns, here = netns
+    r = Registry(base / "docker-registry-ns", ip=here).start()
+    fwd = _Forward(ns, registry.port)
+    try:
+        for n in _second_node(base, handler, registry, r, netns=ns):
+            yield n, r, ns
+    finally:
+        fwd.close()
+        r.kill()
 
 
 def test_cri_restores_a_gpu_checkpoint_image_pulled_from_a_registry(node, node_b, handler, gpu,
@@ -134,13 +226,40 @@ def _layer_names(layout: Path, digest: str) -> list[str]:
         return tf.getnames()
 
 
-def test_cri_restores_a_packed_checkpoint_image_once_its_chunks_are_in_the_nodes_store(
-        node, node_b, handler, gpu, daemon, docker_registry):
+def _artifact(layout: Path, digest: str) -> list[tuple[str, str]]:
+    """The chunk artifact of the image digest in layout: (chunk name, blob digest) each."""
+    blobs = layout / "blobs" / "sha256"
+    image = json.loads((blobs / digest[7:]).read_text())
+    art = json.loads((blobs / image["annotations"]["io.torpor.chunks"][7:]).read_text())
+    return [(d["annotations"]["io.torpor.chunk"], d["digest"]) for d in art["layers"]]
+
+
+def _store_chunks(store: Path) -> set[str]:
+    """The chunks in a store, each read back whole and checked against its name (a half or
+    damaged chunk fails here), and no temporary file of a writer left."""
+    names = set()
+    for f in (store / "chunks").glob("*/*"):
+        chunk.decode(chunk.read_blob_file(f, str(store)), f.name, str(store))
+        names.add(f.name)
+    tmp = store / "tmp"
+    assert not (tmp.exists() and any(tmp.iterdir())), list(tmp.iterdir())
+    return names
+
+
+def test_cri_restores_a_packed_checkpoint_image_fetching_the_chunks_its_store_lacks(
+        node, node_b_netns, handler, gpu, daemon):
     """org.torpor.store=on: the kubelet's archive carries the chunk links (torpor-chunks+<sha>);
     `torpor image build` puts them in the chunk artifact and the layer keeps only references
-    (torpor-store.json). On node B, whose store lacks the chunks, the restore from the image
-    is refused at StartContainer before anything restores; after `torpor image pull` into
-    node B's store, CreateContainer from the same image restores and the program continues."""
+    (torpor-store.json). On node B, whose store is empty, with no `torpor image pull`:
+    StartContainer from the image reference has torpor-runtime fetch the chunks from the
+    artifact beside the image (the repository from containerd's checkpointImage annotation,
+    node B's credentials from torpor's registry_auth_file, TLS from node B's containerd
+    hosts.toml), each verified, and the program continues. Before that, wrong credentials, a
+    tampered or truncated chunk, an unreachable registry and a fetch that cannot finish in its
+    time are each refused at StartContainer with one line naming `torpor image pull`: nothing
+    restored, nothing running, every chunk in node B's store whole and verified. Node B has
+    its own network namespace: the program continues there."""
+    node_b, docker_registry, ns = node_b_netns
     _use_store(daemon, handler, node.base / "store-a")
     w, spec = _gpu_workload(node, gpu)
     archive, host_pid, tick = _gpu_checkpoint(node, gpu, w, spec,
@@ -157,27 +276,64 @@ def test_cri_restores_a_packed_checkpoint_image_once_its_chunks_are_in_the_nodes
     assert not [n for n in names if "torpor-chunks" in n], names      # references only
     ref = f"{docker_registry.host}/ckpt/cuda-store:v1"
     _torpor(daemon.env, "image", "push", str(layout), ref, *docker_registry.args())
+    art = _artifact(layout, built["digest"])
 
-    _use_store(daemon, handler, node.base / "store-b")                  # node B's store
+    store_b = node.base / "store-b"                                     # node B's, empty
+    _use_store(daemon, handler, store_b)
     node_b.cdi.joinpath("nvidia.json").write_text((node.cdi / "nvidia.json").read_text())
-    node_b.cri.pull(ref, auth=(USER, PASSWORD))
+    node_b.cri.pull(ref, auth=(USER, PASSWORD))                         # the kubelet's pull
+    node_env = {"TORPOR_STORE_DIR": str(store_b),
+                "TORPOR_REGISTRY_HOSTS_DIR": str(node_b.daemon.base / "certs.d"),
+                "TORPOR_REGISTRY_AUTH_FILE": str(docker_registry.authfile)}
     restores = len([c for c in gpu.calls() if c.call == "restore"])
-    pod = node_b.cri.run_pod("cuda-no-chunks", "torpor")
-    cid = node_b.cri.create(pod, spec, image=ref)
-    with pytest.raises(crimod.CriError) as err:
-        node_b.cri.start(cid)
-    assert "nor store" in err.value.details, err.value
-    assert node_b.cri.state(cid) != "CONTAINER_RUNNING"
-    assert len([c for c in gpu.calls() if c.call == "restore"]) == restores
-    node_b.cri.remove_pod(pod.id)
 
-    pulled = _torpor(daemon.env, "image", "pull", ref, "-D", str(node.base / "pulled"),
-                     *docker_registry.args())
-    assert pulled["chunks_fetched"] == built["chunks"]
-    pod2, cid2 = node_b.run("cuda-from-image", "torpor", spec, image=ref)
-    new_pid = node_b.cri.pid(cid2)
+    def refused(name: str, why: str, **env: str) -> None:
+        handler.write(**{**node_env, **env})
+        pod = node_b.cri.run_pod(name, "torpor")
+        cid = node_b.cri.create(pod, spec, image=ref)
+        with pytest.raises(crimod.CriError) as err:
+            node_b.cri.start(cid)
+        assert why in err.value.details and "torpor image pull" in err.value.details, \
+            err.value.details
+        assert node_b.cri.state(cid) != "CONTAINER_RUNNING"
+        assert len([c for c in gpu.calls() if c.call == "restore"]) == restores
+        node_b.cri.remove_pod(pod.id)
+        _store_chunks(store_b)
+
+    bad = docker_registry.root / "wrong-auth.json"
+    bad.write_text(json.dumps({"auths": {docker_registry.host: {
+        "auth": base64.b64encode(f"{USER}:not-the-password".encode()).decode()}}}))
+    refused("wrong-credentials", "authentication refused: check registry_auth_file",
+            TORPOR_REGISTRY_AUTH_FILE=str(bad))
+    assert not _store_chunks(store_b)
+    refused("no-tls-settings", "TLS certificate not trusted (unable to get local issuer",
+            TORPOR_REGISTRY_HOSTS_DIR=str(node.base / "no-hosts-dir"))
+    refused("no-time", "did not end within restore_fetch_timeout_s",
+            TORPOR_RESTORE_FETCH_TIMEOUT="0.001")
+    assert not _store_chunks(store_b)
+
+    victim, digest = art[0]
+    blob = docker_registry.blob_file(digest)
+    good = blob.read_bytes()
+    for how, damaged, why in [("flipped", good[:-1] + bytes([good[-1] ^ 1]),
+                               f"{digest} does not match its digest"),
+                              ("truncated", good[: len(good) // 2],
+                               f"{digest} has {len(good) // 2} bytes")]:
+        blob.write_bytes(damaged)
+        refused(f"chunk-{how}", why)
+        assert victim not in _store_chunks(store_b)
+    blob.write_bytes(good)
+    docker_registry.kill()
+    refused("registry-down", "Connection refused")
+    docker_registry.start()
+
+    handler.write(**node_env)
+    pod, cid = node_b.run("cuda-from-image", "torpor", spec, image=ref)
+    new_pid = node_b.cri.pid(cid)
     assert new_pid != host_pid and w.host_pid() == new_pid
     w.wait_ticking(tick)
     e = w.entry()
     assert e["state"] == RUNNING and e["gpu"] == gpu.uuid(0)
-    assert node_b.cri.status(cid2).status.annotations.get("restored") == "true"
+    assert node_b.cri.status(cid).status.annotations.get("restored") == "true"
+    assert {n for n, _d in art} <= _store_chunks(store_b)               # fetched, verified
+    assert os.stat(f"/proc/{new_pid}/ns/net").st_ino == os.stat(f"/run/netns/{ns}").st_ino

@@ -136,7 +136,8 @@ def test_the_handler_goes_into_a_version_2_config_and_out_again(node: Path) -> N
     assert handler["version"] == 2
     torpor = handler["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["torpor"]
     assert torpor["runtime_type"] == "io.containerd.runc.v2"
-    assert torpor["pod_annotations"] == torpor["container_annotations"] == ["org.torpor.*"]
+    assert torpor["pod_annotations"] == ["org.torpor.*"]
+    assert torpor["container_annotations"] == ["org.torpor.*", "checkpointImage"]
     assert torpor["options"]["BinaryName"] == str(node / "node" / "bin" / "torpor-runtime")
     assert (node / "containerd" / "config.toml.torpor-orig").read_text() == V2_CONFIG
 

@@ -1,4 +1,10 @@
-"""A real torpord for integration tests: its own state and run dirs, a fake GPU's environment."""
+"""A real torpord for integration tests: its own state and run dirs, a fake GPU's environment.
+
+The fixtures the container, CRI and CRIU-plugin suites share (import them by name):
+    base    a short private directory in /tmp (socket paths stay under 108 bytes), removed
+            afterwards with whatever a daemon left mounted below it
+    gpu     a fake GPU host in base
+    daemon  torpord on base and gpu, stopped afterwards"""
 
 from __future__ import annotations
 
@@ -6,10 +12,14 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+import pytest
+
 import torpor
+from integration.cri import remove_tree
 
 from tests.fakes.fakegpu import FakeGpu
 from torpor import config
@@ -73,3 +83,23 @@ class Daemon:
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait(timeout=10)
+
+
+@pytest.fixture
+def base():
+    d = Path(tempfile.mkdtemp(prefix="tt", dir="/tmp"))
+    yield d
+    remove_tree(d)
+
+
+@pytest.fixture
+def gpu(base):
+    with FakeGpu(base / "gpu") as g:
+        yield g
+
+
+@pytest.fixture
+def daemon(base, gpu):
+    d = Daemon(base, gpu).start()
+    yield d
+    d.stop()

@@ -150,3 +150,19 @@ def test_the_staged_copy_gives_its_memory_back_as_it_goes(tmp_path):
             os.close(fd)
         assert os.stat(probe).st_blocks > 0, f"{st.st_blocks} blocks of the copy left staged"
         pytest.skip("no hole punching on this filesystem")
+
+
+@pytest.mark.parametrize("agent_dir,how", [(None, "'torpor run -- CMD'"),
+                                           (Path("/run/x"), "org.torpor.agent=off")])
+def test_a_program_without_an_agent_is_told_how_to_get_one(monkeypatch, agent_dir, how):
+    """A bare program hears of `torpor run`; a container of the annotation that opted it out."""
+    said: list[str] = []
+
+    class Engine:
+        cfg = config.Config()
+
+        class progress:
+            say = said.append
+    monkeypatch.setattr(writeout, "staged_need", lambda *a: ({}, 0))
+    assert writeout.staging(Engine(), [1], 0, agent_dir) is None  # type: ignore[arg-type]
+    assert len(said) == 1 and how in said[0] and "whole dump" in said[0], said

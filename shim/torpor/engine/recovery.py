@@ -98,6 +98,12 @@ class Recovery:
                                else "into the program's host memory"))
         if entry.scratch and entry.data_root:
             agent_data.DataDir(Path(entry.data_root)).remove()
+        elif entry.phase == "stage" and entry.data_root \
+                and not self.journal.names_data(entry.data_root, but=entry.id):
+            # a container's staged checkpoint (runtime/pause.py) whose torpor-runtime died
+            # before its write-out: torpord's operation, which gives the agents their data
+            # back from the staging, has ended, so nothing else will remove it
+            agent_data.DataDir(Path(entry.data_root)).remove()
         if entry.kind == "resume":
             messages += self._finish_resume(live)
         if entry.kind == "pack":

@@ -96,9 +96,11 @@ def staging(engine: Engine, pids: list[int], nvml: int, agent_dir: Path | None =
         return None
     sockets, need = staged_need(engine, pids, nvml, agent_dir)
     if not sockets:
+        how = "a GPU container has it unless annotated org.torpor.agent=off" \
+            if agent_dir is not None else "'torpor run -- CMD' starts a program under it"
         say("the driver path pauses the program for the whole dump (its GPU memory comes out "
-            "through CRIU's dump of the driver's host copy); under the agent ('torpor run') "
-            "it is paused only while its GPU memory is copied to host memory")
+            "through CRIU's dump of the driver's host copy); under the agent "
+            f"({how}) it is paused only while its GPU memory is copied to host memory")
         return None
     if not cfg.leave_running_staging:
         return None

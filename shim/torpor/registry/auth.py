@@ -12,6 +12,17 @@ base64 of user:password. Credential helpers (credHelpers, credsStore) are not ru
 
 TLS: the system's CAs, plus every *.crt in --cert-dir or /etc/containers/certs.d/HOST:PORT/
 (then /etc/docker/certs.d/HOST:PORT/); a client.cert with its client.key is presented.
+
+torpor-runtime, fetching a checkpoint image's chunks at restore (chunks.py), runs under the
+engine (containerd's shim, as root), which hands it no credentials: the kubelet's pull secret
+reaches containerd's PullImage only. Its credentials (node_auth_files): the config's
+registry_auth_file, then the files above as root sees them ($REGISTRY_AUTH_FILE,
+${XDG_RUNTIME_DIR}/containers/auth.json or /run/containers/0/auth.json: root's `podman login`,
+$XDG_CONFIG_HOME/containers/auth.json, ~/.docker/config.json), then the kubelet's node-wide
+/var/lib/kubelet/config.json. Its TLS (node_tls_context): containerd's hosts directory for
+the host (registry_hosts_dir/HOST:PORT: hosts.toml's ca, client and skip_verify for that
+host, and *.crt, *.cert/*.key beside it, as containerd reads them), else the containers
+certs.d above.
 """
 
 from __future__ import annotations
@@ -21,7 +32,13 @@ import dataclasses
 import os
 import re
 import ssl
+import urllib.parse
 from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 from ..errors import UsageError
 from ..files import loads_json
@@ -32,6 +49,8 @@ _TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 _HOST = re.compile(r"[A-Za-z0-9.-]+(?::[0-9]{1,5})?|\[[0-9a-fA-F:]+\](?::[0-9]{1,5})?")
 MAX_AUTH_FILE = 1 << 20
+MAX_HOSTS_TOML = 1 << 20
+KUBELET_AUTH_FILE = Path("/var/lib/kubelet/config.json")   # the kubelet's node-wide credentials
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,14 +101,23 @@ def auth_files(authfile: Path | None = None, env: dict[str, str] | None = None) 
     return out + [runtime_file, config / "containers" / "auth.json", home / ".docker" / "config.json"]
 
 
+def node_auth_files(configured: str = "", env: dict[str, str] | None = None) -> list[Path]:
+    """The auth files torpor-runtime reads, in order (module docstring): the config's
+    registry_auth_file, the containers conventions as this user sees them, the kubelet's."""
+    return ([Path(configured)] if configured else []) + auth_files(None, env) \
+        + [KUBELET_AUTH_FILE]
+
+
 def _normalize(key: str) -> str:
     key = key.removeprefix("https://").removeprefix("http://")
     return key.removesuffix("/v1/").removesuffix("/v2/").rstrip("/")
 
 
 def credentials(ref: Reference, authfile: Path | None = None,
-                env: dict[str, str] | None = None) -> tuple[str, str] | None:
-    """(user, password) for ref's repository from the first auth file that has an entry."""
+                env: dict[str, str] | None = None, files: list[Path] | None = None
+                ) -> tuple[str, str] | None:
+    """(user, password) for ref's repository from the first auth file that has an entry:
+    of files (node_auth_files) where given, else of auth_files(authfile, env)."""
     if authfile is not None and not authfile.is_file():
         raise UsageError(f"auth file {authfile} does not exist")
     host = "docker.io" if ref.host == DOCKER_HUB else ref.host
@@ -97,7 +125,7 @@ def credentials(ref: Reference, authfile: Path | None = None,
     keys = [f"{host}/{'/'.join(parts[:i])}" for i in range(len(parts), 0, -1)] + [host]
     if host == "docker.io":
         keys.append("index.docker.io")
-    for path in auth_files(authfile, env):
+    for path in auth_files(authfile, env) if files is None else files:
         try:
             with open(path, "rb") as f:
                 doc = loads_json(f.read(MAX_AUTH_FILE))
@@ -146,4 +174,61 @@ def tls_context(host: str, cert_dir: Path | None = None, verify: bool = True) ->
             except (OSError, ssl.SSLError) as e:
                 raise UsageError(f"cannot load client certificate {cert} ({key}): {e}") from None
         break
+    return ctx
+
+
+def _strings(value: object, where: str) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise UsageError(f"{where}: expected a path or a list of paths")
+
+
+def _hosts_entry(path: Path, host: str) -> dict:
+    """The settings containerd's hosts.toml gives host (its [host."https://HOST"] table, else
+    the top level when server is https://HOST); {} when it names none."""
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.loads(f.read(MAX_HOSTS_TOML).decode())
+    except FileNotFoundError:
+        return {}
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise UsageError(f"cannot read {path}: {e}") from None
+    for url, entry in (doc.get("host") or {}).items():
+        u = urllib.parse.urlsplit(url)
+        if u.netloc == host and u.scheme == "https" and isinstance(entry, dict):
+            return entry
+    server = urllib.parse.urlsplit(str(doc.get("server", "")))
+    return doc if server.netloc == host and server.scheme == "https" else {}
+
+
+def node_tls_context(host: str, hosts_dir: Path) -> ssl.SSLContext:
+    """The TLS settings containerd uses for host: hosts_dir/HOST (its config_path: hosts.toml's
+    ca, client and skip_verify, plus *.crt and *.cert/*.key files there); without such a
+    directory, the containers certs.d (tls_context)."""
+    d = hosts_dir / host
+    if not d.is_dir():
+        return tls_context(host)
+    entry = _hosts_entry(d / "hosts.toml", host)
+    where = f"{d}/hosts.toml"
+    if entry.get("skip_verify") is True:
+        return tls_context(host, verify=False)
+    ctx = tls_context(host, d)        # the *.crt, *.cert/*.key files beside hosts.toml
+    for ca in _strings(entry.get("ca", []), f"{where}: ca"):
+        try:
+            ctx.load_verify_locations(cafile=str(d / ca))   # relative: to the hosts dir
+        except (OSError, ssl.SSLError) as e:
+            raise UsageError(f"{where}: cannot load CA certificate {ca}: {e}") from None
+    client = entry.get("client", [])
+    pairs = [client] if isinstance(client, str) else client if isinstance(client, list) else None
+    if pairs is None:
+        raise UsageError(f"{where}: client is not a path or a list")
+    for pair in pairs:
+        cert, key = (pair, None) if isinstance(pair, str) else \
+            (tuple(_strings(pair, f"{where}: client")) + (None,))[:2]
+        try:
+            ctx.load_cert_chain(str(d / cert), str(d / key) if key else None)
+        except (OSError, ssl.SSLError) as e:
+            raise UsageError(f"{where}: cannot load client certificate {cert}: {e}") from None
     return ctx

@@ -196,9 +196,10 @@ def _build(src: Path, lay: Layout, m: dict[str, Any], mbytes: bytes, ann: dict[s
         os.fsync(f.fileno())
     layer_d = oci.Descriptor(oci.LAYER_TYPE, w.digest(), w.size)
     os.replace(tmp, lay.blob_path(layer_d.digest))
-    config = {"architecture": ann["org.criu.checkpoint.host.arch"], "os": "linux",
-              "created": m.get("created", ""), "config": {},
+    config = {"architecture": ann["org.criu.checkpoint.host.arch"], "os": "linux", "config": {},
               "rootfs": {"type": "layers", "diff_ids": [layer_d.digest]}}
+    if m.get("created"):    # optional in OCI; "" (an engine's checkpoint) fails containerd's pull
+        config["created"] = m["created"]
     cdata = oci.canonical(config)
     config_d = oci.Descriptor(oci.CONFIG_TYPE, lay.add(cdata), len(cdata))
     image = oci.Manifest(config_d, (layer_d,), tuple(sorted(ann.items())))

@@ -5,6 +5,10 @@ realm the registry names (with the same credentials), as docker-registry and the
 registries ask. Counts the bytes it sends and receives (push/pull report them). Every failure
 is one RegistryError line naming the registry and what it answered; nothing read from the
 registry is trusted (bodies are read up to a cap, redirects only to https).
+
+A deadline (time.monotonic() value), where given, bounds every request and every read: a
+registry too slow for it (torpor-runtime fetching inside the kubelet's StartContainer) is a
+DeadlineError, never a wait past it.
 """
 
 from __future__ import annotations
@@ -16,8 +20,11 @@ import json
 import logging
 import re
 import ssl
+import threading
+import time
 import urllib.parse
-from typing import BinaryIO
+from concurrent.futures import ThreadPoolExecutor
+from typing import BinaryIO, Callable, Iterable, TypeVar
 
 from ..errors import CorruptCheckpointError, TorporError
 from ..files import loads_json, printable
@@ -36,23 +43,34 @@ class RegistryError(TorporError):
     """The registry could not be reached, refused us, or answered something unexpected."""
 
 
+class DeadlineError(RegistryError):
+    """The client's deadline passed before the registry had answered."""
+
+
 def _challenge(header: str) -> tuple[str, dict[str, str]]:
     scheme, _, rest = header.strip().partition(" ")
     return scheme.lower(), dict(re.findall(r'(\w+)="([^"]*)"', rest))
 
 
 class Client:
+    # what an operator does about refused credentials or an untrusted certificate (the CLI's
+    # options; torpor-runtime names its config keys instead)
+    auth_advice = ("log in with podman login (or give --authfile)",
+                   "no credentials for it in the auth files (podman login, or --authfile)")
+    tls_advice = "put its CA in /etc/containers/certs.d/{host}/ca.crt or give --cert-dir"
+
     def __init__(self, ref: Reference, ctx: ssl.SSLContext,
-                 creds: tuple[str, str] | None) -> None:
-        self.ref, self.ctx, self.creds = ref, ctx, creds
+                 creds: tuple[str, str] | None, deadline: float | None = None) -> None:
+        self.ref, self.ctx, self.creds, self.deadline = ref, ctx, creds, deadline
         self.sent = self.received = 0
         self._conn: http.client.HTTPSConnection | None = None
+        self._last: http.client.HTTPResponse | None = None   # the connection's latest response
         self._auth: str | None = None
         self.base = f"/v2/{ref.repository}"
 
     def clone(self) -> "Client":
         """Another connection to the same registry, with the authorization found so far."""
-        c = Client(self.ref, self.ctx, self.creds)
+        c = Client(self.ref, self.ctx, self.creds, self.deadline)
         c._auth = self._auth
         return c
 
@@ -61,13 +79,30 @@ class Client:
     def _fail(self, what: str, why: str) -> RegistryError:
         return RegistryError(f"registry {self.ref.host}: {what}: {printable(why, 300)}")
 
-    def _connection(self) -> http.client.HTTPSConnection:
+    def _timeout(self, what: str) -> float:
+        """How long one socket operation may wait: TIMEOUT, or what is left of the deadline
+        (DeadlineError once it has passed)."""
+        if self.deadline is None:
+            return TIMEOUT
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            self.close()
+            raise DeadlineError(f"registry {self.ref.host}: {what}: not done in time")
+        return min(TIMEOUT, left)
+
+    def _connection(self, what: str = "") -> http.client.HTTPSConnection:
+        timeout = self._timeout(what)
+        if self._last is not None and not self._last.isclosed():
+            self.close()   # a response not read to its end (an error's body): a new connection
         if self._conn is None:
-            self._conn = http.client.HTTPSConnection(self.ref.host, timeout=TIMEOUT,
+            self._conn = http.client.HTTPSConnection(self.ref.host, timeout=timeout,
                                                      context=self.ctx)
+        elif self._conn.sock is not None:
+            self._conn.sock.settimeout(timeout)
         return self._conn
 
     def close(self) -> None:
+        self._last = None
         if self._conn is not None:
             self._conn.close()
             self._conn = None
@@ -87,7 +122,7 @@ class Client:
         reused = self._conn is not None
         try:
             try:
-                conn = self._connection()
+                conn = self._connection(what)
                 conn.request(method, path, body=body, headers=hdrs)
                 resp = conn.getresponse()
             except (ConnectionError, http.client.RemoteDisconnected):
@@ -96,17 +131,18 @@ class Client:
                 self.close()
                 if not reused or method == "PATCH":
                     raise
-                conn = self._connection()
+                conn = self._connection(what)
                 conn.request(method, path, body=body, headers=hdrs)
                 resp = conn.getresponse()
         except ssl.SSLCertVerificationError as e:
             self.close()
-            raise self._fail(what, f"TLS certificate not trusted ({e.verify_message}): put its "
-                             f"CA in /etc/containers/certs.d/{self.ref.host}/ca.crt or give "
-                             "--cert-dir") from None
+            raise self._fail(what, f"TLS certificate not trusted ({e.verify_message}): "
+                             + self.tls_advice.format(host=self.ref.host)) from None
         except (OSError, http.client.HTTPException) as e:
             self.close()
+            self._timeout(what)   # DeadlineError where the deadline cut it short
             raise self._fail(what, f"{type(e).__name__}: {e}") from None
+        self._last = resp
         if body is not None:
             self.sent += len(body)
         if resp.status == 401 and retry_auth:
@@ -118,17 +154,18 @@ class Client:
             return resp
         detail = resp.read(MAX_ERROR_BODY).decode("utf-8", "replace") if method != "HEAD" else ""
         if resp.status == 401:
-            detail = ("authentication refused: log in with podman login (or give --authfile)"
-                      if self.creds else "authentication required: no credentials for it in "
-                      "the auth files (podman login, or --authfile)")
+            detail = self._auth_advice()
         raise self._fail(what, f"HTTP {resp.status} {resp.reason} {_error_text(detail)}".strip())
+
+    def _auth_advice(self) -> str:
+        return (f"authentication refused: {self.auth_advice[0]}" if self.creds
+                else f"authentication required: {self.auth_advice[1]}")
 
     def _authenticate(self, challenge: str, what: str) -> None:
         scheme, params = _challenge(challenge)
         if scheme == "basic":
             if not self.creds:
-                raise self._fail(what, "authentication required: no credentials for it in the "
-                                 "auth files (podman login, or --authfile)")
+                raise self._fail(what, self._auth_advice())
             self._auth = "Basic " + base64.b64encode(":".join(self.creds).encode()).decode()
             return
         if scheme != "bearer" or "realm" not in params:
@@ -142,7 +179,8 @@ class Client:
         if self.creds:
             hdrs["Authorization"] = "Basic " + base64.b64encode(
                 ":".join(self.creds).encode()).decode()
-        conn = http.client.HTTPSConnection(realm.netloc, timeout=TIMEOUT, context=self.ctx)
+        conn = http.client.HTTPSConnection(realm.netloc, timeout=self._timeout(what),
+                                           context=self.ctx)
         try:
             conn.request("GET", f"{realm.path or '/'}?{urllib.parse.urlencode(query)}",
                          headers=hdrs)
@@ -153,10 +191,8 @@ class Client:
         finally:
             conn.close()
         if resp.status == 401:
-            raise self._fail(what, "authentication refused by the token service: log in with "
-                             "podman login (or give --authfile)" if self.creds else
-                             "authentication required: no credentials for it in the auth files "
-                             "(podman login, or --authfile)")
+            raise self._fail(what, "authentication refused by the token service: "
+                             f"{self.auth_advice[0]}" if self.creds else self._auth_advice())
         if resp.status != 200:
             raise self._fail(what, f"token service refused: HTTP {resp.status}")
         try:
@@ -252,7 +288,14 @@ class Client:
         h, got = hashlib.sha256(), 0
         try:
             while got <= d.size:
-                data = resp.read(min(READ, d.size + 1 - got))
+                if self.deadline is None or got == d.size:
+                    # read() ends the response at its last byte, read1() would leave it
+                    # open (http.client), and the connection then takes no next request
+                    data = resp.read(min(READ, d.size + 1 - got))
+                else:   # what has come, at most one wait of what is left: a trickle stops too
+                    if self._conn and self._conn.sock:
+                        self._conn.sock.settimeout(self._timeout(f"blob {d.digest}"))
+                    data = resp.read1(min(READ, d.size + 1 - got))
                 if not data:
                     break
                 h.update(data)
@@ -260,6 +303,7 @@ class Client:
                 out.write(data)
         except (OSError, http.client.HTTPException) as e:
             self.close()
+            self._timeout(f"blob {d.digest}")   # DeadlineError where the deadline cut it short
             raise CorruptCheckpointError(f"registry {self.ref.host}: blob {d.digest} was cut "
                                          f"off after {got} of {d.size} bytes ({e}): refused") from None
         finally:
@@ -272,6 +316,44 @@ class Client:
         if "sha256:" + h.hexdigest() != d.digest:
             raise CorruptCheckpointError(f"registry {self.ref.host}: blob {d.digest} does not "
                                          "match its digest: tampered or damaged, refused")
+
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def each(client: Client, items: Iterable[T], fn: Callable[[Client, T], R], workers: int
+         ) -> list[R]:
+    """fn(c, item) for every item, over `workers` connections at once (each thread its own
+    clone of client); the results in order. The first failure is raised once the calls under
+    way have ended (the rest are not started); the clones' byte counts go to client."""
+    items = list(items)
+    if workers <= 1 or len(items) <= 1:
+        return [fn(client, it) for it in items]
+    local, clones, lock = threading.local(), [], threading.Lock()
+
+    def run(it: T) -> R:
+        c = getattr(local, "client", None)
+        if c is None:
+            c = local.client = client.clone()
+            with lock:
+                clones.append(c)
+        return fn(c, it)
+    try:
+        with ThreadPoolExecutor(workers) as pool:
+            futures = [pool.submit(run, it) for it in items]
+            try:
+                return [f.result() for f in futures]
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
+    finally:
+        for c in clones:
+            if c is not client:
+                client.sent += c.sent
+                client.received += c.received
+                c.close()
 
 
 def _error_text(detail: str) -> str:

@@ -23,23 +23,19 @@ import hashlib
 import io
 import os
 import shutil
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Callable
 
 from .. import manifest
 from ..errors import CorruptCheckpointError, UsageError
-from ..files import atomic_write, loads_json, private_dir, write_new
-from ..layout import CHUNKS, MANIFEST, PACKED, safe_relpath
-from ..store import Store, chunk, images, snapshot
-from ..store.backend import BLOB_NAME
-from . import layer, oci
-from .client import Client
+from ..files import atomic_write, loads_json, private_dir
+from ..layout import MANIFEST, PACKED, safe_relpath
+from ..store import Store
+from . import chunks, layer, oci
+from .client import Client, each
 
 PIECE = 8 << 20
 WORKERS = 4   # connections at once: blobs are mostly 4 MiB chunks, one round trip each
-MAX_CHUNK_BLOB = chunk.HEADER.size + chunk.MAX_CHUNK + 1024
 LAYER_TYPES = (oci.LAYER_TYPE, "application/vnd.docker.image.rootfs.diff.tar",
                oci.LAYER_TYPE + "+gzip", "application/vnd.docker.image.rootfs.diff.tar.gzip")
 
@@ -67,44 +63,6 @@ class PullResult:
     chunks_from_store: int
     bytes_received: int
     has_manifest: bool        # torpor's checkpoint; else an engine's own (runc, crun)
-
-
-T = TypeVar("T")
-R = TypeVar("R")
-
-
-def _each(client: Client, items: Iterable[T], fn: Callable[[Client, T], R], workers: int
-          ) -> list[R]:
-    """fn(c, item) for every item, over `workers` connections at once (each thread its own
-    clone of client); the results in order. The first failure is raised once the calls under
-    way have ended (the rest are not started); the clones' byte counts go to client."""
-    items = list(items)
-    if workers <= 1 or len(items) <= 1:
-        return [fn(client, it) for it in items]
-    local, clones, lock = threading.local(), [], threading.Lock()
-
-    def run(it: T) -> R:
-        c = getattr(local, "client", None)
-        if c is None:
-            c = local.client = client.clone()
-            with lock:
-                clones.append(c)
-        return fn(c, it)
-    try:
-        with ThreadPoolExecutor(workers) as pool:
-            futures = [pool.submit(run, it) for it in items]
-            try:
-                return [f.result() for f in futures]
-            except BaseException:
-                for f in futures:
-                    f.cancel()
-                raise
-    finally:
-        for c in clones:
-            if c is not client:
-                client.sent += c.sent
-                client.received += c.received
-                c.close()
 
 
 # --- push -------------------------------------------------------------------------------------
@@ -203,7 +161,7 @@ def push(layout: Path, client: Client, state_dir: Path,
             say(f"pushed {done[0]} blobs")
         return "resumed" if at else "uploaded"
 
-    outcome = _each(client, blobs.values(), one, workers)
+    outcome = each(client, blobs.values(), one, workers)
     if art:
         client.put_manifest(image.annotation(oci.A_CHUNKS) or "", art.dump())
     client.put_manifest(client.ref.tag or "latest", _layout_bytes(layout, image_d))
@@ -274,7 +232,7 @@ def _pull(client: Client, dest: Path, store: Store, layout_out: Path | None,
         if not chunks_digest:
             raise CorruptCheckpointError(f"{ref}: a packed checkpoint without its chunk artifact")
         _d, art = _manifest(client, chunks_digest, chunks_digest)
-        n, fetched, from_store = _chunks(client, art, top, store, workers)
+        n, fetched, from_store = chunks.fetch(client, art, top, store, workers)
     if layout_out is not None:
         _write_layout(layout_out, image, raw, config.getvalue(), tmp, ref.tag or "latest")
     if archive_out is not None:   # the layer, verified and checked: an engine's archive
@@ -305,64 +263,6 @@ def _checkpoint_dir(image: oci.Manifest, dest: Path, files: list[str], where: st
         raise CorruptCheckpointError(f"{where}: {path} does not match the image's annotation "
                                      f"{oci.A_MANIFEST}: tampered, refused")
     return (dest / path).parent
-
-
-def _chunks(client: Client, art: oci.Manifest, top: Path, store: Store, workers: int
-            ) -> tuple[int, int, int]:
-    """Every chunk top's snapshot names into top/torpor-chunks: (chunks, fetched, from the
-    store)."""
-    if art.artifact_type != oci.CHUNKS_ARTIFACT:
-        raise CorruptCheckpointError(f"{client.ref}: its chunk artifact has artifactType "
-                                     f"{str(art.artifact_type)[:80]!r}")
-    by_name: dict[str, oci.Descriptor] = {}
-    for d in art.layers:
-        name = d.annotation(oci.A_CHUNK) or ""
-        if d.media_type != oci.CHUNK_TYPE or not BLOB_NAME.fullmatch(name) \
-                or d.size > MAX_CHUNK_BLOB:
-            raise CorruptCheckpointError(f"{client.ref}: its chunk artifact lists a blob that "
-                                         "is no chunk: refused")
-        by_name[name] = d
-    names = sorted(snapshot.chunk_names(images.packed_doc(top)))
-    missing = [c for c in names if c not in by_name]
-    if missing:
-        raise CorruptCheckpointError(f"{client.ref}: chunk {missing[0]} of the checkpoint is not "
-                                     f"in its chunk artifact ({len(missing)} missing)")
-    if os.path.lexists(top / CHUNKS):
-        raise CorruptCheckpointError(f"{client.ref}: its layer brings a {CHUNKS}/ of its own: "
-                                     "chunks travel only in the chunk artifact, refused")
-    out = private_dir(top / CHUNKS)
-    def one(c: Client, name: str) -> bool:
-        """Chunk name into the store (fetched and verified unless it is there): fetched?"""
-        if store.backend.has_blob(name):
-            return False
-        buf = io.BytesIO()
-        c.get_blob(by_name[name], buf)
-        blob = buf.getvalue()
-        chunk.decode(blob, name, f"{client.ref} chunk artifact")
-        store.backend.put_blob(name, blob)
-        return True
-
-    with store.backend.lock(False, store.lock_timeout):   # gc waits: no chunk goes meanwhile
-        got = _each(client, names, one, workers)
-        store.backend.sync()
-        for name in names:
-            _link_from_store(store, name, out / name)
-    fetched = sum(got)
-    from_store = len(names) - fetched
-    return len(names), fetched, from_store
-
-
-def _link_from_store(store: Store, name: str, dest: Path) -> None:
-    """dest as a hard link to the store's blob name (a copy where the store has no local file
-    or another filesystem): the pulled directory carries its chunks, and gc keeps them."""
-    src = store.backend.blob_path(name)
-    if src is not None:
-        try:
-            os.link(src, dest)
-            return
-        except OSError:
-            pass
-    write_new(dest, store.backend.read_blob(name))
 
 
 def _write_layout(path: Path, image: oci.Manifest, raw: bytes, config: bytes, layer_tmp: Path,

@@ -132,11 +132,15 @@ def _checkpoint(cfg: Config, runtime: Runtime, cid: str, spec: dict[str, Any],
     ensure_running(cfg)
     timings: dict[str, float] = {}
     fps = policy.FingerprintMode.of(store is not None, leave_running).value
-    stage = pause.staging(cfg, cid, pid) if leave_running else None
+    stage = None
     with Client(cfg) as c, interrupts.deferred():
         paused = time.monotonic()
         try:
             with thawed:
+                if leave_running:   # asks the agents what they will move: a container the
+                    # engine paused (containerd's CRI does) answers only once thawed
+                    stage = pause.staging(cfg, cid, pid)
+                    paused = time.monotonic()
                 ck = c.lock_and_checkpoint(pids=[pid], owner_pid=os.getpid(),
                                            gpu_data_dir=(stage or data).root,
                                            agent_container_id=cid, fingerprints=fps,
@@ -156,7 +160,7 @@ def _checkpoint(cfg: Config, runtime: Runtime, cid: str, spec: dict[str, Any],
         try:
             manifest.write_draft(images, draft)
             if staged is not None:   # no checkpoint until written out (a recovery: damaged)
-                ours = pause.begin(cfg, images)
+                ours = pause.begin(cfg, images, staged)
         except BaseException:
             with thawed:
                 c.rollback(op_id)

@@ -44,6 +44,7 @@ def _setup_logging(cfg: config.Config) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     inv = argv_mod.parse(sys.argv[1:] if argv is None else argv)
+    os.environ["TORPOR_CRIU_PLUGIN"] = "off"  # runc's CRIU: the plugin leaves our flows alone
     try:
         cfg = config.load()
         runtime = Runtime(find_runtime(cfg.oci_runtime), inv)

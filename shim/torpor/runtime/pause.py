@@ -19,7 +19,8 @@ implementation, its memory check, fallback and failure rules).
 
 Should torpor-runtime die after begin(), its journal entry (no PIDs: torpord's operation holds
 the container's) makes the next recovery (torpord's, periodically) mark the image directory
-damaged, and remove the staging once the write-out began (the agents had their data back);
+damaged, and remove the staging once no other entry names it (torpord's operation ended: the
+agents had their data back);
 should torpord die (or lose the operation) before it gave the container its GPU back, its own
 entry gives the agents their data back from the staging and
 removes it. A write-out that fails leaves the container running, nothing staged, the image
@@ -77,14 +78,16 @@ def staging(cfg: Config, cid: str, pid: int) -> agent_data.DataDir | None:
         return None
 
 
-def begin(cfg: Config, images: Path) -> Operation:
+def begin(cfg: Config, images: Path, stage: agent_data.DataDir) -> Operation:
     """Before the dump of a staged checkpoint: images marked WRITING (no checkpoint until
-    written out) and our journal entry naming it (no PIDs: torpord's operation holds the
-    container's), so that a recovery marks it damaged should torpor-runtime die first."""
+    written out) and our journal entry naming it and the staging (no PIDs: torpord's
+    operation holds the container's), so that a recovery marks it damaged should
+    torpor-runtime die first, and removes the staging once no other entry (torpord's, which
+    gives the agents their data back from it) names it."""
     writeout.begin(images)
     op = _engine(cfg).begin("checkpoint", [])
     try:
-        op.phase("stage", images_dir=str(images))
+        op.phase("stage", images_dir=str(images), data_root=str(stage.root))
     except BaseException:
         op.close()
         raise

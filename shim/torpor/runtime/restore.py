@@ -12,7 +12,10 @@ it kills the half-restored container and says why. RestoreAndUnlock also gives p
 the agent the GPU memory their agent moved into <image-path>/torpor-gpu/ (torpor.json's
 "agent"), found by their PID in the container's namespace. A checkpoint packed into the image
 store (config store_containers) first gets its files back, its chunks imported into this host's
-store and verified (store/images.py). A checkpoint whose subdirectories were flattened
+store and verified (store/images.py); chunks in neither the directory nor the store (the
+layer of a checkpoint image containerd 2 restores from names them only) are first fetched from
+the image's chunk artifact, each verified, within restore_fetch_timeout_s (registry/chunks.py).
+A checkpoint whose subdirectories were flattened
 (flat.py: containerd 2's CRI archive) gets them back first, every name checked.
 """
 
@@ -34,6 +37,7 @@ from ..flows import container, policy
 from ..engine import Engine
 from ..journal import Journal, Operation
 from ..layout import MAX_MANIFEST
+from ..registry import chunks
 from ..sidecar.client import Client, ensure_running
 from ..sidecar.convert import AgentData
 from ..store import images as store_images
@@ -70,9 +74,15 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
     unpacked = store_images.is_packed(images)
     in_store: dict[str, int] = {}   # the agents' GPU data: streamed from the store to the GPU
     if unpacked:
+        store = policy.open_store(cfg)
+        got = chunks.for_restore(cfg, images, store,
+                                 oci.load(bundle).get("annotations") or {})
+        if got:
+            log.info("restore %s: %d of %d chunk(s) fetched from %s (%d bytes) in %.2f s", cid,
+                     got.fetched, got.chunks, got.reference, got.bytes_received, got.seconds)
         if cfg.store_stream:
             in_store = store_images.gpu_data_files(store_images.packed_doc(images))
-        store_images.unpack_in_place(policy.open_store(cfg), images, leave_out=in_store)
+        store_images.unpack_in_place(store, images, leave_out=in_store)
         log.info("restore %s: unpacked through %s in %.2f s%s", cid, cfg.store_dir,
                  time.monotonic() - t0,
                  f" (not its {len(in_store)} GPU data file(s): they stream from the store)"
