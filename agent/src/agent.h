@@ -279,6 +279,8 @@ int mover_in_memory(void);
 /* Bytes of the agent's own memory holding saved GPU data. */
 unsigned long long mover_host_bytes(void);
 void mover_after_fork(void);
+/* The mover's tuning from the environment (mover.h, struct mover_tune): read once, at start. */
+void mover_tune_read(void);
 
 /* -- GPU fingerprints (fingerprint.c, fingerprint.h) ------------------------------------------ */
 

@@ -757,6 +757,7 @@ static int start_locked(void)
 	if (!dir || !*dir)
 		dir = DEFAULT_DIR;
 	ctl.prepare_timeout_s = env_seconds("TORPOR_AGENT_PREPARE_TIMEOUT_S", 600);
+	mover_tune_read();
 	for (int i = 0; i < MAX_CLIENTS; i++)
 		ctl.clients[i].fd = -1;
 	fd = listen_at(dir, ctl.path, sizeof(ctl.path));

@@ -314,6 +314,13 @@ static int reloaded_fp(const struct chunk *c, int q, const uint64_t *lanes, cons
 		*fp = part_fp(c, q, lanes + c->part[q].seg * FP_LANES * 2);
 		return 0;
 	}
+	if (!fds) { /* the agent's memory (gpu_check): the part where sinks_layout put it */
+		if (!plan.region[c->file])
+			return -EIO;
+		memcpy(buf + first, plan.region[c->file] + c->part[q].sink_off, n);
+		*fp = part_fp_host(c, q, buf);
+		return 0;
+	}
 	for (size_t done = 0; done < n;) {
 		ssize_t got = pread(fds[c->file], buf + first + done, n - done,
 				    c->file_off + first + done);
@@ -329,13 +336,13 @@ static int reloaded_fp(const struct chunk *c, int q, const uint64_t *lanes, cons
 }
 
 /* After a reload: every fingerprinted part again, on the GPU; the parts the store supplied
- * (skipped) are checked this way only. When the GPU cannot run the kernel now (full after the
+ * (skipped) and those without a host sum (gpu_check) are checked this way only. When the GPU cannot run the kernel now (full after the
  * re-creation, say), those are checked on the CPU from their files instead (fds; slower),
  * or, streamed, taken as torpor checked them (their sha256), rather than leaving the program
  * held at a closed gate. 0, or -1 with r->error. */
 int fingerprints_verify(const int *fds, struct move_result *r)
 {
-	size_t bad = 0, bad_skipped = 0, skipped = 0;
+	size_t bad = 0, bad_skipped = 0, skipped = 0, unsummed = 0;
 	unsigned char *buf = NULL;
 	char err[160];
 	uint64_t *lanes;
@@ -344,10 +351,23 @@ int fingerprints_verify(const int *fds, struct move_result *r)
 	if (!plan.fingerprinted)
 		return 0;
 	for (size_t j = 0; j < plan.nchunks; j++)
-		for (int q = 0; q < PARTS; q++)
-			skipped += plan.chunks[j].part[q].skip;
+		for (int q = 0; q < PARTS; q++) {
+			const struct part *pt = &plan.chunks[j].part[q];
+
+			skipped += pt->skip;
+			unsummed += !pt->zero && !part_summed(pt);
+		}
 	lanes = lanes_all(err, sizeof(err));
-	if (!lanes) {
+	if (!lanes && unsummed) { /* gpu_check: from the sink, on the CPU, like the store's */
+		buf = fds || plan.in_memory ? malloc(CHUNK) : NULL;
+		if (!buf) {
+			snprintf(r->error, sizeof(r->error), "the %zu reloaded parts checked on the GPU "
+				 "cannot be checked: %s", unsummed, err);
+			return -1;
+		}
+		pr_warn("no fingerprint kernel now (%s): %zu parts checked on the CPU", err,
+			unsummed);
+	} else if (!lanes) {
 		if (!skipped) { /* every part was written, and its sum checked */
 			pr_warn("fingerprints not checked: %s", err);
 			return 0;
@@ -374,7 +394,11 @@ int fingerprints_verify(const int *fds, struct move_result *r)
 			XXH128_hash_t fp;
 			int rc;
 
-			if (!c->part[q].fingerprinted || (!lanes && !c->part[q].skip))
+			/* on the CPU: the parts nothing else checked (a zero part was made by a
+			 * memset, from the agent's own memory) */
+			if (!c->part[q].fingerprinted ||
+			    (!lanes && ((!c->part[q].skip && part_summed(&c->part[q])) ||
+					c->part[q].zero)))
 				continue;
 			rc = reloaded_fp(c, q, lanes, fds, buf, &fp);
 			if (rc) {

@@ -20,6 +20,31 @@
 #define FILE_ALIGN (4UL << 20) /* the image store's chunk (store.CHUNK_SIZE): see mover.c's top */
 #define MAX_DEVICES 64
 #define PARTS ((int)(CHUNK / FILE_ALIGN)) /* a chunk's parts: one a store chunk, summed one by one */
+#define MAX_BUFFERS 8      /* staging buffers (and streams) a worker, at most (mover_tune.c) */
+#define HOST_PAGE 4096UL   /* what a registration of the sink is aligned to */
+
+/* -- the mover's tuning (mover_tune.c): environment variables read once at the agent's start;
+ * a bad value is ignored with a warning. The defaults are the mover as measured best so far. */
+
+enum { DIRECT_OFF, DIRECT_CHUNK, DIRECT_WHOLE };
+
+struct mover_tune {
+	int buffers;     /* TORPOR_AGENT_MOVER_BUFFERS: pinned staging buffers (and streams) a
+			  * worker, 2-8 (2): chunks in flight at once a worker */
+	int workers;     /* TORPOR_AGENT_MOVER_WORKERS: workers of a save into the agent's memory,
+			  * 1-16 (0: one a CPU); files: one a file, as torpor gives them */
+	int direct;      /* TORPOR_AGENT_MOVER_SINK: staged (DIRECT_OFF), direct (each chunk's
+			  * place in the sink registered and copied to straight), direct-whole
+			  * (the whole sink registered once, MAP_POPULATE) */
+	int gpu_check;   /* TORPOR_AGENT_MOVER_CHECK=gpu: no checksum on the host; every part is
+			  * fingerprinted on the GPU before the copy and checked on the GPU after
+			  * the reload (saves without an index or a stream only) */
+	int region_huge; /* TORPOR_AGENT_MOVER_REGION_HUGE=1: the agent's memory regions with
+			  * transparent huge pages (MADV_HUGEPAGE) */
+	int presize;     /* TORPOR_AGENT_MOVER_PRESIZE=0: data files sized after they are
+			  * written, not before (the mover before issue 20: measured against) */
+};
+extern struct mover_tune tune;
 
 struct piece {
 	size_t mv;       /* index into plan.mv */
@@ -79,6 +104,7 @@ struct mover_plan {
 	size_t nsegs;
 	int fingerprinted; /* the parts have fingerprints (some may not: see part) */
 	int zeros;         /* some parts are zero: a load memsets them (zeros_fill) */
+	int gpu_check;     /* tune.gpu_check took: the fingerprinted parts have no host sums */
 };
 extern struct mover_plan plan;
 
@@ -105,6 +131,12 @@ static inline void sum_add(struct sum *s, const void *data, size_t len)
 static inline uint64_t sum_end(const struct sum *s)
 {
 	return XXH3_64bits_digest(&s->st);
+}
+
+/* Is part pt summed on the host (not when its fingerprint checks it on the GPU: gpu_check)? */
+static inline int part_summed(const struct part *pt)
+{
+	return !(plan.gpu_check && pt->fingerprinted);
 }
 
 /* -- small helpers ---------------------------------------------------------------------------- */
@@ -143,12 +175,19 @@ static inline unsigned long long part_store_len(const struct chunk *c, int q)
 struct worker {
 	pthread_t thread;
 	int k, fd, saving; /* fd: -1 for a region of the agent's memory */
-	unsigned char *buf[2];
+	unsigned char *buf[MAX_BUFFERS]; /* tune.buffers of them (staged chunks) */
 	size_t buf_size;
 	int registered;
 	unsigned char *region; /* fd -1: the sink, in the agent's memory */
+	/* tune.direct: the sink mapped (the region, or the file mapped shared), registered whole
+	 * (DIRECT_WHOLE) or chunk by chunk (reg: each slot's registration, NULL: none) */
+	unsigned char *map;
+	size_t map_size;
+	int map_owned, map_registered, direct_failed;
+	size_t direct_chunks, staged_chunks; /* how its chunks went (logged) */
+	void *reg[MAX_BUFFERS];
 	long long populate_ms, staging_ms;
-	CUstream stream[MAX_DEVICES][2];
+	CUstream stream[MAX_DEVICES][MAX_BUFFERS];
 	CUcontext current;
 	unsigned long long bytes;
 	char error[200];
@@ -161,14 +200,26 @@ extern int fp_checking;     /* TORPOR_AGENT_FP_CHECK, read at each save */
  * r->error. */
 int run_workers(const int *fds, int nfds, int saving, struct move_result *r);
 void workers_after_fork(void);
-/* For a worker: its error (the first one stops the others), its device's context and two
- * streams, a copy between host and GPU (out: to the host), the end of a stream's copies.
+/* For a worker: its error (the first one stops the others), its device's context and
+ * tune.buffers streams (s: MAX_BUFFERS), a copy between host and GPU (out: to the host), the end of a stream's copies.
  * 0, or -1 once fail() said why. */
 void fail(struct worker *w, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 int use_device(struct worker *w, CUdevice dev, CUstream *s);
 int copy_range(struct worker *w, unsigned char *host, CUdeviceptr dev, size_t len, CUstream s,
 	       int out);
 int wait_stream(struct worker *w, CUstream s);
+
+/* -- straight between the GPU and the sink (mover_direct.c; tune.direct) ------------------------ */
+
+/* After region_get: the sink mapped (and for direct-whole registered); a refusal leaves the
+ * worker staged, with one warning. direct_close undoes it, with every slot's registration. */
+void direct_open(struct worker *w);
+void direct_close(struct worker *w);
+/* Does chunk c go straight, in slot i (its span registered for direct, until direct_end)? */
+int direct_begin(struct worker *w, const struct chunk *c, int i);
+void direct_end(struct worker *w, int i);
+/* The host sums of c's parts that move, read from the sink. */
+void direct_sums(const struct worker *w, const struct chunk *c, uint64_t *sums);
 
 /* -- the image store's ring (stream.c; agent/PROTOCOL.md, "Streaming") ----------------------- */
 

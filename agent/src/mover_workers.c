@@ -1,7 +1,9 @@
-/* The mover's workers: one thread a sink, each with two pinned staging buffers and two streams
- * a device, copying chunk after chunk between the GPU and its sink (a data file, a region of
+/* The mover's workers: one thread a sink, each with tune.buffers pinned staging buffers and as
+ * many streams a device (two by default; mover_tune.c), copying chunk after chunk between the GPU and its sink (a data file, a region of
  * the agent's memory, or the image store's ring: stream.c), summing every part on the way
- * (mover.c's top comment tells the whole story; mover.h: what they share).
+ * (mover.c's top comment tells the whole story; mover.h: what they share). With
+ * TORPOR_AGENT_MOVER_SINK=direct(-whole) the GPU copies straight into the sink, registered
+ * with the driver (direct_*), and the staging buffers are only a fallback.
  */
 #define LOG_PREFIX "mover: "
 #include "agent.h" /* first: _GNU_SOURCE */
@@ -55,7 +57,7 @@ int use_device(struct worker *w, CUdevice dev, CUstream *s)
 		}
 		w->current = ctx;
 	}
-	for (int i = 0; i < 2; i++) {
+	for (int i = 0; i < tune.buffers; i++) {
 		if (!w->stream[dev][i]) {
 			rc = real.cuStreamCreate(&w->stream[dev][i], CU_STREAM_NON_BLOCKING);
 			if (rc != CUDA_SUCCESS) {
@@ -70,7 +72,7 @@ int use_device(struct worker *w, CUdevice dev, CUstream *s)
 
 static int staging_get(struct worker *w)
 {
-	size_t size = 2 * CHUNK;
+	size_t size = (size_t)tune.buffers * CHUNK;
 	void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
 	CUresult rc;
 
@@ -80,8 +82,8 @@ static int staging_get(struct worker *w)
 	}
 	madvise(p, size, MADV_HUGEPAGE);
 	memset(p, 0, size); /* faulted in by this thread, in parallel with the others */
-	w->buf[0] = p;
-	w->buf[1] = (unsigned char *)p + CHUNK;
+	for (int i = 0; i < tune.buffers; i++)
+		w->buf[i] = (unsigned char *)p + (size_t)i * CHUNK;
 	w->buf_size = size;
 	rc = real.cuMemHostRegister_v2(p, size, CU_MEMHOSTREGISTER_PORTABLE);
 	if (rc != CUDA_SUCCESS) {
@@ -98,10 +100,10 @@ static void staging_put(struct worker *w)
 		real.cuMemHostUnregister(w->buf[0]);
 	if (w->buf[0])
 		munmap(w->buf[0], w->buf_size);
-	w->buf[0] = w->buf[1] = NULL;
+	memset(w->buf, 0, sizeof(w->buf));
 	w->registered = 0;
 	for (int d = 0; d < MAX_DEVICES; d++)
-		for (int i = 0; i < 2; i++)
+		for (int i = 0; i < MAX_BUFFERS; i++)
 			if (w->stream[d][i]) {
 				real.cuStreamDestroy_v2(w->stream[d][i]);
 				w->stream[d][i] = NULL;
@@ -122,8 +124,21 @@ int copy_range(struct worker *w, unsigned char *host, CUdeviceptr dev, size_t le
 	return 0;
 }
 
-/* Every piece of chunk c between buf and the GPU but the stretches in parts that stay behind
- * (part_stays: zero parts either way, skipped ones out of the GPU). */
+/* Where the byte at offset x of chunk c is on the host: in buf (staged), or (buf NULL: direct)
+ * in the sink's mapping. A stretch of parts that move is contiguous in either: in a file each
+ * part is at file_off + its offset, in a region the parts that move are packed and every part
+ * but a chunk's last is FILE_ALIGN long (sinks_layout). */
+static unsigned char *host_at(const struct worker *w, const struct chunk *c, unsigned char *buf,
+			      size_t x)
+{
+	size_t q = x / FILE_ALIGN;
+
+	return buf ? buf + x : w->map + c->part[q].sink_off + (x - q * FILE_ALIGN);
+}
+
+/* Every piece of chunk c between the host (buf, or NULL: straight from or into the sink) and
+ * the GPU but the stretches in parts that stay behind (part_stays: zero parts either way,
+ * skipped ones out of the GPU). */
 static int copy_chunk(struct worker *w, const struct chunk *c, unsigned char *buf, CUstream s,
 		      int out)
 {
@@ -138,26 +153,30 @@ static int copy_chunk(struct worker *w, const struct chunk *c, unsigned char *bu
 			if (end > p->at + p->len)
 				end = p->at + p->len;
 			if (part_stays(&c->part[a / FILE_ALIGN], out)) {
-				if (a > run && copy_range(w, buf + run, dev + (run - p->at), a - run, s, out))
+				if (a > run && copy_range(w, host_at(w, c, buf, run), dev + (run - p->at),
+							  a - run, s, out))
 					return -1;
 				run = end;
 			}
 			a = end;
 		}
 		if (p->at + p->len > run &&
-		    copy_range(w, buf + run, dev + (run - p->at), p->at + p->len - run, s, out))
+		    copy_range(w, host_at(w, c, buf, run), dev + (run - p->at), p->at + p->len - run,
+			       s, out))
 			return -1;
 	}
 	return 0;
 }
 
 /* TORPOR_AGENT_FP_CHECK: the GPU's fingerprint of every part copied out against the CPU's,
- * from the bytes that arrived (what the GPU tests run with). */
+ * from the bytes that arrived, in buf or (NULL) in the sink (what the GPU tests run with). */
 static int fp_check(struct worker *w, const struct chunk *c, const unsigned char *buf)
 {
 	for (int q = 0; q < PARTS; q++)
 		if (c->part[q].fingerprinted && !part_stays(&c->part[q], 1) &&
-		    !XXH128_isEqual(part_fp_host(c, q, buf), c->part[q].fp)) {
+		    !XXH128_isEqual(part_fp_host(c, q, buf ? buf : (const unsigned char *)
+					  ((uintptr_t)host_at(w, c, NULL, (size_t)q * FILE_ALIGN) -
+					   (uintptr_t)q * FILE_ALIGN)), c->part[q].fp)) {
 			fail(w, "fingerprint check: the GPU's fingerprint of %zu bytes at file %d "
 			     "offset %llu differs from the CPU's", part_len(c, q), c->file,
 			     c->file_off + (unsigned long long)q * FILE_ALIGN);
@@ -209,9 +228,12 @@ static int region_get(struct worker *w)
 			fail(w, "host memory for %zu MiB of GPU data: %s", size >> 20, strerror(errno));
 			return -1;
 		}
-		/* No MADV_HUGEPAGE: on the H200 host the copy out was no faster with it (5.5 s
-		 * against 5.0 s for 17.4 GB), and with THP defrag "madvise" every huge-page fault
-		 * of such a region may stall in direct compaction. */
+		/* No MADV_HUGEPAGE by default: on the H200 host the copy out was no faster with it
+		 * (5.5 s against 5.0 s for 17.4 GB), and with THP defrag "madvise" every huge-page
+		 * fault of such a region may stall in direct compaction (TORPOR_AGENT_MOVER_REGION_HUGE
+		 * asks for them, to measure again). */
+		if (tune.region_huge)
+			madvise(p, size, MADV_HUGEPAGE);
 		madvise(p, size, MADV_DONTFORK); /* a child must not inherit (copy) the program's GPU data */
 		plan.region[w->k] = p;
 		plan.region_size[w->k] = size;
@@ -229,7 +251,7 @@ static int region_get(struct worker *w)
 static void sync_streams(struct worker *w)
 {
 	for (int d = 0; d < MAX_DEVICES; d++)
-		for (int i = 0; i < 2; i++)
+		for (int i = 0; i < MAX_BUFFERS; i++)
 			if (w->stream[d][i] && real.cuStreamSynchronize(w->stream[d][i]) != CUDA_SUCCESS &&
 			    !failed)
 				fail(w, "cuStreamSynchronize after the %s failed",
@@ -242,6 +264,7 @@ static int part_io(struct worker *w, const struct chunk *c, unsigned char *buf, 
 {
 	size_t first = (size_t)q * FILE_ALIGN, last = first + part_len(c, q);
 	unsigned long long sink = c->part[q].sink_off; /* the part's first byte in the sink */
+	int summed = part_summed(&c->part[q]);
 	struct sum s;
 
 	if (w->saving && stream_active())
@@ -250,13 +273,13 @@ static int part_io(struct worker *w, const struct chunk *c, unsigned char *buf, 
 	for (size_t block = first; block < last; block += SUB) {
 		size_t n = last - block < SUB ? last - block : SUB;
 
-		if (w->saving)
+		if (w->saving && summed)
 			sum_add(&s, buf + block, n);
 		if (w->region) { /* the agent's memory: the block is still in cache */
 			unsigned char *at = w->region + sink + (block - first);
 
 			w->saving ? memcpy(at, buf + block, n) : memcpy(buf + block, at, n);
-			if (!w->saving)
+			if (!w->saving && summed)
 				sum_add(&s, buf + block, n);
 			continue;
 		}
@@ -280,10 +303,10 @@ static int part_io(struct worker *w, const struct chunk *c, unsigned char *buf, 
 			}
 			done += r;
 		}
-		if (!w->saving)
+		if (!w->saving && summed)
 			sum_add(&s, buf + block, n);
 	}
-	*sum = sum_end(&s);
+	*sum = summed ? sum_end(&s) : 0;
 	return 0;
 }
 
@@ -314,12 +337,25 @@ static size_t moved_len(const struct chunk *c, int out)
 	return n;
 }
 
-/* The previous chunk is in its buffer: checked (fp_check), written, summed. */
+static int staging_get(struct worker *w);
+
+/* Staging buffers for a staged chunk (direct workers get them only when one falls back). */
+static int staging_need(struct worker *w)
+{
+	return w->buf[0] ? 0 : staging_get(w);
+}
+
+/* The chunk is out, in its buffer or (buf NULL) in the sink: checked (fp_check), written,
+ * summed. */
 static int save_one(struct worker *w, struct chunk *c, const unsigned char *buf)
 {
 	uint64_t sums[PARTS] = { 0 };
 
-	if ((fp_checking && fp_check(w, c, buf)) || file_io(w, c, (unsigned char *)buf, sums))
+	if (fp_checking && fp_check(w, c, buf))
+		return -1;
+	if (!buf)
+		direct_sums(w, c, sums);
+	else if (file_io(w, c, (unsigned char *)buf, sums))
 		return -1;
 	for (int q = 0; q < PARTS; q++)
 		c->part[q].sum = sums[q];
@@ -351,51 +387,76 @@ static size_t worker_chunk(int k, size_t i)
 	return k + ((first + i) % n) * plan.nfiles;
 }
 
-/* Copies chunk after chunk into the two buffers in turn; the previous chunk is written while
- * the next one copies. */
+/* Copies chunk after chunk into tune.buffers slots in turn (a staging buffer, or the sink
+ * itself: direct), each with its stream: the oldest chunk is written while the newer ones
+ * copy. */
 static void *save_main(struct worker *w)
 {
-	struct chunk *prev = NULL;
-	CUstream prev_s = NULL;
-	int cur = 0;
+	struct chunk *held[MAX_BUFFERS] = { 0 }; /* the chunk in each slot, not yet written */
+	CUstream used[MAX_BUFFERS] = { 0 };
+	int direct[MAX_BUFFERS] = { 0 }, nb = tune.buffers;
+	size_t n = worker_count(w->k);
 
-	for (size_t i = 0, n = worker_count(w->k); i < n && !failed; i++) {
-		struct chunk *c = &plan.chunks[worker_chunk(w->k, i)];
-		CUstream s[2];
+	for (size_t i = 0; i < n + nb && !failed; i++) {
+		int slot = (int)(i % nb);
+		CUstream s[MAX_BUFFERS];
+		struct chunk *c;
 
-		if (use_device(w, c->dev, s) || copy_chunk(w, c, w->buf[cur], s[cur], 1))
+		if (held[slot]) { /* chunk i - nb: its copy over, written */
+			if (wait_stream(w, used[slot]) ||
+			    save_one(w, held[slot], direct[slot] ? NULL : w->buf[slot]))
+				return NULL;
+			direct_end(w, slot);
+			held[slot] = NULL;
+		}
+		if (i >= n)
+			continue;
+		c = &plan.chunks[worker_chunk(w->k, i)];
+		if (use_device(w, c->dev, s))
 			return NULL;
-		if (prev && (wait_stream(w, prev_s) || save_one(w, prev, w->buf[cur ^ 1])))
+		direct[slot] = direct_begin(w, c, slot);
+		direct[slot] ? w->direct_chunks++ : w->staged_chunks++;
+		if ((!direct[slot] && staging_need(w)) ||
+		    copy_chunk(w, c, direct[slot] ? NULL : w->buf[slot], s[slot], 1))
 			return NULL;
-		prev = c;
-		prev_s = s[cur];
-		cur ^= 1;
+		held[slot] = c;
+		used[slot] = s[slot];
 	}
-	if (prev && !failed && !wait_stream(w, prev_s))
-		save_one(w, prev, w->buf[cur ^ 1]);
 	return NULL;
 }
 
+/* Reads (and checks) chunk after chunk into tune.buffers slots in turn and copies each in;
+ * a slot is reused once the copy from it, on the stream it went on, is over. */
 static void *load_main(struct worker *w)
 {
-	CUstream s[2];
-	int cur = 0;
+	CUstream used[MAX_BUFFERS] = { 0 };
+	int nb = tune.buffers;
 
 	for (size_t i = 0, n = worker_count(w->k); i < n && !failed; i++) {
+		int slot = (int)(i % nb), direct, q;
 		size_t j = worker_chunk(w->k, i);
 		struct chunk *c = &plan.chunks[j];
 		uint64_t sums[PARTS] = { 0 };
-		int q;
+		CUstream s[MAX_BUFFERS];
 
 		if (use_device(w, c->dev, s))
 			break;
-		/* the copy that used this buffer two chunks ago must be over */
-		if (wait_stream(w, s[cur]) || file_io(w, c, w->buf[cur], sums))
+		/* the copy that used this slot nb chunks ago must be over (on its own device's
+		 * stream: the chunks of a worker change device) */
+		if (used[slot] && wait_stream(w, used[slot]))
 			break;
-		/* skipped parts: their fingerprints, after the load; zero ones were not read */
+		direct_end(w, slot);
+		direct = direct_begin(w, c, slot);
+		direct ? w->direct_chunks++ : w->staged_chunks++;
+		if (direct)
+			direct_sums(w, c, sums);
+		else if (staging_need(w) || file_io(w, c, w->buf[slot], sums))
+			break;
+		/* skipped parts: their fingerprints, after the load; zero ones were not read; nor
+		 * summed ones (gpu_check): their fingerprints too */
 		for (q = 0; q < PARTS; q++)
 			if (!c->part[q].skip && !c->part[q].zero && part_len(c, q) &&
-			    sums[q] != c->part[q].sum)
+			    part_summed(&c->part[q]) && sums[q] != c->part[q].sum)
 				break;
 		if (q < PARTS) {
 			fail(w, "chunk %zu (%s %d, offset %llu, %zu bytes): checksum mismatch: %s", j,
@@ -405,10 +466,10 @@ static void *load_main(struct worker *w)
 				       : "the file is damaged or not this program's");
 			break;
 		}
-		if (copy_chunk(w, c, w->buf[cur], s[cur], 0))
+		if (copy_chunk(w, c, direct ? NULL : w->buf[slot], s[slot], 0))
 			break;
+		used[slot] = s[slot];
 		w->bytes += moved_len(c, 0);
-		cur ^= 1;
 	}
 	return NULL;
 }
@@ -446,7 +507,7 @@ static void pinned_expect(int n)
 static void *worker_main(void *arg)
 {
 	struct worker *w = arg;
-	CUstream s[2];
+	CUstream s[MAX_BUFFERS];
 	int ready = 0, active = (size_t)w->k < plan.nchunks; /* fewer chunks than sinks */
 	long long t0 = now_ms();
 
@@ -457,16 +518,24 @@ static void *worker_main(void *arg)
 		int dev = plan.chunks[worker_chunk(w->k, 0)].dev;
 
 		pr_debug("mover %d: %zu chunks, from device %d's", w->k, worker_count(w->k), dev);
-		if (use_device(w, dev, s) == 0)
-			ready = staging_get(w) == 0;
+		if (use_device(w, dev, s) == 0) /* direct: staging only for a chunk that falls back */
+			ready = (tune.direct && !stream_active()) || staging_get(w) == 0;
 	}
 	w->staging_ms = now_ms() - t0;
 	if (plan.in_memory)
 		pinned_wait();
-	if (ready && (!plan.in_memory || region_get(w) == 0))
+	if (ready && (!plan.in_memory || region_get(w) == 0)) {
+		t0 = now_ms();
+		direct_open(w); /* mapped, and for DIRECT_WHOLE registered: the staging phase's */
+		w->staging_ms += now_ms() - t0;
 		w->saving ? save_main(w) : stream_active() ? load_stream_main(w) : load_main(w);
+		if (tune.direct)
+			pr_debug("mover %d: %zu chunks straight, %zu staged", w->k, w->direct_chunks,
+				 w->staged_chunks);
+	}
 	if (active)
 		sync_streams(w); /* nothing in flight once the staging memory goes */
+	direct_close(w);
 	staging_put(w);
 	return NULL;
 }

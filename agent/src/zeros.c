@@ -28,6 +28,10 @@ void sinks_layout(void)
 	for (size_t j = 0; j < plan.nchunks; j++) {
 		struct chunk *c = &plan.chunks[j];
 
+		/* copied straight into a region, each chunk's parts are registered on their own:
+		 * no page may hold two chunks' bytes (TORPOR_AGENT_MOVER_SINK=direct) */
+		if (plan.in_memory && tune.direct)
+			off[c->file] = round_up(off[c->file], HOST_PAGE);
 		for (int q = 0; q < PARTS && part_len(c, q); q++) {
 			struct part *pt = &c->part[q];
 

@@ -382,14 +382,17 @@ def write_json(path: Path, obj: object) -> None:
     atomic_write(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
-def tree_size(path: Path) -> int:
+def tree_size(path: Path, allocated: bool = False) -> int:
+    """The bytes of the files under path; allocated: those written (holes not counted: the
+    agent sizes its data files before it writes them)."""
     total = 0
     for root, _dirs, names in os.walk(path):
         for n in names:
             try:
-                total += os.lstat(os.path.join(root, n)).st_size
+                st = os.lstat(os.path.join(root, n))
             except FileNotFoundError:
-                pass
+                continue
+            total += st.st_blocks * 512 if allocated else st.st_size
     return total
 
 

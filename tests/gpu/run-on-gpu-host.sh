@@ -21,8 +21,10 @@
 # which XLA feature keeps a JAX program from the driver path (bench/jax_driver_path.py);
 # UPSTREAM_BENCH_SIZES="4 16" podman + runc + CRIU's cuda plugin + the cuda-checkpoint stand-in
 # against torpor's driver, agent and store legs (bench/upstream_path.py; the plugin from
-# .device/upstream/cuda_plugin.so, UPSTREAM_BENCH_ARGS for more, e.g. --zstd-sizes); TESTS=0
-# skips the tests. AGENT_OVERHEAD_REPS=10 the agent's cost to a training loop and token latency
+# .device/upstream/cuda_plugin.so, UPSTREAM_BENCH_ARGS for more, e.g. --zstd-sizes);
+# MOVER_SWEEP=1 the agent mover's tunings against the pinned-copy limit (bench/mover_sweep.py,
+# MOVER_SWEEP_SIZES default "8 16", MOVER_SWEEP_ARGS e.g. --leave-running); TESTS=0 skips the
+# tests. AGENT_OVERHEAD_REPS=10 the agent's cost to a training loop and token latency
 # (bench/agent_overhead.py; AGENT_OVERHEAD_ARGS for more, e.g. --steps 200).
 set -uo pipefail
 cd "$(dirname "$(readlink -f "$0")")/../.."
@@ -132,6 +134,10 @@ if [[ -n "${UPSTREAM_BENCH_SIZES:-}${UPSTREAM_BENCH_ARGS:-}" ]]; then   # ARGS a
         --standin /tmp/upstream-build/cuda-checkpoint --runc /opt/podman-bundle/bin/runc \
         --workdir /var/tmp/torpor-ubench ${UPSTREAM_BENCH_ARGS:-} \
         --out "$OUT/upstream_path.json" 2>&1 | tee "$OUT/upstream-bench.txt"
+fi
+if [[ -n "${MOVER_SWEEP:-}" && "${MOVER_SWEEP}" != 0 ]]; then
+    python3 bench/mover_sweep.py --sizes ${MOVER_SWEEP_SIZES:-8 16} ${MOVER_SWEEP_ARGS:-} \
+        --out "$OUT/mover_sweep.json" 2>&1 | tee "$OUT/mover-sweep.txt"
 fi
 if [[ -n "${CHUNK_WRITES_GIB:-}" ]]; then
     python3 bench/chunk_writes.py --gib "$CHUNK_WRITES_GIB" --threads ${CHUNK_WRITES_THREADS:-16} \

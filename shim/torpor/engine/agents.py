@@ -238,7 +238,7 @@ class AgentMoves:
             measure = lambda: sum(procs.rss_bytes(p) - before[p] for p in targets)  # noqa: E731
         else:
             what = progs + f" to {count} file(s) each in {root}"
-            measure = lambda: tree_size(root)  # noqa: E731
+            measure = lambda: tree_size(root, allocated=True)  # noqa: E731
         start = time.monotonic()
         try:
             with self.progress.phase("agent-prepare", what, measure=measure):
