@@ -53,7 +53,7 @@ GB, GiB, SLICE = 1e9, 1 << 30, 256 << 20
 VARIANTS: dict[str, dict] = {
     "default": {},
     "no-presize": {"TORPOR_AGENT_MOVER_PRESIZE": "0"},
-    "gpucheck": {"TORPOR_AGENT_MOVER_CHECK": "gpu"},
+    "hostcheck": {"TORPOR_AGENT_MOVER_CHECK": "host"},   # the default before 2026-12-04
     "direct-gpucheck": {"TORPOR_AGENT_MOVER_SINK": "direct", "TORPOR_AGENT_MOVER_CHECK": "gpu"},
     "buffers4": {"TORPOR_AGENT_MOVER_BUFFERS": "4"},
     "gpucheck-buffers4": {"TORPOR_AGENT_MOVER_CHECK": "gpu", "TORPOR_AGENT_MOVER_BUFFERS": "4"},

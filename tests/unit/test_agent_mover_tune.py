@@ -23,7 +23,7 @@ VARIANTS = {
     "buffers8-workers3": {"TORPOR_AGENT_MOVER_BUFFERS": "8", "TORPOR_AGENT_MOVER_WORKERS": "3"},
     "direct": {"TORPOR_AGENT_MOVER_SINK": "direct"},
     "direct-whole": {"TORPOR_AGENT_MOVER_SINK": "direct-whole"},
-    "gpucheck": {"TORPOR_AGENT_MOVER_CHECK": "gpu"},
+    "hostcheck": {"TORPOR_AGENT_MOVER_CHECK": "host"},
     "direct-gpucheck": {"TORPOR_AGENT_MOVER_SINK": "direct", "TORPOR_AGENT_MOVER_CHECK": "gpu",
                         "TORPOR_AGENT_MOVER_BUFFERS": "3"},
     "direct-whole-gpucheck": {"TORPOR_AGENT_MOVER_SINK": "direct-whole",
@@ -87,13 +87,13 @@ def test_every_variant_moves_out_and_back_bit_exact(gpu, probe, tmp_path, varian
         assert sum(int(a) for a, _ in counts) >= 4 * r["chunks"] // 2, counts   # ... all went
     else:
         assert "straight into" not in log
-    if env.get("TORPOR_AGENT_MOVER_CHECK") == "gpu":  # fingerprinted with no index
+    if env.get("TORPOR_AGENT_MOVER_CHECK", "gpu") == "gpu":  # the default: fingerprinted
         assert r["fingerprints"]["parts"] > 0, r
     else:
         assert r["fingerprints"]["parts"] == 0, r
 
 
-@pytest.mark.parametrize("variant", ["default", "buffers4", "direct", "gpucheck"])
+@pytest.mark.parametrize("variant", ["default", "buffers4", "direct", "hostcheck"])
 def test_two_gpus_every_variant(gpu, probe, tmp_path, variant):
     """Each worker's chunks change GPU on the way (mover_workers.c worker_chunk): a slot is
     reused only once the copy that used it, on its own device's stream, is over."""

@@ -92,8 +92,10 @@ def test_zero_parts_are_never_copied_and_a_resume_memsets_them(gpu, probe, tmp_p
     assert r["zero"]["parts"] == len(_parts(ptr)) - moved // PART - (moved % PART > 0)
     assert r["zero"]["error"] == ""
     copied = _delta(gpu, p.pid, before)
-    # what crossed "PCIe" out: the parts written into, and the kernel's flags (4 bytes each)
-    assert moved <= copied["dtoh"] <= moved + 4096, copied
+    # what crossed "PCIe" out: the parts written into, the kernel's flags (4 bytes each) and,
+    # with the mover's GPU check (the default), each segment's fingerprint lanes: far below one
+    # part of zeros (4 MiB)
+    assert moved <= copied["dtoh"] <= moved + 128 * 1024, copied
     if sink == "files":   # the zero parts are holes: the files hold the data alone
         assert sum(os.stat(f).st_blocks * 512 for f in files.paths) <= moved + 2 * MIB
         assert sum(r["files"]) >= SIZE                # the files still span every part
@@ -107,7 +109,8 @@ def test_zero_parts_are_never_copied_and_a_resume_memsets_them(gpu, probe, tmp_p
         else ctl_fds(p.sock, "resume")
     assert back["ok"] and back["bytes"] == moved and back["zero_bytes"] == SIZE - moved, back
     copied = _delta(gpu, p.pid, before)
-    assert copied["htod"] == moved and copied["memset"] == SIZE - moved, copied
+    # in: the data and (GPU check) the check kernel's table of segments; the zeros by memset
+    assert moved <= copied["htod"] <= moved + 4096 and copied["memset"] == SIZE - moved, copied
     assert p.status()["state"] == "running"
     _intact(p, ptr)
 

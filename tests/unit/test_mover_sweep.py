@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 import mover_sweep  # noqa: E402
 
-GOOD_RATE = {"default": 20.0, "no-presize": 15.0, "buffers4": 22.0, "gpucheck": 30.0, "gpucheck-buffers4": 31.0,
+GOOD_RATE = {"default": 20.0, "no-presize": 15.0, "buffers4": 22.0, "hostcheck": 30.0, "gpucheck-buffers4": 31.0,
              "direct": 10.0, "direct-gpucheck": 41.0, "direct-whole-gpucheck": 5.0}
 
 
