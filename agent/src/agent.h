@@ -261,9 +261,10 @@ struct move_result {
  * the agent's own memory, one thread a CPU), then drops their physical memory. The gate must
  * be closed. index_fd >= 0: fingerprints every part on the GPU first, skips the parts whose
  * fingerprints are in known_fd (-1: none), and writes the index to index_fd. 0, or -1 with
- * r->error (nothing dropped). */
+ * r->error (nothing dropped). host_budget (0: none): refused, before anything is copied,
+ * when the parts to copy (zero and skipped parts left out) need more host memory than this. */
 int mover_save(const int *fds, int nfds, int known_fd, int index_fd, int ring_fd, int sock_fd,
-	       struct move_result *r);
+	       unsigned long long host_budget, struct move_result *r);
 /* Re-creates and reloads what mover_save saved from the same files (none: from the agent's
  * memory), verifying checksums. 0, or -1 with r->error (what was re-created stays; a retry
  * goes on from there). */

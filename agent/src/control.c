@@ -367,6 +367,7 @@ static void prepare_reply(struct client *c, const char *arg, char *out, size_t s
 	struct move_result r;
 	long timeout_ms;
 	int ret, n, ndata = c->nfds, known_fd = -1, index_fd = -1, ring_fd = -1, sock_fd = -1;
+	unsigned long long host_budget = 0;
 	size_t used, alen = strlen(arg);
 	char targ[32];
 
@@ -398,6 +399,23 @@ static void prepare_reply(struct client *c, const char *arg, char *out, size_t s
 		known_fd = c->fds[ndata];
 		index_fd = c->fds[ndata + 1];
 	}
+	/* "host=N" (before fp): the host memory this save may take (PROTOCOL.md) */
+	{
+		size_t w = alen;
+		char *end;
+
+		while (w && arg[w - 1] != ' ')
+			w--;
+		if (alen - w >= 5 && !strncmp(arg + w, "host=", 5)) {
+			errno = 0;
+			host_budget = strtoull(arg + w + 5, &end, 10);
+			if (errno || end != arg + alen || !host_budget || arg[w + 5] == '-') {
+				error_reply(out, size, "bad host=: a number of bytes above 0");
+				return;
+			}
+			alen = w ? w - 1 : 0;
+		}
+	}
 	snprintf(targ, sizeof(targ), "%.*s", (int)(alen < sizeof(targ) - 1 ? alen : sizeof(targ) - 1),
 		 arg);
 	if (alen >= sizeof(targ) || parse_timeout(targ, &timeout_ms)) {
@@ -424,7 +442,7 @@ static void prepare_reply(struct client *c, const char *arg, char *out, size_t s
 		return;
 	}
 	mover_stream_timeout((long long)(ctl.prepare_timeout_s * 1000));
-	ret = mover_save(c->fds, ndata, known_fd, index_fd, ring_fd, sock_fd, &r);
+	ret = mover_save(c->fds, ndata, known_fd, index_fd, ring_fd, sock_fd, host_budget, &r);
 	if (known_fd >= 0) { /* torpor's, read and written: not kept */
 		for (int k = ndata; k < c->nfds; k++)
 			close(c->fds[k]);

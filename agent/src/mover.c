@@ -224,8 +224,21 @@ static int size_files(const int *fds, int nfds, struct move_result *r)
 	return 0;
 }
 
+/* The host memory a save's sinks take: every part that is copied out (zero parts and those
+ * the store has stay behind). */
+static unsigned long long host_bytes_needed(void)
+{
+	unsigned long long n = 0;
+
+	for (size_t j = 0; j < plan.nchunks; j++)
+		for (int q = 0; q < PARTS; q++)
+			if (!part_stays(&plan.chunks[j].part[q], 1))
+				n += part_len(&plan.chunks[j], q);
+	return n;
+}
+
 int mover_save(const int *fds, int nfds, int known_fd, int index_fd, int ring_fd, int sock_fd,
-	       struct move_result *r)
+	       unsigned long long host_budget, struct move_result *r)
 {
 	long long t0 = now_ms(), t1;
 	size_t dropped = 0, nknown = 0;
@@ -283,6 +296,17 @@ int mover_save(const int *fds, int nfds, int known_fd, int index_fd, int ring_fd
 	fingerprint_parts(known, nknown, index_fd >= 0 || gpu_check, !zeros || strcmp(zeros, "0"), r);
 	plan.gpu_check = gpu_check && plan.fingerprinted;
 	free(known);
+	/* host_budget (suspend: what the host has for it): known only now, after the zero scan,
+	 * is how much of the program's GPU memory must go to host memory; refused before a byte
+	 * is copied rather than the host running out half-way (a JAX arena is mostly zeros) */
+	if (host_budget && host_bytes_needed() > host_budget) {
+		snprintf(r->error, sizeof(r->error), "its GPU data needs %llu bytes of host memory "
+			 "(%llu bytes of zero parts stay on the GPU); %llu bytes are available for it",
+			 host_bytes_needed(), (unsigned long long)r->zero_bytes, host_budget);
+		plan_free();
+		stream_close();
+		return -1;
+	}
 	sinks_layout();
 	/* Every file at its full size before the first byte is written (and so a file ending in
 	 * skipped parts or a hole has it too): a tmpfs mounted huge=within_size (suspend_dir's)

@@ -264,7 +264,7 @@ class AgentClient:
     # -- moving GPU memory (PROTOCOL.md) --------------------------------------------------------
     def prepare(self, files: Sequence[int], timeout_ms: int, timeout: float | None = None,
                 fingerprints: tuple[int, int] | None = None,
-                stream: Sequence[int] = ()) -> dict[str, Any]:
+                stream: Sequence[int] = (), host_budget: int | None = None) -> dict[str, Any]:
         """Movable GPU memory into files (fds of empty regular files, read-write), or with no
         files into the program's own host memory; the gate is closed after. Returns the
         agent's reply: {"bytes" (moved), "zero_bytes" (found zero: stayed), "chunks",
@@ -276,6 +276,9 @@ class AgentClient:
         stream: the ring and the socket of a store.stream.Intake (with fingerprints): the data
         goes through them into the image store, the files stay holes; the reply then has
         "streamed": true.
+        host_budget: the bytes of host memory the data may take (a suspend's share of what the
+        host has): the agent refuses, before copying anything, when the parts it must copy
+        (zero and skipped parts left out, known only after its scan on the GPU) need more.
         On failure (AgentError) the agent released nothing and opened its gate again."""
         if not 0 <= len(files) <= MAX_FILES:
             raise ValueError(f"prepare takes 0 to {MAX_FILES} files, not {len(files)}")
@@ -284,7 +287,10 @@ class AgentClient:
         if stream and (fingerprints is None or len(stream) != 2):
             raise ValueError("a stream is a ring and a socket, with fingerprints")
         fp = fingerprints is not None
-        reply = self.call(f"prepare {int(timeout_ms)}{' fp' if fp else ''}"
+        if host_budget is not None and host_budget < 1:
+            raise ValueError("host_budget is a number of bytes above 0")
+        budget = f" host={int(host_budget)}" if host_budget is not None else ""
+        reply = self.call(f"prepare {int(timeout_ms)}{budget}{' fp' if fp else ''}"
                           f"{' stream' if stream else ''}",
                           [*files, *(fingerprints or ()), *stream], timeout)
         if stream and reply.get("streamed") is not True:

@@ -86,6 +86,7 @@ class FakeAgent:
         self.state, self.gate = "running", "open"
         self.kept: list[int] = []              # the prepare's fds, until detach
         self.held: list[bytes] | None = None   # a prepare without files: the chunks, in memory
+        self.host_budget: int | None = None    # the last prepare's host=N
         self.sums: list[str] = []
         self.sizes: list[int] = []             # the data files' sizes at the prepare
         self.fail: dict[str, str] = {}
@@ -251,6 +252,16 @@ class FakeAgent:
             fingerprints = {"parts": 0, "skipped": 0, "skipped_bytes": 0, "seconds": 0.0,
                             "error": "the fake agent has no GPU to fingerprint on"}
             self.log.add(f"agent prepare-fp {self.pid}")
+        words = arg.split()
+        self.host_budget = next((int(w[5:]) for w in words if w.startswith("host=")), None)
+        need = sum(len(c) for c in (self.memory[i:i + CHUNK] for i in
+                                    range(0, len(self.memory or b""), CHUNK)) if any(c))
+        if self.host_budget is not None and need > self.host_budget:   # as the C agent
+            for fd in [*fds, *stream]:
+                os.close(fd)
+            return {"ok": False, "error": f"its GPU data needs {need} bytes of host memory "
+                                          f"(0 bytes of zero parts stay on the GPU); "
+                                          f"{self.host_budget} bytes are available for it"}
         try:
             assert self.state == "running", f"already {self.state}"
             assert 0 <= len(fds) <= 16, f"{len(fds)} files"

@@ -258,11 +258,33 @@ def test_a_mount_that_fails_leaves_a_plain_directory(world, huge_tmpfs, monkeypa
 
 
 def test_a_suspend_without_host_memory_for_it_is_refused_before_anything(world, monkeypatch):
-    in_process(world)
+    """The driver path moves all of NVML's figure to host memory: checked up front."""
+    world.agent.stop()
     monkeypatch.setattr(procs, "mem_available", lambda: 512 << 20)   # the GPU holds 1 GiB
     with pytest.raises(UsageError, match="needs 1.00 GiB of host memory .* 512"):
         process.suspend(world.engine(), PID)
-    assert world.log() == [] and world.agent.intact and world.journal_entries() == []
+    assert world.log() == [] and world.journal_entries() == []
+
+
+@pytest.mark.parametrize("where", ["files", "in-process"])
+def test_under_the_agent_its_data_is_what_must_fit_in_host_memory(world, monkeypatch, where):
+    """NVML says 1 GiB (a JAX arena: mostly zeros); the agent's data is 3 MiB. Less host
+    memory than NVML's figure suspends; less than the data is refused by the agent before it
+    copies, and everything rolls back."""
+    if where == "in-process":
+        in_process(world)
+    monkeypatch.setattr(procs, "mem_available", lambda: 512 << 20)
+    process.suspend(world.engine(), PID)
+    assert world.agent.host_budget == 512 << 20
+    process.resume(world.engine(), PID)
+    assert world.agent.intact
+
+    monkeypatch.setattr(procs, "mem_available", lambda: 1 << 20)
+    with pytest.raises(RolledBackError, match="needs 3\\d+ bytes of host memory .* 1048576 "
+                                              "bytes are available"):
+        process.suspend(world.engine(), PID)
+    assert world.agent.state == "running" and world.agent.intact
+    assert world.journal_entries() == [] and world.engine().journal.suspended() == {}
 
 
 def test_a_program_without_agent_takes_the_driver_path(world):

@@ -115,6 +115,39 @@ def test_zero_parts_are_never_copied_and_a_resume_memsets_them(gpu, probe, tmp_p
     _intact(p, ptr)
 
 
+@pytest.mark.parametrize("sink", ["files", "memory"])
+def test_a_host_budget_counts_the_data_alone(gpu, probe, tmp_path, sink):
+    """prepare ... host=N (a suspend's share of host memory): the 64 MiB allocation fits in a
+    budget for its data alone; a budget below the data is refused before a byte is copied,
+    the gate open again and the program untouched; a malformed budget is refused."""
+    p = probe()
+    ptr = _program(p)
+    moved = _moved(ptr)
+    files = Files(tmp_path / "data", 2)
+
+    def prepare(arg: str) -> dict:
+        return files.send(p.sock, f"prepare 5000 {arg}", True) if sink == "files" \
+            else ctl_fds(p.sock, f"prepare 5000 {arg}")
+
+    for bad in ("host=", "host=0", "host=-5", "host=12x", "host=99999999999999999999999"):
+        r = prepare(bad)
+        assert r["ok"] is False and "host=" in r["error"], (bad, r)
+    before = gpu.copies(p.pid)
+    r = prepare(f"host={moved - 1}")
+    assert r["ok"] is False, r
+    assert f"needs {moved} bytes of host memory ({SIZE - moved} bytes of zero parts" \
+        in r["error"] and f"{moved - 1} bytes are available" in r["error"], r
+    assert _delta(gpu, p.pid, before)["dtoh"] <= 128 * 1024     # the scan's flags alone
+    assert p.status()["state"] == "running" and p.status()["gate"] == "open"
+    _intact(p, ptr)
+    r = prepare(f"host={moved}")                      # 64 MiB on the GPU, `moved` to host
+    assert r["ok"] and r["bytes"] == moved, r
+    assert ctl_fds(p.sock, "detach")["ok"]
+    back = files.send(p.sock, "resume", False) if sink == "files" else ctl_fds(p.sock, "resume")
+    assert back["ok"], back
+    _intact(p, ptr)
+
+
 def test_without_zero_detection_every_part_is_copied(gpu, probe, tmp_path):
     """TORPOR_AGENT_ZEROS=0: the mover as it was (what the figures above are measured against)."""
     p = probe(env={"TORPOR_AGENT_ZEROS": "0"})

@@ -103,8 +103,8 @@ class Engine(AgentMoves, Recovery):
                             agent_dir: Path | None = None,
                             scratch: bool = False,
                             known_fingerprints: Collection[str] | None = None,
-                            owner: str = "", stream_into: Store | None = None
-                            ) -> dict[int, dict[str, Any]]:
+                            owner: str = "", stream_into: Store | None = None,
+                            host_budget: int | None = None) -> dict[int, dict[str, Any]]:
         """RUNNING -> CHECKPOINTED for every pid; on any failure all are rolled back first.
 
         data: where the agents of the pids that have one (a socket in agent_dir, default
@@ -114,7 +114,9 @@ class Engine(AgentMoves, Recovery):
         fingerprint their data on the GPU and skip these parts (owner's snapshots in the image
         store have them: store/fingerprints.py; hold the store's lock until they are packed);
         None: they don't. stream_into (with known_fingerprints): the agents stream their data
-        straight into this store (store/stream.py), the data files stay holes.
+        straight into this store (store/stream.py), the data files stay holes. host_budget:
+        the host memory the agents' data may take (suspend); an agent whose data needs more
+        refuses its prepare before copying, and everything rolls back.
         Returns what each agent moved: pid -> {"nspid", "bytes", "chunks", "allocations",
         "cache_released", "seconds", "files"} (torpor.json's "agent")."""
         if not pids:
@@ -132,7 +134,7 @@ class Engine(AgentMoves, Recovery):
                     self.progress.say(note)
             if sockets and data is not None:
                 moved = self._prepare_agents(op, sockets, data, scratch, known_fingerprints,
-                                             owner, stream_into)
+                                             owner, stream_into, host_budget)
             op.phase("lock")
             op.require_journalled(pids)   # durable, on disk, before the first lock
             with self.progress.phase("lock", n):

@@ -171,11 +171,13 @@ class AgentMoves:
     def _prepare_agents(self, op: Operation, sockets: Mapping[int, Path],
                         data: agent_data.DataDir | agent_data.InProcess, scratch: bool,
                         known: Collection[str] | None = None, owner: str = "",
-                        stream_into: Store | None = None) -> dict[int, dict[str, Any]]:
+                        stream_into: Store | None = None, host_budget: int | None = None
+                        ) -> dict[int, dict[str, Any]]:
         op.phase("agent-prepare")
         sockets = self._probe(sockets)
         if not sockets:
             return {}
+        shares = self._host_shares(sockets, host_budget)
         in_process = isinstance(data, agent_data.InProcess)
         count = 0 if in_process else agent_data.file_count(self.cfg)
         root = Path() if data.root is None else data.root
@@ -214,7 +216,8 @@ class AgentMoves:
                     raise
                 with client as a:
                     reply = a.prepare(fds[:count], timeout_ms, fingerprints=fp,
-                                      stream=intake.agent_fds() if intake else ())
+                                      stream=intake.agent_fds() if intake else (),
+                                      host_budget=shares[pid])
                 if intake is not None:   # answered ok: the store committed every part
                     reply["streamed"] = intake.finish().to_json()
                     intake = None
@@ -257,6 +260,27 @@ class AgentMoves:
             except TorporError as e:
                 raise AgentError(f"PID {pid}: {e}", exit_code=e.exit_code) from e
         return moved
+
+    def _host_shares(self, sockets: Mapping[int, Path], budget: int | None
+                     ) -> dict[int, int | None]:
+        """Each agent's share of budget (the host memory their data may take): one agent has
+        it all; several share it by how much each could move (their status), since none
+        knows its zero parts before its prepare has scanned them."""
+        if budget is None:
+            return {p: None for p in sockets}
+        budget = max(1, budget)
+        if len(sockets) == 1:
+            return {p: budget for p in sockets}
+        movable = {}
+        for pid, path in sockets.items():
+            try:
+                with self._client(AgentTarget(pid, path, Path(), pid, 1), STATUS_TIMEOUT_S) as a:
+                    movable[pid] = max(0, int(a.status().get("movable_bytes", 0) or 0))
+            except (TorporError, ValueError, TypeError):
+                movable[pid] = 0   # its prepare says what is wrong with it
+        total = sum(movable.values())
+        return {p: max(1, budget * movable[p] // total if total else budget // len(sockets))
+                for p in sockets}
 
     def _resume_one(self, t: AgentTarget, fill: bool = False) -> dict[str, Any]:
         """Give t's program the memory its agent moved; nothing when the agent holds none

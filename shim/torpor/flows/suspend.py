@@ -36,15 +36,22 @@ def suspend(engine: Engine, pid: int) -> dict[str, Any]:
         require_running(states)
         cuda_pids = sorted(states)
         freed = sum(inv.memory_of(p) for p in cuda_pids) if inv else 0
-        # Its GPU memory goes to host memory (the program's, or /dev/shm): refused up front
-        # rather than leaving the kernel to kill the program half-way.
+        # Its GPU memory goes to host memory (the program's, or /dev/shm): refused before
+        # anything moves rather than leaving the kernel to kill the program half-way. The
+        # driver moves all of a program's GPU memory: checked here. A program's agent knows,
+        # once it has scanned the GPU, how much of it is zeros that stay behind (a JAX arena
+        # is mostly zeros): the agents check their part against what is left.
+        agents = engine.agent_sockets(cuda_pids)
+        driver_need = sum(inv.memory_of(p) for p in cuda_pids if p not in agents) if inv else 0
         available = procs.mem_available()
-        if available is not None and freed > available:
-            raise UsageError(f"suspending {pid} needs {human_bytes(freed)} of host memory for "
-                             f"its GPU memory; {human_bytes(available)} is available")
+        if available is not None and driver_need > available:
+            raise UsageError(f"suspending {pid} needs {human_bytes(driver_need)} of host memory "
+                             f"for its GPU memory; {human_bytes(available)} is available")
         data = agent_data.InProcess() if engine.cfg.suspend_in_process \
             else agent_data.DataDir.scratch(engine.cfg, pid)
-        moved = engine.lock_and_checkpoint(op, cuda_pids, data=data, scratch=True)
+        moved = engine.lock_and_checkpoint(
+            op, cuda_pids, data=data, scratch=True,
+            host_budget=None if available is None else available - driver_need)
         try:
             for p in cuda_pids:
                 record = {"root": pid, "since": time.time(),
