@@ -409,7 +409,11 @@ def bounds(row: dict, pinned: dict) -> dict:
     """Issue 20's figures of one size against the machine's bounds measured in the same run
     (pinned: the yardstick's GB/s; none where it failed): suspend and resume against their
     copy at the pinned rate plus the driver's residual measured in the same operation, and
-    every leave-running pause against 1.5 x (GPU bytes / pinned d2h) + 1 s."""
+    every leave-running pause against 1.5 x (GPU bytes / pinned d2h) + 1 s, and against what
+    its own flow cannot go below on this machine (flow_bound_s): the agent's bytes out at the
+    pinned d2h rate and back at the h2d rate (the GPU memory is released for the driver's
+    checkpoint, so it comes back inside the pause), plus the driver's and CRIU's phases as
+    they took in that pause (lock, checkpoint, dump, gpu-restore, unlock)."""
     a, d = row["agent"], row.get("driver", {})
     d2h, h2d = pinned.get("d2h"), pinned.get("h2d")
     moved = a["suspend"]["agent"].get("bytes")
@@ -436,8 +440,14 @@ def bounds(row: dict, pinned: dict) -> dict:
         copy = gpu / (d2h * GB) if gpu and d2h else None
         target = None if copy is None else \
             ISSUE20["pause_copy_factor"] * copy + ISSUE20["pause_plus_s"]
+        moved_p = (p.get("agent") or {}).get("bytes")
+        t = p.get("timings") or {}
+        flow = None if not (moved_p and d2h and h2d) else \
+            moved_p / (d2h * GB) + moved_p / (h2d * GB) + sum(
+                float(t.get(k, 0)) for k in ("lock", "checkpoint", "dump", "gpu-restore", "unlock"))
         out[key] = {"paused_s": p.get("paused_s"), "durable_s": p.get("durable_s"),
                     "gpu_bytes": gpu, "copy_s": copy, "target_s": target,
+                    "flow_bound_s": flow, "over_flow_bound": ratio(p.get("paused_s"), flow),
                     "over_target": ratio(p.get("paused_s"), target),
                     "over_copy": ratio(p.get("paused_s"), copy),
                     "met": None if target is None or p.get("paused_s") is None
@@ -467,7 +477,9 @@ def bound_lines(label: str, b: dict) -> list[str]:
         if key.startswith("pause_"):
             out.append(f"{label:>5} {key}: paused {f(p['paused_s'])} s, durable "
                        f"{f(p['durable_s'])} s; target {f(p['target_s'])} s (copy "
-                       f"{f(p['copy_s'])} s): {'-' if p['met'] is None else 'ok' if p['met'] else 'MISSED'}")
+                       f"{f(p['copy_s'])} s): {'-' if p['met'] is None else 'ok' if p['met'] else 'MISSED'}"
+                       f"; its flow's bound {f(p.get('flow_bound_s'))} s (out and back at the "
+                       f"pinned rates + driver and dump): {f(p.get('over_flow_bound'))}x")
     return out
 
 

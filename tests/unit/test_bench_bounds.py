@@ -51,6 +51,20 @@ def test_pause_target_is_one_and_a_half_copies_plus_a_second():
     assert agent_path.bounds(agent_row(pause=pause), {"d2h": 55.0})["pause_disk"]["met"] is False
 
 
+def test_the_pause_flows_bound_is_both_copies_plus_the_driver_and_the_dump():
+    pause = {"paused_s": 4.0, "durable_s": 12.0, "gpu_bytes": 56e9, "agent": {"bytes": 55e9},
+             "timings": {"agent-prepare": 1.2, "lock": 0.1, "checkpoint": 0.3, "dump": 0.5,
+                         "gpu-restore": 0.2, "unlock": 0.1, "agent-resume": 1.3,
+                         "writeout": 9.0}}
+    p = agent_path.bounds(agent_row(pause=pause), {"d2h": 55.0, "h2d": 50.0})["pause_disk"]
+    assert p["flow_bound_s"] == pytest.approx(1.0 + 1.1 + 1.2)     # out, back, the rest
+    assert p["over_flow_bound"] == pytest.approx(4.0 / 3.3)
+    assert "flow's bound 3.30 s" in "".join(agent_path.bound_lines("16", {"pause_disk": p}))
+    del pause["agent"]                                              # no agent figure: no bound
+    p = agent_path.bounds(agent_row(pause=pause), {"d2h": 55.0, "h2d": 50.0})["pause_disk"]
+    assert p["flow_bound_s"] is None and p["over_flow_bound"] is None
+
+
 def test_no_yardstick_or_no_driver_gives_no_ratio_rather_than_a_wrong_one():
     b = agent_path.bounds(agent_row(driver=False, pause={"paused_s": 1.0, "gpu_bytes": 1e9}),
                           {"error": "no torch"})
