@@ -98,13 +98,18 @@ def test_suspend_moves_only_the_data(torpor, zeros, gpu, tmp_path, in_process):
     r = torpor.json("suspend", str(zeros.pid))
     moved, zero = _moved_and_zero(r["agent"][str(zeros.pid)])
     out = zeros.copies()
-    assert moved <= out["dtoh"] - copied["dtoh"] <= moved + 64 * 1024, (out, copied)
+    # the data, the zero scan's flags and (the mover's GPU check, its default) the parts'
+    # fingerprint lanes: 4 KiB a 4 MiB part
+    assert moved <= out["dtoh"] - copied["dtoh"] <= moved + (SIZE // (4 * MIB)) * 4200, \
+        (out, copied)
     (gpu.state_dir / "dirty").write_text("")
     back = torpor.json("resume", str(zeros.pid))
     entry = back["agent"][str(zeros.pid)]
     assert (entry["bytes"], entry["zero_bytes"]) == (moved, zero), entry
     now = zeros.copies()
-    assert now["htod"] - out["htod"] == moved and now["memset"] - out["memset"] == zero, now
+    # in: the data and the GPU check's table of segments; the zeros by memset
+    assert moved <= now["htod"] - out["htod"] <= moved + 4096, now
+    assert now["memset"] - out["memset"] == zero, now
     assert zeros.digest() == before
     zeros.ticking()
 
