@@ -22,8 +22,6 @@ go to the chunk artifact, the layer keeps the rest.
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import dataclasses
 import errno
 import hashlib
@@ -57,9 +55,6 @@ class Built:
     annotations: dict[str, str]
 
 
-# chunks verified and written at once while a checkpoint archive is read (_archive_chunk_artifact)
-BUILD_WORKERS = min(8, os.cpu_count() or 1)
-
 class Layout:
     """An OCI image layout directory being written: blobs by digest."""
 
@@ -72,10 +67,8 @@ class Layout:
     def blob_path(self, digest: str) -> Path:
         return self.blobs / digest.removeprefix("sha256:")
 
-    def add(self, data: bytes, digest: str = "") -> str:
-        """Blob data, fsynced (digest: its sha256 digest, when the caller has just computed
-        it); safe from several threads at once (O_EXCL: one writer makes a blob)."""
-        digest = digest or oci.digest_of(data)
+    def add(self, data: bytes) -> str:
+        digest = oci.digest_of(data)
         if not self.blob_path(digest).exists():
             write_new(self.blob_path(digest), data)
         return digest
@@ -276,40 +269,16 @@ def _archive_chunk_artifact(lay: Layout, src: Path, prefix: str) -> tuple[oci.Ma
 
     def each(tar: Any, m: Any) -> None:
         name = _chunk_member(layer._norm(m.name), prefix)
-        if name is None or name not in needed or name in claimed:
+        if name is None or name not in needed or name in found:
             return
         if not m.isfile() or m.issparse() or m.size > chunk.HEADER.size + chunk.MAX_CHUNK + 1024:
             raise UsageError(f"{src}: chunk link {m.name[:120]!r} is not a plain file of a "
                              "chunk's size")
-        claimed.add(name)
-        pending.append(pool.submit(verify_and_add, name, tar.extractfile(m).read()))
-        if len(pending) >= 2 * BUILD_WORKERS:   # at most this many chunks in memory
-            take(pending.popleft())
-
-    def verify_and_add(name: str, blob: bytes) -> tuple[str, oci.Descriptor]:
+        blob = tar.extractfile(m).read()
         chunk.decode(blob, name, f"{src}:{prefix}{CHUNKS}")
-        d = oci.Descriptor.of(oci.CHUNK_TYPE, blob, {oci.A_CHUNK: name})
-        lay.add(blob, d.digest)
-        return name, d
-
-    def take(f: concurrent.futures.Future[tuple[str, oci.Descriptor]]) -> None:
-        name, d = f.result()
-        found[name] = d
-
-    # The tar is read in order by this thread; each chunk's check, digest and fsynced write
-    # run on the pool (hashing, zstd and the writes release the GIL): one chunk after another,
-    # every blob's fsync was most of a build (17.6 s for 2.1 GB on the H200 host).
-    claimed: set[str] = set()
-    pending: collections.deque[concurrent.futures.Future[tuple[str, oci.Descriptor]]] = \
-        collections.deque()
-    with concurrent.futures.ThreadPoolExecutor(BUILD_WORKERS) as pool:
-        try:
-            archive._members(src, each)
-            while pending:
-                take(pending.popleft())
-        finally:
-            for f in pending:
-                f.cancel()
+        found[name] = oci.Descriptor.of(oci.CHUNK_TYPE, blob, {oci.A_CHUNK: name})
+        lay.add(blob)
+    archive._members(src, each)
     lost = sorted(needed - found.keys())
     if lost:
         raise UsageError(f"{src}: chunk {lost[0]} is missing from its {CHUNKS} links "
