@@ -473,3 +473,65 @@ def test_a_tree_whose_gpu_program_is_a_child_of_a_plain_shell(criu, gpu, base, r
     assert f"GPU state of PIDs {shell.pid},{child} restored" in Criu.log(images, "restore")
     wait_for(lambda: tick() > at + 2, what="the restored child ticking")
     assert gpu.state(child)["state"] == RUNNING
+
+
+def test_stock_runc_under_containerd_cri_checkpoints_and_restores_a_fake_gpu_container(
+        criu, gpu, base):
+    """The kubelet's flow with no torpor-runtime (a node whose runtime handler cannot change):
+    containerd 2's CRI with stock runc as the pod's handler, whose CRIU loads the plugin.
+    CheckpointContainer (the container runs on) writes the kubelet's archive with
+    torpor-criu.json; CreateContainer from it in a new pod and StartContainer restore the
+    program with its GPU state on the same GPU, the driver's calls through torpord."""
+    from integration import cri as crimod
+    if crimod.missing() is not None or shutil.which("runc") is None:
+        pytest.skip(crimod.missing() or "needs runc")
+    from integration.oci_registry import LayoutRegistry
+    from tests.integration.test_cri import Node, _gpu_workload
+    env = {k: v for k, v in criu.env.items()
+           if k.startswith(("TORPOR_", "FAKE_CUDA")) or k in ("PYTHONPATH", "LD_LIBRARY_PATH")}
+    env["CRIU_LIBS_DIR"] = str(criu.plugin_dir)          # as the node's /usr/lib/criu
+    runc = base / "runc-with-node-env"
+    runc.write_text("#!/bin/sh\n" + "".join(f"export {k}='{v}'\n" for k, v in env.items())
+                    + f'exec {shutil.which("runc")} "$@"\n')
+    runc.chmod(0o755)
+    cdi = base / "cdi"
+    cdi.mkdir()
+    with LayoutRegistry({"torpor-busybox": crimod.BUSYBOX_TAR}) as reg:
+        d = crimod.Containerd2(base / "c2", str(runc), cdi_dirs=[cdi],
+                               registries=[f"localhost:{reg.port}"])
+        c = crimod.Cri(d.socket)
+        try:
+            image = reg.ref("torpor-busybox", "1")
+            c.pull(image)
+            node = Node(d, c, image, base, cdi)
+            w, spec = _gpu_workload(node, gpu)
+            pod, cid = node.run("cuda", "torpor", spec)     # the handler: stock runc
+            w.wait_ticking()
+            host_pid = w.host_pid()
+            archive = crimod.kubelet_archive(node.checkpoints, pod, "cuda")
+            c.checkpoint(cid, archive)
+            assert c.state(cid) == "CONTAINER_RUNNING"
+            assert criu.helper_runs() == ["lock"]
+            assert _lock_calls(gpu, host_pid)[:2] == ["lock", "checkpoint"]
+            w.wait_ticking(w.tick() + 2)                     # runs on after the dump
+            assert w.entry()["state"] == RUNNING
+            import tarfile
+            with tarfile.open(archive) as tf:
+                names = tf.getnames()
+            assert "checkpoint/torpor-criu.json" in names and "checkpoint/torpor.json" \
+                not in names
+            tick = w.tick()
+            c.remove_pod(pod.id)
+            wait_for(lambda: _no_open_ops(criu.daemon), what="the dump's operation to end")
+            pod2, cid2 = node.run("cuda-restored", "torpor", spec, image=str(archive))
+            new_pid = c.pid(cid2)
+            assert new_pid != host_pid
+            assert criu.helper_runs() == ["lock", "check", "restore"]
+            w.wait_ticking(tick + 2)
+            assert w.entry()["state"] == RUNNING and w.entry()["gpu"] == gpu.uuid(0)
+        finally:
+            try:
+                c.remove_all()
+            finally:
+                c.close()
+                d.stop()
