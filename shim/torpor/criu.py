@@ -8,7 +8,6 @@ that would lock and checkpoint GPU state on its own, which is torpor's job here.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import functools
 import logging
@@ -99,61 +98,44 @@ def log_errors(log_path: Path, n: int = 3) -> str:
     return " | ".join(picked)
 
 
-PR_SET_PDEATHSIG = 1
-
-
-_libc = ctypes.CDLL(None, use_errno=True)  # loaded here: no dlopen in the forked child
-
-
-def _child_setup(parent: int) -> None:
-    """In CRIU's child, before exec: images private (umask 077), and die with torpor. A dump
-    that outlived a killed torpor would end the program after our journal promised to roll
-    it back; CRIU that dies mid-dump leaves the tree running (ptrace detaches), and recovery
-    brings its GPU state back."""
-    os.umask(0o077)
-    _libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)
-    if os.getppid() != parent:  # torpor died before the prctl took effect
-        os._exit(1)
-
-
 def _outliving_setup() -> None:
-    """In CRIU's child for a restore: images private, and CRIU left to finish on its own. A
-    restore is the other way round from a dump: CRIU killed half-way leaves the restored
-    processes frozen in its restorer (blocked signals, waiting on a futex CRIU would have
-    woken) for good. So CRIU runs in its own session, out of reach of the terminal's Ctrl-C
-    and of torpor's death, and writes to a file, not to a pipe torpor's death would break;
-    recovery then finishes what it restored, or stops a tree a CRIU killed anyway left."""
+    """In CRIU's child, before exec: images private (umask 077); CRIU is left to finish on its
+    own, in its own session, out of reach of the terminal's Ctrl-C and of torpor's death, and
+    writes to a file, not to a pipe torpor's death would break. Killed half-way, CRIU harms
+    the program either way: a dump's tracees may be inside its parasite (registers set up for
+    a syscall that, resumed without its tracer, ends the program, seen with a SIGKILLed
+    torpor), and a restore leaves its processes frozen in its restorer (blocked signals, a
+    futex CRIU would have woken). Recovery (engine/recovery.py) waits for CRIU's outcome
+    instead: a finished dump is sealed, a failed one rolled back; a finished restore is
+    completed, a tree a CRIU killed anyway left is stopped."""
     os.umask(0o077)
 
 
 def run_criu(criu: Criu, cfg: Config, action: str, args: list[str], log_path: Path,
-             *, timeout: float | None = None, outlive: bool = False) -> None:
-    """Run `criu ACTION ARGS` with its log at log_path; CriuError quoting the log on failure.
-    outlive: CRIU finishes even if torpor dies (a restore: _outliving_setup says why); else
-    it dies with torpor (a dump)."""
+             *, timeout: float | None = None) -> None:
+    """Run `criu ACTION ARGS` with its log at log_path, outliving torpor (_outliving_setup);
+    CriuError quoting the log on failure. A timeout kills CRIU: for calls that change no
+    process (check, a probe), never a dump or a restore."""
     argv = [criu.path, action, *args, "--log-file", str(log_path), "-v4",
             "--libdir", str(_empty_plugin_dir(cfg))]
     log.info("running %s", " ".join(argv))
     start = time.monotonic()
+    out_path = log_path.with_suffix(".out")   # CRIU's own words, read then removed
     try:
-        if outlive:
-            with open(log_path.with_suffix(".out"), "w+b") as out:
-                proc = subprocess.run(argv, env=CLEAN_ENV, stdin=subprocess.DEVNULL, stdout=out,
-                                      stderr=subprocess.STDOUT, timeout=timeout,
-                                      start_new_session=True, preexec_fn=_outliving_setup)
-                out.seek(0)
-                proc.stdout = out.read(1 << 16)
-        else:
-            proc = subprocess.run(argv, env=CLEAN_ENV, stdin=subprocess.DEVNULL,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  timeout=timeout,
-                                  preexec_fn=functools.partial(_child_setup, os.getpid()))
+        with open(out_path, "w+b") as out:
+            proc = subprocess.run(argv, env=CLEAN_ENV, stdin=subprocess.DEVNULL, stdout=out,
+                                  stderr=subprocess.STDOUT, timeout=timeout,
+                                  start_new_session=True, preexec_fn=_outliving_setup)
+            out.seek(0)
+            said = out.read(1 << 16)
     except subprocess.TimeoutExpired as e:
         raise CriuError(f"criu {action} did not finish in {timeout:.0f} s (log: {log_path})") from e
+    finally:
+        out_path.unlink(missing_ok=True)
     log.info("criu %s exited %d after %.2f s", action, proc.returncode, time.monotonic() - start)
     if proc.returncode != 0:
-        said = proc.stdout.decode(errors="replace").strip().splitlines()
-        detail = log_errors(log_path) if log_path.exists() else (said[-1] if said else "")
+        lines = said.decode(errors="replace").strip().splitlines()
+        detail = log_errors(log_path) if log_path.exists() else (lines[-1] if lines else "")
         if "Connected TCP socket" in detail:
             detail += (" [torpor takes established TCP connections along with tcp_established "
                        "= true in its config, or TORPOR_TCP_ESTABLISHED=1]")
@@ -192,12 +174,21 @@ def restore(criu: Criu, cfg: Config, images_dir: Path, work_dir: Path, *, shell_
         args.append("--shell-job")
     if tcp_established:
         args += ["--tcp-established", *network_lock_args(True)]
-    run_criu(criu, cfg, "restore", args + list(extra or []), work_dir / RESTORE_LOG,
-             outlive=True)
+    run_criu(criu, cfg, "restore", args + list(extra or []), work_dir / RESTORE_LOG)
     try:
         return int(pidfile.read_text().strip())
     except (OSError, ValueError) as e:
         raise CriuError(f"criu restore gave no PID (pidfile {pidfile}): {e}") from e
+
+
+def dumping(images_dir: Path) -> list[int]:
+    """The CRIU processes still dumping into images_dir (a checkpoint whose torpor died)."""
+    return procs.find_argv("dump", "--images-dir", str(images_dir))
+
+
+def dump_output(images_dir: Path) -> Path:
+    """Where a dump's CRIU writes its standard output while it runs (removed after)."""
+    return (images_dir / DUMP_LOG).with_suffix(".out")
 
 
 def restore_finished(work_dir: Path) -> bool:

@@ -234,6 +234,12 @@ def dump_succeeded(images_dir: Path) -> bool:
         return False
 
 
+def images_whole(images_dir: Path) -> bool:
+    """Whether CRIU wrote the images it writes last on every dump (its inventory after all
+    the rest): a dump whose CRIU ended the program and then died before saying so."""
+    return all((images_dir / name).is_file() for name in REQUIRED_IMAGES)
+
+
 def write(images_dir: Path, manifest: dict[str, Any]) -> Path:
     validate(manifest)
     path = images_dir / MANIFEST

@@ -102,6 +102,14 @@ def tty_nr(pid: int) -> int:
     return int(_stat_fields(pid)[4])
 
 
+def stopped(pid: int) -> bool:
+    """Whether pid is stopped by a signal (state T; not a tracee's t)."""
+    try:
+        return _stat_fields(pid)[0] == "T"
+    except (OSError, IndexError):
+        return False
+
+
 def needs_shell_job(pid: int) -> bool:
     """CRIU's --shell-job: the tree's session or terminal lies outside the tree."""
     return session_id(pid) != pid or tty_nr(pid) != 0

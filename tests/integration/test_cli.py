@@ -396,9 +396,11 @@ def test_demo_on_cpu(torpor):
     assert r["tick_verified_after"] > r["tick_at_checkpoint"]
 
 
-def test_sigkill_of_torpor_mid_dump_leaves_program_running(torpor, tmp_path, reaper):
-    """CRIU dies with torpor (parent-death signal): the half-dumped program runs on, and the
-    next torpor removes the partial images."""
+def test_sigkill_of_torpor_mid_dump_lets_criu_finish_and_seals_the_checkpoint(torpor, tmp_path,
+                                                                              reaper):
+    """CRIU outlives torpor (killed half-way it could end the program, its tracees inside its
+    parasite): the dump finishes and ends the program, and the next torpor, having waited for
+    CRIU, seals the checkpoint, which restores and ticks on."""
     status = tmp_path / "n"
     code = ("import os, time\n"
             "b = bytearray(os.urandom(1 << 20)) * 800\n"   # enough pages for a dump of ~1 s
@@ -415,18 +417,22 @@ def test_sigkill_of_torpor_mid_dump_leaves_program_running(torpor, tmp_path, rea
     t = torpor.start("checkpoint", str(prog.pid), "-D", str(images))
     wait_for(lambda: any('"phase": "dump"' in p.read_text() for p in _journal(tmp_path)),
              timeout=30, what="dump phase")
-    time.sleep(0.3)
+    wait_for(lambda: _live_criu(began), timeout=10, what="CRIU dumping")
     t.kill()
     t.wait()
-    wait_for(lambda: not _live_criu(began), timeout=10,
-             what=f"CRIU to die with torpor ({_live_criu(began)})")
+    assert _live_criu(began), "CRIU died with torpor"
+    ps = torpor.run("ps")        # recovery waits for CRIU's outcome
+    assert "sealed the checkpoint" in ps.stderr, ps.stderr
+    assert not _live_criu(began)
+    prog.wait(timeout=10)        # ended by CRIU's dump, as a checkpoint does
+    assert _journal(tmp_path) == []
+    assert not (images / "dump.out").exists()
+    out = torpor.json("inspect", str(images), "--verify")
+    assert out["verified"], out
+    r = torpor.run("restore", "-D", str(images))
+    assert r.returncode == 0, r.stderr
     n = _count(status)
-    wait_for(lambda: _count(status) > n + 10, timeout=10, what="program ticking")
-    assert alive(prog.pid)
-    assert "TracerPid:\t0" in Path(f"/proc/{prog.pid}/status").read_text()
-    ps = torpor.run("ps")
-    assert "removed the partial images" in ps.stderr, ps.stderr
-    assert [p.name for p in images.iterdir()] in ([], ["dump.log"])
+    wait_for(lambda: _count(status) > n + 5, timeout=20, what="restored program ticking")
 
 
 @pytest.mark.parametrize("slow_call", ["unlock"])

@@ -24,6 +24,8 @@ from .agents import targets_of
 
 log = logging.getLogger("torpor.engine")
 
+CRIU_WAIT_S = 10.0   # how long recovery waits for a CRIU an interrupted operation left running
+
 
 class Recovery:
     """Engine's recovery of dead operations."""
@@ -51,6 +53,11 @@ class Recovery:
             keep, said = self._interrupted_container_restore(entry)
             if keep:
                 os.close(fd)    # the runtime or torpord is still at it: look again later
+                return said
+        if entry.phase == "dump" and entry.images_dir:
+            keep, said = self._interrupted_dump(entry)
+            if keep:
+                os.close(fd)    # CRIU is still dumping: the entry stays for the next look
                 return said
         if entry.kind == "restore" and entry.phase == "restore" and entry.work_dir:
             keep, said = self._interrupted_restore(entry)
@@ -161,6 +168,33 @@ class Recovery:
             f"that an interrupted restore ({entry.id}) left frozen; the checkpoint is "
             "unchanged: restore it again"]
 
+    def _interrupted_dump(self, entry: Entry) -> tuple[bool, list[str]]:
+        """A checkpoint whose torpor died while CRIU dumped. CRIU outlives torpor
+        (criu.run_criu): nothing may touch the tree until it has ended, and its outcome
+        decides the rest (a finished dump is sealed, a failed one's tree runs on and is rolled
+        back: _finish_images). A CRIU still running gets wait_s to end, else the entry is kept;
+        one stopped by a signal is let go on (it holds the tree frozen while stopped). Returns
+        (keep the entry, what to say)."""
+        images, wait_s = Path(entry.images_dir), CRIU_WAIT_S
+
+        def dumping() -> list[int]:
+            return [p for p in criu.dumping(images)   # (started_at is good to a second)
+                    if (t := procs.started_at(p)) is not None and t >= entry.started - 2.0]
+        deadline = time.monotonic() + wait_s
+        while (running := dumping()) and time.monotonic() < deadline:
+            for p in running:
+                if procs.stopped(p):
+                    try:
+                        os.kill(p, signal.SIGCONT)
+                    except ProcessLookupError:
+                        pass
+            time.sleep(0.1)
+        if running:
+            return True, [f"an interrupted checkpoint ({entry.id}) is still being dumped by "
+                          f"CRIU (PID {running[0]}) into {images}: look again when it ends"]
+        criu.dump_output(images).unlink(missing_ok=True)
+        return False, []
+
     def _interrupted_container_restore(self, entry: Entry, wait_s: float = 10.0
                                        ) -> tuple[bool, list[str]]:
         """A container restore whose torpor-runtime died (runtime/restore.py's entry). Its
@@ -227,22 +261,30 @@ class Recovery:
 
     def _finish_images(self, images_dir: Path, program_alive: bool) -> list[str]:
         """An interrupted checkpoint's images: seal them if CRIU finished (or ended the
-        program: they are all that is left of it), else clear them; a --leave-running one
-        whose GPU data was not all written out (flows/writeout.py) is marked damaged."""
+        program after writing them whole: they are all that is left of it), else clear them;
+        a --leave-running one whose GPU data was not all written out (flows/writeout.py) is
+        marked damaged, and so are the half-written images of a program that died during its
+        dump (never sealed: a restore of them could only fail)."""
         from ..flows import writeout   # flows build on the engine: imported when needed
-        partial = program_alive and not manifest.dump_succeeded(images_dir)   # cleared below
-        if not partial and writeout.abandoned_by_dead(images_dir):
+        finished = manifest.dump_succeeded(images_dir)
+        if (finished or not program_alive) and writeout.abandoned_by_dead(images_dir):
             return [f"marked the checkpoint in {images_dir} damaged: its torpor died before "
                     "the GPU data of the program it left running was written out"]
         if not (images_dir / manifest.DRAFT).exists():
             return []
-        if manifest.dump_succeeded(images_dir) or not program_alive:
+        if finished or (not program_alive and manifest.images_whole(images_dir)):
             manifest.seal(images_dir, self.cfg.checksums)
             return [f"sealed the checkpoint in {images_dir} that an interrupted torpor had "
                     "dumped but not sealed"]
+        if not program_alive:
+            manifest.mark_damaged(images_dir, "the program ended during its dump, before CRIU "
+                                  "had written its images whole (see dump.log); nothing can "
+                                  "restore them")
+            (images_dir / manifest.DRAFT).unlink(missing_ok=True)
+            return [f"marked the checkpoint in {images_dir} damaged: its program ended during "
+                    "an interrupted dump, before CRIU had written its images whole"]
         manifest.clear_partial(images_dir)
         return [f"removed the partial images of an interrupted dump from {images_dir}"]
-
 
 
 def _container_pid(c: Mapping) -> int | None:
