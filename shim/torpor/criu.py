@@ -122,7 +122,9 @@ def run_criu(criu: Criu, cfg: Config, action: str, args: list[str], log_path: Pa
     start = time.monotonic()
     out_path = log_path.with_suffix(".out")   # CRIU's own words, read then removed
     try:
-        with open(out_path, "w+b") as out:
+        fd = os.open(out_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        with open(fd, "w+b") as out:
             proc = subprocess.run(argv, env=CLEAN_ENV, stdin=subprocess.DEVNULL, stdout=out,
                                   stderr=subprocess.STDOUT, timeout=timeout,
                                   start_new_session=True, preexec_fn=_outliving_setup)
