@@ -299,13 +299,17 @@ int mover_save(const int *fds, int nfds, int known_fd, int index_fd, int ring_fd
 	/* host_budget (suspend: what the host has for it): known only now, after the zero scan,
 	 * is how much of the program's GPU memory must go to host memory; refused before a byte
 	 * is copied rather than the host running out half-way (a JAX arena is mostly zeros) */
-	if (host_budget && host_bytes_needed() > host_budget) {
-		snprintf(r->error, sizeof(r->error), "its GPU data needs %llu bytes of host memory "
-			 "(%llu bytes of zero parts stay on the GPU); %llu bytes are available for it",
-			 host_bytes_needed(), (unsigned long long)r->zero_bytes, host_budget);
-		plan_free();
-		stream_close();
-		return -1;
+	if (host_budget) {
+		unsigned long long need = host_bytes_needed();
+
+		if (need > host_budget) {
+			snprintf(r->error, sizeof(r->error), "its GPU data needs %llu bytes of host "
+				 "memory (%llu bytes of zero parts stay on the GPU); %llu bytes are "
+				 "available for it", need, (unsigned long long)r->zero_bytes, host_budget);
+			plan_free();
+			stream_close();
+			return -1;
+		}
 	}
 	sinks_layout();
 	/* Every file at its full size before the first byte is written (and so a file ending in
