@@ -40,10 +40,18 @@ REPLY_MAX = 1 << 20
 MAX_FILES = 16                       # what one `prepare` accepts
 STATES = ("running", "prepared", "detached")
 LIBRARY = Path(__file__).resolve().parent / "_agent" / "libtorpor-agent.so"
+# How an agent older than `prepare ... host=N` (PROTOCOL.md) refuses it: its parser takes
+# "T host=N" for the timeout, and nothing else in a prepare of ours makes any agent say this.
+BEFORE_HOST_BUDGET = "bad timeout"
 
 
 class AgentError(TorporError):
-    pass
+    """refusal: the agent's own error text when it answered {"ok":false}; "" when the
+    failure is torpor's finding (no reply, a bad one)."""
+
+    def __init__(self, message: str, *, refusal: str = "", **kw: Any):
+        super().__init__(message, **kw)
+        self.refusal = refusal
 
 
 class NoAgentError(NotFoundError):
@@ -237,7 +245,8 @@ class AgentClient:
             raise AgentError(f"the agent at {self.path} sent {reply!r}")
         if reply.get("ok") is False:
             error = " ".join(str(reply.get("error") or "failed").split())[:500]
-            raise AgentError(f"agent '{line.split()[0] if line else line}': {error}")
+            raise AgentError(f"agent '{line.split()[0] if line else line}': {error}",
+                             refusal=error)
         return reply
 
     def status(self) -> dict[str, Any]:
@@ -279,6 +288,9 @@ class AgentClient:
         host_budget: the bytes of host memory the data may take (a suspend's share of what the
         host has): the agent refuses, before copying anything, when the parts it must copy
         (zero and skipped parts left out, known only after its scan on the GPU) need more.
+        An agent older than host budgets (preloaded before torpor was upgraded) refuses the
+        word: then all it could move (its status's movable_bytes, zero parts included) must
+        fit, or this refuses, and the prepare goes again without it.
         On failure (AgentError) the agent released nothing and opened its gate again."""
         if not 0 <= len(files) <= MAX_FILES:
             raise ValueError(f"prepare takes 0 to {MAX_FILES} files, not {len(files)}")
@@ -290,9 +302,17 @@ class AgentClient:
         if host_budget is not None and host_budget < 1:
             raise ValueError("host_budget is a number of bytes above 0")
         budget = f" host={int(host_budget)}" if host_budget is not None else ""
-        reply = self.call(f"prepare {int(timeout_ms)}{budget}{' fp' if fp else ''}"
-                          f"{' stream' if stream else ''}",
-                          [*files, *(fingerprints or ()), *stream], timeout)
+        words = f"{' fp' if fp else ''}{' stream' if stream else ''}"
+        fds = [*files, *(fingerprints or ()), *stream]
+        try:
+            reply = self.call(f"prepare {int(timeout_ms)}{budget}{words}", fds, timeout)
+        except AgentError as e:
+            if host_budget is None or e.refusal != BEFORE_HOST_BUDGET:
+                raise
+            # It did nothing (the fds it got are closed after the command, as with any):
+            # checked by all it could move, since it cannot leave its zero parts out
+            self._fits_before_host_budget(host_budget)
+            reply = self.call(f"prepare {int(timeout_ms)}{words}", fds, timeout)
         if stream and reply.get("streamed") is not True:
             raise AgentError("the agent did not stream the GPU data as asked (an agent older "
                              "than streaming?)")
@@ -326,6 +346,19 @@ class AgentClient:
                 and 0 <= alloc < 1e9:
             out["host_alloc_seconds"] = float(alloc)
         return _with_phases(out, reply)
+
+    def _fits_before_host_budget(self, host_budget: int) -> None:
+        """An agent older than `prepare ... host=N`: all it could move (status's
+        movable_bytes, in every agent that has prepare) within host_budget, or AgentError in
+        the words the newer agent refuses with. What it could move only shrinks in the
+        prepare (caches released, zero parts a newer agent leaves out)."""
+        movable = _int(self.status(), "movable_bytes", "status")
+        if movable > host_budget:
+            raise AgentError(f"its GPU data needs up to {movable} bytes of host memory (all "
+                             "its agent could move: an agent older than host budgets cannot "
+                             f"leave zero parts out); {host_budget} bytes are available for it")
+        log.info("the agent at %s is older than host budgets: all it could move (%d bytes) "
+                 "fits in %d bytes; its prepare without one", self.path, movable, host_budget)
 
     def detach(self) -> dict[str, Any]:
         """The agent closes the prepare's fds (the CRIU dump comes next)."""

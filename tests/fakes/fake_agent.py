@@ -9,6 +9,7 @@ resume comes while the driver holds the program locked (the real agent would blo
     agent.fail["prepare"] = "out of memory"      # answer {"ok":false,"error":...}
     agent.raw["detach"] = b"garbage\\n"           # answer this instead
     agent.hang.add("prepare")                    # never answer
+    agent.before_host_budget = True              # parse prepare as agents older than host=N
     agent.stop()
 
 Also a program (python fake_agent.py DIR LOG [--bytes N] [--lib FAKE_LIBCUDA] [--ticks FILE],
@@ -87,6 +88,7 @@ class FakeAgent:
         self.kept: list[int] = []              # the prepare's fds, until detach
         self.held: list[bytes] | None = None   # a prepare without files: the chunks, in memory
         self.host_budget: int | None = None    # the last prepare's host=N
+        self.before_host_budget = False        # an agent preloaded before host=N existed
         self.sums: list[str] = []
         self.sizes: list[int] = []             # the data files' sizes at the prepare
         self.fail: dict[str, str] = {}
@@ -233,6 +235,12 @@ class FakeAgent:
 
     def _do_prepare(self, arg: str, fds: list[int]) -> dict[str, Any]:
         t = time.monotonic()
+        if self.before_host_budget:   # its parser (agent/src/control.c before host=N): after
+            rest = [w for w in arg.split() if w not in ("fp", "stream")]   # fp and stream,
+            if len(rest) > 1 or (rest and not rest[0].isdigit()):          # one number
+                for fd in fds:
+                    os.close(fd)
+                return {"ok": False, "error": "bad timeout"}
         fingerprints = None
         stream: list[int] = []
         if arg.split()[-1:] == ["stream"]:   # the ring and the socket come last

@@ -287,6 +287,34 @@ def test_under_the_agent_its_data_is_what_must_fit_in_host_memory(world, monkeyp
     assert world.journal_entries() == [] and world.engine().journal.suspended() == {}
 
 
+@pytest.mark.parametrize("where", ["files", "in-process"])
+def test_an_agent_older_than_the_host_budget_is_checked_by_all_it_could_move(world, monkeypatch,
+                                                                          where):
+    """A program started under an agent from before `prepare ... host=N` (torpor upgraded
+    since): its agent refuses the word; all it could move (3 MiB: its status) must fit, or
+    the suspend is refused with nothing moved, the program running."""
+    if where == "in-process":
+        in_process(world)
+    world.agent.before_host_budget = True
+    need = len(world.agent.original)
+    monkeypatch.setattr(procs, "mem_available", lambda: need - 1)
+    with pytest.raises(RolledBackError, match=f"PID {PID}: its GPU data needs up to {need} "
+                                              f"bytes of host memory .* {need - 1} bytes are "
+                                              "available for it"):
+        process.suspend(world.engine(), PID)
+    assert "driver lock" not in world.log()
+    assert world.agent.state == "running" and world.agent.intact
+    assert world.journal_entries() == [] and world.engine().journal.suspended() == {}
+
+    monkeypatch.setattr(procs, "mem_available", lambda: need)
+    r = process.suspend(world.engine(), PID)
+    assert world.log() == ["agent status", "agent prepare", "agent status", "agent prepare",
+                           "agent detach", "driver lock", "driver checkpoint"]
+    assert r["agent"][str(PID)]["bytes"] == need and world.agent.host_budget is None
+    process.resume(world.engine(), PID)
+    assert world.agent.intact
+
+
 def test_a_program_without_agent_takes_the_driver_path(world):
     world.agent.stop()
     r = process.suspend(world.engine(), PID)

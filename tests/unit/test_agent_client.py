@@ -109,6 +109,41 @@ def test_bad_replies_are_one_clear_error(fake, tmp_path, raw, match):
             a.prepare([f.fileno()], 1000)
 
 
+def _commands(fake: FakeAgent) -> list[str]:
+    return [e.rsplit(" ", 1)[0] for e in fake.log()]
+
+
+def test_an_agent_older_than_the_host_budget_is_checked_by_all_it_could_move(fake, tmp_path):
+    """An agent preloaded before `prepare ... host=N` takes "T host=N" for its timeout and
+    refuses it, doing nothing: what it could move at most (its status) is checked against the
+    budget instead, refused in the newer agent's words, or the prepare goes again without it."""
+    fake.before_host_budget = True
+    need = len(fake.original)
+    with open(tmp_path / "f", "w+") as f, AgentClient(fake.path) as a:
+        with pytest.raises(AgentError, match=f"needs up to {need} bytes of host memory .*; "
+                                             f"{need - 1} bytes are available for it"):
+            a.prepare([f.fileno()], 1000, host_budget=need - 1)
+        assert _commands(fake) == ["agent prepare", "agent status"]
+        assert fake.state == "running" and fake.memory == fake.original
+        assert os.fstat(f.fileno()).st_size == 0                # nothing copied
+        fake.log.clear()
+        r = a.prepare([f.fileno()], 1000, host_budget=need)
+    assert _commands(fake) == ["agent prepare", "agent status", "agent prepare"]
+    assert r["bytes"] == need and fake.state == "prepared" and fake.host_budget is None
+    assert [len(s["fds"]) for s in fake.seen] == [1, 1, 1]   # the file every time
+
+
+@pytest.mark.parametrize("host_budget,error", [(None, "bad timeout"),
+                                               (1 << 30, "out of memory")])
+def test_only_the_refusal_of_host_n_falls_back(fake, tmp_path, host_budget, error):
+    """The fallback is for an agent that refuses the host=N word, not for any failure."""
+    fake.fail["prepare"] = error
+    with open(tmp_path / "f", "w+") as f, AgentClient(fake.path) as a, \
+            pytest.raises(AgentError, match=f"agent 'prepare': {error}$"):
+        a.prepare([f.fileno()], 1000, host_budget=host_budget)
+    assert _commands(fake) == ["agent prepare"]
+
+
 def test_a_hung_agent_is_a_timeout_error(fake):
     fake.hang.add("status")
     with AgentClient(fake.path, timeout=0.3) as a, \
