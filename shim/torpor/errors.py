@@ -58,6 +58,11 @@ class UsageError(TorporError):
     exit_code = ExitCode.USAGE
 
 
+class HostMemoryError(UsageError):
+    """A suspend refused before anything was locked or moved: the host has not the memory
+    the GPU memory would take there."""
+
+
 class NotFoundError(TorporError):
     exit_code = ExitCode.NOT_FOUND
 

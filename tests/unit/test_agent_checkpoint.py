@@ -315,6 +315,42 @@ def test_an_agent_older_than_the_host_budget_is_checked_by_all_it_could_move(wor
     assert world.agent.intact
 
 
+def test_a_stale_socket_s_program_is_checked_as_the_driver_path(world, monkeypatch):
+    """A socket nobody answers on (its program was killed under the agent; this PID is
+    another program now) puts the PID on the driver path at the probe: NVML's 1 GiB must fit
+    in host memory, or nothing is locked or moved."""
+    world.agent.stop()
+    import socket
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(world.agent.path))
+    monkeypatch.setattr(procs, "mem_available", lambda: 512 << 20)
+    try:
+        with pytest.raises(UsageError, match=f"suspending {PID} needs 1.00 GiB of host "
+                                             f"memory .*PID {PID}[)]; 512"):
+            process.suspend(world.engine(), PID)
+    finally:
+        s.close()
+    assert world.log() == [] and world.driver.states[PID] == world.driver.S.RUNNING
+    assert world.journal_entries() == [] and world.engine().journal.suspended() == {}
+    assert not world.cfg.suspend_dir.exists() or not list(world.cfg.suspend_dir.iterdir())
+
+
+def test_the_driver_path_takes_nvml_s_figure_and_the_agents_share_the_rest(world):
+    """Host memory for a suspend of two programs, one under its agent: the other's GPU memory
+    (NVML's figure: the driver moves all of it) comes off what the host has, the agent may
+    take the rest; more than the host has for the driver's part is refused."""
+    e, sock = world.engine(), world.agent.path
+    host = engine_mod.HostMemory(10 << 30, {PID: 8 << 30, 4242: 3 << 30}, "suspending 1")
+    assert e._host_budgets([PID, 4242], {PID: sock}, host) == {PID: 7 << 30}
+    assert e._host_budgets([PID, 4242], {}, dataclasses.replace(
+        host, available=11 << 30)) == {}
+    with pytest.raises(UsageError, match="suspending 1 needs 11.00 GiB of host memory for its "
+                                         "GPU memory .*PIDs \\d+, 4242\\); 10.00 GiB is"):
+        e._host_budgets([PID, 4242], {}, host)
+    assert e._host_budgets([PID], {PID: sock}, None) == {PID: None}
+    assert world.log() == []
+
+
 def test_a_program_without_agent_takes_the_driver_path(world):
     world.agent.stop()
     r = process.suspend(world.engine(), PID)

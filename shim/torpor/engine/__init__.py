@@ -26,6 +26,7 @@ that calls them, for every door, is in flows/.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from pathlib import Path
@@ -34,9 +35,9 @@ from typing import Any, Collection, Iterable, Mapping
 from .. import agent, agent_data, interrupts, procs, workloads
 from ..config import Config
 from ..driver import Driver, DriverError, ProcessState
-from ..errors import ExitCode, NoDriverError, RolledBackError, TorporError
+from ..errors import ExitCode, HostMemoryError, NoDriverError, RolledBackError, TorporError
 from ..journal import Journal, Operation
-from ..progress import Progress
+from ..progress import Progress, human_bytes
 from ..store.store import Store
 from .agents import (STATUS_TIMEOUT_S, AgentMoves, AgentTarget, _parallel,  # noqa: F401
                      restore_targets, targets_of)
@@ -60,6 +61,18 @@ def load_driver(path: str) -> Driver:
     if isinstance(found, NoDriverError):
         raise found
     return found
+
+
+@dataclasses.dataclass(frozen=True)
+class HostMemory:
+    """What a suspend may put in host memory: available, the bytes the host has
+    (procs.mem_available); gpu_memory, each PID's GPU memory as NVML counts it (all of it goes
+    to host memory on the driver's path); subject, the refusal's first words ("suspending
+    1234")."""
+
+    available: int
+    gpu_memory: Mapping[int, int]
+    subject: str
 
 
 class Engine(AgentMoves, Recovery):
@@ -104,7 +117,7 @@ class Engine(AgentMoves, Recovery):
                             scratch: bool = False,
                             known_fingerprints: Collection[str] | None = None,
                             owner: str = "", stream_into: Store | None = None,
-                            host_budget: int | None = None) -> dict[int, dict[str, Any]]:
+                            host: HostMemory | None = None) -> dict[int, dict[str, Any]]:
         """RUNNING -> CHECKPOINTED for every pid; on any failure all are rolled back first.
 
         data: where the agents of the pids that have one (a socket in agent_dir, default
@@ -114,9 +127,11 @@ class Engine(AgentMoves, Recovery):
         fingerprint their data on the GPU and skip these parts (owner's snapshots in the image
         store have them: store/fingerprints.py; hold the store's lock until they are packed);
         None: they don't. stream_into (with known_fingerprints): the agents stream their data
-        straight into this store (store/stream.py), the data files stay holes. host_budget:
-        the host memory the agents' data may take (suspend); an agent whose data needs more
-        refuses its prepare before copying, and everything rolls back.
+        straight into this store (store/stream.py), the data files stay holes. host: the
+        host memory the GPU memory may take (suspend): checked once the agents are probed
+        (_host_budgets), HostMemoryError before anything is locked or moved (op closed);
+        an agent whose data needs more than its share refuses its prepare before copying,
+        and everything rolls back.
         Returns what each agent moved: pid -> {"nspid", "bytes", "chunks", "allocations",
         "cache_released", "seconds", "files"} (torpor.json's "agent")."""
         if not pids:
@@ -132,9 +147,13 @@ class Engine(AgentMoves, Recovery):
                 note = workloads.driver_path_note(pids, sockets, container)
                 if note:
                     self.progress.say(note)
+            if sockets:   # those whose agent answers: a stale socket is the driver's path
+                op.phase("agent-prepare")
+                sockets = self._probe(sockets)
+            budgets = self._host_budgets(pids, sockets, host)
             if sockets and data is not None:
                 moved = self._prepare_agents(op, sockets, data, scratch, known_fingerprints,
-                                             owner, stream_into, host_budget)
+                                             owner, stream_into, budgets)
             op.phase("lock")
             op.require_journalled(pids)   # durable, on disk, before the first lock
             with self.progress.phase("lock", n):
@@ -145,9 +164,31 @@ class Engine(AgentMoves, Recovery):
             with self.progress.phase("checkpoint", f"GPU memory of {n} to host memory",
                                      measure=lambda: sum(procs.rss_bytes(p) for p in pids) - before):
                 _parallel(drv.checkpoint, pids)
+        except HostMemoryError:
+            op.close()   # nothing was touched: nothing to roll back
+            raise
         except BaseException as e:
             self.fail(op, pids, e, during=op.entry.phase)
         return moved
+
+    def _host_budgets(self, pids: list[int], agents: Mapping[int, Path],
+                      host: HostMemory | None) -> dict[int, int | None]:
+        """The host-memory check of a suspend, once the probe has said which pids have an
+        agent that moves their memory (agents): the others' GPU memory goes to host memory
+        through the driver, all of it (NVML's figure), and must fit in what the host has, or
+        HostMemoryError; the agents share what that leaves (_host_shares), each checking
+        its data against its share once its scan knows its zero parts. Returns each agent's
+        share (None: no check)."""
+        if host is None:
+            return {p: None for p in agents}
+        driver = [p for p in pids if p not in agents]
+        need = sum(host.gpu_memory.get(p, 0) for p in driver)
+        if need > host.available:
+            who = f"PID{'s' if len(driver) > 1 else ''} {', '.join(map(str, driver))}"
+            raise HostMemoryError(f"{host.subject} needs {human_bytes(need)} of host memory for "
+                                  f"its GPU memory (the driver moves all of it: {who}); "
+                                  f"{human_bytes(host.available)} is available")
+        return self._host_shares(agents, host.available - need)
 
     def restore_and_unlock(self, op: Operation, pids: list[int],
                            gpu_map: Mapping[str, str] | None = None,

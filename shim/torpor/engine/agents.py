@@ -171,13 +171,12 @@ class AgentMoves:
     def _prepare_agents(self, op: Operation, sockets: Mapping[int, Path],
                         data: agent_data.DataDir | agent_data.InProcess, scratch: bool,
                         known: Collection[str] | None = None, owner: str = "",
-                        stream_into: Store | None = None, host_budget: int | None = None
+                        stream_into: Store | None = None,
+                        budgets: Mapping[int, int | None] | None = None
                         ) -> dict[int, dict[str, Any]]:
+        """Each agent in sockets (probed: _probe) moves its program's memory into data;
+        budgets: the host memory each one's data may take (Engine._host_budgets)."""
         op.phase("agent-prepare")
-        sockets = self._probe(sockets)
-        if not sockets:
-            return {}
-        shares = self._host_shares(sockets, host_budget)
         in_process = isinstance(data, agent_data.InProcess)
         count = 0 if in_process else agent_data.file_count(self.cfg)
         root = Path() if data.root is None else data.root
@@ -217,7 +216,7 @@ class AgentMoves:
                 with client as a:
                     reply = a.prepare(fds[:count], timeout_ms, fingerprints=fp,
                                       stream=intake.agent_fds() if intake else (),
-                                      host_budget=shares[pid])
+                                      host_budget=(budgets or {}).get(pid))
                 if intake is not None:   # answered ok: the store committed every part
                     reply["streamed"] = intake.finish().to_json()
                     intake = None

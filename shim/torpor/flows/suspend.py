@@ -17,9 +17,8 @@ from typing import Any
 
 from .. import agent_data, procs
 from ..driver import ProcessState
-from ..engine import Engine, targets_of
+from ..engine import Engine, HostMemory, targets_of
 from ..errors import NotFoundError, UsageError
-from ..progress import human_bytes
 from . import policy
 from .checkpoint import gpu_view, require_running
 
@@ -35,28 +34,23 @@ def suspend(engine: Engine, pid: int) -> dict[str, Any]:
             raise UsageError(f"process tree {pid} has no CUDA state: nothing to suspend")
         require_running(states)
         cuda_pids = sorted(states)
-        freed = sum(inv.memory_of(p) for p in cuda_pids) if inv else 0
+        gpu_memory = {p: inv.memory_of(p) for p in cuda_pids} if inv else {}
         # Its GPU memory goes to host memory (the program's, or /dev/shm): refused before
         # anything moves rather than leaving the kernel to kill the program half-way. The
-        # driver moves all of a program's GPU memory: checked here. A program's agent knows,
-        # once it has scanned the GPU, how much of it is zeros that stay behind (a JAX arena
-        # is mostly zeros): the agents check their part against what is left.
-        agents = engine.agent_sockets(cuda_pids)
-        driver_need = sum(inv.memory_of(p) for p in cuda_pids if p not in agents) if inv else 0
+        # engine checks, once it knows which agents answer: the driver moves all of a
+        # program's GPU memory (NVML's figure); an agent knows, once it has scanned the GPU,
+        # how much of it is zeros that stay behind (a JAX arena is mostly zeros).
         available = procs.mem_available()
-        if available is not None and driver_need > available:
-            raise UsageError(f"suspending {pid} needs {human_bytes(driver_need)} of host memory "
-                             f"for its GPU memory; {human_bytes(available)} is available")
+        host = None if available is None else HostMemory(available, gpu_memory,
+                                                         f"suspending {pid}")
         data = agent_data.InProcess() if engine.cfg.suspend_in_process \
             else agent_data.DataDir.scratch(engine.cfg, pid)
-        moved = engine.lock_and_checkpoint(
-            op, cuda_pids, data=data, scratch=True,
-            host_budget=None if available is None else available - driver_need)
+        moved = engine.lock_and_checkpoint(op, cuda_pids, data=data, scratch=True, host=host)
         try:
             for p in cuda_pids:
                 record = {"root": pid, "since": time.time(),
                           "gpus": inv.gpus_of(p) if inv else [],
-                          "gpu_memory": inv.memory_of(p) if inv else 0}
+                          "gpu_memory": gpu_memory.get(p, 0)}
                 if str(p) in op.entry.agents:   # where its agent's data is, for resume
                     record["agents"] = {str(p): op.entry.agents[str(p)]}
                     record["data_root"] = op.entry.data_root
@@ -66,7 +60,7 @@ def suspend(engine: Engine, pid: int) -> dict[str, Any]:
             for p in cuda_pids:
                 engine.journal.clear_suspended(p)
             engine.fail(op, cuda_pids, e, during="suspend")
-    return {"pids": cuda_pids, "gpu_memory_released": freed,
+    return {"pids": cuda_pids, "gpu_memory_released": sum(gpu_memory.values()),
             "agent": {str(p): r for p, r in moved.items()},
             "timings": policy.timings(engine)}
 
