@@ -139,20 +139,32 @@ def started_at(pid: int) -> float | None:
 
 
 def find_argv(*words: str) -> list[int]:
-    """The live processes whose command line holds every one of words, each as a whole
-    argument."""
+    """The live processes of our own user (root's for a root torpor) whose command line holds
+    every one of words, each as a whole argument. Anyone can start a process with any command
+    line: one of another user's is never taken for ours (a CRIU recovery would wait for)."""
     found = []
+    me = os.geteuid()
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
             with open(f"/proc/{name}/cmdline", "rb") as f:
                 argv = f.read().split(b"\0")
+            if all(w.encode() in argv for w in words) and _uids(int(name)) == (me, me):
+                found.append(int(name))
         except OSError:
             continue
-        if all(w.encode() in argv for w in words):
-            found.append(int(name))
     return found
+
+
+def _uids(pid: int) -> tuple[int, int]:
+    """pid's real and effective uid (a user's process may not fake either)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("Uid:"):
+                real, effective = line.split()[1:3]
+                return int(real), int(effective)
+    raise OSError(f"no Uid line for {pid}")
 
 
 def traced(pid: int) -> bool:

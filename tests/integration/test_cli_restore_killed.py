@@ -106,3 +106,40 @@ def test_a_killed_restore_leaves_the_program_running_or_its_checkpoint_restorabl
             assert _ticking(counter), f"program restored again does not run; {where}"
         os.kill(prog.pid, signal.SIGKILL)
         wait_for(lambda: not alive(prog.pid), timeout=10, what="program gone")
+
+
+def test_criu_killed_during_a_restore_leaves_nothing_frozen_once_torpor_returns(torpor, tmp_path,
+                                                                                reaper):
+    """CRIU cleans up a restore that fails, not one that is killed: torpor, still alive, stops
+    the tasks CRIU left in its restorer before it returns, and the checkpoint restores after."""
+    counter = tmp_path / "n"
+    prog = subprocess.Popen([sys.executable, "-c", PROGRAM, str(counter)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    reaper.append(prog.pid)
+    wait_for(lambda: counter.exists(), timeout=60, what="program start")
+    images = tmp_path / "ck"
+    torpor.run("checkpoint", str(prog.pid), "-D", str(images), check=True)
+    prog.wait(timeout=10)
+    for delay in (0.1, 0.3):
+        t = torpor.start("restore", "-D", str(images))
+        criu = wait_for(_criu_restoring, timeout=30, what="CRIU restoring")
+        time.sleep(delay)
+        for p in criu:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        out, err = t.communicate(timeout=60)
+        if t.returncode == 0:          # CRIU had finished: a restored, running program
+            assert _ticking(counter), err
+            os.kill(prog.pid, signal.SIGKILL)
+            wait_for(lambda: not alive(prog.pid), timeout=10, what="program gone")
+            continue
+        assert t.returncode == 5, err
+        assert not alive(prog.pid) or _state(prog.pid) == "Z", \
+            f"left {_state(prog.pid)} after torpor returned: {err}"
+        assert "half-restored" in err or not alive(prog.pid), err
+    r = torpor.run("restore", "-D", str(images))
+    assert r.returncode == 0, r.stderr
+    assert _ticking(counter)

@@ -150,3 +150,26 @@ def test_a_stopped_dump_criu_is_let_go_on(cfg, tmp_path):
         assert (images / manifest.MANIFEST).exists(), said
     finally:
         dump.kill()
+
+
+def test_another_users_process_is_never_taken_for_a_dump_criu(cfg, tmp_path):
+    """Anyone may start a process whose command line reads like CRIU's: recovery would wait
+    for it, the program frozen, every torpor command ten seconds long."""
+    images = tmp_path / "ck"
+    _draft(images)
+    _interrupted(cfg, images, [_dead_pid()])
+    spoof = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "dump",
+                              "--images-dir", str(images)], user=65534, group=65534)
+    try:
+        deadline = time.monotonic() + 5
+        while b"--images-dir" not in Path(f"/proc/{spoof.pid}/cmdline").read_bytes() \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert criu.dumping(images) == []
+        t0 = time.monotonic()
+        said = Engine(cfg).recover()
+        assert time.monotonic() - t0 < 5, said
+        assert _orphans(cfg) == [] and (images / manifest.DAMAGED).exists(), said
+    finally:
+        spoof.kill()
+        spoof.wait()

@@ -140,10 +140,13 @@ class Recovery:
         the checkpoint, which a restore never changes, is intact. A CRIU still running gets
         wait_s to end, else the entry is kept. Returns (keep the entry, what to say)."""
         work = Path(entry.work_dir)
+
+        def restoring() -> list[int]:   # not the tasks it forked to become the image's PIDs
+            return [p for p in criu.restoring(work) if p not in entry.image_pids]
         deadline = time.monotonic() + wait_s
-        while criu.restoring(work) and time.monotonic() < deadline:
+        while restoring() and time.monotonic() < deadline:
             time.sleep(0.1)
-        running = criu.restoring(work)
+        running = restoring()
         if running:
             return True, [f"an interrupted restore ({entry.id}) is still being finished by "
                           f"CRIU (PID {running[0]}): look again when it ends"]
@@ -151,6 +154,15 @@ class Recovery:
             shutil.rmtree(work, ignore_errors=True)
             return False, [f"finished the restore ({entry.id}) an interrupted torpor left to "
                            "CRIU"]
+        said = self.stop_half_restored(entry)
+        return False, [said] if said else []
+
+    def stop_half_restored(self, entry: Entry) -> str:
+        """A restore whose CRIU ended without finishing (killed, or died with torpor): the
+        processes it had made so far are frozen in its restorer for good (CRIU cleans up a
+        restore that fails, not one that is killed). They are stopped, CRIU's work directory
+        goes, and the checkpoint, which a restore never changes, stays as it was. Returns what
+        to say ("" when there was none)."""
         frozen = [p for p in entry.image_pids
                   if (t := procs.started_at(p)) is not None and t >= entry.started - 1.0]
         for p in frozen:
@@ -161,12 +173,13 @@ class Recovery:
         deadline = time.monotonic() + 5.0   # gone before anyone looks (or restores those PIDs)
         while any(procs.alive(p) for p in frozen) and time.monotonic() < deadline:
             time.sleep(0.02)
-        shutil.rmtree(work, ignore_errors=True)
+        if entry.work_dir:
+            shutil.rmtree(entry.work_dir, ignore_errors=True)
         entry.pids = []    # none of them is a program to give its GPU back
-        return False, [] if not frozen else [
+        return "" if not frozen else (
             f"stopped {len(frozen)} half-restored process(es) ({', '.join(map(str, frozen))}) "
             f"that an interrupted restore ({entry.id}) left frozen; the checkpoint is "
-            "unchanged: restore it again"]
+            "unchanged: restore it again")
 
     def _interrupted_dump(self, entry: Entry) -> tuple[bool, list[str]]:
         """A checkpoint whose torpor died while CRIU dumped. CRIU outlives torpor

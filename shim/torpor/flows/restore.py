@@ -82,8 +82,13 @@ def restore(engine: Engine, images_dir: Path, *, device_map: dict[str, str] | No
                     root = criu.restore(tool, cfg, images_dir, work_dir, shell_job=m["shell_job"],
                                         tcp_established=m.get("tcp_established", False))
                 back = engine.restore_and_unlock(op, cuda_pids, gpu_map, agents)
-        except CriuError:
-            raise  # CRIU cleans up a failed restore itself
+        except CriuError as e:
+            if criu.restore_finished(work_dir):
+                raise
+            # CRIU cleans up a restore that fails, not one that is killed half-way
+            said = engine.stop_half_restored(op.entry)
+            op.close()
+            raise CriuError(f"{e}; {said}" if said else str(e)) from e
         except BaseException as e:
             for p in reversed(pids):
                 try:
