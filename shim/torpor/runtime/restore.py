@@ -8,9 +8,11 @@ runtime restore, then torpord restores the GPU state on the new host PIDs and un
                                                                      in the driver) ──► device
                                                                      nodes ──► RestoreAndUnlock
 Everything before runc restore only reads and plans: a refusal starts nothing. A failure after
-it kills the half-restored container and says why. RestoreAndUnlock also gives programs under
-the agent the GPU memory their agent moved into <image-path>/torpor-gpu/ (torpor.json's
-"agent"), found by their PID in the container's namespace. A checkpoint packed into the image
+it kills the half-restored container and says why; so does a torpord whose reply names fewer
+restored CUDA processes than torpor.json lists (one left out would stay frozen in the driver).
+RestoreAndUnlock also gives programs under the agent the GPU memory their agent moved into
+<image-path>/torpor-gpu/ (torpor.json's "agent"), found by their PID in the container's
+namespace. A checkpoint packed into the image
 store (config store_containers) first gets its files back, its chunks imported into this host's
 store and verified (store/images.py); chunks in neither the directory nor the store (the
 layer of a checkpoint image containerd 2 restores from names them only) are first fetched from
@@ -108,7 +110,7 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
         return runtime.run().wait()
     op = _journalled(cfg, runtime, inv)
     try:
-        rc = _restore(cfg, runtime, inv, op, images, placed, moved, in_store)
+        rc = _restore(cfg, runtime, inv, op, images, placed, moved, in_store, len(cuda))
     except TorporError:
         op.close()   # the restored container, if any, was stopped: nothing left to recover
         raise
@@ -138,10 +140,12 @@ def _journalled(cfg: Config, runtime: Runtime, inv: Invocation) -> Operation:
 
 
 def _restore(cfg: Config, runtime: Runtime, inv: Invocation, op: Operation, images: Path,
-             placed: container.Placement, moved: list[AgentData], in_store: dict[str, int]
-             ) -> int:
+             placed: container.Placement, moved: list[AgentData], in_store: dict[str, int],
+             cuda: int) -> int:
     """The real runtime's restore, then torpord's RestoreAndUnlock of the container's CUDA
-    processes (op closed once done); a failure of the latter stops the container."""
+    processes (op closed once done; cuda: how many the manifest holds); a failure of the
+    latter, or a reply naming fewer than cuda restored (_require_all), stops the
+    container."""
     cid = inv.container_id
     proc = runtime.run()
     detached = inv.flag("detach", "d")
@@ -161,6 +165,7 @@ def _restore(cfg: Config, runtime: Runtime, inv: Invocation, op: Operation, imag
                                        gpu_data_dir=images / agent_data.DATA_DIR if moved else "",
                                        agent_container_id=cid,
                                        gpu_data_packed=images if moved and in_store else "")
+        _require_all(out.pids, cuda)
     except TorporError as e:
         runtime.kill(cid)
         raise TorporError(f"GPU restore of container {cid} failed: {e.line()}; the restored "
@@ -169,6 +174,19 @@ def _restore(cfg: Config, runtime: Runtime, inv: Invocation, op: Operation, imag
              list(out.pids), time.monotonic() - t)
     op.close()   # restored: a runtime that dies from now on leaves nothing to recover
     return 0 if detached else proc.wait()
+
+
+def _require_all(restored: Any, cuda: int) -> None:
+    """torpord's reply must name at least as many restored CUDA processes as the checkpoint's
+    manifest holds: one it left out stays CHECKPOINTED in the driver, frozen for good, while
+    the engine would report the container restored (a torpord restarted mid-restore restored
+    none). A reply without the list counts as none."""
+    try:
+        n = len({int(p) for p in restored or () if int(p) > 0})
+    except (TypeError, ValueError):
+        n = 0
+    if n < cuda:
+        raise TorporError(f"torpord restored {n} of the checkpoint's {cuda} CUDA process(es)")
 
 
 def _repoint_agent(cfg: Config, bundle: Path, cid: str, had_agent: bool) -> None:
