@@ -135,6 +135,27 @@ def is_kept_out(rel: str) -> bool:
     return rel == PACKED or parts[:1] == (CHUNKS,) or _stream_record(rel)
 
 
+def _not_plain(images_dir: Path) -> list[str]:
+    """The entries of a checkpoint directory that are neither plain files nor folders (links,
+    devices, pipes, sockets), torpor's own places left out (is_kept_out: a packed
+    directory's chunk links). _image_files passes them over; CRIU, as root, would open one
+    named like an image it reads, and follow it."""
+    out = []
+    for root, dirs, names in os.walk(images_dir):
+        if root == str(images_dir) and CHUNKS in dirs:
+            dirs.remove(CHUNKS)
+        for n in [*dirs, *names]:
+            path = os.path.join(root, n)
+            rel = os.path.relpath(path, images_dir)
+            try:
+                mode = os.lstat(path).st_mode
+            except FileNotFoundError:
+                continue
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)) and not is_kept_out(rel):
+                out.append(rel)
+    return sorted(out)
+
+
 def manifest_untrusted(images_dir: Path, name: str = MANIFEST) -> str | None:
     """Why torpor.json (or name: torpor-store.json) could have been written by someone else,
     or None: as strict as the images (require_trusted_file), and never a link. Its owner may
@@ -306,6 +327,8 @@ def verify(images_dir: Path, m: dict[str, Any], checksums: bool = True,
     elsewhere = elsewhere or {}
     bad: list[str] = [f"{printable(rel)} is not listed in the manifest"
                       for rel in _image_files(images_dir) if rel not in m["files"]]
+    bad += [f"{printable(rel)} is a symbolic link or a special file: a checkpoint holds plain "
+            "files only" for rel in _not_plain(images_dir)]
     untrusted = manifest_untrusted(images_dir)
     if untrusted:
         bad.append(untrusted)

@@ -355,3 +355,22 @@ def test_a_packed_checkpoints_records_are_trusted_as_strictly(tmp_path):
     (d / "torpor-store.json").symlink_to(d / "torpor.json")
     with pytest.raises(CorruptCheckpointError, match="torpor-store.json is not a plain file"):
         manifest.require_trusted_records(d)
+
+
+@pytest.mark.parametrize("plant", ["file-link", "dir-link", "fifo", "nested-link"])
+def test_an_unlisted_link_or_special_file_is_refused(tmp_path, plant):
+    """Not in the file table, so no listed file's check sees it; but CRIU, as root, opens an
+    image by its name (remap-fpath.img, say) and would follow the link to the host's secret."""
+    d = _sealed(tmp_path)
+    secret = tmp_path / "shadow"
+    secret.write_bytes(b"root:$6$secret")
+    if plant == "file-link":
+        os.symlink(secret, d / "remap-fpath.img")
+    elif plant == "dir-link":
+        os.symlink(tmp_path, d / "torpor-gpu")
+    elif plant == "fifo":
+        os.mkfifo(d / "sk-queues.img")
+    else:
+        os.symlink(secret, d / "sub" / "fs-1.img")
+    with pytest.raises(CorruptCheckpointError, match="a symbolic link or a special file"):
+        manifest.verify(d, manifest.read(d))
