@@ -348,6 +348,28 @@ def test_gpu_restore_failure_stops_restored_processes(torpor, gpu, tmp_path, rea
     assert gpu.state(prog.pid)["state"] == RUNNING
 
 
+def test_a_manifest_that_hides_a_cuda_process_is_refused_not_left_frozen(torpor, gpu, tmp_path,
+                                                                          reaper):
+    """The manifest is untrusted: one that says a CUDA process is none would have had the
+    restore end well (exit 0) with that process CHECKPOINTED for good."""
+    import json as _json
+    prog = gpu.spawn()
+    reaper.append(prog.pid)
+    images = tmp_path / "ck"
+    torpor.json("checkpoint", str(prog.pid), "-D", str(images))
+    checkpointed_and_reaped(prog)
+    path = images / "torpor.json"
+    m = _json.loads(path.read_text())
+    for proc in m["processes"]:
+        proc["cuda"] = False
+    path.write_text(_json.dumps(m))
+    path.chmod(0o600)
+    r = torpor.run("restore", "-D", str(images))
+    assert r.returncode == 9, r.stderr
+    assert "the manifest is wrong" in r.stderr and "restored processes were stopped" in r.stderr
+    wait_for(lambda: not alive(prog.pid), what="restored process stopped")
+
+
 def test_corrupted_checkpoints_are_refused(torpor, gpu, tmp_path, reaper):
     prog = gpu.spawn()
     reaper.append(prog.pid)

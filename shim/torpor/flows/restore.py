@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from .. import agent, agent_data, criu, gpus, interrupts, manifest, placement, procs
+from ..driver import ProcessState
 from ..engine import Engine, restore_targets
-from ..errors import (CorruptCheckpointError, CriuError, NoDriverError, PreflightError,
+from ..errors import (CorruptCheckpointError, CriuError, ExitCode, NoDriverError, PreflightError,
                       TorporError, UsageError)
 from ..files import private_dir, require_trusted_location
 from ..store import images
@@ -81,6 +82,7 @@ def restore(engine: Engine, images_dir: Path, *, device_map: dict[str, str] | No
                                     f"{len(pids)} process(es)"):
                     root = criu.restore(tool, cfg, images_dir, work_dir, shell_job=m["shell_job"],
                                         tcp_established=m.get("tcp_established", False))
+                _require_listed_gpu_state(engine, pids, cuda_pids)
                 back = engine.restore_and_unlock(op, cuda_pids, gpu_map, agents)
         except CriuError as e:
             if criu.restore_finished(work_dir):
@@ -97,10 +99,27 @@ def restore(engine: Engine, images_dir: Path, *, device_map: dict[str, str] | No
                     pass
             op.close()
             raise TorporError(f"restore failed in {op.entry.phase}: {e}; the restored processes "
-                              f"were stopped, the checkpoint in {images_dir} is unchanged") from e
+                              f"were stopped, the checkpoint in {images_dir} is unchanged",
+                              exit_code=ExitCode.CORRUPT
+                              if isinstance(e, CorruptCheckpointError) else None) from e
     shutil.rmtree(work_dir, ignore_errors=True)
     return {"root_pid": root, "pids": pids, "cuda_pids": cuda_pids, "gpu_map": gpu_map or {},
             "agent": {str(p): r for p, r in back.items()}, "timings": policy.timings(engine)}
+
+
+def _require_listed_gpu_state(engine: Engine, pids: list[int], cuda_pids: list[int]) -> None:
+    """Every process CRIU brought back with GPU state is one the manifest lists as a CUDA
+    process (cuda_pids, which alone get their GPU state back): the manifest is untrusted, and
+    one that left a CUDA process out would have the restore end well with that process
+    frozen for good, CHECKPOINTED. CorruptCheckpointError names it."""
+    others = [p for p in pids if p not in set(cuda_pids)]
+    frozen = {p: st for p, st in engine.cuda_states(others).items()
+              if st != ProcessState.RUNNING}
+    if frozen:
+        p, st = next(iter(frozen.items()))
+        raise CorruptCheckpointError(
+            f"PID {p} came back with GPU state ({st.name}) that the checkpoint's manifest does "
+            "not list (processes[].cuda): the manifest is wrong")
 
 
 def restore_any(engine: Engine, images_dir: Path, **kw: Any) -> dict[str, Any]:
