@@ -33,7 +33,7 @@ from typing import Iterator
 
 from .config import Config
 from .errors import CorruptCheckpointError, TorporError, UsageError
-from .files import TRUSTED_UIDS, private_dir, require_trusted_location
+from .files import TRUSTED_UIDS, private_dir, reclaim_shared_name, require_trusted_location
 
 from .layout import DATA_DIR, INDEX, STREAMED  # noqa: F401  (names kept here for their users)
 MAX_FILES = 16                       # the agent takes 1-16 files per prepare
@@ -44,6 +44,8 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # from it were 20 % faster (bench/README.md). within_size keeps small files in small pages.
 # size=100%: the suspend checks available memory itself.
 HUGE_TMPFS_OPTIONS = "huge=within_size,size=100%,mode=0700,nosuid,nodev,noexec"
+
+SUSPEND_DIR_HINT = "set suspend_dir (TORPOR_SUSPEND_DIR) to a directory of your own"
 
 log = logging.getLogger(__name__)
 
@@ -113,15 +115,31 @@ def mount_huge_tmpfs(base: Path) -> bool:
 
 def claim_suspend_dir(base: Path) -> Path:
     """suspend_dir made (0700) or checked: in a location only root (or we) can change, a
-    directory of ours, tightened to 0700. UsageError or TorporError otherwise."""
+    directory of ours, tightened to 0700. UsageError or TorporError otherwise.
+
+    /dev/shm/torpor lies in a directory anyone may add to, emptied at boot: a user who made
+    it first (their own, 0700) would make every suspend fail. Root takes the name back
+    (files.reclaim_shared_name: the user's entry moved aside under a random name, untouched,
+    a new directory of root's in its place in one atomic swap) and logs it; that holds for
+    every name on the way that lies directly in such a directory. A user running torpor
+    for their own programs uses their own directory there; someone else's is refused in
+    one line naming its owner."""
+    where = Path(os.path.abspath(base))
     try:
+        for name in [*reversed(where.parents[:-1]), where]:
+            moved = reclaim_shared_name(name, "suspend_dir", hint=SUSPEND_DIR_HINT)
+            if moved is not None:
+                log.warning("suspend_dir %s: uid %d had put its own entry at %s (which would "
+                            "deny every suspend): moved aside to %s, untouched, and made "
+                            "torpor's own", base, moved.uid, name, moved.moved_to)
         private_dir(base, "suspend_dir")  # made without following anyone's link but root's
         st = os.lstat(base)
     except OSError as e:
         raise TorporError(f"cannot make suspend_dir {base}: {e}") from e
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
         raise UsageError(f"suspend_dir {base} is not a directory of uid {os.geteuid()} "
-                         f"(uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})")
+                         f"(uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})",
+                         hint=SUSPEND_DIR_HINT)
     if stat.S_IMODE(st.st_mode) != 0o700:
         os.chmod(base, 0o700)
     return base

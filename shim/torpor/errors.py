@@ -7,6 +7,8 @@ line on stderr and exits with its exit code. Tracebacks go to the log (or the te
 
 from __future__ import annotations
 
+import errno
+
 
 class ExitCode:
     """Documented exit codes of the `torpor` command (README, "Exit codes")."""
@@ -19,7 +21,8 @@ class ExitCode:
     CRIU = 5             # CRIU missing, too old, or its dump/restore failed
     BUSY = 6             # another torpor operation holds these processes
     PREFLIGHT = 7        # restore refused before starting (GPU model, memory, driver)
-    ROLLED_BACK = 8      # a phase failed and the program was rolled back to RUNNING
+    ROLLED_BACK = 8      # a phase failed and the program was rolled back to RUNNING; also a
+                         # --store checkpoint the store had no room for (complete, not packed)
     CORRUPT = 9          # a checkpoint failed verification (manifest, checksums)
     SIDECAR = 10         # torpord unreachable or refused the request
     INTERRUPTED = 130    # Ctrl-C; the program was rolled back first
@@ -52,6 +55,19 @@ def describe(e: BaseException) -> str:
     if isinstance(e, OSError) and e.strerror:
         return e.strerror
     return str(e) or type(e).__name__
+
+
+def no_space(e: BaseException) -> bool:
+    """Was e caused by a full filesystem (ENOSPC, or a quota: EDQUOT), however it was wrapped
+    (raise ... from, or raised while handling it)?"""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError) and cur.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
 class UsageError(TorporError):

@@ -9,10 +9,12 @@ and a link another user placed, in /tmp or anywhere, steers none of root's write
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import errno
 import json
 import os
+import secrets
 import stat
 from pathlib import Path
 from typing import Any
@@ -191,6 +193,110 @@ def _open(text: str, shown: str, what: str, create: bool, mode: int,
         return TrustedDir(Path(walk.where()), fd)
     finally:
         walk.close()
+
+
+_MAX_SQUATS = 20         # a name taken back this often, and taken again each time: give up
+_RENAME_EXCHANGE = 2     # renameat2's flag (linux/fs.h)
+
+
+@dataclasses.dataclass(frozen=True)
+class Squatter:
+    """What reclaim_shared_name moved out of the way: whose it was, where it lies now."""
+
+    uid: int
+    moved_to: Path
+
+
+def _exchange(dir_fd: int, a: str, b: str) -> None:
+    """Swap names a and b of directory dir_fd atomically (renameat2 RENAME_EXCHANGE): neither
+    is followed, and at no moment is either name missing."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = getattr(libc, "renameat2", None)
+    if fn is None:
+        raise OSError(errno.ENOSYS, "renameat2 is not available", b)
+    if fn(dir_fd, a.encode(), dir_fd, b.encode(), _RENAME_EXCHANGE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), b)
+
+
+def _shared(st: os.stat_result) -> bool:
+    """A directory like /tmp or /dev/shm: root's, writable by all, sticky."""
+    return st.st_uid == 0 and bool(st.st_mode & 0o002) and bool(st.st_mode & stat.S_ISVTX)
+
+
+def reclaim_shared_name(path: Path, what: str, hint: str | None = None) -> Squatter | None:
+    """Make sure path, where it lies directly in a directory like /dev/shm or /tmp (root's,
+    world-writable, sticky), is not another user's entry put there first so that torpor
+    could not use the name (a directory of theirs would make every suspend fail).
+
+    Root takes the name back: a new 0700 directory of its own is made beside it under a
+    random name and the two names are swapped in one step (renameat2 RENAME_EXCHANGE; root
+    may, CAP_FOWNER), so the name is never missing and the user cannot slip in between. The
+    user's entry, whatever it is (a directory, a link, a file), keeps its owner and content
+    under that random name (path.name + ".squatted-<hex>"); nothing in it is read, followed
+    or written. A missing name is made (0700). Returns who it was and where it is now; None
+    when there was nothing to take back. A user who takes the name again each time
+    (_MAX_SQUATS) is refused in one line naming them. A caller who is not root cannot take
+    back another's entry: refused in one line naming its owner (hint: what to do instead).
+    Elsewhere (no such parent, or one that is not shared) nothing happens; root's entries are
+    left as they are. Either way open_trusted_dir's checks follow."""
+    path = Path(_absolute(path))
+    me = os.geteuid()
+    try:
+        parent = open_trusted_dir(path.parent, what, readable=False)
+    except FileNotFoundError:
+        return None
+    try:
+        if not _shared(os.fstat(parent.fd)):
+            return None
+        shown = f"{what} {path}"
+        for _ in range(_MAX_SQUATS):
+            try:
+                st = os.stat(path.name, dir_fd=parent.fd, follow_symlinks=False)
+            except FileNotFoundError:
+                try:
+                    os.mkdir(path.name, 0o700, dir_fd=parent.fd)
+                    return None
+                except FileExistsError:
+                    continue                      # someone was first: look at what it is
+            if st.st_uid in (0, me):
+                return None                       # ours, or root's: open_trusted_dir decides
+            if me != 0:
+                raise UsageError(f"{shown} belongs to uid {st.st_uid}, not to uid {me}: torpor "
+                                 "can neither use it nor move it aside", hint=hint)
+            moved = _move_aside(parent.fd, path.name, st, shown)
+            if moved is not None:
+                return Squatter(moved[0].st_uid, parent.path / moved[1])
+        raise UsageError(f"{shown}: uid {st.st_uid} put its own entry there again each of the "
+                         f"{_MAX_SQUATS} times torpor took the name back", hint=hint)
+    finally:
+        os.close(parent.fd)
+
+
+def _move_aside(dir_fd: int, name: str, seen: os.stat_result, shown: str
+                ) -> tuple[os.stat_result, str] | None:
+    """Swap name (seen: its lstat, another user's) with a new 0700 directory of ours: what was
+    moved aside (its lstat) and its name now, or None to look again (name went meanwhile, or
+    a torpor running beside this one took it back first: its directory is given back)."""
+    aside = f"{name}.squatted-{secrets.token_hex(6)}"
+    os.mkdir(aside, 0o700, dir_fd=dir_fd)         # root's: no user can rename or enter it
+    try:
+        _exchange(dir_fd, aside, name)
+    except FileNotFoundError:
+        os.rmdir(aside, dir_fd=dir_fd)
+        return None
+    except OSError as e:
+        os.rmdir(aside, dir_fd=dir_fd)
+        raise UsageError(f"{shown} belongs to uid {seen.st_uid} and cannot be moved aside: "
+                         f"{e.strerror}") from None
+    moved = os.stat(aside, dir_fd=dir_fd, follow_symlinks=False)
+    if moved.st_uid == 0:
+        # another torpor took the name back between our look and our swap: its directory
+        # (its data may be in it already) goes back where it was, ours (empty) goes
+        _exchange(dir_fd, aside, name)
+        os.rmdir(aside, dir_fd=dir_fd)
+        return None
+    return moved, aside
 
 
 def trusted_path(path: Path, what: str) -> Path:

@@ -16,17 +16,21 @@ Used by `torpor checkpoint --store` (flows/process.py) and torpor-runtime (runti
 
 from __future__ import annotations
 
+import logging
+import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from . import interrupts, manifest
+from . import agent_data, interrupts, manifest
 from .config import Config
-from .errors import DamagedRecordsError, ExitCode, TorporError, describe
+from .errors import BusyError, DamagedRecordsError, ExitCode, TorporError, describe, no_space
 from .journal import Entry, Journal
 from .progress import human_bytes
 from .store import Store, fingerprints, images
 from .store.writer import WriteStats
+
+log = logging.getLogger(__name__)
 
 
 def pack(journal: Journal, store: Store, images_dir: Path, name: str, owner: str,
@@ -67,8 +71,10 @@ def pack(journal: Journal, store: Store, images_dir: Path, name: str, owner: str
             if op is not None:
                 op.close()
         cls = type(e) if isinstance(e, TorporError) else TorporError
+        # a full store is exit 8, as a full disk is at every other phase (README)
         raise cls(f"storing {images_dir} as {name}: {why}; the checkpoint in {images_dir} is "
-                  "complete, not packed", exit_code=_code(e),
+                  "complete, not packed",
+                  exit_code=ExitCode.ROLLED_BACK if no_space(e) else _code(e),
                   hint=e.hint if isinstance(e, TorporError) else None) from e
     op.close()
     return result
@@ -101,6 +107,63 @@ def give_up(images_dir: Path, e: DamagedRecordsError) -> str:
                                       f"could say, and they are damaged: {e}")
     return (f"it cannot be made whole: {e}; it is marked damaged ({manifest.DAMAGED}) and can "
             "only be removed")
+
+
+def unfinished(journal: Journal) -> BusyError | None:
+    """Why chunks no snapshot names must not be removed now, or None: a dead torpor's pack, or
+    its stream into the store, whose directory still needs them (recovery has not finished).
+    What rm and gc refuse on, and a failed checkpoint's discard_unnamed waits for."""
+    from .engine.agents import targets_of   # the engine imports this module
+    for entry, fd in journal.orphans():
+        os.close(fd)
+        if entry.kind == "pack":
+            return BusyError(f"the checkpoint in {entry.images_dir} was being packed into the "
+                             "store when its torpor died, and is not whole yet: removing "
+                             "chunks now could lose it",
+                             hint="see why above; once fixed, any torpor command finishes it")
+        streamed = [p for p, t in targets_of(entry.agents).items() if not t.in_process
+                    and (agent_data.DataDir(t.data).path(t.name) / agent_data.STREAMED).exists()]
+        if streamed:
+            return BusyError(f"the GPU data of PID {streamed[0]}, streamed into the store by "
+                             f"an interrupted {entry.kind}, is in no snapshot yet and its "
+                             "recovery has not finished: removing chunks now could lose it",
+                             hint="see why above; once fixed, any torpor command finishes it")
+    return None
+
+
+def discard_unnamed(journal: Journal, store: Store, images_dir: Path | None,
+                    say: Callable[[str], None]) -> None:
+    """After a checkpoint into store failed, with the store's lock no longer held: the chunks
+    its writers (the agents' stream, the pack) added and no snapshot names removed, so that a
+    full store is not left full until gc (Store.discard_unnamed). Not while images_dir still
+    needs them (holes its recovery fills from the store), nor while a dead torpor's pack or
+    stream is unrecovered (they may name the same chunks), nor while another writer holds the
+    store: those are gc's. Says what it did; never raises (the checkpoint's error is what
+    matters)."""
+    if not store.unnamed():
+        return
+    left = f"{len(store.unnamed())} chunk(s) it added to store {store.where} are left for " \
+           "`torpor gc`"
+    done = None
+    try:
+        if images_dir is not None and fingerprints.any_skipped(images_dir):
+            why = f"{images_dir} still needs them"
+        elif (busy := unfinished(journal)) is not None:
+            why = str(busy)
+        else:
+            done = store.discard_unnamed()
+            why = "another torpor is writing to the store"
+    except (TorporError, OSError) as e:
+        why = describe(e)
+    if done is None:
+        log.info("%s: %s", left, why)
+        say(f"{left}: {why}")
+        return
+    log.info("removed %d chunk(s) (%d bytes) a failed checkpoint added to store %s; %d kept "
+             "(named or linked by now)", len(done.removed), done.freed, store.where, done.kept)
+    if done.removed:
+        say(f"removed the {len(done.removed)} chunk(s) ({human_bytes(done.freed)}) it added to "
+            f"store {store.where}: no snapshot names them")
 
 
 def finish_interrupted(cfg: Config, entry: Entry) -> list[str]:

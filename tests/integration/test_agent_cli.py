@@ -160,6 +160,40 @@ def test_suspend_and_resume_through_host_memory(env, program, gpu, tmp_path, in_
     assert json.loads(env.run("--json", "ps").stdout)["processes"]
 
 
+@pytest.mark.parametrize("tmpfs", [False, True], ids=["directory", "huge-page-tmpfs"])
+def test_a_suspend_dir_a_user_made_first_does_not_stop_suspends(env, program, tmp_path, tmpfs):
+    """suspend_dir in a directory like /dev/shm (root's, world-writable, sticky) that a real
+    other user (nobody) made first, 0700 with a file in it: `torpor suspend` works as before
+    (with TORPOR_SUSPEND_TMPFS too), into a directory of root's; the user's directory is
+    moved aside, untouched, and nothing of the program's data is in it."""
+    shm = tmp_path / "devshm"
+    shm.mkdir()
+    os.chmod(shm, 0o1777)
+    squat = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                            "sh", "-c", "mkdir -m 700 torpor && echo mine > torpor/theirs"],
+                           cwd=shm, capture_output=True, text=True)
+    assert squat.returncode == 0, squat.stderr
+    assert os.stat(shm / "torpor").st_uid == 65534
+    env.env["TORPOR_SUSPEND_DIR"] = str(shm / "torpor")
+    env.env["TORPOR_SUSPEND_TMPFS"] = str(tmpfs).lower()
+    try:
+        r = env.run("suspend", str(program.pid))
+        assert r.returncode == 0, r.stderr
+        st = os.lstat(shm / "torpor")
+        assert st.st_uid == 0 and oct(st.st_mode & 0o7777) == "0o700"
+        assert os.path.ismount(shm / "torpor") == tmpfs
+        (data,) = (shm / "torpor").iterdir()            # the program's data: in root's own
+        (aside,) = shm.glob("torpor.squatted-*")
+        assert os.lstat(aside).st_uid == 65534 and sorted(os.listdir(aside)) == ["theirs"]
+        assert (aside / "theirs").read_text() == "mine\n"
+        r = env.run("resume", str(program.pid))
+        assert r.returncode == 0, r.stderr
+        assert program.status()["intact"] is True
+    finally:
+        while os.path.ismount(shm / "torpor"):
+            subprocess.run(["umount", str(shm / "torpor")], check=True)
+
+
 @pytest.mark.parametrize("store", [False, True], ids=["files", "store"])
 def test_the_real_agent_through_checkpoint_and_restore(torpor, gpu, tmp_path, reaper, store):
     """`torpor run` preloads libtorpor-agent.so into the fake CUDA program; its 64 MiB

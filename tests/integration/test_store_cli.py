@@ -202,3 +202,48 @@ def test_a_store_that_cannot_be_opened_is_refused_before_the_program_is_touched(
     assert proc.stderr.count("\n") == 1 and "the program was not touched" in proc.stderr
     assert gpu.state(prog.pid)["state"] == RUNNING and not images.exists()
     prog.wait_tick(prog.tick() + 2)
+
+
+@pytest.mark.parametrize("leave_running", [False, True], ids=["ended", "left-running"])
+def test_a_full_store_is_left_as_it_was(torpor, gpu, tmp_path, reaper, leave_running):
+    """A store on a 20 MiB tmpfs cannot take a checkpoint of 64 MiB of random bytes: one line
+    says so (exit 8, as a full disk at any phase), the checkpoint directory is complete, and
+    the failed writer removed the chunks it added (no snapshot names them): the store holds
+    what it held, and takes the next checkpoint without `torpor gc`."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m,mode=0700", "tmpfs", str(mnt)],
+                   check=True)
+    try:
+        store = mnt / "store"
+        torpor.env["TORPOR_STORE_DIR"] = str(store)
+        small, _ = _checkpoint(torpor, gpu, tmp_path / "ck0", "small")
+        reaper.append(small.pid)
+        checkpointed_and_reaped(small)
+        before = _blobs(store)
+        status = tmp_path / "n.txt"
+        prog = subprocess.Popen([sys.executable, "-c", STABLE_PROGRAM, str(status)],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+        reaper.append(prog.pid)
+        wait_for(lambda: prog.poll() is None and status.exists() and status.read_text(), 30,
+                 "the program")
+        images = tmp_path / "ck"
+        proc = torpor.run("checkpoint", str(prog.pid), "-D", str(images), "--store", "big",
+                          *(["--leave-running"] if leave_running else []))
+        errors = [line for line in proc.stderr.splitlines()
+                  if line.startswith("torpor: error:")]
+        assert proc.returncode == 8, proc.stderr
+        assert len(errors) == 1 and "No space left on device" in errors[0], proc.stderr
+        assert "is complete, not packed" in errors[0], proc.stderr
+        assert "chunk(s)" in proc.stderr and "it added to store" in proc.stderr, proc.stderr
+        assert _blobs(store) == before                        # no gc needed
+        assert os.listdir(store / "tmp") == []
+        assert torpor.json("inspect", "--verify", str(images))["manifest"]["root_pid"] == prog.pid
+        assert alive(prog.pid) == leave_running
+        again, out = _checkpoint(torpor, gpu, tmp_path / "ck2", "again")   # room as before
+        reaper.append(again.pid)
+        assert out["stored"]["name"] == "again"
+        assert [r["name"] for r in torpor.json("ls")["snapshots"]] == ["again", "small"]
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])

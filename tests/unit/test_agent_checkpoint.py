@@ -257,6 +257,63 @@ def test_a_mount_that_fails_leaves_a_plain_directory(world, huge_tmpfs, monkeypa
     assert world.agent.intact
 
 
+NOBODY = 65534
+
+
+def _as_nobody_in(where: Path, action) -> None:
+    """action() run in where by a child that is really uid nobody; it must succeed."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            os.chdir(where)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            action()
+            code = 0
+        finally:
+            os._exit(code)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (another user, chown)")
+@pytest.mark.parametrize("tmpfs", [False, True], ids=["directory", "huge-page-tmpfs"])
+def test_a_suspend_dir_another_user_made_first_is_taken_back(world, request, caplog, tmpfs):
+    """suspend_dir in a directory like /dev/shm (root's, world-writable, sticky), made first by
+    another user (their own, 0700, a file in it): the suspend works all the same. The user's
+    directory is moved aside, untouched and still theirs, root makes its own in its place
+    (with suspend_tmpfs: and mounts on that), and the log names the user."""
+    import logging
+    import stat
+
+    shm = world.cfg.suspend_dir.parent
+    shm.mkdir()
+    os.chmod(shm, 0o1777)
+
+    def squat() -> None:
+        os.mkdir("torpor", 0o700)
+        Path("torpor/theirs").write_text("nobody's")
+    _as_nobody_in(shm, squat)
+    if tmpfs:
+        request.getfixturevalue("huge_tmpfs")
+    with caplog.at_level(logging.WARNING, logger="torpor.agent_data"):
+        process.suspend(world.engine(), PID)
+    base = world.cfg.suspend_dir
+    st = os.lstat(base)
+    assert stat.S_ISDIR(st.st_mode) and st.st_uid == 0 and stat.S_IMODE(st.st_mode) == 0o700
+    assert Path(world.engine().journal.suspended()[PID]["data_root"]).parent == base
+    assert bool(mount_of(base)) == tmpfs
+    [aside] = shm.glob("torpor.squatted-*")
+    assert os.lstat(aside).st_uid == NOBODY and stat.S_IMODE(os.lstat(aside).st_mode) == 0o700
+    assert [p.name for p in aside.iterdir()] == ["theirs"] \
+        and (aside / "theirs").read_text() == "nobody's"
+    assert f"uid {NOBODY} had put its own entry at {base}" in caplog.text
+    assert str(aside) in caplog.text
+    process.resume(world.engine(), PID)
+    assert world.agent.intact
+
+
 def test_a_suspend_without_host_memory_for_it_is_refused_before_anything(world, monkeypatch):
     """The driver path moves all of NVML's figure to host memory: checked up front."""
     world.agent.stop()

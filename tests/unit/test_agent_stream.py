@@ -170,6 +170,10 @@ def test_a_store_that_fails_mid_stream_costs_the_program_nothing(probe, tmp_path
     with pytest.raises(stream.StreamError, match="No space left"):
         intake.finish()
     assert not (data / agent_data.STREAMED).exists()
+    stored = {b.name for b in store.backend.blobs()}
+    assert stored and store.unnamed() == stored            # what it put before the disk filled
+    assert sorted(store.discard_unnamed().removed) == sorted(stored)
+    assert list(store.backend.blobs()) == []
     st = p.status()
     assert (st["state"], st["gate"]) == ("running", "open")   # nothing was released
     assert _intact(p, mem)
@@ -406,7 +410,7 @@ def test_a_pack_that_fails_after_a_streamed_checkpoint_fills_the_directory(
 
     from tests.unit.test_manifest import _manifest as sealed
     from torpor import manifest, store_packing
-    from torpor.errors import TorporError
+    from torpor.errors import ExitCode, TorporError
     from torpor.store import images
 
     p = probe()
@@ -425,12 +429,21 @@ def test_a_pack_that_fails_after_a_streamed_checkpoint_fills_the_directory(
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(images, "pack", full)
     with pytest.raises(TorporError, match="No space left on device; the checkpoint in .* is "
-                                          "complete, not packed"):
+                                          "complete, not packed") as e:
         store_packing.pack(engine.journal, store, d, "one", OWNER)
+    assert e.value.exit_code == ExitCode.ROLLED_BACK    # a full store: 8, as a full disk
     assert not fingerprints.any_skipped(d) and not images.is_packed(d)
     prog = d / agent_data.DATA_DIR / str(p.pid)
     assert sum(f.stat().st_blocks for f in prog.glob("gpu-memory-*")) > 0
     manifest.verify(d, manifest.read(d))               # with the checksums added
+    # the streamed chunks: the directory is whole without them and no snapshot names them
+    streamed = store.unnamed()
+    assert streamed and {b.name for b in store.backend.blobs()} == streamed
+    said: list[str] = []
+    store_packing.discard_unnamed(engine.journal, store, d, said.append)
+    assert list(store.backend.blobs()) == [] and said[-1].startswith(
+        f"removed the {len(streamed)} chunk(s)"), said
+    manifest.verify(d, manifest.read(d))
 
 
 def test_a_streamed_restore_onto_a_full_gpu_fails_and_can_be_retried(probe, tmp_path):

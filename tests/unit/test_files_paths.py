@@ -155,9 +155,12 @@ def test_a_directory_swapped_for_a_users_link_while_torpor_claims_it(
 
     child = _as_nobody(sticky, swap)
     outcomes = {"claimed": 0, "refused": 0}
+    # suspend_dir takes back what the user put at sticky/x (agent_data.claim_suspend_dir): a
+    # refusal there is rare (the user wins _MAX_SQUATS races in a row), not to be waited for
+    needed = ("claimed", "refused") if claim is _claim_images else ("claimed",)
     try:
         deadline = time.monotonic() + 4
-        while time.monotonic() < deadline or not all(outcomes.values()):
+        while time.monotonic() < deadline or not all(outcomes[k] for k in needed):
             assert time.monotonic() < deadline + 30, outcomes
             try:
                 st = claim(sticky / "x" / "ck")
@@ -175,6 +178,9 @@ def test_a_directory_swapped_for_a_users_link_while_torpor_claims_it(
     finally:
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)
+    moved = list(sticky.glob("x.squatted-*"))          # the user's entries, taken back
+    assert all(os.lstat(m).st_uid == NOBODY for m in moved)
+    assert bool(moved) == (claim is _claim_suspend_dir)
 
 
 @needs_root
@@ -215,15 +221,19 @@ def test_a_non_root_callers_own_link_in_their_own_directory_is_followed(tmp_path
 @needs_root
 def test_suspend_dir_is_made_without_following_a_users_link(cfg, sticky, root_only,
                                                              unprotected_symlinks):
-    """suspend_dir below a sticky directory (/dev/shm): a user's link in it, at any depth,
-    steers nothing."""
+    """suspend_dir below a sticky directory (/dev/shm): a user's link in it steers nothing:
+    it is moved aside (agent_data.claim_suspend_dir), and root makes its own directory
+    there."""
     import dataclasses
 
     from torpor import agent_data
     _user_link(sticky, root_only, "shm")
     c = dataclasses.replace(cfg, suspend_dir=sticky / "shm" / "torpor")
-    with pytest.raises(UsageError, match="shm is a symbolic link owned by uid 65534"):
-        agent_data.DataDir.scratch(c, 7).make()
+    data = agent_data.DataDir.scratch(c, 7).make()
+    assert os.lstat(sticky / "shm").st_uid == 0 and stat.S_ISDIR(os.lstat(sticky / "shm").st_mode)
+    assert data.root.parent.parent == sticky / "shm" and data.root.is_dir()
+    [moved] = sticky.glob("shm.squatted-*")
+    assert os.lstat(moved).st_uid == NOBODY and os.readlink(moved) == str(root_only)
     assert list(root_only.iterdir()) == []
 
 
@@ -263,3 +273,150 @@ def _exit_code_of(fn) -> int:
     except Exception:
         return 99
     return 0
+
+
+def _squat(sticky: Path, kind: str, target: Path) -> None:
+    """As nobody: sticky/torpor made first, a directory of theirs (0700, a file in it), a
+    link to target, or a file."""
+    def make() -> None:
+        if kind == "directory":
+            os.mkdir("torpor", 0o700)
+            Path("torpor/theirs").write_text("nobody's")
+        elif kind == "link":
+            os.symlink(target, "torpor")
+        else:
+            Path("torpor").write_text("nobody's")
+    pid = _as_nobody(sticky, make)
+    os.waitpid(pid, 0)
+    assert os.lstat(sticky / "torpor").st_uid == NOBODY
+
+
+@needs_root
+@pytest.mark.parametrize("kind", ["directory", "link", "file"])
+def test_root_takes_back_a_name_a_user_took_first_in_a_shared_directory(
+        sticky, root_only, unprotected_symlinks, kind, caplog):
+    """/dev/shm/torpor made first by a user (any kind of entry) would deny every suspend:
+    root swaps in a directory of its own and leaves the user's entry, untouched and theirs,
+    beside it; nothing is read, followed or written through it; the log names the user."""
+    import logging
+
+    from torpor import agent_data
+    _squat(sticky, kind, root_only)
+    before = os.lstat(sticky / "torpor")
+    with caplog.at_level(logging.WARNING, logger="torpor.agent_data"):
+        assert agent_data.claim_suspend_dir(sticky / "torpor") == sticky / "torpor"
+    st = os.lstat(sticky / "torpor")
+    assert stat.S_ISDIR(st.st_mode) and st.st_uid == 0 and stat.S_IMODE(st.st_mode) == 0o700
+    assert list((sticky / "torpor").iterdir()) == []
+    [moved] = sticky.glob("torpor.squatted-*")
+    after = os.lstat(moved)
+    assert (after.st_ino, after.st_uid, after.st_mode, after.st_mtime_ns) == \
+        (before.st_ino, NOBODY, before.st_mode, before.st_mtime_ns)
+    if kind == "directory":
+        assert [p.name for p in moved.iterdir()] == ["theirs"]
+    assert list(root_only.iterdir()) == []
+    assert "\n" not in caplog.text.strip() and f"uid {NOBODY} had put its own entry" in caplog.text
+    assert str(moved) in caplog.text
+    # again: root's own directory now, nothing to take back
+    agent_data.claim_suspend_dir(sticky / "torpor")
+    assert os.lstat(sticky / "torpor").st_ino == st.st_ino
+    assert len(list(sticky.glob("torpor.squatted-*"))) == 1
+
+
+@needs_root
+def test_a_user_who_keeps_taking_the_name_is_named_in_one_line(sticky, monkeypatch):
+    from torpor import agent_data
+    _squat(sticky, "directory", sticky)
+    monkeypatch.setattr(files, "_move_aside", lambda *a: None)    # they win every race
+    with pytest.raises(UsageError, match=rf"suspend_dir {sticky}/torpor: uid {NOBODY} put its "
+                                         r"own entry there again each of the 20 times") as e:
+        agent_data.claim_suspend_dir(sticky / "torpor")
+    assert "\n" not in e.value.line() and "TORPOR_SUSPEND_DIR" in e.value.line()
+
+
+@needs_root
+def test_a_race_for_the_name_never_hands_root_a_users_entry(sticky, root_only,
+                                                            unprotected_symlinks):
+    """A user's program makes, removes and links sticky/torpor as fast as it can while root
+    claims it again and again: each claim ends with a directory of root's there, never
+    anything written through the user's entries (before, most were refused: the user's
+    directory or link was there)."""
+    from torpor import agent_data
+
+    def squat() -> None:
+        while True:
+            for step in (lambda: os.mkdir("torpor"), lambda: os.rmdir("torpor"),
+                         lambda: os.symlink(root_only, "torpor"), lambda: os.unlink("torpor")):
+                with contextlib.suppress(OSError):
+                    step()
+
+    child = _as_nobody(sticky, squat)
+    claimed, refused = 0, []
+    try:
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            try:
+                agent_data.claim_suspend_dir(sticky / "torpor")
+            except UsageError as e:
+                refused.append(str(e))
+                continue
+            st = os.lstat(sticky / "torpor")
+            assert stat.S_ISDIR(st.st_mode) and st.st_uid == 0, st
+            claimed += 1
+            os.rmdir(sticky / "torpor")
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+    assert claimed > 10 and refused == [] and list(root_only.iterdir()) == []
+    assert all(os.lstat(m).st_uid == NOBODY for m in sticky.glob("torpor.squatted-*"))
+
+
+@needs_root
+def test_a_non_root_torpor_uses_its_own_suspend_dir_and_names_anyone_elses(tmp_path, sticky):
+    """A user running torpor for their own programs: their own directory in /dev/shm is
+    theirs to use (made if missing); someone else's is one line naming its owner and what
+    to do, and is left as it is (only root may move it aside)."""
+    from torpor import agent_data
+    for d in [tmp_path, *tmp_path.parents]:   # pytest's 0700 base: let others pass
+        if d != Path("/") and not d.stat().st_mode & 0o001:
+            os.chmod(d, d.stat().st_mode | 0o001)
+    (sticky / "theirs").mkdir(mode=0o700)
+    os.chown(sticky / "theirs", 12345, 12345)          # a third user's
+
+    def as_user() -> None:
+        mine = agent_data.claim_suspend_dir(sticky / "mine")
+        assert os.lstat(mine).st_uid == NOBODY
+        agent_data.claim_suspend_dir(sticky / "mine")   # again: still theirs, fine
+        try:
+            agent_data.claim_suspend_dir(sticky / "theirs")
+        except UsageError as e:
+            line = e.line()
+            assert f"suspend_dir {sticky}/theirs belongs to uid 12345, not to uid {NOBODY}" \
+                in line and "TORPOR_SUSPEND_DIR" in line and "\n" not in line, line
+        else:
+            raise AssertionError("another user's suspend_dir was used")
+
+    def run() -> None:
+        try:
+            as_user()
+        except BaseException as e:   # the parent sees the exit code
+            print(repr(e), file=sys.stderr)
+            os._exit(1)
+        os._exit(0)
+    pid = _as_nobody(sticky, run)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    assert os.lstat(sticky / "theirs").st_uid == 12345 and not list(sticky.glob("*.squatted-*"))
+
+
+@needs_root
+def test_a_name_outside_a_shared_directory_is_not_taken_back(tmp_path):
+    """Only where anyone may add a name (root's, world-writable, sticky) is another user's
+    entry a squatter's; elsewhere an admin gave it to them, and the usual refusal stands."""
+    from torpor import agent_data
+    base = tmp_path / "srv"
+    base.mkdir(mode=0o755)
+    (base / "torpor").mkdir(mode=0o700)
+    os.chown(base / "torpor", NOBODY, NOBODY)
+    with pytest.raises(UsageError, match="can be changed by uid 65534"):
+        agent_data.claim_suspend_dir(base / "torpor")
+    assert os.lstat(base / "torpor").st_uid == NOBODY and list(base.iterdir()) == [base / "torpor"]

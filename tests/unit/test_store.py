@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import is_root, torpor_cmd
-from torpor.errors import BusyError, CorruptCheckpointError, NotFoundError, TorporError, UsageError
+from torpor.errors import (BusyError, CorruptCheckpointError, NotFoundError, TorporError,
+                           UsageError, no_space)
 from torpor.store import Store, chunk, snapshot
 
 CHUNK = 64 << 10
@@ -449,12 +450,54 @@ def test_full_disk_is_a_clear_error_and_harms_nothing(small_fs, tmp_path):
     s.ingest_dir(tmp_path / "small", "small")
     kept = blobs(s)
     write(tmp_path / "big" / "f", os.urandom(8 << 20))
-    with pytest.raises(TorporError, match="cannot store f: No space left on device"):
+    with pytest.raises(TorporError, match="cannot store f: No space left on device") as e:
         s.ingest_dir(tmp_path / "big", "big")
+    assert no_space(e.value)                 # what store_packing makes exit 8 of
     assert os.listdir(s.backend.tmp) == [] and s.backend.snapshots() == ["small"]
     assert b"".join(s.read_file("small", "f")) == small
-    s.gc()
-    assert blobs(s) == kept
+    added = s.unnamed()
+    assert added and not added & kept and blobs(s) == kept | added
+    done = s.discard_unnamed()               # the failed writer's own chunks, without gc
+    assert sorted(done.removed) == sorted(added) and done.kept == 0 and done.freed > 0
+    assert blobs(s) == kept and s.unnamed() == set()
+    write(tmp_path / "again" / "f", os.urandom(2 * CHUNK))
+    s.ingest_dir(tmp_path / "again", "again")   # room as before
+    assert s.gc().removed == [] and len(blobs(s)) == len(kept) + 2
+
+
+def test_a_failed_writer_takes_back_only_what_nothing_else_holds(store, tmp_path):
+    """discard_unnamed removes the chunks this Store's writers created and no snapshot they
+    committed names, as gc would: not a chunk another writer created, nor one a snapshot
+    names by now (another writer took it meanwhile), nor one a checkpoint directory links;
+    and nothing while another writer holds the store (it could be taking them)."""
+    a, b, c, d = (os.urandom(CHUNK) for _ in range(4))
+    write(tmp_path / "theirs" / "f", b)
+    other = Store(store.backend.root, chunk_size=CHUNK, workers=2, lock_timeout=5)
+    with other.writer() as w:                # another writer (another torpor), not committed
+        w.add_file("f", tmp_path / "theirs" / "f")
+    write(tmp_path / "mine" / "f", a + b + c + d)
+    with store.writer() as w:                # a writer that fails before its commit
+        w.add_file("f", tmp_path / "mine" / "f")
+    names = {p: chunk.name_of(p) for p in (a, b, c, d)}
+    assert store.unnamed() == {names[a], names[c], names[d]}   # b was there: not its own
+    write(tmp_path / "c" / "f", c)
+    ingest(other, tmp_path / "c", "takes-c")                   # c is named now
+    os.link(store.backend.blob_path(names[d]), tmp_path / "link")   # d is linked
+    with other.backend.lock(False, 5):       # a writer at work: nothing can go
+        assert store.discard_unnamed(timeout=0.2) is None
+    assert blobs(store) == set(names.values())
+    done = store.discard_unnamed()
+    assert done.removed == [names[a]] and done.kept == 2 and done.freed > 0
+    assert blobs(store) == {names[b], names[c], names[d]}
+    assert read(store, "takes-c", "f") == c
+    assert store.unnamed() == set() and store.discard_unnamed().removed == []
+
+
+def test_a_committed_writer_leaves_nothing_to_take_back(store, tmp_path):
+    write(tmp_path / "src" / "f", os.urandom(3 * CHUNK))
+    ingest(store, tmp_path / "src", "one")
+    assert store.unnamed() == set()
+    assert store.discard_unnamed().removed == [] and len(blobs(store)) == 3
 
 
 def test_cli_ls_rm_gc(tmp_path, torpor_env):
@@ -503,3 +546,34 @@ def test_ordered_map_keeps_order_with_items_done_inline():
             next(it)
     assert {where[i] for i in (0, 2, 4, 6)} == {threading.main_thread().name}
     assert all(where[i].startswith("pool") for i in (1, 3, 5))
+
+
+def test_a_failed_checkpoint_leaves_its_chunks_to_recovery_and_gc_when_they_may_be_needed(
+        store, tmp_path, cfg):
+    """store_packing.discard_unnamed (what a failed `checkpoint --store` calls) leaves the
+    chunks to gc, and says so, while a dead torpor's pack awaits its recovery (it may name
+    them) or while the checkpoint directory still has holes the store fills."""
+    from torpor import agent_data, store_packing
+    from torpor.journal import Journal
+
+    write(tmp_path / "src" / "f", os.urandom(2 * CHUNK))
+    with store.writer() as w:
+        w.add_file("f", tmp_path / "src" / "f")
+    said: list[str] = []
+    journal = Journal(cfg)
+    op = journal.begin("pack", [])
+    op.phase("pack", images_dir=str(tmp_path / "dead"), store_owner="uid:0")
+    op.release()                                      # its torpor died
+    store_packing.discard_unnamed(journal, store, None, said.append)
+    assert len(blobs(store)) == 2 and len(store.unnamed()) == 2
+    assert said[-1].startswith("2 chunk(s) it added to store") and "`torpor gc`" in said[-1] \
+        and "is not whole yet" in said[-1]
+    op.close()                                        # recovered
+    holes = tmp_path / "ck" / agent_data.DATA_DIR / "7"
+    holes.mkdir(parents=True)
+    (holes / agent_data.STREAMED).write_text("")      # a stream record: holes to fill
+    store_packing.discard_unnamed(journal, store, tmp_path / "ck", said.append)
+    assert len(blobs(store)) == 2 and f"{tmp_path / 'ck'} still needs them" in said[-1]
+    (holes / agent_data.STREAMED).unlink()
+    store_packing.discard_unnamed(journal, store, tmp_path / "ck", said.append)
+    assert blobs(store) == set() and said[-1].startswith("removed the 2 chunk(s)")

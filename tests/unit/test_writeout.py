@@ -4,6 +4,7 @@ and how a failed or orphaned write-out is marked (never sealed)."""
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -78,6 +79,26 @@ def test_room_is_bounded_by_memory_and_the_staging_filesystem(tmp_path, monkeypa
     monkeypatch.setattr(procs, "mem_available", lambda: None)
     have, bound = writeout.room(tmp_path / "shm", tmpfs=False)
     assert bound.startswith("free space in") and have > 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (chown)")
+def test_room_never_looks_into_another_users_suspend_dir(tmp_path, monkeypatch):
+    """A user's entry at suspend_dir (made first, in /dev/shm) is taken back before any
+    staging (agent_data.claim_suspend_dir): the room is that of a new directory there (a
+    huge-page tmpfs gets all of memory), not of whatever their entry leads to."""
+    from torpor import agent_data
+    monkeypatch.setattr(agent_data, "_private_mount_namespace", lambda: False)
+    monkeypatch.setattr(procs, "mem_available", lambda: 1 << 60)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "x").write_text("")
+    (tmp_path / "shm").symlink_to(elsewhere)
+    os.lchown(tmp_path / "shm", 65534, 65534)
+    seen, usage = [], shutil.disk_usage
+    monkeypatch.setattr(writeout.shutil, "disk_usage", lambda p: seen.append(p) or usage(p))
+    assert writeout.room(tmp_path / "shm", tmpfs=True)[1] == "MemAvailable"
+    assert writeout.room(tmp_path / "shm", tmpfs=False)[1] == f"free space in {tmp_path}"
+    assert seen == [tmp_path]
 
 
 def _images(tmp_path: Path) -> Path:

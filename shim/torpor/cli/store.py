@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 
-from .. import agent_data
-from ..engine import targets_of
-from ..errors import BusyError
+from .. import store_packing
 from ..progress import human_bytes
 from ..flows import policy
 from ..store import Store
@@ -68,20 +65,9 @@ def _refuse_while_a_pack_is_unfinished(ctx: Context) -> None:
     """rm and gc could take chunks that the directory of a pack a dead torpor left still
     needs. Recovery ran first (NEEDS_RECOVERY): a pack entry left now is one it could not
     finish (its reason was printed above)."""
-    for entry, fd in ctx.engine.journal.orphans():
-        os.close(fd)
-        if entry.kind == "pack":
-            raise BusyError(f"the checkpoint in {entry.images_dir} was being packed into the "
-                            "store when its torpor died, and is not whole yet: removing "
-                            "chunks now could lose it",
-                            hint="see why above; once fixed, any torpor command finishes it")
-        streamed = [p for p, t in targets_of(entry.agents).items() if not t.in_process
-                    and (agent_data.DataDir(t.data).path(t.name) / agent_data.STREAMED).exists()]
-        if streamed:
-            raise BusyError(f"the GPU data of PID {streamed[0]}, streamed into the store by "
-                            f"an interrupted {entry.kind}, is in no snapshot yet and its "
-                            "recovery has not finished: removing chunks now could lose it",
-                            hint="see why above; once fixed, any torpor command finishes it")
+    busy = store_packing.unfinished(ctx.engine.journal)
+    if busy is not None:
+        raise busy
 
 
 def remove(args: argparse.Namespace, ctx: Context) -> None:

@@ -214,14 +214,20 @@ def checkpoint_into_store(engine: Engine, pid: int, images_dir: Path, name: str,
                           ) -> tuple[dict[str, Any], dict[str, Any]]:
     """checkpoint() then store_checkpoint() under the store's lock (shared: other checkpoints
     may run, gc waits): the GPU data the agents skip because the store has it stays there
-    until this checkpoint's snapshot names it. Returns (manifest, what was stored)."""
+    until this checkpoint's snapshot names it. Returns (manifest, what was stored). A
+    failure takes back the chunks it added that no snapshot names, once the lock is given
+    up (store_packing.discard_unnamed): a full store is not left full until gc."""
     check_snapshot_name(name)     # refused before the program is touched
     store = policy.open_store(engine.cfg, "the program was not touched")
     owner = fingerprints.owner_of(uid=procs.owner_uid(pid))   # the program's own only
-    with store.backend.lock(False, store.lock_timeout):
-        known = fingerprints.known(store, owner)   # once, for the agents and the pack
-        m = checkpoint(engine, pid, images_dir, store=store, owner=owner, known=known, **kw)
-        return m, store_checkpoint(engine, store, images_dir, name, owner, known)
+    try:
+        with store.backend.lock(False, store.lock_timeout):
+            known = fingerprints.known(store, owner)   # once, for the agents and the pack
+            m = checkpoint(engine, pid, images_dir, store=store, owner=owner, known=known, **kw)
+            return m, store_checkpoint(engine, store, images_dir, name, owner, known)
+    except BaseException:
+        store_packing.discard_unnamed(engine.journal, store, images_dir, engine.progress.say)
+        raise
 
 
 def store_checkpoint(engine: Engine, store: Store, images_dir: Path, name: str,

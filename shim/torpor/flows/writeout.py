@@ -41,7 +41,7 @@ from .. import agent_data, manifest, procs
 from ..agent import AgentClient
 from ..engine import Engine, STATUS_TIMEOUT_S
 from ..errors import ExitCode, RolledBackError, TorporError, describe
-from ..files import fsync_dir
+from ..files import TRUSTED_UIDS, fsync_dir
 from ..layout import INDEX, WRITING
 from ..progress import human_bytes, human_rate
 
@@ -74,16 +74,27 @@ def room(suspend_dir: Path, tmpfs: bool) -> tuple[int, str]:
     avail = procs.mem_available()
     best = (max(0, avail - HEADROOM), "MemAvailable") if avail is not None else None
     where = Path(os.path.abspath(suspend_dir))
+    # another user's entry there is taken back before use (agent_data.claim_suspend_dir):
+    # as good as missing, and never looked into
+    ours = _trusted_entry(where)
     fresh = tmpfs and os.geteuid() == 0 and not agent_data._private_mount_namespace() \
-        and not os.path.ismount(where) and not (where.is_dir() and any(where.iterdir()))
+        and not os.path.ismount(where) and not (ours and where.is_dir() and any(where.iterdir()))
     if not fresh:   # a huge-page tmpfs mounted there gets all of memory (agent_data.py)
-        probe = where
+        probe = where if ours else where.parent
         while not probe.exists() and probe != probe.parent:
             probe = probe.parent
         free = shutil.disk_usage(probe).free
         if best is None or free < best[0]:
             best = (free, f"free space in {probe}")
     return best if best is not None else (0, "unknown memory")
+
+
+def _trusted_entry(path: Path) -> bool:
+    """Is path there, and root's or ours (not another user's)?"""
+    try:
+        return os.lstat(path).st_uid in TRUSTED_UIDS
+    except OSError:
+        return False
 
 
 def staging(engine: Engine, pids: list[int], nvml: int, agent_dir: Path | None = None

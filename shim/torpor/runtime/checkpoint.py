@@ -32,7 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import __version__, agent_data, flat, gpus, interrupts, manifest, oci, procs, workloads
+from .. import (__version__, agent_data, flat, gpus, interrupts, manifest, oci, procs,
+               store_packing, workloads)
 from .. import manifest_types as mt
 from ..config import Config
 from ..errors import NoDriverError, NotFoundError, SidecarError, TorporError, UsageError
@@ -40,6 +41,7 @@ from ..files import private_dir
 from ..flows import policy
 from ..layout import WRITING
 from ..flows.checkpoint import store_checkpoint
+from ..journal import Journal
 from ..engine import Engine
 from ..sidecar.client import Client, ensure_running
 from ..sidecar.convert import Checkpointed
@@ -93,9 +95,14 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
     else:
         # the store's lock, shared, from the agents' skipping of what it holds to the pack: gc
         # cannot take those chunks in between
-        with store.backend.lock(False, store.lock_timeout):
-            rc = _checkpoint(cfg, runtime, cid, spec, use, pid, images, data, thawed,
-                             leave_running, store)
+        try:
+            with store.backend.lock(False, store.lock_timeout):
+                rc = _checkpoint(cfg, runtime, cid, spec, use, pid, images, data, thawed,
+                                 leave_running, store)
+        finally:   # a pack that failed: the chunks it added, which nothing names, go now
+            store_packing.discard_unnamed(
+                Journal(cfg), store, images,
+                lambda t: print(f"torpor-runtime: checkpoint {cid}: {t}", file=sys.stderr))
     if rc == 0:
         _flatten(images, cid)
     return rc

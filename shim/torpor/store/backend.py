@@ -81,6 +81,10 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def blobs(self) -> Iterator[BlobInfo]: ...
 
+    def blob_info(self, name: str) -> BlobInfo | None:
+        """One blob as blobs() lists it; None when it is not there."""
+        return next((b for b in self.blobs() if b.name == name), None)
+
     def blob_path(self, name: str) -> Path | None:
         """A local file holding the blob, to hard-link it; None where there is none."""
         return None
@@ -162,6 +166,16 @@ class LocalBackend(Backend):
 
     def delete_blob(self, name: str) -> None:
         self._blob(name).unlink()
+
+    def blob_info(self, name: str) -> BlobInfo | None:
+        try:
+            st = os.lstat(self._blob(name))
+        except FileNotFoundError:
+            return None
+        in_tmp = sum(1 for e in os.scandir(self.tmp)   # as blobs() counts links
+                     if (t := _stat(e)) is not None and t.st_ino == st.st_ino
+                     and t.st_dev == st.st_dev)
+        return BlobInfo(name, st.st_size, st.st_nlink - in_tmp)
 
     def blobs(self) -> Iterator[BlobInfo]:
         # a writer killed between put_blob's link and unlink leaves its temporary file as a

@@ -20,11 +20,18 @@ Reads verify every chunk (sha256 of the decompressed data against its name) and 
 file's chunks in order with a bounded parallel read-ahead. gc keeps every chunk a snapshot
 names and every chunk something else holds a hard link to (a checkpoint directory carrying its
 chunks), and waits for writers to finish (their lock) before it looks.
+
+A failed write need not wait for gc: a Store remembers the chunks its writers created that
+no snapshot they committed names, and discard_unnamed() removes them the way gc would, under
+the exclusive lock (no writer can be taking them meanwhile), keeping any that a snapshot
+names by then or that something links. Its caller calls it once nothing of its own needs
+them and it holds the store's lock no more (store_packing.discard_unnamed).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -34,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any, Collection, Iterator, Mapping
 
-from ..errors import CorruptCheckpointError, NotFoundError, UsageError
+from ..errors import BusyError, CorruptCheckpointError, NotFoundError, UsageError
 from ..files import private_dir, write_new
 from . import chunk, snapshot
 from .backend import BLOB_NAME, Backend, LocalBackend, check_snapshot_name
@@ -65,6 +72,13 @@ class SnapshotInfo:
 
 
 @dataclasses.dataclass(frozen=True)
+class Discarded:
+    removed: list[str]   # chunks a failed write created, removed
+    freed: int           # bytes those took
+    kept: int            # of its chunks, kept: a snapshot names them by now, or a link holds them
+
+
+@dataclasses.dataclass(frozen=True)
 class GcResult:
     removed: list[str]   # chunks removed (or that would be, dry run)
     freed: int           # bytes: those chunks and temporary leftovers
@@ -84,6 +98,9 @@ class Store:
         self.chunk_size = chunk_size
         self.workers = workers or os.cpu_count() or 2
         self.lock_timeout = lock_timeout
+        # chunks this Store's writers created that no snapshot they committed names (yet)
+        self._unnamed: set[str] = set()
+        self._unnamed_lock = threading.Lock()
 
     def writer(self, known: Mapping[str, list[Any]] | None = None) -> Writer:
         """A Writer; known: host fingerprints of its owner's chunks (writer.py)."""
@@ -254,6 +271,53 @@ class Store:
                     continue
                 w.add_file(rel, more.pop("src", src / rel), (pieces or {}).get(rel, ()), **more)
             return w.commit(name, meta), w.stats
+
+    def created(self, name: str) -> None:
+        """A writer put chunk name into the store (it was not there): no snapshot names it."""
+        with self._unnamed_lock:
+            self._unnamed.add(name)
+
+    def named(self, names: Collection[str]) -> None:
+        """A snapshot naming these chunks was committed."""
+        with self._unnamed_lock:
+            self._unnamed.difference_update(names)
+
+    def unnamed(self) -> set[str]:
+        """The chunks this Store's writers created that no snapshot they committed names."""
+        with self._unnamed_lock:
+            return set(self._unnamed)
+
+    def discard_unnamed(self, timeout: float = 5.0) -> Discarded | None:
+        """Remove the chunks unnamed() lists, as gc would: under the exclusive lock (waiting
+        at most timeout seconds; None, nothing removed, when writers hold it that long: gc
+        takes them later), every chunk a snapshot names by now, or that something else links,
+        kept. Only chunks this Store created: a chunk another writer put stays whatever it is.
+        Call it without holding the lock (it would wait for itself) and once nothing of the
+        caller's needs them (a failed checkpoint whose directory is whole)."""
+        todo = self.unnamed()
+        if not todo:
+            return Discarded([], 0, 0)
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(self.backend.lock(True, timeout))
+            except BusyError:
+                return None
+            live: set[str] = set()
+            for n in self.backend.snapshots():
+                live |= snapshot.chunk_names(self.load(n))
+            removed, freed, kept = [], 0, 0
+            for name in sorted(todo):
+                b = self.backend.blob_info(name)
+                if b is None:
+                    continue
+                if name in live or b.links > 1:
+                    kept += 1
+                    continue
+                self.backend.delete_blob(name)
+                removed.append(name)
+                freed += b.size
+        self.named(todo)     # removed, or named or linked now: none is this Store's to remove
+        return Discarded(removed, freed, kept)
 
     # --- listing and removing --------------------------------------------------------------
 

@@ -9,7 +9,9 @@ its owner's snapshots: fingerprints.py) fingerprints every chunk it reads, takes
 fingerprint is known without computing its sha256, and records the fingerprints (the file's
 "host_fingerprints"). Until commit nothing names the new chunks: a writer
 that fails or is killed leaves only temporary files and unreferenced chunks, which gc removes;
-no earlier snapshot is touched.
+no earlier snapshot is touched. The store remembers the chunks a writer created until a
+snapshot names them, so that a failed checkpoint removes them itself (Store.discard_unnamed)
+rather than leave a full store full until gc.
 """
 
 from __future__ import annotations
@@ -156,7 +158,10 @@ class Writer:
             return [name, length], -1
         blob = chunk.encode(data)
         t2 = time.perf_counter()
-        stored = len(blob) if backend.put_blob(name, blob) else -1
+        stored = -1
+        if backend.put_blob(name, blob):
+            self.store.created(name)   # until a snapshot names it (Store.discard_unnamed)
+            stored = len(blob)
         if clock is not None:
             clock[1] += t2 - t1
             clock[2] += time.perf_counter() - t2
@@ -240,4 +245,5 @@ class Writer:
         except OSError as e:
             raise TorporError(f"store {self.store.where}: cannot write snapshot {name}: "
                               f"{e.strerror or e}; earlier snapshots are intact") from e
+        self.store.named(snapshot.chunk_names(doc))
         return doc
