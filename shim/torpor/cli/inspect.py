@@ -1,7 +1,9 @@
 """torpor inspect DIR|ARCHIVE: what a checkpoint holds (GPUs, processes, timings, sizes).
 
 Every string read from the checkpoint is printed through files.printable (a manifest can
-hold terminal escapes); --json output carries the manifest as it was read.
+hold terminal escapes); --json output carries the manifest as it was read. --verify holds a
+directory to the trust a restore needs (flows.restore.require_trusted_checkpoint) before it
+checks the files: what it calls verified, restore takes.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pathlib import Path
 from .. import manifest
 from ..archive import read_any, verify_archive
 from ..files import printable as p_
+from ..flows.restore import require_trusted_checkpoint
 from ..progress import human_bytes, human_rate
 from ..store import images
 from .context import Context, timing_lines
@@ -29,6 +32,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
     archive = args.verify and not args.path.is_dir()
+    if args.verify and not archive:   # verified is what restore would take: its trust first
+        require_trusted_checkpoint(args.path)
     m = verify_archive(args.path) if archive else read_any(args.path)   # one streaming pass
     verified, packed = None, args.path.is_dir() and images.is_packed(args.path)
     if args.verify and packed:

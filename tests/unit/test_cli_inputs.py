@@ -1,0 +1,38 @@
+"""What the CLI makes of what it is given (a red-team pass found each): one line and the
+documented exit code, decided before anything is locked, dumped or restored."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from torpor.cli import main as cli
+from tests.unit.test_cli_new_user import _main_in_process  # noqa: F401  (autouse)
+from tests.unit.test_manifest import _sealed
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("torpor: error: "), err
+    assert "internal error" not in err and "Traceback" not in err
+    return err
+
+
+def test_verify_and_restore_agree_on_a_checkpoint_others_can_change(torpor_env, tmp_path,
+                                                                    capsys):
+    """`inspect --verify` said 0 for a directory made world-writable, which restore refuses."""
+    d = _sealed(tmp_path)
+    assert cli.main(["inspect", str(d), "--verify"]) == 0
+    capsys.readouterr()
+    os.chmod(d, 0o777)
+    assert cli.main(["inspect", str(d), "--verify"]) == 2
+    assert "only root can change" in _one_line(capsys)
+    assert cli.main(["restore", "-D", str(d)]) == 2
+    assert "only root can change" in _one_line(capsys)
+    assert cli.main(["inspect", str(d)]) == 0     # what it holds may still be read
+    capsys.readouterr()
+    os.chmod(d, 0o700)
+    (d / "torpor-store.json").write_text("{}")   # packed: its records as strictly as restore
+    os.chmod(d / "torpor-store.json", 0o666)
+    assert cli.main(["inspect", str(d), "--verify"]) == 9
+    assert "torpor-store.json is owned by uid" in _one_line(capsys)
