@@ -3,6 +3,7 @@ documented exit code, decided before anything is locked, dumped or restored."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -36,3 +37,16 @@ def test_verify_and_restore_agree_on_a_checkpoint_others_can_change(torpor_env, 
     os.chmod(d / "torpor-store.json", 0o666)
     assert cli.main(["inspect", str(d), "--verify"]) == 9
     assert "torpor-store.json is owned by uid" in _one_line(capsys)
+
+
+def test_rm_of_a_name_given_twice_removes_it_once(torpor_env, tmp_path, monkeypatch, capsys):
+    from torpor.store import Store
+    monkeypatch.setenv("TORPOR_STORE_DIR", str(tmp_path / "store"))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_bytes(b"x")
+    Store(tmp_path / "store").ingest_dir(src, "a")
+    assert cli.main(["--json", "rm", "a", "a"]) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out) == {"removed": ["a"]}
+    assert cli.main(["rm", "a"]) == 3
+    assert "no snapshot a" in _one_line(capsys)
