@@ -3,9 +3,11 @@ documented exit code, decided before anything is locked, dumped or restored."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
-from pathlib import Path
+
+import pytest
 
 from torpor.cli import main as cli
 from tests.unit.test_cli_new_user import _main_in_process  # noqa: F401  (autouse)
@@ -50,3 +52,28 @@ def test_rm_of_a_name_given_twice_removes_it_once(torpor_env, tmp_path, monkeypa
     assert json.loads(capsys.readouterr().out) == {"removed": ["a"]}
     assert cli.main(["rm", "a"]) == 3
     assert "no snapshot a" in _one_line(capsys)
+
+
+LONG = "/tmp/" + "a" * 300
+
+
+@pytest.mark.parametrize("args", [["restore", "-D", LONG], ["checkpoint", "1", "-D", LONG],
+                                  ["inspect", LONG, "--verify"], ["--config", LONG, "ps"],
+                                  ["image", "build", "/tmp", "-o", LONG + "/x"],
+                                  ["restore", "-D", "/tmp/" + "b/" * 2100]])
+def test_a_path_too_long_is_a_usage_error_before_anything_runs(torpor_env, capsys, args):
+    """A 300-character -D name was "internal error: OSError: [Errno 36] File name too long",
+    exit 1."""
+    assert cli.main(args) == 2
+    assert "more than the" in _one_line(capsys)
+
+
+def test_a_name_too_long_met_anywhere_is_a_usage_error_not_a_bug(torpor_env, capsys,
+                                                                  monkeypatch):
+    from torpor.cli import inspect
+
+    def deep(path):
+        raise OSError(errno.ENAMETOOLONG, "File name too long", f"{path}/{'c' * 300}")
+    monkeypatch.setattr(inspect, "read_any", deep)
+    assert cli.main(["inspect", "/tmp/x"]) == 2
+    assert "File name too long: /tmp/x/ccc" in _one_line(capsys)

@@ -4,13 +4,36 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from ..config import Config
 from ..engine import Engine
+from ..errors import UsageError
 from ..files import printable
 from ..progress import Progress, human_bytes, human_rate
+
+
+NAME_MAX = 255     # bytes in one name of a path (Linux's file systems)
+PATH_MAX = 4096    # bytes in a path the kernel takes, its terminating NUL included
+
+
+def path_arg(text: str) -> Path:
+    """A path given on the command line (every path argument's argparse type), refused as it
+    is parsed, before anything uses it: a name longer than any file system takes is one line,
+    exit 2, not an OSError from deep inside a command (main() still turns one such OSError
+    from elsewhere into the same)."""
+    raw = os.fsencode(text)
+    longest = max(raw.split(b"/"), key=len)
+    if len(longest) > NAME_MAX:
+        raise UsageError(f"path {printable(text, 60)}: a name in it is {len(longest)} bytes "
+                         f"long, more than the {NAME_MAX} a file name may have")
+    if len(raw) >= PATH_MAX:
+        raise UsageError(f"path {printable(text, 60)} is {len(raw)} bytes long, more than the "
+                         f"{PATH_MAX - 1} a path may have")
+    return Path(text)
 
 
 @dataclasses.dataclass

@@ -9,7 +9,6 @@ checks the files: what it calls verified, restore takes.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from .. import manifest
 from ..archive import read_any, verify_archive
@@ -17,7 +16,7 @@ from ..files import printable as p_
 from ..flows.restore import require_trusted_checkpoint
 from ..progress import human_bytes, human_rate
 from ..store import images
-from .context import Context, timing_lines
+from .context import Context, path_arg, timing_lines
 
 NEEDS_RECOVERY = False
 
@@ -25,7 +24,8 @@ NEEDS_RECOVERY = False
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help=__doc__.split(":")[1].split("\n")[0].strip(),
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("path", type=Path, help="checkpoint directory or archive (.tar, .tar.zst, ...)")
+    p.add_argument("path", type=path_arg,
+                   help="checkpoint directory or archive (.tar, .tar.zst, ...)")
     p.add_argument("--verify", action="store_true",
                    help="also check every file's size and checksum")
 
