@@ -77,3 +77,14 @@ def test_a_name_too_long_met_anywhere_is_a_usage_error_not_a_bug(torpor_env, cap
     monkeypatch.setattr(inspect, "read_any", deep)
     assert cli.main(["inspect", "/tmp/x"]) == 2
     assert "File name too long: /tmp/x/ccc" in _one_line(capsys)
+
+
+def test_a_config_that_is_a_device_is_one_line_not_a_hang(torpor_env, capsys):
+    import signal
+    signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(TimeoutError("hung")))
+    signal.alarm(10)
+    try:
+        assert cli.main(["--config", "/dev/zero", "ps"]) == 2
+    finally:
+        signal.alarm(0)
+    assert "config /dev/zero is not a regular file" in _one_line(capsys)
