@@ -88,3 +88,48 @@ def test_a_config_that_is_a_device_is_one_line_not_a_hang(torpor_env, capsys):
     finally:
         signal.alarm(0)
     assert "config /dev/zero is not a regular file" in _one_line(capsys)
+
+
+@pytest.fixture
+def sleeper():
+    """A program to name as the one to checkpoint (never this test's own process)."""
+    import subprocess
+    proc = subprocess.Popen(["sleep", "60"])
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+@pytest.mark.parametrize("args", [["checkpoint", "PID", "-D", ""], ["restore", "-D", ""],
+                                  ["inspect", ""], ["--config", "", "ps"]])
+def test_an_empty_path_is_refused_not_taken_as_the_current_directory(torpor_env, capsys, args,
+                                                                     sleeper, monkeypatch):
+    from torpor.cli import checkpoint
+    monkeypatch.setattr(checkpoint, "checkpoint", lambda *a, **kw: pytest.fail("it ran"))
+    assert cli.main([str(sleeper) if a == "PID" else a for a in args]) == 2
+    assert "an empty path" in _one_line(capsys)
+
+
+@pytest.mark.parametrize("name", ["", "taken"])
+def test_a_store_name_is_checked_before_the_program_is_touched(torpor_env, tmp_path, sleeper,
+                                                                monkeypatch, capsys, name):
+    """`--store ""` checkpointed into no store at all; `--store TAKEN` checkpointed (the
+    program ended) and then failed: both are refused first, as `torpor rm ""` is."""
+    from torpor.cli import checkpoint
+    from torpor.flows import checkpoint as flow
+    from torpor.store import Store
+    monkeypatch.setenv("TORPOR_STORE_DIR", str(tmp_path / "store"))
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "f").write_bytes(b"x")
+    Store(tmp_path / "store").ingest_dir(tmp_path / "src", "taken")
+    touched = []
+    for module in (checkpoint, flow):   # nothing is checkpointed here, whatever happens
+        monkeypatch.setattr(module, "checkpoint", lambda *a, **kw: touched.append(a))
+    monkeypatch.setattr(flow.procs, "owner_uid", lambda pid: touched.append(pid))
+    says = "snapshot taken exists already"
+    if name == "":
+        assert cli.main(["rm", ""]) == 2
+        says = _one_line(capsys)      # the same rule, in the same words
+    assert cli.main(["checkpoint", str(sleeper), "-D", str(tmp_path / "ck"), "--store", name]) == 2
+    assert says in _one_line(capsys)
+    assert touched == [] and not (tmp_path / "ck").exists()

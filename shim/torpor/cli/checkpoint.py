@@ -32,7 +32,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     pid = procs.parse_pid(args.pid)
     kw = {"leave_running": args.leave_running, "shell_job": args.shell_job}
     start = time.monotonic()
-    if args.store:
+    if args.store is not None:   # "" too: a bad name (as 'torpor rm ""'), never no store
         m, stored = checkpoint_into_store(ctx.engine, pid, args.images_dir, args.store, **kw)
     else:
         m, stored = checkpoint(ctx.engine, pid, args.images_dir, **kw), None

@@ -22,9 +22,12 @@ PATH_MAX = 4096    # bytes in a path the kernel takes, its terminating NUL inclu
 
 def path_arg(text: str) -> Path:
     """A path given on the command line (every path argument's argparse type), refused as it
-    is parsed, before anything uses it: a name longer than any file system takes is one line,
-    exit 2, not an OSError from deep inside a command (main() still turns one such OSError
-    from elsewhere into the same)."""
+    is parsed, before anything uses it: an empty one, and a name longer than any file system
+    takes, are one line, exit 2, not the current directory or an OSError from deep inside a
+    command (main() still turns one such OSError from elsewhere into the same)."""
+    if not text:   # Path("") is the current directory: never what an empty argument meant
+        raise UsageError("an empty path was given: name the directory or file "
+                         "('.' for the current directory)")
     raw = os.fsencode(text)
     longest = max(raw.split(b"/"), key=len)
     if len(longest) > NAME_MAX:

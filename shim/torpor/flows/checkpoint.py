@@ -217,6 +217,7 @@ def checkpoint_into_store(engine: Engine, pid: int, images_dir: Path, name: str,
     until this checkpoint's snapshot names it. Returns (manifest, what was stored)."""
     check_snapshot_name(name)     # refused before the program is touched
     store = policy.open_store(engine.cfg, "the program was not touched")
+    store.require_new(name)       # so is a name taken: once dumped, it could not be stored
     owner = fingerprints.owner_of(uid=procs.owner_uid(pid))   # the program's own only
     with store.backend.lock(False, store.lock_timeout):
         known = fingerprints.known(store, owner)   # once, for the agents and the pack

@@ -275,6 +275,16 @@ class Store:
                 str(doc["meta"].get("owner", ""))))
         return out
 
+    def require_new(self, name: str) -> str:
+        """name, when it is a good snapshot name (check_snapshot_name) that no snapshot here
+        has yet; UsageError otherwise. A checkpoint into the store asks before it starts;
+        Writer.commit asks again as it names what it wrote."""
+        check_snapshot_name(name)
+        if name in self.backend.snapshots():
+            raise UsageError(f"snapshot {name} exists already in store {self.where} "
+                             f"(torpor rm {name} first)")
+        return name
+
     def remove(self, names: Collection[str]) -> list[str]:
         """Remove snapshots (all named must exist, or none is removed); their chunks stay
         until gc. A name given twice is removed once. Under the store's lock, held as every
@@ -386,7 +396,6 @@ class Store:
         if missing:
             raise CorruptCheckpointError(f"{origin}: {len(missing)} chunk(s) missing from store "
                                          f"{self.where}, e.g. {missing[0]}")
-        if doc["name"] in self.backend.snapshots():
-            raise UsageError(f"snapshot {doc['name']} exists already in store {self.where}")
+        self.require_new(doc["name"])
         self.backend.put_snapshot(doc["name"], snapshot.dump(doc))
         return doc
