@@ -1,6 +1,7 @@
 """Settings: built-in defaults < /etc/torpor/config.toml (or $TORPOR_CONFIG) < environment.
 
-The TOML file is optional. Every key is documented in packaging/config.toml, which is also
+The TOML file is optional; where there is one it must be a regular file of at most
+MAX_CONFIG bytes. Every key is documented in packaging/config.toml, which is also
 what ./install.sh puts in /etc/torpor/. Environment variables exist for tests and one-off
 runs: TORPOR_STATE_DIR, TORPOR_RUN_DIR, TORPOR_LIBCUDA, TORPOR_CRIU, TORPOR_LOCK_TIMEOUT,
 TORPOR_OCI_RUNTIME, TORPOR_DEVICE_MAP, TORPOR_SUSPEND_DIR, TORPOR_SUSPEND_TMPFS (true/false),
@@ -13,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import stat
 from pathlib import Path
 
 try:
@@ -23,6 +25,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
 from .errors import UsageError
 
 DEFAULT_CONFIG_PATH = Path("/etc/torpor/config.toml")
+MAX_CONFIG = 1 << 20   # bytes: packaging/config.toml, every key documented, is 10 KiB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +90,32 @@ _ENV = {
 _BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
+def _read(path: Path) -> bytes:
+    """The config file's bytes: a regular file (a link to one is fine) of at most
+    MAX_CONFIG bytes, else one UsageError. Opened without blocking, so that /dev/zero, a
+    FIFO or a tty named as the config is refused, never read forever or waited on."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise UsageError(f"cannot read config {path}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UsageError(f"config {path} is not a regular file")
+        chunks: list[bytes] = []
+        left = MAX_CONFIG + 1 if st.st_size <= MAX_CONFIG else 0
+        while left > 0 and (block := os.read(fd, left)):
+            chunks.append(block)
+            left -= len(block)
+        if st.st_size > MAX_CONFIG or left == 0:
+            raise UsageError(f"config {path} is larger than {MAX_CONFIG} bytes: not a config")
+        return b"".join(chunks)
+    except OSError as e:
+        raise UsageError(f"cannot read config {path}: {e.strerror}") from None
+    finally:
+        os.close(fd)
+
+
 def load(path: Path | None = None, env: dict[str, str] | None = None) -> Config:
     """Read the config file and the environment; bad values are one UsageError. The file
     ($TORPOR_CONFIG or the default) may be missing; one named on the command line (path)
@@ -100,9 +129,8 @@ def load(path: Path | None = None, env: dict[str, str] | None = None) -> Config:
         raise UsageError(f"config {path} does not exist")
     if path.exists():
         try:
-            with open(path, "rb") as f:
-                raw = tomllib.load(f)
-        except (OSError, tomllib.TOMLDecodeError) as e:
+            raw = tomllib.loads(_read(path).decode())
+        except (UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError) as e:
             raise UsageError(f"cannot read config {path}: {e}") from e
         for key, value in raw.items():
             if key not in fields:

@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -86,15 +87,36 @@ def _empty_plugin_dir(cfg: Config) -> Path:
     return private_dir(cfg.state_dir / "criu-plugins-none")
 
 
+# A line of CRIU's log at -v4 (criu/include/log.h): "(00.123456) Error (criu/cr-dump.c:123):
+# what", in a restored task "(00.123456)   1234: Error (...): what"; a warning "Warn  (...)"
+_LEVEL_LINE = re.compile(r"(?:\(\s*[0-9.]+\)\s*)?(?:[0-9]+:\s*)?"
+                         r"(Error|Warn)\s*\([^()]*\):\s*(.*)")
+# errors CRIU logs and goes on after: never why it failed
+_HARMLESS = ("rlimit: Can't setup RLIMIT_NOFILE for self",)
+# its last word, which says only that it failed
+_VERDICT = re.compile(r"(Dumping|Pre-dumping|Restoring) FAILED\.?")
+
+
 def log_errors(log_path: Path, n: int = 3) -> str:
-    """The last few error lines of a CRIU log, for a one-line message."""
+    """Why CRIU failed, from its log's tail, in one line: its first errors (the first says
+    why, as CRIU's own log_first_err has it; the rest follow from it), leaving out those it
+    goes on after (_HARMLESS) and its closing "Dumping FAILED."; where there are none, its
+    warnings, then what was left out, then lines that mention an error, then its last lines."""
     try:
         tail = read_untrusted_tail(log_path.parent, log_path.name, 256 << 10)
         lines = tail.decode(errors="replace").splitlines()
     except (OSError, TorporError):   # a link or a FIFO in its place: not quoted
         return f"(no log at {log_path})"
-    errs = [ln.split(": ", 1)[-1].strip() for ln in lines if "Error" in ln or "error" in ln]
-    picked = errs[-n:] if errs else lines[-n:]
+    errors, warnings = [], []
+    for ln in lines:
+        m = _LEVEL_LINE.fullmatch(ln.strip())
+        if m:
+            (errors if m[1] == "Error" else warnings).append(m[2].strip())
+    harmful = [e for e in errors if not e.startswith(_HARMLESS)]
+    causes = [e for e in harmful if not _VERDICT.fullmatch(e)]
+    mention = [ln.strip() for ln in lines if "error" in ln.lower()]
+    picked = next((found[:n] for found in (causes, warnings, harmful, errors) if found), None) \
+        or mention[-n:] or lines[-n:]
     return " | ".join(picked)
 
 
@@ -135,6 +157,9 @@ def run_criu(criu: Criu, cfg: Config, action: str, args: list[str], log_path: Pa
     finally:
         out_path.unlink(missing_ok=True)
     log.info("criu %s exited %d after %.2f s", action, proc.returncode, time.monotonic() - start)
+    if proc.returncode < 0:   # its log ends wherever the signal found it: nothing to quote
+        raise CriuError(f"criu {action} failed: CRIU was killed by signal {-proc.returncode} "
+                        f"({_signal_name(-proc.returncode)}) (log: {log_path})")
     if proc.returncode != 0:
         lines = said.decode(errors="replace").strip().splitlines()
         detail = log_errors(log_path) if log_path.exists() else (lines[-1] if lines else "")
@@ -142,6 +167,13 @@ def run_criu(criu: Criu, cfg: Config, action: str, args: list[str], log_path: Pa
             detail += (" [torpor takes established TCP connections along with tcp_established "
                        "= true in its config, or TORPOR_TCP_ESTABLISHED=1]")
         raise CriuError(f"criu {action} failed: {detail} (log: {log_path})")
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return "an unnamed signal"
 
 
 def network_lock_args(tcp_established: bool) -> list[str]:

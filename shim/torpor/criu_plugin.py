@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from . import config, gpus, placement, procs
+from .driver import is_gpu_uuid
 from .errors import BusyError, ExitCode, TorporError, UsageError
 from .errors import CorruptCheckpointError as CorruptError
 from .files import write_json
@@ -151,12 +152,12 @@ def _check_gpus(m: dict[str, Any]) -> None:
     if not isinstance(gpus_, list) or not isinstance(procs_, list):
         raise ValueError("no 'gpus' or 'processes' list")
     for g in gpus_:
-        if not (isinstance(g, dict) and isinstance(g.get("uuid"), str)
+        if not (isinstance(g, dict) and is_gpu_uuid(g.get("uuid"))
                 and isinstance(g.get("name"), str)):
             raise ValueError("bad 'gpus' entry")
     known = {g["uuid"] for g in gpus_}
     for p in procs_:
-        if not (isinstance(p, dict) and isinstance(p.get("pid"), int)
+        if not (isinstance(p, dict) and procs.is_pid(p.get("pid"))
                 and isinstance(p.get("gpus"), list) and set(p["gpus"]) <= known
                 and isinstance(p.get("gpu_memory"), int) and p["gpu_memory"] >= 0
                 and isinstance(p.get("gpu_memory_by_gpu"), dict)
@@ -184,7 +185,8 @@ def read_manifest(images: Path) -> dict[str, Any]:
             raise ValueError("no 'op_id' or 'agents' map")
         _check_gpus(m)
         agents = [AgentMove.of(int(k), v) for k, v in m["agents"].items()]
-        if any(a.pid <= 0 or a.nspid <= 0 or any(n < 0 for n in a.files) for a in agents):
+        if any(not procs.is_pid(a.pid) or not procs.is_pid(a.nspid) or any(n < 0 for n in a.files)
+               for a in agents):
             raise ValueError("bad 'agents' entry")
         m["agents"] = agents
     except (ValueError, TypeError, KeyError, AttributeError) as e:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import re
 import threading
 import uuid as uuidlib
 from typing import Mapping
@@ -73,16 +74,24 @@ class _UnlockArgs(ctypes.Structure):
 assert ctypes.sizeof(_LockArgs) == 64 and ctypes.sizeof(_RestoreArgs) == 64
 
 
+# NVML's spelling of a GPU or a MIG instance (GPU-8c6d2f4e-1b3a-4c5d-9e7f-0a1b2c3d4e5f), and
+# nothing else: the one rule for a GPU UUID, wherever one comes from (a manifest, the driver)
+GPU_UUID = re.compile(r"(?:GPU|MIG)-([0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-"
+                      r"[0-9a-fA-F]{4}-[0-9a-fA-F]{12})")
+GPU_UUID_FORM = "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"
+
+
+def is_gpu_uuid(text: object) -> bool:
+    """Whether text is a GPU UUID as NVML spells it (GPU_UUID)."""
+    return isinstance(text, str) and GPU_UUID.fullmatch(text) is not None
+
+
 def uuid_bytes(gpu_uuid: str) -> bytes:
-    """'GPU-8c6d…' (NVML's spelling) -> the 16 raw bytes of CUuuid."""
-    text = gpu_uuid.strip()
-    for prefix in ("GPU-", "MIG-"):
-        if text.startswith(prefix):
-            text = text[len(prefix):]
-    try:
-        return uuidlib.UUID(text).bytes
-    except ValueError as e:
-        raise TorporError(f"not a GPU UUID: '{gpu_uuid}'") from e
+    """'GPU-8c6d…' (NVML's spelling, GPU_UUID) -> the 16 raw bytes of CUuuid."""
+    m = GPU_UUID.fullmatch(gpu_uuid) if isinstance(gpu_uuid, str) else None
+    if m is None:
+        raise TorporError(f"not a GPU UUID: '{gpu_uuid}'")
+    return uuidlib.UUID(m[1]).bytes
 
 
 class Driver:

@@ -2,9 +2,11 @@
 
 from_json checks every field's type and range and raises CorruptCheckpointError (exit 9)
 with one line naming the field ("manifest field 'agent.123.seconds' is not a number"); it is
-the only schema check (manifest.validate goes through it). Both of today's builders' shapes
-load: a bare process tree's (flows/checkpoint.py: "tcp_established", no GPU "minor") and a container's
-(runtime/checkpoint.py: "container", GPU "minor", an agent block with "fingerprints").
+the only schema check (manifest.validate goes through it). GPU UUIDs are NVML's spelling
+(driver.GPU_UUID), PIDs Linux PIDs (procs.is_pid), and a process names only GPUs of "gpus".
+Both of today's builders' shapes load: a bare process tree's (flows/checkpoint.py:
+"tcp_established", no GPU "minor") and a container's (runtime/checkpoint.py: "container",
+GPU "minor", an agent block with "fingerprints").
 Keys this torpor does not know are kept (extra) and written back, so a newer torpor's
 manifest survives a seal here. Optional keys that are null or absent are written absent.
 draft() is the one builder of a draft (everything but the file table, manifest.seal adds it).
@@ -21,8 +23,10 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+from .driver import GPU_UUID_FORM, is_gpu_uuid
 from .errors import CorruptCheckpointError
 from .layout import safe_relpath
+from .procs import PID_LIMIT, is_pid
 
 SCHEMA = 1
 KIND = "torpor-checkpoint"
@@ -44,6 +48,20 @@ def _obj(v: Any, where: str) -> dict[str, Any]:
 def _int(v: Any, where: str, low: int = 0) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or not low <= v < _MAX_INT:
         raise _bad(where, f"is missing or not an integer >= {low}")
+    return v
+
+
+def _pid(v: Any, where: str) -> int:
+    if not is_pid(v):
+        raise _bad(where, f"is missing or not a PID (1 to {PID_LIMIT - 1})")
+    return v
+
+
+def _uuid(v: Any, where: str) -> str:
+    """A GPU UUID as NVML spells it (driver.GPU_UUID): checked here, before anything runs,
+    not first at the driver's restore, after CRIU's."""
+    if not is_gpu_uuid(_str(v, where)):
+        raise _bad(where, f"is not a GPU UUID ({GPU_UUID_FORM})")
     return v
 
 
@@ -113,7 +131,7 @@ class Gpu:
     @classmethod
     def from_json(cls, d: Any, where: str) -> Gpu:
         d = _obj(d, where)
-        return cls(_str(d.get("uuid"), f"{where}.uuid"), _str(d.get("name"), f"{where}.name"),
+        return cls(_uuid(d.get("uuid"), f"{where}.uuid"), _str(d.get("name"), f"{where}.name"),
                    _int(d.get("memory_total"), f"{where}.memory_total"),
                    _opt(d.get("index"), _int, f"{where}.index"),
                    _opt(d.get("minor"), _int, f"{where}.minor"),
@@ -140,10 +158,10 @@ class Process:
         d = _obj(d, where)
         by = d.get("gpu_memory_by_gpu")
         if by is not None:
-            by = {_str(u, f"{where}.gpu_memory_by_gpu"): _int(n, f"{where}.gpu_memory_by_gpu.{u}")
+            by = {_uuid(u, f"{where}.gpu_memory_by_gpu"): _int(n, f"{where}.gpu_memory_by_gpu.{u}")
                   for u, n in _obj(by, f"{where}.gpu_memory_by_gpu").items()}
-        return cls(_int(d.get("pid"), f"{where}.pid", 1), _bool(d.get("cuda"), f"{where}.cuda"),
-                   tuple(_str(u, f"{where}.gpus") for u in _list(d.get("gpus"), f"{where}.gpus")),
+        return cls(_pid(d.get("pid"), f"{where}.pid"), _bool(d.get("cuda"), f"{where}.cuda"),
+                   tuple(_uuid(u, f"{where}.gpus") for u in _list(d.get("gpus"), f"{where}.gpus")),
                    _int(d.get("gpu_memory"), f"{where}.gpu_memory"),
                    _opt(d.get("comm"), _str, f"{where}.comm"),
                    _opt(d.get("state"), _str, f"{where}.state"), by,
@@ -245,7 +263,7 @@ class AgentMove:
         streamed = d.get("streamed")
         if streamed is not None and not isinstance(streamed, bool):
             streamed = _obj(streamed, f"{where}.streamed")
-        return cls(_int(d.get("nspid"), f"{where}.nspid", 1), _int(d.get("bytes"), f"{where}.bytes"),
+        return cls(_pid(d.get("nspid"), f"{where}.nspid"), _int(d.get("bytes"), f"{where}.bytes"),
                    files, *(_opt(d.get(k), _int, f"{where}.{k}") for k in cls._OPTIONAL_INTS),
                    _opt(d.get("seconds"), _num, f"{where}.seconds"),
                    _opt(d.get("fingerprints"), _obj, f"{where}.fingerprints"), streamed,
@@ -262,7 +280,7 @@ class AgentMove:
 def _agents(raw: Any) -> dict[int, AgentMove]:
     out: dict[int, AgentMove] = {}
     for key, entry in _obj(raw, "agent").items():
-        if not (key.isascii() and key.isdigit() and key == str(int(key)) and 0 < int(key) < 1 << 31):
+        if not (key.isascii() and key.isdigit() and key == str(int(key)) and is_pid(int(key))):
             raise CorruptCheckpointError(f"manifest agent entry {key[:20]!r} is not a PID")
         out[int(key)] = AgentMove.from_json(entry, f"agent.{key}")
     nspids = [a.nspid for a in out.values()]
@@ -311,16 +329,23 @@ class Manifest:
             files[rel] = FileEntry.from_json(info, f"files.{rel}")
         timings = {_str(k, "timings"): _num(v, f"timings.{k}")
                    for k, v in _obj(m.get("timings"), "timings").items()}
+        gpus = tuple(Gpu.from_json(g, f"gpus.{i}")
+                     for i, g in enumerate(_list(m.get("gpus"), "gpus")))
+        processes = tuple(Process.from_json(p, f"processes.{i}")
+                          for i, p in enumerate(_list(m.get("processes"), "processes")))
+        known = {g.uuid for g in gpus}
+        for i, p in enumerate(processes):   # a restore maps and places the listed GPUs only
+            for key, uuids in (("gpus", p.gpus), ("gpu_memory_by_gpu", p.gpu_memory_by_gpu or {})):
+                if not set(uuids) <= known:
+                    raise _bad(f"processes.{i}.{key}", "names a GPU the manifest's 'gpus' "
+                               "does not list")
         return cls(
             _str(m.get("created"), "created"), _str(m.get("torpor_version"), "torpor_version"),
             _str(m.get("criu_version"), "criu_version"), _str(m.get("host"), "host"),
             _str(m.get("kernel"), "kernel"), Driver.from_json(m.get("driver")),
-            _int(m.get("root_pid"), "root_pid", 1), _bool(m.get("shell_job"), "shell_job"),
-            _bool(m.get("leave_running"), "leave_running"),
-            tuple(Gpu.from_json(g, f"gpus.{i}") for i, g in enumerate(_list(m.get("gpus"), "gpus"))),
-            tuple(Process.from_json(p, f"processes.{i}")
-                  for i, p in enumerate(_list(m.get("processes"), "processes"))),
-            timings, Sizes.from_json(m.get("sizes")), files,
+            _pid(m.get("root_pid"), "root_pid"), _bool(m.get("shell_job"), "shell_job"),
+            _bool(m.get("leave_running"), "leave_running"), gpus, processes, timings,
+            Sizes.from_json(m.get("sizes")), files,
             _opt(m.get("tcp_established"), _bool, "tcp_established"),
             None if m.get("container") is None else Container.from_json(m["container"]),
             None if m.get("agent") is None else _agents(m["agent"]),

@@ -7,7 +7,9 @@ no other GPU of the checkpoint went to where one fits. A target must be the same
 have room for what the checkpoint's processes held on every GPU placed on it (per GPU, as NVML
 told at the checkpoint: need_per_gpu). Two GPUs that one process used never share a target:
 its GPUs each need one of their own (the processes of a job, one GPU each, may share one;
-a container's GPUs never do: share=False). Anything else is a PreflightError.
+a container's GPUs never do: share=False). A GPU whose model the checkpoint does not know
+(name "": NVML did not answer there) goes onto itself or where the map says only. Anything
+else is a PreflightError.
 """
 
 from __future__ import annotations
@@ -80,12 +82,16 @@ def plan(m: Mapping[str, Any], inv: Inventory, explicit: Mapping[str, str],
     taken: dict[str, int] = {}    # target uuid -> bytes promised
     out: dict[str, str] = {}
 
-    def fits(uuid: str, old: str) -> str | None:
+    def fits(uuid: str, old: str, mapped: bool = False) -> str | None:
         g = inv.by_uuid(uuid)
         if g is None:
             return f"GPU {uuid} is not on this host"
-        if g.name != saved[old]["name"]:
-            return f"GPU {uuid} is a {g.name}, the checkpoint ran on a {saved[old]['name']}"
+        model = saved[old]["name"]
+        if not model and uuid != old and not mapped:   # NVML did not answer at the checkpoint
+            return (f"the checkpoint does not say which model {old} is: it goes back onto "
+                    "itself, or where a device map says")
+        if model and g.name != model:
+            return f"GPU {uuid} is a {g.name}, the checkpoint ran on a {model}"
         shared = [o for o, n in out.items()
                   if n == uuid and (not share or any({o, old} <= t for t in together))]
         if shared:
@@ -103,7 +109,7 @@ def plan(m: Mapping[str, Any], inv: Inventory, explicit: Mapping[str, str],
         taken[new] = taken.get(new, 0) + need.get(old, 0)
 
     for old, new in explicit.items():
-        why = fits(new, old)
+        why = fits(new, old, mapped=True)
         if why:
             raise PreflightError(f"cannot restore onto {new}: {why}")
         place(old, new)
@@ -118,6 +124,10 @@ def plan(m: Mapping[str, Any], inv: Inventory, explicit: Mapping[str, str],
                                            -(g.memory_free - taken.get(g.uuid, 0))))
         if not candidates:
             why = fits(old, old)
+            if not saved[old]["name"]:
+                raise PreflightError(f"GPU {old} of the checkpoint cannot go back onto itself "
+                                     f"({why}), and the checkpoint does not say which model it "
+                                     "is: a device map has to say where it goes")
             raise PreflightError(f"no GPU here can take {saved[old]['name']} {old} "
                                  f"({why}; no other {saved[old]['name']} with "
                                  f"{human_bytes(need.get(old, 0))} free)")

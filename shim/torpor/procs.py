@@ -9,6 +9,14 @@ from pathlib import Path
 from .errors import NotFoundError, UsageError
 
 PROC = Path("/proc")
+# PID_MAX_LIMIT, the most /proc/sys/kernel/pid_max may be (4 Mi on 64-bit): every PID is below it
+PID_LIMIT = 1 << 22
+
+
+def is_pid(n: object) -> bool:
+    """Whether n could be a Linux PID (1 to PID_LIMIT - 1); a PID read from a checkpoint is
+    held to it before anything uses it."""
+    return isinstance(n, int) and not isinstance(n, bool) and 0 < n < PID_LIMIT
 
 
 def alive(pid: int) -> bool:

@@ -30,13 +30,16 @@ KEYS = ["schema", "kind", "created", "torpor_version", "criu_version", "host", "
         "processes", "timings", "sizes", "files", "agent", "container"]
 
 
+UUID = "GPU-00000001-0000-4000-8000-000000000000"
+
+
 def _sample_manifest() -> dict:
     return {"schema": manifest.SCHEMA, "kind": "torpor-checkpoint", "created": "2026-01-01",
             "torpor_version": "0.1.0", "criu_version": "4.2.1", "host": "h", "kernel": "6",
             "driver": {"version": "580", "cuda": 13000}, "root_pid": 10, "shell_job": False,
-            "leave_running": False, "gpus": [{"uuid": "GPU-1", "name": "H200",
+            "leave_running": False, "gpus": [{"uuid": UUID, "name": "H200",
                                                "memory_total": 1 << 30, "index": 0}],
-            "processes": [{"pid": 10, "comm": "python3", "cuda": True, "gpus": ["GPU-1"],
+            "processes": [{"pid": 10, "comm": "python3", "cuda": True, "gpus": [UUID],
                            "gpu_memory": 1, "state": "RUNNING"}],
             "timings": {"dump": 1.0}, "sizes": {"total": 1, "gpu_memory": 1},
             "files": {"pstree.img": {"size": 1}}}

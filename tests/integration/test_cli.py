@@ -705,6 +705,26 @@ def test_checkpoint_strings_are_printed_sanitized_and_torpor_json_trusted_like_i
     _one_line_exit_9(torpor.run("inspect", str(images), "--verify"))
 
 
+def test_a_manifests_bad_gpu_uuid_is_refused_by_verify_and_before_restore_runs_criu(
+        torpor, gpu, tmp_path):
+    """Found by a red-team pass: "nope" (or a UUID holding ESC and a newline) passed
+    `inspect --verify`; restore ran CRIU and failed in gpu-restore only (exit 1)."""
+    with gpu.spawn() as prog:
+        images = tmp_path / "ck"
+        torpor.json("checkpoint", str(prog.pid), "-D", str(images), "--leave-running")
+    m = json.loads((images / "torpor.json").read_text())
+    good = m["gpus"][0]["uuid"]
+    for bad in ("nope", f"\x1b]0;x\x07{good}\n"):
+        m["gpus"][0]["uuid"] = m["processes"][0]["gpus"][0] = bad
+        (images / "torpor.json").write_text(json.dumps(m))
+        for args in (["inspect", str(images), "--verify"], ["restore", "-D", str(images)]):
+            proc = torpor.run(*args)
+            _one_line_exit_9(proc)
+            assert "field 'gpus.0.uuid' is not a GPU UUID" in proc.stderr, proc.stderr
+            assert "\x1b" not in proc.stderr and "\x07" not in proc.stderr
+    assert not (images / "restore.log").exists() and not list(tmp_path.rglob("restore.log"))
+
+
 def test_inspect_verify_streams_an_archive(torpor, gpu, tmp_path):
     import tarfile
     with gpu.spawn() as prog:

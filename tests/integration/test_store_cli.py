@@ -179,11 +179,18 @@ def test_gc_keeps_the_chunks_a_checkpoint_directory_holds(torpor, gpu, store, tm
 
 def test_a_bad_store_name_is_refused_before_the_program_is_touched(torpor, gpu, store, tmp_path):
     with gpu.spawn() as prog:
-        proc = torpor.run("checkpoint", str(prog.pid), "-D", str(tmp_path / "ck"),
-                          "--store", "../escape")
-        assert proc.returncode == 2 and "bad snapshot name" in proc.stderr, proc.stderr
-        assert proc.stderr.count("\n") == 1, proc.stderr
-        assert gpu.state(prog.pid)["state"] == RUNNING and not (tmp_path / "ck").exists()
+        # "" was no store at all; a name taken was refused only after the dump had ended it
+        (tmp_path / "src").mkdir()
+        (tmp_path / "src" / "f").write_bytes(b"x")
+        from torpor.store import Store
+        Store(store).ingest_dir(tmp_path / "src", "taken")
+        for name, says in (("../escape", "bad snapshot name"), ("", "bad snapshot name"),
+                           ("taken", "snapshot taken exists already")):
+            proc = torpor.run("checkpoint", str(prog.pid), "-D", str(tmp_path / "ck"),
+                              "--store", name)
+            assert proc.returncode == 2 and says in proc.stderr, proc.stderr
+            assert proc.stderr.count("\n") == 1, proc.stderr
+            assert gpu.state(prog.pid)["state"] == RUNNING and not (tmp_path / "ck").exists()
         prog.wait_tick(prog.tick() + 2)
 
 

@@ -29,6 +29,44 @@ def test_bad_config_is_one_clear_error(tmp_path, text, match):
         config.load(f, env={})
 
 
+@pytest.mark.parametrize("plant,match", [
+    ("fifo", "not a regular file"), ("dir", "not a regular file"),
+    ("dev-zero", "not a regular file"), ("huge", "larger than 1048576 bytes"),
+    ("latin-1", "cannot read config"), ("deep", "cannot read config")])
+def test_a_config_that_is_no_regular_small_file_is_refused_without_hanging(tmp_path, plant,
+                                                                           match):
+    """`torpor --config /dev/zero ps` read forever: the config must be a regular file of at
+    most MAX_CONFIG bytes (a link to one is fine)."""
+    import os
+    import signal
+    f = tmp_path / "c.toml"
+    if plant == "fifo":
+        os.mkfifo(f)
+    elif plant == "dir":
+        f.mkdir()
+    elif plant == "dev-zero":
+        f.symlink_to("/dev/zero")
+    elif plant == "huge":
+        with open(f, "wb") as out:
+            out.write(b"# " + b"x" * config.MAX_CONFIG)
+    elif plant == "latin-1":
+        f.write_bytes(b"# caf\xe9\n")
+    else:
+        f.write_text("a = " + "[" * 200000 + "]" * 200000)
+    signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(TimeoutError("hung")))
+    signal.alarm(5)
+    try:
+        with pytest.raises(UsageError, match=match) as e:
+            config.load(f, env={})
+    finally:
+        signal.alarm(0)
+    assert "\n" not in str(e.value)
+    link = tmp_path / "link.toml"
+    (tmp_path / "real.toml").write_text("checksums = false\n")
+    link.symlink_to(tmp_path / "real.toml")
+    assert config.load(link, env={}).checksums is False
+
+
 def test_store_dir_default_file_and_env(tmp_path):
     absent = {"TORPOR_CONFIG": str(tmp_path / "absent.toml")}
     assert config.load(env=absent).store_dir == Path("/var/lib/torpor/store")

@@ -50,7 +50,13 @@ def test_a_manifest_written_by_lock_reads_back(tmp_path: Path) -> None:
     {"processes": [{"pid": 42, "gpus": [B], "gpu_memory": 0, "gpu_memory_by_gpu": {}}]},
     {"processes": [{"pid": 42, "gpus": [A], "gpu_memory": -1, "gpu_memory_by_gpu": {}}]},
     {"processes": [{"pid": "42", "gpus": [A], "gpu_memory": 0, "gpu_memory_by_gpu": {}}]},
-], ids=lambda d: next(iter(d)))
+    # the same rules as torpor.json's (manifest_types): NVML's UUIDs, Linux PIDs
+    *({"gpus": [{"uuid": u, "name": H200}],
+       "processes": [{"pid": 42, "gpus": [u], "gpu_memory": 0, "gpu_memory_by_gpu": {}}]}
+      for u in ("nope", A + "\n")),
+    {"processes": [{"pid": 1 << 22, "gpus": [A], "gpu_memory": 0, "gpu_memory_by_gpu": {}}]},
+    {"agents": {str(1 << 22): {"nspid": 1, "files": [1]}}},
+], ids=lambda d: f"{next(iter(d))}-{json.dumps(d)[:40]}")
 def test_a_tampered_manifest_is_corrupt(tmp_path: Path, bad: dict) -> None:
     with pytest.raises(CorruptCheckpointError):
         criu_plugin.read_manifest(_write(tmp_path, _manifest(**bad)))

@@ -294,6 +294,60 @@ def test_a_field_of_the_wrong_type_or_range_is_named(tmp_path, field, patch):
     assert "\n" not in str(e.value)
 
 
+GOOD_UUID = "GPU-11111111-2222-3333-4444-555555555555"
+
+
+@pytest.mark.parametrize("field,patch", [
+    # issue: "nope" passed `inspect --verify`; restore ran CRIU, then gpu-restore failed (exit 1)
+    ("gpus.0.uuid", lambda m: m["gpus"][0].update(uuid="nope")),
+    ("gpus.0.uuid", lambda m: m["gpus"][0].update(uuid="\x1b[2K" + GOOD_UUID + "\n")),
+    ("gpus.0.uuid", lambda m: m["gpus"][0].update(uuid=GOOD_UUID + "\n")),
+    ("gpus.0.uuid", lambda m: m["gpus"][0].update(uuid="GPU-{" + GOOD_UUID[4:] + "}")),
+    ("gpus.0.uuid", lambda m: m["gpus"][0].update(uuid=GOOD_UUID.replace("-", "")[3:])),
+    ("processes.0.gpus", lambda m: m["processes"][0].update(gpus=["nope"])),
+    ("processes.0.gpus", lambda m: m["processes"][0].update(
+        gpus=["GPU-99999999-2222-3333-4444-555555555555"])),
+    ("processes.0.gpu_memory_by_gpu", lambda m: m["processes"][0].update(
+        gpu_memory_by_gpu={"GPU-99999999-2222-3333-4444-555555555555": 1})),
+    ("processes.0.pid", lambda m: m["processes"][0].update(pid=0)),
+    ("processes.0.pid", lambda m: m["processes"][0].update(pid=1 << 22)),
+    ("processes.0.pid", lambda m: m["processes"][0].update(pid=1 << 31)),
+    ("processes.0.pid", lambda m: m["processes"][0].update(pid=True)),
+    ("root_pid", lambda m: m.update(root_pid=1 << 40)),
+    ("agent.4242.nspid", lambda m: m["agent"]["4242"].update(nspid=1 << 22)),
+])
+def test_gpu_uuids_and_pids_are_checked_before_anything_runs(tmp_path, field, patch):
+    raw = json.loads((GOLDEN / "bare.json").read_text())
+    assert raw["gpus"][0]["uuid"] == GOOD_UUID
+    patch(raw)
+    d = _images(tmp_path)
+    (d / "torpor.json").write_text(json.dumps(raw))
+    with pytest.raises(CorruptCheckpointError, match=f"field '{field}'") as e:
+        manifest.read(d)
+    assert e.value.exit_code == 9 and e.value.line().isprintable()
+
+
+def test_the_largest_pid_and_any_nvml_uuid_load():
+    from torpor import driver
+    raw = json.loads((GOLDEN / "bare.json").read_text())
+    raw["processes"][0]["pid"] = (1 << 22) - 1
+    mig = "MIG-" + GOOD_UUID[4:].upper()
+    raw["gpus"].append({**raw["gpus"][0], "uuid": mig})
+    raw["processes"][0]["gpus"] = [GOOD_UUID, mig]
+    manifest.validate(raw)
+    assert driver.uuid_bytes(mig) == driver.uuid_bytes(GOOD_UUID)
+
+
+@pytest.mark.parametrize("text", ["nope", "GPU-x", " " + GOOD_UUID, GOOD_UUID + "\n",
+                                  GOOD_UUID[4:], "urn:uuid:" + GOOD_UUID[4:], None])
+def test_one_rule_for_a_gpu_uuid_the_manifest_and_the_drivers(text):
+    from torpor import driver
+    from torpor.errors import TorporError
+    assert not driver.is_gpu_uuid(text)
+    with pytest.raises(TorporError, match="not a GPU UUID"):
+        driver.uuid_bytes(text)
+
+
 def test_container_fields_are_checked():
     raw = json.loads((GOLDEN / "container.json").read_text())
     raw["container"]["minors"] = ["0"]

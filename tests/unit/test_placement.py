@@ -120,3 +120,15 @@ def test_a_restored_container_goes_to_the_gpus_its_new_spec_was_given():
     assert given_map(two, [C]) == {}                      # not as many: placement decides
     assert plan(_m(1), _inv((A, "NVIDIA H200", 100), (B, "NVIDIA H200", 100)),
                 given_map(_m(1), [B]), share=False) == {A: B}
+
+
+def test_a_gpu_of_a_model_the_checkpoint_does_not_know_goes_back_onto_itself_or_as_mapped():
+    """torpor-runtime lists a GPU torpord saw the processes use with name "" where NVML did
+    not answer it (torpor.json's processes name listed GPUs only): it is placed on itself,
+    never onto some other GPU by guess, and where a map says."""
+    m = _m(8)
+    m["gpus"][0]["name"] = ""
+    assert plan(m, _inv((A, "NVIDIA H200", 100), (B, "NVIDIA H200", 140)), {}) == {A: A}
+    with pytest.raises(PreflightError, match="does not say which model"):
+        plan(m, _inv((B, "NVIDIA H200", 140)), {})
+    assert plan(m, _inv((B, "NVIDIA H200", 140)), {A: B}) == {A: B}

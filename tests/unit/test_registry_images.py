@@ -22,13 +22,15 @@ from torpor.registry.client import Client, RegistryError
 from torpor.store import Store, images
 from tests.unit.test_manifest import _images, _manifest
 
+UUID = "GPU-00001234-0000-4000-8000-000000000000"
+
 
 def _sealed(tmp_path: Path, big: int = 0) -> Path:
     d = _images(tmp_path)
     if big:
         (d / "pages-2.img").write_bytes(os.urandom(big))
     m = _manifest(manifest.file_table(d, checksums=True))
-    m["gpus"] = [{"uuid": "GPU-1234", "name": "Fake GPU", "memory_total": 1 << 30, "index": 0}]
+    m["gpus"] = [{"uuid": UUID, "name": "Fake GPU", "memory_total": 1 << 30, "index": 0}]
     manifest.write(d, m)
     return d
 
@@ -100,7 +102,7 @@ def test_a_bare_checkpoint_builds_into_the_standard_checkpoint_image(tmp_path):
     assert a["io.kubernetes.cri-o.annotations.checkpoint.name"] == "web"
     assert a["io.podman.annotations.checkpoint.name"] == "web"
     assert a["org.criu.checkpoint.criu.version"] == "4.1.1"
-    assert json.loads(a[oci.A_GPUS]) == [{"uuid": "GPU-1234", "name": "Fake GPU",
+    assert json.loads(a[oci.A_GPUS]) == [{"uuid": UUID, "name": "Fake GPU",
                                           "memory_total": 1 << 30}]
     assert a[oci.A_MANIFEST] == "sha256:" + hashlib.sha256((src / "torpor.json").read_bytes()).hexdigest()
     assert oci.A_CHUNKS not in a and r.chunks == 0
@@ -397,7 +399,7 @@ def test_a_pull_verifies_every_chunk_and_takes_what_the_store_has(tmp_path):
     assert images.verify(Path(r.checkpoint)) == r.chunks
     for c in (Path(r.checkpoint) / "torpor-chunks").iterdir():    # into node b's store, linked
         assert other.backend.has_blob(c.name) and c.stat().st_nlink == 2
-    assert manifest.read(Path(r.checkpoint))["gpus"][0]["uuid"] == "GPU-1234"
+    assert manifest.read(Path(r.checkpoint))["gpus"][0]["uuid"] == UUID
     local = transfer.pull(FakeRegistry(blobs=reg.blobs, manifests=reg.manifests), tmp_path / "q",
                           store, layout_out=tmp_path / "layout")
     assert local.chunks_from_store == local.chunks and local.chunks_fetched == 0

@@ -223,6 +223,9 @@ def test_gpu_checkpoint_locks_dumps_finishes_and_seals(world):
     assert m["container"]["visible"] == [GPU] and m["container"]["minors"] == [0]
     assert [p["pid"] for p in m["processes"]] == [world["pid"]]
     assert m["processes"][0]["cuda"] is True
+    # no NVML here: the GPU torpord saw it use is listed all the same, its model unknown
+    assert m["processes"][0]["gpus"] == [GPU]
+    assert m["gpus"] == [{"uuid": GPU, "name": "", "memory_total": 0}]
     assert "pages-1.img" in json.dumps(m["files"])
     assert (images.stat().st_mode & 0o777) == 0o700
 

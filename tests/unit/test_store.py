@@ -413,6 +413,22 @@ def test_snapshot_with_malformed_chunks_is_refused(store, chunks):
         store.gc()   # it would not know which chunks that snapshot needs
 
 
+def test_a_name_given_twice_is_removed_once_and_removing_waits_for_gc(store, tmp_path):
+    """`torpor rm NAME NAME` removed the first, then crashed on the second (FileNotFoundError);
+    and rm held no lock, so a gc could look at the store mid-removal."""
+    write(tmp_path / "src" / "f", b"x")
+    ingest(store, tmp_path / "src", "a")
+    ingest(store, tmp_path / "src", "b")
+    quick = Store(store.backend, chunk_size=CHUNK, workers=2, lock_timeout=0.2)
+    with store.backend.lock(True, 1):          # gc's lock
+        with pytest.raises(BusyError, match="being collected"):
+            quick.remove(["a"])
+    assert store.backend.snapshots() == ["a", "b"]
+    with store.backend.lock(False, 1):         # a writer's: removing goes on beside it
+        assert store.remove(["a", "a", "b", "a"]) == ["a", "b"]
+    assert store.backend.snapshots() == []
+
+
 def test_bad_names_are_usage_errors(store, tmp_path):
     write(tmp_path / "src" / "f", b"x")
     for bad in ["../x", "a/b", "", ".hidden", "x" * 129]:

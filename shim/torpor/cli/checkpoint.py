@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 from .. import procs
 from ..flows.process import checkpoint, checkpoint_into_store
 from ..progress import human_bytes
-from .context import Context, agent_line, timing_lines
+from .context import Context, agent_line, path_arg, timing_lines
 
 NEEDS_RECOVERY = True
 
@@ -17,7 +16,7 @@ NEEDS_RECOVERY = True
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("checkpoint", help=__doc__.split(":")[1].strip(), description=__doc__)
     p.add_argument("pid", help="root of the process tree to checkpoint")
-    p.add_argument("-D", "--images-dir", required=True, type=Path,
+    p.add_argument("-D", "--images-dir", required=True, type=path_arg,
                    help="new or empty directory for the checkpoint (created 0700)")
     p.add_argument("--leave-running", action="store_true",
                    help="the program keeps running after the dump")
@@ -33,7 +32,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     pid = procs.parse_pid(args.pid)
     kw = {"leave_running": args.leave_running, "shell_job": args.shell_job}
     start = time.monotonic()
-    if args.store:
+    if args.store is not None:   # "" too: a bad name (as 'torpor rm ""'), never no store
         m, stored = checkpoint_into_store(ctx.engine, pid, args.images_dir, args.store, **kw)
     else:
         m, stored = checkpoint(ctx.engine, pid, args.images_dir, **kw), None

@@ -4,13 +4,39 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from ..config import Config
 from ..engine import Engine
+from ..errors import UsageError
 from ..files import printable
 from ..progress import Progress, human_bytes, human_rate
+
+
+NAME_MAX = 255     # bytes in one name of a path (Linux's file systems)
+PATH_MAX = 4096    # bytes in a path the kernel takes, its terminating NUL included
+
+
+def path_arg(text: str) -> Path:
+    """A path given on the command line (every path argument's argparse type), refused as it
+    is parsed, before anything uses it: an empty one, and a name longer than any file system
+    takes, are one line, exit 2, not the current directory or an OSError from deep inside a
+    command (main() still turns one such OSError from elsewhere into the same)."""
+    if not text:   # Path("") is the current directory: never what an empty argument meant
+        raise UsageError("an empty path was given: name the directory or file "
+                         "('.' for the current directory)")
+    raw = os.fsencode(text)
+    longest = max(raw.split(b"/"), key=len)
+    if len(longest) > NAME_MAX:
+        raise UsageError(f"path {printable(text, 60)}: a name in it is {len(longest)} bytes "
+                         f"long, more than the {NAME_MAX} a file name may have")
+    if len(raw) >= PATH_MAX:
+        raise UsageError(f"path {printable(text, 60)} is {len(raw)} bytes long, more than the "
+                         f"{PATH_MAX - 1} a path may have")
+    return Path(text)
 
 
 @dataclasses.dataclass

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from ..demo import scenario
 from ..progress import human_bytes
-from .context import Context, timing_lines
+from .context import Context, path_arg, timing_lines
 
 NEEDS_RECOVERY = True
 
@@ -16,7 +15,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help=__doc__.split(":")[1].strip(), description=__doc__)
     p.add_argument("--cpu", action="store_true", help="CPU program even when a GPU is present")
     p.add_argument("--mib", type=int, default=256, help="memory the program holds (default 256)")
-    p.add_argument("--keep", type=Path, metavar="DIR", help="keep the checkpoint in DIR")
+    p.add_argument("--keep", type=path_arg, metavar="DIR", help="keep the checkpoint in DIR")
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:

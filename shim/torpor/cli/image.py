@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from pathlib import Path
 from typing import Any, Callable
 
 from .. import gpus, placement
@@ -15,14 +14,14 @@ from ..placement import parse_device_map
 from ..progress import human_bytes
 from ..registry import auth, build, transfer
 from ..registry.client import Client
-from .context import Context
+from .context import Context, path_arg
 
 
 def _registry_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--authfile", type=Path,
+    p.add_argument("--authfile", type=path_arg,
                    help="credentials file (default: $REGISTRY_AUTH_FILE, then podman's and "
                         "docker's: containers-auth.json(5))")
-    p.add_argument("--cert-dir", type=Path,
+    p.add_argument("--cert-dir", type=path_arg,
                    help="CA certificates (*.crt) and client certificate for the registry "
                         "(default /etc/containers/certs.d/HOST:PORT)")
     p.add_argument("--tls-verify", action=argparse.BooleanOptionalAction, default=True,
@@ -40,8 +39,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "directory (packed into the store or not) or a podman export archive, "
                         "into a new OCI image layout directory. A packed checkpoint's chunks "
                         "go beside it as a chunk artifact.")
-    b.add_argument("source", type=Path, help="checkpoint directory or archive")
-    b.add_argument("-o", "--output", type=Path, required=True,
+    b.add_argument("source", type=path_arg, help="checkpoint directory or archive")
+    b.add_argument("-o", "--output", type=path_arg, required=True,
                    help="new or empty directory for the OCI image layout")
     b.add_argument("--name", default="", help="container name the annotations carry")
     b.add_argument("--tag", default="latest", help="the image's tag in the layout")
@@ -49,7 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     u = isub.add_parser("push", help="push a checkpoint image layout to a registry",
                         description="Upload an image layout built by 'torpor image build': only "
                         "the blobs the registry lacks; a push cut off resumes when run again.")
-    u.add_argument("layout", type=Path, help="OCI image layout directory")
+    u.add_argument("layout", type=path_arg, help="OCI image layout directory")
     u.add_argument("reference", help="HOST[:PORT]/REPOSITORY[:TAG]")
     _registry_args(u)
     u.set_defaults(action=_push)
@@ -58,16 +57,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "directory; a packed checkpoint's chunks come from the node's image "
                         "store where it has them. Then: torpor restore -D <its checkpoint>.")
     g.add_argument("reference", help="HOST[:PORT]/REPOSITORY[:TAG][@sha256:DIGEST]")
-    g.add_argument("-D", "--directory", type=Path, required=True,
+    g.add_argument("-D", "--directory", type=path_arg, required=True,
                    help="new or empty directory for the image's files (created 0700)")
-    g.add_argument("--oci-layout", type=Path,
+    g.add_argument("--oci-layout", type=path_arg,
                    help="also keep the image (manifest, config, layer) as an OCI layout here")
     g.add_argument("--device-map", action="append", default=[], metavar="OLD=NEW",
                    help="the GPU map the restore will be given: the pre-flight checks it")
     g.add_argument("--no-preflight", action="store_true",
                    help="pull even if this node's GPUs cannot take the checkpoint (to restore "
                         "it elsewhere)")
-    g.add_argument("--archive", type=Path,
+    g.add_argument("--archive", type=path_arg,
                    help="also write the verified layer here as a checkpoint archive (for a "
                         "podman image: podman container restore --import ARCHIVE)")
     _registry_args(g)

@@ -1,20 +1,22 @@
 """torpor inspect DIR|ARCHIVE: what a checkpoint holds (GPUs, processes, timings, sizes).
 
 Every string read from the checkpoint is printed through files.printable (a manifest can
-hold terminal escapes); --json output carries the manifest as it was read.
+hold terminal escapes); --json output carries the manifest as it was read. --verify holds a
+directory to the trust a restore needs (flows.restore.require_trusted_checkpoint) before it
+checks the files: what it calls verified, restore takes.
 """
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from .. import manifest
 from ..archive import read_any, verify_archive
 from ..files import printable as p_
+from ..flows.restore import require_trusted_checkpoint
 from ..progress import human_bytes, human_rate
 from ..store import images
-from .context import Context, timing_lines
+from .context import Context, path_arg, timing_lines
 
 NEEDS_RECOVERY = False
 
@@ -22,13 +24,16 @@ NEEDS_RECOVERY = False
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help=__doc__.split(":")[1].split("\n")[0].strip(),
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("path", type=Path, help="checkpoint directory or archive (.tar, .tar.zst, ...)")
+    p.add_argument("path", type=path_arg,
+                   help="checkpoint directory or archive (.tar, .tar.zst, ...)")
     p.add_argument("--verify", action="store_true",
                    help="also check every file's size and checksum")
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
     archive = args.verify and not args.path.is_dir()
+    if args.verify and not archive:   # verified is what restore would take: its trust first
+        require_trusted_checkpoint(args.path)
     m = verify_archive(args.path) if archive else read_any(args.path)   # one streaming pass
     verified, packed = None, args.path.is_dir() and images.is_packed(args.path)
     if args.verify and packed:

@@ -7,12 +7,12 @@ Exit codes are listed in torpor.errors.ExitCode (and the README). Tracebacks go 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import signal
 import sys
 import traceback
-from pathlib import Path
 from types import ModuleType
 
 from .. import __version__, config, logs
@@ -20,7 +20,7 @@ from ..errors import ExitCode, TorporError
 from ..files import printable
 from ..progress import Progress
 from . import checkpoint, demo, doctor, image, inspect, ps, restore, run, store, suspend
-from .context import Context
+from .context import Context, path_arg
 
 COMMANDS: dict[str, ModuleType] = {
     "doctor": doctor, "ps": ps, "checkpoint": checkpoint, "restore": restore,
@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     parser.add_argument("--debug", action="store_true", help="tracebacks and debug logs on stderr")
-    parser.add_argument("--config", type=Path, help="config file (default /etc/torpor/config.toml)")
+    parser.add_argument("--config", type=path_arg,
+                        help="config file (default /etc/torpor/config.toml)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in dict.fromkeys(COMMANDS.values()):
         module.add_parser(sub)
@@ -65,8 +66,23 @@ def _interrupt(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def _not_a_bug(e: Exception, command: str) -> str | None:
+    """The one line for an exception that is no bug of torpor's but bad input or a missing
+    right (exit 2), or None: a permission refused to a non-root user; a name too long for
+    the file system (a path given: path_arg refuses most as they are parsed)."""
+    if isinstance(e, PermissionError) and os.geteuid() != 0:
+        return _needs_root(e, command)
+    if isinstance(e, OSError) and e.errno == errno.ENAMETOOLONG:
+        return f"{e.strerror}: {printable(e.filename if e.filename else e, 200)}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except TorporError as e:   # a path argument refused as it was parsed (path_arg)
+        print(f"torpor: error: {printable(e.line(), 4000)}", file=sys.stderr)
+        return e.exit_code
     debug = args.debug
     user_umask = os.umask(0o077)  # everything torpor writes holds, or describes, process memory
     logging.getLogger().addHandler(logging.NullHandler())  # no traceback before the log is set
@@ -93,11 +109,12 @@ def main(argv: list[str] | None = None) -> int:
         print("torpor: interrupted", file=sys.stderr)
         return ExitCode.INTERRUPTED
     except Exception as e:  # a bug: still one line, the traceback in the log
-        if isinstance(e, PermissionError) and os.geteuid() != 0:  # not a bug: not root
+        usage = _not_a_bug(e, args.command)
+        if usage:
             logging.getLogger("torpor").error("%s", e, exc_info=True)
             if debug:
                 traceback.print_exc()
-            print(f"torpor: error: {_needs_root(e, args.command)}", file=sys.stderr)
+            print(f"torpor: error: {usage}", file=sys.stderr)
             return ExitCode.USAGE
         logging.getLogger("torpor").critical("unexpected error", exc_info=True)
         if debug:

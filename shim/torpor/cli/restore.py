@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from ..errors import UsageError
 from ..files import printable
 from ..placement import parse_device_map
 from ..flows.process import restore_any
-from .context import Context, agent_line, timing_lines
+from .context import Context, agent_line, path_arg, timing_lines
 
 NEEDS_RECOVERY = True
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("restore", help=__doc__.split(":")[1].strip(), description=__doc__)
-    p.add_argument("-D", "--images-dir", required=True, type=Path,
+    p.add_argument("-D", "--images-dir", required=True, type=path_arg,
                    help="directory written by 'torpor checkpoint' (packed into the image "
                         "store with --store or not)")
     p.add_argument("--device-map", action="append", default=[], metavar="OLD=NEW",

@@ -20,7 +20,7 @@ from pathlib import Path
 from .. import agent
 from ..errors import NotFoundError, UsageError
 from ..files import private_dir
-from .context import Context
+from .context import Context, path_arg
 
 NEEDS_RECOVERY = False
 
@@ -28,7 +28,7 @@ NEEDS_RECOVERY = False
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help=__doc__.split(":")[1].splitlines()[0].strip(),
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--agent-dir", type=Path, default=None,
+    p.add_argument("--agent-dir", type=path_arg, default=None,
                    help=f"where the agent's socket goes (default $TORPOR_AGENT_DIR or "
                         f"{agent.DEFAULT_DIR})")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARGS...]")

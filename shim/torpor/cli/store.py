@@ -72,8 +72,8 @@ def _refuse_while_a_pack_is_unfinished(ctx: Context) -> None:
 
 def remove(args: argparse.Namespace, ctx: Context) -> None:
     _refuse_while_a_pack_is_unfinished(ctx)
-    open_store(ctx).remove(args.names)
-    ctx.emit({"removed": args.names}, f"removed {', '.join(args.names)} "
+    removed = open_store(ctx).remove(args.names)
+    ctx.emit({"removed": removed}, f"removed {', '.join(removed)} "
              "(`torpor gc` frees the chunks no other checkpoint needs)")
 
 

@@ -219,6 +219,7 @@ def checkpoint_into_store(engine: Engine, pid: int, images_dir: Path, name: str,
     up (store_packing.discard_unnamed): a full store is not left full until gc."""
     check_snapshot_name(name)     # refused before the program is touched
     store = policy.open_store(engine.cfg, "the program was not touched")
+    store.require_new(name)       # so is a name taken: once dumped, it could not be stored
     owner = fingerprints.owner_of(uid=procs.owner_uid(pid))   # the program's own only
     try:
         with store.backend.lock(False, store.lock_timeout):

@@ -24,6 +24,17 @@ from ..store import images
 from . import policy
 
 
+def require_trusted_checkpoint(images_dir: Path) -> None:
+    """The trust a restore needs in a checkpoint directory, and `inspect --verify` checks
+    alike (one rule, so the two never disagree): a location that only root (or we) can
+    change, reached through no one else's link (files.require_trusted_location, exit 2); a
+    packed one's records (torpor.json, torpor-store.json) as strictly trusted as its images
+    (exit 9). An unpacked one's torpor.json and images: manifest.verify."""
+    require_trusted_location(images_dir, "checkpoint")
+    if images.is_packed(images_dir):
+        manifest.require_trusted_records(images_dir)
+
+
 def restore(engine: Engine, images_dir: Path, *, device_map: dict[str, str] | None = None,
             verify: bool = True, packed: Path | None = None,
             in_store: dict[str, int] | None = None) -> dict[str, Any]:
@@ -32,7 +43,7 @@ def restore(engine: Engine, images_dir: Path, *, device_map: dict[str, str] | No
     packed but for the agents' data files in_store (-> their sizes), which stream from the
     image store onto the GPU."""
     cfg, progress = engine.cfg, engine.progress
-    require_trusted_location(images_dir, "checkpoint")
+    require_trusted_checkpoint(images_dir)
     m = manifest.read(images_dir)
     with progress.phase("verify", "sizes and checksums" if verify and cfg.checksums else "sizes"):
         manifest.verify(images_dir, m, checksums=verify and cfg.checksums, elsewhere=in_store)
@@ -129,8 +140,7 @@ def restore_any(engine: Engine, images_dir: Path, **kw: Any) -> dict[str, Any]:
     happened."""
     if not images.is_packed(images_dir):
         return restore(engine, images_dir, **kw)
-    require_trusted_location(images_dir, "checkpoint")
-    manifest.require_trusted_records(images_dir)   # the unpacked copy is ours: check these here
+    require_trusted_checkpoint(images_dir)   # the unpacked copy is ours: its records checked here
     store = policy.open_store(engine.cfg)
     # the agents' GPU data goes from the store straight onto the GPU (store/stream.py)
     in_store = images.gpu_data_files(images.packed_doc(images_dir)) \

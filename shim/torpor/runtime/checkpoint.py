@@ -291,12 +291,18 @@ def _draft(cid: str, spec: dict[str, Any], use: oci.GpuUse, ck: Checkpointed, pi
         inv = None
     cuda = ck.cuda_processes
     used = set(use.uuids(inv)) | {u for p in cuda for u in p.gpu_uuids}
+    listed = [mt.Gpu(g.uuid, g.name, g.memory_total, g.index, g.minor)
+              for g in (inv.gpus if inv else []) if g.uuid in used]
+    # a GPU torpord saw the processes use but NVML does not answer for here: listed all the
+    # same (torpor.json's processes name listed GPUs only), its model unknown ("", as the CRIU
+    # plugin's manifest has it: placement puts it back onto itself, or where a map says)
+    listed += [mt.Gpu(u, "", 0) for u in sorted({u for p in cuda for u in p.gpu_uuids}
+                                                 - {g.uuid for g in listed})]
     return manifest.draft(
         torpor_version=__version__, criu_version="",
         driver=mt.Driver(inv.driver_version if inv else None, None),
         root_pid=pid, shell_job=False, leave_running=leave_running,
-        gpus=[mt.Gpu(g.uuid, g.name, g.memory_total, g.index, g.minor)
-              for g in (inv.gpus if inv else []) if g.uuid in used],
+        gpus=listed,
         processes=[mt.Process(p.pid, True, tuple(p.gpu_uuids), int(p.gpu_memory),
                               comm=procs.comm(p.pid), state=p.state,
                               gpu_memory_by_gpu={u: int(n) for u, n in

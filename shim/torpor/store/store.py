@@ -339,15 +339,35 @@ class Store:
                 str(doc["meta"].get("owner", ""))))
         return out
 
-    def remove(self, names: list[str]) -> None:
+    def require_new(self, name: str) -> str:
+        """name, when it is a good snapshot name (check_snapshot_name) that no snapshot here
+        has yet; UsageError otherwise. A checkpoint into the store asks before it starts;
+        Writer.commit asks again as it names what it wrote."""
+        check_snapshot_name(name)
+        if name in self.backend.snapshots():
+            raise UsageError(f"snapshot {name} exists already in store {self.where} "
+                             f"(torpor rm {name} first)")
+        return name
+
+    def remove(self, names: Collection[str]) -> list[str]:
         """Remove snapshots (all named must exist, or none is removed); their chunks stay
-        until gc."""
-        known = set(self.backend.snapshots())
-        missing = [n for n in names if check_snapshot_name(n) not in known]
-        if missing:
-            raise NotFoundError(f"no snapshot {', '.join(missing)} in store {self.where}")
+        until gc. A name given twice is removed once. Under the store's lock, held as every
+        writer holds it (shared: gc waits, and never sees half of it). Returns the names
+        removed, in the order given."""
+        names = list(dict.fromkeys(names))
         for n in names:
-            self.backend.delete_snapshot(n)
+            check_snapshot_name(n)
+        with self.backend.lock(False, self.lock_timeout):
+            known = set(self.backend.snapshots())
+            missing = [n for n in names if n not in known]
+            if missing:
+                raise NotFoundError(f"no snapshot {', '.join(missing)} in store {self.where}")
+            for n in names:
+                try:
+                    self.backend.delete_snapshot(n)
+                except FileNotFoundError:
+                    pass   # another rm took it meanwhile: gone, as asked
+        return names
 
     def gc(self, dry_run: bool = False, timeout: float | None = None) -> GcResult:
         """Remove chunks no snapshot names and no checkpoint directory links, and the
@@ -440,7 +460,6 @@ class Store:
         if missing:
             raise CorruptCheckpointError(f"{origin}: {len(missing)} chunk(s) missing from store "
                                          f"{self.where}, e.g. {missing[0]}")
-        if doc["name"] in self.backend.snapshots():
-            raise UsageError(f"snapshot {doc['name']} exists already in store {self.where}")
+        self.require_new(doc["name"])
         self.backend.put_snapshot(doc["name"], snapshot.dump(doc))
         return doc

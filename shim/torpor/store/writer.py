@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Iterator, Mapping, Sequence
 from ..errors import CorruptCheckpointError, TorporError, UsageError
 from ..layout import safe_relpath
 from . import chunk, snapshot
-from .backend import check_snapshot_name
 from .parallel import ordered_map
 
 if TYPE_CHECKING:
@@ -231,10 +230,8 @@ class Writer:
 
     def commit(self, name: str, meta: dict[str, Any] | None = None) -> dict[str, Any]:
         """Name what was added: make the chunks durable, then write the snapshot."""
-        check_snapshot_name(name)
+        self.store.require_new(name)
         backend = self.store.backend
-        if name in backend.snapshots():
-            raise UsageError(f"snapshot {name} exists already (torpor rm {name} first)")
         doc = {"schema": snapshot.SCHEMA, "kind": snapshot.KIND, "name": name,
                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(
                    timespec="seconds"),

@@ -1,0 +1,135 @@
+"""What the CLI makes of what it is given (a red-team pass found each): one line and the
+documented exit code, decided before anything is locked, dumped or restored."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+
+import pytest
+
+from torpor.cli import main as cli
+from tests.unit.test_cli_new_user import _main_in_process  # noqa: F401  (autouse)
+from tests.unit.test_manifest import _sealed
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("torpor: error: "), err
+    assert "internal error" not in err and "Traceback" not in err
+    return err
+
+
+def test_verify_and_restore_agree_on_a_checkpoint_others_can_change(torpor_env, tmp_path,
+                                                                    capsys):
+    """`inspect --verify` said 0 for a directory made world-writable, which restore refuses."""
+    d = _sealed(tmp_path)
+    assert cli.main(["inspect", str(d), "--verify"]) == 0
+    capsys.readouterr()
+    os.chmod(d, 0o777)
+    assert cli.main(["inspect", str(d), "--verify"]) == 2
+    assert "only root can change" in _one_line(capsys)
+    assert cli.main(["restore", "-D", str(d)]) == 2
+    assert "only root can change" in _one_line(capsys)
+    assert cli.main(["inspect", str(d)]) == 0     # what it holds may still be read
+    capsys.readouterr()
+    os.chmod(d, 0o700)
+    (d / "torpor-store.json").write_text("{}")   # packed: its records as strictly as restore
+    os.chmod(d / "torpor-store.json", 0o666)
+    assert cli.main(["inspect", str(d), "--verify"]) == 9
+    assert "torpor-store.json is owned by uid" in _one_line(capsys)
+
+
+def test_rm_of_a_name_given_twice_removes_it_once(torpor_env, tmp_path, monkeypatch, capsys):
+    from torpor.store import Store
+    monkeypatch.setenv("TORPOR_STORE_DIR", str(tmp_path / "store"))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_bytes(b"x")
+    Store(tmp_path / "store").ingest_dir(src, "a")
+    assert cli.main(["--json", "rm", "a", "a"]) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out) == {"removed": ["a"]}
+    assert cli.main(["rm", "a"]) == 3
+    assert "no snapshot a" in _one_line(capsys)
+
+
+LONG = "/tmp/" + "a" * 300
+
+
+@pytest.mark.parametrize("args", [["restore", "-D", LONG], ["checkpoint", "1", "-D", LONG],
+                                  ["inspect", LONG, "--verify"], ["--config", LONG, "ps"],
+                                  ["image", "build", "/tmp", "-o", LONG + "/x"],
+                                  ["restore", "-D", "/tmp/" + "b/" * 2100]])
+def test_a_path_too_long_is_a_usage_error_before_anything_runs(torpor_env, capsys, args):
+    """A 300-character -D name was "internal error: OSError: [Errno 36] File name too long",
+    exit 1."""
+    assert cli.main(args) == 2
+    assert "more than the" in _one_line(capsys)
+
+
+def test_a_name_too_long_met_anywhere_is_a_usage_error_not_a_bug(torpor_env, capsys,
+                                                                  monkeypatch):
+    from torpor.cli import inspect
+
+    def deep(path):
+        raise OSError(errno.ENAMETOOLONG, "File name too long", f"{path}/{'c' * 300}")
+    monkeypatch.setattr(inspect, "read_any", deep)
+    assert cli.main(["inspect", "/tmp/x"]) == 2
+    assert "File name too long: /tmp/x/ccc" in _one_line(capsys)
+
+
+def test_a_config_that_is_a_device_is_one_line_not_a_hang(torpor_env, capsys):
+    import signal
+    signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(TimeoutError("hung")))
+    signal.alarm(10)
+    try:
+        assert cli.main(["--config", "/dev/zero", "ps"]) == 2
+    finally:
+        signal.alarm(0)
+    assert "config /dev/zero is not a regular file" in _one_line(capsys)
+
+
+@pytest.fixture
+def sleeper():
+    """A program to name as the one to checkpoint (never this test's own process)."""
+    import subprocess
+    proc = subprocess.Popen(["sleep", "60"])
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+@pytest.mark.parametrize("args", [["checkpoint", "PID", "-D", ""], ["restore", "-D", ""],
+                                  ["inspect", ""], ["--config", "", "ps"]])
+def test_an_empty_path_is_refused_not_taken_as_the_current_directory(torpor_env, capsys, args,
+                                                                     sleeper, monkeypatch):
+    from torpor.cli import checkpoint
+    monkeypatch.setattr(checkpoint, "checkpoint", lambda *a, **kw: pytest.fail("it ran"))
+    assert cli.main([str(sleeper) if a == "PID" else a for a in args]) == 2
+    assert "an empty path" in _one_line(capsys)
+
+
+@pytest.mark.parametrize("name", ["", "taken"])
+def test_a_store_name_is_checked_before_the_program_is_touched(torpor_env, tmp_path, sleeper,
+                                                                monkeypatch, capsys, name):
+    """`--store ""` checkpointed into no store at all; `--store TAKEN` checkpointed (the
+    program ended) and then failed: both are refused first, as `torpor rm ""` is."""
+    from torpor.cli import checkpoint
+    from torpor.flows import checkpoint as flow
+    from torpor.store import Store
+    monkeypatch.setenv("TORPOR_STORE_DIR", str(tmp_path / "store"))
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "f").write_bytes(b"x")
+    Store(tmp_path / "store").ingest_dir(tmp_path / "src", "taken")
+    touched = []
+    for module in (checkpoint, flow):   # nothing is checkpointed here, whatever happens
+        monkeypatch.setattr(module, "checkpoint", lambda *a, **kw: touched.append(a))
+    monkeypatch.setattr(flow.procs, "owner_uid", lambda pid: touched.append(pid))
+    says = "snapshot taken exists already"
+    if name == "":
+        assert cli.main(["rm", ""]) == 2
+        says = _one_line(capsys)      # the same rule, in the same words
+    assert cli.main(["checkpoint", str(sleeper), "-D", str(tmp_path / "ck"), "--store", name]) == 2
+    assert says in _one_line(capsys)
+    assert touched == [] and not (tmp_path / "ck").exists()
