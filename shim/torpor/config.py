@@ -116,6 +116,24 @@ def _read(path: Path) -> bytes:
         os.close(fd)
 
 
+def _convert(kind: type, value: object) -> object:
+    """A setting's value (from TOML, or a string from the environment) as its field's type;
+    TypeError or ValueError saying what was expected."""
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ValueError("expected true or false")
+        return value
+    if issubclass(kind, Path) or kind is str:
+        if not isinstance(value, str):
+            raise TypeError("expected a string" + (" (a path)" if kind is not str else ""))
+        return Path(value) if kind is not str else value
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise TypeError("expected a number")
+    if kind is int and isinstance(value, float):
+        raise ValueError("expected a whole number")
+    return kind(value)
+
+
 def load(path: Path | None = None, env: dict[str, str] | None = None) -> Config:
     """Read the config file and the environment; bad values are one UsageError. The file
     ($TORPOR_CONFIG or the default) may be missing; one named on the command line (path)
@@ -140,15 +158,13 @@ def load(path: Path | None = None, env: dict[str, str] | None = None) -> Config:
         if var in env and env[var] != "":
             values[key] = _BOOL_WORDS.get(env[var].lower(), env[var]) if conv is bool \
                 else env[var]
-    try:
-        for key, value in list(values.items()):
-            default = getattr(Config, key)
-            kind = type(default)
-            if kind is bool and not isinstance(value, bool):
-                raise ValueError(f"{key} must be true or false")
-            values[key] = Path(value) if kind.__name__.endswith("Path") else kind(value)
-    except (TypeError, ValueError) as e:
-        raise UsageError(f"bad setting: {e}") from e
+    for key, value in list(values.items()):
+        try:
+            values[key] = _convert(type(getattr(Config, key)), value)
+        except (TypeError, ValueError) as e:
+            shown = repr(value)
+            shown = shown if len(shown) <= 80 else shown[:77] + "..."
+            raise UsageError(f"bad setting {key} = {shown}: {e}") from None
     cfg = Config(**values)  # type: ignore[arg-type]
     if not math.isfinite(cfg.lock_timeout_s) or not 0 < cfg.lock_timeout_s <= 3600:
         raise UsageError("lock_timeout_s must be a number of seconds between 0 and 3600")

@@ -100,3 +100,18 @@ def test_every_key_is_named_in_the_operations_doc():
     text = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
     missing = [f.name for f in dataclasses.fields(Config) if f"`{f.name}`" not in text]
     assert not missing, f"not in docs/operations.md: {missing}"
+
+
+@pytest.mark.parametrize("line,says", [
+    ("suspend_dir = 5", "bad setting suspend_dir = 5: expected a string (a path)"),
+    ("oci_runtime = 7", "bad setting oci_runtime = 7: expected a string"),
+    ("lock_timeout_s = true", "bad setting lock_timeout_s = True: expected a number"),
+    ("agent_files = 2.5", "bad setting agent_files = 2.5: expected a whole number"),
+    ("suspend_tmpfs = 1", "bad setting suspend_tmpfs = 1: expected true or false"),
+])
+def test_a_setting_of_the_wrong_type_is_named_with_what_it_expects(tmp_path, line, says):
+    path = tmp_path / "c.toml"
+    path.write_text(line + "\n")
+    with pytest.raises(UsageError) as e:
+        config.load(path, env={})
+    assert str(e.value) == says
