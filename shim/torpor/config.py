@@ -165,6 +165,10 @@ def load(path: Path | None = None, env: dict[str, str] | None = None) -> Config:
             shown = repr(value)
             shown = shown if len(shown) <= 80 else shown[:77] + "..."
             raise UsageError(f"bad setting {key} = {shown}: {e}") from None
+    if "suspend_dir" not in values and os.geteuid() != 0:
+        # a user's own: root takes /dev/shm/torpor back from any user who has it
+        # (files.reclaim_shared_name), their suspended programs' data with it
+        values["suspend_dir"] = Path(f"{Config.suspend_dir}-{os.geteuid()}")
     cfg = Config(**values)  # type: ignore[arg-type]
     if not math.isfinite(cfg.lock_timeout_s) or not 0 < cfg.lock_timeout_s <= 3600:
         raise UsageError("lock_timeout_s must be a number of seconds between 0 and 3600")

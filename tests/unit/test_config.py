@@ -115,3 +115,12 @@ def test_a_setting_of_the_wrong_type_is_named_with_what_it_expects(tmp_path, lin
     with pytest.raises(UsageError) as e:
         config.load(path, env={})
     assert str(e.value) == says
+
+
+def test_a_user_s_default_suspend_dir_is_their_own_not_the_one_root_takes_back(monkeypatch):
+    none = {"TORPOR_CONFIG": "/nonexistent.toml"}
+    monkeypatch.setattr(config.os, "geteuid", lambda: 1000)
+    assert config.load(env=none).suspend_dir == Path("/dev/shm/torpor-1000")
+    assert config.load(env={**none, "TORPOR_SUSPEND_DIR": "/x"}).suspend_dir == Path("/x")
+    monkeypatch.setattr(config.os, "geteuid", lambda: 0)
+    assert config.load(env=none).suspend_dir == Path("/dev/shm/torpor")
