@@ -137,6 +137,18 @@ def _claim_suspend_dir(path: Path) -> os.stat_result:
 
 
 @needs_root
+def _flipping(name: str, target: Path):
+    """A user's loop (for _as_nobody): name, in the current directory, made a directory,
+    removed, made a link to target and removed, as fast as it goes, for ever."""
+    def flip() -> None:
+        while True:
+            for step in (lambda: os.mkdir(name), lambda: os.rmdir(name),
+                         lambda: os.symlink(target, name), lambda: os.unlink(name)):
+                with contextlib.suppress(OSError):
+                    step()
+    return flip
+
+
 @pytest.mark.parametrize("claim", [_claim_images, _claim_suspend_dir])
 def test_a_directory_swapped_for_a_users_link_while_torpor_claims_it(
         sticky, root_only, unprotected_symlinks, claim):
@@ -146,14 +158,7 @@ def test_a_directory_swapped_for_a_users_link_while_torpor_claims_it(
     holds a directory that is really sticky/x/ck, made by root. For the images directory of
     a checkpoint and for suspend_dir."""
 
-    def swap() -> None:
-        while True:
-            for step in (lambda: os.mkdir("x"), lambda: os.rmdir("x"),
-                         lambda: os.symlink(root_only, "x"), lambda: os.unlink("x")):
-                with contextlib.suppress(OSError):
-                    step()
-
-    child = _as_nobody(sticky, swap)
+    child = _as_nobody(sticky, _flipping("x", root_only))
     outcomes = {"claimed": 0, "refused": 0}
     # suspend_dir takes back what the user put at sticky/x (agent_data.claim_suspend_dir): a
     # refusal there is rare (the user wins _MAX_SQUATS races in a row), not to be waited for
@@ -343,14 +348,7 @@ def test_a_race_for_the_name_never_hands_root_a_users_entry(sticky, root_only,
     directory or link was there)."""
     from torpor import agent_data
 
-    def squat() -> None:
-        while True:
-            for step in (lambda: os.mkdir("torpor"), lambda: os.rmdir("torpor"),
-                         lambda: os.symlink(root_only, "torpor"), lambda: os.unlink("torpor")):
-                with contextlib.suppress(OSError):
-                    step()
-
-    child = _as_nobody(sticky, squat)
+    child = _as_nobody(sticky, _flipping("torpor", root_only))
     claimed, refused = 0, []
     try:
         deadline = time.monotonic() + 3
