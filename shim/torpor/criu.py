@@ -153,20 +153,28 @@ def run_criu(criu: Criu, cfg: Config, action: str, args: list[str], log_path: Pa
             out.seek(0)
             said = out.read(1 << 16)
     except subprocess.TimeoutExpired as e:
-        raise CriuError(f"criu {action} did not finish in {timeout:.0f} s (log: {log_path})") from e
+        raise CriuError(f"criu {action} did not finish in {timeout:.0f} s (log: {log_path})",
+                        cut_short=True) from e
     finally:
         out_path.unlink(missing_ok=True)
     log.info("criu %s exited %d after %.2f s", action, proc.returncode, time.monotonic() - start)
     if proc.returncode < 0:   # its log ends wherever the signal found it: nothing to quote
         raise CriuError(f"criu {action} failed: CRIU was killed by signal {-proc.returncode} "
-                        f"({_signal_name(-proc.returncode)}) (log: {log_path})")
+                        f"({_signal_name(-proc.returncode)}) (log: {log_path})", cut_short=True)
     if proc.returncode != 0:
         lines = said.decode(errors="replace").strip().splitlines()
         detail = log_errors(log_path) if log_path.exists() else (lines[-1] if lines else "")
-        if "Connected TCP socket" in detail:
-            detail += (" [torpor takes established TCP connections along with tcp_established "
-                       "= true in its config, or TORPOR_TCP_ESTABLISHED=1]")
+        detail += "".join(f" [{hint}]" for said_by_criu, hint in _HINTS if said_by_criu in detail)
         raise CriuError(f"criu {action} failed: {detail} (log: {log_path})")
+
+
+# What CRIU says, and what an operator does about it.
+_HINTS = (
+    ("Connected TCP socket", "torpor takes established TCP connections along with "
+     "tcp_established = true in its config, or TORPOR_TCP_ESTABLISHED=1"),
+    ("has bad size", "a file the program had open when it was checkpointed has changed size "
+     "since: CRIU reopens it in place, so it must be as it was"),
+)
 
 
 def _signal_name(number: int) -> str:

@@ -88,7 +88,13 @@ class NoDriverError(TorporError):
 
 
 class CriuError(TorporError):
+    """CRIU failed. cut_short: it did not end on its own (a signal, or torpor's timeout killed
+    it), so the cleanup CRIU does after a failure did not run."""
     exit_code = ExitCode.CRIU
+
+    def __init__(self, message: str, *, cut_short: bool = False, **kw):
+        super().__init__(message, **kw)
+        self.cut_short = cut_short
 
 
 class BusyError(TorporError):

@@ -82,6 +82,35 @@ def torpor(tmp_path: Path, gpu: FakeGpu, torpor_env: dict[str, str]) -> Torpor:
     return Torpor(env)
 
 
+# A test program's counter, for programs written as COUNTER + """...""" that call tick(path, n):
+# one fixed-width line rewritten in place through a descriptor the program keeps open. A file
+# rewritten with open(path, "w") is empty between the truncate and the write: a checkpoint taken
+# there keeps it empty, and CRIU refuses to restore an open file whose size has changed since
+# ("has bad size"). Here the size never changes and a reader never sees the file empty.
+COUNTER = """
+import os as _os
+_ticks = {}
+def tick(path, n):
+    if path not in _ticks:
+        _ticks[path] = _os.open(path, _os.O_WRONLY | _os.O_CREAT | _os.O_CLOEXEC, 0o600)
+    _os.pwrite(_ticks[path], b"%20d\\n" % n, 0)
+"""
+
+
+def read_count(path: Path) -> int:
+    """The counter a COUNTER program ticks: 0 before its first tick."""
+    for _ in range(3):          # a read racing the in-place write may see it half-copied
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            return 0
+        try:
+            return int(text) if text.strip() else 0
+        except ValueError:
+            time.sleep(0.005)
+    raise AssertionError(f"{path} does not hold a counter: {text!r}")
+
+
 def wait_for(pred, timeout: float = 10.0, what: str = "condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

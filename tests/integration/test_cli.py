@@ -16,19 +16,13 @@ from pathlib import Path
 import pytest
 
 from tests.fakes.fakegpu import CHECKPOINTED, LOCKED, RUNNING
-from tests.integration.conftest import alive, checkpointed_and_reaped, needs_criu, wait_for
+from tests.integration.conftest import (COUNTER, alive, checkpointed_and_reaped, needs_criu,
+                                        read_count, wait_for)
 
 pytestmark = needs_criu
 
 
-def _count(path: Path) -> int:
-    """The counter a test program rewrites (open 'w' truncates first: retry an empty read)."""
-    for _ in range(100):
-        text = path.read_text()
-        if text:
-            return int(text)
-        time.sleep(0.005)
-    raise AssertionError(f"{path} stays empty")
+_count = read_count
 
 
 def _live_criu(since: float = 0.0) -> list[int]:
@@ -56,12 +50,12 @@ def _journal(tmp_path: Path) -> list[Path]:
 
 def test_cpu_process_tree_roundtrip(torpor, tmp_path, reaper):
     status = tmp_path / "tree.txt"
-    code = ("import os, time\n"
-            "child = os.fork()\n"
-            "n = 0\n"
-            "while True:\n"
-            f"    n += 1\n    open('{status}' + ('.c' if child == 0 else '.p'), 'w').write(str(n))\n"
-            "    time.sleep(0.02)\n")
+    code = COUNTER + ("import os, time\n"
+                      "child = os.fork()\n"
+                      "n = 0\n"
+                      "while True:\n"
+                      f"    n += 1\n    tick('{status}' + ('.c' if child == 0 else '.p'), n)\n"
+                      "    time.sleep(0.02)\n")
     parent = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True)
@@ -78,15 +72,14 @@ def test_cpu_process_tree_roundtrip(torpor, tmp_path, reaper):
     assert not any(p["cuda"] for p in m["processes"]) and "lock" not in m["timings"]
     assert oct(images.stat().st_mode & 0o777) == "0o700"
     assert oct((images / "torpor.json").stat().st_mode & 0o777) == "0o600"
-    # the dump may have ended the child between its truncate and its write: empty is 0 then
-    before = int(Path(f"{status}.c").read_text() or 0)
+    before = _count(Path(f"{status}.c"))
     r = torpor.json("restore", "-D", str(images))
     assert r["root_pid"] == parent.pid and sorted(r["pids"]) == sorted([parent.pid, child])
     wait_for(lambda: _count(Path(f"{status}.c")) > before + 5, what="child ticking")
     assert alive(parent.pid) and alive(child)
 
 
-TCP_PROGRAM = """
+TCP_PROGRAM = COUNTER + """
 import socket, sys, time
 srv = socket.create_server(("127.0.0.1", 0))
 a = socket.create_connection(srv.getsockname())
@@ -97,7 +90,7 @@ while True:                      # a counter around a loopback connection, as NC
     a.sendall(n.to_bytes(8, "little"))
     got = int.from_bytes(b.recv(8, socket.MSG_WAITALL), "little")
     assert got == n, (got, n)
-    open(sys.argv[1], "w").write(str(n))
+    tick(sys.argv[1], n)
     time.sleep(0.02)
 """
 
@@ -131,7 +124,16 @@ def test_established_tcp_connections_go_along_only_when_asked(torpor, tmp_path, 
     wait_for(lambda: _count(status) > before + 5, what="the restored program ticking")
 
 
-LISTEN_PROGRAM = """
+TICKING = """
+import sys, time
+n = 0
+while True:
+    n += 1
+    tick(sys.argv[1], n)
+    time.sleep(0.02)
+"""
+
+LISTEN_PROGRAM = COUNTER + """
 import os, socket, sys
 srv = socket.create_server(("127.0.0.1", 0))
 srv.settimeout(0.02)
@@ -140,7 +142,7 @@ os.rename(sys.argv[2] + ".tmp", sys.argv[2])
 n = 0
 while True:                      # a counter, told to whoever connects, as a server's state
     n += 1
-    open(sys.argv[1], "w").write(str(n))
+    tick(sys.argv[1], n)
     try:
         c, _ = srv.accept()
     except (TimeoutError, InterruptedError):
@@ -187,6 +189,36 @@ def test_a_listening_tcp_socket_goes_along_and_answers_after_restore(torpor, tmp
     assert _ask(port) >= at_checkpoint                  # the same counter, not a new program's
     wait_for(lambda: _count(status) > at_checkpoint + 5, what="the restored server ticking")
     assert _ask(port) > at_checkpoint + 5
+
+
+def test_a_restore_criu_refuses_says_why_and_what_to_do_and_leaves_nothing(torpor, tmp_path,
+                                                                           reaper):
+    """A file the program holds open has changed size since its checkpoint: CRIU refuses the
+    restore and cleans up after itself. torpor quotes why, says what to do, claims no
+    half-restored process it did not stop, and leaves the checkpoint to restore once the file
+    is put back."""
+    status = tmp_path / "n.txt"
+    prog = subprocess.Popen([sys.executable, "-c", COUNTER + TICKING, str(status)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    reaper.append(prog.pid)
+    wait_for(lambda: _count(status) > 3, what="the program ticking")
+    images = tmp_path / "ck"
+    torpor.json("checkpoint", str(prog.pid), "-D", str(images))
+    prog.wait(timeout=10)
+    kept = status.read_bytes()
+    status.write_bytes(kept + b"more")
+    r = torpor.run("restore", "-D", str(images))
+    assert r.returncode == 5, r.stderr
+    assert "has bad size" in r.stderr and "must be as it was" in r.stderr, r.stderr
+    assert "stopped" not in r.stderr, r.stderr
+    assert not alive(prog.pid)
+    assert not list((tmp_path / "state" / "journal").glob("*.json"))
+    status.write_bytes(kept)
+    r = torpor.run("restore", "-D", str(images))
+    assert r.returncode == 0, r.stderr
+    n = _count(status)
+    wait_for(lambda: _count(status) > n + 3, what="the restored program ticking")
 
 
 def test_gpu_process_roundtrip_with_device_map(torpor, gpu, tmp_path, reaper):
@@ -424,11 +456,11 @@ def test_sigkill_of_torpor_mid_dump_lets_criu_finish_and_seals_the_checkpoint(to
     parasite): the dump finishes and ends the program, and the next torpor, having waited for
     CRIU, seals the checkpoint, which restores and ticks on."""
     status = tmp_path / "n"
-    code = ("import os, time\n"
-            "b = bytearray(os.urandom(1 << 20)) * 800\n"   # enough pages for a dump of ~1 s
-            "n = 0\n"
-            "while True:\n"
-            f"    n += 1\n    open('{status}', 'w').write(str(n))\n    time.sleep(0.02)\n")
+    code = COUNTER + ("import os, time\n"
+                      "b = bytearray(os.urandom(1 << 20)) * 800\n"   # pages for a dump of ~1 s
+                      "n = 0\n"
+                      "while True:\n"
+                      f"    n += 1\n    tick('{status}', n)\n    time.sleep(0.02)\n")
     prog = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import alive, needs_criu, wait_for
+from tests.integration.conftest import COUNTER, alive, needs_criu, read_count, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTALL = ROOT / "packaging" / "kubernetes" / "node-install.sh"
@@ -86,13 +86,12 @@ def test_the_bundle_runs_on_its_own_loader_and_libraries(node: Path) -> None:
     assert cfg == {"oci_runtime": "runc", "criu": f"{bundle}/bin/criu"}
 
 
-COUNTER = """
+TICKING = """
 import sys, time
 n = 0
 while True:
     n += 1
-    with open(sys.argv[1] + ".tmp", "w") as f: f.write(str(n))
-    import os; os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+    tick(sys.argv[1], n)
     time.sleep(0.05)
 """
 
@@ -101,23 +100,23 @@ while True:
 def test_the_bundle_checkpoints_and_restores_a_program_with_its_own_criu(
         node: Path, tmp_path: Path, torpor_env: dict[str, str]) -> None:
     count = tmp_path / "count"
-    prog = subprocess.Popen([sys.executable, "-c", COUNTER, str(count)], start_new_session=True,
+    prog = subprocess.Popen([sys.executable, "-c", COUNTER + TICKING, str(count)], start_new_session=True,
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     torpor = node / "node" / "bin" / "torpor"
     env = {**CLEAN, **torpor_env}
     try:
-        wait_for(lambda: count.exists() and int(count.read_text()) > 3, what="the counter")
+        wait_for(lambda: read_count(count) > 3, what="the counter")
         r = subprocess.run([str(torpor), "checkpoint", str(prog.pid), "-D", str(tmp_path / "ck")],
                            env=env, capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
         prog.wait(timeout=10)
-        at_dump = int(count.read_text())
+        at_dump = read_count(count)
         r = subprocess.run([str(torpor), "restore", "-D", str(tmp_path / "ck")], env=env,
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
         assert "CRIU 4" in r.stderr
-        wait_for(lambda: int(count.read_text()) > at_dump + 3, what="the restored counter")
+        wait_for(lambda: read_count(count) > at_dump + 3, what="the restored counter")
         assert alive(prog.pid)
     finally:
         try:

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from tests.fakes.fakegpu import RUNNING
-from tests.integration.conftest import Torpor, alive, checkpointed_and_reaped, needs_criu, wait_for
+from tests.integration.conftest import (Torpor, alive, checkpointed_and_reaped, needs_criu,
+                                        read_count, wait_for)
 from tests.integration.registry_server import Registry, missing
 from tests.integration.test_store_cli import STABLE_PROGRAM
 
@@ -52,14 +53,13 @@ def _stable_program(tmp_path: Path, reaper: list[int]) -> tuple[subprocess.Popen
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     reaper.append(prog.pid)
-    wait_for(lambda: prog.poll() is not None or (status.exists() and status.read_text()), 30,
+    wait_for(lambda: prog.poll() is not None or read_count(status), 30,
              "the program")
     assert prog.poll() is None
     return prog, status
 
 
-def _count(status: Path) -> int:
-    return int(status.read_text() or 0)
+_count = read_count
 
 
 def _build_push(t: Torpor, registry: Registry, src: Path, layout: Path, ref: str) -> dict:

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.fakes.fakegpu import RUNNING
-from tests.integration.conftest import alive, checkpointed_and_reaped, needs_criu, wait_for
+from tests.integration.conftest import (COUNTER, alive, checkpointed_and_reaped, needs_criu,
+                                        read_count, wait_for)
 
 pytestmark = needs_criu
 
@@ -69,7 +70,7 @@ def test_checkpoint_into_the_store_then_restore(torpor, gpu, store, tmp_path, re
 # image; the store cuts page images by address window (pages.py), so its chunks match the first
 # checkpoint's anyway. Cut by offset, none would. One mapping, its lower half growing: fixed
 # addresses collided now and then with the interpreter's own mappings (EEXIST in CI).
-STABLE_PROGRAM = """
+STABLE_PROGRAM = COUNTER + """
 import ctypes, random, sys, time
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mmap.restype = ctypes.c_void_p
@@ -84,7 +85,7 @@ n = 0
 while True:
     ctypes.memset(growing + n * 4096 * 7, n % 251 + 1, 1)   # a new page, every 7th
     n += 1
-    open(sys.argv[1], "w").write(str(n))
+    tick(sys.argv[1], n)
     time.sleep(0.02)
 """
 
@@ -97,13 +98,13 @@ def test_a_second_checkpoint_stores_only_what_changed(torpor, store, tmp_path, r
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=err, start_new_session=True)
     reaper.append(prog.pid)
-    wait_for(lambda: prog.poll() is not None or (status.exists() and status.read_text()), 30,
+    wait_for(lambda: prog.poll() is not None or (read_count(status)), 30,
              "the program")
     assert prog.poll() is None, errors.read_text()
     first = torpor.json("checkpoint", str(prog.pid), "-D", str(tmp_path / "ck1"),
                         "--store", "one", "--leave-running")["stored"]
-    n = int(status.read_text() or 0)
-    wait_for(lambda: int(status.read_text() or 0) > n + 3, 10, "the program to go on")
+    n = read_count(status)
+    wait_for(lambda: read_count(status) > n + 3, 10, "the program to go on")
     second = torpor.json("checkpoint", str(prog.pid), "-D", str(tmp_path / "ck2"),
                          "--store", "two", "--leave-running")["stored"]
     assert first["new_bytes"] > 60 << 20, first                # random: stored as it is
@@ -233,7 +234,7 @@ def test_a_full_store_is_left_as_it_was(torpor, gpu, tmp_path, reaper, leave_run
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True)
         reaper.append(prog.pid)
-        wait_for(lambda: prog.poll() is None and status.exists() and status.read_text(), 30,
+        wait_for(lambda: prog.poll() is None and read_count(status), 30,
                  "the program")
         images = tmp_path / "ck"
         proc = torpor.run("checkpoint", str(prog.pid), "-D", str(images), "--store", "big",

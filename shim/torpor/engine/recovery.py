@@ -154,15 +154,18 @@ class Recovery:
             shutil.rmtree(work, ignore_errors=True)
             return False, [f"finished the restore ({entry.id}) an interrupted torpor left to "
                            "CRIU"]
-        said = self.stop_half_restored(entry)
-        return False, [said] if said else []
+        frozen = self.stop_half_restored(entry)
+        return False, [f"stopped {len(frozen)} half-restored process(es) "
+                       f"({', '.join(map(str, frozen))}) that an interrupted restore "
+                       f"({entry.id}) left frozen; the checkpoint is unchanged: restore it "
+                       "again"] if frozen else []
 
-    def stop_half_restored(self, entry: Entry) -> str:
+    def stop_half_restored(self, entry: Entry) -> list[int]:
         """A restore whose CRIU ended without finishing (killed, or died with torpor): the
         processes it had made so far are frozen in its restorer for good (CRIU cleans up a
         restore that fails, not one that is killed). They are stopped, CRIU's work directory
-        goes, and the checkpoint, which a restore never changes, stays as it was. Returns what
-        to say ("" when there was none)."""
+        goes, and the checkpoint, which a restore never changes, stays as it was. Returns the
+        PIDs stopped."""
         frozen = [p for p in entry.image_pids
                   if (t := procs.started_at(p)) is not None and t >= entry.started - 1.0]
         for p in frozen:
@@ -176,10 +179,7 @@ class Recovery:
         if entry.work_dir:
             shutil.rmtree(entry.work_dir, ignore_errors=True)
         entry.pids = []    # none of them is a program to give its GPU back
-        return "" if not frozen else (
-            f"stopped {len(frozen)} half-restored process(es) ({', '.join(map(str, frozen))}) "
-            f"that an interrupted restore ({entry.id}) left frozen; the checkpoint is "
-            "unchanged: restore it again")
+        return frozen
 
     def _interrupted_dump(self, entry: Entry) -> tuple[bool, list[str]]:
         """A checkpoint whose torpor died while CRIU dumped. CRIU outlives torpor

@@ -98,10 +98,15 @@ def restore(engine: Engine, images_dir: Path, *, device_map: dict[str, str] | No
         except CriuError as e:
             if criu.restore_finished(work_dir):
                 raise
-            # CRIU cleans up a restore that fails, not one that is killed half-way
-            said = engine.stop_half_restored(op.entry)
+            # CRIU cleans up a restore that fails, not one that is killed half-way; what a
+            # failing CRIU is still ending goes too, so that the PIDs are free for the next try
+            frozen = engine.stop_half_restored(op.entry)
             op.close()
-            raise CriuError(f"{e}; {said}" if said else str(e)) from e
+            if e.cut_short and frozen:
+                raise CriuError(f"{e}; stopped the {len(frozen)} process(es) it had restored so "
+                                f"far ({', '.join(map(str, frozen))}); the checkpoint is "
+                                "unchanged: restore it again") from e
+            raise
         except BaseException as e:
             for p in reversed(pids):
                 try:
