@@ -67,12 +67,14 @@ class GpuUse:
         return list(dict.fromkeys(out))
 
 
-_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+_ID_RE = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
 
 def validate_container_id(cid: str) -> str:
-    """A container id fit to name a file (torpord's records, agent socket directories)."""
-    if not _ID_RE.match(cid or "") or ".." in cid or cid == ".":
+    """A container id fit to name a file (torpord's records, agent socket directories,
+    torpor-runtime's markers): the whole id, as the native front's valid_id reads it (a
+    trailing newline, which re's "$" lets through, is refused too)."""
+    if not isinstance(cid, str) or not _ID_RE.fullmatch(cid) or ".." in cid or cid == ".":
         raise UsageError(f"bad container id {cid!r}: use 1-128 of [A-Za-z0-9_.-], no '..'")
     return cid
 

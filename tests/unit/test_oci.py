@@ -162,3 +162,17 @@ def test_host_ids_follow_user_and_mappings():
     assert oci.host_ids(userns) == (100000, 200005)
     userns["process"]["user"]["gid"] = 50
     assert oci.host_ids(userns)[1] == 65534
+
+
+@pytest.mark.parametrize("cid", ["c0ffee", "a.b_c-d", "x" * 128, ".hidden"])
+def test_container_id_fit_to_name_a_file(cid):
+    assert oci.validate_container_id(cid) == cid
+
+
+@pytest.mark.parametrize("cid", ["", ".", "..", "a..b", "a/b", "x" * 129, "abc\n", "a\nb",
+                                 "abc\r", "x" * 128 + "\n", "ab c", None])
+def test_container_id_that_cannot_name_a_file_is_refused(cid):
+    # "abc\n": re's "$" matches before a final newline; the native front (valid_id) refuses
+    # it, and a marker or agent directory named "abc\n" would be left behind
+    with pytest.raises(UsageError, match="bad container id"):
+        oci.validate_container_id(cid)
