@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -79,10 +80,36 @@ def validate_container_id(cid: str) -> str:
     return cid
 
 
+MAX_SPEC = 64 << 20   # as the native front's MAX_SPEC: a bigger config.json is no spec of ours
+
+
+def _read_spec(path: Path) -> bytes:
+    """config.json's bytes: a regular file (a FIFO or a device, /dev/zero say, would block or
+    fill memory: runc's decoder stops at the first byte, this read would not) of at most
+    MAX_SPEC bytes, opened without blocking."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        chunks, left = [], MAX_SPEC + 1
+        while left > 0:
+            block = os.read(fd, min(left, 1 << 20))
+            if not block:
+                break
+            chunks.append(block)
+            left -= len(block)
+    finally:
+        os.close(fd)
+    if left <= 0:
+        raise ValueError(f"larger than {MAX_SPEC} bytes")
+    return b"".join(chunks)
+
+
 def load(bundle: Path) -> dict[str, Any]:
     path = Path(bundle) / "config.json"
     try:
-        spec = loads_json(path.read_bytes())
+        spec = loads_json(_read_spec(path))
     except FileNotFoundError:
         raise UsageError(f"no OCI spec at {path}") from None
     except (OSError, ValueError) as e:

@@ -176,3 +176,38 @@ def test_container_id_that_cannot_name_a_file_is_refused(cid):
     # it, and a marker or agent directory named "abc\n" would be left behind
     with pytest.raises(UsageError, match="bad container id"):
         oci.validate_container_id(cid)
+
+
+LOAD = """
+import resource, sys
+from pathlib import Path
+resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+from torpor import oci
+from torpor.errors import UsageError
+try:
+    oci.load(Path(sys.argv[1]))
+except UsageError as e:
+    print("refused:", e)
+"""
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "too-large"])
+def test_load_refuses_a_spec_that_would_block_or_fill_memory(tmp_path, kind):
+    """config.json is the bundle's, whoever starts containers: a FIFO must not hang the
+    engine's create, /dev/zero or a huge sparse file must not fill a root process's memory;
+    each is one line (UsageError), and create then leaves the spec to runc."""
+    import os
+    import subprocess
+    import sys
+    spec = tmp_path / "config.json"
+    if kind == "fifo":
+        os.mkfifo(spec)
+    elif kind == "dev-zero":
+        spec.symlink_to("/dev/zero")
+    else:
+        with open(spec, "wb") as f:
+            f.truncate((64 << 20) + 1)   # oci.MAX_SPEC + 1
+    out = subprocess.run([sys.executable, "-c", LOAD, str(tmp_path)], capture_output=True,
+                         text=True, timeout=30)
+    assert out.stdout.startswith("refused: cannot read the OCI spec"), out.stderr[-500:]
+    assert ("larger than" if kind == "too-large" else "not a regular file") in out.stdout
