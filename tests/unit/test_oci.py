@@ -211,3 +211,18 @@ def test_load_refuses_a_spec_that_would_block_or_fill_memory(tmp_path, kind):
                          text=True, timeout=30)
     assert out.stdout.startswith("refused: cannot read the OCI spec"), out.stderr[-500:]
     assert ("larger than" if kind == "too-large" else "not a regular file") in out.stdout
+
+
+def test_save_keeps_the_mode_under_torpor_runtimes_umask(tmp_path):
+    """torpor-runtime sets umask 077 before its flows: a 0644 config.json it rewrites at
+    create (hooks, the agent) or restore stays 0644, as oci.save says."""
+    import os
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(gpu_spec()))
+    path.chmod(0o644)
+    old = os.umask(0o077)
+    try:
+        oci.save(tmp_path, oci.load(tmp_path))
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o644
