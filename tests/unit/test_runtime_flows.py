@@ -438,3 +438,24 @@ def test_a_checkpoint_that_cannot_be_flattened_is_kept_whole_with_a_warning(worl
     assert not list(images.glob("torpor-gpu+*"))
     with pytest.raises(CorruptCheckpointError, match="symbolic link"):   # never restored
         manifest.verify(images, manifest.read(images))
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_error_in_the_runtime_log_is_one_parseable_line(tmp_path, fmt):
+    """containerd and conmon read the error from --log in --log-format; runc's stderr, quoted
+    into torpor's message, may hold '"' and '\\': in the text format (logrus's, values quoted
+    as Go's %q) they must not end msg early nor forge a field."""
+    import re
+    from torpor.runtime import argv as rt_argv
+    log = tmp_path / "runc.log"
+    inv = rt_argv.parse(["--log", str(log), "--log-format", fmt, "checkpoint", CID])
+    message = 'runc state x failed: container "x" does not exist level=error msg="forged" \\'
+    rt_main.report(inv, message)
+    lines = log.read_text().splitlines()
+    assert len(lines) == 1
+    if fmt == "json":
+        assert json.loads(lines[0])["msg"] == f"torpor: {message}"
+    else:
+        m = re.fullmatch(r'time="[^"]+" level=error msg=("(?:[^"\\]|\\.)*")', lines[0])
+        assert m, lines[0]
+        assert json.loads(m.group(1)) == f"torpor: {message}"

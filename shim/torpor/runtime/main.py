@@ -30,7 +30,9 @@ def report(inv: argv_mod.Invocation, message: str) -> None:
     if inv.global_opts.get("log-format") == "json":
         line = json.dumps({"level": "error", "msg": f"torpor: {message}", "time": now})
     else:
-        line = f'time="{now}" level=error msg="torpor: {message}"'
+        # logrus's text format quotes a value as Go's %q does: a '"' or '\\' in the message
+        # (runc's own stderr is quoted into ours) must not end msg early
+        line = f'time="{now}" level=error msg={json.dumps(f"torpor: {message}")}'
     try:
         with open(path, "a") as f:
             f.write(line + "\n")
