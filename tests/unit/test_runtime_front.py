@@ -358,6 +358,30 @@ def test_python_removes_a_stale_marker_of_the_same_root_at_create(real):
     assert not (w.run_dir / "containers" / CID).exists()
 
 
+@pytest.mark.parametrize("kind", ["link-to-fifo", "fifo", "link-to-marker"])
+def test_a_marker_that_is_no_regular_file_is_not_followed_nor_waited_on(real, tmp_path, kind):
+    """Only torpor-runtime writes markers (0600 in a 0700 directory): anything else there is
+    removed at delete without being read through (a link) or waited on (a FIFO would hang
+    the engine's delete for good)."""
+    w = real
+    gpu_spec(w)
+    w.call("create", "--bundle", str(w.bundle), CID)
+    marker = w.run_dir / "containers" / CID
+    marker.unlink()
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    if kind == "fifo":
+        os.mkfifo(marker)
+    elif kind == "link-to-fifo":
+        marker.symlink_to(fifo)
+    else:   # a link to what reads as another root's marker: not read, not ours
+        (tmp_path / "elsewhere").write_text('{"root": "/other"}\n')
+        marker.symlink_to(tmp_path / "elsewhere")
+    assert w.call("delete", CID)[0] == "runc"    # w.call: at most 30 s
+    assert not os.path.lexists(marker)
+    assert fifo.exists() and (kind != "link-to-marker" or (tmp_path / "elsewhere").exists())
+
+
 def test_no_marker_when_the_delete_fails(real, tmp_path):
     w = real
     gpu_spec(w)
