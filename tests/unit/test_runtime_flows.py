@@ -459,3 +459,51 @@ def test_error_in_the_runtime_log_is_one_parseable_line(tmp_path, fmt):
         m = re.fullmatch(r'time="[^"]+" level=error msg=("(?:[^"\\]|\\.)*")', lines[0])
         assert m, lines[0]
         assert json.loads(m.group(1)) == f"torpor: {message}"
+
+
+def _unrunnable(path: Path) -> None:
+    """An executable the kernel will not run: its interpreter is missing (ENOENT at exec)."""
+    path.write_text("#!/nonexistent/interpreter\n")
+    path.chmod(0o755)
+
+
+@pytest.mark.parametrize("argv", [["list"], ["--root", "/r", "delete", CID],
+                                  ["--root", "/r", "state", CID]])
+def test_a_runtime_that_cannot_run_is_one_line(world, monkeypatch, capsys, argv):
+    """runc broken between the front's check and the exec (or a script whose interpreter is
+    gone): one line and exit 2, never a traceback nor an 'internal error'."""
+    _unrunnable(world["runc"].path)
+
+    def execv(path: str, args: list[str]) -> None:   # what the real one does with it
+        raise FileNotFoundError(2, "No such file or directory")
+    monkeypatch.setattr(os, "execv", execv)
+    assert rt_main.main(argv) == ExitCode.USAGE
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "internal error" not in err
+    assert f"cannot run the OCI runtime {world['runc'].path}" in err
+
+
+def test_a_directory_is_no_runtime(world, monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("TORPOR_OCI_RUNTIME", str(tmp_path))
+    assert rt_main.main(["list"]) == ExitCode.USAGE
+    err = capsys.readouterr().err
+    assert f"OCI runtime '{tmp_path}' not found" in err and err.count("\n") == 1
+
+
+def test_gpu_checkpoint_with_a_runtime_that_cannot_start_rolls_back(world, capsys):
+    """The dump cannot start (runc gone after the lock): the GPU state is rolled back at once,
+    as for a dump that failed, not left for torpord to find its owner dead."""
+    write_spec(world["bundle"], gpu=True)
+    client = world["client"]
+    lock = client.lock_and_checkpoint
+
+    def then_break(**kw: Any) -> Checkpointed:
+        out = lock(**kw)
+        _unrunnable(world["runc"].path)
+        return out
+    client.lock_and_checkpoint = then_break
+    assert rt_main.main(checkpoint_argv(world["images"])) == ExitCode.USAGE
+    assert client.names() == ["ensure", "lock_and_checkpoint", "rollback"]
+    err = capsys.readouterr().err
+    assert "cannot run the OCI runtime" in err and "rolled back" in err
+    assert not (world["images"] / manifest.DRAFT).exists()

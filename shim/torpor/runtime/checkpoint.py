@@ -176,7 +176,12 @@ def _checkpoint(cfg: Config, runtime: Runtime, cid: str, spec: dict[str, Any],
                 stage.remove()
             raise
         t = time.monotonic()
-        rc = runtime.run().wait()
+        try:
+            rc = runtime.run().wait()
+        except TorporError as e:   # never started, nothing dumped: rolled back as a failure
+            log.error("checkpoint %s: %s", cid, e.line())
+            print(f"torpor-runtime: error: {e.line()}", flush=True, file=sys.stderr)
+            rc = e.exit_code
         timings["dump"] = time.monotonic() - t
         if rc != 0:
             with thawed:

@@ -55,7 +55,11 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     flows = FLOWS
     if inv.command not in flows or inv.wants_help or not inv.container_id:
-        runtime.exec()
+        try:
+            runtime.exec()
+        except TorporError as e:   # the runtime cannot be run: one line, not a traceback
+            report(inv, e.line())
+            return e.exit_code
     os.umask(0o077)  # images hold process memory
     _setup_logging(cfg)
     try:
