@@ -395,6 +395,28 @@ def test_no_marker_when_the_delete_fails(real, tmp_path):
     assert (w.run_dir / "containers" / CID).exists()   # the container is still there
 
 
+def test_marker_and_agent_directory_go_when_runc_no_longer_knows_the_container(real):
+    """runc deletes its own state of a container it checkpointed without --leave-running;
+    containerd's shim then deletes it without --force and takes runc's "container does not
+    exist" as done: the marker and the agent's socket directory must go all the same (a
+    directory left to the container's uid made a later restore under that id fail)."""
+    w = real
+    gpu_spec(w)
+    w.call("--root", "/r", "create", "--bundle", str(w.bundle), CID)
+    agents = w.run_dir / "agents" / CID
+    agents.mkdir(parents=True)
+    gone = w.bin / "runc-gone"
+    gone.write_text("#!/bin/sh\necho 'time=\"x\" level=error msg=\"container does not "
+                    "exist\"' >&2\nexit 1\n")
+    gone.chmod(0o755)
+    out = subprocess.run([str(w.front), "--root", "/r", "delete", CID],
+                         env={**w.env, "TORPOR_OCI_RUNTIME": str(gone)}, capture_output=True,
+                         text=True, timeout=30)
+    assert out.returncode == 1 and "does not exist" in out.stderr   # runc's answer, as is
+    assert not (w.run_dir / "containers" / CID).exists()
+    assert not agents.exists()
+
+
 def test_installed_venv_has_the_front_and_the_python_side():
     front = Path(sys.prefix) / "bin" / "torpor-runtime"
     if not front.exists():

@@ -99,17 +99,29 @@ def agent_dir(cfg: Config, container_id: str, spec: dict) -> Path:
     return path
 
 
+def _gone(runtime: Runtime, container_id: str) -> bool:
+    """Does the runtime no longer know the container? A checkpoint without --leave-running
+    deletes runc's own state of it, and containerd's shim then deletes it without --force:
+    runc fails with "container does not exist", which containerd takes as done (the same
+    words it looks for)."""
+    try:
+        runtime.state(container_id)
+    except TorporError as e:
+        return "does not exist" in str(e)
+    return False
+
+
 def delete(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
     rc = runtime.run().wait()
-    if rc == 0:
-        markers.remove(cfg, inv)
+    if rc != 0 and not _gone(runtime, inv.container_id):
+        return rc   # still there: its marker and agent directory stay with it
+    markers.remove(cfg, inv)
     try:
-        if rc == 0:
-            shutil.rmtree(agent_dirs(cfg) / oci.validate_container_id(inv.container_id),
-                          ignore_errors=True)
+        shutil.rmtree(agent_dirs(cfg) / oci.validate_container_id(inv.container_id),
+                      ignore_errors=True)
     except TorporError:
         pass
-    if rc == 0 and cfg.socket_path.exists():
+    if cfg.socket_path.exists():
         try:
             from ..sidecar.client import Client
             with Client(cfg, timeout=5) as c:
