@@ -507,3 +507,18 @@ def test_gpu_checkpoint_with_a_runtime_that_cannot_start_rolls_back(world, capsy
     err = capsys.readouterr().err
     assert "cannot run the OCI runtime" in err and "rolled back" in err
     assert not (world["images"] / manifest.DRAFT).exists()
+
+
+@pytest.mark.parametrize("where", ["a-file", "under-a-file", "too-long"])
+def test_gpu_checkpoint_into_an_image_path_that_cannot_be_a_directory(world, capsys, tmp_path,
+                                                                      where):
+    """--image-path is the caller's: one that cannot be made a directory is a usage error in
+    one line (exit 2), before torpord is asked anything; the container keeps running."""
+    write_spec(world["bundle"], gpu=True)
+    f = tmp_path / "afile"
+    f.write_text("x")
+    images = {"a-file": f, "under-a-file": f / "sub", "too-long": tmp_path / ("x" * 300)}[where]
+    assert rt_main.main(checkpoint_argv(images)) == ExitCode.USAGE
+    err = capsys.readouterr().err
+    assert f"error: --image-path {images}: " in err and "internal error" not in err
+    assert world["client"].calls == [] and world["runc"].commands() == ["state"]

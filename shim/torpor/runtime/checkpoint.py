@@ -83,7 +83,12 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
                                   leave_running=leave_running,
                                   warn=lambda t: print(f"torpor-runtime: {t}", file=sys.stderr))
     thawed = _Thaw(runtime, cid, st.get("status") == "paused")
-    private_dir(images)
+    try:
+        private_dir(images)
+    except OSError as e:   # a file on the way, a name too long, no right: the caller's input
+        raise UsageError(f"--image-path {images}: {e.strerror or e}"
+                         + (f" ({e.filename})" if e.filename and str(e.filename) != str(images)
+                            else "")) from None
     data = agent_data.DataDir(images / agent_data.DATA_DIR)
     data.remove()   # an earlier checkpoint's, into the same image path
     store_images.forget_packed(images)
