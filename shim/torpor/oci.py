@@ -24,7 +24,7 @@ from .files import atomic_write, loads_json
 from .gpus import Inventory
 
 NVIDIA_MAJOR = 195
-DEVICE_RE = re.compile(r"^/dev/nvidia(\d+)$")
+DEVICE_RE = re.compile(r"/dev/nvidia([0-9]+)")   # fullmatch: no trailing newline, ASCII digits
 CDI_PREFIX = "cdi.k8s.io/"
 CDI_KIND = "nvidia.com/gpu"
 VISIBLE = "NVIDIA_VISIBLE_DEVICES"
@@ -148,7 +148,7 @@ def _section(spec: Mapping[str, Any], key: str) -> dict[str, Any]:
 def detect(spec: Mapping[str, Any]) -> GpuUse:
     use = GpuUse()
     for dev in _dicts(_section(spec, "linux").get("devices")):
-        m = DEVICE_RE.match(str(dev.get("path", "")))
+        m = DEVICE_RE.fullmatch(str(dev.get("path", "")))
         if m:
             use.minors.append(int(m.group(1)))
     for item in _env(spec):
@@ -210,7 +210,9 @@ def rewrite(spec: dict[str, Any], moves: list[Move]) -> list[str]:
     by_minor = {mv.old_minor: mv for mv in moves if mv.old_minor is not None}
     linux = _section(spec, "linux")
     for dev in _dicts(linux.get("devices")):
-        m = DEVICE_RE.match(str(dev.get("path", "")))
+        m = DEVICE_RE.fullmatch(str(dev.get("path", "")))
+        if dev.get("major", NVIDIA_MAJOR) != NVIDIA_MAJOR:
+            continue   # named like a GPU, another device behind it: its minor is not a GPU's
         if m and int(m.group(1)) in by_minor and by_minor[int(m.group(1))].new_minor is not None:
             new = by_minor[int(m.group(1))].new_minor
             changes.append(f"device {dev['path']} -> /dev/nvidia{new}")
@@ -224,7 +226,7 @@ def rewrite(spec: dict[str, Any], moves: list[Move]) -> list[str]:
                 rule["minor"] = new
     for mount in _dicts(spec.get("mounts")):
         for key in ("destination", "source"):
-            m = DEVICE_RE.match(str(mount.get(key, "")))
+            m = DEVICE_RE.fullmatch(str(mount.get(key, "")))
             if m and int(m.group(1)) in by_minor and by_minor[int(m.group(1))].new_minor is not None:
                 mount[key] = f"/dev/nvidia{by_minor[int(m.group(1))].new_minor}"
                 changes.append(f"mount {key} /dev/nvidia{m.group(1)} -> {mount[key]}")

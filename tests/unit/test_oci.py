@@ -226,3 +226,20 @@ def test_save_keeps_the_mode_under_torpor_runtimes_umask(tmp_path):
     finally:
         os.umask(old)
     assert path.stat().st_mode & 0o777 == 0o644
+
+
+def test_rewrite_leaves_a_device_named_like_a_gpu_with_another_device_behind_it():
+    """podman --device /dev/null:/dev/nvidia0 names /dev/null (c 1:3) like GPU 0: moving GPU 0
+    to GPU 1 must not make it c 1:1 (/dev/mem) at /dev/nvidia1 in the restored container."""
+    spec = gpu_spec(minors=())
+    spec["linux"]["devices"].append({"path": "/dev/nvidia0", "type": "c", "major": 1,
+                                     "minor": 3})
+    before = copy.deepcopy(spec)
+    changes = oci.rewrite(spec, oci.moves({A: B}, SAVED, INV))
+    assert spec["linux"]["devices"] == before["linux"]["devices"], changes
+
+
+@pytest.mark.parametrize("path", ["/dev/nvidia0\n", "/dev/nvidia\u0661", "/dev/nvidia0x"])
+def test_only_a_plain_gpu_device_name_is_a_gpu(path):
+    # re's "$" matches before a final newline and "\d" takes any script's digits
+    assert not oci.detect({"linux": {"devices": [{"path": path, "major": 195, "minor": 1}]}})
