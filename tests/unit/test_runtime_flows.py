@@ -522,3 +522,31 @@ def test_gpu_checkpoint_into_an_image_path_that_cannot_be_a_directory(world, cap
     err = capsys.readouterr().err
     assert f"error: --image-path {images}: " in err and "internal error" not in err
     assert world["client"].calls == [] and world["runc"].commands() == ["state"]
+
+
+def test_agent_directory_left_by_an_earlier_container_of_the_id_is_taken_again(cfg):
+    """The agent's socket directory belongs to the container's uid once made; a second
+    create or restore of that id (a delete that never came, a restore retried) must not be
+    refused as 'can be changed by uid 1000' (a restore then failed with exit 2)."""
+    from torpor.runtime import lifecycle
+    spec = {"process": {"user": {"uid": 1000, "gid": 1000}}}
+    first = lifecycle.agent_dir(cfg, CID, spec)
+    assert (first.stat().st_uid, first.stat().st_mode & 0o777) == (1000, 0o700)
+    first.chmod(0o755)
+    again = lifecycle.agent_dir(cfg, CID, {"process": {"user": {"uid": 1001, "gid": 1001}}})
+    assert again == first
+    st = again.stat()
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (1001, 1001, 0o700)
+    assert (again.parent.stat().st_uid, again.parent.stat().st_mode & 0o777) == (0, 0o700)
+
+
+def test_agent_directory_is_never_reached_through_a_link(cfg, tmp_path):
+    from torpor.runtime import lifecycle
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    lifecycle.agent_dir(cfg, "other", {})
+    link = cfg.run_dir / "agents" / CID
+    link.symlink_to(target)
+    with pytest.raises(OSError):
+        lifecycle.agent_dir(cfg, CID, {"process": {"user": {"uid": 1000}}})
+    assert target.stat().st_uid == 0

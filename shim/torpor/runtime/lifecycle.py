@@ -17,7 +17,7 @@ from pathlib import Path
 from .. import agent, oci
 from ..config import Config
 from ..errors import TorporError
-from ..files import private_dir
+from ..files import open_trusted_dir
 from . import libc, markers
 from .argv import Invocation
 from .runc import Runtime
@@ -93,9 +93,26 @@ def agent_dirs(cfg: Config) -> Path:
 
 def agent_dir(cfg: Config, container_id: str, spec: dict) -> Path:
     """The container's socket directory, 0700 and owned by the host uid its process runs as
-    (the agent creates its socket there, and accepts root and that uid)."""
-    path = private_dir(agent.container_dir(cfg.run_dir, container_id))
-    os.chown(path, *oci.host_ids(spec))
+    (the agent creates its socket there, and accepts root and that uid). One left by an
+    earlier create or restore of this id (its owner that container's uid) is taken as it is:
+    only root makes entries in agent_dirs (0700), and private_dir would refuse it as another
+    uid's. Never through a link."""
+    path = agent.container_dir(cfg.run_dir, container_id)
+    parent = open_trusted_dir(path.parent, "agent socket directory", create=True)
+    try:
+        try:
+            os.mkdir(path.name, 0o700, dir_fd=parent.fd)
+        except FileExistsError:
+            pass
+        fd = os.open(path.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     dir_fd=parent.fd)
+        try:
+            os.fchmod(fd, 0o700)
+            os.fchown(fd, *oci.host_ids(spec))
+        finally:
+            os.close(fd)
+    finally:
+        os.close(parent.fd)
     return path
 
 
