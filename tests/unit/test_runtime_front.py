@@ -342,6 +342,15 @@ def test_python_marks_a_gpu_container_at_create_and_forgets_it_at_delete(real):
     assert w.goes("--root", "/r", "delete", CID) == "runc"   # straight there now
 
 
+def test_python_treats_a_gpu_containers_run_as_its_create(real):
+    """The front hands `run` of a GPU spec to Python as it does `create`: the spec gets the
+    same marker (and hooks), then runc runs it with the argv unchanged."""
+    w = real
+    gpu_spec(w)
+    assert w.call("--root", "/r", "run", "-d", "--bundle", str(w.bundle), CID)[0] == "runc"
+    assert json.loads((w.run_dir / "containers" / CID).read_text()) == {"root": "/r"}
+
+
 def test_python_leaves_no_marker_for_a_container_without_gpus(real):
     w = real
     w.spec({"process": {"args": ["sh"], "env": ["NVIDIA_VISIBLE_DEVICES=void"]},

@@ -2,8 +2,9 @@
 
 Neither may stop a container from starting or going away: what fails here is logged and the
 real runtime runs anyway (a container without hooks is still checkpointed with its GPU state:
-the checkpoint flow reads the runtime's state itself). create marks each GPU container for
-the native front (markers.py), delete removes the mark once the runtime has deleted it.
+the checkpoint flow reads the runtime's state itself). create (and run, create and start in
+one) marks each GPU container for the native front (markers.py), delete removes the mark once
+the runtime has deleted it.
 """
 
 from __future__ import annotations

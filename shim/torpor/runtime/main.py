@@ -77,8 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         return ExitCode.ERROR
 
 
-FLOWS: dict[str, Any] = {"create": lifecycle.create, "delete": lifecycle.delete,
-                         "checkpoint": checkpoint.run, "restore": restore.run}
+# run is create and start in one: the front hands a GPU container's run here as it does its
+# create, and the spec needs the same hooks, agent and marker
+FLOWS: dict[str, Any] = {"create": lifecycle.create, "run": lifecycle.create,
+                         "delete": lifecycle.delete, "checkpoint": checkpoint.run,
+                         "restore": restore.run}
 
 
 if __name__ == "__main__":
