@@ -359,12 +359,38 @@ def test_python_leaves_no_marker_for_a_container_without_gpus(real):
     assert not (w.run_dir / "containers" / CID).exists()
 
 
+def runc_answering_state(w: World, state: str) -> str:
+    """A runc that records every call but `state`, which it answers: "gone" as runc does for
+    an id it does not know (exit 1), "running" with its state JSON."""
+    p = w.bin / f"runc-{state}"
+    answer = ("echo 'time=\"x\" level=error msg=\"container does not exist\"' >&2; exit 1"
+              if state == "gone" else
+              f"echo '{json.dumps({'id': CID, 'status': state, 'pid': 1})}'; exit 0")
+    p.write_text(f"#!/bin/sh\nfor a; do [ \"$a\" = state ] && {{ {answer}; }}; done\n"
+                 f"exec {w.runc} \"$@\"\n")
+    p.chmod(0o755)
+    return str(p)
+
+
 def test_python_removes_a_stale_marker_of_the_same_root_at_create(real):
     w = real
     w.mark()     # root "": an earlier container of this id, gone without a delete
     w.spec({"annotations": {"org.torpor.hooks": "off"}})
-    w.call("create", "--bundle", str(w.bundle), CID)
+    w.call("create", "--bundle", str(w.bundle), CID,
+           TORPOR_OCI_RUNTIME=runc_answering_state(w, "gone"))
     assert not (w.run_dir / "containers" / CID).exists()
+
+
+def test_a_create_runc_will_refuse_leaves_the_live_containers_marker(real):
+    """A CPU create of an id a GPU container still runs under (runc refuses it) must not take
+    that container's marker: its delete would then go straight to runc, leaving its agent
+    directory and torpord's record behind."""
+    w = real
+    w.mark()
+    w.spec({"annotations": {"org.torpor.hooks": "off"}})
+    w.call("create", "--bundle", str(w.bundle), CID,
+           TORPOR_OCI_RUNTIME=runc_answering_state(w, "running"))
+    assert (w.run_dir / "containers" / CID).exists()
 
 
 @pytest.mark.parametrize("kind", ["link-to-fifo", "fifo", "link-to-marker"])

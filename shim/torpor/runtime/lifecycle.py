@@ -47,7 +47,9 @@ def create(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
         use = oci.detect(spec)
         if use:
             markers.write(cfg, inv)
-        elif markers.remove(cfg, inv):   # an earlier container's of this id and root
+        elif markers.present(cfg, inv) and _gone(runtime, inv.container_id) \
+                and markers.remove(cfg, inv):   # an earlier container's of this id and root
+            # (one runc still runs keeps its marker: runc refuses this create of its id)
             log.info("create %s: removed a stale marker", inv.container_id)
         off = (spec.get("annotations") or {}).get(oci.HOOK_ANNOTATION) == "off"
         if use and not off:

@@ -82,6 +82,14 @@ def root_of(marker: Path) -> str | None:
     return root if isinstance(root, str) else "?"
 
 
+def present(cfg: Config, inv: Invocation) -> bool:
+    """Is there a marker (of any root, readable or not) for inv's container?"""
+    try:
+        return root_of(path(cfg, inv.container_id)) is not None
+    except TorporError:
+        return False
+
+
 def remove(cfg: Config, inv: Invocation) -> bool:
     """Forget inv's container (after the real runtime deleted it, or when a create finds a
     leftover of an earlier container of that id and root it does not take over). A marker
