@@ -46,7 +46,7 @@
 #define DEFAULT_CONFIG "/etc/torpor/config.toml"
 #define DEFAULT_RUN_DIR "/run/torpor"
 #define PY_NAME "torpor-runtime-py"
-#define MAX_SPEC (64 << 20)	/* a bigger config.json is odd: Python reads it */
+#define MAX_SPEC (64 << 20)	/* a bigger config.json is odd: Python (oci.MAX_SPEC) decides */
 #define MAX_CONFIG (1 << 20)
 #define MAX_ID 128
 

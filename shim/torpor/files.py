@@ -446,10 +446,12 @@ def printable(text: object, limit: int = 200) -> str:
 
 def write_new(path: Path, data: bytes, mode: int = 0o600) -> None:
     """Write data into a file that must not exist yet (O_EXCL refuses anything planted) and
-    fsync it; nothing is left behind if that fails."""
+    fsync it; nothing is left behind if that fails. The file gets mode exactly: the umask
+    (torpor-runtime's is 077) must not turn the 0644 config.json oci.save keeps into 0600."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
         try:
+            os.fchmod(fd, mode)
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]

@@ -11,6 +11,7 @@ import logging
 import sys
 from pathlib import Path
 
+from .errors import TorporError
 from .files import private_dir
 
 FORMAT = "%(asctime)s %(process)d %(levelname)s %(message)s"
@@ -22,7 +23,9 @@ def setup(state_dir: Path, file_name: str | None, *, level: int = logging.INFO,
           must: bool = False) -> None:
     """The root logger at level, writing to stderr (given stderr; formatted as the file only
     with stderr_formatted) and to state_dir/file_name (None: no file). A log file that cannot
-    be opened is left out, unless must (then the OSError)."""
+    be opened, or whose state_dir private_dir refuses, is left out, unless must (then the
+    OSError or UsageError): torpor-hook and torpor-runtime's create must never stop a
+    container for want of a log."""
     root = logging.getLogger()
     root.setLevel(level)
     formatter = logging.Formatter(fmt)
@@ -38,7 +41,7 @@ def setup(state_dir: Path, file_name: str | None, *, level: int = logging.INFO,
     try:
         private_dir(state_dir)
         fh = logging.FileHandler(state_dir / file_name)
-    except OSError:
+    except (OSError, TorporError):   # TorporError: a state_dir others could change, refused
         if must:
             raise
         return

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -23,7 +24,7 @@ from .files import atomic_write, loads_json
 from .gpus import Inventory
 
 NVIDIA_MAJOR = 195
-DEVICE_RE = re.compile(r"^/dev/nvidia(\d+)$")
+DEVICE_RE = re.compile(r"/dev/nvidia([0-9]+)")   # fullmatch: no trailing newline, ASCII digits
 CDI_PREFIX = "cdi.k8s.io/"
 CDI_KIND = "nvidia.com/gpu"
 VISIBLE = "NVIDIA_VISIBLE_DEVICES"
@@ -67,20 +68,48 @@ class GpuUse:
         return list(dict.fromkeys(out))
 
 
-_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+_ID_RE = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
 
 def validate_container_id(cid: str) -> str:
-    """A container id fit to name a file (torpord's records, agent socket directories)."""
-    if not _ID_RE.match(cid or "") or ".." in cid or cid == ".":
+    """A container id fit to name a file (torpord's records, agent socket directories,
+    torpor-runtime's markers): the whole id, as the native front's valid_id reads it (a
+    trailing newline, which re's "$" lets through, is refused too)."""
+    if not isinstance(cid, str) or not _ID_RE.fullmatch(cid) or ".." in cid or cid == ".":
         raise UsageError(f"bad container id {cid!r}: use 1-128 of [A-Za-z0-9_.-], no '..'")
     return cid
+
+
+MAX_SPEC = 64 << 20   # as the native front's MAX_SPEC: a bigger config.json is no spec of ours
+
+
+def _read_spec(path: Path) -> bytes:
+    """config.json's bytes: a regular file (a FIFO or a device, /dev/zero say, would block or
+    fill memory: runc's decoder stops at the first byte, this read would not) of at most
+    MAX_SPEC bytes, opened without blocking."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        chunks, left = [], MAX_SPEC + 1
+        while left > 0:
+            block = os.read(fd, min(left, 1 << 20))
+            if not block:
+                break
+            chunks.append(block)
+            left -= len(block)
+    finally:
+        os.close(fd)
+    if left <= 0:
+        raise ValueError(f"larger than {MAX_SPEC} bytes")
+    return b"".join(chunks)
 
 
 def load(bundle: Path) -> dict[str, Any]:
     path = Path(bundle) / "config.json"
     try:
-        spec = loads_json(path.read_bytes())
+        spec = loads_json(_read_spec(path))
     except FileNotFoundError:
         raise UsageError(f"no OCI spec at {path}") from None
     except (OSError, ValueError) as e:
@@ -119,7 +148,7 @@ def _section(spec: Mapping[str, Any], key: str) -> dict[str, Any]:
 def detect(spec: Mapping[str, Any]) -> GpuUse:
     use = GpuUse()
     for dev in _dicts(_section(spec, "linux").get("devices")):
-        m = DEVICE_RE.match(str(dev.get("path", "")))
+        m = DEVICE_RE.fullmatch(str(dev.get("path", "")))
         if m:
             use.minors.append(int(m.group(1)))
     for item in _env(spec):
@@ -181,7 +210,9 @@ def rewrite(spec: dict[str, Any], moves: list[Move]) -> list[str]:
     by_minor = {mv.old_minor: mv for mv in moves if mv.old_minor is not None}
     linux = _section(spec, "linux")
     for dev in _dicts(linux.get("devices")):
-        m = DEVICE_RE.match(str(dev.get("path", "")))
+        m = DEVICE_RE.fullmatch(str(dev.get("path", "")))
+        if dev.get("major", NVIDIA_MAJOR) != NVIDIA_MAJOR:
+            continue   # named like a GPU, another device behind it: its minor is not a GPU's
         if m and int(m.group(1)) in by_minor and by_minor[int(m.group(1))].new_minor is not None:
             new = by_minor[int(m.group(1))].new_minor
             changes.append(f"device {dev['path']} -> /dev/nvidia{new}")
@@ -195,7 +226,7 @@ def rewrite(spec: dict[str, Any], moves: list[Move]) -> list[str]:
                 rule["minor"] = new
     for mount in _dicts(spec.get("mounts")):
         for key in ("destination", "source"):
-            m = DEVICE_RE.match(str(mount.get(key, "")))
+            m = DEVICE_RE.fullmatch(str(mount.get(key, "")))
             if m and int(m.group(1)) in by_minor and by_minor[int(m.group(1))].new_minor is not None:
                 mount[key] = f"/dev/nvidia{by_minor[int(m.group(1))].new_minor}"
                 changes.append(f"mount {key} /dev/nvidia{m.group(1)} -> {mount[key]}")

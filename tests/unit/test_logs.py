@@ -48,3 +48,41 @@ def test_stderr_only_and_unopenable_file(root, tmp_path, capsys):
     logs.setup(tmp_path, None, stderr=True, stderr_formatted=True, fmt="F %(message)s")
     logging.getLogger("torpor.t").error("boom")
     assert capsys.readouterr().err.endswith("F boom\n")
+
+
+def test_refused_state_dir_is_left_out(root, tmp_path):
+    """A state_dir private_dir refuses (others could change it) is a log file that cannot be
+    opened: left out, not a traceback, unless must."""
+    from torpor.errors import UsageError
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    logs.setup(shared / "state", "x.log", stderr=True)
+    assert [type(h) for h in ours(root)] == [logging.StreamHandler]
+    with pytest.raises(UsageError, match="can be changed by"):
+        logs.setup(shared / "state", "x.log", must=True)
+
+
+def test_hook_with_a_refused_state_dir_lets_the_container_start(tmp_path):
+    """torpor-hook's createRuntime failing fails the container's create: with a state_dir it
+    may not log into, it still exits 0 (it used to end in a traceback, exit 1)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "config.json").write_text(json.dumps({"process": {"env": ["PATH=/bin"]}}))
+    env = {**os.environ, "TORPOR_STATE_DIR": str(shared / "state"),
+           "TORPOR_RUN_DIR": str(tmp_path / "run"), "TORPOR_CONFIG": str(tmp_path / "none")}
+    state = {"ociVersion": "1.0.2", "id": "c1", "pid": os.getpid(), "status": "creating",
+             "bundle": str(bundle)}
+    out = subprocess.run([sys.executable, "-m", "torpor_hook", "createRuntime"],
+                         input=json.dumps(state), env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    assert not (shared / "state").exists()

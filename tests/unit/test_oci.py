@@ -162,3 +162,84 @@ def test_host_ids_follow_user_and_mappings():
     assert oci.host_ids(userns) == (100000, 200005)
     userns["process"]["user"]["gid"] = 50
     assert oci.host_ids(userns)[1] == 65534
+
+
+@pytest.mark.parametrize("cid", ["c0ffee", "a.b_c-d", "x" * 128, ".hidden"])
+def test_container_id_fit_to_name_a_file(cid):
+    assert oci.validate_container_id(cid) == cid
+
+
+@pytest.mark.parametrize("cid", ["", ".", "..", "a..b", "a/b", "x" * 129, "abc\n", "a\nb",
+                                 "abc\r", "x" * 128 + "\n", "ab c", None])
+def test_container_id_that_cannot_name_a_file_is_refused(cid):
+    # "abc\n": re's "$" matches before a final newline; the native front (valid_id) refuses
+    # it, and a marker or agent directory named "abc\n" would be left behind
+    with pytest.raises(UsageError, match="bad container id"):
+        oci.validate_container_id(cid)
+
+
+LOAD = """
+import resource, sys
+from pathlib import Path
+resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+from torpor import oci
+from torpor.errors import UsageError
+try:
+    oci.load(Path(sys.argv[1]))
+except UsageError as e:
+    print("refused:", e)
+"""
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "too-large"])
+def test_load_refuses_a_spec_that_would_block_or_fill_memory(tmp_path, kind):
+    """config.json is the bundle's, whoever starts containers: a FIFO must not hang the
+    engine's create, /dev/zero or a huge sparse file must not fill a root process's memory;
+    each is one line (UsageError), and create then leaves the spec to runc."""
+    import os
+    import subprocess
+    import sys
+    spec = tmp_path / "config.json"
+    if kind == "fifo":
+        os.mkfifo(spec)
+    elif kind == "dev-zero":
+        spec.symlink_to("/dev/zero")
+    else:
+        with open(spec, "wb") as f:
+            f.truncate((64 << 20) + 1)   # oci.MAX_SPEC + 1
+    out = subprocess.run([sys.executable, "-c", LOAD, str(tmp_path)], capture_output=True,
+                         text=True, timeout=30)
+    assert out.stdout.startswith("refused: cannot read the OCI spec"), out.stderr[-500:]
+    assert ("larger than" if kind == "too-large" else "not a regular file") in out.stdout
+
+
+def test_save_keeps_the_mode_under_torpor_runtimes_umask(tmp_path):
+    """torpor-runtime sets umask 077 before its flows: a 0644 config.json it rewrites at
+    create (hooks, the agent) or restore stays 0644, as oci.save says."""
+    import os
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(gpu_spec()))
+    path.chmod(0o644)
+    old = os.umask(0o077)
+    try:
+        oci.save(tmp_path, oci.load(tmp_path))
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o644
+
+
+def test_rewrite_leaves_a_device_named_like_a_gpu_with_another_device_behind_it():
+    """podman --device /dev/null:/dev/nvidia0 names /dev/null (c 1:3) like GPU 0: moving GPU 0
+    to GPU 1 must not make it c 1:1 (/dev/mem) at /dev/nvidia1 in the restored container."""
+    spec = gpu_spec(minors=())
+    spec["linux"]["devices"].append({"path": "/dev/nvidia0", "type": "c", "major": 1,
+                                     "minor": 3})
+    before = copy.deepcopy(spec)
+    changes = oci.rewrite(spec, oci.moves({A: B}, SAVED, INV))
+    assert spec["linux"]["devices"] == before["linux"]["devices"], changes
+
+
+@pytest.mark.parametrize("path", ["/dev/nvidia0\n", "/dev/nvidia\u0661", "/dev/nvidia0x"])
+def test_only_a_plain_gpu_device_name_is_a_gpu(path):
+    # re's "$" matches before a final newline and "\d" takes any script's digits
+    assert not oci.detect({"linux": {"devices": [{"path": path, "major": 195, "minor": 1}]}})

@@ -438,3 +438,115 @@ def test_a_checkpoint_that_cannot_be_flattened_is_kept_whole_with_a_warning(worl
     assert not list(images.glob("torpor-gpu+*"))
     with pytest.raises(CorruptCheckpointError, match="symbolic link"):   # never restored
         manifest.verify(images, manifest.read(images))
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_error_in_the_runtime_log_is_one_parseable_line(tmp_path, fmt):
+    """containerd and conmon read the error from --log in --log-format; runc's stderr, quoted
+    into torpor's message, may hold '"' and '\\': in the text format (logrus's, values quoted
+    as Go's %q) they must not end msg early nor forge a field."""
+    import re
+    from torpor.runtime import argv as rt_argv
+    log = tmp_path / "runc.log"
+    inv = rt_argv.parse(["--log", str(log), "--log-format", fmt, "checkpoint", CID])
+    message = 'runc state x failed: container "x" does not exist level=error msg="forged" \\'
+    rt_main.report(inv, message)
+    lines = log.read_text().splitlines()
+    assert len(lines) == 1
+    if fmt == "json":
+        assert json.loads(lines[0])["msg"] == f"torpor: {message}"
+    else:
+        m = re.fullmatch(r'time="[^"]+" level=error msg=("(?:[^"\\]|\\.)*")', lines[0])
+        assert m, lines[0]
+        assert json.loads(m.group(1)) == f"torpor: {message}"
+
+
+def _unrunnable(path: Path) -> None:
+    """An executable the kernel will not run: its interpreter is missing (ENOENT at exec)."""
+    path.write_text("#!/nonexistent/interpreter\n")
+    path.chmod(0o755)
+
+
+@pytest.mark.parametrize("argv", [["list"], ["--root", "/r", "delete", CID],
+                                  ["--root", "/r", "state", CID]])
+def test_a_runtime_that_cannot_run_is_one_line(world, monkeypatch, capsys, argv):
+    """runc broken between the front's check and the exec (or a script whose interpreter is
+    gone): one line and exit 2, never a traceback nor an 'internal error'."""
+    _unrunnable(world["runc"].path)
+
+    def execv(path: str, args: list[str]) -> None:   # what the real one does with it
+        raise FileNotFoundError(2, "No such file or directory")
+    monkeypatch.setattr(os, "execv", execv)
+    assert rt_main.main(argv) == ExitCode.USAGE
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "internal error" not in err
+    assert f"cannot run the OCI runtime {world['runc'].path}" in err
+
+
+def test_a_directory_is_no_runtime(world, monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("TORPOR_OCI_RUNTIME", str(tmp_path))
+    assert rt_main.main(["list"]) == ExitCode.USAGE
+    err = capsys.readouterr().err
+    assert f"OCI runtime '{tmp_path}' not found" in err and err.count("\n") == 1
+
+
+def test_gpu_checkpoint_with_a_runtime_that_cannot_start_rolls_back(world, capsys):
+    """The dump cannot start (runc gone after the lock): the GPU state is rolled back at once,
+    as for a dump that failed, not left for torpord to find its owner dead."""
+    write_spec(world["bundle"], gpu=True)
+    client = world["client"]
+    lock = client.lock_and_checkpoint
+
+    def then_break(**kw: Any) -> Checkpointed:
+        out = lock(**kw)
+        _unrunnable(world["runc"].path)
+        return out
+    client.lock_and_checkpoint = then_break
+    assert rt_main.main(checkpoint_argv(world["images"])) == ExitCode.USAGE
+    assert client.names() == ["ensure", "lock_and_checkpoint", "rollback"]
+    err = capsys.readouterr().err
+    assert "cannot run the OCI runtime" in err and "rolled back" in err
+    assert not (world["images"] / manifest.DRAFT).exists()
+
+
+@pytest.mark.parametrize("where", ["a-file", "under-a-file", "too-long"])
+def test_gpu_checkpoint_into_an_image_path_that_cannot_be_a_directory(world, capsys, tmp_path,
+                                                                      where):
+    """--image-path is the caller's: one that cannot be made a directory is a usage error in
+    one line (exit 2), before torpord is asked anything; the container keeps running."""
+    write_spec(world["bundle"], gpu=True)
+    f = tmp_path / "afile"
+    f.write_text("x")
+    images = {"a-file": f, "under-a-file": f / "sub", "too-long": tmp_path / ("x" * 300)}[where]
+    assert rt_main.main(checkpoint_argv(images)) == ExitCode.USAGE
+    err = capsys.readouterr().err
+    assert f"error: --image-path {images}: " in err and "internal error" not in err
+    assert world["client"].calls == [] and world["runc"].commands() == ["state"]
+
+
+def test_agent_directory_left_by_an_earlier_container_of_the_id_is_taken_again(cfg):
+    """The agent's socket directory belongs to the container's uid once made; a second
+    create or restore of that id (a delete that never came, a restore retried) must not be
+    refused as 'can be changed by uid 1000' (a restore then failed with exit 2)."""
+    from torpor.runtime import lifecycle
+    spec = {"process": {"user": {"uid": 1000, "gid": 1000}}}
+    first = lifecycle.agent_dir(cfg, CID, spec)
+    assert (first.stat().st_uid, first.stat().st_mode & 0o777) == (1000, 0o700)
+    first.chmod(0o755)
+    again = lifecycle.agent_dir(cfg, CID, {"process": {"user": {"uid": 1001, "gid": 1001}}})
+    assert again == first
+    st = again.stat()
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (1001, 1001, 0o700)
+    assert (again.parent.stat().st_uid, again.parent.stat().st_mode & 0o777) == (0, 0o700)
+
+
+def test_agent_directory_is_never_reached_through_a_link(cfg, tmp_path):
+    from torpor.runtime import lifecycle
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    lifecycle.agent_dir(cfg, "other", {})
+    link = cfg.run_dir / "agents" / CID
+    link.symlink_to(target)
+    with pytest.raises(OSError):
+        lifecycle.agent_dir(cfg, CID, {"process": {"user": {"uid": 1000}}})
+    assert target.stat().st_uid == 0

@@ -342,6 +342,15 @@ def test_python_marks_a_gpu_container_at_create_and_forgets_it_at_delete(real):
     assert w.goes("--root", "/r", "delete", CID) == "runc"   # straight there now
 
 
+def test_python_treats_a_gpu_containers_run_as_its_create(real):
+    """The front hands `run` of a GPU spec to Python as it does `create`: the spec gets the
+    same marker (and hooks), then runc runs it with the argv unchanged."""
+    w = real
+    gpu_spec(w)
+    assert w.call("--root", "/r", "run", "-d", "--bundle", str(w.bundle), CID)[0] == "runc"
+    assert json.loads((w.run_dir / "containers" / CID).read_text()) == {"root": "/r"}
+
+
 def test_python_leaves_no_marker_for_a_container_without_gpus(real):
     w = real
     w.spec({"process": {"args": ["sh"], "env": ["NVIDIA_VISIBLE_DEVICES=void"]},
@@ -350,12 +359,62 @@ def test_python_leaves_no_marker_for_a_container_without_gpus(real):
     assert not (w.run_dir / "containers" / CID).exists()
 
 
+def runc_answering_state(w: World, state: str) -> str:
+    """A runc that records every call but `state`, which it answers: "gone" as runc does for
+    an id it does not know (exit 1), "running" with its state JSON."""
+    p = w.bin / f"runc-{state}"
+    answer = ("echo 'time=\"x\" level=error msg=\"container does not exist\"' >&2; exit 1"
+              if state == "gone" else
+              f"echo '{json.dumps({'id': CID, 'status': state, 'pid': 1})}'; exit 0")
+    p.write_text(f"#!/bin/sh\nfor a; do [ \"$a\" = state ] && {{ {answer}; }}; done\n"
+                 f"exec {w.runc} \"$@\"\n")
+    p.chmod(0o755)
+    return str(p)
+
+
 def test_python_removes_a_stale_marker_of_the_same_root_at_create(real):
     w = real
     w.mark()     # root "": an earlier container of this id, gone without a delete
     w.spec({"annotations": {"org.torpor.hooks": "off"}})
-    w.call("create", "--bundle", str(w.bundle), CID)
+    w.call("create", "--bundle", str(w.bundle), CID,
+           TORPOR_OCI_RUNTIME=runc_answering_state(w, "gone"))
     assert not (w.run_dir / "containers" / CID).exists()
+
+
+def test_a_create_runc_will_refuse_leaves_the_live_containers_marker(real):
+    """A CPU create of an id a GPU container still runs under (runc refuses it) must not take
+    that container's marker: its delete would then go straight to runc, leaving its agent
+    directory and torpord's record behind."""
+    w = real
+    w.mark()
+    w.spec({"annotations": {"org.torpor.hooks": "off"}})
+    w.call("create", "--bundle", str(w.bundle), CID,
+           TORPOR_OCI_RUNTIME=runc_answering_state(w, "running"))
+    assert (w.run_dir / "containers" / CID).exists()
+
+
+@pytest.mark.parametrize("kind", ["link-to-fifo", "fifo", "link-to-marker"])
+def test_a_marker_that_is_no_regular_file_is_not_followed_nor_waited_on(real, tmp_path, kind):
+    """Only torpor-runtime writes markers (0600 in a 0700 directory): anything else there is
+    removed at delete without being read through (a link) or waited on (a FIFO would hang
+    the engine's delete for good)."""
+    w = real
+    gpu_spec(w)
+    w.call("create", "--bundle", str(w.bundle), CID)
+    marker = w.run_dir / "containers" / CID
+    marker.unlink()
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    if kind == "fifo":
+        os.mkfifo(marker)
+    elif kind == "link-to-fifo":
+        marker.symlink_to(fifo)
+    else:   # a link to what reads as another root's marker: not read, not ours
+        (tmp_path / "elsewhere").write_text('{"root": "/other"}\n')
+        marker.symlink_to(tmp_path / "elsewhere")
+    assert w.call("delete", CID)[0] == "runc"    # w.call: at most 30 s
+    assert not os.path.lexists(marker)
+    assert fifo.exists() and (kind != "link-to-marker" or (tmp_path / "elsewhere").exists())
 
 
 def test_no_marker_when_the_delete_fails(real, tmp_path):
@@ -369,6 +428,28 @@ def test_no_marker_when_the_delete_fails(real, tmp_path):
                          env={**w.env, "TORPOR_OCI_RUNTIME": str(failing)})
     assert out.returncode == 1
     assert (w.run_dir / "containers" / CID).exists()   # the container is still there
+
+
+def test_marker_and_agent_directory_go_when_runc_no_longer_knows_the_container(real):
+    """runc deletes its own state of a container it checkpointed without --leave-running;
+    containerd's shim then deletes it without --force and takes runc's "container does not
+    exist" as done: the marker and the agent's socket directory must go all the same (a
+    directory left to the container's uid made a later restore under that id fail)."""
+    w = real
+    gpu_spec(w)
+    w.call("--root", "/r", "create", "--bundle", str(w.bundle), CID)
+    agents = w.run_dir / "agents" / CID
+    agents.mkdir(parents=True)
+    gone = w.bin / "runc-gone"
+    gone.write_text("#!/bin/sh\necho 'time=\"x\" level=error msg=\"container does not "
+                    "exist\"' >&2\nexit 1\n")
+    gone.chmod(0o755)
+    out = subprocess.run([str(w.front), "--root", "/r", "delete", CID],
+                         env={**w.env, "TORPOR_OCI_RUNTIME": str(gone)}, capture_output=True,
+                         text=True, timeout=30)
+    assert out.returncode == 1 and "does not exist" in out.stderr   # runc's answer, as is
+    assert not (w.run_dir / "containers" / CID).exists()
+    assert not agents.exists()
 
 
 def test_installed_venv_has_the_front_and_the_python_side():

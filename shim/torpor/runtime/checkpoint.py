@@ -83,7 +83,12 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
                                   leave_running=leave_running,
                                   warn=lambda t: print(f"torpor-runtime: {t}", file=sys.stderr))
     thawed = _Thaw(runtime, cid, st.get("status") == "paused")
-    private_dir(images)
+    try:
+        private_dir(images)
+    except OSError as e:   # a file on the way, a name too long, no right: the caller's input
+        raise UsageError(f"--image-path {images}: {e.strerror or e}"
+                         + (f" ({e.filename})" if e.filename and str(e.filename) != str(images)
+                            else "")) from None
     data = agent_data.DataDir(images / agent_data.DATA_DIR)
     data.remove()   # an earlier checkpoint's, into the same image path
     store_images.forget_packed(images)
@@ -176,7 +181,12 @@ def _checkpoint(cfg: Config, runtime: Runtime, cid: str, spec: dict[str, Any],
                 stage.remove()
             raise
         t = time.monotonic()
-        rc = runtime.run().wait()
+        try:
+            rc = runtime.run().wait()
+        except TorporError as e:   # never started, nothing dumped: rolled back as a failure
+            log.error("checkpoint %s: %s", cid, e.line())
+            print(f"torpor-runtime: error: {e.line()}", flush=True, file=sys.stderr)
+            rc = e.exit_code
         timings["dump"] = time.monotonic() - t
         if rc != 0:
             with thawed:

@@ -2,8 +2,9 @@
 
 Neither may stop a container from starting or going away: what fails here is logged and the
 real runtime runs anyway (a container without hooks is still checkpointed with its GPU state:
-the checkpoint flow reads the runtime's state itself). create marks each GPU container for
-the native front (markers.py), delete removes the mark once the runtime has deleted it.
+the checkpoint flow reads the runtime's state itself). create (and run, create and start in
+one) marks each GPU container for the native front (markers.py), delete removes the mark once
+the runtime has deleted it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 from .. import agent, oci
 from ..config import Config
 from ..errors import TorporError
-from ..files import private_dir
+from ..files import open_trusted_dir
 from . import libc, markers
 from .argv import Invocation
 from .runc import Runtime
@@ -46,7 +47,9 @@ def create(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
         use = oci.detect(spec)
         if use:
             markers.write(cfg, inv)
-        elif markers.remove(cfg, inv):   # an earlier container's of this id and root
+        elif markers.present(cfg, inv) and _gone(runtime, inv.container_id) \
+                and markers.remove(cfg, inv):   # an earlier container's of this id and root
+            # (one runc still runs keeps its marker: runc refuses this create of its id)
             log.info("create %s: removed a stale marker", inv.container_id)
         off = (spec.get("annotations") or {}).get(oci.HOOK_ANNOTATION) == "off"
         if use and not off:
@@ -93,23 +96,52 @@ def agent_dirs(cfg: Config) -> Path:
 
 def agent_dir(cfg: Config, container_id: str, spec: dict) -> Path:
     """The container's socket directory, 0700 and owned by the host uid its process runs as
-    (the agent creates its socket there, and accepts root and that uid)."""
-    path = private_dir(agent.container_dir(cfg.run_dir, container_id))
-    os.chown(path, *oci.host_ids(spec))
+    (the agent creates its socket there, and accepts root and that uid). One left by an
+    earlier create or restore of this id (its owner that container's uid) is taken as it is:
+    only root makes entries in agent_dirs (0700), and private_dir would refuse it as another
+    uid's. Never through a link."""
+    path = agent.container_dir(cfg.run_dir, container_id)
+    parent = open_trusted_dir(path.parent, "agent socket directory", create=True)
+    try:
+        try:
+            os.mkdir(path.name, 0o700, dir_fd=parent.fd)
+        except FileExistsError:
+            pass
+        fd = os.open(path.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     dir_fd=parent.fd)
+        try:
+            os.fchmod(fd, 0o700)
+            os.fchown(fd, *oci.host_ids(spec))
+        finally:
+            os.close(fd)
+    finally:
+        os.close(parent.fd)
     return path
+
+
+def _gone(runtime: Runtime, container_id: str) -> bool:
+    """Does the runtime no longer know the container? A checkpoint without --leave-running
+    deletes runc's own state of it, and containerd's shim then deletes it without --force:
+    runc fails with "container does not exist", which containerd takes as done (the same
+    words it looks for)."""
+    try:
+        runtime.state(container_id)
+    except TorporError as e:
+        return "does not exist" in str(e)
+    return False
 
 
 def delete(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
     rc = runtime.run().wait()
-    if rc == 0:
-        markers.remove(cfg, inv)
+    if rc != 0 and not _gone(runtime, inv.container_id):
+        return rc   # still there: its marker and agent directory stay with it
+    markers.remove(cfg, inv)
     try:
-        if rc == 0:
-            shutil.rmtree(agent_dirs(cfg) / oci.validate_container_id(inv.container_id),
-                          ignore_errors=True)
+        shutil.rmtree(agent_dirs(cfg) / oci.validate_container_id(inv.container_id),
+                      ignore_errors=True)
     except TorporError:
         pass
-    if rc == 0 and cfg.socket_path.exists():
+    if cfg.socket_path.exists():
         try:
             from ..sidecar.client import Client
             with Client(cfg, timeout=5) as c:

@@ -30,7 +30,9 @@ def report(inv: argv_mod.Invocation, message: str) -> None:
     if inv.global_opts.get("log-format") == "json":
         line = json.dumps({"level": "error", "msg": f"torpor: {message}", "time": now})
     else:
-        line = f'time="{now}" level=error msg="torpor: {message}"'
+        # logrus's text format quotes a value as Go's %q does: a '"' or '\\' in the message
+        # (runc's own stderr is quoted into ours) must not end msg early
+        line = f'time="{now}" level=error msg={json.dumps(f"torpor: {message}")}'
     try:
         with open(path, "a") as f:
             f.write(line + "\n")
@@ -53,7 +55,11 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     flows = FLOWS
     if inv.command not in flows or inv.wants_help or not inv.container_id:
-        runtime.exec()
+        try:
+            runtime.exec()
+        except TorporError as e:   # the runtime cannot be run: one line, not a traceback
+            report(inv, e.line())
+            return e.exit_code
     os.umask(0o077)  # images hold process memory
     _setup_logging(cfg)
     try:
@@ -71,8 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         return ExitCode.ERROR
 
 
-FLOWS: dict[str, Any] = {"create": lifecycle.create, "delete": lifecycle.delete,
-                         "checkpoint": checkpoint.run, "restore": restore.run}
+# run is create and start in one: the front hands a GPU container's run here as it does its
+# create, and the spec needs the same hooks, agent and marker
+FLOWS: dict[str, Any] = {"create": lifecycle.create, "run": lifecycle.create,
+                         "delete": lifecycle.delete, "checkpoint": checkpoint.run,
+                         "restore": restore.run}
 
 
 if __name__ == "__main__":

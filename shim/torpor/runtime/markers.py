@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import stat
 from pathlib import Path
 
 from .. import oci
@@ -60,16 +62,32 @@ def write(cfg: Config, inv: Invocation) -> bool:
 
 def root_of(marker: Path) -> str | None:
     """The root a marker was written under; None if it is missing, "" for the default root,
-    "?" for one that cannot be read (only this code writes markers: remove it)."""
-    try:
-        with open(marker, "rb") as f:
-            doc = loads_json(f.read(MAX_MARKER))
+    "?" for one that cannot be read, or is no regular file (a link is not followed, a FIFO
+    not waited on: only this code writes markers, remove it)."""
+    try:   # never through a link, never blocking on a FIFO: a regular file or "?"
+        fd = os.open(marker, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
+    except OSError:
+        return "?"
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return "?"
+        doc = loads_json(os.read(fd, MAX_MARKER))
     except (OSError, ValueError):
         return "?"
+    finally:
+        os.close(fd)
     root = doc.get("root") if isinstance(doc, dict) else None
     return root if isinstance(root, str) else "?"
+
+
+def present(cfg: Config, inv: Invocation) -> bool:
+    """Is there a marker (of any root, readable or not) for inv's container?"""
+    try:
+        return root_of(path(cfg, inv.container_id)) is not None
+    except TorporError:
+        return False
 
 
 def remove(cfg: Config, inv: Invocation) -> bool:

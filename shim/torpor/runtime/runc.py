@@ -27,9 +27,24 @@ class Runtime:
     def argv(self, *args: str) -> list[str]:
         return [self.path, *self.inv.global_args, *args]
 
+    def _cannot_run(self, e: OSError) -> UsageError:
+        """One line for a runtime that find_runtime found but the kernel will not run (gone
+        since, a script whose interpreter is missing, no right to run it)."""
+        return UsageError(f"cannot run the OCI runtime {self.path}: {e.strerror or e}",
+                          hint="install runc or crun, or set oci_runtime in "
+                               "/etc/torpor/config.toml")
+
+    def _capture(self, *args: str) -> subprocess.CompletedProcess:
+        try:
+            return subprocess.run(self.argv(*args), capture_output=True, text=True, timeout=60)
+        except OSError as e:
+            raise self._cannot_run(e) from None
+        except subprocess.TimeoutExpired:
+            raise TorporError(f"{Path(self.path).name} {' '.join(args)}: no answer within "
+                              "60 s") from None
+
     def state(self, container_id: str) -> dict[str, Any]:
-        out = subprocess.run(self.argv("state", container_id), capture_output=True, text=True,
-                             timeout=60)
+        out = self._capture("state", container_id)
         if out.returncode != 0:
             raise TorporError(f"{Path(self.path).name} state {container_id} failed: "
                               f"{out.stderr.strip() or out.stdout.strip()}")
@@ -41,28 +56,41 @@ class Runtime:
 
     def call(self, *args: str) -> None:
         """One command of the real runtime (pause, resume, ...); TorporError if it fails."""
-        out = subprocess.run(self.argv(*args), capture_output=True, text=True, timeout=60)
+        out = self._capture(*args)
         if out.returncode != 0:
             raise TorporError(f"{Path(self.path).name} {' '.join(args)} failed: "
                               f"{out.stderr.strip() or out.stdout.strip()}")
 
     def kill(self, container_id: str) -> None:
-        subprocess.run(self.argv("kill", container_id, "KILL"), capture_output=True, timeout=60)
+        """SIGKILL the container; a runtime that cannot be run stops nothing (the caller is
+        reporting a failure already)."""
+        try:
+            self._capture("kill", container_id, "KILL")
+        except TorporError:
+            pass
 
     def exec(self) -> NoReturn:
-        """Become the real runtime with our own argv: podman/containerd see runc itself."""
-        os.execv(self.path, [self.path, *self.inv.argv])
+        """Become the real runtime with our own argv: podman/containerd see runc itself.
+        UsageError (one line) if the kernel will not run it."""
+        try:
+            os.execv(self.path, [self.path, *self.inv.argv])
+        except OSError as e:
+            raise self._cannot_run(e) from None
 
     def run(self) -> subprocess.Popen:
-        """The real runtime with our argv, as a child sharing our stdio."""
-        return subprocess.Popen([self.path, *self.inv.argv], close_fds=False)
+        """The real runtime with our argv, as a child sharing our stdio; UsageError (one
+        line) if it cannot be started."""
+        try:
+            return subprocess.Popen([self.path, *self.inv.argv], close_fds=False)
+        except OSError as e:
+            raise self._cannot_run(e) from None
 
 
 def find_runtime(name: str) -> str:
     """The real runtime's path; never ourselves (a loop would fork until the machine stops)."""
     path = name if "/" in name else shutil.which(
         name, path=os.environ.get("PATH", "") + ":" + SEARCH_PATH)
-    if not path or not os.access(path, os.X_OK):
+    if not path or os.path.isdir(path) or not os.access(path, os.X_OK):   # as the front
         raise UsageError(f"OCI runtime '{name}' not found",
                          hint="install runc or crun, or set oci_runtime in /etc/torpor/config.toml")
     me = os.path.realpath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
