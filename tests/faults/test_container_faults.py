@@ -188,6 +188,22 @@ def frozen(pid: int) -> str:
     return f"{f}: {said}" if said not in ("", "0", "THAWED") else ""
 
 
+def _snapshot(env: Env) -> str:
+    """What a hang leaves to look at: the processes of podman's and torpor's side, where each
+    waits, and the end of torpord's log."""
+    ps = subprocess.run(["ps", "-eo", "pid,ppid,stat,wchan:24,etimes,args", "--forest"],
+                        capture_output=True, text=True).stdout.splitlines()
+    keep = [ps[0]] + [line for line in ps[1:]
+                      if any(w in line for w in ("torpor", "runc", "criu", "conmon", "podman"))]
+    logs = []
+    for path in (env.base / "torpord.log", env.base / "state" / "torpord.log"):
+        try:   # the test's torpord's, and one a torpor-runtime started
+            logs += [f"{path}:", *path.read_text(errors="replace").splitlines()[-40:]]
+        except OSError:
+            pass
+    return "\n".join(["processes:", *keep, *logs, "journal:", *env.journal()])
+
+
 def _assert_counting(env: Env, w: Workload, name: str, floor: int, where: str) -> None:
     """The container's program runs: not frozen, RUNNING on the fake GPU, counting past floor."""
     pid = env.podman.pid(name)
@@ -302,10 +318,11 @@ class Case:
         try:
             _, err = p.communicate(timeout=120)
         except subprocess.TimeoutExpired:
+            seen = _snapshot(env)
             p.kill()
             _, err = p.communicate()
             pytest.fail(f"{where}: podman {self.op} hung after the kill and a torpor command "
-                        f"(which said: {first.stderr.strip()}): {err}")
+                        f"(which said: {first.stderr.strip()}): {err}\n{seen}")
         said = f"podman exited {p.returncode}: {err.strip()[-600:]}; torpor ps said: " \
                f"{first.stderr.strip()}"
         recovered = _assert_clean(env, where)
