@@ -91,10 +91,15 @@ typedef struct {
 
 enum { FK_RUNNING = 0, FK_LOCKED = 1, FK_CHECKPOINTED = 2, FK_FAILED = 3 };
 
+/* The state directory: $FAKE_CUDA_STATE_DIR, else its copy $TORPOR_FAKE_CUDA_STATE_DIR. An OCI
+ * runtime gives a hook only the environment the spec names, and torpor's hooks get TORPOR_*
+ * and PATH: a torpord a hook starts (torpord dead, a restore under way) reads the copy. */
 static inline const char *fk_dir(void)
 {
     const char *d = getenv("FAKE_CUDA_STATE_DIR");
     struct stat st;
+    if (!d || !*d)
+        d = getenv("TORPOR_FAKE_CUDA_STATE_DIR");
     if (!d || !*d || stat(d, &st) != 0 || !S_ISDIR(st.st_mode))
         return NULL;
     return d;

@@ -67,6 +67,8 @@ PROGRAM = FAKES_DIR / "fake_cuda_program.py"
 LIBCUDA = "libcuda.so.1"
 LIBNVML = "libnvidia-ml.so.1"
 STATE_DIR_VAR = "FAKE_CUDA_STATE_DIR"   # the fakes' state directory (both libraries read it)
+# its copy, which torpor's hooks pass on (TORPOR_*): for a torpord a hook starts (fake_common.h)
+HOOK_STATE_DIR_VAR = "TORPOR_FAKE_CUDA_STATE_DIR"
 SCOPE_VAR = "FAKE_CUDA_SCOPE"           # makes a program's key "<scope>.<nspid>"
 SCOPE_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}\Z")   # = fk_scope_ok
 SYSTEM_PYTHON = "/usr/bin/python3"      # what container_workload runs the program with
@@ -412,7 +414,7 @@ class FakeGpu:
         base = os.environ if base is None else base
         ld = [str(self.build_dir)] + [p for p in base.get("LD_LIBRARY_PATH", "").split(":") if p]
         return {"TORPOR_LIBCUDA": self.libcuda, "LD_LIBRARY_PATH": ":".join(ld),
-                STATE_DIR_VAR: str(self.state_dir)}
+                STATE_DIR_VAR: str(self.state_dir), HOOK_STATE_DIR_VAR: str(self.state_dir)}
 
     def activate(self) -> None:
         """Makes the fakes serve *this* Python process: sets FAKE_CUDA_STATE_DIR and

@@ -191,14 +191,17 @@ def frozen(pid: int) -> str:
 def _snapshot(env: Env) -> str:
     """What a hang leaves to look at: the processes of podman's and torpor's side, where each
     waits, and the end of torpord's log."""
-    ps = subprocess.run(["ps", "-eo", "pid,ppid,stat,wchan:24,etimes,args", "--forest"],
+    for pid in env.torpords():   # each writes its threads' stacks into its log
+        os.kill(pid, signal.SIGUSR2)
+    time.sleep(0.5)
+    ps = subprocess.run(["ps", "-ww", "-eo", "pid,ppid,stat,wchan:24,etimes,args", "--forest"],
                         capture_output=True, text=True).stdout.splitlines()
     keep = [ps[0]] + [line for line in ps[1:]
                       if any(w in line for w in ("torpor", "runc", "criu", "conmon", "podman"))]
     logs = []
     for path in (env.base / "torpord.log", env.base / "state" / "torpord.log"):
         try:   # the test's torpord's, and one a torpor-runtime started
-            logs += [f"{path}:", *path.read_text(errors="replace").splitlines()[-40:]]
+            logs += [f"{path}:", *path.read_text(errors="replace").splitlines()[-150:]]
         except OSError:
             pass
     return "\n".join(["processes:", *keep, *logs, "journal:", *env.journal()])

@@ -89,7 +89,8 @@ class Daemon:
 def base():
     d = Path(tempfile.mkdtemp(prefix="tt", dir="/tmp"))
     yield d
-    remove_tree(d)
+    if not os.environ.get("TORPOR_TEST_KEEP"):   # set: left for a look after a failure
+        remove_tree(d)
 
 
 @pytest.fixture

@@ -79,6 +79,7 @@ def test_load_reports_version_and_needs_a_state_dir(gpu, monkeypatch):
     assert d.error_text(1) == "invalid argument"
     assert d.error_name(12345) == "CUresult 12345"
     monkeypatch.delenv("FAKE_CUDA_STATE_DIR")
+    monkeypatch.delenv("TORPOR_FAKE_CUDA_STATE_DIR", raising=False)   # its copy too
     from torpor.errors import NoDriverError
     with pytest.raises(NoDriverError, match="sees no GPU"):
         Driver.load(gpu.libcuda)
@@ -278,6 +279,7 @@ def test_nvml_without_state_dir_is_driver_not_loaded(gpu, monkeypatch):
     gpu.activate()
     import pynvml
     monkeypatch.delenv("FAKE_CUDA_STATE_DIR")
+    monkeypatch.delenv("TORPOR_FAKE_CUDA_STATE_DIR", raising=False)   # its copy too
     try:
         with pytest.raises(pynvml.NVMLError_DriverNotLoaded):
             pynvml.nvmlInit()

@@ -16,7 +16,8 @@ the order). The sockets are in the container's agent directory (agent.container_
 
 At start torpord rolls back what dead torpor processes left locked or checkpointed
 (engine.recover()). On SIGTERM/SIGINT it stops accepting, lets calls in flight finish, rolls
-back its open operations and exits 0.
+back its open operations and exits 0. SIGUSR2 writes every thread's stack into its log (what a
+torpord that seems stuck is waiting for), and it goes on.
 
 This module is the daemon: argv, sockets, signals, logging, the single-instance lock and the
 `torpord` entry point (main). The handlers are service.py's, the open operations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import fcntl
+import faulthandler
 import logging
 import os
 import resource
@@ -202,6 +204,7 @@ def _serve(cfg: config.Config, args: argparse.Namespace, public: Path, private: 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    faulthandler.register(signal.SIGUSR2, all_threads=True)   # into the log (its stderr)
     log.info("torpord %s (pid %d) listening on %s (uids %s), op timeout %.0f s", __version__,
              os.getpid(), public, ",".join(map(str, sorted(allowed))), args.op_timeout)
 
