@@ -195,6 +195,21 @@ def test_register_unregister_list_survive_restart(daemon):
         assert [x.id for x in c.list().containers] == ["ctr-2"]
 
 
+def test_sigusr2_writes_every_threads_stack_into_the_log_and_torpord_goes_on(daemon):
+    """What a torpord that seems stuck is waiting for (docs/operations.md)."""
+    before = len(daemon.log_text())
+    daemon.proc.send_signal(signal.SIGUSR2)
+    wait_for_text = time.monotonic() + 10
+    while "most recent call first" not in daemon.log_text()[before:] and \
+            time.monotonic() < wait_for_text:
+        time.sleep(0.05)
+    said = daemon.log_text()[before:]
+    assert "most recent call first" in said and "daemon.py" in said, said
+    assert daemon.proc.poll() is None
+    with daemon.client() as c:
+        assert c.list().server_pid == daemon.proc.pid
+
+
 # -- checkpoint -----------------------------------------------------------------------------------------
 
 def test_lock_checkpoint_then_rollback(daemon, gpu, prog):
