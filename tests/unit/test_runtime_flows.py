@@ -16,12 +16,13 @@ from typing import Any
 
 import pytest
 
-from torpor import manifest
+from torpor import config, manifest
 from torpor.errors import CorruptCheckpointError, ExitCode
 from torpor.flows import container
 from torpor.runtime import checkpoint as rt_checkpoint
 from torpor.runtime import main as rt_main
 from torpor.runtime import restore as rt_restore
+from torpor.sidecar.client import work_timeout
 from torpor.sidecar.convert import Checkpointed, CudaProcess, OperationResult, Restored
 
 CID = "c0ffee0123456789"
@@ -110,8 +111,10 @@ class FakeClient:
 
     def __init__(self, pid: int, fail: str = ""):
         self.pid, self.fail, self.calls = pid, fail, []
+        self.timeouts: list[Any] = []   # each channel's deadline for its calls
 
     def __call__(self, cfg: Any, timeout: Any = None) -> "FakeClient":
+        self.timeouts.append(timeout)
         return self
 
     def __enter__(self) -> "FakeClient":
@@ -283,6 +286,7 @@ def test_gpu_checkpoint_leave_running_restores_instead_of_finishing(world):
     client = world["client"]
     assert client.names() == ["ensure", "lock_and_checkpoint", "restore_and_unlock"]
     assert client.calls[2][1] == {"op_id": "op-1"}
+    assert client.timeouts == [work_timeout(config.load())]   # a hung torpord: a failure
     m = manifest.read(world["images"])
     assert m["leave_running"] is True
 
@@ -306,6 +310,7 @@ def test_gpu_restore_gives_torpord_the_restored_pid(world, monkeypatch, tmp_path
                 str(bundle), "--pid-file", str(pid_file), "--detach", CID]
         assert rt_main.main(argv) == 0
         assert client.names() == ["ensure", "restore_and_unlock"]
+        assert client.timeouts[-1] == work_timeout(config.load())
         kw = client.calls[1][1]
         assert kw["pids"] == [new.pid]
         assert kw["gpu_map"] == {}   # the same GPU: no pairs for the driver

@@ -43,7 +43,7 @@ from ..layout import WRITING
 from ..flows.checkpoint import store_checkpoint
 from ..journal import Journal
 from ..engine import Engine
-from ..sidecar.client import Client, ensure_running
+from ..sidecar.client import Client, ensure_running, work_timeout
 from ..sidecar.convert import Checkpointed
 from ..store import Store, fingerprints
 from ..store import images as store_images
@@ -145,7 +145,7 @@ def _checkpoint(cfg: Config, runtime: Runtime, cid: str, spec: dict[str, Any],
     timings: dict[str, float] = {}
     fps = policy.FingerprintMode.of(store is not None, leave_running).value
     stage = None
-    with Client(cfg) as c, interrupts.deferred():
+    with Client(cfg, timeout=work_timeout(cfg)) as c, interrupts.deferred():
         paused = time.monotonic()
         try:
             with thawed:

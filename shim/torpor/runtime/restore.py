@@ -40,7 +40,7 @@ from ..engine import Engine
 from ..journal import Journal, Operation
 from ..layout import MAX_MANIFEST
 from ..registry import chunks
-from ..sidecar.client import Client, ensure_running
+from ..sidecar.client import Client, ensure_running, work_timeout
 from ..sidecar.convert import AgentData
 from ..store import images as store_images
 from . import markers
@@ -160,7 +160,7 @@ def _restore(cfg: Config, runtime: Runtime, inv: Invocation, op: Operation, imag
     try:
         if placed.moves:
             _device_nodes(pid, list(placed.moves))
-        with Client(cfg) as c:
+        with Client(cfg, timeout=work_timeout(cfg)) as c:
             out = c.restore_and_unlock(pids=[pid], gpu_map=placed.driver_map, agents=moved,
                                        gpu_data_dir=images / agent_data.DATA_DIR if moved else "",
                                        agent_container_id=cid,

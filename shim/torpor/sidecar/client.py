@@ -38,6 +38,18 @@ from .convert import (AgentData, Checkpointed, Container, Listing, OperationResu
 
 
 FINGERPRINTS = {"": 0, "index": 1, "skip": 2}   # LockAndCheckpointRequest.fingerprints
+# The driver's own copy of a whole GPU's memory at its slowest (1.5 GB/s out: 141 GB in ~95 s),
+# with room to spare.
+DRIVER_MARGIN_S = 300.0
+
+
+def work_timeout(cfg: Config) -> float:
+    """How long one call that does a process's GPU work (LockAndCheckpoint, Finish, Rollback,
+    RestoreAndUnlock) may take before its caller gives up: a driver lock, one agent's move and
+    the driver's copy of a whole GPU. A torpord that hangs then fails the runtime's command
+    instead of hanging the engine (podman, containerd's shim) for good; torpord ends the work
+    as it ends any whose caller went away (rolled back; a restored container is stopped)."""
+    return cfg.lock_timeout_s + cfg.agent_timeout_s + DRIVER_MARGIN_S
 
 
 def _answers(path: Path) -> bool:
