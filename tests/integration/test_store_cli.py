@@ -3,6 +3,7 @@ real CRIU and a fake GPU program: the checkpoint directory keeps the manifest an
 the store's chunks, restores from it (on this host, or on another with another store), and
 refuses a damaged chunk before CRIU runs."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -255,3 +256,54 @@ def test_a_full_store_is_left_as_it_was(torpor, gpu, tmp_path, reaper, leave_run
         assert [r["name"] for r in torpor.json("ls")["snapshots"]] == ["again", "small"]
     finally:
         subprocess.run(["umount", "-l", str(mnt)])
+
+
+def test_gc_waits_for_a_restore_that_streams_chunks_it_imported(torpor, gpu, tmp_path, reaper):
+    """A packed checkpoint brought from another host restores through this host's store: its
+    chunks are imported at the unpack, in no snapshot here, and its GPU data streams from them
+    only after CRIU's restore. gc running meanwhile took them (the restore failed, its program
+    stopped): the restore holds the store's lock until it is done, and gc waits."""
+    import threading
+    from tests.fakes.fakegpu import PROGRAM
+    from torpor.store import Store
+    agents = tmp_path / "agents"
+    status = tmp_path / "status.json"
+    torpor.env["TORPOR_AGENT_DIR"] = str(agents)
+    with open(tmp_path / "program.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "torpor.cli.main", "run", "--",
+                                 sys.executable, str(PROGRAM), "--mem", str(64 << 20),
+                                 "--status", str(status), "--lib", gpu.libcuda,
+                                 "--fill", f"0:{64 << 20}"],
+                                env=torpor.env, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=log, start_new_session=True)
+    reaper.append(proc.pid)
+    wait_for(lambda: status.exists() and (agents / f"agent-{proc.pid}.sock").exists(), 20,
+             "the program under the agent")
+    images = tmp_path / "ck"
+    torpor.env["TORPOR_STORE_DIR"] = str(tmp_path / "store")
+    ck = torpor.json("checkpoint", str(proc.pid), "-D", str(images), "--store", "one")
+    if not ck["manifest"]["agent"][str(proc.pid)].get("streamed"):
+        pytest.skip("the agent did not stream its data into the store")
+    proc.wait(timeout=10)
+    moved = tmp_path / "elsewhere" / "ck"
+    shutil.copytree(images, moved)                      # copies: no link to this store
+    other = Store(tmp_path / "other-store")
+    torpor.env["TORPOR_STORE_DIR"] = other.where
+    stop, removed = threading.Event(), []
+
+    def collect() -> None:
+        while not stop.is_set():
+            removed.extend(other.gc().removed)
+    gc = threading.Thread(target=collect)
+    gc.start()
+    try:
+        r = torpor.run("--json", "restore", "-D", str(moved))
+    finally:
+        stop.set()
+        gc.join()
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["agent"][str(proc.pid)]["streamed"] is True
+    tick = json.loads(status.read_text())["tick"]
+    wait_for(lambda: json.loads(status.read_text() or "{}").get("tick", 0) > tick + 2, 10,
+             "the restored program ticking")
+    assert removed                     # gc ran, and took the imported chunks after the restore
