@@ -320,6 +320,31 @@ def test_truncated_blob_is_detected(store, tmp_path, keep):
         read(store, "s", "f")
 
 
+@pytest.mark.parametrize("kind", ["link to a good copy", "link to /dev/zero", "directory",
+                                  "fifo"])
+def test_a_blob_that_is_no_regular_file_is_refused_not_followed(store, tmp_path, kind):
+    """Read through the link (a good copy: taken silently; /dev/zero: read until memory ran
+    out), or an internal error (a directory): every read of the store's chunks opens them
+    as an import does, and a checkpoint's pack links none but regular files."""
+    name, path = _one_blob(store, tmp_path)
+    good = tmp_path / "good"
+    path.rename(good)
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to(good if "good" in kind else "/dev/zero")
+    with pytest.raises(CorruptCheckpointError, match=f"chunk {name}"):
+        read(store, "s", "f")
+    with pytest.raises(CorruptCheckpointError, match=f"chunk {name}"):
+        store.materialize("s", tmp_path / "out")
+    with pytest.raises(CorruptCheckpointError, match=f"chunk {name}"):
+        store.export_chunks("s", tmp_path / "export")
+    assert not (tmp_path / "export" / name).exists()
+    assert os.stat(good).st_nlink == 1                       # not linked out through the link
+
+
 def test_missing_blob_is_detected(store, tmp_path):
     name, path = _one_blob(store, tmp_path)
     path.unlink()

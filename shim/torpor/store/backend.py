@@ -34,6 +34,7 @@ from ..errors import BusyError, UsageError
 from ..files import (atomic_write, fsync_dir, private_dir, read_untrusted, require_trusted_location,
                      write_new)
 from ..layout import MAX_PACKED
+from . import chunk
 
 BLOB_NAME = re.compile(r"[0-9a-f]{64}")
 SNAPSHOT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -73,7 +74,8 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def read_blob(self, name: str) -> bytes:
-        """The blob's bytes; FileNotFoundError when it is not there."""
+        """The blob's bytes; FileNotFoundError when it is not there, CorruptCheckpointError
+        when what is there is no blob (a link, a directory)."""
 
     @abc.abstractmethod
     def delete_blob(self, name: str) -> None: ...
@@ -142,11 +144,11 @@ class LocalBackend(Backend):
         return self.snaps / (check_snapshot_name(name) + SNAPSHOT_SUFFIX)
 
     def has_blob(self, name: str) -> bool:
-        return self._blob(name).exists()
+        return os.path.lexists(self._blob(name))   # whatever is there: reading it checks it
 
     def put_blob(self, name: str, data: bytes) -> bool:
         final = self._blob(name)
-        if final.exists():
+        if os.path.lexists(final):
             return False
         tmp = self.tmp / f"{name[:16]}.{os.getpid()}.{time.monotonic_ns()}"
         write_new(tmp, data)  # fsynced: a crash never leaves a named blob with missing data
@@ -161,8 +163,9 @@ class LocalBackend(Backend):
         return True
 
     def read_blob(self, name: str) -> bytes:
-        with open(self._blob(name), "rb") as f:
-            return f.read()
+        # never through a link, never blocking on a FIFO, never more than a blob can hold (a
+        # link to /dev/zero was read until memory ran out); CorruptCheckpointError otherwise
+        return chunk.read_blob_file(self._blob(name), f"store {self.root}")
 
     def delete_blob(self, name: str) -> None:
         self._blob(name).unlink()

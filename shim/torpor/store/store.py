@@ -36,6 +36,7 @@ import dataclasses
 import errno
 import logging
 import os
+import stat
 import threading
 import time
 from pathlib import Path
@@ -418,11 +419,15 @@ class Store:
         if src is None:
             return False
         try:
-            os.link(src, target)
+            os.link(src, target, follow_symlinks=False)   # a link's target is no chunk of ours
         except OSError as e:
             if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
                 raise
             return False
+        if not stat.S_ISREG(os.lstat(target).st_mode):
+            target.unlink()
+            raise CorruptCheckpointError(f"chunk {name} in store {self.where} is not a regular "
+                                         "file")
         return True
 
     def import_chunks(self, src: Path) -> int:
