@@ -345,6 +345,27 @@ def test_a_blob_that_is_no_regular_file_is_refused_not_followed(store, tmp_path,
     assert os.stat(good).st_nlink == 1                       # not linked out through the link
 
 
+@pytest.mark.parametrize("kind", ["symlink", "directory", "fifo"])
+def test_a_lock_file_that_is_no_regular_file_is_one_clear_error(store, tmp_path, kind):
+    """Every command opens the store's lock: a link or a directory there was an internal
+    error (ELOOP, EISDIR), a FIFO was taken as a lock."""
+    _one_blob(store, tmp_path)
+    lock = store.backend.root / "lock"
+    lock.unlink(missing_ok=True)
+    if kind == "symlink":
+        lock.symlink_to(tmp_path / "elsewhere")
+    elif kind == "directory":
+        lock.mkdir()
+    else:
+        os.mkfifo(lock)
+    for call in (store.gc, lambda: ingest(store, tmp_path / "src", "t"),
+                 lambda: store.materialize("s", tmp_path / "out")):
+        with pytest.raises(TorporError, match=f"lock file {lock}") as e:
+            call()
+        assert type(e.value) is TorporError and e.value.hint == f"remove {lock}: it is made again"
+    assert not (tmp_path / "elsewhere").exists()
+
+
 def test_missing_blob_is_detected(store, tmp_path):
     name, path = _one_blob(store, tmp_path)
     path.unlink()

@@ -26,11 +26,12 @@ import errno
 import fcntl
 import os
 import re
+import stat
 import time
 from pathlib import Path
 from typing import Iterator
 
-from ..errors import BusyError, UsageError
+from ..errors import BusyError, TorporError, UsageError
 from ..files import (atomic_write, fsync_dir, private_dir, read_untrusted, require_trusted_location,
                      write_new)
 from ..layout import MAX_PACKED
@@ -225,9 +226,17 @@ class LocalBackend(Backend):
 
     @contextlib.contextmanager
     def lock(self, exclusive: bool, timeout: float) -> Iterator[None]:
-        fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600)
+        path = self.root / "lock"
+        try:   # never through a link, never a FIFO's open: the one file every command opens
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+                         | os.O_CLOEXEC, 0o600)
+        except OSError as e:   # ELOOP: a link; EISDIR: a directory
+            raise TorporError(f"store {self.root}: cannot open its lock file {path}: "
+                              f"{e.strerror}", hint=f"remove {path}: it is made again") from None
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise TorporError(f"store {self.root}: its lock file {path} is not a regular "
+                                  "file", hint=f"remove {path}: it is made again")
             _flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, timeout,
                    f"store {self.root}")
             yield
