@@ -527,6 +527,31 @@ def test_full_disk_is_a_clear_error_and_harms_nothing(small_fs, tmp_path):
     assert s.gc().removed == [] and len(blobs(s)) == len(kept) + 2
 
 
+def test_two_writers_racing_for_a_name_never_replace_each_others_snapshot(store, tmp_path,
+                                                                          monkeypatch):
+    """Two checkpoints given the same --store NAME at once both pass require_new; the one that
+    committed second replaced the first's snapshot (rename), which ls then lost. Now the
+    second is refused (exit 2), the first's snapshot stays, and the second's chunks are its
+    own to take back."""
+    write(tmp_path / "a" / "f", os.urandom(2 * CHUNK))
+    write(tmp_path / "b" / "f", os.urandom(2 * CHUNK))
+    sync = store.backend.sync
+    first = []
+
+    def other_writer_commits_meanwhile() -> None:
+        sync()
+        if not first:
+            first.append(Store(store.backend.root, chunk_size=CHUNK).ingest_dir(
+                tmp_path / "a", "same")[0])
+    monkeypatch.setattr(store.backend, "sync", other_writer_commits_meanwhile)
+    with pytest.raises(UsageError, match="snapshot same exists already") as e:
+        ingest(store, tmp_path / "b", "same")
+    assert e.value.exit_code == 2
+    assert store.load("same") == first[0]
+    assert read(store, "same", "f") == (tmp_path / "a" / "f").read_bytes()
+    assert len(store.discard_unnamed().removed) == 2 and os.listdir(store.backend.tmp) == []
+
+
 def test_a_failed_writer_takes_back_only_what_nothing_else_holds(store, tmp_path):
     """discard_unnamed removes the chunks this Store's writers created and no snapshot they
     committed names, as gc would: not a chunk another writer created, nor one a snapshot

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ..errors import BusyError, TorporError, UsageError
-from ..files import (atomic_write, fsync_dir, private_dir, read_untrusted, require_trusted_location,
+from ..files import (fsync_dir, private_dir, read_untrusted, require_trusted_location,
                      write_new)
 from ..layout import MAX_PACKED
 from . import chunk
@@ -98,7 +98,8 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def put_snapshot(self, name: str, data: bytes) -> None:
-        """Store (or replace) a snapshot atomically and durably."""
+        """Store a new snapshot atomically and durably; FileExistsError, writing nothing, when
+        one by that name is there (never replaced: two writers may race for a name)."""
 
     @abc.abstractmethod
     def get_snapshot(self, name: str) -> bytes:
@@ -209,7 +210,14 @@ class LocalBackend(Backend):
             fsync_dir(d)
 
     def put_snapshot(self, name: str, data: bytes) -> None:
-        atomic_write(self._snap(name), data, tmp_dir=self.tmp)
+        final = self._snap(name)
+        tmp = self.tmp / f".{final.name}.{os.getpid()}.{time.monotonic_ns()}"
+        write_new(tmp, data)
+        try:
+            os.link(tmp, final)  # link, not rename: never replaces another writer's snapshot
+        finally:
+            tmp.unlink()
+        fsync_dir(self.snaps)
 
     def get_snapshot(self, name: str) -> bytes:
         path = self._snap(name)   # no link, no FIFO, no file past the cap (files.read_untrusted)
