@@ -552,6 +552,18 @@ def test_two_writers_racing_for_a_name_never_replace_each_others_snapshot(store,
     assert len(store.discard_unnamed().removed) == 2 and os.listdir(store.backend.tmp) == []
 
 
+def test_ls_leaves_out_a_snapshot_removed_while_it_lists(store, tmp_path, monkeypatch):
+    """ls holds no lock: an rm between its listing and its reading made ls fail (exit 3, 'no
+    snapshot ...') rather than list what is there."""
+    write(tmp_path / "src" / "f", os.urandom(CHUNK))
+    ingest(store, tmp_path / "src", "kept")
+    ingest(store, tmp_path / "src", "going")
+    listed = store.backend.snapshots()
+    monkeypatch.setattr(store.backend, "snapshots", lambda: listed)
+    store.remove(["going"])
+    assert [r.name for r in store.snapshots()] == ["kept"]
+
+
 def test_a_failed_writer_takes_back_only_what_nothing_else_holds(store, tmp_path):
     """discard_unnamed removes the chunks this Store's writers created and no snapshot they
     committed names, as gc would: not a chunk another writer created, nor one a snapshot

@@ -323,8 +323,15 @@ class Store:
     # --- listing and removing --------------------------------------------------------------
 
     def snapshots(self) -> list[SnapshotInfo]:
+        """Every snapshot with its sizes. Takes no lock (ls must not wait for a checkpoint): one
+        removed between the listing and its reading (torpor rm meanwhile) is left out."""
         sizes = {b.name: b.size for b in self.backend.blobs()}
-        docs = [self.load(n) for n in self.backend.snapshots()]
+        docs = []
+        for n in self.backend.snapshots():
+            try:
+                docs.append(self.load(n))
+            except NotFoundError:
+                continue
         users: dict[str, int] = {}
         for doc in docs:
             for c in snapshot.chunk_names(doc):
