@@ -274,7 +274,9 @@ class Store:
             return w.commit(name, meta), w.stats
 
     def created(self, name: str) -> None:
-        """A writer put chunk name into the store (it was not there): no snapshot names it."""
+        """A writer put chunk name into the store (it was not there): no snapshot names it.
+        Also a chunk a failed checkpoint's own stream put there through another process's
+        Store (store_packing.stand_alone, once its directory holds the data)."""
         with self._unnamed_lock:
             self._unnamed.add(name)
 
