@@ -94,8 +94,15 @@ def stand_alone(store: Store, images_dir: Path, owner: str, checksums: bool) -> 
         return 0
     for leftover in (images_dir / images.CHUNKS, images_dir / f".{images.CHUNKS}.tmp"):
         shutil.rmtree(leftover, ignore_errors=True)
-    filled = fingerprints.fill_dir(store, images_dir, owner) \
-        if owner and fingerprints.any_skipped(images_dir) else 0
+    if owner and fingerprints.any_skipped(images_dir):
+        # what its agents streamed is this checkpoint's to take back (discard_unnamed) once
+        # the directory holds it: torpord's stream (a container's) added it through a Store
+        # of its own, which this one did not see; the fill drops the records that name it
+        for name in fingerprints.streamed_chunks(images_dir):
+            store.created(name)
+        filled = fingerprints.fill_dir(store, images_dir, owner)
+    else:
+        filled = 0
     if checksums:
         manifest.add_checksums(images_dir)
     return filled

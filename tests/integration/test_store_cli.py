@@ -3,6 +3,7 @@ real CRIU and a fake GPU program: the checkpoint directory keeps the manifest an
 the store's chunks, restores from it (on this host, or on another with another store), and
 refuses a damaged chunk before CRIU runs."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -255,3 +256,136 @@ def test_a_full_store_is_left_as_it_was(torpor, gpu, tmp_path, reaper, leave_run
         assert [r["name"] for r in torpor.json("ls")["snapshots"]] == ["again", "small"]
     finally:
         subprocess.run(["umount", "-l", str(mnt)])
+
+
+def test_gc_waits_for_a_restore_that_streams_chunks_it_imported(torpor, gpu, tmp_path, reaper):
+    """A packed checkpoint brought from another host restores through this host's store: its
+    chunks are imported at the unpack, in no snapshot here, and its GPU data streams from them
+    only after CRIU's restore. gc running meanwhile took them (the restore failed, its program
+    stopped): the restore holds the store's lock until it is done, and gc waits."""
+    import threading
+    from tests.fakes.fakegpu import PROGRAM
+    from torpor.store import Store
+    agents = tmp_path / "agents"
+    status = tmp_path / "status.json"
+    torpor.env["TORPOR_AGENT_DIR"] = str(agents)
+    with open(tmp_path / "program.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "torpor.cli.main", "run", "--",
+                                 sys.executable, str(PROGRAM), "--mem", str(64 << 20),
+                                 "--status", str(status), "--lib", gpu.libcuda,
+                                 "--fill", f"0:{64 << 20}"],
+                                env=torpor.env, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=log, start_new_session=True)
+    reaper.append(proc.pid)
+    wait_for(lambda: status.exists() and (agents / f"agent-{proc.pid}.sock").exists(), 20,
+             "the program under the agent")
+    images = tmp_path / "ck"
+    torpor.env["TORPOR_STORE_DIR"] = str(tmp_path / "store")
+    ck = torpor.json("checkpoint", str(proc.pid), "-D", str(images), "--store", "one")
+    if not ck["manifest"]["agent"][str(proc.pid)].get("streamed"):
+        pytest.skip("the agent did not stream its data into the store")
+    proc.wait(timeout=10)
+    moved = tmp_path / "elsewhere" / "ck"
+    shutil.copytree(images, moved)                      # copies: no link to this store
+    other = Store(tmp_path / "other-store")
+    torpor.env["TORPOR_STORE_DIR"] = other.where
+    stop, removed = threading.Event(), []
+
+    def collect() -> None:
+        while not stop.is_set():
+            removed.extend(other.gc().removed)
+    gc = threading.Thread(target=collect)
+    gc.start()
+    try:
+        r = torpor.run("--json", "restore", "-D", str(moved))
+    finally:
+        stop.set()
+        gc.join()
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["agent"][str(proc.pid)]["streamed"] is True
+    tick = json.loads(status.read_text())["tick"]
+    wait_for(lambda: json.loads(status.read_text() or "{}").get("tick", 0) > tick + 2, 10,
+             "the restored program ticking")
+    assert removed                     # gc ran, and took the imported chunks after the restore
+
+
+def test_checkpoints_filling_the_store_at_once_while_gc_runs(torpor, tmp_path, reaper):
+    """Three programs checkpointed twice each, all at once, into a 64 MiB store that cannot
+    take them all, while `torpor gc` runs in a loop: each checkpoint is packed (0) or says in
+    one line that the store is full (8), every program runs on, every checkpoint directory
+    verifies on its own, and once they are gone gc leaves the store empty."""
+    import threading
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,mode=0700", "tmpfs", str(mnt)],
+                   check=True)
+    try:
+        torpor.env["TORPOR_STORE_DIR"] = str(mnt / "store")
+        progs = []
+        for i in range(3):
+            status = tmp_path / f"n{i}.txt"
+            prog = subprocess.Popen(
+                [sys.executable, "-c", COUNTER + PROGRAM_OF_RANDOM_BYTES, str(status), str(i)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True)
+            reaper.append(prog.pid)
+            progs.append((prog, status))
+        for prog, status in progs:
+            wait_for(lambda: prog.poll() is None and read_count(status), 30, "the program")
+        stop, gcs = threading.Event(), []
+
+        def collect() -> None:
+            while not stop.is_set():
+                gcs.append(torpor.run("gc"))
+        results: dict[str, subprocess.CompletedProcess] = {}
+
+        def checkpoint(i: int, pid: int) -> None:
+            for k in range(2):
+                name = f"p{i}-{k}"
+                results[name] = torpor.run("checkpoint", str(pid), "-D", str(tmp_path / name),
+                                           "--store", name, "--leave-running")
+        gc = threading.Thread(target=collect)
+        gc.start()
+        workers = [threading.Thread(target=checkpoint, args=(i, prog.pid))
+                   for i, (prog, _) in enumerate(progs)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        stop.set()
+        gc.join()
+        assert gcs and all(g.returncode == 0 for g in gcs), [g.stderr for g in gcs]
+        packed = {n for n, r in results.items() if r.returncode == 0}
+        for name, r in results.items():
+            errors = [line for line in r.stderr.splitlines() if line.startswith("torpor: error:")]
+            if r.returncode == 0:
+                assert not errors and (tmp_path / name / "torpor-store.json").exists()
+            else:
+                assert r.returncode == 8, r.stderr
+                assert len(errors) == 1 and "No space left on device" in errors[0], r.stderr
+                assert "is complete, not packed" in errors[0], r.stderr
+            assert torpor.json("inspect", "--verify", str(tmp_path / name))["manifest"]
+        assert packed != set(results)                          # the store filled up
+        assert {r["name"] for r in torpor.json("ls")["snapshots"]} == packed
+        assert all(alive(prog.pid) for prog, _ in progs)
+        if packed:
+            torpor.json("rm", *packed)
+        for name in results:
+            shutil.rmtree(tmp_path / name)
+        torpor.json("gc")
+        assert _blobs(mnt / "store") == [] and os.listdir(mnt / "store" / "tmp") == []
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])
+
+
+# 24 MiB of random bytes (seeded by argv[2]: each program its own), then a counter ticking
+PROGRAM_OF_RANDOM_BYTES = """
+import random, sys, time
+r = random.Random(int(sys.argv[2]))
+data = bytearray(b"".join(r.randbytes(1 << 20) for _ in range(24)))
+n = 0
+while True:
+    n += 1
+    tick(sys.argv[1], n)
+    time.sleep(0.02)
+"""

@@ -446,6 +446,46 @@ def test_a_pack_that_fails_after_a_streamed_checkpoint_fills_the_directory(
     manifest.verify(d, manifest.read(d))
 
 
+def test_a_failed_pack_takes_back_what_another_process_streamed(gpu, probe, tmp_path,
+                                                                 monkeypatch):
+    """A container's agents stream into the store through torpord's Store, its pack runs in
+    torpor-runtime through another: when the pack failed (a full store), the runtime's
+    discard_unnamed did not know the streamed chunks and left them, full store and all, for
+    gc without a word. The directory filled, they are taken back as the pack's own are."""
+    import errno
+
+    from tests.unit.test_manifest import _manifest as sealed
+    from torpor import manifest, store_packing
+    from torpor.errors import TorporError
+    from torpor.store import images
+
+    p = probe()
+    _program(p, (12,))
+    torpord = Store(tmp_path / "store")
+    engine = _engine(gpu, tmp_path, torpord)
+    d = _images_dir(tmp_path)
+    with torpord.backend.lock(False, 10), engine.begin("checkpoint", [p.pid]) as op:
+        engine.lock_and_checkpoint(op, [p.pid], data=agent_data.DataDir(d / agent_data.DATA_DIR),
+                                   agent_dir=p.sock.parent, known_fingerprints=(),
+                                   owner=OWNER, stream_into=torpord)
+    manifest.write(d, sealed(manifest.file_table(d, checksums=False)))
+    streamed = torpord.unnamed()
+    assert streamed
+
+    def full(*_a, **_k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(images, "pack", full)
+    runtime = Store(tmp_path / "store")               # torpor-runtime's, another process's
+    with pytest.raises(TorporError, match="No space left on device"):
+        store_packing.pack(engine.journal, runtime, d, "one", OWNER)
+    assert not fingerprints.any_skipped(d)
+    said: list[str] = []
+    store_packing.discard_unnamed(engine.journal, runtime, d, said.append)
+    assert list(runtime.backend.blobs()) == [] and said[-1].startswith(
+        f"removed the {len(streamed)} chunk(s)"), said
+    manifest.verify(d, manifest.read(d))
+
+
 def test_a_streamed_restore_onto_a_full_gpu_fails_and_can_be_retried(probe, tmp_path):
     """The GPU has no room for the memory: the agent says so before it takes a part, the feed
     stops, nothing is lost (the data is in the store), and a retry once there is room works."""

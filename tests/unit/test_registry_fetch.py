@@ -178,6 +178,24 @@ def test_the_missing_chunks_are_fetched_verified_and_linked(tmp_path):
     assert not chunks.missing(store, top)
 
 
+def test_a_store_chunk_that_is_a_link_is_not_linked_through(tmp_path):
+    """The store's chunks are hard-linked into torpor-chunks/: linkat followed a chunk that
+    is a symbolic link and linked whatever it points at into the checkpoint directory."""
+    reg, top, store = _node_b(tmp_path)
+    registry = FakeRegistry(blobs=reg.blobs, manifests=reg.manifests)
+    chunks._fetch_from(registry, top, store)
+    shutil.rmtree(top / CHUNKS)
+    name = sorted(_store_is_whole(store))[0]
+    blob = store.backend.blob_path(name)
+    elsewhere = tmp_path / "elsewhere"
+    blob.rename(elsewhere)
+    blob.symlink_to(elsewhere)
+    with pytest.raises(CorruptCheckpointError, match=name):
+        chunks._fetch_from(registry, top, store)
+    assert os.stat(elsewhere).st_nlink == 1
+    assert not (top / CHUNKS).exists()
+
+
 @pytest.mark.parametrize("how", ["flip", "truncate", "swap"])
 def test_a_tampered_chunk_is_refused_and_the_store_stays_whole(tmp_path, how):
     reg, top, store = _node_b(tmp_path)

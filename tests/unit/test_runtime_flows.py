@@ -24,6 +24,7 @@ from torpor.runtime import main as rt_main
 from torpor.runtime import restore as rt_restore
 from torpor.sidecar.client import work_timeout
 from torpor.sidecar.convert import Checkpointed, CudaProcess, OperationResult, Restored
+from torpor.store import images as store_images
 
 CID = "c0ffee0123456789"
 GPU = "GPU-11111111-2222-3333-4444-555555555555"
@@ -555,3 +556,39 @@ def test_agent_directory_is_never_reached_through_a_link(cfg, tmp_path):
     with pytest.raises(OSError):
         lifecycle.agent_dir(cfg, CID, {"process": {"user": {"uid": 1000}}})
     assert target.stat().st_uid == 0
+
+
+def test_a_packed_restore_keeps_gc_off_the_store_until_torpord_is_done(world, monkeypatch,
+                                                                      tmp_path):
+    """The chunks a packed checkpoint's restore imports (or fetches) are in no snapshot, and
+    torpord streams GPU data from them after runc's restore: the runtime holds the store's
+    lock (shared) until torpord is done, so a gc in between waits rather than take them."""
+    from torpor.errors import BusyError
+    from torpor.store import Store
+    monkeypatch.setenv("TORPOR_STORE_DIR", str(tmp_path / "store"))
+    write_spec(world["bundle"], gpu=True)
+    spec = json.loads((world["bundle"] / "config.json").read_text())
+    spec["annotations"] = {"org.torpor.store": "on"}
+    (world["bundle"] / "config.json").write_text(json.dumps(spec))
+    assert rt_main.main(checkpoint_argv(world["images"])) == 0
+    assert store_images.is_packed(world["images"])
+    (world["runc"].root / "restore.pid").write_text(str(world["pid"]))
+    monkeypatch.setattr(rt_restore.container, "place",
+                        lambda cfg, m, b: container.Placement({GPU: GPU}))
+    client = world["client"]
+    gc_meanwhile = []
+    restore_and_unlock = client.restore_and_unlock
+
+    def during(**kw: Any) -> Restored:
+        try:
+            Store(tmp_path / "store").gc(timeout=0.2)
+            gc_meanwhile.append("ran")
+        except BusyError:
+            gc_meanwhile.append("waited")
+        return restore_and_unlock(**kw)
+    monkeypatch.setattr(client, "restore_and_unlock", during)
+    argv = ["restore", "--image-path", str(world["images"]), "--bundle", str(world["bundle"]),
+            "--pid-file", str(tmp_path / "pid"), "--detach", CID]
+    assert rt_main.main(argv) == 0
+    assert gc_meanwhile == ["waited"]
+    Store(tmp_path / "store").gc(timeout=0.2)     # the restore over: gc runs

@@ -320,6 +320,52 @@ def test_truncated_blob_is_detected(store, tmp_path, keep):
         read(store, "s", "f")
 
 
+@pytest.mark.parametrize("kind", ["link to a good copy", "link to /dev/zero", "directory",
+                                  "fifo"])
+def test_a_blob_that_is_no_regular_file_is_refused_not_followed(store, tmp_path, kind):
+    """Read through the link (a good copy: taken silently; /dev/zero: read until memory ran
+    out), or an internal error (a directory): every read of the store's chunks opens them
+    as an import does, and a checkpoint's pack links none but regular files."""
+    name, path = _one_blob(store, tmp_path)
+    good = tmp_path / "good"
+    path.rename(good)
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to(good if "good" in kind else "/dev/zero")
+    with pytest.raises(CorruptCheckpointError, match=f"chunk {name}"):
+        read(store, "s", "f")
+    with pytest.raises(CorruptCheckpointError, match=f"chunk {name}"):
+        store.materialize("s", tmp_path / "out")
+    with pytest.raises(CorruptCheckpointError, match=f"chunk {name}"):
+        store.export_chunks("s", tmp_path / "export")
+    assert not (tmp_path / "export" / name).exists()
+    assert os.stat(good).st_nlink == 1                       # not linked out through the link
+
+
+@pytest.mark.parametrize("kind", ["symlink", "directory", "fifo"])
+def test_a_lock_file_that_is_no_regular_file_is_one_clear_error(store, tmp_path, kind):
+    """Every command opens the store's lock: a link or a directory there was an internal
+    error (ELOOP, EISDIR), a FIFO was taken as a lock."""
+    _one_blob(store, tmp_path)
+    lock = store.backend.root / "lock"
+    lock.unlink(missing_ok=True)
+    if kind == "symlink":
+        lock.symlink_to(tmp_path / "elsewhere")
+    elif kind == "directory":
+        lock.mkdir()
+    else:
+        os.mkfifo(lock)
+    for call in (store.gc, lambda: ingest(store, tmp_path / "src", "t"),
+                 lambda: store.materialize("s", tmp_path / "out")):
+        with pytest.raises(TorporError, match=f"lock file {lock}") as e:
+            call()
+        assert type(e.value) is TorporError and e.value.hint == f"remove {lock}: it is made again"
+    assert not (tmp_path / "elsewhere").exists()
+
+
 def test_missing_blob_is_detected(store, tmp_path):
     name, path = _one_blob(store, tmp_path)
     path.unlink()
@@ -479,6 +525,43 @@ def test_full_disk_is_a_clear_error_and_harms_nothing(small_fs, tmp_path):
     write(tmp_path / "again" / "f", os.urandom(2 * CHUNK))
     s.ingest_dir(tmp_path / "again", "again")   # room as before
     assert s.gc().removed == [] and len(blobs(s)) == len(kept) + 2
+
+
+def test_two_writers_racing_for_a_name_never_replace_each_others_snapshot(store, tmp_path,
+                                                                          monkeypatch):
+    """Two checkpoints given the same --store NAME at once both pass require_new; the one that
+    committed second replaced the first's snapshot (rename), which ls then lost. Now the
+    second is refused (exit 2), the first's snapshot stays, and the second's chunks are its
+    own to take back."""
+    write(tmp_path / "a" / "f", os.urandom(2 * CHUNK))
+    write(tmp_path / "b" / "f", os.urandom(2 * CHUNK))
+    sync = store.backend.sync
+    first = []
+
+    def other_writer_commits_meanwhile() -> None:
+        sync()
+        if not first:
+            first.append(Store(store.backend.root, chunk_size=CHUNK).ingest_dir(
+                tmp_path / "a", "same")[0])
+    monkeypatch.setattr(store.backend, "sync", other_writer_commits_meanwhile)
+    with pytest.raises(UsageError, match="snapshot same exists already") as e:
+        ingest(store, tmp_path / "b", "same")
+    assert e.value.exit_code == 2
+    assert store.load("same") == first[0]
+    assert read(store, "same", "f") == (tmp_path / "a" / "f").read_bytes()
+    assert len(store.discard_unnamed().removed) == 2 and os.listdir(store.backend.tmp) == []
+
+
+def test_ls_leaves_out_a_snapshot_removed_while_it_lists(store, tmp_path, monkeypatch):
+    """ls holds no lock: an rm between its listing and its reading made ls fail (exit 3, 'no
+    snapshot ...') rather than list what is there."""
+    write(tmp_path / "src" / "f", os.urandom(CHUNK))
+    ingest(store, tmp_path / "src", "kept")
+    ingest(store, tmp_path / "src", "going")
+    listed = store.backend.snapshots()
+    monkeypatch.setattr(store.backend, "snapshots", lambda: listed)
+    store.remove(["going"])
+    assert [r.name for r in store.snapshots()] == ["kept"]
 
 
 def test_a_failed_writer_takes_back_only_what_nothing_else_holds(store, tmp_path):

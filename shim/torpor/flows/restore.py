@@ -153,16 +153,20 @@ def restore_any(engine: Engine, images_dir: Path, **kw: Any) -> dict[str, Any]:
     into = _unpack_in_memory(engine, images_dir, in_store)
     where = f", into host memory ({into})" if into else ""
     left = "; its GPU data streams from there" if in_store else ""
-    with engine.progress.phase("unpack", f"{images_dir} through {store.where}{where}{left}"):
-        unpacked = images.unpack(store, images_dir, into, leave_out=in_store)
-    try:   # every chunk's sha256 was checked as it was read: the manifest's sizes suffice
-        return restore(engine, unpacked, **{**kw, "verify": False, "packed": images_dir,
-                                           "in_store": in_store})
-    except TorporError as e:   # name the directory the operator gave, not the one removed here
-        raise type(e)(str(e).replace(str(unpacked), str(images_dir)), exit_code=e.exit_code,
-                      hint=e.hint) from e
-    finally:
-        shutil.rmtree(unpacked, ignore_errors=True)
+    # The store's lock, shared, from the unpack to the end: the chunks it imports from the
+    # directory (one from another host) are in no snapshot, and the GPU data streams from them
+    # after CRIU's restore; gc (exclusive) would take them in between.
+    with store.backend.lock(False, store.lock_timeout):
+        with engine.progress.phase("unpack", f"{images_dir} through {store.where}{where}{left}"):
+            unpacked = images.unpack(store, images_dir, into, leave_out=in_store)
+        try:   # every chunk's sha256 was checked as it was read: the manifest's sizes suffice
+            return restore(engine, unpacked, **{**kw, "verify": False, "packed": images_dir,
+                                               "in_store": in_store})
+        except TorporError as e:   # name the directory the operator gave, not the one removed
+            raise type(e)(str(e).replace(str(unpacked), str(images_dir)),
+                          exit_code=e.exit_code, hint=e.hint) from e
+        finally:
+            shutil.rmtree(unpacked, ignore_errors=True)
 
 
 def _unpack_in_memory(engine: Engine, images_dir: Path, leave_out: Iterable[str] = ()

@@ -28,6 +28,7 @@ import io
 import logging
 import os
 import shutil
+import stat
 import time
 from pathlib import Path
 from typing import Any, Mapping
@@ -110,11 +111,14 @@ def _link_from_store(store: Store, name: str, dest: Path) -> None:
     src = store.backend.blob_path(name)
     if src is not None:
         try:
-            os.link(src, dest)
-            return
+            os.link(src, dest, follow_symlinks=False)   # a link's target is no chunk of ours
         except OSError:
             pass
-    write_new(dest, store.backend.read_blob(name))
+        else:
+            if stat.S_ISREG(os.lstat(dest).st_mode):
+                return
+            dest.unlink()
+    write_new(dest, store.backend.read_blob(name))   # refuses what is no blob (a link)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,6 +23,7 @@ A checkpoint whose subdirectories were flattened
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
@@ -62,6 +63,12 @@ def read_manifest(images: Path) -> tuple[dict[str, Any], bool]:
 
 
 def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
+    with contextlib.ExitStack() as held:
+        return _run(cfg, runtime, inv, held)
+
+
+def _run(cfg: Config, runtime: Runtime, inv: Invocation, held: contextlib.ExitStack) -> int:
+    """run(); held keeps the store's lock of a packed checkpoint's restore until it ends."""
     cid = inv.container_id
     images = Path(inv.opt("image-path") or "checkpoint").absolute()
     if not any((images / n).exists() for n in (manifest.MANIFEST, manifest.DRAFT)):
@@ -77,6 +84,10 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
     in_store: dict[str, int] = {}   # the agents' GPU data: streamed from the store to the GPU
     if unpacked:
         store = policy.open_store(cfg)
+        # shared, to the end of the restore: the chunks fetched or imported here are in no
+        # snapshot, and torpord streams the GPU data from them after runc's restore; gc
+        # (exclusive) would take them in between
+        held.enter_context(store.backend.lock(False, store.lock_timeout))
         got = chunks.for_restore(cfg, images, store,
                                  oci.load(bundle).get("annotations") or {})
         if got:

@@ -26,14 +26,16 @@ import errno
 import fcntl
 import os
 import re
+import stat
 import time
 from pathlib import Path
 from typing import Iterator
 
-from ..errors import BusyError, UsageError
-from ..files import (atomic_write, fsync_dir, private_dir, read_untrusted, require_trusted_location,
+from ..errors import BusyError, TorporError, UsageError
+from ..files import (fsync_dir, private_dir, read_untrusted, require_trusted_location,
                      write_new)
 from ..layout import MAX_PACKED
+from . import chunk
 
 BLOB_NAME = re.compile(r"[0-9a-f]{64}")
 SNAPSHOT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -73,7 +75,8 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def read_blob(self, name: str) -> bytes:
-        """The blob's bytes; FileNotFoundError when it is not there."""
+        """The blob's bytes; FileNotFoundError when it is not there, CorruptCheckpointError
+        when what is there is no blob (a link, a directory)."""
 
     @abc.abstractmethod
     def delete_blob(self, name: str) -> None: ...
@@ -95,7 +98,8 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def put_snapshot(self, name: str, data: bytes) -> None:
-        """Store (or replace) a snapshot atomically and durably."""
+        """Store a new snapshot atomically and durably; FileExistsError, writing nothing, when
+        one by that name is there (never replaced: two writers may race for a name)."""
 
     @abc.abstractmethod
     def get_snapshot(self, name: str) -> bytes:
@@ -142,11 +146,11 @@ class LocalBackend(Backend):
         return self.snaps / (check_snapshot_name(name) + SNAPSHOT_SUFFIX)
 
     def has_blob(self, name: str) -> bool:
-        return self._blob(name).exists()
+        return os.path.lexists(self._blob(name))   # whatever is there: reading it checks it
 
     def put_blob(self, name: str, data: bytes) -> bool:
         final = self._blob(name)
-        if final.exists():
+        if os.path.lexists(final):
             return False
         tmp = self.tmp / f"{name[:16]}.{os.getpid()}.{time.monotonic_ns()}"
         write_new(tmp, data)  # fsynced: a crash never leaves a named blob with missing data
@@ -161,8 +165,9 @@ class LocalBackend(Backend):
         return True
 
     def read_blob(self, name: str) -> bytes:
-        with open(self._blob(name), "rb") as f:
-            return f.read()
+        # never through a link, never blocking on a FIFO, never more than a blob can hold (a
+        # link to /dev/zero was read until memory ran out); CorruptCheckpointError otherwise
+        return chunk.read_blob_file(self._blob(name), f"store {self.root}")
 
     def delete_blob(self, name: str) -> None:
         self._blob(name).unlink()
@@ -205,7 +210,14 @@ class LocalBackend(Backend):
             fsync_dir(d)
 
     def put_snapshot(self, name: str, data: bytes) -> None:
-        atomic_write(self._snap(name), data, tmp_dir=self.tmp)
+        final = self._snap(name)
+        tmp = self.tmp / f".{final.name}.{os.getpid()}.{time.monotonic_ns()}"
+        write_new(tmp, data)
+        try:
+            os.link(tmp, final)  # link, not rename: never replaces another writer's snapshot
+        finally:
+            tmp.unlink()
+        fsync_dir(self.snaps)
 
     def get_snapshot(self, name: str) -> bytes:
         path = self._snap(name)   # no link, no FIFO, no file past the cap (files.read_untrusted)
@@ -222,9 +234,17 @@ class LocalBackend(Backend):
 
     @contextlib.contextmanager
     def lock(self, exclusive: bool, timeout: float) -> Iterator[None]:
-        fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600)
+        path = self.root / "lock"
+        try:   # never through a link, never a FIFO's open: the one file every command opens
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+                         | os.O_CLOEXEC, 0o600)
+        except OSError as e:   # ELOOP: a link; EISDIR: a directory
+            raise TorporError(f"store {self.root}: cannot open its lock file {path}: "
+                              f"{e.strerror}", hint=f"remove {path}: it is made again") from None
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise TorporError(f"store {self.root}: its lock file {path} is not a regular "
+                                  "file", hint=f"remove {path}: it is made again")
             _flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, timeout,
                    f"store {self.root}")
             yield

@@ -357,6 +357,18 @@ def _file_count(prog: Path) -> int:
     return k
 
 
+def streamed_chunks(images_dir: Path) -> set[str]:
+    """The chunks the stream records of a checkpoint directory name (zeros are none)."""
+    names: set[str] = set()
+    for prog in sorted((images_dir / agent_data.DATA_DIR).glob("*")):
+        if not prog.name.isdigit() or prog.is_symlink() or not prog.is_dir():
+            continue
+        sizes = [(prog / agent_data.file_name(k)).stat().st_size
+                 for k in range(_file_count(prog))]
+        names |= {p.sha for p in read_streamed(prog, sizes) or () if p.sha is not None}
+    return names
+
+
 def fill_dir(store: Store, images_dir: Path, owner: str) -> int:
     """fill() for every program of a checkpoint directory (its pack failed): the bytes."""
     done = 0

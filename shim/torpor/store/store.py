@@ -36,6 +36,7 @@ import dataclasses
 import errno
 import logging
 import os
+import stat
 import threading
 import time
 from pathlib import Path
@@ -273,7 +274,9 @@ class Store:
             return w.commit(name, meta), w.stats
 
     def created(self, name: str) -> None:
-        """A writer put chunk name into the store (it was not there): no snapshot names it."""
+        """A writer put chunk name into the store (it was not there): no snapshot names it.
+        Also a chunk a failed checkpoint's own stream put there through another process's
+        Store (store_packing.stand_alone, once its directory holds the data)."""
         with self._unnamed_lock:
             self._unnamed.add(name)
 
@@ -322,8 +325,15 @@ class Store:
     # --- listing and removing --------------------------------------------------------------
 
     def snapshots(self) -> list[SnapshotInfo]:
+        """Every snapshot with its sizes. Takes no lock (ls must not wait for a checkpoint): one
+        removed between the listing and its reading (torpor rm meanwhile) is left out."""
         sizes = {b.name: b.size for b in self.backend.blobs()}
-        docs = [self.load(n) for n in self.backend.snapshots()]
+        docs = []
+        for n in self.backend.snapshots():
+            try:
+                docs.append(self.load(n))
+            except NotFoundError:
+                continue
         users: dict[str, int] = {}
         for doc in docs:
             for c in snapshot.chunk_names(doc):
@@ -418,11 +428,15 @@ class Store:
         if src is None:
             return False
         try:
-            os.link(src, target)
+            os.link(src, target, follow_symlinks=False)   # a link's target is no chunk of ours
         except OSError as e:
             if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
                 raise
             return False
+        if not stat.S_ISREG(os.lstat(target).st_mode):
+            target.unlink()
+            raise CorruptCheckpointError(f"chunk {name} in store {self.where} is not a regular "
+                                         "file")
         return True
 
     def import_chunks(self, src: Path) -> int:

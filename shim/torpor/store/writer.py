@@ -239,6 +239,9 @@ class Writer:
         try:
             backend.sync()
             backend.put_snapshot(name, snapshot.dump(doc))
+        except FileExistsError:   # another writer took the name since require_new
+            raise UsageError(f"snapshot {name} exists already in store {self.store.where} "
+                             "(another checkpoint took the name meanwhile)") from None
         except OSError as e:
             raise TorporError(f"store {self.store.where}: cannot write snapshot {name}: "
                               f"{e.strerror or e}; earlier snapshots are intact") from e
