@@ -842,7 +842,9 @@ static CUresult begin(const char *call, int pid, const char **dirp)
 }
 
 /* Reads the live CUDA process `pid` (as the caller's /proc numbers it), its entry's key to
- * `key`; CUDA_ERROR_INVALID_VALUE when pid is not one. */
+ * `key`; CUDA_ERROR_INVALID_VALUE when pid is not one. The caller holds fk_lock: the entry may
+ * be written here (fk_adopt_host), and a write outside the lock could land after another
+ * process's restore and unlock and put back CHECKPOINTED (get_proc_locked otherwise). */
 static CUresult get_proc(const char *dir, int pid, fk_proc *p, char *key, size_t size)
 {
     if (pid <= 0 || !fk_alive(pid))
@@ -853,6 +855,15 @@ static CUresult get_proc(const char *dir, int pid, fk_proc *p, char *key, size_t
     if (fk_adopt_host(p, pid))
         fk_proc_write(dir, key, p);
     return CUDA_SUCCESS;
+}
+
+/* get_proc() for a caller that does not hold the lock. */
+static CUresult get_proc_locked(const char *dir, int pid, fk_proc *p, char *key, size_t size)
+{
+    int fd = fk_lock(dir);
+    CUresult rc = get_proc(dir, pid, p, key, size);
+    fk_unlock(fd);
+    return rc;
 }
 
 static int all_zero(const void *mem, size_t size)
@@ -894,7 +905,8 @@ static CUresult lock_wait(const char *dir, int pid, void *arg)
     CUresult rc;
     if (args && (args->reserved0 || !all_zero(args->reserved1, sizeof args->reserved1)))
         return CUDA_ERROR_INVALID_VALUE;
-    if ((rc = get_proc(dir, pid, &p, key, sizeof key)) == CUDA_SUCCESS && p.state != FK_RUNNING)
+    if ((rc = get_proc_locked(dir, pid, &p, key, sizeof key)) == CUDA_SUCCESS &&
+        p.state != FK_RUNNING)
         rc = CUDA_ERROR_ILLEGAL_STATE;
     if (rc == CUDA_SUCCESS && hang_applies(dir, pid)) {
         /* The process never reaches a lockable point: wait out the timeout (0 = forever,
@@ -1025,7 +1037,7 @@ static CUresult ck_call(int call, int pid, void *arg)
     if (CK_CALLS[call].answer != CK_ANSWER_NONE) {
         if (!arg)
             rc = CUDA_ERROR_INVALID_VALUE;
-        else if ((rc = get_proc(dir, pid, &p, key, sizeof key)) == CUDA_SUCCESS)
+        else if ((rc = get_proc_locked(dir, pid, &p, key, sizeof key)) == CUDA_SUCCESS)
             *(int *)arg = CK_CALLS[call].answer == CK_ANSWER_STATE ? p.state : pid;
     }
     if (rc == CUDA_SUCCESS && CK_CALLS[call].work)
