@@ -211,6 +211,36 @@ class Client:
             raise self._fail("upload", f"upload location on another host {u.netloc!r}: refused")
         return urllib.parse.urlunsplit(("", "", u.path, u.query, ""))
 
+    def _body(self, resp: http.client.HTTPResponse, cap: int, what: str) -> bytes:
+        """resp's body, at most cap bytes of it. A body that stalls, breaks off or ends before
+        its Content-Length is a RegistryError (DeadlineError where the deadline passed), never
+        an exception of the socket's, nor a short body passed on as if it were whole."""
+        parts, got = [], 0
+        try:
+            while got < cap:
+                if self.deadline is not None and self._conn and self._conn.sock:
+                    # what has come, at most one wait of what is left: a trickle stops too
+                    self._conn.sock.settimeout(self._timeout(what))
+                    data = resp.read1(min(READ, cap - got))
+                else:
+                    data = resp.read(min(READ, cap - got))
+                if not data:
+                    break
+                parts.append(data)
+                got += len(data)
+        except (OSError, http.client.HTTPException) as e:
+            self.close()
+            self._timeout(what)   # DeadlineError where the deadline cut it short
+            raise self._fail(what, f"the answer broke off after {got} bytes "
+                             f"({type(e).__name__}: {e})") from None
+        finally:
+            self.received += got
+        if got < cap and resp.length:   # the connection closed before the announced end
+            self.close()
+            raise self._fail(what, f"the answer broke off after {got} bytes, "
+                             f"{got + resp.length} announced")
+        return b"".join(parts)
+
     # --- the API -----------------------------------------------------------------------------
 
     def ping(self) -> None:
@@ -264,8 +294,7 @@ class Client:
             resp.read(MAX_ERROR_BODY)
             raise RegistryError(f"registry {self.ref.host}: no image {self.ref.repository}:{ref}",
                                 exit_code=3)
-        data = resp.read(oci.MAX_MANIFEST_BYTES + 1)
-        self.received += len(data)
+        data = self._body(resp, oci.MAX_MANIFEST_BYTES + 1, f"manifest {ref}")
         if len(data) > oci.MAX_MANIFEST_BYTES:
             self.close()
             raise CorruptCheckpointError(f"registry {self.ref.host}: manifest {ref} is larger "

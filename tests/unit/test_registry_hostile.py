@@ -1,0 +1,126 @@
+"""A hostile registry and hostile layers against torpor.registry: every answer is untrusted. A
+registry that stalls or breaks off mid-answer, or names a token that would smuggle a header, is
+one RegistryError line (exit 1), never a socket's exception; a pull that fails leaves nothing,
+wherever -D pointed; a layer whose tar headers would have the reader buffer gigabytes is
+refused before they are read."""
+
+from __future__ import annotations
+
+import http.server
+import socket
+import ssl
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from torpor.errors import TorporError
+from torpor.registry import auth
+from torpor.registry import client as client_mod
+from torpor.registry.client import Client, RegistryError
+from tests.unit.test_registry_images import tls_cert  # noqa: F401  (a fixture)
+
+Route = Callable[[http.server.BaseHTTPRequestHandler], None]
+
+
+def _send(h: http.server.BaseHTTPRequestHandler, code: int, body: bytes = b"",
+          headers: dict | None = None) -> None:
+    h.send_response(code)
+    for k, v in (headers or {}).items():
+        h.send_header(k, v)
+    h.send_header("Content-Length", str(len(body)))
+    h.end_headers()
+    if h.command != "HEAD":
+        h.wfile.write(body)
+
+
+@pytest.fixture
+def hostile(tls_cert):  # noqa: F811
+    """A TLS registry answering each path prefix with routes[prefix](handler); a Client of
+    it by hostile.client()."""
+    routes: dict[str, Route] = {}
+
+    class H(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            for prefix, fn in routes.items():
+                if self.path.startswith(prefix):
+                    return fn(self)
+            _send(self, 404, b"{}")
+
+        do_HEAD = do_PATCH = do_PUT = do_POST = do_GET
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    srv.daemon_threads = True
+    srv.handle_error = lambda *a: None   # a client that hung up on a hostile answer: expected
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(tls_cert / "ca.crt", tls_cert / "key.pem")
+    srv.socket = ctx.wrap_socket(srv.socket, server_side=True)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    ref = auth.parse_reference(f"localhost:{srv.server_address[1]}/a/b:v1")
+
+    class Hostile:
+        host = ref.host
+
+        @staticmethod
+        def client(creds=None, deadline=None) -> Client:
+            return Client(ref, auth.tls_context(ref.host, tls_cert), creds, deadline)
+    Hostile.routes = routes
+    yield Hostile
+    srv.shutdown()
+    srv.server_close()
+
+
+MANIFEST = b'{"schemaVersion":2,"config":{' + b" " * 4000 + b"}}"
+
+
+def _stall(h) -> None:
+    h.send_response(200)
+    h.send_header("Content-Length", str(len(MANIFEST)))
+    h.end_headers()
+    h.wfile.write(MANIFEST[:100])
+    h.wfile.flush()
+    time.sleep(1.5)
+
+
+def _break_off(h) -> None:
+    h.send_response(200)
+    h.send_header("Content-Length", str(len(MANIFEST)))
+    h.end_headers()
+    h.wfile.write(MANIFEST[:100])
+    h.wfile.flush()
+    h.close_connection = True
+    h.connection.shutdown(socket.SHUT_RDWR)
+
+
+@pytest.mark.parametrize("route", [_stall, _break_off])
+def test_a_manifest_that_stalls_or_breaks_off_midway_is_one_registry_error(hostile, route,
+                                                                           monkeypatch):
+    monkeypatch.setattr(client_mod, "TIMEOUT", 0.5)
+    hostile.routes["/v2/a/b/manifests/"] = route
+    c = hostile.client()
+    with pytest.raises(RegistryError, match=r"manifest v1: the answer broke off after \d+ bytes"):
+        c.get_manifest("v1")
+
+
+def test_a_manifest_that_trickles_past_the_deadline_stops_at_it(hostile):
+    def trickle(h) -> None:
+        h.send_response(200)
+        h.send_header("Content-Length", str(len(MANIFEST)))
+        h.end_headers()
+        for i in range(60):   # 3 s of it, a byte at a time
+            h.wfile.write(MANIFEST[i:i + 1])
+            h.wfile.flush()
+            time.sleep(0.05)
+    hostile.routes["/v2/a/b/manifests/"] = trickle
+    c = hostile.client(deadline=time.monotonic() + 1.0)
+    t0 = time.monotonic()
+    with pytest.raises(client_mod.DeadlineError, match="not done in time"):
+        c.get_manifest("v1")
+    assert time.monotonic() - t0 < 2.5
