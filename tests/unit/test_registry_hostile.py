@@ -124,3 +124,18 @@ def test_a_manifest_that_trickles_past_the_deadline_stops_at_it(hostile):
     with pytest.raises(client_mod.DeadlineError, match="not done in time"):
         c.get_manifest("v1")
     assert time.monotonic() - t0 < 2.5
+
+
+@pytest.mark.parametrize("token", ["abc\r\nX-Injected: 1", "two words", "é"])
+def test_a_token_that_would_smuggle_a_header_is_refused_in_one_line(hostile, token):
+    import json
+
+    def registry(h) -> None:
+        if h.headers.get("Authorization", "").startswith("Bearer"):
+            return _send(h, 200, b"{}")
+        _send(h, 401, b"{}", {"WWW-Authenticate":
+                              f'Bearer realm="https://{hostile.host}/token",service="r"'})
+    hostile.routes["/token"] = lambda h: _send(h, 200, json.dumps({"token": token}).encode())
+    hostile.routes["/v2/"] = registry
+    with pytest.raises(RegistryError, match="not one printable word"):
+        hostile.client(("u", "p")).ping()

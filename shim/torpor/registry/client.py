@@ -36,6 +36,7 @@ TIMEOUT = 60.0
 MAX_ERROR_BODY = 4096
 MAX_TOKEN = 1 << 20
 READ = 1 << 20
+_TOKEN = re.compile(r"[\x21-\x7e]{1,65536}")   # a bearer token: visible ASCII, one word
 ACCEPT = ", ".join([oci.MANIFEST_TYPE, oci.DOCKER_MANIFEST_TYPE])
 
 
@@ -202,6 +203,9 @@ class Client:
             token = None
         if not isinstance(token, str) or not token:
             raise self._fail(what, "token service answered no token")
+        if not _TOKEN.fullmatch(token):   # it goes into a header: no CR/LF, no spaces
+            raise self._fail(what, "token service answered a token that is not one printable "
+                             "word: refused")
         self._auth = f"Bearer {token}"
 
     def _path(self, location: str) -> str:
