@@ -139,3 +139,24 @@ def test_a_token_that_would_smuggle_a_header_is_refused_in_one_line(hostile, tok
     hostile.routes["/v2/"] = registry
     with pytest.raises(RegistryError, match="not one printable word"):
         hostile.client(("u", "p")).ping()
+
+
+def test_a_pull_into_a_link_that_fails_leaves_nothing_where_the_link_points(tmp_path):
+    from torpor.errors import PreflightError
+    from torpor.registry import transfer
+    from torpor.store import Store
+    from tests.unit.test_registry_images import FakeRegistry, _pushed_packed
+    reg, _ = _pushed_packed(tmp_path)
+    target = tmp_path / "target"
+    target.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(target)
+
+    def refuse(m):
+        raise PreflightError("no GPU here can take it")
+    with pytest.raises(PreflightError):
+        transfer.pull(FakeRegistry(blobs=reg.blobs, manifests=reg.manifests), tmp_path / "link",
+                      Store(tmp_path / "store-b"), preflight=refuse)
+    assert not target.exists() or not any(target.iterdir())
+    ok = transfer.pull(FakeRegistry(blobs=reg.blobs, manifests=reg.manifests), tmp_path / "link",
+                       Store(tmp_path / "store-b"), preflight=None)
+    assert ok.directory == str(target) and (target / "checkpoint" / "torpor.json").is_file()

@@ -12,8 +12,9 @@ private directory, checks torpor.json against the image's annotation, and for a 
 checkpoint gets every chunk its snapshot names into the node's image store: only those it
 lacks are fetched from the chunk artifact, each checked against the blob digest and the
 chunk's own sha256 name before it enters the store. The directory's torpor-chunks/ then links
-to the store's copies (a packed directory, self-contained, restored like any). Any failure removes the directory: nothing half-pulled is left
-to restore from.
+to the store's copies (a packed directory, self-contained, restored like any). Any failure
+removes the directory (by its real name: a -D that is a link, what it points to): nothing
+half-pulled is left to restore from.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any, Callable
 
 from .. import manifest
 from ..errors import CorruptCheckpointError, UsageError
-from ..files import atomic_write, loads_json, private_dir
+from ..files import atomic_write, loads_json, open_trusted_dir, private_dir
 from ..layout import MANIFEST, PACKED, safe_relpath
 from ..store import Store
 from . import chunks, layer, oci
@@ -192,7 +193,9 @@ def pull(client: Client, dest: Path, store: Store, layout_out: Path | None = Non
     checkpoint refuses it (PreflightError) before the bulk of it crosses the network."""
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise UsageError(f"{dest} is not a new or empty directory")
-    private_dir(dest)
+    opened = open_trusted_dir(dest, "directory", create=True, readable=False)
+    os.close(opened.fd)
+    dest = opened.path   # its real name: a failure removes what was written, not a link to it
     try:
         return _pull(client, dest, store, layout_out, archive_out, workers, preflight)
     except BaseException:
