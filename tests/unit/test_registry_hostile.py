@@ -160,3 +160,43 @@ def test_a_pull_into_a_link_that_fails_leaves_nothing_where_the_link_points(tmp_
     ok = transfer.pull(FakeRegistry(blobs=reg.blobs, manifests=reg.manifests), tmp_path / "link",
                        Store(tmp_path / "store-b"), preflight=None)
     assert ok.directory == str(target) and (target / "checkpoint" / "torpor.json").is_file()
+
+
+@pytest.mark.parametrize("where", ["fetch", "unpack"])
+def test_a_full_disk_while_pulling_is_one_line_not_a_tampered_blob(tmp_path, monkeypatch, where):
+    """A full disk while the layer is written (fetched, or unpacked) was blamed on the
+    registry (\"cut off\", exit 9) or escaped as an OSError (\"internal error\")."""
+    import errno
+    import os
+
+    from torpor.errors import UsageError
+    from torpor.registry import layer, transfer
+    from torpor.store import Store
+    from tests.unit.test_registry_images import FakeRegistry, _pushed_packed
+
+    reg, _ = _pushed_packed(tmp_path)
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    if where == "fetch":
+        class Full:
+            def __init__(self, f):
+                self.f = f
+
+            def write(self, data):
+                raise full
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *a):
+                self.f.close()
+        real_open = open
+        monkeypatch.setattr(transfer, "open", lambda p, m="r": Full(real_open(p, m))
+                            if m == "xb" else real_open(p, m), raising=False)
+    else:
+        def no_room(*a):
+            raise full
+        monkeypatch.setattr(layer, "_write_member", no_room)
+    with pytest.raises(UsageError, match="no space left") as e:
+        transfer.pull(FakeRegistry(blobs=reg.blobs, manifests=reg.manifests), tmp_path / "p",
+                      Store(tmp_path / "store-b"))
+    assert e.value.exit_code == 2 and not (tmp_path / "p").exists()

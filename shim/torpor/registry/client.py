@@ -321,24 +321,26 @@ class Client:
         h, got = hashlib.sha256(), 0
         try:
             while got <= d.size:
-                if self.deadline is None or got == d.size:
-                    # read() ends the response at its last byte, read1() would leave it
-                    # open (http.client), and the connection then takes no next request
-                    data = resp.read(min(READ, d.size + 1 - got))
-                else:   # what has come, at most one wait of what is left: a trickle stops too
-                    if self._conn and self._conn.sock:
-                        self._conn.sock.settimeout(self._timeout(f"blob {d.digest}"))
-                    data = resp.read1(min(READ, d.size + 1 - got))
+                try:
+                    if self.deadline is None or got == d.size:
+                        # read() ends the response at its last byte, read1() would leave it
+                        # open (http.client), and the connection then takes no next request
+                        data = resp.read(min(READ, d.size + 1 - got))
+                    else:   # what has come, at most one wait of what is left: a trickle too
+                        if self._conn and self._conn.sock:
+                            self._conn.sock.settimeout(self._timeout(f"blob {d.digest}"))
+                        data = resp.read1(min(READ, d.size + 1 - got))
+                except (OSError, http.client.HTTPException) as e:
+                    self.close()
+                    self._timeout(f"blob {d.digest}")   # DeadlineError where it cut it short
+                    raise CorruptCheckpointError(
+                        f"registry {self.ref.host}: blob {d.digest} was cut off after {got} of "
+                        f"{d.size} bytes ({e}): refused") from None
                 if not data:
                     break
                 h.update(data)
                 got += len(data)
-                out.write(data)
-        except (OSError, http.client.HTTPException) as e:
-            self.close()
-            self._timeout(f"blob {d.digest}")   # DeadlineError where the deadline cut it short
-            raise CorruptCheckpointError(f"registry {self.ref.host}: blob {d.digest} was cut "
-                                         f"off after {got} of {d.size} bytes ({e}): refused") from None
+                out.write(data)   # a full disk here is ours, not the registry's: not caught
         finally:
             self.received += got
         if got != d.size:

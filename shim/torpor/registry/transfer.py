@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import manifest
-from ..errors import CorruptCheckpointError, UsageError
+from ..errors import CorruptCheckpointError, UsageError, no_space
 from ..files import atomic_write, loads_json, open_trusted_dir, private_dir
 from ..layout import MANIFEST, PACKED, safe_relpath
 from ..store import Store
@@ -198,8 +198,12 @@ def pull(client: Client, dest: Path, store: Store, layout_out: Path | None = Non
     dest = opened.path   # its real name: a failure removes what was written, not a link to it
     try:
         return _pull(client, dest, store, layout_out, archive_out, workers, preflight)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(dest, ignore_errors=True)
+        if isinstance(e, Exception) and no_space(e):
+            raise UsageError(f"pulling {client.ref}: no space left on the file system of "
+                             f"{dest} or of the image store: nothing kept of the pull, free "
+                             "some space and pull again") from e
         raise
 
 
