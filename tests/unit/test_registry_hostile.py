@@ -6,9 +6,11 @@ refused before they are read."""
 
 from __future__ import annotations
 
+import gzip
 import http.server
 import socket
 import ssl
+import tarfile
 import threading
 import time
 from pathlib import Path
@@ -200,3 +202,26 @@ def test_a_full_disk_while_pulling_is_one_line_not_a_tampered_blob(tmp_path, mon
         transfer.pull(FakeRegistry(blobs=reg.blobs, manifests=reg.manifests), tmp_path / "p",
                       Store(tmp_path / "store-b"))
     assert e.value.exit_code == 2 and not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize("kind", [tarfile.XHDTYPE, tarfile.GNUTYPE_LONGNAME])
+def test_a_tar_extended_header_of_gigabytes_is_refused_before_it_is_read(tmp_path, kind):
+    """tarfile reads a pax or GNU long-name header whole into memory: 4.5 MB of gzip declaring
+    1 GB of long name made torpor take 2 GB. Refused from the header's size, in a pulled layer
+    and in a checkpoint archive alike (only 1 KiB of it is here: the size alone is refused)."""
+    from torpor import archive
+    from torpor.errors import CorruptCheckpointError
+    from torpor.registry import layer
+
+    head = tarfile.TarInfo("././@LongLink")
+    head.type, head.size = kind, 8 << 30
+    data = head.tobuf(tarfile.GNU_FORMAT) + b"a" * 1024
+    path = tmp_path / "bomb.tar.gz"
+    with gzip.open(path, "wb") as g:
+        g.write(data)
+    dest = tmp_path / "d"
+    dest.mkdir(mode=0o700)
+    with open(path, "rb") as f, pytest.raises(CorruptCheckpointError, match="extended header"):
+        layer.unpack(f, dest, "layer", 1 << 20)
+    with pytest.raises(CorruptCheckpointError, match="extended header"):
+        archive.verify_archive(path)

@@ -126,7 +126,8 @@ def unpack(layer: BinaryIO, dest: Path, where: str, cap: int) -> list[str]:
     written: list[str] = []
     count = total = 0
     try:
-        with tarfile.open(fileobj=layer, mode="r|*") as tar:
+        with tarfile.open(fileobj=layer, mode="r|*",
+                          tarinfo=archive.TarInfo) as tar:
             for m in tar:
                 count += 1
                 if count > MAX_MEMBERS:
