@@ -225,3 +225,21 @@ def test_a_tar_extended_header_of_gigabytes_is_refused_before_it_is_read(tmp_pat
         layer.unpack(f, dest, "layer", 1 << 20)
     with pytest.raises(CorruptCheckpointError, match="extended header"):
         archive.verify_archive(path)
+
+
+@pytest.mark.parametrize("status", [200, 500])
+def test_a_small_answer_that_stalls_is_one_registry_error(hostile, monkeypatch, status):
+    """The bodies read only to be done with them (ping, an upload's answer, an error's text)
+    went through a bare resp.read(): a stall there escaped as TimeoutError."""
+    monkeypatch.setattr(client_mod, "TIMEOUT", 0.5)
+
+    def stall(h) -> None:
+        h.send_response(status)
+        h.send_header("Content-Length", "100")
+        h.end_headers()
+        h.wfile.write(b"{")
+        h.wfile.flush()
+        time.sleep(1.5)
+    hostile.routes["/v2/"] = stall
+    with pytest.raises(RegistryError, match="HTTP 500" if status == 500 else "broke off"):
+        hostile.client().ping()

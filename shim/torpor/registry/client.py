@@ -148,12 +148,16 @@ class Client:
             self.sent += len(body)
         if resp.status == 401 and retry_auth:
             challenge = resp.getheader("WWW-Authenticate", "")
-            resp.read(MAX_ERROR_BODY)
+            self._body(resp, MAX_ERROR_BODY, what)
             self._authenticate(challenge, what)
             return self.request(method, path, body, headers, what, ok, retry_auth=False)
         if resp.status in ok or (resp.status == 404 and method in ("HEAD", "GET")):
             return resp
-        detail = resp.read(MAX_ERROR_BODY).decode("utf-8", "replace") if method != "HEAD" else ""
+        try:
+            detail = self._body(resp, MAX_ERROR_BODY, what).decode("utf-8", "replace") \
+                if method != "HEAD" else ""
+        except RegistryError:   # the status says enough
+            detail = ""
         if resp.status == 401:
             detail = self._auth_advice()
         raise self._fail(what, f"HTTP {resp.status} {resp.reason} {_error_text(detail)}".strip())
@@ -248,7 +252,7 @@ class Client:
     # --- the API -----------------------------------------------------------------------------
 
     def ping(self) -> None:
-        self.request("GET", "/v2/", what="ping").read(MAX_ERROR_BODY)
+        self._body(self.request("GET", "/v2/", what="ping"), MAX_ERROR_BODY, "ping")
 
     def has_blob(self, digest: str) -> bool:
         resp = self.request("HEAD", f"{self.base}/blobs/{digest}", what=f"blob {digest}")
@@ -258,7 +262,7 @@ class Client:
     def start_upload(self) -> str:
         resp = self.request("POST", f"{self.base}/blobs/uploads/", b"", what="start upload",
                             ok=(202,))
-        resp.read(MAX_ERROR_BODY)
+        self._body(resp, MAX_ERROR_BODY, "start upload")
         return self._path(resp.getheader("Location") or "")
 
     def upload_offset(self, location: str) -> int | None:
@@ -277,25 +281,25 @@ class Client:
         resp = self.request("PATCH", self._path(location), data, {
             "Content-Type": "application/octet-stream",
             "Content-Range": f"{start}-{start + len(data) - 1}"}, what="upload", ok=(202,))
-        resp.read(MAX_ERROR_BODY)
+        self._body(resp, MAX_ERROR_BODY, "upload")
         return self._path(resp.getheader("Location") or location)
 
     def finish_upload(self, location: str, digest: str) -> None:
         path = self._path(location)
         sep = "&" if "?" in path else "?"
-        self.request("PUT", f"{path}{sep}digest={digest}", b"", what=f"blob {digest}",
-                     ok=(201, 204)).read(MAX_ERROR_BODY)
+        self._body(self.request("PUT", f"{path}{sep}digest={digest}", b"", what=f"blob {digest}",
+                                ok=(201, 204)), MAX_ERROR_BODY, f"blob {digest}")
 
     def put_manifest(self, ref: str, data: bytes) -> None:
-        self.request("PUT", f"{self.base}/manifests/{ref}", data,
-                     {"Content-Type": oci.MANIFEST_TYPE}, what=f"manifest {ref}",
-                     ok=(201, 200)).read(MAX_ERROR_BODY)
+        self._body(self.request("PUT", f"{self.base}/manifests/{ref}", data,
+                                {"Content-Type": oci.MANIFEST_TYPE}, what=f"manifest {ref}",
+                                ok=(201, 200)), MAX_ERROR_BODY, f"manifest {ref}")
 
     def get_manifest(self, ref: str) -> bytes:
         resp = self.request("GET", f"{self.base}/manifests/{ref}", headers={"Accept": ACCEPT},
                             what=f"manifest {ref}")
         if resp.status == 404:
-            resp.read(MAX_ERROR_BODY)
+            self._body(resp, MAX_ERROR_BODY, f"manifest {ref}")
             raise RegistryError(f"registry {self.ref.host}: no image {self.ref.repository}:{ref}",
                                 exit_code=3)
         data = self._body(resp, oci.MAX_MANIFEST_BYTES + 1, f"manifest {ref}")
@@ -311,11 +315,11 @@ class Client:
         resp = self.request("GET", f"{self.base}/blobs/{d.digest}", what=f"blob {d.digest}",
                             ok=(200, 307))
         if resp.status == 307:   # a storage backend's redirect: follow it once, https only
-            resp.read(MAX_ERROR_BODY)
+            self._body(resp, MAX_ERROR_BODY, f"blob {d.digest}")
             raise self._fail(f"blob {d.digest}", "redirects are not followed (filesystem "
                              "storage serves blobs itself)")
         if resp.status == 404:
-            resp.read(MAX_ERROR_BODY)
+            self._body(resp, MAX_ERROR_BODY, f"blob {d.digest}")
             raise CorruptCheckpointError(f"registry {self.ref.host}: blob {d.digest} of the "
                                          "image is missing")
         h, got = hashlib.sha256(), 0
