@@ -39,6 +39,18 @@ class TarInfo(tarfile.TarInfo):
         return super()._proc_member(tar)  # type: ignore[misc]
 
 
+def each_member(tar: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
+    """tar's members in order, none kept: tarfile keeps every member it has read in
+    tar.members, streaming too, and a few MB of gzip can hold a million long-named entries
+    (gigabytes of TarInfo). Nothing here looks a member up by name (links are refused)."""
+    while True:
+        member = tar.next()
+        if member is None:
+            return
+        tar.members.clear()
+        yield member
+
+
 def _open_stream(path: Path) -> BinaryIO:
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -63,7 +75,7 @@ def _members(path: Path, each: Callable[[tarfile.TarFile, tarfile.TarInfo], None
         raise UsageError(f"cannot read {path}: {e.strerror}") from None
     try:
         with stream, tarfile.open(fileobj=stream, mode="r|*", tarinfo=TarInfo) as tar:
-            for member in tar:
+            for member in each_member(tar):
                 each(tar, member)
     except (tarfile.TarError, OSError, EOFError) as e:
         raise CorruptCheckpointError(f"{path} is not a readable tar archive: {e}") from e

@@ -128,7 +128,7 @@ def unpack(layer: BinaryIO, dest: Path, where: str, cap: int) -> list[str]:
     try:
         with tarfile.open(fileobj=layer, mode="r|*",
                           tarinfo=archive.TarInfo) as tar:
-            for m in tar:
+            for m in archive.each_member(tar):
                 count += 1
                 if count > MAX_MEMBERS:
                     raise CorruptCheckpointError(f"{where}: more than {MAX_MEMBERS} members")
