@@ -275,3 +275,22 @@ def test_a_layer_of_many_long_named_members_is_read_without_keeping_them(tmp_pat
     kept = []
     archive._members(path, lambda tar, m: kept.append(len(tar.members)))
     assert len(kept) == 4015 and max(kept) <= 1
+
+
+def test_a_pull_whose_outputs_are_taken_is_refused_before_anything_is_fetched(tmp_path):
+    """--archive naming an existing file was refused only at the very end: every chunk
+    fetched into the store, the --oci-layout written and left behind, -D removed."""
+    from torpor.errors import UsageError
+    from torpor.registry import transfer
+    from torpor.store import Store
+    from tests.unit.test_registry_images import FakeRegistry, _pushed_packed
+    reg, _ = _pushed_packed(tmp_path)
+    (tmp_path / "taken.tar").write_bytes(b"mine")
+    fetched = []
+    fake = FakeRegistry(blobs=reg.blobs, manifests=reg.manifests)
+    fake.get_manifest = lambda ref: fetched.append(ref)   # type: ignore[method-assign]
+    with pytest.raises(UsageError, match="exists already"):
+        transfer.pull(fake, tmp_path / "p", Store(tmp_path / "store-b"),
+                      layout_out=tmp_path / "layout", archive_out=tmp_path / "taken.tar")
+    assert not fetched and (tmp_path / "taken.tar").read_bytes() == b"mine"
+    assert not (tmp_path / "p").exists() and not (tmp_path / "layout").exists()

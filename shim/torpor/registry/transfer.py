@@ -191,8 +191,11 @@ def pull(client: Client, dest: Path, store: Store, layout_out: Path | None = Non
     """Pull client.ref into dest (module docstring). preflight(torpor.json, validated) runs
     once the layer is unpacked, before any chunk is fetched: a node whose GPUs cannot take the
     checkpoint refuses it (PreflightError) before the bulk of it crosses the network."""
-    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-        raise UsageError(f"{dest} is not a new or empty directory")
+    for where in (dest, layout_out):   # every output refused before anything is fetched
+        if where is not None and where.exists() and (not where.is_dir() or any(where.iterdir())):
+            raise UsageError(f"{where} is not a new or empty directory")
+    if archive_out is not None and os.path.lexists(archive_out):
+        raise UsageError(f"{archive_out} exists already")
     opened = open_trusted_dir(dest, "directory", create=True, readable=False)
     os.close(opened.fd)
     dest = opened.path   # its real name: a failure removes what was written, not a link to it
@@ -200,6 +203,8 @@ def pull(client: Client, dest: Path, store: Store, layout_out: Path | None = Non
         return _pull(client, dest, store, layout_out, archive_out, workers, preflight)
     except BaseException as e:
         shutil.rmtree(dest, ignore_errors=True)
+        if layout_out is not None:   # new or empty when the pull began: nothing of it kept
+            shutil.rmtree(layout_out, ignore_errors=True)
         if isinstance(e, Exception) and no_space(e):
             raise UsageError(f"pulling {client.ref}: no space left on the file system of "
                              f"{dest} or of the image store: nothing kept of the pull, free "
