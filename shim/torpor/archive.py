@@ -22,6 +22,33 @@ from .errors import CorruptCheckpointError, NotFoundError, UsageError
 from .layout import MANIFEST, MAX_MANIFEST, PACKED
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+MAX_EXTENDED_HEADER = 1 << 20   # a pax or GNU long-name header: a path and a few numbers
+EXTENDED = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME,
+            tarfile.GNUTYPE_LONGLINK)
+
+
+class TarInfo(tarfile.TarInfo):
+    """Members as tarfile reads them, but an extended header (pax, GNU long name) is refused
+    past MAX_EXTENDED_HEADER: tarfile reads one whole into memory, and a few MB of gzip can
+    declare gigabytes of it. Every reader of an untrusted tar opens it with tarinfo=TarInfo."""
+
+    def _proc_member(self, tar: tarfile.TarFile) -> tarfile.TarInfo:   # tarfile's hook
+        if self.type in EXTENDED and self.size > MAX_EXTENDED_HEADER:
+            raise tarfile.ReadError(f"an extended header of {self.size} bytes (at most "
+                                    f"{MAX_EXTENDED_HEADER}): refused")
+        return super()._proc_member(tar)  # type: ignore[misc]
+
+
+def each_member(tar: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
+    """tar's members in order, none kept: tarfile keeps every member it has read in
+    tar.members, streaming too, and a few MB of gzip can hold a million long-named entries
+    (gigabytes of TarInfo). Nothing here looks a member up by name (links are refused)."""
+    while True:
+        member = tar.next()
+        if member is None:
+            return
+        tar.members.clear()
+        yield member
 
 
 def _open_stream(path: Path) -> BinaryIO:
@@ -47,8 +74,8 @@ def _members(path: Path, each: Callable[[tarfile.TarFile, tarfile.TarInfo], None
     except OSError as e:
         raise UsageError(f"cannot read {path}: {e.strerror}") from None
     try:
-        with stream, tarfile.open(fileobj=stream, mode="r|*") as tar:
-            for member in tar:
+        with stream, tarfile.open(fileobj=stream, mode="r|*", tarinfo=TarInfo) as tar:
+            for member in each_member(tar):
                 each(tar, member)
     except (tarfile.TarError, OSError, EOFError) as e:
         raise CorruptCheckpointError(f"{path} is not a readable tar archive: {e}") from e

@@ -36,6 +36,7 @@ TIMEOUT = 60.0
 MAX_ERROR_BODY = 4096
 MAX_TOKEN = 1 << 20
 READ = 1 << 20
+_TOKEN = re.compile(r"[\x21-\x7e]{1,65536}")   # a bearer token: visible ASCII, one word
 ACCEPT = ", ".join([oci.MANIFEST_TYPE, oci.DOCKER_MANIFEST_TYPE])
 
 
@@ -147,12 +148,16 @@ class Client:
             self.sent += len(body)
         if resp.status == 401 and retry_auth:
             challenge = resp.getheader("WWW-Authenticate", "")
-            resp.read(MAX_ERROR_BODY)
+            self._body(resp, MAX_ERROR_BODY, what)
             self._authenticate(challenge, what)
             return self.request(method, path, body, headers, what, ok, retry_auth=False)
         if resp.status in ok or (resp.status == 404 and method in ("HEAD", "GET")):
             return resp
-        detail = resp.read(MAX_ERROR_BODY).decode("utf-8", "replace") if method != "HEAD" else ""
+        try:
+            detail = self._body(resp, MAX_ERROR_BODY, what).decode("utf-8", "replace") \
+                if method != "HEAD" else ""
+        except RegistryError:   # the status says enough
+            detail = ""
         if resp.status == 401:
             detail = self._auth_advice()
         raise self._fail(what, f"HTTP {resp.status} {resp.reason} {_error_text(detail)}".strip())
@@ -202,6 +207,9 @@ class Client:
             token = None
         if not isinstance(token, str) or not token:
             raise self._fail(what, "token service answered no token")
+        if not _TOKEN.fullmatch(token):   # it goes into a header: no CR/LF, no spaces
+            raise self._fail(what, "token service answered a token that is not one printable "
+                             "word: refused")
         self._auth = f"Bearer {token}"
 
     def _path(self, location: str) -> str:
@@ -211,10 +219,40 @@ class Client:
             raise self._fail("upload", f"upload location on another host {u.netloc!r}: refused")
         return urllib.parse.urlunsplit(("", "", u.path, u.query, ""))
 
+    def _body(self, resp: http.client.HTTPResponse, cap: int, what: str) -> bytes:
+        """resp's body, at most cap bytes of it. A body that stalls, breaks off or ends before
+        its Content-Length is a RegistryError (DeadlineError where the deadline passed), never
+        an exception of the socket's, nor a short body passed on as if it were whole."""
+        parts, got = [], 0
+        try:
+            while got < cap:
+                if self.deadline is not None and self._conn and self._conn.sock:
+                    # what has come, at most one wait of what is left: a trickle stops too
+                    self._conn.sock.settimeout(self._timeout(what))
+                    data = resp.read1(min(READ, cap - got))
+                else:
+                    data = resp.read(min(READ, cap - got))
+                if not data:
+                    break
+                parts.append(data)
+                got += len(data)
+        except (OSError, http.client.HTTPException) as e:
+            self.close()
+            self._timeout(what)   # DeadlineError where the deadline cut it short
+            raise self._fail(what, f"the answer broke off after {got} bytes "
+                             f"({type(e).__name__}: {e})") from None
+        finally:
+            self.received += got
+        if got < cap and resp.length:   # the connection closed before the announced end
+            self.close()
+            raise self._fail(what, f"the answer broke off after {got} bytes, "
+                             f"{got + resp.length} announced")
+        return b"".join(parts)
+
     # --- the API -----------------------------------------------------------------------------
 
     def ping(self) -> None:
-        self.request("GET", "/v2/", what="ping").read(MAX_ERROR_BODY)
+        self._body(self.request("GET", "/v2/", what="ping"), MAX_ERROR_BODY, "ping")
 
     def has_blob(self, digest: str) -> bool:
         resp = self.request("HEAD", f"{self.base}/blobs/{digest}", what=f"blob {digest}")
@@ -224,7 +262,7 @@ class Client:
     def start_upload(self) -> str:
         resp = self.request("POST", f"{self.base}/blobs/uploads/", b"", what="start upload",
                             ok=(202,))
-        resp.read(MAX_ERROR_BODY)
+        self._body(resp, MAX_ERROR_BODY, "start upload")
         return self._path(resp.getheader("Location") or "")
 
     def upload_offset(self, location: str) -> int | None:
@@ -243,29 +281,28 @@ class Client:
         resp = self.request("PATCH", self._path(location), data, {
             "Content-Type": "application/octet-stream",
             "Content-Range": f"{start}-{start + len(data) - 1}"}, what="upload", ok=(202,))
-        resp.read(MAX_ERROR_BODY)
+        self._body(resp, MAX_ERROR_BODY, "upload")
         return self._path(resp.getheader("Location") or location)
 
     def finish_upload(self, location: str, digest: str) -> None:
         path = self._path(location)
         sep = "&" if "?" in path else "?"
-        self.request("PUT", f"{path}{sep}digest={digest}", b"", what=f"blob {digest}",
-                     ok=(201, 204)).read(MAX_ERROR_BODY)
+        self._body(self.request("PUT", f"{path}{sep}digest={digest}", b"", what=f"blob {digest}",
+                                ok=(201, 204)), MAX_ERROR_BODY, f"blob {digest}")
 
     def put_manifest(self, ref: str, data: bytes) -> None:
-        self.request("PUT", f"{self.base}/manifests/{ref}", data,
-                     {"Content-Type": oci.MANIFEST_TYPE}, what=f"manifest {ref}",
-                     ok=(201, 200)).read(MAX_ERROR_BODY)
+        self._body(self.request("PUT", f"{self.base}/manifests/{ref}", data,
+                                {"Content-Type": oci.MANIFEST_TYPE}, what=f"manifest {ref}",
+                                ok=(201, 200)), MAX_ERROR_BODY, f"manifest {ref}")
 
     def get_manifest(self, ref: str) -> bytes:
         resp = self.request("GET", f"{self.base}/manifests/{ref}", headers={"Accept": ACCEPT},
                             what=f"manifest {ref}")
         if resp.status == 404:
-            resp.read(MAX_ERROR_BODY)
+            self._body(resp, MAX_ERROR_BODY, f"manifest {ref}")
             raise RegistryError(f"registry {self.ref.host}: no image {self.ref.repository}:{ref}",
                                 exit_code=3)
-        data = resp.read(oci.MAX_MANIFEST_BYTES + 1)
-        self.received += len(data)
+        data = self._body(resp, oci.MAX_MANIFEST_BYTES + 1, f"manifest {ref}")
         if len(data) > oci.MAX_MANIFEST_BYTES:
             self.close()
             raise CorruptCheckpointError(f"registry {self.ref.host}: manifest {ref} is larger "
@@ -278,34 +315,36 @@ class Client:
         resp = self.request("GET", f"{self.base}/blobs/{d.digest}", what=f"blob {d.digest}",
                             ok=(200, 307))
         if resp.status == 307:   # a storage backend's redirect: follow it once, https only
-            resp.read(MAX_ERROR_BODY)
+            self._body(resp, MAX_ERROR_BODY, f"blob {d.digest}")
             raise self._fail(f"blob {d.digest}", "redirects are not followed (filesystem "
                              "storage serves blobs itself)")
         if resp.status == 404:
-            resp.read(MAX_ERROR_BODY)
+            self._body(resp, MAX_ERROR_BODY, f"blob {d.digest}")
             raise CorruptCheckpointError(f"registry {self.ref.host}: blob {d.digest} of the "
                                          "image is missing")
         h, got = hashlib.sha256(), 0
         try:
             while got <= d.size:
-                if self.deadline is None or got == d.size:
-                    # read() ends the response at its last byte, read1() would leave it
-                    # open (http.client), and the connection then takes no next request
-                    data = resp.read(min(READ, d.size + 1 - got))
-                else:   # what has come, at most one wait of what is left: a trickle stops too
-                    if self._conn and self._conn.sock:
-                        self._conn.sock.settimeout(self._timeout(f"blob {d.digest}"))
-                    data = resp.read1(min(READ, d.size + 1 - got))
+                try:
+                    if self.deadline is None or got == d.size:
+                        # read() ends the response at its last byte, read1() would leave it
+                        # open (http.client), and the connection then takes no next request
+                        data = resp.read(min(READ, d.size + 1 - got))
+                    else:   # what has come, at most one wait of what is left: a trickle too
+                        if self._conn and self._conn.sock:
+                            self._conn.sock.settimeout(self._timeout(f"blob {d.digest}"))
+                        data = resp.read1(min(READ, d.size + 1 - got))
+                except (OSError, http.client.HTTPException) as e:
+                    self.close()
+                    self._timeout(f"blob {d.digest}")   # DeadlineError where it cut it short
+                    raise CorruptCheckpointError(
+                        f"registry {self.ref.host}: blob {d.digest} was cut off after {got} of "
+                        f"{d.size} bytes ({e}): refused") from None
                 if not data:
                     break
                 h.update(data)
                 got += len(data)
-                out.write(data)
-        except (OSError, http.client.HTTPException) as e:
-            self.close()
-            self._timeout(f"blob {d.digest}")   # DeadlineError where the deadline cut it short
-            raise CorruptCheckpointError(f"registry {self.ref.host}: blob {d.digest} was cut "
-                                         f"off after {got} of {d.size} bytes ({e}): refused") from None
+                out.write(data)   # a full disk here is ours, not the registry's: not caught
         finally:
             self.received += got
         if got != d.size:

@@ -126,8 +126,9 @@ def unpack(layer: BinaryIO, dest: Path, where: str, cap: int) -> list[str]:
     written: list[str] = []
     count = total = 0
     try:
-        with tarfile.open(fileobj=layer, mode="r|*") as tar:
-            for m in tar:
+        with tarfile.open(fileobj=layer, mode="r|*",
+                          tarinfo=archive.TarInfo) as tar:
+            for m in archive.each_member(tar):
                 count += 1
                 if count > MAX_MEMBERS:
                     raise CorruptCheckpointError(f"{where}: more than {MAX_MEMBERS} members")

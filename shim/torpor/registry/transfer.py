@@ -12,8 +12,9 @@ private directory, checks torpor.json against the image's annotation, and for a 
 checkpoint gets every chunk its snapshot names into the node's image store: only those it
 lacks are fetched from the chunk artifact, each checked against the blob digest and the
 chunk's own sha256 name before it enters the store. The directory's torpor-chunks/ then links
-to the store's copies (a packed directory, self-contained, restored like any). Any failure removes the directory: nothing half-pulled is left
-to restore from.
+to the store's copies (a packed directory, self-contained, restored like any). Any failure
+removes the directory (by its real name: a -D that is a link, what it points to): nothing
+half-pulled is left to restore from.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import manifest
-from ..errors import CorruptCheckpointError, UsageError
-from ..files import atomic_write, loads_json, private_dir
+from ..errors import CorruptCheckpointError, UsageError, no_space
+from ..files import atomic_write, loads_json, open_trusted_dir, private_dir
 from ..layout import MANIFEST, PACKED, safe_relpath
 from ..store import Store
 from . import chunks, layer, oci
@@ -190,13 +191,24 @@ def pull(client: Client, dest: Path, store: Store, layout_out: Path | None = Non
     """Pull client.ref into dest (module docstring). preflight(torpor.json, validated) runs
     once the layer is unpacked, before any chunk is fetched: a node whose GPUs cannot take the
     checkpoint refuses it (PreflightError) before the bulk of it crosses the network."""
-    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-        raise UsageError(f"{dest} is not a new or empty directory")
-    private_dir(dest)
+    for where in (dest, layout_out):   # every output refused before anything is fetched
+        if where is not None and where.exists() and (not where.is_dir() or any(where.iterdir())):
+            raise UsageError(f"{where} is not a new or empty directory")
+    if archive_out is not None and os.path.lexists(archive_out):
+        raise UsageError(f"{archive_out} exists already")
+    opened = open_trusted_dir(dest, "directory", create=True, readable=False)
+    os.close(opened.fd)
+    dest = opened.path   # its real name: a failure removes what was written, not a link to it
     try:
         return _pull(client, dest, store, layout_out, archive_out, workers, preflight)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(dest, ignore_errors=True)
+        if layout_out is not None:   # new or empty when the pull began: nothing of it kept
+            shutil.rmtree(layout_out, ignore_errors=True)
+        if isinstance(e, Exception) and no_space(e):
+            raise UsageError(f"pulling {client.ref}: no space left on the file system of "
+                             f"{dest} or of the image store: nothing kept of the pull, free "
+                             "some space and pull again") from e
         raise
 
 

@@ -1,0 +1,296 @@
+"""A hostile registry and hostile layers against torpor.registry: every answer is untrusted. A
+registry that stalls or breaks off mid-answer, or names a token that would smuggle a header, is
+one RegistryError line (exit 1), never a socket's exception; a pull that fails leaves nothing,
+wherever -D pointed; a layer whose tar headers would have the reader buffer gigabytes is
+refused before they are read."""
+
+from __future__ import annotations
+
+import gzip
+import http.server
+import socket
+import ssl
+import tarfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from torpor.errors import TorporError
+from torpor.registry import auth
+from torpor.registry import client as client_mod
+from torpor.registry.client import Client, RegistryError
+from tests.unit.test_registry_images import tls_cert  # noqa: F401  (a fixture)
+
+Route = Callable[[http.server.BaseHTTPRequestHandler], None]
+
+
+def _send(h: http.server.BaseHTTPRequestHandler, code: int, body: bytes = b"",
+          headers: dict | None = None) -> None:
+    h.send_response(code)
+    for k, v in (headers or {}).items():
+        h.send_header(k, v)
+    h.send_header("Content-Length", str(len(body)))
+    h.end_headers()
+    if h.command != "HEAD":
+        h.wfile.write(body)
+
+
+@pytest.fixture
+def hostile(tls_cert):  # noqa: F811
+    """A TLS registry answering each path prefix with routes[prefix](handler); a Client of
+    it by hostile.client()."""
+    routes: dict[str, Route] = {}
+
+    class H(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            for prefix, fn in routes.items():
+                if self.path.startswith(prefix):
+                    return fn(self)
+            _send(self, 404, b"{}")
+
+        do_HEAD = do_PATCH = do_PUT = do_POST = do_GET
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    srv.daemon_threads = True
+    srv.handle_error = lambda *a: None   # a client that hung up on a hostile answer: expected
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(tls_cert / "ca.crt", tls_cert / "key.pem")
+    srv.socket = ctx.wrap_socket(srv.socket, server_side=True)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    ref = auth.parse_reference(f"localhost:{srv.server_address[1]}/a/b:v1")
+
+    class Hostile:
+        host = ref.host
+
+        @staticmethod
+        def client(creds=None, deadline=None) -> Client:
+            return Client(ref, auth.tls_context(ref.host, tls_cert), creds, deadline)
+    Hostile.routes = routes
+    yield Hostile
+    srv.shutdown()
+    srv.server_close()
+
+
+MANIFEST = b'{"schemaVersion":2,"config":{' + b" " * 4000 + b"}}"
+
+
+def _stall(h) -> None:
+    h.send_response(200)
+    h.send_header("Content-Length", str(len(MANIFEST)))
+    h.end_headers()
+    h.wfile.write(MANIFEST[:100])
+    h.wfile.flush()
+    time.sleep(1.5)
+
+
+def _break_off(h) -> None:
+    h.send_response(200)
+    h.send_header("Content-Length", str(len(MANIFEST)))
+    h.end_headers()
+    h.wfile.write(MANIFEST[:100])
+    h.wfile.flush()
+    h.close_connection = True
+    h.connection.shutdown(socket.SHUT_RDWR)
+
+
+@pytest.mark.parametrize("route", [_stall, _break_off])
+def test_a_manifest_that_stalls_or_breaks_off_midway_is_one_registry_error(hostile, route,
+                                                                           monkeypatch):
+    monkeypatch.setattr(client_mod, "TIMEOUT", 0.5)
+    hostile.routes["/v2/a/b/manifests/"] = route
+    c = hostile.client()
+    with pytest.raises(RegistryError, match=r"manifest v1: the answer broke off after \d+ bytes"):
+        c.get_manifest("v1")
+
+
+def test_a_manifest_that_trickles_past_the_deadline_stops_at_it(hostile):
+    def trickle(h) -> None:
+        h.send_response(200)
+        h.send_header("Content-Length", str(len(MANIFEST)))
+        h.end_headers()
+        for i in range(60):   # 3 s of it, a byte at a time
+            h.wfile.write(MANIFEST[i:i + 1])
+            h.wfile.flush()
+            time.sleep(0.05)
+    hostile.routes["/v2/a/b/manifests/"] = trickle
+    c = hostile.client(deadline=time.monotonic() + 1.0)
+    t0 = time.monotonic()
+    with pytest.raises(client_mod.DeadlineError, match="not done in time"):
+        c.get_manifest("v1")
+    assert time.monotonic() - t0 < 2.5
+
+
+@pytest.mark.parametrize("token", ["abc\r\nX-Injected: 1", "two words", "é"])
+def test_a_token_that_would_smuggle_a_header_is_refused_in_one_line(hostile, token):
+    import json
+
+    def registry(h) -> None:
+        if h.headers.get("Authorization", "").startswith("Bearer"):
+            return _send(h, 200, b"{}")
+        _send(h, 401, b"{}", {"WWW-Authenticate":
+                              f'Bearer realm="https://{hostile.host}/token",service="r"'})
+    hostile.routes["/token"] = lambda h: _send(h, 200, json.dumps({"token": token}).encode())
+    hostile.routes["/v2/"] = registry
+    with pytest.raises(RegistryError, match="not one printable word"):
+        hostile.client(("u", "p")).ping()
+
+
+def test_a_pull_into_a_link_that_fails_leaves_nothing_where_the_link_points(tmp_path):
+    from torpor.errors import PreflightError
+    from torpor.registry import transfer
+    from torpor.store import Store
+    from tests.unit.test_registry_images import FakeRegistry, _pushed_packed
+    reg, _ = _pushed_packed(tmp_path)
+    target = tmp_path / "target"
+    target.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(target)
+
+    def refuse(m):
+        raise PreflightError("no GPU here can take it")
+    with pytest.raises(PreflightError):
+        transfer.pull(FakeRegistry(blobs=reg.blobs, manifests=reg.manifests), tmp_path / "link",
+                      Store(tmp_path / "store-b"), preflight=refuse)
+    assert not target.exists() or not any(target.iterdir())
+    ok = transfer.pull(FakeRegistry(blobs=reg.blobs, manifests=reg.manifests), tmp_path / "link",
+                       Store(tmp_path / "store-b"), preflight=None)
+    assert ok.directory == str(target) and (target / "checkpoint" / "torpor.json").is_file()
+
+
+@pytest.mark.parametrize("where", ["fetch", "unpack"])
+def test_a_full_disk_while_pulling_is_one_line_not_a_tampered_blob(tmp_path, monkeypatch, where):
+    """A full disk while the layer is written (fetched, or unpacked) was blamed on the
+    registry (\"cut off\", exit 9) or escaped as an OSError (\"internal error\")."""
+    import errno
+    import os
+
+    from torpor.errors import UsageError
+    from torpor.registry import layer, transfer
+    from torpor.store import Store
+    from tests.unit.test_registry_images import FakeRegistry, _pushed_packed
+
+    reg, _ = _pushed_packed(tmp_path)
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    if where == "fetch":
+        class Full:
+            def __init__(self, f):
+                self.f = f
+
+            def write(self, data):
+                raise full
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *a):
+                self.f.close()
+        real_open = open
+        monkeypatch.setattr(transfer, "open", lambda p, m="r": Full(real_open(p, m))
+                            if m == "xb" else real_open(p, m), raising=False)
+    else:
+        def no_room(*a):
+            raise full
+        monkeypatch.setattr(layer, "_write_member", no_room)
+    with pytest.raises(UsageError, match="no space left") as e:
+        transfer.pull(FakeRegistry(blobs=reg.blobs, manifests=reg.manifests), tmp_path / "p",
+                      Store(tmp_path / "store-b"))
+    assert e.value.exit_code == 2 and not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize("kind", [tarfile.XHDTYPE, tarfile.GNUTYPE_LONGNAME])
+def test_a_tar_extended_header_of_gigabytes_is_refused_before_it_is_read(tmp_path, kind):
+    """tarfile reads a pax or GNU long-name header whole into memory: 4.5 MB of gzip declaring
+    1 GB of long name made torpor take 2 GB. Refused from the header's size, in a pulled layer
+    and in a checkpoint archive alike (only 1 KiB of it is here: the size alone is refused)."""
+    from torpor import archive
+    from torpor.errors import CorruptCheckpointError
+    from torpor.registry import layer
+
+    head = tarfile.TarInfo("././@LongLink")
+    head.type, head.size = kind, 8 << 30
+    data = head.tobuf(tarfile.GNU_FORMAT) + b"a" * 1024
+    path = tmp_path / "bomb.tar.gz"
+    with gzip.open(path, "wb") as g:
+        g.write(data)
+    dest = tmp_path / "d"
+    dest.mkdir(mode=0o700)
+    with open(path, "rb") as f, pytest.raises(CorruptCheckpointError, match="extended header"):
+        layer.unpack(f, dest, "layer", 1 << 20)
+    with pytest.raises(CorruptCheckpointError, match="extended header"):
+        archive.verify_archive(path)
+
+
+@pytest.mark.parametrize("status", [200, 500])
+def test_a_small_answer_that_stalls_is_one_registry_error(hostile, monkeypatch, status):
+    """The bodies read only to be done with them (ping, an upload's answer, an error's text)
+    went through a bare resp.read(): a stall there escaped as TimeoutError."""
+    monkeypatch.setattr(client_mod, "TIMEOUT", 0.5)
+
+    def stall(h) -> None:
+        h.send_response(status)
+        h.send_header("Content-Length", "100")
+        h.end_headers()
+        h.wfile.write(b"{")
+        h.wfile.flush()
+        time.sleep(1.5)
+    hostile.routes["/v2/"] = stall
+    with pytest.raises(RegistryError, match="HTTP 500" if status == 500 else "broke off"):
+        hostile.client().ping()
+
+
+def test_a_layer_of_many_long_named_members_is_read_without_keeping_them(tmp_path):
+    """tarfile keeps every member it read (tar.members), streaming too: 2.4 MB of gzip
+    repeating one 3,750-character directory 100,000 times made a pull take 818 MB (8 GB at
+    the layer's limit of a million members); an archive had no limit at all."""
+    import tracemalloc
+
+    from torpor import archive
+    from torpor.registry import layer
+
+    parts = ["d" * 250] * 15
+    path = tmp_path / "many.tar.gz"
+    with gzip.open(path, "wb") as g:
+        for k in range(1, len(parts) + 1):
+            ti = tarfile.TarInfo("/".join(parts[:k]))
+            ti.type = tarfile.DIRTYPE
+            g.write(ti.tobuf(tarfile.PAX_FORMAT))
+        g.write(ti.tobuf(tarfile.PAX_FORMAT) * 4000 + b"\0" * 1024)
+    dest = tmp_path / "d"
+    dest.mkdir(mode=0o700)
+    tracemalloc.start()
+    try:
+        with open(path, "rb") as f:
+            assert layer.unpack(f, dest, "layer", 1 << 20) == []
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, peak   # 38 MB when every member was kept
+    kept = []
+    archive._members(path, lambda tar, m: kept.append(len(tar.members)))
+    assert len(kept) == 4015 and max(kept) <= 1
+
+
+def test_a_pull_whose_outputs_are_taken_is_refused_before_anything_is_fetched(tmp_path):
+    """--archive naming an existing file was refused only at the very end: every chunk
+    fetched into the store, the --oci-layout written and left behind, -D removed."""
+    from torpor.errors import UsageError
+    from torpor.registry import transfer
+    from torpor.store import Store
+    from tests.unit.test_registry_images import FakeRegistry, _pushed_packed
+    reg, _ = _pushed_packed(tmp_path)
+    (tmp_path / "taken.tar").write_bytes(b"mine")
+    fetched = []
+    fake = FakeRegistry(blobs=reg.blobs, manifests=reg.manifests)
+    fake.get_manifest = lambda ref: fetched.append(ref)   # type: ignore[method-assign]
+    with pytest.raises(UsageError, match="exists already"):
+        transfer.pull(fake, tmp_path / "p", Store(tmp_path / "store-b"),
+                      layout_out=tmp_path / "layout", archive_out=tmp_path / "taken.tar")
+    assert not fetched and (tmp_path / "taken.tar").read_bytes() == b"mine"
+    assert not (tmp_path / "p").exists() and not (tmp_path / "layout").exists()
