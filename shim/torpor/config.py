@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import stat
 from pathlib import Path
 
 try:
@@ -23,6 +22,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from .errors import UsageError
+from .files import read_small_file
 
 DEFAULT_CONFIG_PATH = Path("/etc/torpor/config.toml")
 MAX_CONFIG = 1 << 20   # bytes: packaging/config.toml, every key documented, is 10 KiB
@@ -91,29 +91,15 @@ _BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False,
 
 
 def _read(path: Path) -> bytes:
-    """The config file's bytes: a regular file (a link to one is fine) of at most
-    MAX_CONFIG bytes, else one UsageError. Opened without blocking, so that /dev/zero, a
-    FIFO or a tty named as the config is refused, never read forever or waited on."""
+    """The config file's bytes (files.read_small_file: a regular file of at most MAX_CONFIG
+    bytes, never waited on), else one UsageError."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        return read_small_file(path, MAX_CONFIG)
     except OSError as e:
         raise UsageError(f"cannot read config {path}: {e.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UsageError(f"config {path} is not a regular file")
-        chunks: list[bytes] = []
-        left = MAX_CONFIG + 1 if st.st_size <= MAX_CONFIG else 0
-        while left > 0 and (block := os.read(fd, left)):
-            chunks.append(block)
-            left -= len(block)
-        if st.st_size > MAX_CONFIG or left == 0:
-            raise UsageError(f"config {path} is larger than {MAX_CONFIG} bytes: not a config")
-        return b"".join(chunks)
-    except OSError as e:
-        raise UsageError(f"cannot read config {path}: {e.strerror}") from None
-    finally:
-        os.close(fd)
+    except ValueError as e:
+        raise UsageError(f"config {path} is {e}"
+                         + (": not a config" if "larger" in str(e) else "")) from None
 
 
 def _convert(kind: type, value: object) -> object:

@@ -403,6 +403,27 @@ def open_untrusted(directory: Path, rel: str) -> tuple[int, os.stat_result]:
     return fd, st
 
 
+def read_small_file(path: Path | str, cap: int) -> bytes:
+    """The bytes of a small file a user names (a config, an OCI spec, an auth file): a regular
+    file (a link to one is fine) of at most cap bytes, opened without blocking, so that a FIFO,
+    /dev/zero or a tty there is refused, never waited on or read forever. FileNotFoundError
+    and other OSErrors as they come; ValueError "not a regular file" or "larger than CAP
+    bytes" for what is not such a file."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file")
+        chunks, left = [], cap + 1
+        while left > 0 and (block := os.read(fd, min(left, 1 << 20))):
+            chunks.append(block)
+            left -= len(block)
+    finally:
+        os.close(fd)
+    if left <= 0:
+        raise ValueError(f"larger than {cap} bytes")
+    return b"".join(chunks)
+
+
 def read_untrusted(directory: Path, rel: str, cap: int) -> bytes:
     """The whole of rel in directory (open_untrusted), refused past cap bytes."""
     fd, st = open_untrusted(directory, rel)

@@ -15,12 +15,11 @@ import dataclasses
 import json
 import os
 import re
-import stat
 from pathlib import Path
 from typing import Any, Mapping
 
 from .errors import UsageError
-from .files import atomic_write, loads_json
+from .files import atomic_write, loads_json, read_small_file
 from .gpus import Inventory
 
 NVIDIA_MAJOR = 195
@@ -83,33 +82,10 @@ def validate_container_id(cid: str) -> str:
 MAX_SPEC = 64 << 20   # as the native front's MAX_SPEC: a bigger config.json is no spec of ours
 
 
-def _read_spec(path: Path) -> bytes:
-    """config.json's bytes: a regular file (a FIFO or a device, /dev/zero say, would block or
-    fill memory: runc's decoder stops at the first byte, this read would not) of at most
-    MAX_SPEC bytes, opened without blocking."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError("not a regular file")
-        chunks, left = [], MAX_SPEC + 1
-        while left > 0:
-            block = os.read(fd, min(left, 1 << 20))
-            if not block:
-                break
-            chunks.append(block)
-            left -= len(block)
-    finally:
-        os.close(fd)
-    if left <= 0:
-        raise ValueError(f"larger than {MAX_SPEC} bytes")
-    return b"".join(chunks)
-
-
 def load(bundle: Path) -> dict[str, Any]:
     path = Path(bundle) / "config.json"
     try:
-        spec = loads_json(_read_spec(path))
+        spec = loads_json(read_small_file(path, MAX_SPEC))
     except FileNotFoundError:
         raise UsageError(f"no OCI spec at {path}") from None
     except (OSError, ValueError) as e:

@@ -70,6 +70,22 @@ def test_a_damaged_auth_file_is_one_clear_line(tmp_path):
         auth.credentials(ref, files=auth.node_auth_files(str(tmp_path / "bad.json"), {}))
 
 
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "huge"])
+def test_an_auth_file_that_is_no_small_regular_file_is_refused_not_waited_on(tmp_path, kind):
+    """A FIFO at a default auth file location (~/.docker/config.json) blocked the pull's open
+    for good; /dev/zero or a huge file was read up to the cap and then misparsed."""
+    ref = auth.parse_reference("reg:5000/a:v1")
+    path = tmp_path / "auth.json"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "dev-zero":
+        path.symlink_to("/dev/zero")
+    else:
+        path.write_bytes(b" " * (auth.MAX_AUTH_FILE + 1))
+    with pytest.raises(UsageError, match="cannot read auth file .*(not a regular|larger)"):
+        auth.credentials(ref, files=[path])
+
+
 # --- TLS: containerd's hosts directory -----------------------------------------------------------
 
 @pytest.fixture(scope="module")

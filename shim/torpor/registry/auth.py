@@ -41,7 +41,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from ..errors import UsageError
-from ..files import loads_json
+from ..files import loads_json, read_small_file
 
 DOCKER_HUB = "registry-1.docker.io"
 _REPO = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*")
@@ -127,8 +127,7 @@ def credentials(ref: Reference, authfile: Path | None = None,
         keys.append("index.docker.io")
     for path in auth_files(authfile, env) if files is None else files:
         try:
-            with open(path, "rb") as f:
-                doc = loads_json(f.read(MAX_AUTH_FILE))
+            doc = loads_json(read_small_file(path, MAX_AUTH_FILE))   # a FIFO: refused
         except FileNotFoundError:
             continue
         except (OSError, ValueError) as e:
@@ -189,11 +188,10 @@ def _hosts_entry(path: Path, host: str) -> dict:
     """The settings containerd's hosts.toml gives host (its [host."https://HOST"] table, else
     the top level when server is https://HOST); {} when it names none."""
     try:
-        with open(path, "rb") as f:
-            doc = tomllib.loads(f.read(MAX_HOSTS_TOML).decode())
+        doc = tomllib.loads(read_small_file(path, MAX_HOSTS_TOML).decode())
     except FileNotFoundError:
         return {}
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+    except (OSError, ValueError) as e:   # UnicodeDecodeError and TOMLDecodeError are ValueErrors
         raise UsageError(f"cannot read {path}: {e}") from None
     for url, entry in (doc.get("host") or {}).items():
         u = urllib.parse.urlsplit(url)
