@@ -97,6 +97,17 @@ def tick(path, n):
 """
 
 
+# The simplest such program: ticks the counter in sys.argv[1] every 20 ms.
+TICKING = COUNTER + """
+import sys, time
+n = 0
+while True:
+    n += 1
+    tick(sys.argv[1], n)
+    time.sleep(0.02)
+"""
+
+
 def read_count(path: Path) -> int:
     """The counter a COUNTER program ticks: 0 before its first tick."""
     for _ in range(3):          # a read racing the in-place write may see it half-copied

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from tests.fakes.fakegpu import CHECKPOINTED, LOCKED, RUNNING
-from tests.integration.conftest import (COUNTER, alive, checkpointed_and_reaped, needs_criu,
-                                        read_count, wait_for)
+from tests.integration.conftest import (COUNTER, TICKING, alive, checkpointed_and_reaped,
+                                        needs_criu, read_count, wait_for)
 
 pytestmark = needs_criu
 
@@ -124,15 +124,6 @@ def test_established_tcp_connections_go_along_only_when_asked(torpor, tmp_path, 
     wait_for(lambda: _count(status) > before + 5, what="the restored program ticking")
 
 
-TICKING = """
-import sys, time
-n = 0
-while True:
-    n += 1
-    tick(sys.argv[1], n)
-    time.sleep(0.02)
-"""
-
 LISTEN_PROGRAM = COUNTER + """
 import os, socket, sys
 srv = socket.create_server(("127.0.0.1", 0))
@@ -198,7 +189,7 @@ def test_a_restore_criu_refuses_says_why_and_what_to_do_and_leaves_nothing(torpo
     half-restored process it did not stop, and leaves the checkpoint to restore once the file
     is put back."""
     status = tmp_path / "n.txt"
-    prog = subprocess.Popen([sys.executable, "-c", COUNTER + TICKING, str(status)],
+    prog = subprocess.Popen([sys.executable, "-c", TICKING, str(status)],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     reaper.append(prog.pid)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import COUNTER, alive, needs_criu, read_count, wait_for
+from tests.integration.conftest import TICKING, alive, needs_criu, read_count, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTALL = ROOT / "packaging" / "kubernetes" / "node-install.sh"
@@ -86,21 +86,11 @@ def test_the_bundle_runs_on_its_own_loader_and_libraries(node: Path) -> None:
     assert cfg == {"oci_runtime": "runc", "criu": f"{bundle}/bin/criu"}
 
 
-TICKING = """
-import sys, time
-n = 0
-while True:
-    n += 1
-    tick(sys.argv[1], n)
-    time.sleep(0.05)
-"""
-
-
 @needs_criu
 def test_the_bundle_checkpoints_and_restores_a_program_with_its_own_criu(
         node: Path, tmp_path: Path, torpor_env: dict[str, str]) -> None:
     count = tmp_path / "count"
-    prog = subprocess.Popen([sys.executable, "-c", COUNTER + TICKING, str(count)], start_new_session=True,
+    prog = subprocess.Popen([sys.executable, "-c", TICKING, str(count)], start_new_session=True,
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     torpor = node / "node" / "bin" / "torpor"
