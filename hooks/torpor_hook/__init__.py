@@ -27,6 +27,11 @@ from pathlib import Path
 
 log = logging.getLogger("torpor.hook")
 STAGES = ("createRuntime", "prestart", "poststop")
+# The hook's own waits, well inside the 30 s the runtime gives it (oci.add_hooks,
+# packaging/oci-hooks.d/torpor.json): a hook the runtime kills at its timeout fails the
+# container's create, which no registration is worth. ping (3 s), torpord's start, the call.
+START_WAIT_S = 10.0
+CALL_TIMEOUT_S = 5.0
 
 
 def _setup_logging(state_dir: Path) -> None:
@@ -48,8 +53,8 @@ def register(state: dict, cfg) -> str:
     except NoDriverError:
         inv = None
     pid = int(state.get("pid") or 0)
-    ensure_running(cfg)
-    with Client(cfg, timeout=10) as c:
+    ensure_running(cfg, wait_s=START_WAIT_S)
+    with Client(cfg, timeout=CALL_TIMEOUT_S) as c:
         c.register_container(state["id"], bundle, [pid] if pid > 1 else [], use.uuids(inv),
                              {k: v for k, v in (state.get("annotations") or {}).items()
                               if isinstance(v, str)})
@@ -60,7 +65,7 @@ def unregister(state: dict, cfg) -> str:
     from torpor.sidecar.client import Client
     if not cfg.socket_path.exists():
         return "torpord is not running"
-    with Client(cfg, timeout=10) as c:
+    with Client(cfg, timeout=CALL_TIMEOUT_S) as c:
         existed = c.unregister_container(state["id"], missing_ok=True)
     return "unregistered" if existed else "was not registered"
 
