@@ -294,3 +294,49 @@ def test_a_pull_whose_outputs_are_taken_is_refused_before_anything_is_fetched(tm
                       layout_out=tmp_path / "layout", archive_out=tmp_path / "taken.tar")
     assert not fetched and (tmp_path / "taken.tar").read_bytes() == b"mine"
     assert not (tmp_path / "p").exists() and not (tmp_path / "layout").exists()
+
+
+# --- a layout to push, from elsewhere ----------------------------------------------------------
+
+def _layout(root: Path, annotations: dict) -> Path:
+    """An OCI layout whose one image manifest carries annotations (no layer needed to read it)."""
+    import hashlib
+    import json as json_mod
+    blobs = root / "blobs" / "sha256"
+    blobs.mkdir(parents=True)
+
+    def put(data: bytes) -> str:
+        h = hashlib.sha256(data).hexdigest()
+        (blobs / h).write_bytes(data)
+        return f"sha256:{h}"
+    config = put(b"{}")
+    man = json_mod.dumps({"schemaVersion": 2,
+                          "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                          "config": {"mediaType": "application/vnd.oci.empty.v1+json",
+                                     "digest": config, "size": 2},
+                          "layers": [], "annotations": annotations}).encode()
+    d = put(man)
+    (root / "index.json").write_text(json_mod.dumps({"schemaVersion": 2, "manifests": [
+        {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": d,
+         "size": len(man)}]}))
+    return root
+
+
+@pytest.mark.parametrize("chunks", ["sha256:../../../etc/passwd", "sha256:" + "A" * 64, "x"])
+def test_a_layouts_chunk_artifact_that_is_no_digest_names_no_file(tmp_path, chunks):
+    from torpor.errors import CorruptCheckpointError
+    from torpor.registry import transfer
+    layout = _layout(tmp_path / "layout", {"io.torpor.chunks": chunks})
+    with pytest.raises(CorruptCheckpointError, match="is no sha256 digest"):
+        transfer._read_layout(layout)
+
+
+def test_a_layouts_index_that_is_a_fifo_is_refused_not_waited_on(tmp_path):
+    import os
+    from torpor.errors import CorruptCheckpointError
+    from torpor.registry import transfer
+    layout = _layout(tmp_path / "layout", {})
+    (layout / "index.json").unlink()
+    os.mkfifo(layout / "index.json")
+    with pytest.raises(CorruptCheckpointError, match="not a regular file"):
+        transfer._read_layout(layout)

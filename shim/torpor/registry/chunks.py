@@ -220,8 +220,8 @@ def _fetch_from(client: Client, top: Path, store: Store) -> tuple[int, int]:
                                      f"restored (its {oci.A_MANIFEST} is {str(want)[:80]}, the "
                                      f"restored {MANIFEST} hashes to {have}): a tag moved since "
                                      "the pull? refused")
-    art_digest = image.annotation(oci.A_CHUNKS)
-    if not art_digest or not oci.DIGEST.fullmatch(art_digest):
+    art_digest = image.chunk_artifact(str(client.ref))
+    if not art_digest:
         raise CorruptCheckpointError(f"the image {client.ref} names no chunk artifact "
                                      f"({oci.A_CHUNKS})")
     art_raw = client.get_manifest(art_digest)

@@ -116,6 +116,18 @@ class Manifest:
     def annotation(self, key: str) -> str | None:
         return dict(self.annotations).get(key)
 
+    def chunk_artifact(self, where: str) -> str | None:
+        """The digest of the image's chunk artifact (A_CHUNKS), checked before it names a
+        request or a file (it comes from the registry or a layout: untrusted); None when the
+        image names none."""
+        digest = self.annotation(A_CHUNKS)
+        if not digest:
+            return None
+        if not DIGEST.fullmatch(digest):
+            raise CorruptCheckpointError(f"{where}: its chunk artifact ({A_CHUNKS}) is no "
+                                         "sha256 digest: refused")
+        return digest
+
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"schemaVersion": 2, "mediaType": MANIFEST_TYPE,
                              "config": self.config.to_json(),

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 from .. import manifest
 from ..errors import CorruptCheckpointError, UsageError, no_space
-from ..files import atomic_write, loads_json, open_trusted_dir, private_dir
+from ..files import atomic_write, loads_json, open_trusted_dir, private_dir, read_small_file
 from ..layout import MANIFEST, PACKED, safe_relpath
 from ..store import Store
 from . import chunks, layer, oci
@@ -71,20 +71,29 @@ class PullResult:
 def _read_layout(path: Path) -> tuple[oci.Descriptor, oci.Manifest, oci.Manifest | None]:
     """The image manifest of an OCI layout torpor built (its first manifest) and its chunk
     artifact's, each checked against its digest."""
-    def blob(d: oci.Descriptor) -> bytes:
-        data = (path / "blobs" / "sha256" / d.digest.removeprefix("sha256:")).read_bytes()
+    def small(rel: str) -> bytes:   # a manifest or the index: no FIFO, no /dev/zero
+        try:
+            return read_small_file(path / rel, oci.MAX_MANIFEST_BYTES)
+        except ValueError as e:
+            raise CorruptCheckpointError(f"{path}/{rel} is {e}: refused") from None
+
+    def blob(d: oci.Descriptor) -> bytes:   # d.digest checked: sha256 and 64 hex digits
+        try:
+            data = small(f"blobs/sha256/{d.digest.removeprefix('sha256:')}")
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{path}: blob {d.digest} is missing") from None
         if oci.digest_of(data) != d.digest:
             raise CorruptCheckpointError(f"{path}: blob {d.digest} does not match its digest")
         return data
     try:
-        index = loads_json((path / "index.json").read_bytes())
+        index = loads_json(small("index.json"))
         image_d = oci.Descriptor.from_json(index["manifests"][0], f"{path}/index.json")
     except FileNotFoundError:
         raise UsageError(f"{path} is not an OCI image layout (no index.json)") from None
     except (ValueError, KeyError, IndexError, TypeError):
         raise CorruptCheckpointError(f"{path}/index.json is not an OCI image index") from None
     image = oci.Manifest.parse(blob(image_d), f"{path}: {image_d.digest}")
-    chunks_digest = image.annotation(oci.A_CHUNKS)
+    chunks_digest = image.chunk_artifact(str(path))
     art = None
     if chunks_digest:
         d = oci.Descriptor(oci.MANIFEST_TYPE, chunks_digest, 0)
@@ -239,7 +248,7 @@ def _pull(client: Client, dest: Path, store: Store, layout_out: Path | None,
     if preflight is not None and (top / MANIFEST).is_file():
         preflight(manifest.read(top))
     fetched = from_store = n = 0
-    chunks_digest = image.annotation(oci.A_CHUNKS)
+    chunks_digest = image.chunk_artifact(str(ref))
     if (top / PACKED).exists():
         if not chunks_digest:
             raise CorruptCheckpointError(f"{ref}: a packed checkpoint without its chunk artifact")
