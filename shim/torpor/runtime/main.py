@@ -8,7 +8,7 @@ import json
 import logging
 import os
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from .. import config, logs
 from ..errors import ExitCode, TorporError
@@ -84,5 +84,21 @@ FLOWS: dict[str, Any] = {"create": lifecycle.create, "run": lifecycle.create,
                          "restore": restore.run}
 
 
+def entry() -> NoReturn:
+    """torpor-runtime-py: main(), then out at once. An engine reads a runtime killed before it
+    exits as failed whatever it did (conmon then waits for the restored container's end to
+    read the runtime's error): the journal entry that lets recovery stop such a container is
+    closed as the flow's last step, so no interpreter teardown (gRPC's threads, logging) may
+    stretch the gap between that and the exit status the engine reads."""
+    rc = main()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(rc)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
