@@ -163,6 +163,28 @@ def test_a_damaged_chunk_is_refused_before_anything_runs(torpor, gpu, store, tmp
         assert proc.returncode == 9 and victim.name in proc.stderr, (args, proc.stderr)
 
 
+def test_gc_verify_finds_a_damaged_chunk_before_a_restore_needs_it(torpor, gpu, store, tmp_path,
+                                                                   reaper):
+    images = tmp_path / "ck"
+    prog, out = _checkpoint(torpor, gpu, images, "scrubbed")
+    reaper.append(prog.pid)
+    checkpointed_and_reaped(prog)
+    clean = torpor.json("gc", "--verify")["verify"]
+    assert clean["checked"] == out["stored"]["new_chunks"] and clean["damaged"] == [], clean
+    victim = max(_blobs(store), key=lambda c: c.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))      # in place: the directory's link to it is damaged too
+    proc = torpor.run("--json", "gc", "--verify")
+    assert proc.returncode == 9, proc.stderr
+    v = json.loads(proc.stdout)["verify"]
+    assert v["damaged"] == v["removed"] == [victim.name] and v["snapshots"] == ["scrubbed"], v
+    assert victim.name not in {b.name for b in _blobs(store)}
+    proc = torpor.run("restore", "-D", str(images))
+    assert proc.returncode == 9 and victim.name in proc.stderr, proc.stderr
+    assert not alive(prog.pid)
+
+
 def test_gc_keeps_the_chunks_a_checkpoint_directory_holds(torpor, gpu, store, tmp_path, reaper):
     images = tmp_path / "ck"
     prog, out = _checkpoint(torpor, gpu, images, "kept")

@@ -1,5 +1,6 @@
-"""torpor ls / rm NAME... / gc: the checkpoints in the image store (config store_dir), removing
-some, and collecting the chunks none of them needs any more."""
+"""torpor ls / rm NAME... / gc [--verify]: the checkpoints in the image store (config store_dir),
+removing some, collecting the chunks none of them needs any more, and (--verify) finding the
+damaged ones."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import dataclasses
 
 from .. import store_packing
 from ..progress import human_bytes
+from ..errors import ExitCode
 from ..flows import policy
-from ..store import Store
+from ..store import Store, VerifyResult
 from .context import Context
 
 # A pack that a dead torpor left is finished first (store_packing.py): its directory's holes are
@@ -33,8 +35,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        "interrupted checkpoints",
                        description="Free the image store's space: remove the chunks no "
                        "checkpoint in it needs any more, and what interrupted checkpoints left "
-                       "behind. Chunks that checkpoint directories link to are kept.")
+                       "behind. Chunks that checkpoint directories link to are kept. With "
+                       "--verify, first read and check every chunk, and remove the damaged ones "
+                       "(a new checkpoint stores them again); exit 9 when one was damaged, or a "
+                       "checkpoint names one that is missing.")
     p.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    p.add_argument("--verify", action="store_true", help="read and check every chunk first, "
+                   "removing the damaged ones; exit 9 when one was damaged or missing")
     p.set_defaults(action=collect)
 
 
@@ -77,17 +84,51 @@ def remove(args: argparse.Namespace, ctx: Context) -> None:
              "(`torpor gc` frees the chunks no other checkpoint needs)")
 
 
-def collect(args: argparse.Namespace, ctx: Context) -> None:
+def collect(args: argparse.Namespace, ctx: Context) -> int:
     if not args.dry_run:
         _refuse_while_a_pack_is_unfinished(ctx)
-    r = open_store(ctx).gc(dry_run=args.dry_run)
+    store = open_store(ctx)
+    v = None
+    if args.verify:
+        read = [0]
+
+        def seen(n: int) -> None:
+            read[0] += n
+
+        with ctx.progress.phase("verify", f"every chunk of {store.where}",
+                                measure=lambda: read[0]):
+            v = store.verify(dry_run=args.dry_run, seen=seen)
+    r = store.gc(dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     kept = f"; kept {r.kept_linked} linked from checkpoint directories" if r.kept_linked else ""
-    ctx.emit({**dataclasses.asdict(r), "dry_run": args.dry_run},
-             f"{verb} {len(r.removed)} chunk(s) and {human_bytes(r.temp_freed)} of leftovers: "
-             f"{human_bytes(r.freed)} freed{kept}")
+    line = (f"{verb} {len(r.removed)} chunk(s) and {human_bytes(r.temp_freed)} of leftovers: "
+            f"{human_bytes(r.freed)} freed{kept}")
+    obj = {**dataclasses.asdict(r), "dry_run": args.dry_run}
+    if v is None:
+        ctx.emit(obj, line)
+        return ExitCode.OK
+    ctx.emit({**obj, "verify": dataclasses.asdict(v)}, f"{_verify_line(v, args.dry_run)}\n{line}")
+    return ExitCode.CORRUPT if v.damaged or v.missing else ExitCode.OK
+
+
+def _verify_line(v: VerifyResult, dry_run: bool) -> str:
+    text = f"verified {v.checked} chunk(s) ({human_bytes(v.bytes)}): "
+    if not v.damaged and not v.missing:
+        return text + "none damaged"
+    parts = []
+    if v.damaged:
+        parts.append(f"{len(v.damaged)} damaged, " + ("would be removed" if dry_run else
+                                                       "removed"))
+    if v.missing:
+        parts.append(f"{len(v.missing)} named but missing")
+    text += "; ".join(parts)
+    if v.snapshots:
+        text += (f"; checkpoints that named them (they no longer restore): "
+                 f"{', '.join(v.snapshots)}")
+    if v.damaged and not dry_run:
+        text += "; a new checkpoint stores those chunks again"
+    return text
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
-    args.action(args, ctx)
-    return 0
+    return int(args.action(args, ctx) or 0)

@@ -21,6 +21,12 @@ file's chunks in order with a bounded parallel read-ahead. gc keeps every chunk 
 names and every chunk something else holds a hard link to (a checkpoint directory carrying its
 chunks), and waits for writers to finish (their lock) before it looks.
 
+A chunk is reused by its name without being read (writer.py), so one damaged on disk (a flipped
+bit, a truncation) would be named by every later checkpoint of that data. verify() is the scrub
+(`torpor gc --verify`): it reads and checks every chunk under the shared lock (checkpoints go
+on), then removes those still damaged under the exclusive lock, so the next checkpoint of that
+data stores it again; the snapshots that named them stay broken and are reported.
+
 A failed write need not wait for gc: a Store remembers the chunks its writers created that
 no snapshot they committed names, and discard_unnamed() removes them the way gc would, under
 the exclusive lock (no writer can be taking them meanwhile), keeping any that a snapshot
@@ -40,7 +46,7 @@ import stat
 import threading
 import time
 from pathlib import Path
-from typing import Any, Collection, Iterator, Mapping
+from typing import Any, Callable, Collection, Iterator, Mapping
 
 from ..errors import BusyError, CorruptCheckpointError, NotFoundError, UsageError
 from ..files import private_dir, write_new
@@ -85,6 +91,17 @@ class GcResult:
     freed: int           # bytes: those chunks and temporary leftovers
     kept_linked: int     # unreferenced chunks kept: a checkpoint directory links them
     temp_freed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyResult:
+    checked: int          # chunks read and checked
+    bytes: int            # bytes read
+    damaged: list[str]    # chunks that failed the check (header, zstd, sha256, no plain file)
+    missing: list[str]    # chunks snapshots name that are not in the store (an earlier scrub
+                          # removed them damaged): those snapshots stay broken until torpor rm
+    snapshots: list[str]  # snapshots naming a damaged or missing chunk: they no longer restore
+    removed: list[str]    # of the damaged, removed (none in a dry run)
 
 
 class Store:
@@ -400,6 +417,62 @@ class Store:
                     self.backend.delete_blob(b.name)
             temp = self.backend.clean_temp(remove=not dry_run)
         return GcResult(removed, freed + temp, linked, temp)
+
+    def verify(self, dry_run: bool = False, timeout: float | None = None,
+               seen: Callable[[int], None] | None = None) -> VerifyResult:
+        """Read and check every chunk (chunk.decode: header, zstd, sha256 against its name) on
+        the pool, under the shared lock: checkpoints go on meanwhile. Unless dry_run, then take
+        the exclusive lock (as gc, waiting at most timeout), check each damaged chunk again (a
+        writer cannot replace it, but another scrub may have removed it) and remove those still
+        damaged: a checkpoint of that data stores it again. seen(n): n more bytes were read."""
+        wait = self.lock_timeout if timeout is None else timeout
+        with self.backend.lock(False, wait):
+            # snapshots first: a chunk they name was in the store before the blobs are listed,
+            # and no chunk leaves it while the shared lock is held
+            named: dict[str, set[str]] = {}
+            for n in self.backend.snapshots():
+                try:
+                    named[n] = snapshot.chunk_names(self.load(n))
+                except NotFoundError:
+                    continue    # torpor rm meanwhile
+            sizes = {b.name: b.size for b in self.backend.blobs()}
+            checked, nbytes, damaged = 0, 0, []
+            with self._pool() as pool:
+                for name, size, ok in ordered_map(pool, self._check_blob, sorted(sizes),
+                                                  2 * self.workers):
+                    if size < 0:
+                        continue    # gone meanwhile
+                    checked += 1
+                    nbytes += size
+                    if seen is not None:
+                        seen(size)
+                    if not ok:
+                        damaged.append(name)
+        missing = sorted(set().union(*named.values()) - sizes.keys()) if named else []
+        bad = set(damaged) | set(missing)
+        removed = []
+        if damaged and not dry_run:
+            with self.backend.lock(True, wait):
+                for name in damaged:
+                    if not self._check_blob(name)[2]:
+                        self.backend.delete_blob(name)
+                        removed.append(name)
+                        log.warning("removed damaged chunk %s from store %s", name, self.where)
+        return VerifyResult(checked, nbytes, damaged, missing,
+                            sorted(n for n, names in named.items() if names & bad), removed)
+
+    def _check_blob(self, name: str) -> tuple[str, int, bool]:
+        """(name, bytes read or -1 when it is not there, whether it is sound)."""
+        blob = b""
+        try:
+            blob = self.backend.read_blob(name)
+            chunk.decode(blob, name, f"store {self.where}")
+        except FileNotFoundError:
+            return name, -1, True
+        except (CorruptCheckpointError, OSError) as e:   # OSError: EIO from a failing disk
+            log.warning("chunk %s in store %s is damaged: %s", name, self.where, e)
+            return name, len(blob), False
+        return name, len(blob), True
 
     # --- moving checkpoints between hosts --------------------------------------------------
 
