@@ -455,7 +455,12 @@ class Store:
             with self.backend.lock(True, wait):
                 for name in damaged:
                     if not self._check_blob(name)[2]:
-                        self.backend.delete_blob(name)
+                        try:
+                            self.backend.delete_blob(name)
+                        except OSError as e:   # a directory in its place: reported, kept
+                            log.warning("cannot remove damaged chunk %s from store %s: %s",
+                                        name, self.where, e.strerror)
+                            continue
                         removed.append(name)
                         log.warning("removed damaged chunk %s from store %s", name, self.where)
         return VerifyResult(checked, nbytes, damaged, missing,
