@@ -592,3 +592,44 @@ def test_a_packed_restore_keeps_gc_off_the_store_until_torpord_is_done(world, mo
     assert rt_main.main(argv) == 0
     assert gc_meanwhile == ["waited"]
     Store(tmp_path / "store").gc(timeout=0.2)     # the restore over: gc runs
+
+
+def test_a_foreground_packed_restore_lets_gc_go_on_while_the_container_runs(world, monkeypatch,
+                                                                            tmp_path):
+    """Without --detach runc runs the restored container until it ends: the store's lock goes
+    once torpord is done, before that wait, or gc would wait for the container's whole life."""
+    from torpor.errors import BusyError
+    from torpor.runtime import runc as rt_runc
+    from torpor.store import Store
+    monkeypatch.setenv("TORPOR_STORE_DIR", str(tmp_path / "store"))
+    write_spec(world["bundle"], gpu=True)
+    spec = json.loads((world["bundle"] / "config.json").read_text())
+    spec["annotations"] = {"org.torpor.store": "on"}
+    (world["bundle"] / "config.json").write_text(json.dumps(spec))
+    assert rt_main.main(checkpoint_argv(world["images"])) == 0
+    (world["runc"].root / "restore.pid").write_text(str(world["pid"]))
+    monkeypatch.setattr(rt_restore.container, "place",
+                        lambda cfg, m, b: container.Placement({GPU: GPU}))
+    gc_while_running = []
+    run = rt_runc.Runtime.run
+
+    def watched(self, *a: Any, **kw: Any) -> Any:
+        proc = run(self, *a, **kw)
+        if self.inv.command != "restore":
+            return proc
+        wait = proc.wait
+
+        def container_runs(*wa: Any, **wkw: Any) -> int:
+            try:
+                Store(tmp_path / "store").gc(timeout=0.2)
+                gc_while_running.append("ran")
+            except BusyError:
+                gc_while_running.append("waited")
+            return wait(*wa, **wkw)
+        proc.wait = container_runs
+        return proc
+    monkeypatch.setattr(rt_runc.Runtime, "run", watched)
+    argv = ["restore", "--image-path", str(world["images"]), "--bundle", str(world["bundle"]),
+            "--pid-file", str(tmp_path / "pid"), CID]
+    assert rt_main.main(argv) == 0
+    assert gc_while_running == ["ran"]

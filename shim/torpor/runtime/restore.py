@@ -118,10 +118,14 @@ def _run(cfg: Config, runtime: Runtime, inv: Invocation, held: contextlib.ExitSt
              dict(placed.gpu_map) or "none", " (explicit)" if placed.explicit else "")
     markers.write(cfg, inv)   # delete of the restored container comes back here
     if not cuda:
-        return runtime.run().wait()
+        proc = runtime.run()
+        if not inv.flag("detach", "d"):   # runc runs the restored container in the foreground
+            _wait_for_pid(runtime, inv, proc)
+        held.close()   # restored: the store's chunks are read (gc may go on for its whole life)
+        return proc.wait()
     op = _journalled(cfg, runtime, inv)
     try:
-        rc = _restore(cfg, runtime, inv, op, images, placed, moved, in_store, len(cuda))
+        rc = _restore(cfg, runtime, inv, op, images, placed, moved, in_store, len(cuda), held)
     except TorporError:
         op.close()   # the restored container, if any, was stopped: nothing left to recover
         raise
@@ -152,7 +156,7 @@ def _journalled(cfg: Config, runtime: Runtime, inv: Invocation) -> Operation:
 
 def _restore(cfg: Config, runtime: Runtime, inv: Invocation, op: Operation, images: Path,
              placed: container.Placement, moved: list[AgentData], in_store: dict[str, int],
-             cuda: int) -> int:
+             cuda: int, held: contextlib.ExitStack) -> int:
     """The real runtime's restore, then torpord's RestoreAndUnlock of the container's CUDA
     processes (op closed once done; cuda: how many the manifest holds); a failure of the
     latter, or a reply naming fewer than cuda restored (_require_all), stops the
@@ -184,6 +188,7 @@ def _restore(cfg: Config, runtime: Runtime, inv: Invocation, op: Operation, imag
     log.info("restore %s: host PID %d, CUDA PIDs %s restored and unlocked in %.2f s", cid, pid,
              list(out.pids), time.monotonic() - t)
     op.close()   # restored: a runtime that dies from now on leaves nothing to recover
+    held.close()   # and the GPU data is streamed: the store's lock goes before a foreground wait
     return 0 if detached else proc.wait()
 
 
