@@ -558,6 +558,16 @@ def test_agent_directory_is_never_reached_through_a_link(cfg, tmp_path):
     assert target.stat().st_uid == 0
 
 
+def _packed_checkpoint(world: dict, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A GPU container checkpoint packed into the store at tmp_path/store."""
+    monkeypatch.setenv("TORPOR_STORE_DIR", str(tmp_path / "store"))
+    write_spec(world["bundle"], gpu=True)
+    spec = json.loads((world["bundle"] / "config.json").read_text())
+    spec["annotations"] = {"org.torpor.store": "on"}
+    (world["bundle"] / "config.json").write_text(json.dumps(spec))
+    assert rt_main.main(checkpoint_argv(world["images"])) == 0
+
+
 def test_a_packed_restore_keeps_gc_off_the_store_until_torpord_is_done(world, monkeypatch,
                                                                       tmp_path):
     """The chunks a packed checkpoint's restore imports (or fetches) are in no snapshot, and
@@ -565,12 +575,7 @@ def test_a_packed_restore_keeps_gc_off_the_store_until_torpord_is_done(world, mo
     lock (shared) until torpord is done, so a gc in between waits rather than take them."""
     from torpor.errors import BusyError
     from torpor.store import Store
-    monkeypatch.setenv("TORPOR_STORE_DIR", str(tmp_path / "store"))
-    write_spec(world["bundle"], gpu=True)
-    spec = json.loads((world["bundle"] / "config.json").read_text())
-    spec["annotations"] = {"org.torpor.store": "on"}
-    (world["bundle"] / "config.json").write_text(json.dumps(spec))
-    assert rt_main.main(checkpoint_argv(world["images"])) == 0
+    _packed_checkpoint(world, monkeypatch, tmp_path)
     assert store_images.is_packed(world["images"])
     (world["runc"].root / "restore.pid").write_text(str(world["pid"]))
     monkeypatch.setattr(rt_restore.container, "place",
@@ -601,12 +606,7 @@ def test_a_foreground_packed_restore_lets_gc_go_on_while_the_container_runs(worl
     from torpor.errors import BusyError
     from torpor.runtime import runc as rt_runc
     from torpor.store import Store
-    monkeypatch.setenv("TORPOR_STORE_DIR", str(tmp_path / "store"))
-    write_spec(world["bundle"], gpu=True)
-    spec = json.loads((world["bundle"] / "config.json").read_text())
-    spec["annotations"] = {"org.torpor.store": "on"}
-    (world["bundle"] / "config.json").write_text(json.dumps(spec))
-    assert rt_main.main(checkpoint_argv(world["images"])) == 0
+    _packed_checkpoint(world, monkeypatch, tmp_path)
     (world["runc"].root / "restore.pid").write_text(str(world["pid"]))
     monkeypatch.setattr(rt_restore.container, "place",
                         lambda cfg, m, b: container.Placement({GPU: GPU}))

@@ -15,16 +15,7 @@ from tests.conftest import torpor_cmd
 from torpor.errors import CorruptCheckpointError
 from torpor.store import Store, chunk
 
-CHUNK = 64 << 10
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Store:
-    return Store(tmp_path / "store", chunk_size=CHUNK, workers=2, lock_timeout=5)
-
-
-def blobs(s: Store) -> set[str]:
-    return {b.name for b in s.backend.blobs()}
+from tests.unit.test_store import CHUNK, blobs, read, store  # noqa: F401  (store: a fixture)
 
 
 def ingest(s: Store, tmp_path: Path, name: str, files: dict[str, bytes]) -> dict:
@@ -33,10 +24,6 @@ def ingest(s: Store, tmp_path: Path, name: str, files: dict[str, bytes]) -> dict
     for rel, data in files.items():
         (src / rel).write_bytes(data)
     return s.ingest_dir(src, name)[0]
-
-
-def read(s: Store, name: str, rel: str) -> bytes:
-    return b"".join(s.read_file(name, rel))
 
 
 def damaged_store(store: Store, tmp_path: Path):
