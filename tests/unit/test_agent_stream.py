@@ -402,17 +402,11 @@ def test_a_damaged_chunk_in_the_store_stops_the_stream_and_the_memory_stays_out(
     assert _intact(p, mem)
 
 
-def test_a_pack_that_fails_after_a_streamed_checkpoint_fills_the_directory(
-        gpu, probe, tmp_path, monkeypatch):
-    """The stream put the GPU data into the store, the pack then fails (a full disk): the
-    directory is filled from the store before the error, whole and checksummed on its own."""
-    import errno
-
+def _streamed_checkpoint(gpu, probe, tmp_path):
+    """A program's 12 MiB checkpointed by its agent, streamed into the store at tmp_path/store
+    (its directory sealed, its GPU data holes): (program, store, engine, directory)."""
     from tests.unit.test_manifest import _manifest as sealed
-    from torpor import manifest, store_packing
-    from torpor.errors import ExitCode, TorporError
-    from torpor.store import images
-
+    from torpor import manifest
     p = probe()
     _program(p, (12,))
     store = Store(tmp_path / "store")
@@ -423,6 +417,20 @@ def test_a_pack_that_fails_after_a_streamed_checkpoint_fills_the_directory(
                                    agent_dir=p.sock.parent, known_fingerprints=(),
                                    owner=OWNER, stream_into=store)
     manifest.write(d, sealed(manifest.file_table(d, checksums=False)))
+    return p, store, engine, d
+
+
+def test_a_pack_that_fails_after_a_streamed_checkpoint_fills_the_directory(
+        gpu, probe, tmp_path, monkeypatch):
+    """The stream put the GPU data into the store, the pack then fails (a full disk): the
+    directory is filled from the store before the error, whole and checksummed on its own."""
+    import errno
+
+    from torpor import manifest, store_packing
+    from torpor.errors import ExitCode, TorporError
+    from torpor.store import images
+
+    p, store, engine, d = _streamed_checkpoint(gpu, probe, tmp_path)
     assert fingerprints.any_skipped(d)
 
     def full(*_a, **_k):
@@ -454,21 +462,11 @@ def test_a_failed_pack_takes_back_what_another_process_streamed(gpu, probe, tmp_
     gc without a word. The directory filled, they are taken back as the pack's own are."""
     import errno
 
-    from tests.unit.test_manifest import _manifest as sealed
     from torpor import manifest, store_packing
     from torpor.errors import TorporError
     from torpor.store import images
 
-    p = probe()
-    _program(p, (12,))
-    torpord = Store(tmp_path / "store")
-    engine = _engine(gpu, tmp_path, torpord)
-    d = _images_dir(tmp_path)
-    with torpord.backend.lock(False, 10), engine.begin("checkpoint", [p.pid]) as op:
-        engine.lock_and_checkpoint(op, [p.pid], data=agent_data.DataDir(d / agent_data.DATA_DIR),
-                                   agent_dir=p.sock.parent, known_fingerprints=(),
-                                   owner=OWNER, stream_into=torpord)
-    manifest.write(d, sealed(manifest.file_table(d, checksums=False)))
+    _p, torpord, engine, d = _streamed_checkpoint(gpu, probe, tmp_path)
     streamed = torpord.unnamed()
     assert streamed
 
