@@ -128,6 +128,71 @@ def test_a_manifest_that_trickles_past_the_deadline_stops_at_it(hostile):
     assert time.monotonic() - t0 < 2.5
 
 
+def _trickle(body: bytes, each_s: float) -> Route:
+    """An answer of body that comes a byte every each_s seconds (every socket wait short)."""
+    def route(h) -> None:
+        h.send_response(200)
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        try:
+            for i in range(len(body)):
+                h.wfile.write(body[i:i + 1])
+                h.wfile.flush()
+                time.sleep(each_s)
+        except OSError:   # the client cut it off
+            pass
+    return route
+
+
+def _blob(n: int):
+    import hashlib
+
+    from torpor.registry import oci
+    data = bytes(range(256)) * (n // 256)
+    return data, oci.Descriptor(oci.LAYER_TYPE, "sha256:" + hashlib.sha256(data).hexdigest(),
+                                len(data))
+
+
+@pytest.mark.parametrize("what", ["manifest", "blob"])
+def test_a_body_that_trickles_is_cut_off_without_a_deadline(hostile, monkeypatch, what):
+    """torpor image pull has no deadline, and each byte came well inside TIMEOUT: before the
+    minimum rate, a byte every 59 s held it for good."""
+    import io
+    monkeypatch.setattr(client_mod, "RATE_WINDOW_S", 0.5)
+    monkeypatch.setattr(client_mod, "MIN_RATE", 1000)
+    data, d = _blob(4096)
+    hostile.routes["/v2/a/b/manifests/"] = _trickle(MANIFEST, 0.02)
+    hostile.routes["/v2/a/b/blobs/"] = _trickle(data, 0.02)
+    c = hostile.client()
+    t0 = time.monotonic()
+    with pytest.raises(client_mod.SlowError, match=r"under 0 KiB/s: the registry or the link "
+                                                   r"stalls; cut off"):
+        c.get_manifest("v1") if what == "manifest" else c.get_blob(d, io.BytesIO())
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_a_body_that_keeps_the_rate_is_not_cut_off(hostile, monkeypatch):
+    """Windows restart: a slow but steady body (over the rate in each window) arrives whole,
+    however many windows it takes."""
+    import io
+    monkeypatch.setattr(client_mod, "RATE_WINDOW_S", 0.2)
+    monkeypatch.setattr(client_mod, "MIN_RATE", 100)
+    data, d = _blob(1024)
+
+    def steady(h) -> None:
+        h.send_response(200)
+        h.send_header("Content-Length", str(len(data)))
+        h.end_headers()
+        for i in range(0, len(data), 64):   # 64 bytes each 0.05 s: ~1280 B/s, 0.8 s in all
+            h.wfile.write(data[i:i + 64])
+            h.wfile.flush()
+            time.sleep(0.05)
+    hostile.routes["/v2/a/b/blobs/"] = steady
+    out = io.BytesIO()
+    hostile.client().get_blob(d, out)
+    assert out.getvalue() == data
+
+
 @pytest.mark.parametrize("token", ["abc\r\nX-Injected: 1", "two words", "é"])
 def test_a_token_that_would_smuggle_a_header_is_refused_in_one_line(hostile, token):
     import json

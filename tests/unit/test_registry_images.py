@@ -291,6 +291,8 @@ class _Resp:
     def read(self, n: int = -1) -> bytes:
         return self._body.read(n)
 
+    read1 = read   # http.client's: what has come, up to n
+
 
 class FakeRegistry(Client):
     """The distribution API in memory; fail_patch_after: raise on that many-th PATCH (a cut)."""

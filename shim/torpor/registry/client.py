@@ -8,7 +8,10 @@ registry is trusted (bodies are read up to a cap, redirects only to https).
 
 A deadline (time.monotonic() value), where given, bounds every request and every read: a
 registry too slow for it (torpor-runtime fetching inside the kubelet's StartContainer) is a
-DeadlineError, never a wait past it.
+DeadlineError, never a wait past it. Without one (torpor image pull and push), a body that
+comes slower than MIN_RATE bytes a second over RATE_WINDOW_S is cut off (SlowError): each
+socket wait is bounded by TIMEOUT, but a registry sending a byte every TIMEOUT - 1 seconds
+would otherwise hold a pull for good.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from .auth import Reference
 
 log = logging.getLogger(__name__)
 TIMEOUT = 60.0
+MIN_RATE = 16 << 10      # bytes a second a body must keep up over each RATE_WINDOW_S
+RATE_WINDOW_S = 60.0     # (curl's --speed-limit/--speed-time, at a rate any real link beats)
 MAX_ERROR_BODY = 4096
 MAX_TOKEN = 1 << 20
 READ = 1 << 20
@@ -46,6 +51,32 @@ class RegistryError(TorporError):
 
 class DeadlineError(RegistryError):
     """The client's deadline passed before the registry had answered."""
+
+
+class SlowError(RegistryError):
+    """A body came slower than MIN_RATE over RATE_WINDOW_S: cut off."""
+
+
+class _Pace:
+    """How fast one body comes: check(got) raises SlowError once a whole RATE_WINDOW_S has
+    passed with fewer than MIN_RATE bytes a second in it (windows restart where one ended)."""
+
+    def __init__(self, client: "Client", what: str) -> None:
+        self.client, self.what = client, what
+        self.start, self.at = time.monotonic(), 0
+
+    def check(self, got: int) -> None:
+        now = time.monotonic()
+        if now - self.start < RATE_WINDOW_S:
+            return
+        rate = (got - self.at) / (now - self.start)
+        if rate < MIN_RATE:
+            self.client.close()
+            raise SlowError(f"registry {self.client.ref.host}: {self.what}: "
+                            f"{got - self.at} bytes in the last {now - self.start:.0f} s, "
+                            f"under {MIN_RATE >> 10} KiB/s: the registry or the link stalls; "
+                            "cut off (try again)")
+        self.start, self.at = now, got
 
 
 def _challenge(header: str) -> tuple[str, dict[str, str]]:
@@ -223,19 +254,18 @@ class Client:
         """resp's body, at most cap bytes of it. A body that stalls, breaks off or ends before
         its Content-Length is a RegistryError (DeadlineError where the deadline passed), never
         an exception of the socket's, nor a short body passed on as if it were whole."""
-        parts, got = [], 0
+        parts, got, pace = [], 0, _Pace(self, what)
         try:
             while got < cap:
                 if self.deadline is not None and self._conn and self._conn.sock:
                     # what has come, at most one wait of what is left: a trickle stops too
                     self._conn.sock.settimeout(self._timeout(what))
-                    data = resp.read1(min(READ, cap - got))
-                else:
-                    data = resp.read(min(READ, cap - got))
+                data = resp.read1(min(READ, cap - got))   # what has come: paced below
                 if not data:
                     break
                 parts.append(data)
                 got += len(data)
+                pace.check(got)
         except (OSError, http.client.HTTPException) as e:
             self.close()
             self._timeout(what)   # DeadlineError where the deadline cut it short
@@ -322,16 +352,16 @@ class Client:
             self._body(resp, MAX_ERROR_BODY, f"blob {d.digest}")
             raise CorruptCheckpointError(f"registry {self.ref.host}: blob {d.digest} of the "
                                          "image is missing")
-        h, got = hashlib.sha256(), 0
+        h, got, pace = hashlib.sha256(), 0, _Pace(self, f"blob {d.digest}")
         try:
             while got <= d.size:
                 try:
-                    if self.deadline is None or got == d.size:
+                    if got == d.size:
                         # read() ends the response at its last byte, read1() would leave it
                         # open (http.client), and the connection then takes no next request
-                        data = resp.read(min(READ, d.size + 1 - got))
-                    else:   # what has come, at most one wait of what is left: a trickle too
-                        if self._conn and self._conn.sock:
+                        data = resp.read(1)
+                    else:   # what has come, at most one wait (of what is left): a trickle
+                        if self.deadline is not None and self._conn and self._conn.sock:
                             self._conn.sock.settimeout(self._timeout(f"blob {d.digest}"))
                         data = resp.read1(min(READ, d.size + 1 - got))
                 except (OSError, http.client.HTTPException) as e:
@@ -345,6 +375,7 @@ class Client:
                 h.update(data)
                 got += len(data)
                 out.write(data)   # a full disk here is ours, not the registry's: not caught
+                pace.check(got)
         finally:
             self.received += got
         if got != d.size:
