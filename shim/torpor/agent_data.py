@@ -129,9 +129,12 @@ def claim_suspend_dir(base: Path) -> Path:
         for name in [*reversed(where.parents[:-1]), where]:
             moved = reclaim_shared_name(name, "suspend_dir", hint=SUSPEND_DIR_HINT)
             if moved is not None:
-                log.warning("suspend_dir %s: uid %d had put its own entry at %s (which would "
-                            "deny every suspend): moved aside to %s, untouched, and made "
-                            "torpor's own", base, moved.uid, name, moved.moved_to)
+                who = (f"a hard link to a file of uid {moved.uid} (fs.protected_hardlinks is "
+                       "off: anyone may make one)" if moved.hard_link
+                       else f"uid {moved.uid} had put its own entry")
+                log.warning("suspend_dir %s: %s at %s (which would deny every suspend): "
+                            "moved aside to %s, untouched, and made torpor's own", base, who,
+                            name, moved.moved_to)
         private_dir(base, "suspend_dir")  # made without following anyone's link but root's
         st = os.lstat(base)
     except OSError as e:

@@ -205,6 +205,7 @@ class Squatter:
 
     uid: int
     moved_to: Path
+    hard_link: bool = False   # a hard link to a file of uid's (not the one who made it)
 
 
 def _exchange(dir_fd: int, a: str, b: str) -> None:
@@ -235,7 +236,10 @@ def reclaim_shared_name(path: Path, what: str, hint: str | None = None) -> Squat
     user's entry, whatever it is (a directory, a link, a file), keeps its owner and content
     under that random name (path.name + ".squatted-<hex>"); nothing in it is read, followed
     or written. A missing name is made (0700). Returns who it was and where it is now; None
-    when there was nothing to take back. A user who takes the name again each time
+    when there was nothing to take back. A hard link to a file of root's (where
+    fs.protected_hardlinks=0 lets anyone make one) is no entry of root's: root moves it aside
+    the same way (hard_link set; the file it names is not touched). A user who takes the name
+    again each time
     (_MAX_SQUATS) is refused in one line naming them. A caller who is not root cannot take
     back another's entry: refused in one line naming its owner (hint: what to do instead).
     Elsewhere (no such parent, or one that is not shared) nothing happens; root's entries are
@@ -259,18 +263,25 @@ def reclaim_shared_name(path: Path, what: str, hint: str | None = None) -> Squat
                     return None
                 except FileExistsError:
                     continue                      # someone was first: look at what it is
-            if st.st_uid in (0, me):
+            if st.st_uid in (0, me) and not (me == 0 and _hard_link(st)):
                 return None                       # ours, or root's: open_trusted_dir decides
             if me != 0:
                 raise UsageError(f"{shown} belongs to uid {st.st_uid}, not to uid {me}: torpor "
                                  "can neither use it nor move it aside", hint=hint)
             moved = _move_aside(parent.fd, path.name, st, shown)
             if moved is not None:
-                return Squatter(moved[0].st_uid, parent.path / moved[1])
+                return Squatter(moved[0].st_uid, parent.path / moved[1], _hard_link(moved[0]))
         raise UsageError(f"{shown}: uid {st.st_uid} put its own entry there again each of the "
                          f"{_MAX_SQUATS} times torpor took the name back", hint=hint)
     finally:
         os.close(parent.fd)
+
+
+def _hard_link(st: os.stat_result) -> bool:
+    """An entry that is not a directory, with another name elsewhere: in a shared directory,
+    someone's hard link to a file they need not own (fs.protected_hardlinks=0 allows it; a
+    file of root's there would otherwise pass as root's own)."""
+    return not stat.S_ISDIR(st.st_mode) and st.st_nlink > 1
 
 
 def _move_aside(dir_fd: int, name: str, seen: os.stat_result, shown: str
@@ -290,7 +301,7 @@ def _move_aside(dir_fd: int, name: str, seen: os.stat_result, shown: str
         raise UsageError(f"{shown} belongs to uid {seen.st_uid} and cannot be moved aside: "
                          f"{e.strerror}") from None
     moved = os.stat(aside, dir_fd=dir_fd, follow_symlinks=False)
-    if moved.st_uid == 0:
+    if moved.st_uid == 0 and stat.S_ISDIR(moved.st_mode):
         # another torpor took the name back between our look and our swap: its directory
         # (its data may be in it already) goes back where it was, ours (empty) goes
         _exchange(dir_fd, aside, name)

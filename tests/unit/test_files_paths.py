@@ -329,6 +329,29 @@ def test_root_takes_back_a_name_a_user_took_first_in_a_shared_directory(
 
 
 @needs_root
+def test_root_takes_back_a_name_held_by_a_hard_link_to_a_file_of_roots(sticky, root_only,
+                                                                       caplog):
+    """With fs.protected_hardlinks=0 anyone may hard-link a file of root's (a secret) to
+    sticky/torpor: owned by root, it passed as root's own entry, and every suspend failed on
+    it. Root moves the link aside like any squatter; the file is neither read nor changed."""
+    import logging
+
+    from torpor import agent_data
+    secret = root_only / "secret"
+    secret.write_text("root's")
+    os.chmod(secret, 0o600)
+    os.link(secret, sticky / "torpor")       # what such a user could do; root makes it here
+    with caplog.at_level(logging.WARNING, logger="torpor.agent_data"):
+        assert agent_data.claim_suspend_dir(sticky / "torpor") == sticky / "torpor"
+    st = os.lstat(sticky / "torpor")
+    assert stat.S_ISDIR(st.st_mode) and st.st_uid == 0 and stat.S_IMODE(st.st_mode) == 0o700
+    [moved] = sticky.glob("torpor.squatted-*")
+    assert os.lstat(moved).st_ino == os.lstat(secret).st_ino and secret.read_text() == "root's"
+    assert stat.S_IMODE(os.lstat(secret).st_mode) == 0o600
+    assert "a hard link to a file of uid 0 (fs.protected_hardlinks is off" in caplog.text
+
+
+@needs_root
 def test_a_user_who_keeps_taking_the_name_is_named_in_one_line(sticky, monkeypatch):
     from torpor import agent_data
     _squat(sticky, "directory", sticky)
