@@ -17,9 +17,11 @@
  *                         and a checkpoint of a container created before this front (or
  *                         whose marker could not be written) must not lose its GPU state;
  *                         both take seconds, the Python start 0.2 s.
- *   any other command     Python if the container has a marker, the file
- *   naming a container    <run_dir>/containers/<id> the Python side writes at create/restore
- *                         for each container it took over and removes at delete; else runc.
+ *   any other command     Python if the container has a marker under its root: the file
+ *   naming a container    <run_dir>/containers/<id>@<key> (key: fnv1a64 of --root as given,
+ *                         "" for none) the Python side writes at create/restore for each
+ *                         container it took over and removes at delete (markers.py), or an
+ *                         earlier torpor's <run_dir>/containers/<id> of any root; else runc.
  *   no container          (--version, list, spec, features, help): runc.
  * Anything the front cannot read for sure (an option runc does not have, an unreadable spec
  * or config file, an odd container id) goes to Python: never fail closed, never guess "CPU".
@@ -33,9 +35,11 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <inttypes.h>
 #include <limits.h>
 #include <stdarg.h>
 #include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -624,26 +628,61 @@ static bool valid_id(const char *id)
 	return strspn(id, "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-") == n;
 }
 
-/* true: the container has a marker, or the front cannot tell */
-static bool has_marker(const struct settings *s, const char *id, const char **why)
+/*
+ * The key of a runtime root in a marker's name: FNV-1a 64 of the bytes of --root as given
+ * ("" for none, runc's default root). markers.root_key computes the same, bit for bit.
+ */
+static uint64_t fnv1a64(const char *s)
+{
+	uint64_t h = 0xcbf29ce484222325ULL;
+
+	for (; *s; s++) {
+		h ^= (unsigned char)*s;
+		h *= 0x100000001b3ULL;
+	}
+	return h;
+}
+
+/* 1: the file is there (of any kind: Python reads it); 0: it is not; -1: cannot tell */
+static int marker_at(const char *path)
+{
+	struct stat st;
+
+	if (!lstat(path, &st))
+		return 1;
+	return errno == ENOENT || errno == ENOTDIR ? 0 : -1;
+}
+
+/*
+ * true: the container has a marker under this root, an earlier torpor's marker under any
+ * root (its JSON names the root: Python reads it), or the front cannot tell. A key shared by
+ * two roots only sends the other root's calls through Python.
+ */
+static bool has_marker(const struct settings *s, const char *root, const char *id,
+		       const char **why)
 {
 	char path[PATH_MAX];
-	struct stat st;
+	int r;
 
 	if (!valid_id(id)) {
 		*why = "container id torpor cannot name a file after";
 		return true;
 	}
-	if (snprintf(path, sizeof(path), "%s/containers/%s", s->run_dir, id) >= (int)sizeof(path)) {
+	if (snprintf(path, sizeof(path), "%s/containers/%s@%016" PRIx64, s->run_dir, id,
+		     fnv1a64(root ? root : "")) >= (int)sizeof(path)) {
 		*why = "marker path too long";
 		return true;
 	}
-	if (!lstat(path, &st)) {
-		*why = "marker";
+	say("marker %s", path);
+	r = marker_at(path);
+	if (r) {
+		*why = r > 0 ? "marker" : "marker unreadable";
 		return true;
 	}
-	if (errno != ENOENT && errno != ENOTDIR) {
-		*why = "marker unreadable";
+	snprintf(path, sizeof(path), "%s/containers/%s", s->run_dir, id);	/* shorter: fits */
+	r = marker_at(path);
+	if (r) {
+		*why = r > 0 ? "marker of an earlier torpor" : "marker unreadable";
 		return true;
 	}
 	return false;
@@ -678,7 +717,7 @@ static bool to_python(struct inv *inv, const struct settings *s, const char **wh
 		*why = "no container id";
 		return false;	/* runc says what is missing */
 	}
-	if (has_marker(s, inv->id, why))
+	if (has_marker(s, inv->root, inv->id, why))
 		return true;
 	*why = "no marker";
 	return false;

@@ -70,10 +70,38 @@ class World:
     def spec(self, doc: dict | str) -> None:
         (self.bundle / "config.json").write_text(doc if isinstance(doc, str) else json.dumps(doc))
 
-    def mark(self, cid: str = CID) -> None:
-        d = self.run_dir / "containers"
-        d.mkdir(parents=True, exist_ok=True)
-        (d / cid).write_text('{"root": ""}\n')
+    def marker(self, cid: str = CID, root: str = "") -> Path:
+        """Where the Python side keeps (root, cid)'s marker (markers.path)."""
+        from torpor.runtime import markers
+        return self.run_dir / "containers" / f"{cid}@{markers.root_key(root)}"
+
+    def mark(self, cid: str = CID, root: str = "") -> None:
+        """A marker of cid under root ("": none given, runc's default)."""
+        m = self.marker(cid, root)
+        m.parent.mkdir(parents=True, exist_ok=True)
+        m.write_text(json.dumps({"roots": [root]}) + "\n")
+
+    def mark_legacy(self, cid: str = CID, root: str = "") -> Path:
+        """A marker as torpor wrote it before markers were named by their root too."""
+        m = self.run_dir / "containers" / cid
+        m.parent.mkdir(parents=True, exist_ok=True)
+        m.write_text(json.dumps({"root": root}) + "\n")
+        return m
+
+    def debug(self, *argv: str, **env: str) -> str:
+        """The front's TORPOR_DEBUG lines for argv."""
+        out = subprocess.run([str(self.front), *argv],
+                             env={**self.env, "TORPOR_DEBUG": "1", **env},
+                             capture_output=True, timeout=30)
+        return os.fsdecode(out.stderr)
+
+    def route(self, *argv: str, **env: str) -> str:
+        """Where the front itself sends argv (runc or python), whatever the Python side then
+        execs: its TORPOR_DEBUG line says."""
+        lines = [x for x in self.debug(*argv, **env).splitlines()
+                 if ": runc (" in x or ": python (" in x]
+        assert len(lines) == 1, lines
+        return "python" if ": python (" in lines[0] else "runc"
 
     def call(self, *argv: str, cwd: Path | None = None, **env: str) -> tuple[str, list[str]]:
         """Run the front; returns (who ran: runc or torpor-runtime-py, its argv[1:])."""
@@ -158,9 +186,10 @@ def test_container_commands_follow_the_marker(w, command):
     extra = {"kill": ["KILL"], "exec": ["sh", "-c", "true"]}.get(command, [])
     argv = [*GLOBALS, command, CID, *extra]
     assert w.goes(*argv) == "runc"
-    w.mark()
+    w.mark(root="/run/x")
     assert w.goes(*argv) == "python"
     assert w.goes(*GLOBALS, command, "--help", CID, *extra) == "runc"   # help: runc's
+    assert w.goes(*argv[2:]) == "runc"     # the same id under runc's default root: not ours
 
 
 def test_marker_of_another_container_changes_nothing(w):
@@ -211,10 +240,60 @@ def test_anything_the_front_cannot_read_goes_to_python(w, argv):
 
 
 def test_root_is_read_in_every_form_runc_accepts(w, tmp_path):
-    w.mark()
-    for g in (["--root", "/r"], ["--root=/r"], ["-root", "/r"], ["-root=/r"], ["--debug"],
-              ["--debug=false", "--criu", "c", "--rootless", "auto"], ["--"]):
+    w.mark(root="/r")
+    for g in (["--root", "/r"], ["--root=/r"], ["-root", "/r"], ["-root=/r"],
+              ["--debug", "--root", "/x", "--root", "/r"],      # the last one, as Go's flag
+              ["--root", "/r", "--debug=false", "--criu", "c", "--rootless", "auto"]):
         assert w.goes(*g, "state", CID) == "python", g
+    none = (["--debug"], ["--debug=false", "--criu", "c", "--rootless", "auto"], ["--"],
+            ["--root="], ["--root", "/r", "--root", "/x"])
+    for g in none:
+        assert w.goes(*g, "state", CID) == "runc", g
+    w.mark(root="")
+    for g in none[:-1]:
+        assert w.goes(*g, "state", CID) == "python", g
+
+
+ROOTS = {"none": None, "empty": "", "runc": "/run/runc",
+         "k8s": "/run/containerd/runc/k8s.io", "spaces": "/var/run/my root/ x ",
+         "long": "/" + "r" * 5000,                       # longer than PATH_MAX: only hashed
+         "utf8": "/run/é/容器", "not-utf8": os.fsdecode(b"/run/\xff\xfe"),
+         "dash": "-x=--y"}
+
+
+@pytest.mark.parametrize("root", ROOTS.values(), ids=ROOTS.keys())
+def test_front_and_python_agree_on_the_markers_name(w, root):
+    """The front and markers.py derive a marker's name from the same argv, each its own way
+    (C's fnv1a64 of argv's bytes, Python's root_key of the decoded string): they must name
+    the same file, or a GPU container's delete goes straight to runc."""
+    from types import SimpleNamespace
+    from torpor.runtime import argv as argv_mod, markers
+
+    cfg = SimpleNamespace(run_dir=w.run_dir)
+    forms = [[]] if root is None else [["--root", root], [f"--root={root}"], ["-root", root]]
+    if root is not None and root.startswith("-"):
+        forms = [[f"--root={root}"]]       # a value that looks like an option: odd, Python's
+    for g in forms:
+        inv = argv_mod.parse([*g, "create", "--bundle", str(w.bundle), CID])
+        want = markers.path(cfg, CID, markers.root_of_invocation(inv))
+        assert f"marker {want}\n" in w.debug(*g, "state", CID), g
+        assert w.goes(*g, "state", CID) == "runc"
+        assert markers.write(cfg, inv)
+        assert w.goes(*g, "state", CID) == "python", g
+        assert w.goes("--root", "/elsewhere", "state", CID) == "runc"
+        assert markers.remove(cfg, inv)
+        assert os.listdir(w.run_dir / "containers") == []
+
+
+def test_an_earlier_torpors_marker_sends_every_root_of_its_id_to_python(w):
+    """A marker named by the id alone (torpor before markers had roots): the front cannot
+    read which root it is of, so Python decides for every root."""
+    w.mark_legacy(root="/r")
+    assert w.goes("--root", "/r", "delete", CID) == "python"
+    assert w.goes("--root", "/x", "kill", CID, "9") == "python"
+    assert w.goes("delete", CID) == "python"
+    assert "python (marker of an earlier torpor)" in w.debug("state", CID)
+    assert w.goes("delete", "other") == "runc"
 
 
 # ---- settings: the runtime and run_dir as torpor.config finds them ----------------------
@@ -325,8 +404,8 @@ def test_python_marks_a_gpu_container_at_create_and_forgets_it_at_delete(real):
     w = real
     gpu_spec(w)
     assert w.call("--root", "/r", "create", "--bundle", str(w.bundle), CID)[0] == "runc"
-    marker = w.run_dir / "containers" / CID
-    assert json.loads(marker.read_text()) == {"root": "/r"}
+    marker = w.marker(root="/r")
+    assert json.loads(marker.read_text()) == {"roots": ["/r"]}
     assert marker.stat().st_mode & 0o777 == 0o600
     assert marker.parent.stat().st_mode & 0o777 == 0o700
     # the marker sends the container's calls through Python, which passes them on
@@ -339,7 +418,60 @@ def test_python_marks_a_gpu_container_at_create_and_forgets_it_at_delete(real):
     assert marker.exists()
     assert w.call("--root", "/r", "delete", "--force", CID)[0] == "runc"
     assert not marker.exists()
-    assert w.goes("--root", "/r", "delete", CID) == "runc"   # straight there now
+    assert w.route("--root", "/r", "delete", CID) == "runc"   # straight there now
+
+
+def test_the_same_id_under_two_roots_keeps_each_containers_marker(real):
+    """One id, GPU containers under two roots (containerd namespaces; podman and ctr): the
+    second's marker must not replace the first's, nor its delete take the first's away,
+    else the first's delete goes straight to runc and leaves its agent directory and
+    torpord's record behind."""
+    w = real
+    gpu_spec(w)
+    w.call("--root", "/a", "create", "--bundle", str(w.bundle), CID)
+    w.call("--root", "/b", "create", "--bundle", str(w.bundle), CID)
+    assert w.call("--root", "/b", "delete", CID)[0] == "runc"
+    assert w.route("--root", "/a", "state", CID) == "python"
+    assert w.route("--root", "/b", "state", CID) == "runc"
+    assert not w.marker(root="/b").exists()
+    assert json.loads(w.marker(root="/a").read_text()) == {"roots": ["/a"]}
+    assert "delete c0ffee0123456789: python (marker)" in w.debug("--root", "/a", "delete",
+                                                                 CID)
+    assert not w.marker(root="/a").exists()     # the delete just above went through Python
+
+
+def test_a_cpu_container_of_a_gpu_containers_id_under_another_root_stays_with_runc(real):
+    w = real
+    gpu_spec(w)
+    w.call("--root", "/a", "create", "--bundle", str(w.bundle), CID)
+    w.spec({"process": {"args": ["sh"]}, "root": {"path": "rootfs"}})
+    assert w.route("--root", "/b", "create", "--bundle", str(w.bundle), CID) == "runc"
+    for argv in (["start", CID], ["kill", CID, "9"], ["delete", CID]):
+        assert w.route("--root", "/b", *argv) == "runc", argv
+        w.call("--root", "/b", *argv)
+    assert w.route("--root", "/a", "state", CID) == "python"
+    assert w.marker(root="/a").exists()
+    assert not w.marker(root="/b").exists()
+
+
+def test_a_container_marked_before_the_upgrade_is_still_torpors(real):
+    """A marker an earlier torpor wrote (named by the id alone, JSON naming its root): the
+    container's calls still go through Python, another root's delete leaves the marker, its
+    own root's delete removes it; a new create of that (root, id) replaces it."""
+    w = real
+    old = w.mark_legacy(root="/r")
+    assert w.route("--root", "/other", "delete", CID) == "python"
+    assert w.call("--root", "/other", "delete", CID)[0] == "runc"   # in the end
+    assert old.exists()
+    assert w.route("--root", "/r", "delete", CID) == "python"
+    assert w.call("--root", "/r", "delete", CID)[0] == "runc"
+    assert not old.exists()
+    assert w.route("--root", "/r", "delete", CID) == "runc"
+    w.mark_legacy(root="/r")
+    gpu_spec(w)
+    w.call("--root", "/r", "create", "--bundle", str(w.bundle), CID)
+    assert not old.exists()
+    assert json.loads(w.marker(root="/r").read_text()) == {"roots": ["/r"]}
 
 
 def test_python_treats_a_gpu_containers_run_as_its_create(real):
@@ -348,7 +480,7 @@ def test_python_treats_a_gpu_containers_run_as_its_create(real):
     w = real
     gpu_spec(w)
     assert w.call("--root", "/r", "run", "-d", "--bundle", str(w.bundle), CID)[0] == "runc"
-    assert json.loads((w.run_dir / "containers" / CID).read_text()) == {"root": "/r"}
+    assert json.loads(w.marker(root="/r").read_text()) == {"roots": ["/r"]}
 
 
 def test_python_leaves_no_marker_for_a_container_without_gpus(real):
@@ -356,7 +488,7 @@ def test_python_leaves_no_marker_for_a_container_without_gpus(real):
     w.spec({"process": {"args": ["sh"], "env": ["NVIDIA_VISIBLE_DEVICES=void"]},
             "annotations": {"org.torpor.agent": "on"}})
     assert w.call("create", "--bundle", str(w.bundle), CID)[0] == "runc"   # via Python
-    assert not (w.run_dir / "containers" / CID).exists()
+    assert not w.marker().exists()
 
 
 def runc_answering_state(w: World, state: str) -> str:
@@ -378,7 +510,7 @@ def test_python_removes_a_stale_marker_of_the_same_root_at_create(real):
     w.spec({"annotations": {"org.torpor.hooks": "off"}})
     w.call("create", "--bundle", str(w.bundle), CID,
            TORPOR_OCI_RUNTIME=runc_answering_state(w, "gone"))
-    assert not (w.run_dir / "containers" / CID).exists()
+    assert not w.marker().exists()
 
 
 def test_a_create_runc_will_refuse_leaves_the_live_containers_marker(real):
@@ -390,7 +522,7 @@ def test_a_create_runc_will_refuse_leaves_the_live_containers_marker(real):
     w.spec({"annotations": {"org.torpor.hooks": "off"}})
     w.call("create", "--bundle", str(w.bundle), CID,
            TORPOR_OCI_RUNTIME=runc_answering_state(w, "running"))
-    assert (w.run_dir / "containers" / CID).exists()
+    assert w.marker().exists()
 
 
 @pytest.mark.parametrize("kind", ["link-to-fifo", "fifo", "link-to-marker"])
@@ -401,7 +533,7 @@ def test_a_marker_that_is_no_regular_file_is_not_followed_nor_waited_on(real, tm
     w = real
     gpu_spec(w)
     w.call("create", "--bundle", str(w.bundle), CID)
-    marker = w.run_dir / "containers" / CID
+    marker = w.marker()
     marker.unlink()
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
@@ -427,7 +559,7 @@ def test_no_marker_when_the_delete_fails(real, tmp_path):
     out = subprocess.run([str(w.front), "delete", CID],
                          env={**w.env, "TORPOR_OCI_RUNTIME": str(failing)})
     assert out.returncode == 1
-    assert (w.run_dir / "containers" / CID).exists()   # the container is still there
+    assert w.marker().exists()   # the container is still there
 
 
 def test_marker_and_agent_directory_go_when_runc_no_longer_knows_the_container(real):
@@ -448,7 +580,7 @@ def test_marker_and_agent_directory_go_when_runc_no_longer_knows_the_container(r
                          env={**w.env, "TORPOR_OCI_RUNTIME": str(gone)}, capture_output=True,
                          text=True, timeout=30)
     assert out.returncode == 1 and "does not exist" in out.stderr   # runc's answer, as is
-    assert not (w.run_dir / "containers" / CID).exists()
+    assert not w.marker(root="/r").exists()
     assert not agents.exists()
 
 
@@ -493,17 +625,17 @@ from tests.unit.test_runtime_flows import (  # noqa: E402,F401  (world: a fixtur
 
 def test_python_marks_a_restored_gpu_container(world, monkeypatch, tmp_path, cfg):
     from torpor.flows import container
-    from torpor.runtime import main as rt_main
+    from torpor.runtime import main as rt_main, markers
     from torpor.runtime import restore as rt_restore
 
     write_spec(world["bundle"], gpu=True)
     assert rt_main.main(checkpoint_argv(world["images"])) == 0
-    marker = cfg.run_dir / "containers" / FLOW_CID
-    assert not marker.exists()            # the checkpoint marks nothing (create does)
+    marker = markers.path(cfg, FLOW_CID, "/r")
+    assert not marker.parent.exists()     # the checkpoint marks nothing (create does)
     (world["runc"].root / "restore.pid").write_text(str(world["pid"]))
     monkeypatch.setattr(rt_restore.container, "place",
                         lambda cfg, m, b: container.Placement({GPU: GPU}))
     argv = ["--root", "/r", "restore", "--image-path", str(world["images"]), "--bundle",
             str(world["bundle"]), "--pid-file", str(tmp_path / "pid"), "--detach", FLOW_CID]
     assert rt_main.main(argv) == 0
-    assert json.loads(marker.read_text()) == {"root": "/r"}
+    assert json.loads(marker.read_text()) == {"roots": ["/r"]}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -119,15 +120,32 @@ def agent_dir(cfg: Config, container_id: str, spec: dict) -> Path:
     return path
 
 
+def says_missing(message: str, container_id: str) -> bool:
+    """Does a runtime's error say that it knows no container of this id? Each runtime's own
+    words, no more (a rootfs or config file that "does not exist" is another error):
+      runc         container does not exist  (libcontainer's ErrNotExist)
+      crun >= 1.22 container `<id>` does not exist: ...
+      crun older   error opening file `<state root>/<id>/status`: No such file or directory
+    crun 1.22 and later say "open `.../status`" without "does not exist" where the state
+    directory is there but not its status: not this. Older crun words both alike: a state
+    directory without its status reads as gone, which crun's own delete also removes."""
+    cid = re.escape(container_id)
+    return bool(re.search(r"\bcontainer does not exist\b", message)
+                or re.search(rf"\bcontainer `{cid}` does not exist\b", message)
+                or re.search(rf"\berror opening file `[^`]*/{cid}/status`: "
+                             r"No such file or directory", message))
+
+
 def _gone(runtime: Runtime, container_id: str) -> bool:
     """Does the runtime no longer know the container? A checkpoint without --leave-running
     deletes runc's own state of it, and containerd's shim then deletes it without --force:
     runc fails with "container does not exist", which containerd takes as done (the same
-    words it looks for)."""
+    words it looks for). The question goes without the engine's --log: crun writes its
+    error only there where one is given, and the answer is ours, not the engine's to read."""
     try:
-        runtime.state(container_id)
+        runtime.state(container_id, to_log=False)
     except TorporError as e:
-        return "does not exist" in str(e)
+        return says_missing(str(e), container_id)
     return False
 
 

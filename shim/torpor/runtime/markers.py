@@ -2,20 +2,38 @@
 
 The front execs runc itself for every call that names a container without a marker; so each
 container whose spec names GPUs (torpor.oci.detect) gets one when it is created or restored
-here, before the real runtime runs, and loses it when the real runtime has deleted it:
+here, before the real runtime runs, and loses it when the real runtime has deleted it. One
+container id may live under two runtime roots (--root: containerd namespaces, podman and ctr
+side by side), so a marker is named by the pair:
 
-    <run_dir>/containers/<container id>    0600, in a 0700 directory; JSON {"root": ...}
+    <run_dir>/containers/<container id>@<key>    0600, in a 0700 directory
+    key: FNV-1a 64 of the bytes of --root as given ("" where none is), 16 lowercase hex
+    JSON {"roots": [<--root as given>, ...]}
+
+The front derives the same name from the same argv (root_key and its fnv1a64 must agree;
+tests/unit/test_runtime_front.py checks them against each other) and only looks whether the
+file is there: it keeps no GPU rule and reads no JSON. "roots" is the list of roots sharing
+that key: two roots whose keys collide share one file, each listed, and the file goes with
+the last of them. A collision thus only sends the other root's calls of that id through
+Python, which passes them on; it never takes a marker away. No '@' is in a container id, so
+no name of this form is an id.
+
+A marker of torpor before this naming, <run_dir>/containers/<container id> holding
+{"root": ...}, is still honoured: the front sends every call of that id to Python, which
+reads it as the marker of the root it names, removes it at that root's delete, and replaces
+it by the new name when it marks the same (root, id) again.
 
 run_dir (/run/torpor) is a tmpfs like the runtimes' own state: markers go with a reboot as
-the containers do. "root" is the runtime root (--root) as given: one container id may live
-under two roots (containerd namespaces, podman and ctr side by side), and a delete under one
-removes only a marker written under the same root. A marker that is stale (its container is
-gone without a delete) only sends that id's calls through Python, which passes them on.
-Writing or removing one never fails the command: the container must still start or go.
+the containers do. The root is compared as given: "/run/runc" and no --root (runc's default)
+are two roots here, as each engine names a container's root the same way in every call. A
+marker that is stale (its container is gone without a delete) only sends that id's calls
+through Python, which passes them on. Writing or removing one never fails the command: the
+container must still start or go.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -25,34 +43,119 @@ from pathlib import Path
 from .. import oci
 from ..config import Config
 from ..errors import TorporError
-from ..files import atomic_write, loads_json, private_dir
+from ..files import atomic_write, loads_json, open_trusted_dir
 from .argv import Invocation
 
 log = logging.getLogger("torpor.runtime")
 DIR = "containers"
+SEP = "@"            # in no container id (oci.validate_container_id)
 MAX_MARKER = 1 << 16
+UNREADABLE = "?"     # what roots_of says of a marker it cannot read
+
+_FNV_OFFSET = 0xCBF29CE484222325
+_FNV_PRIME = 0x100000001B3
 
 
 def marker_dir(cfg: Config) -> Path:
     return cfg.run_dir / DIR
 
 
-def path(cfg: Config, container_id: str) -> Path:
-    """The marker's name; UsageError for an id that cannot name a file."""
-    return marker_dir(cfg) / oci.validate_container_id(container_id)
+def root_key(root: str) -> str:
+    """FNV-1a 64 of root's bytes (as the kernel passed them in argv), 16 lowercase hex digits:
+    the front's fnv1a64, bit for bit."""
+    h = _FNV_OFFSET
+    for b in os.fsencode(root):
+        h = ((h ^ b) * _FNV_PRIME) & 0xFFFFFFFFFFFFFFFF
+    return f"{h:016x}"
 
 
-def _root(inv: Invocation) -> str:
+def root_of_invocation(inv: Invocation) -> str:
+    """--root as given; "" where none is (runc's default root)."""
     root = inv.global_opts.get("root")
     return root if isinstance(root, str) else ""
 
 
-def write(cfg: Config, inv: Invocation) -> bool:
-    """Mark inv's container as torpor's; False (logged) where it cannot be written."""
+def path(cfg: Config, container_id: str, root: str) -> Path:
+    """The marker of (root, container_id); UsageError for an id that cannot name a file."""
+    return marker_dir(cfg) / f"{oci.validate_container_id(container_id)}{SEP}{root_key(root)}"
+
+
+def legacy_path(cfg: Config, container_id: str) -> Path:
+    """The marker an earlier torpor wrote for container_id, under any root."""
+    return marker_dir(cfg) / oci.validate_container_id(container_id)
+
+
+def roots_of(marker: Path) -> list[str] | None:
+    """The roots a marker was written under (either format); None if it is missing,
+    [UNREADABLE] for one that cannot be read or is no regular file (a link is not followed, a
+    FIFO not waited on: only this code writes markers, remove it)."""
+    try:   # never through a link, never blocking on a FIFO: a regular file or UNREADABLE
+        fd = os.open(marker, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return [UNREADABLE]
     try:
-        target = path(cfg, inv.container_id)
-        private_dir(target.parent, "marker directory")
-        atomic_write(target, json.dumps({"root": _root(inv)}).encode() + b"\n")
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return [UNREADABLE]
+        doc = loads_json(os.read(fd, MAX_MARKER))
+    except (OSError, ValueError):
+        return [UNREADABLE]
+    finally:
+        os.close(fd)
+    if not isinstance(doc, dict):
+        return [UNREADABLE]
+    roots = doc.get("roots", [doc["root"]] if "root" in doc else None)
+    if not isinstance(roots, list) or not roots or not all(isinstance(r, str) for r in roots):
+        return [UNREADABLE]
+    return roots
+
+
+def root_of(marker: Path) -> str | None:
+    """The one root a marker of an earlier torpor names: None if it is missing, "" for the
+    default root, UNREADABLE if it cannot be read."""
+    roots = roots_of(marker)
+    return None if roots is None else roots[0] if len(roots) == 1 else UNREADABLE
+
+
+class _Locked:
+    """The marker directory, flocked: a marker's roots are read, changed and written back by
+    one torpor-runtime at a time (two of them only meet on a key collision)."""
+
+    def __init__(self, cfg: Config, create: bool):
+        self.dir = open_trusted_dir(marker_dir(cfg), "marker directory", create=create)
+
+    def __enter__(self) -> _Locked:
+        try:
+            fcntl.flock(self.dir.fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(self.dir.fd)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.dir.fd)   # lets go of the lock
+
+
+def _store(target: Path, roots: list[str]) -> None:
+    if roots:
+        atomic_write(target, json.dumps({"roots": roots}).encode() + b"\n")
+    else:
+        target.unlink(missing_ok=True)
+
+
+def write(cfg: Config, inv: Invocation) -> bool:
+    """Mark inv's container (under its root) as torpor's; False (logged) where it cannot be
+    written."""
+    root = root_of_invocation(inv)
+    try:
+        target = path(cfg, inv.container_id, root)
+        old = legacy_path(cfg, inv.container_id)
+        with _Locked(cfg, create=True):
+            roots = [r for r in roots_of(target) or [] if r != UNREADABLE]
+            _store(target, roots if root in roots else [*roots, root])
+            if root_of(old) == root:   # an earlier torpor's marker of this (root, id)
+                old.unlink(missing_ok=True)
         return True
     except (TorporError, OSError) as e:
         log.warning("%s %s: no marker for the native front (%s): later calls for it go "
@@ -60,53 +163,43 @@ def write(cfg: Config, inv: Invocation) -> bool:
         return False
 
 
-def root_of(marker: Path) -> str | None:
-    """The root a marker was written under; None if it is missing, "" for the default root,
-    "?" for one that cannot be read, or is no regular file (a link is not followed, a FIFO
-    not waited on: only this code writes markers, remove it)."""
-    try:   # never through a link, never blocking on a FIFO: a regular file or "?"
-        fd = os.open(marker, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except OSError:
-        return "?"
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return "?"
-        doc = loads_json(os.read(fd, MAX_MARKER))
-    except (OSError, ValueError):
-        return "?"
-    finally:
-        os.close(fd)
-    root = doc.get("root") if isinstance(doc, dict) else None
-    return root if isinstance(root, str) else "?"
-
-
 def present(cfg: Config, inv: Invocation) -> bool:
-    """Is there a marker (of any root, readable or not) for inv's container?"""
+    """Is there a marker for inv's container under inv's root (or one that cannot be read and
+    may be)?"""
+    root = root_of_invocation(inv)
     try:
-        return root_of(path(cfg, inv.container_id)) is not None
+        roots = roots_of(path(cfg, inv.container_id, root)) or []
+        legacy = root_of(legacy_path(cfg, inv.container_id))
     except TorporError:
         return False
+    return root in roots or UNREADABLE in roots or legacy in (root, UNREADABLE)
 
 
 def remove(cfg: Config, inv: Invocation) -> bool:
-    """Forget inv's container (after the real runtime deleted it, or when a create finds a
-    leftover of an earlier container of that id and root it does not take over). A marker
-    written under another root stays. True if one was removed."""
+    """Forget inv's container under inv's root (after the real runtime deleted it, or when a
+    create finds a leftover of an earlier container of that id and root it does not take
+    over): its root leaves the marker, which goes with its last root; an earlier torpor's
+    marker naming that root goes too. A marker that cannot be read is removed; the markers of
+    other roots stay. True if a root was taken away."""
+    root = root_of_invocation(inv)
     try:
-        target = path(cfg, inv.container_id)
+        target = path(cfg, inv.container_id, root)
+        old = legacy_path(cfg, inv.container_id)
     except TorporError:
         return False
-    root = root_of(target)
-    if root is None or root not in (_root(inv), "?"):
-        return False
+    done = False
     try:
-        target.unlink()
-        return True
-    except FileNotFoundError:
-        return False
-    except OSError as e:
+        with _Locked(cfg, create=False):
+            roots = roots_of(target)
+            if roots is not None and (root in roots or UNREADABLE in roots):
+                _store(target, [r for r in roots if r not in (root, UNREADABLE)])
+                done = True
+            if root_of(old) in (root, UNREADABLE):
+                old.unlink()
+                done = True
+    except FileNotFoundError:   # no marker directory, or a marker gone meanwhile
+        pass
+    except (TorporError, OSError) as e:
         log.warning("%s %s: cannot remove its marker %s: %s", inv.command, inv.container_id,
                     target, e)
-        return False
+    return done

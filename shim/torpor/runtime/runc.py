@@ -24,8 +24,11 @@ class Runtime:
         self.path = path
         self.inv = inv
 
-    def argv(self, *args: str) -> list[str]:
-        return [self.path, *self.inv.global_args, *args]
+    def argv(self, *args: str, to_log: bool = True) -> list[str]:
+        """The runtime's argv for args, with the engine's global options; to_log=False: not
+        --log/--log-format (errors then come on stderr, not into the engine's log)."""
+        g = self.inv.global_args if to_log else without_log(self.inv.global_args)
+        return [self.path, *g, *args]
 
     def _cannot_run(self, e: OSError) -> UsageError:
         """One line for a runtime that find_runtime found but the kernel will not run (gone
@@ -34,17 +37,18 @@ class Runtime:
                           hint="install runc or crun, or set oci_runtime in "
                                "/etc/torpor/config.toml")
 
-    def _capture(self, *args: str) -> subprocess.CompletedProcess:
+    def _capture(self, *args: str, to_log: bool = True) -> subprocess.CompletedProcess:
         try:
-            return subprocess.run(self.argv(*args), capture_output=True, text=True, timeout=60)
+            return subprocess.run(self.argv(*args, to_log=to_log), capture_output=True,
+                                  text=True, timeout=60)
         except OSError as e:
             raise self._cannot_run(e) from None
         except subprocess.TimeoutExpired:
             raise TorporError(f"{Path(self.path).name} {' '.join(args)}: no answer within "
                               "60 s") from None
 
-    def state(self, container_id: str) -> dict[str, Any]:
-        out = self._capture("state", container_id)
+    def state(self, container_id: str, to_log: bool = True) -> dict[str, Any]:
+        out = self._capture("state", container_id, to_log=to_log)
         if out.returncode != 0:
             raise TorporError(f"{Path(self.path).name} state {container_id} failed: "
                               f"{out.stderr.strip() or out.stdout.strip()}")
@@ -84,6 +88,24 @@ class Runtime:
             return subprocess.Popen([self.path, *self.inv.argv], close_fds=False)
         except OSError as e:
             raise self._cannot_run(e) from None
+
+
+LOG_OPTIONS = {"log", "log-format"}
+
+
+def without_log(global_args: list[str]) -> list[str]:
+    """Global options as argv.parse read them, less --log and --log-format (either form)."""
+    out: list[str] = []
+    i = 0
+    while i < len(global_args):
+        a = global_args[i]
+        name, eq, _ = a.lstrip("-").partition("=")
+        if a.startswith("-") and a != "--" and name in LOG_OPTIONS:
+            i += 1 if eq else 2
+            continue
+        out.append(a)
+        i += 1
+    return out
 
 
 def find_runtime(name: str) -> str:

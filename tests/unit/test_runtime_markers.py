@@ -1,0 +1,145 @@
+"""torpor-runtime's markers (torpor.runtime.markers): one per (runtime root, container id),
+so that a container id living under two roots (containerd namespaces, podman and ctr side by
+side) keeps each container's marker whatever the other does; an earlier torpor's markers
+(named by the id alone) still count. The front's side of the name: test_runtime_front.py."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from torpor.runtime import argv, markers
+
+CID = "c0ffee0123456789"
+
+
+def inv(root: str | None, command: str = "create", cid: str = CID) -> argv.Invocation:
+    return argv.parse([*(["--root", root] if root is not None else []), command, cid])
+
+
+def names(cfg) -> list[str]:
+    d = markers.marker_dir(cfg)
+    return sorted(os.listdir(d)) if d.exists() else []
+
+
+@pytest.mark.parametrize("text, key", [
+    ("", "cbf29ce484222325"), ("a", "af63dc4c8601ec8c"), ("foobar", "85944171f73967e8"),
+])
+def test_root_key_is_fnv1a_64(text, key):
+    # the published FNV-1a 64 test vectors: the front's fnv1a64 computes the same
+    assert markers.root_key(text) == key
+
+
+def test_root_key_hashes_the_bytes_argv_held():
+    assert markers.root_key(os.fsdecode(b"/r\xff")) != markers.root_key("/r")
+    assert markers.root_key("/é") == markers.root_key(os.fsdecode("/é".encode()))
+
+
+def test_no_root_and_an_empty_root_are_runcs_default_root(cfg):
+    assert markers.root_of_invocation(inv(None)) == markers.root_of_invocation(inv("")) == ""
+    assert markers.write(cfg, inv(None))
+    assert names(cfg) == [f"{CID}@cbf29ce484222325"]
+    assert markers.present(cfg, inv(""))
+
+
+def test_each_root_has_its_own_marker(cfg):
+    """GPU container X under /a, then X under /b: /b's marker must neither replace /a's nor,
+    at /b's delete, take it away (/a's delete would then go straight to runc, leaving its
+    agent directory and torpord's record behind)."""
+    assert markers.write(cfg, inv("/a"))
+    assert markers.write(cfg, inv("/b"))
+    a, b = markers.path(cfg, CID, "/a"), markers.path(cfg, CID, "/b")
+    assert a != b and json.loads(a.read_text()) == {"roots": ["/a"]}
+    assert json.loads(b.read_text()) == {"roots": ["/b"]}
+    assert a.stat().st_mode & 0o777 == 0o600
+    assert markers.marker_dir(cfg).stat().st_mode & 0o777 == 0o700
+    assert markers.remove(cfg, inv("/b", "delete"))
+    assert markers.present(cfg, inv("/a", "delete")) and a.exists() and not b.exists()
+    assert not markers.present(cfg, inv("/b", "delete"))
+    assert not markers.remove(cfg, inv("/b", "delete"))
+    assert markers.remove(cfg, inv("/a", "delete"))
+    assert names(cfg) == []
+
+
+def test_a_root_without_a_marker_sees_none(cfg):
+    markers.write(cfg, inv("/a"))
+    assert not markers.present(cfg, inv("/b"))
+    assert not markers.present(cfg, inv(None))
+    assert not markers.present(cfg, inv("/a", cid="other"))
+
+
+def test_two_roots_whose_keys_collide_share_one_marker_until_the_last_goes(cfg, monkeypatch):
+    monkeypatch.setattr(markers, "root_key", lambda root: "0" * 16)
+    markers.write(cfg, inv("/a"))
+    markers.write(cfg, inv("/b"))
+    markers.write(cfg, inv("/a"))    # again: listed once
+    (only,) = names(cfg)
+    marker = markers.marker_dir(cfg) / only
+    assert json.loads(marker.read_text()) == {"roots": ["/a", "/b"]}
+    assert markers.present(cfg, inv("/a")) and markers.present(cfg, inv("/b"))
+    assert not markers.present(cfg, inv("/c"))     # the file is there, the root is not
+    assert not markers.remove(cfg, inv("/c", "delete"))
+    assert markers.remove(cfg, inv("/a", "delete"))
+    assert json.loads(marker.read_text()) == {"roots": ["/b"]}   # /b's marker stays
+    assert markers.remove(cfg, inv("/b", "delete"))
+    assert names(cfg) == []
+
+
+def legacy(cfg, root: str, cid: str = CID):
+    """A marker as torpor wrote it before markers were named by their root too."""
+    d = markers.marker_dir(cfg)
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    (d / cid).write_text(json.dumps({"root": root}) + "\n")
+    return d / cid
+
+
+def test_an_earlier_torpors_marker_counts_for_its_root_only(cfg):
+    """A container created before the upgrade keeps its marker: its delete (its root) still
+    removes it; another root's delete of the same id leaves it."""
+    old = legacy(cfg, "/a")
+    assert markers.present(cfg, inv("/a", "delete"))
+    assert not markers.present(cfg, inv("/b", "delete"))
+    assert not markers.remove(cfg, inv("/b", "delete")) and old.exists()
+    assert markers.remove(cfg, inv("/a", "delete"))
+    assert names(cfg) == []
+
+
+def test_marking_the_same_root_again_replaces_an_earlier_torpors_marker(cfg):
+    old = legacy(cfg, "/a")
+    markers.write(cfg, inv("/b"))
+    assert old.exists()                    # /a's container: not this one
+    markers.write(cfg, inv("/a"))
+    assert not old.exists()
+    assert names(cfg) == sorted(markers.path(cfg, CID, r).name for r in ("/a", "/b"))
+
+
+@pytest.mark.parametrize("content", [b"", b"not json", b"[]", b'{"root": 5}', b'{"roots": []}',
+                                     b'{"roots": ["/a", 1]}'])
+def test_a_marker_that_cannot_be_read_goes_at_the_next_delete_of_its_name(cfg, content):
+    markers.write(cfg, inv("/a"))
+    target = markers.path(cfg, CID, "/a")
+    target.write_bytes(content)
+    assert markers.present(cfg, inv("/a"))
+    assert markers.remove(cfg, inv("/a", "delete"))
+    assert not target.exists()
+    old = legacy(cfg, "/a")
+    old.write_bytes(content)
+    assert markers.present(cfg, inv("/b"))      # an earlier torpor's: any root's, as before
+    assert markers.remove(cfg, inv("/b", "delete"))
+    assert not old.exists()
+
+
+def test_write_replaces_an_unreadable_marker_and_never_fails(cfg):
+    markers.write(cfg, inv("/a"))
+    markers.path(cfg, CID, "/a").write_bytes(b"junk")
+    assert markers.write(cfg, inv("/a"))
+    assert json.loads(markers.path(cfg, CID, "/a").read_text()) == {"roots": ["/a"]}
+    assert not markers.write(cfg, inv("/a", cid="bad/id"))
+    assert not markers.remove(cfg, inv("/a", "delete", cid="bad/id"))
+
+
+def test_remove_without_a_marker_directory_is_nothing(cfg):
+    assert not markers.remove(cfg, inv("/a", "delete"))
+    assert not markers.marker_dir(cfg).exists()
