@@ -408,6 +408,20 @@ def test_a_pull_verifies_every_chunk_and_takes_what_the_store_has(tmp_path):
     assert (tmp_path / "layout" / "index.json").exists()
 
 
+def test_a_pull_fetches_again_a_chunk_the_store_holds_damaged(tmp_path):
+    """The store's chunk is looked at before it is taken (backend.has_blob): a truncated one
+    counts as missing, is fetched, and the verified blob replaces it."""
+    reg, store = _pushed_packed(tmp_path)
+    victim = max(store.backend.blobs(), key=lambda b: b.size).name
+    path = store.backend.blob_path(victim)
+    path.write_bytes(path.read_bytes()[:100])
+    r = transfer.pull(FakeRegistry(blobs=reg.blobs, manifests=reg.manifests), tmp_path / "p",
+                      store)
+    assert r.chunks_fetched == 1 and r.chunks_from_store == r.chunks - 1
+    assert images.verify(Path(r.checkpoint)) == r.chunks
+    assert store.verify(dry_run=True).damaged == []
+
+
 @pytest.mark.parametrize("how", ["flip", "truncate", "swap"])
 def test_a_tampered_chunk_is_refused_and_nothing_is_left(tmp_path, how):
     reg, _store = _pushed_packed(tmp_path)

@@ -80,7 +80,7 @@ def fetch(client: Client, art: oci.Manifest, top: Path, store: Store, workers: i
 
     def one(c: Client, name: str) -> bool:
         """Chunk name into the store (fetched and verified unless it is there): fetched?"""
-        if store.backend.has_blob(name):
+        if store.backend.has_blob(name):   # one held damaged is fetched, and replaced
             return False
         buf = io.BytesIO()
         c.get_blob(by_name[name], buf)
@@ -131,8 +131,9 @@ class Fetched:
 
 
 def missing(store: Store, top: Path) -> list[str]:
-    """The chunks of the packed checkpoint in top that neither the store nor top's own
-    torpor-chunks/ has."""
+    """The chunks of the packed checkpoint in top that neither the store (sound, as far as
+    backend.has_blob tells: a damaged one is fetched again) nor top's own torpor-chunks/
+    has."""
     have = top / CHUNKS
     return [c for c in sorted(snapshot.chunk_names(images.packed_doc(top)))
             if not store.backend.has_blob(c) and not os.path.lexists(have / c)]

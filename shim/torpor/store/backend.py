@@ -1,7 +1,8 @@
 """Where the store keeps its bytes: blobs (chunks) and snapshots (manifests), by name.
 
 `Backend` is the whole contract a store needs, so a shared-filesystem or S3-compatible backend
-can implement it: blobs by name (has / put, atomic and never overwriting / read / delete / list
+can implement it: blobs by name (has, a cheap look at whether what is there can be the chunk /
+put, atomic, never overwriting a sound blob but replacing a damaged one / read / delete / list
 with size and link count), snapshots by name (put, atomic / get / delete / list), a lock that
 keeps gc away from writers, and the removal of temporary leftovers. Names reaching a backend
 are already checked by the store (chunk.NAME, SNAPSHOT_NAME); backends check them again where
@@ -15,6 +16,14 @@ a bad one would escape their root.
     <root>/lock                      flock: writers shared, gc exclusive
 
 Directories are 0700: a store holds process memory.
+
+A chunk is reused by its name, so whatever holds a name is checked before it is taken as
+stored (`has_blob`, chunk.check_stored: its type, header and size): a truncated chunk, or a
+link, FIFO or directory in its place, reads as absent, and `put_blob` renames the fresh blob
+over it (a directory is first moved aside into tmp/). Every path that reuses a chunk by name
+asks `has_blob` (the writer and the stream's put_data, host fingerprints, given chunks, import,
+a registry's chunk fetch, the agents' known fingerprints); a reader, under the shared lock as
+the writer, opens the damaged file or the new one, never half of one.
 """
 
 from __future__ import annotations
@@ -24,8 +33,10 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import logging
 import os
 import re
+import shutil
 import stat
 import time
 from pathlib import Path
@@ -40,6 +51,8 @@ from . import chunk
 BLOB_NAME = re.compile(r"[0-9a-f]{64}")
 SNAPSHOT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 SNAPSHOT_SUFFIX = ".json"
+
+log = logging.getLogger(__name__)
 
 
 def check_snapshot_name(name: str) -> str:
@@ -66,12 +79,16 @@ class Backend(abc.ABC):
         """Where the store is (a directory, a bucket), for messages."""
 
     @abc.abstractmethod
-    def has_blob(self, name: str) -> bool: ...
+    def has_blob(self, name: str, length: int | None = None) -> bool:
+        """Whether a blob that can be chunk name (of length bytes, when given) is there, as
+        far as a cheap look tells (no hash: chunk.check_stored); one that cannot reads as
+        absent, and put_blob replaces it. Ask this before reusing a chunk by its name."""
 
     @abc.abstractmethod
     def put_blob(self, name: str, data: bytes) -> bool:
         """Store data under name atomically (readers see all of it or nothing, also after a
-        crash); False, writing nothing, when the name is already there."""
+        crash); False, writing nothing, when a sound blob (has_blob) is there already. A
+        damaged one is replaced, atomically too, and logged."""
 
     @abc.abstractmethod
     def read_blob(self, name: str) -> bytes:
@@ -145,23 +162,49 @@ class LocalBackend(Backend):
     def _snap(self, name: str) -> Path:
         return self.snaps / (check_snapshot_name(name) + SNAPSHOT_SUFFIX)
 
-    def has_blob(self, name: str) -> bool:
-        return os.path.lexists(self._blob(name))   # whatever is there: reading it checks it
+    def has_blob(self, name: str, length: int | None = None) -> bool:
+        try:
+            return chunk.check_stored(self._blob(name), length) is None
+        except FileNotFoundError:
+            return False
 
     def put_blob(self, name: str, data: bytes) -> bool:
         final = self._blob(name)
-        if os.path.lexists(final):
+        length = chunk.HEADER.unpack_from(data)[2]
+        if self.has_blob(name, length):
             return False
         tmp = self.tmp / f"{name[:16]}.{os.getpid()}.{time.monotonic_ns()}"
         write_new(tmp, data)  # fsynced: a crash never leaves a named blob with missing data
         try:
             final.parent.mkdir(mode=0o700, exist_ok=True)
-            os.link(tmp, final)  # link, not rename: never replaces a blob another writer put
-        except FileExistsError:
-            return False
+            try:
+                os.link(tmp, final)  # link, not rename: never replaces a blob another writer put
+            except FileExistsError:
+                if not self._replace(final, tmp, length):
+                    return False
         finally:
-            tmp.unlink()
+            tmp.unlink(missing_ok=True)   # renamed over a damaged blob: gone already
         self._dirty.add(final.parent)
+        return True
+
+    def _replace(self, final: Path, tmp: Path, length: int) -> bool:
+        """The new blob tmp over what holds final's name, if that is damaged (checked again:
+        another writer may have put the chunk meanwhile; then False). One rename, so a
+        reader opens the damaged file or tmp's, whole; a directory is moved aside first."""
+        try:
+            why = chunk.check_stored(final, length)
+        except FileNotFoundError:
+            why = ""   # removed since the link failed: nothing to replace, just put it there
+        if why is None:
+            return False
+        if stat.S_ISDIR(_lstat_mode(final)):   # rename cannot replace one with a file
+            aside = self.tmp / f"{final.name[:16]}.{os.getpid()}.{time.monotonic_ns()}.dir"
+            os.rename(final, aside)
+            shutil.rmtree(aside, ignore_errors=True)   # else clean_temp does
+        os.rename(tmp, final)
+        if why:
+            log.warning("chunk %s in store %s was damaged (%s): replaced by the data being "
+                        "stored", final.name, self.root, why)
         return True
 
     def read_blob(self, name: str) -> bytes:
@@ -255,9 +298,18 @@ class LocalBackend(Backend):
         freed = 0
         for e in os.scandir(self.tmp):
             freed += e.stat(follow_symlinks=False).st_size
-            if remove:
+            if remove and e.is_dir(follow_symlinks=False):   # a damaged chunk moved aside
+                shutil.rmtree(e.path, ignore_errors=True)
+            elif remove:
                 os.unlink(e.path)
         return freed
+
+
+def _lstat_mode(path: Path) -> int:
+    try:
+        return os.lstat(path).st_mode
+    except FileNotFoundError:
+        return 0
 
 
 def _stat(e: os.DirEntry[str]) -> os.stat_result | None:

@@ -241,7 +241,10 @@ class Known:
 
 def known(store: Store, owner: str) -> Known:
     """The fingerprints of every snapshot of owner in the store (hold the store's lock,
-    shared, until what uses them is committed: gc then keeps those chunks)."""
+    shared, until what uses them is committed: gc then keeps those chunks). A GPU chunk the
+    store holds damaged (backend.has_blob) is left out: the agents would skip its data, and
+    nothing could fill it in; left out, they copy it and the pack stores it again. Host
+    fingerprints are checked as each is used (writer.py), where the data is at hand."""
     if not owner:
         raise ValueError("fingerprints need an owner")
     out = Known({}, {})
@@ -259,6 +262,9 @@ def known(store: Store, owner: str) -> Known:
             for field, into in (("fingerprints", out.gpu), ("host_fingerprints", out.host)):
                 for index, fp in entry.get(field, ()):
                     into[fp] = entry["chunks"][index]
+    sound = store.sound_chunks({r[0]: r[1] for r in out.gpu.values() if r[0] is not None})
+    for fp in [fp for fp, r in out.gpu.items() if r[0] is not None and r[0] not in sound]:
+        del out.gpu[fp]
     return out
 
 
@@ -315,7 +321,7 @@ def _holes(store: Store, data_dir: Path, parts: list[Part], streamed: list[Strea
             if ref is None or ref[1] != p.store_len:
                 raise TorporError(f"the GPU data of {data_dir} needs chunk {p.fp} (file "
                                   f"{p.file}, offset {p.offset}) from store {store.where}, "
-                                  "which no longer has it")
+                                  "which no longer has it (or holds it damaged)")
             out.append((p, ref))
     return out + [(s, s.ref) for s in streamed]
 

@@ -160,12 +160,14 @@ def unpack(store: Store, images_dir: Path, into: Path | None = None,
     doc = packed_doc(images_dir)
     if MANIFEST not in doc["files"]:
         raise CorruptCheckpointError(f"{images_dir}/{PACKED} names no {MANIFEST}")
+    # a chunk the store holds damaged counts as missing: import_chunks replaces it
     missing = [c for c in snapshot.chunk_names(doc) if not store.backend.has_blob(c)]
     if missing:
         if not (images_dir / CHUNKS).is_dir():
             raise CorruptCheckpointError(f"{images_dir}: {len(missing)} chunk(s) of the packed "
                                          f"checkpoint are in neither {CHUNKS}/ nor store "
-                                         f"{store.where}, e.g. {missing[0]}")
+                                         f"{store.where} (or are damaged there), e.g. "
+                                         f"{missing[0]}")
         store.import_chunks(images_dir / CHUNKS)
     for base in {images_dir, into or images_dir}:
         _remove_leftovers(base)

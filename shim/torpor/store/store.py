@@ -188,6 +188,16 @@ class Store:
             yield from ordered_map(pool, lambda ref: self.read_chunk(ref, where),
                                    entry["chunks"], 2 * self.workers)
 
+    def sound_chunks(self, refs: Mapping[str, int]) -> set[str]:
+        """Of refs (chunk name -> its length), those the store holds and can be reused by
+        name (backend.has_blob: a damaged one is not), looked at on the pool (each look is a
+        read from disk when the chunk is not in the page cache)."""
+        if not refs:
+            return set()
+        with self._pool() as pool:
+            return {n for n, ok in zip(refs, pool.map(self.backend.has_blob, refs,
+                                                      refs.values())) if ok}
+
     def read_file(self, name: str, relpath: str) -> Iterator[bytes]:
         """The content of relpath in snapshot name, chunk by chunk, verified."""
         doc = self.load(name)
@@ -423,8 +433,9 @@ class Store:
         """Read and check every chunk (chunk.decode: header, zstd, sha256 against its name) on
         the pool, under the shared lock: checkpoints go on meanwhile. Unless dry_run, then take
         the exclusive lock (as gc, waiting at most timeout), check each damaged chunk again (a
-        writer cannot replace it, but another scrub may have removed it) and remove those still
-        damaged: a checkpoint of that data stores it again. seen(n): n more bytes were read."""
+        writer storing its data may have replaced it meanwhile, backend.put_blob; another scrub
+        may have removed it) and remove those still damaged: a checkpoint of that data stores
+        it again. seen(n): n more bytes were read."""
         wait = self.lock_timeout if timeout is None else timeout
         with self.backend.lock(False, wait):
             # snapshots first: a chunk they name was in the store before the blobs are listed,
@@ -535,7 +546,7 @@ class Store:
         return new
 
     def _import_one(self, path: Path) -> bool:
-        if self.backend.has_blob(path.name):
+        if self.backend.has_blob(path.name):   # one held damaged is replaced by this one
             return False
         where = f"import from {path.parent}"
         blob = chunk.read_blob_file(path, where)

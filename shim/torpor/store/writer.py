@@ -4,14 +4,15 @@ naming them all.
 
 A writer holds the store's lock shared from its start to its end, so gc (exclusive) never
 removes the chunks of a checkpoint still being written. Chunks already in the store are not
-written again, zero chunks not at all. A writer handed `known` (host fingerprint -> chunk, of
-its owner's snapshots: fingerprints.py) fingerprints every chunk it reads, takes a chunk whose
-fingerprint is known without computing its sha256, and records the fingerprints (the file's
-"host_fingerprints"). Until commit nothing names the new chunks: a writer
-that fails or is killed leaves only temporary files and unreferenced chunks, which gc removes;
-no earlier snapshot is touched. The store remembers the chunks a writer created until a
-snapshot names them, so that a failed checkpoint removes them itself (Store.discard_unnamed)
-rather than leave a full store full until gc.
+written again, zero chunks not at all; a chunk is in the store when backend.has_blob finds a
+blob there that can be it (a damaged one is replaced by the data being stored). A writer
+handed `known` (host fingerprint -> chunk, of its owner's snapshots: fingerprints.py)
+fingerprints every chunk it reads, takes a chunk whose fingerprint is known without computing
+its sha256, and records the fingerprints (the file's "host_fingerprints"). Until commit
+nothing names the new chunks: a writer that fails or is killed leaves only temporary files and
+unreferenced chunks, which gc removes; no earlier snapshot is touched. The store remembers the
+chunks a writer created until a snapshot names them, so that a failed checkpoint removes them
+itself (Store.discard_unnamed) rather than leave a full store full until gc.
 """
 
 from __future__ import annotations
@@ -122,9 +123,10 @@ class Writer:
         chunk) is taken as it is, once the store has it."""
         backend = self.store.backend
         if isinstance(data, list):
-            if data[0] is not None and not backend.has_blob(data[0]):
+            if data[0] is not None and not backend.has_blob(data[0], data[1]):
+                # not read, so not to be stored again here: the checkpoint needs the store's
                 raise CorruptCheckpointError(f"chunk {data[0]} is not in store "
-                                             f"{self.store.where}")
+                                             f"{self.store.where}, or is damaged there")
             return list(data), -3 if isinstance(data, StreamedRef) else \
                 0 if data[0] is None else -2, ""
         if chunk.is_zero(data):
@@ -134,7 +136,7 @@ class Writer:
             fp = chunk.fingerprint(data)
             ref = self.known.get(fp)
             if ref is not None and ref[0] is not None and ref[1] == len(data) \
-                    and backend.has_blob(ref[0]):
+                    and backend.has_blob(ref[0], ref[1]):   # else stored (again) below
                 return list(ref), -2, fp
         return (*self.put_data(data), fp)
 
@@ -153,7 +155,7 @@ class Writer:
         if name == chunk.zero_name(length):
             return [None, length], 0
         backend = self.store.backend
-        if backend.has_blob(name):
+        if backend.has_blob(name, length):   # a damaged one reads as absent: replaced below
             return [name, length], -1
         blob = chunk.encode(data)
         t2 = time.perf_counter()
