@@ -164,8 +164,36 @@ struct inv {
 	const struct command *cmd;
 	const char *id;		/* first positional after the command's options, or NULL */
 	const char *bundle;	/* create/run: --bundle / -b, or NULL */
-	bool help;
+	unsigned global_help;	/* runc answers --help, --version: one bit per name set */
+	unsigned command_help;
 };
+
+/* urfave registers each name of a flag apart: -h and --help are two flags, either asks */
+static const char *const HELP[] = { "help", "h", "version", "v", NULL };
+
+/*
+ * A help or version flag as Go's flag package sets it (else nothing): a bare flag is true,
+ * "=v" is strconv.ParseBool's, the last one given wins. "--help=false" asks for no help:
+ * runc then runs the command. False: a value runc refuses.
+ */
+static bool help_flag(unsigned *bits, const char *name, size_t len, bool has_eq)
+{
+	static const char *const YES[] = { "1", "t", "T", "true", "TRUE", "True", NULL };
+	static const char *const NO[] = { "0", "f", "F", "false", "FALSE", "False", NULL };
+	const char *v = has_eq ? name + len + 1 : "true";
+
+	for (unsigned k = 0; HELP[k]; k++) {
+		if (strlen(HELP[k]) != len || strncmp(HELP[k], name, len))
+			continue;
+		if (in(YES, v, strlen(v)))
+			*bits |= 1u << k;
+		else if (in(NO, v, strlen(v)))
+			*bits &= ~(1u << k);
+		else
+			return false;
+	}
+	return true;
+}
 
 static void set_opt(struct inv *inv, const char *name, size_t len, const char *value,
 		    const char **bundle_b)
@@ -207,12 +235,11 @@ static bool parse_command(struct inv *inv, int i)
 				break;	/* exec, ps: the rest is the process's argv */
 			continue;
 		}
-		if (len == 4 && !strncmp(name, "help", 4))
-			inv->help = true;
-		if (len == 1 && name[0] == 'h')
-			inv->help = true;
-		if (k == FLAG)
+		if (k == FLAG) {
+			if (!help_flag(&inv->command_help, name, len, eq))
+				return false;
 			continue;
+		}
 		/* VALUE */
 		if (eq) {
 			set_opt(inv, name, len, name + len + 1, &bundle_b);
@@ -249,10 +276,8 @@ static bool parse(struct inv *inv)
 		if (k == BAD || k == UNKNOWN)
 			return false;
 		if (k == FLAG) {
-			if ((len == 4 && !strncmp(name, "help", 4)) || (len == 1 && name[0] == 'h') ||
-			    (len == 7 && !strncmp(name, "version", 7)) ||
-			    (len == 1 && name[0] == 'v'))
-				inv->help = true;
+			if (!help_flag(&inv->global_help, name, len, eq))
+				return false;
 			continue;
 		}
 		if (!eq) {
@@ -691,7 +716,7 @@ static bool has_marker(const struct settings *s, const char *root, const char *i
 /* where the call goes; why: a few words for TORPOR_DEBUG */
 static bool to_python(struct inv *inv, const struct settings *s, const char **why)
 {
-	if (!inv->command || inv->help) {
+	if (!inv->command || inv->global_help || inv->command_help) {
 		*why = inv->command ? "help" : "no command";
 		return false;
 	}

@@ -225,6 +225,32 @@ def test_calls_without_a_container_go_to_runc(w, argv):
 
 
 @pytest.mark.parametrize("argv", [
+    ["create", "--help=false", "--bundle", "B", CID],
+    ["create", "--bundle", "B", CID, "-h=0"],
+    ["run", "-d", "--help=False", "-b", "B", CID],
+    ["create", "--help", "--help=f", "--bundle", "B", CID],      # the last one wins
+    ["--help=false", "create", "--bundle", "B", CID],
+    ["--version=F", "-v=FALSE", "-h=0", "create", "--bundle", "B", CID],
+    ["create", "--help=yes", "--bundle", "B", CID],              # runc refuses it: odd
+])
+def test_a_help_flag_set_to_false_asks_for_no_help(w, argv):
+    """runc (Go's flag package) reads --help=false as no help and creates the container: a
+    GPU spec must reach Python all the same."""
+    w.spec({"linux": {"devices": [{"path": "/dev/nvidia0"}]}})
+    assert w.goes(*[str(w.bundle) if a == "B" else a for a in argv]) == "python"
+
+
+@pytest.mark.parametrize("argv", [
+    ["create", "--help=true", CID], ["create", "-h=1", CID], ["--help=T", "create", CID],
+    ["--version=true", "state", CID], ["create", "-h", "--help=false", CID],   # two flags
+])
+def test_a_help_flag_set_to_true_is_runcs(w, argv):
+    w.spec({"linux": {"devices": [{"path": "/dev/nvidia0"}]}})
+    w.mark()
+    assert w.call(*argv, cwd=w.bundle)[0] == "runc"
+
+
+@pytest.mark.parametrize("argv", [
     ["--bogus", "state", CID],                  # a global option runc does not have
     ["state", "--bogus", CID],                  # a command option runc does not have
     ["---root", "/r", "state", CID],            # Go's flag package refuses it
