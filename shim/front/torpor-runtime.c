@@ -207,13 +207,16 @@ static void set_opt(struct inv *inv, const char *name, size_t len, const char *v
 /*
  * The command's options and its first positional. Reordering (urfave v1's reorderArgs)
  * moves options written after the id to the front; the id is then the first argument that
- * is no option nor an option's value. A value that looks like an option, a missing value,
- * both -b and --bundle: odd, returns false.
+ * is no option nor an option's value. It also moves the argument after a flag written without
+ * "=" along with it, as if it were the flag's value: in "kill ID --all SIGNAL" runc reads
+ * SIGNAL as the id. A second positional right after such a flag, a value that looks like an
+ * option, a missing value, both -b and --bundle: odd, returns false.
  */
 static bool parse_command(struct inv *inv, int i)
 {
 	const struct command *c = inv->cmd;
 	const char *bundle_b = NULL;
+	bool after_flag = false;	/* the argument before is a flag without "=" */
 
 	for (; i < inv->argc; i++) {
 		const char *a = inv->argv[i], *name;
@@ -229,12 +232,16 @@ static bool parse_command(struct inv *inv, int i)
 		if (k == BAD || k == UNKNOWN)
 			return false;
 		if (k == POSITIONAL) {
+			if (after_flag && inv->id)
+				return false;
 			if (!inv->id)
 				inv->id = a;
 			if (!c->reorder)
 				break;	/* exec, ps: the rest is the process's argv */
+			after_flag = false;
 			continue;
 		}
+		after_flag = k == FLAG && !eq;
 		if (k == FLAG) {
 			if (!help_flag(&inv->command_help, name, len, eq))
 				return false;
