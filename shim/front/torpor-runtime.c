@@ -554,8 +554,10 @@ static bool find_python(char *out)
 	char self[PATH_MAX], *slash;
 
 	if (env && *env) {
-		if (strlen(env) >= PATH_MAX)
+		if (strlen(env) >= PATH_MAX) {
+			errno = ENAMETOOLONG;	/* the error line says why, not a stale errno */
 			return false;
+		}
 		strcpy(out, env);
 		return true;
 	}

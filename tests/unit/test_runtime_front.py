@@ -398,7 +398,12 @@ def test_no_python_side_is_one_clear_line(w, tmp_path):
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 1
     assert out.stderr.startswith("torpor-runtime: error: cannot run torpor-runtime-py")
+    assert "No such file" in out.stderr and len(out.stderr.splitlines()) == 1
     assert not w.log.exists()
+    out = subprocess.run([str(w.front), "checkpoint", CID],
+                         env={**w.env, "TORPOR_RUNTIME_PY": "/" + "x" * 5000},
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1 and "File name too long" in out.stderr
 
 
 def test_debug_says_where_and_why(w):
