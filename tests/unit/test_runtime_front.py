@@ -649,6 +649,134 @@ def test_any_argv_goes_to_runc_or_python_unchanged(w):
     check()
 
 
+# runc's own reading, for the property below: urfave/cli v1 over Go's flag package (runc 1.x)
+RUNC_VALUES = {"create": {"bundle", "b", "pid-file"}, "run": {"bundle", "b", "pid-file"},
+               "delete": set(), "state": set(), "kill": set(), "exec": {"env", "e", "user"}}
+RUNC_FLAGS = {"create": {"no-pivot"}, "run": {"detach", "d", "no-pivot"},
+              "delete": {"force", "f"}, "state": set(), "kill": {"all", "a"}, "exec": {"tty"}}
+BOOL = {**dict.fromkeys(["1", "t", "T", "true", "TRUE", "True"], True),
+        **dict.fromkeys(["0", "f", "F", "false", "FALSE", "False"], False)}
+
+
+def urfave_reorder(names: set[str], args: list[str], newer: bool) -> list[str]:
+    """reorderArgs of urfave/cli v1.22: options (and the argument after an option written
+    without "=") before the rest; "--" and what follows stay last (newer: "--" first)."""
+    def is_opt(a):
+        name = a[2:] if a.startswith("--") else a
+        name = name[1:] if name.startswith("-") else name
+        return a.startswith("-") and a not in ("-", "--") and name.split("=")[0] in names
+    moved: list[str] = []
+    rest: list[str] = []
+    may_be_value = False
+    for i, a in enumerate(args):
+        if a == "--":
+            rest = ["--", *rest, *args[i + 1:]] if newer else [*rest, *args[i:]]
+            break
+        if may_be_value and (not is_opt(a) if newer else not a.startswith("-")):
+            moved.append(a)
+            may_be_value = False
+        elif is_opt(a):
+            moved.append(a)
+            may_be_value = "=" not in a
+        else:
+            rest.append(a)
+    return moved + rest
+
+
+def go_flags(values: set[str], flags: set[str], args: list[str]):
+    """Go's flag.Parse: (options, positionals), or None where it fails."""
+    opts: dict[str, object] = {}
+    i = 0
+    while i < len(args) and len(args[i]) > 1 and args[i][0] == "-":
+        if args[i] == "--":
+            return opts, args[i + 1:]
+        name, eq, value = args[i][2 if args[i][1] == "-" else 1:].partition("=")
+        if not name or name[0] in "-=":
+            return None
+        if name in flags:
+            if eq and value not in BOOL:
+                return None
+            opts[name] = BOOL[value] if eq else True
+        elif name in values:
+            if not eq:
+                if i + 1 >= len(args):
+                    return None
+                i += 1
+                value = args[i]
+            opts[name] = value
+        else:
+            return None
+        i += 1
+    return opts, args[i:]
+
+
+def runc_runs(argv: list[str], newer: bool) -> tuple[str, str, str] | None:
+    """(command, container id, bundle) that runc would act on, None for help or an error."""
+    g = go_flags({"root", "log"}, {"debug", "help", "h", "version", "v"}, argv)
+    if not g or any(g[0].get(k) is True for k in ("help", "h", "version", "v")) or not g[1]:
+        return None
+    command, args = g[1][0], g[1][1:]
+    if command not in RUNC_VALUES:
+        return None
+    values, flags = RUNC_VALUES[command], RUNC_FLAGS[command] | {"help", "h"}
+    if command != "exec":
+        args = urfave_reorder(values | flags, args, newer)
+    c = go_flags(values, flags, args)
+    if not c or c[0].get("help") is True or c[0].get("h") is True or not c[1]:
+        return None
+    opts, pos = c
+    if command == "kill" and (len(pos) > 2 or len(pos) == 2 and pos[1].startswith("-")):
+        return None     # no signal runc reads
+    if command not in ("kill", "exec") and len(pos) != 1 or "b" in opts and "bundle" in opts:
+        return None
+    return command, pos[0], str(opts.get("bundle", opts.get("b", "")))
+
+
+def test_what_runc_would_run_for_a_gpu_spec_or_a_marked_container_goes_to_python(w):
+    """The safety property, against a model of runc's own command line: whatever argv the
+    front execs runc for, runc neither creates a GPU spec (bundle gpu/, or the current
+    directory) nor acts on the marked container G."""
+    from hypothesis import HealthCheck, example, given, settings, strategies as st
+
+    w.mark("G")
+    for name, spec in (("gpu", '{"linux": {"devices": [{"path": "/dev/nvidia0"}]}}'),
+                       ("cpu", "{}")):
+        (w.bundle / name).mkdir()
+        (w.bundle / name / "config.json").write_text(spec)
+    w.spec({"process": {"env": ["NVIDIA_VISIBLE_DEVICES=0"]}})     # the current directory
+    env = {**w.env, "TORPOR_OCI_RUNTIME": "/bin/true", "TORPOR_RUNTIME_PY": "/bin/false"}
+    helps = ["--help", "-h", "--help=false", "-h=0", "--help=true", "-v=f", "--", "-"]
+    globals_ = st.lists(st.sampled_from(["--root", "/r", "--debug", *helps]), max_size=2)
+    commands = st.sampled_from(["create", "run", "delete", "state", "kill", "exec"])
+    rest = st.lists(st.sampled_from([
+        "G", "C", "KILL", "gpu", "cpu", "-b", "--bundle", "--bundle=cpu", "-b=gpu",
+        "--no-pivot", "-d", "--force", "-f", "--all", "-a", "-e", "A=1", "--tty", "--pid-file",
+        "/p", *helps]), max_size=5)
+
+    @settings(max_examples=int(os.environ.get("TORPOR_FUZZ_EXAMPLES", "60")) * 10,
+              deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(globals_, commands, rest)
+    @example([], "create", ["--help=false", "G"])       # runc: no help, a create
+    @example(["-h=0"], "run", ["-d", "C"])
+    @example([], "kill", ["KILL", "--all", "G"])        # runc: kill G with KILL
+    def check(g, command, args):
+        argv = [*g, command, *args]
+        out = subprocess.run([str(w.front), *argv], env=env, cwd=w.bundle, timeout=30)
+        if out.returncode != 0:
+            return      # Python's to decide
+        for newer in (False, True):
+            acts = runc_runs(argv, newer)
+            if acts is None:
+                continue
+            cmd, cid, bundle = acts
+            if cmd in ("create", "run"):
+                assert bundle not in ("", "gpu"), (argv, acts)
+            else:
+                assert cid != "G", (argv, acts)
+
+    check()
+
+
 # ---- the Python side in process: a restored GPU container is marked too -----------------
 
 from tests.unit.test_runtime_flows import (  # noqa: E402,F401  (world: a fixture)
