@@ -193,6 +193,33 @@ def test_a_body_that_keeps_the_rate_is_not_cut_off(hostile, monkeypatch):
     assert out.getvalue() == data
 
 
+@pytest.mark.parametrize("deadline", [None, 3600.0])
+def test_small_answers_leave_the_connection_for_the_next_request(hostile, deadline):
+    """_body reads with read1, which leaves a response with a Content-Length open at its
+    last byte (http.client): every small answer (a manifest, an upload's 202) then cost a
+    new TLS connection for the request after it. A chunked answer ends itself."""
+    seen: set = set()
+
+    def manifest(h) -> None:
+        seen.add(h.client_address)
+        _send(h, 200, MANIFEST)
+
+    def chunked(h) -> None:
+        seen.add(h.client_address)
+        h.send_response(200)
+        h.send_header("Transfer-Encoding", "chunked")
+        h.end_headers()
+        for i in range(0, len(MANIFEST), 1000):
+            part = MANIFEST[i:i + 1000]
+            h.wfile.write(b"%x\r\n" % len(part) + part + b"\r\n")
+        h.wfile.write(b"0\r\n\r\n")
+    hostile.routes["/v2/a/b/manifests/chunked"] = chunked
+    hostile.routes["/v2/a/b/manifests/"] = manifest
+    c = hostile.client(deadline=None if deadline is None else time.monotonic() + deadline)
+    assert [c.get_manifest(r) for r in ("v1", "chunked", "v1", "v1")] == [MANIFEST] * 4
+    assert len(seen) == 1
+
+
 @pytest.mark.parametrize("token", ["abc\r\nX-Injected: 1", "two words", "é"])
 def test_a_token_that_would_smuggle_a_header_is_refused_in_one_line(hostile, token):
     import json

@@ -266,6 +266,10 @@ class Client:
                 parts.append(data)
                 got += len(data)
                 pace.check(got)
+            if resp.length == 0 and not resp.isclosed():
+                # read1 leaves a response open at its last byte (http.client), and the next
+                # request would need a new connection: read() ends it
+                resp.read()
         except (OSError, http.client.HTTPException) as e:
             self.close()
             self._timeout(what)   # DeadlineError where the deadline cut it short
