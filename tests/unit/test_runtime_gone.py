@@ -20,6 +20,10 @@ CID = "c0ffee0123456789"
 # other errors); {cid}: the id asked about
 WORDINGS = {
     "runc": ('time="2024-01-01T00:00:00Z" level=error msg="container does not exist"', True),
+    "runc-1.0": ('time="2021-01-01T00:00:00Z" level=error msg="container \\"{cid}\\" does not '
+                 'exist"', True),
+    "runc-1.0-plain": ('container "{cid}" does not exist', True),
+    "runc-1.0-another-id": ('level=error msg="container \\"x{cid}\\" does not exist"', False),
     "crun-1.22+": ("crun: container `{cid}` does not exist: open `/run/crun/{cid}/status`: "
                    "No such file or directory", True),
     "crun-older": ("crun: error opening file `/run/crun/{cid}/status`: No such file or "

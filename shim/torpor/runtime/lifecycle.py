@@ -123,7 +123,8 @@ def agent_dir(cfg: Config, container_id: str, spec: dict) -> Path:
 def says_missing(message: str, container_id: str) -> bool:
     """Does a runtime's error say that it knows no container of this id? Each runtime's own
     words, no more (a rootfs or config file that "does not exist" is another error):
-      runc         container does not exist  (libcontainer's ErrNotExist)
+      runc >= 1.1  container does not exist  (libcontainer's ErrNotExist)
+      runc 1.0     container "<id>" does not exist
       crun >= 1.22 container `<id>` does not exist: ...
       crun older   error opening file `<state root>/<id>/status`: No such file or directory
     crun 1.22 and later say "open `.../status`" without "does not exist" where the state
@@ -131,6 +132,7 @@ def says_missing(message: str, container_id: str) -> bool:
     directory without its status reads as gone, which crun's own delete also removes."""
     cid = re.escape(container_id)
     return bool(re.search(r"\bcontainer does not exist\b", message)
+                or re.search(rf'\bcontainer \\?"{cid}\\?" does not exist\b', message)
                 or re.search(rf"\bcontainer `{cid}` does not exist\b", message)
                 or re.search(rf"\berror opening file `[^`]*/{cid}/status`: "
                              r"No such file or directory", message))
