@@ -129,8 +129,9 @@ def claim_suspend_dir(base: Path) -> Path:
         for name in [*reversed(where.parents[:-1]), where]:
             moved = reclaim_shared_name(name, "suspend_dir", hint=SUSPEND_DIR_HINT)
             if moved is not None:
-                who = (f"a hard link to a file of uid {moved.uid} (fs.protected_hardlinks is "
-                       "off: anyone may make one)" if moved.hard_link
+                who = (f"a file of uid {moved.uid} that torpor never made (a hard link to "
+                       "it, where fs.protected_hardlinks is off, or the file renamed there)"
+                       if moved.not_dir and moved.uid == 0
                        else f"uid {moved.uid} had put its own entry")
                 log.warning("suspend_dir %s: %s at %s (which would deny every suspend): "
                             "moved aside to %s, untouched, and made torpor's own", base, who,

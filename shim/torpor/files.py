@@ -205,7 +205,7 @@ class Squatter:
 
     uid: int
     moved_to: Path
-    hard_link: bool = False   # a hard link to a file of uid's (not the one who made it)
+    not_dir: bool = False   # root's own-looking entry that no torpor made: not a directory
 
 
 def _exchange(dir_fd: int, a: str, b: str) -> None:
@@ -236,9 +236,11 @@ def reclaim_shared_name(path: Path, what: str, hint: str | None = None) -> Squat
     user's entry, whatever it is (a directory, a link, a file), keeps its owner and content
     under that random name (path.name + ".squatted-<hex>"); nothing in it is read, followed
     or written. A missing name is made (0700). Returns who it was and where it is now; None
-    when there was nothing to take back. A hard link to a file of root's (where
-    fs.protected_hardlinks=0 lets anyone make one) is no entry of root's: root moves it aside
-    the same way (hard_link set; the file it names is not touched). A user who takes the name
+    when there was nothing to take back. An entry of root's there that is neither a directory
+    nor a link is none torpor made: a user's hard link to a file of root's (where
+    fs.protected_hardlinks=0 lets anyone make one), or such a file renamed there from a
+    directory of theirs. Root moves it aside the same way (not_dir set; the file itself is not
+    touched). A user who takes the name
     again each time
     (_MAX_SQUATS) is refused in one line naming them. A caller who is not root cannot take
     back another's entry: refused in one line naming its owner (hint: what to do instead).
@@ -263,25 +265,25 @@ def reclaim_shared_name(path: Path, what: str, hint: str | None = None) -> Squat
                     return None
                 except FileExistsError:
                     continue                      # someone was first: look at what it is
-            if st.st_uid in (0, me) and not (me == 0 and _hard_link(st)):
+            if st.st_uid in (0, me) and not (me == 0 and _not_dir(st)):
                 return None                       # ours, or root's: open_trusted_dir decides
             if me != 0:
                 raise UsageError(f"{shown} belongs to uid {st.st_uid}, not to uid {me}: torpor "
                                  "can neither use it nor move it aside", hint=hint)
             moved = _move_aside(parent.fd, path.name, st, shown)
             if moved is not None:
-                return Squatter(moved[0].st_uid, parent.path / moved[1], _hard_link(moved[0]))
+                return Squatter(moved[0].st_uid, parent.path / moved[1], _not_dir(moved[0]))
         raise UsageError(f"{shown}: uid {st.st_uid} put its own entry there again each of the "
                          f"{_MAX_SQUATS} times torpor took the name back", hint=hint)
     finally:
         os.close(parent.fd)
 
 
-def _hard_link(st: os.stat_result) -> bool:
-    """An entry that is not a directory, with another name elsewhere: in a shared directory,
-    someone's hard link to a file they need not own (fs.protected_hardlinks=0 allows it; a
-    file of root's there would otherwise pass as root's own)."""
-    return not stat.S_ISDIR(st.st_mode) and st.st_nlink > 1
+def _not_dir(st: os.stat_result) -> bool:
+    """An entry that is neither a directory nor a link: at a name in a shared directory where
+    torpor only ever makes directories, a file of root's is someone's plant (a hard link, or
+    a file renamed there), not root's own entry."""
+    return not stat.S_ISDIR(st.st_mode) and not stat.S_ISLNK(st.st_mode)
 
 
 def _move_aside(dir_fd: int, name: str, seen: os.stat_result, shown: str

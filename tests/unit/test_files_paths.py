@@ -348,7 +348,20 @@ def test_root_takes_back_a_name_held_by_a_hard_link_to_a_file_of_roots(sticky, r
     [moved] = sticky.glob("torpor.squatted-*")
     assert os.lstat(moved).st_ino == os.lstat(secret).st_ino and secret.read_text() == "root's"
     assert stat.S_IMODE(os.lstat(secret).st_mode) == 0o600
-    assert "a hard link to a file of uid 0 (fs.protected_hardlinks is off" in caplog.text
+    assert "a file of uid 0 that torpor never made (a hard link to it" in caplog.text
+
+
+@needs_root
+def test_root_takes_back_a_name_held_by_a_file_of_roots_renamed_there(sticky, root_only):
+    """A file of root's with one link, left in a directory a user may write on the same
+    filesystem, can be renamed by that user to sticky/torpor: no link count gives it away,
+    but torpor makes only directories there."""
+    from torpor import agent_data
+    (sticky / "torpor").write_text("root's")
+    assert agent_data.claim_suspend_dir(sticky / "torpor") == sticky / "torpor"
+    assert stat.S_ISDIR(os.lstat(sticky / "torpor").st_mode)
+    [moved] = sticky.glob("torpor.squatted-*")
+    assert moved.read_text() == "root's"
 
 
 @needs_root

@@ -199,8 +199,11 @@ class LocalBackend(Backend):
             return False
         if stat.S_ISDIR(_lstat_mode(final)):   # rename cannot replace one with a file
             aside = self.tmp / f"{final.name[:16]}.{os.getpid()}.{time.monotonic_ns()}.dir"
-            os.rename(final, aside)
-            shutil.rmtree(aside, ignore_errors=True)   # else clean_temp does
+            try:
+                os.rename(final, aside)
+                shutil.rmtree(aside, ignore_errors=True)   # else clean_temp does
+            except FileNotFoundError:
+                pass   # another writer moved it aside first: the name is free for ours
         os.rename(tmp, final)
         if why:
             log.warning("chunk %s in store %s was damaged (%s): replaced by the data being "

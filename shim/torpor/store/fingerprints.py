@@ -239,12 +239,15 @@ class Known:
     host: dict[str, list[Any]]   # chunk.fingerprint of what the host read ("host_fingerprints")
 
 
-def known(store: Store, owner: str) -> Known:
+def known(store: Store, owner: str, check: bool = True) -> Known:
     """The fingerprints of every snapshot of owner in the store (hold the store's lock,
     shared, until what uses them is committed: gc then keeps those chunks). A GPU chunk the
     store holds damaged (backend.has_blob) is left out: the agents would skip its data, and
     nothing could fill it in; left out, they copy it and the pack stores it again. Host
-    fingerprints are checked as each is used (writer.py), where the data is at hand."""
+    fingerprints are checked as each is used (writer.py), where the data is at hand. Without
+    check (a restore filling what was skipped: the read of each chunk then names a damaged
+    one) no chunk is looked at: the look costs one open and read each, over every chunk of
+    the owner's snapshots."""
     if not owner:
         raise ValueError("fingerprints need an owner")
     out = Known({}, {})
@@ -262,6 +265,8 @@ def known(store: Store, owner: str) -> Known:
             for field, into in (("fingerprints", out.gpu), ("host_fingerprints", out.host)):
                 for index, fp in entry.get(field, ()):
                     into[fp] = entry["chunks"][index]
+    if not check:
+        return out
     sound = store.sound_chunks({r[0]: r[1] for r in out.gpu.values() if r[0] is not None})
     for fp in [fp for fp, r in out.gpu.items() if r[0] is not None and r[0] not in sound]:
         del out.gpu[fp]
@@ -315,7 +320,7 @@ def _holes(store: Store, data_dir: Path, parts: list[Part], streamed: list[Strea
     out: list[tuple[Part | Streamed, list[Any]]] = []
     skipped = [p for p in parts if p.skipped]
     if skipped:
-        refs = known(store, owner).gpu
+        refs = known(store, owner, check=False).gpu
         for p in skipped:
             ref = refs.get(p.fp)
             if ref is None or ref[1] != p.store_len:
