@@ -220,6 +220,52 @@ def test_small_answers_leave_the_connection_for_the_next_request(hostile, deadli
     assert len(seen) == 1
 
 
+def test_headers_that_trickle_are_cut_off_without_a_deadline(hostile, monkeypatch):
+    """Each header byte inside TIMEOUT, none of the body check's business: the watchdog of the
+    request and its answer's headers cuts them off."""
+    monkeypatch.setattr(client_mod, "TIMEOUT", 0.5)
+
+    def trickle(h) -> None:
+        try:
+            h.wfile.write(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+            for _ in range(60):   # 3 s of it
+                h.wfile.write(b"a")
+                h.wfile.flush()
+                time.sleep(0.05)
+        except OSError:
+            pass
+    hostile.routes["/v2/a/b/manifests/"] = trickle
+    t0 = time.monotonic()
+    with pytest.raises(client_mod.SlowError, match=r"manifest v1: no answer within 0 s .* "
+                                                   r"stalls; cut off"):
+        hostile.client().get_manifest("v1")
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_an_upload_the_registry_reads_slowly_is_cut_off(hostile, monkeypatch):
+    """A push's PATCH that the registry reads a little each wait, more than the socket
+    buffers hold: cut off, not held for the whole body. (A TLS send of the piece is one write
+    under one TIMEOUT; the request's watchdog bounds it too: either way one RegistryError.)"""
+    monkeypatch.setattr(client_mod, "TIMEOUT", 1.0)
+    monkeypatch.setattr(client_mod, "MIN_RATE", 128 << 20)
+    body = b"x" * (32 << 20)
+
+    def slow_reader(h) -> None:
+        try:
+            left = int(h.headers["Content-Length"])
+            while left:   # 1 MiB each 0.1 s (no send waits long): over 3 s for the body
+                left -= len(h.rfile.read(min(left, 1 << 20)))
+                time.sleep(0.1)
+            _send(h, 202, b"", {"Location": "/v2/a/b/blobs/uploads/u"})
+        except OSError:
+            pass
+    hostile.routes["/v2/a/b/blobs/uploads/"] = slow_reader
+    t0 = time.monotonic()
+    with pytest.raises(RegistryError, match="upload: "):
+        hostile.client().patch("/v2/a/b/blobs/uploads/u", body, 0)
+    assert time.monotonic() - t0 < 2.5
+
+
 @pytest.mark.parametrize("token", ["abc\r\nX-Injected: 1", "two words", "é"])
 def test_a_token_that_would_smuggle_a_header_is_refused_in_one_line(hostile, token):
     import json

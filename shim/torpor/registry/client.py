@@ -9,9 +9,11 @@ registry is trusted (bodies are read up to a cap, redirects only to https).
 A deadline (time.monotonic() value), where given, bounds every request and every read: a
 registry too slow for it (torpor-runtime fetching inside the kubelet's StartContainer) is a
 DeadlineError, never a wait past it. Without one (torpor image pull and push), a body that
-comes slower than MIN_RATE bytes a second over RATE_WINDOW_S is cut off (SlowError): each
-socket wait is bounded by TIMEOUT, but a registry sending a byte every TIMEOUT - 1 seconds
-would otherwise hold a pull for good.
+comes slower than MIN_RATE bytes a second over RATE_WINDOW_S is cut off (SlowError), and so
+is a request whose sending and answer's headers take longer than TIMEOUT plus its body at
+MIN_RATE (_exchange): each socket wait is bounded by TIMEOUT, but a registry sending a byte
+of a body or of its headers every TIMEOUT - 1 seconds would otherwise hold a pull or a push
+for good. (A TLS send of an upload's piece is one write under one TIMEOUT already.)
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import http.client
 import json
 import logging
 import re
+import socket
 import ssl
 import threading
 import time
@@ -139,6 +142,44 @@ class Client:
             self._conn.close()
             self._conn = None
 
+    def _exchange(self, method: str, path: str, body: bytes | None, hdrs: dict[str, str],
+                  what: str) -> http.client.HTTPResponse:
+        """The request sent and its answer's status and headers read, within TIMEOUT plus the
+        body at MIN_RATE (within the deadline, where one is): past that a watchdog shuts the
+        socket and the request is a SlowError. Every single socket wait has its timeout, but
+        a registry that trickles its headers a byte each wait would hold it for good."""
+        budget = TIMEOUT + (len(body) if body else 0) / MIN_RATE
+        if self.deadline is not None:
+            budget = min(budget, max(0.0, self.deadline - time.monotonic()))
+        conn, fired = self._connection(what), threading.Event()
+
+        def cut() -> None:
+            fired.set()
+            if conn.sock is not None:
+                try:
+                    conn.sock.shutdown(socket.SHUT_RDWR)   # the blocked send or recv returns
+                except OSError:
+                    pass
+        timer = threading.Timer(budget, cut)
+        timer.daemon = True
+        timer.start()
+        try:
+            conn.request(method, path, body=body, headers=hdrs)
+            resp = conn.getresponse()
+            if not fired.is_set():
+                return resp
+        except (OSError, http.client.HTTPException):
+            if not fired.is_set():
+                raise
+        finally:
+            timer.cancel()
+        # cut: whatever came (the shut socket ends headers as if they were whole) is not used
+        self.close()
+        self._timeout(what)   # DeadlineError where the deadline cut it short
+        raise SlowError(f"registry {self.ref.host}: {what}: no answer within {budget:.0f} s "
+                        f"(the request and the answer's headers, at {MIN_RATE >> 10} KiB/s "
+                        "or more): the registry or the link stalls; cut off (try again)")
+
     def request(self, method: str, path: str, body: bytes | None = None,
                 headers: dict[str, str] | None = None, what: str = "",
                 ok: tuple[int, ...] = (200,), retry_auth: bool = True
@@ -154,18 +195,14 @@ class Client:
         reused = self._conn is not None
         try:
             try:
-                conn = self._connection(what)
-                conn.request(method, path, body=body, headers=hdrs)
-                resp = conn.getresponse()
+                resp = self._exchange(method, path, body, hdrs, what)
             except (ConnectionError, http.client.RemoteDisconnected):
                 # a kept-alive connection the registry closed meanwhile: once more on a new
                 # one, except for a PATCH (the registry may hold part of it: push resumes)
                 self.close()
                 if not reused or method == "PATCH":
                     raise
-                conn = self._connection(what)
-                conn.request(method, path, body=body, headers=hdrs)
-                resp = conn.getresponse()
+                resp = self._exchange(method, path, body, hdrs, what)
         except ssl.SSLCertVerificationError as e:
             self.close()
             raise self._fail(what, f"TLS certificate not trusted ({e.verify_message}): "
