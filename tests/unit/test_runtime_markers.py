@@ -143,3 +143,27 @@ def test_write_replaces_an_unreadable_marker_and_never_fails(cfg):
 def test_remove_without_a_marker_directory_is_nothing(cfg):
     assert not markers.remove(cfg, inv("/a", "delete"))
     assert not markers.marker_dir(cfg).exists()
+
+
+def test_a_delete_leaves_what_the_id_alone_keys_while_another_root_marks_that_id(cfg,
+                                                                              tmp_path):
+    """The agent socket directory and torpord's record are keyed by the container id alone:
+    X under /b deleted while torpor's X under /a runs must not take /a's agent directory
+    (its agent would be unreachable); /a's own delete then removes it."""
+    from torpor.runtime import lifecycle
+    from torpor.runtime.runc import Runtime
+    runc = tmp_path / "runc"
+    runc.write_text("#!/bin/sh\nexit 0\n")
+    runc.chmod(0o755)
+    markers.write(cfg, inv("/a"))
+    markers.write(cfg, inv("/b"))
+    agent_dir = lifecycle.agent_dir(cfg, CID, {})
+    assert markers.other_roots(cfg, inv("/b", "delete")) == ["/a"]
+    d = inv("/b", "delete")
+    assert lifecycle.delete(cfg, Runtime(str(runc), d), d) == 0
+    assert agent_dir.is_dir() and markers.present(cfg, inv("/a", "delete"))
+    assert not markers.present(cfg, d)
+    d = inv("/a", "delete")
+    assert markers.other_roots(cfg, d) == []
+    assert lifecycle.delete(cfg, Runtime(str(runc), d), d) == 0
+    assert not agent_dir.exists() and names(cfg) == []

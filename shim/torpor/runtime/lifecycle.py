@@ -156,6 +156,12 @@ def delete(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
     if rc != 0 and not _gone(runtime, inv.container_id):
         return rc   # still there: its marker and agent directory stay with it
     markers.remove(cfg, inv)
+    if markers.other_roots(cfg, inv):
+        # the same id under another root is torpor's too: its agent directory and torpord's
+        # record (keyed by the id alone) are that container's as well, and go with its delete
+        log.info("delete %s: a container of this id under another runtime root is torpor's: "
+                 "its agent directory and torpord's record stay", inv.container_id)
+        return rc
     try:
         shutil.rmtree(agent_dirs(cfg) / oci.validate_container_id(inv.container_id),
                       ignore_errors=True)

@@ -203,3 +203,23 @@ def remove(cfg: Config, inv: Invocation) -> bool:
         log.warning("%s %s: cannot remove its marker %s: %s", inv.command, inv.container_id,
                     target, e)
     return done
+
+
+def other_roots(cfg: Config, inv: Invocation) -> list[str]:
+    """The roots other than inv's that still mark a container of inv's id (any marker of that
+    id, either format; one that cannot be read counts as another root's). What is keyed by
+    the id alone (the agent socket directory, torpord's record) is theirs too while any is."""
+    root = root_of_invocation(inv)
+    try:
+        cid = oci.validate_container_id(inv.container_id)
+    except TorporError:
+        return []
+    others: list[str] = []
+    try:
+        names = os.listdir(marker_dir(cfg))
+    except OSError:
+        return []
+    for name in names:
+        if name == cid or name.startswith(cid + SEP):
+            others += [r for r in roots_of(marker_dir(cfg) / name) or [] if r != root]
+    return others
