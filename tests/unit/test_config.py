@@ -4,6 +4,7 @@ import pytest
 
 from torpor import config
 from torpor.errors import UsageError
+from tests import hostile
 
 
 def test_defaults_file_and_env(tmp_path):
@@ -37,18 +38,10 @@ def test_a_config_that_is_no_regular_small_file_is_refused_without_hanging(tmp_p
                                                                            match):
     """`torpor --config /dev/zero ps` read forever: the config must be a regular file of at
     most MAX_CONFIG bytes (a link to one is fine)."""
-    import os
     import signal
     f = tmp_path / "c.toml"
-    if plant == "fifo":
-        os.mkfifo(f)
-    elif plant == "dir":
-        f.mkdir()
-    elif plant == "dev-zero":
-        f.symlink_to("/dev/zero")
-    elif plant == "huge":
-        with open(f, "wb") as out:
-            out.write(b"# " + b"x" * config.MAX_CONFIG)
+    if plant in hostile.KINDS:
+        hostile.plant(f, plant, config.MAX_CONFIG)
     elif plant == "latin-1":
         f.write_bytes(b"# caf\xe9\n")
     else:

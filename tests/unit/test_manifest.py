@@ -6,6 +6,7 @@ import pytest
 
 from torpor import manifest
 from torpor.errors import CorruptCheckpointError, NotFoundError
+from tests import hostile
 
 
 def _manifest(files: dict) -> dict:
@@ -153,20 +154,13 @@ def test_a_damaged_mark_linked_to_a_secret_is_not_followed(tmp_path):
     assert "secret-hash" not in str(e.value)
 
 
-@pytest.mark.parametrize("plant", ["zero", "fifo", "dir", "huge", "link-dir"])
+@pytest.mark.parametrize("plant", [*hostile.KINDS, "link-dir"])
 def test_a_manifest_that_is_no_regular_file_is_refused_without_hanging(tmp_path, plant):
     import signal
     d = _images(tmp_path)
     target = d / "torpor.json"
-    if plant == "zero":
-        target.symlink_to("/dev/zero")
-    elif plant == "fifo":
-        os.mkfifo(target)
-    elif plant == "dir":
-        target.mkdir()
-    elif plant == "huge":
-        with open(target, "wb") as f:
-            f.truncate(64 << 20)
+    if plant in hostile.KINDS:
+        hostile.plant(target, plant, manifest.MAX_MANIFEST)
     else:   # torpor-gpu/<pid>/... under a link: the fingerprint index reader
         target.write_text(json.dumps(_manifest({})))
     signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(TimeoutError("hung")))

@@ -11,6 +11,7 @@ from torpor import oci
 from torpor.errors import UsageError
 from torpor.gpus import Gpu, Inventory
 from torpor.runtime import argv
+from tests import hostile
 
 GIB = 1 << 30
 A = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
@@ -191,26 +192,19 @@ except UsageError as e:
 """
 
 
-@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "too-large"])
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "huge"])
 def test_load_refuses_a_spec_that_would_block_or_fill_memory(tmp_path, kind):
     """config.json is the bundle's, whoever starts containers: a FIFO must not hang the
     engine's create, /dev/zero or a huge sparse file must not fill a root process's memory;
     each is one line (UsageError), and create then leaves the spec to runc."""
-    import os
     import subprocess
     import sys
     spec = tmp_path / "config.json"
-    if kind == "fifo":
-        os.mkfifo(spec)
-    elif kind == "dev-zero":
-        spec.symlink_to("/dev/zero")
-    else:
-        with open(spec, "wb") as f:
-            f.truncate((64 << 20) + 1)   # oci.MAX_SPEC + 1
+    hostile.plant(spec, kind, oci.MAX_SPEC)
     out = subprocess.run([sys.executable, "-c", LOAD, str(tmp_path)], capture_output=True,
                          text=True, timeout=30)
     assert out.stdout.startswith("refused: cannot read the OCI spec"), out.stderr[-500:]
-    assert ("larger than" if kind == "too-large" else "not a regular file") in out.stdout
+    assert ("larger than" if kind == "huge" else "not a regular file") in out.stdout
 
 
 def test_save_keeps_the_mode_under_torpor_runtimes_umask(tmp_path):

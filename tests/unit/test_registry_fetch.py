@@ -22,6 +22,7 @@ from torpor.layout import CHUNKS
 from torpor.registry import auth, chunks, oci, transfer
 from torpor.registry.client import Client, DeadlineError
 from torpor.store import Store, chunk
+from tests import hostile
 from tests.unit.test_registry_images import FakeRegistry, _auth, _pushed_packed
 
 
@@ -76,12 +77,7 @@ def test_an_auth_file_that_is_no_small_regular_file_is_refused_not_waited_on(tmp
     for good; /dev/zero or a huge file was read up to the cap and then misparsed."""
     ref = auth.parse_reference("reg:5000/a:v1")
     path = tmp_path / "auth.json"
-    if kind == "fifo":
-        os.mkfifo(path)
-    elif kind == "dev-zero":
-        path.symlink_to("/dev/zero")
-    else:
-        path.write_bytes(b" " * (auth.MAX_AUTH_FILE + 1))
+    hostile.plant(path, kind, auth.MAX_AUTH_FILE)
     with pytest.raises(UsageError, match="cannot read auth file .*(not a regular|larger)"):
         auth.credentials(ref, files=[path])
 
