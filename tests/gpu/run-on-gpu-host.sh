@@ -25,7 +25,10 @@
 # MOVER_SWEEP=1 the agent mover's tunings against the pinned-copy limit (bench/mover_sweep.py,
 # MOVER_SWEEP_SIZES default "8 16", MOVER_SWEEP_ARGS e.g. --leave-running); TESTS=0 skips the
 # tests. AGENT_OVERHEAD_REPS=10 the agent's cost to a training loop and token latency
-# (bench/agent_overhead.py; AGENT_OVERHEAD_ARGS for more, e.g. --steps 200).
+# (bench/agent_overhead.py; AGENT_OVERHEAD_ARGS for more, e.g. --steps 200). HOST_BOUNDS=1 what
+# the host allows the mover: pinned copies, the CPU's copy alone and under DMA, the mover's
+# staged shape per sink, cuMemHostRegister per kind of memory (bench/host_bounds.sh; its
+# arguments in HOST_BOUNDS_ARGS, default --gib 16 --threads 16; about a minute).
 set -uo pipefail
 cd "$(dirname "$(readlink -f "$0")")/../.."
 OUT="${OUT:-/tmp/torpor-out}"; mkdir -p "$OUT"
@@ -134,6 +137,9 @@ if [[ -n "${UPSTREAM_BENCH_SIZES:-}${UPSTREAM_BENCH_ARGS:-}" ]]; then   # ARGS a
         --standin /tmp/upstream-build/cuda-checkpoint --runc /opt/podman-bundle/bin/runc \
         --workdir /var/tmp/torpor-ubench ${UPSTREAM_BENCH_ARGS:-} \
         --out "$OUT/upstream_path.json" 2>&1 | tee "$OUT/upstream-bench.txt"
+fi
+if [[ -n "${HOST_BOUNDS:-}" && "${HOST_BOUNDS}" != 0 ]]; then
+    OUT="$OUT" bench/host_bounds.sh ${HOST_BOUNDS_ARGS:-} || echo "host_bounds failed"
 fi
 if [[ -n "${MOVER_SWEEP:-}" && "${MOVER_SWEEP}" != 0 ]]; then
     python3 bench/mover_sweep.py --sizes ${MOVER_SWEEP_SIZES:-8 16} ${MOVER_SWEEP_ARGS:-} \
