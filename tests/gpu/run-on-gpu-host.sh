@@ -28,7 +28,9 @@
 # (bench/agent_overhead.py; AGENT_OVERHEAD_ARGS for more, e.g. --steps 200). HOST_BOUNDS=1 what
 # the host allows the mover: pinned copies, the CPU's copy alone and under DMA, the mover's
 # staged shape per sink, cuMemHostRegister per kind of memory (bench/host_bounds.sh; its
-# arguments in HOST_BOUNDS_ARGS, default --gib 16 --threads 16; about a minute).
+# arguments in HOST_BOUNDS_ARGS, default --gib 16 --threads 16; about a minute). PROBE_HELD=1
+# whether a program's GPU memory held by another process survives the driver's checkpoint
+# (bench/probe_held_memory.c at PROBE_HELD_GIB, default 4: seconds).
 set -uo pipefail
 cd "$(dirname "$(readlink -f "$0")")/../.."
 OUT="${OUT:-/tmp/torpor-out}"; mkdir -p "$OUT"
@@ -140,6 +142,11 @@ if [[ -n "${UPSTREAM_BENCH_SIZES:-}${UPSTREAM_BENCH_ARGS:-}" ]]; then   # ARGS a
 fi
 if [[ -n "${HOST_BOUNDS:-}" && "${HOST_BOUNDS}" != 0 ]]; then
     OUT="$OUT" bench/host_bounds.sh ${HOST_BOUNDS_ARGS:-} || echo "host_bounds failed"
+fi
+if [[ -n "${PROBE_HELD:-}" && "${PROBE_HELD}" != 0 ]]; then
+    gcc -O2 bench/probe_held_memory.c -ldl -o /tmp/probe_held_memory &&
+        /tmp/probe_held_memory --gib "${PROBE_HELD_GIB:-4}" > "$OUT/probe_held_memory.json" \
+        2> >(tee "$OUT/probe-held-memory.txt" >&2)
 fi
 if [[ -n "${MOVER_SWEEP:-}" && "${MOVER_SWEEP}" != 0 ]]; then
     python3 bench/mover_sweep.py --sizes ${MOVER_SWEEP_SIZES:-8 16} ${MOVER_SWEEP_ARGS:-} \

@@ -1,0 +1,515 @@
+/* bench/probe_held_memory.c: can a leave-running checkpoint keep a program's GPU memory on the
+ * GPU, held by another process, instead of copying it out and back?
+ *
+ * Today (agent/src/mover.c) a leave-running checkpoint copies the program's GPU memory to the
+ * host, releases it so that the driver's checkpoint (cuCheckpointProcessCheckpoint) has only
+ * contexts and modules to save, lets CRIU dump, restores the driver's state and copies the
+ * memory back: two PCIe copies inside the pause, whose floor at 16 GiB (1.72 s on the H200)
+ * is above issue 20's 1.47 s before torpor adds anything. If a second process (torpord's
+ * helper) imported the program's physical allocations (cuMemExportToShareableHandle with a
+ * POSIX file descriptor) before the program released its own handles, the memory would stay
+ * alive on the GPU through the driver's checkpoint, and the program would map it back at the
+ * same addresses afterwards: no copy back at all, and the copy out (for the checkpoint's data)
+ * could be one device-to-device snapshot into spare GPU memory, written out after the pause.
+ *
+ * Whether the driver allows that is not documented. This program answers it on a GPU host,
+ * with three processes: the program (P) maps --gib GiB through the VMM API with an exportable
+ * handle and fills it with a pattern of its offsets; the holder (H) imports P's handle; the
+ * controller (this process, no context of its own, as torpor) drives P and H and calls the
+ * driver's checkpoint API on P, as torpor does:
+ *
+ *   1. baseline   P keeps its memory mapped: lock, checkpoint, restore, unlock (timed): what
+ *                 the driver does with all of it; P checks its data.
+ *   2. held       H imports P's handle (and maps it); P unmaps and releases its own; lock,
+ *                 checkpoint, restore, unlock; H hands the handle back (a new descriptor); P
+ *                 imports it, maps it at the same address and checks every byte.
+ *   3. snapshot   H copies the held memory device to device into memory of its own (timed):
+ *                 what the copy out inside the pause would cost.
+ * Every step says what the driver answered; the first refusal ends the probe with its CUresult.
+ * JSON on stdout, a line a step on stderr.
+ *
+ *   gcc -O2 bench/probe_held_memory.c -ldl -o /tmp/probe_held_memory
+ *   /tmp/probe_held_memory --gib 4 > results/x.json
+ */
+#define _GNU_SOURCE
+#include "../agent/src/cuda_checkpoint_types.h"
+#include "../agent/src/cuda_types.h"
+
+#include <dlfcn.h>
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MIB (1UL << 20)
+#define PIECE (64 * MIB)
+#define POSIX_FD 1 /* CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR */
+
+static struct {
+	CUresult (*Init)(unsigned);
+	CUresult (*DeviceGet)(CUdevice *, int);
+	CUresult (*PrimaryCtxRetain)(CUcontext *, CUdevice);
+	CUresult (*CtxSetCurrent)(CUcontext);
+	CUresult (*CtxSynchronize)(void);
+	CUresult (*MemAlloc)(CUdeviceptr *, size_t);
+	CUresult (*MemFree)(CUdeviceptr);
+	CUresult (*Granularity)(size_t *, const CUmemAllocationProp *, int);
+	CUresult (*AddressReserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+	CUresult (*Create)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *,
+			   unsigned long long);
+	CUresult (*Map)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
+	CUresult (*SetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
+	CUresult (*Unmap)(CUdeviceptr, size_t);
+	CUresult (*Release)(CUmemGenericAllocationHandle);
+	CUresult (*Export)(void *, CUmemGenericAllocationHandle, int, unsigned long long);
+	CUresult (*Import)(CUmemGenericAllocationHandle *, void *, int);
+	CUresult (*HtoD)(CUdeviceptr, const void *, size_t);
+	CUresult (*DtoH)(void *, CUdeviceptr, size_t);
+	CUresult (*DtoD)(CUdeviceptr, CUdeviceptr, size_t);
+	CUresult (*Lock)(int, CUcheckpointLockArgs *);
+	CUresult (*Checkpoint)(int, CUcheckpointCheckpointArgs *);
+	CUresult (*Restore)(int, CUcheckpointRestoreArgs *);
+	CUresult (*Unlock)(int, CUcheckpointUnlockArgs *);
+	CUresult (*GetState)(int, int *);
+} cu;
+
+static size_t bytes;
+static int first_out = 1;
+
+static double now(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+static void *sym(void *lib, const char *name)
+{
+	void *p = dlsym(lib, name);
+
+	if (!p) {
+		fprintf(stderr, "probe: libcuda.so.1 has no %s\n", name);
+		exit(3);
+	}
+	return p;
+}
+
+static CUresult missing(void)
+{
+	return CUDA_ERROR_NOT_SUPPORTED;
+}
+
+/* a call a driver (or the tests' fake) may lack: missing() answers for it */
+static void *optional(void *lib, const char *name)
+{
+	void *p = dlsym(lib, name);
+
+	return p ? p : (void *)missing;
+}
+
+static void load_driver(void)
+{
+	void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+
+	if (!lib) {
+		fprintf(stderr, "probe: %s\n", dlerror());
+		exit(3);
+	}
+	cu.Init = sym(lib, "cuInit");
+	cu.DeviceGet = sym(lib, "cuDeviceGet");
+	cu.PrimaryCtxRetain = sym(lib, "cuDevicePrimaryCtxRetain");
+	cu.CtxSetCurrent = sym(lib, "cuCtxSetCurrent");
+	cu.CtxSynchronize = sym(lib, "cuCtxSynchronize");
+	cu.MemAlloc = sym(lib, "cuMemAlloc_v2");
+	cu.MemFree = sym(lib, "cuMemFree_v2");
+	cu.Granularity = sym(lib, "cuMemGetAllocationGranularity");
+	cu.AddressReserve = sym(lib, "cuMemAddressReserve");
+	cu.Create = sym(lib, "cuMemCreate");
+	cu.Map = sym(lib, "cuMemMap");
+	cu.SetAccess = sym(lib, "cuMemSetAccess");
+	cu.Unmap = sym(lib, "cuMemUnmap");
+	cu.Release = sym(lib, "cuMemRelease");
+	cu.Export = optional(lib, "cuMemExportToShareableHandle");
+	cu.Import = optional(lib, "cuMemImportFromShareableHandle");
+	cu.HtoD = sym(lib, "cuMemcpyHtoD_v2");
+	cu.DtoH = sym(lib, "cuMemcpyDtoH_v2");
+	cu.DtoD = optional(lib, "cuMemcpyDtoD_v2");
+	cu.Lock = sym(lib, "cuCheckpointProcessLock");
+	cu.Checkpoint = sym(lib, "cuCheckpointProcessCheckpoint");
+	cu.Restore = sym(lib, "cuCheckpointProcessRestore");
+	cu.Unlock = sym(lib, "cuCheckpointProcessUnlock");
+	cu.GetState = sym(lib, "cuCheckpointProcessGetState");
+}
+
+/* -- messages between the processes: one byte of command/answer, a result, maybe a descriptor */
+
+struct msg {
+	char what;        /* the command, or the answer to it */
+	int rc;           /* CUresult of the step (0: done) */
+	double seconds;   /* how long the step took */
+	char step[48];    /* which call answered rc */
+};
+
+static void send_msg(int sock, const struct msg *m, int fd)
+{
+	char ctl[CMSG_SPACE(sizeof(int))];
+	struct iovec iov = { (void *)m, sizeof(*m) };
+	struct msghdr h = { .msg_iov = &iov, .msg_iovlen = 1 };
+
+	if (fd >= 0) {
+		struct cmsghdr *c;
+
+		memset(ctl, 0, sizeof(ctl));
+		h.msg_control = ctl, h.msg_controllen = sizeof(ctl);
+		c = CMSG_FIRSTHDR(&h);
+		c->cmsg_level = SOL_SOCKET, c->cmsg_type = SCM_RIGHTS;
+		c->cmsg_len = CMSG_LEN(sizeof(int));
+		memcpy(CMSG_DATA(c), &fd, sizeof(int));
+	}
+	if (sendmsg(sock, &h, MSG_NOSIGNAL) != sizeof(*m)) {
+		perror("probe: sendmsg");
+		exit(3);
+	}
+}
+
+/* the next message; its descriptor (or -1) in *fd if fd */
+static void recv_msg(int sock, struct msg *m, int *fd)
+{
+	char ctl[CMSG_SPACE(sizeof(int))];
+	struct iovec iov = { m, sizeof(*m) };
+	struct msghdr h = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl,
+			    .msg_controllen = sizeof(ctl) };
+	struct cmsghdr *c;
+	ssize_t n = recvmsg(sock, &h, MSG_CMSG_CLOEXEC);
+
+	if (n != sizeof(*m)) {
+		fprintf(stderr, "probe: a peer is gone (%zd)\n", n);
+		exit(3);
+	}
+	if (fd) {
+		*fd = -1;
+		c = CMSG_FIRSTHDR(&h);
+		if (c && c->cmsg_type == SCM_RIGHTS)
+			memcpy(fd, CMSG_DATA(c), sizeof(int));
+	}
+}
+
+static void answer(int sock, char what, CUresult rc, const char *step, double t, int fd)
+{
+	struct msg m = { .what = what, .rc = rc, .seconds = t };
+
+	snprintf(m.step, sizeof(m.step), "%s", step);
+	send_msg(sock, &m, fd);
+}
+
+#define TRY(call, name)                                                                        \
+	do {                                                                                   \
+		CUresult rc_ = (call);                                                         \
+		if (rc_ != CUDA_SUCCESS) {                                                     \
+			answer(sock, cmd.what, rc_, name, 0, -1);                              \
+			continue;                                                              \
+		}                                                                              \
+	} while (0)
+
+/* -- the program and the holder ----------------------------------------------------------------- */
+
+static CUmemAllocationProp prop(void)
+{
+	CUmemAllocationProp p;
+
+	memset(&p, 0, sizeof(p));
+	p.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+	p.requestedHandleTypes = POSIX_FD;
+	p.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+	p.location.id = 0;
+	return p;
+}
+
+static void context(void)
+{
+	CUdevice d;
+	CUcontext c;
+
+	if (cu.Init(0) || cu.DeviceGet(&d, 0) || cu.PrimaryCtxRetain(&c, d) || cu.CtxSetCurrent(c)) {
+		fprintf(stderr, "probe: no CUDA context in pid %d\n", getpid());
+		exit(3);
+	}
+}
+
+/* the pattern: each 8-byte word holds its own offset, mixed with a seed */
+static void pattern(uint64_t *w, size_t off, size_t n, uint64_t seed)
+{
+	for (size_t i = 0; i < n / 8; i++)
+		w[i] = ((off + i * 8) * 0x9E3779B97F4A7C15ULL) ^ seed;
+}
+
+static CUresult fill(CUdeviceptr at, uint64_t seed, uint64_t *buf)
+{
+	for (size_t o = 0; o < bytes; o += PIECE) {
+		CUresult rc;
+
+		pattern(buf, o, PIECE, seed);
+		if ((rc = cu.HtoD(at + o, buf, PIECE)))
+			return rc;
+	}
+	return CUDA_SUCCESS;
+}
+
+/* 0: every byte as fill wrote it; else CUDA_ERROR_INVALID_VALUE (or the copy's CUresult) */
+static CUresult check(CUdeviceptr at, uint64_t seed, uint64_t *buf, uint64_t *want)
+{
+	for (size_t o = 0; o < bytes; o += PIECE) {
+		CUresult rc = cu.DtoH(buf, at + o, PIECE);
+
+		if (rc)
+			return rc;
+		pattern(want, o, PIECE, seed);
+		if (memcmp(buf, want, PIECE))
+			return CUDA_ERROR_INVALID_VALUE;
+	}
+	return CUDA_SUCCESS;
+}
+
+/* P: commands m(ap), e(xport) [fd out], r(elease), i(mport) [fd in], c(heck), q(uit) */
+static void program(int sock)
+{
+	CUmemAllocationProp p = prop();
+	CUmemAccessDesc access = { { CU_MEM_LOCATION_TYPE_DEVICE, 0 }, CU_MEM_ACCESS_FLAGS_PROT_READWRITE };
+	CUmemGenericAllocationHandle h = 0;
+	CUdeviceptr va = 0;
+	uint64_t *buf = malloc(PIECE), *want = malloc(PIECE);
+	uint64_t seed = 0x5eed0000ULL ^ (uint64_t)getpid();
+	struct msg cmd;
+
+	context();
+	for (;;) {
+		int fd = -1;
+		double t;
+
+		recv_msg(sock, &cmd, &fd);
+		t = now();
+		switch (cmd.what) {
+		case 'm': /* reserve, create, map, fill */
+			TRY(cu.AddressReserve(&va, bytes, 0, 0, 0), "cuMemAddressReserve");
+			TRY(cu.Create(&h, bytes, &p, 0), "cuMemCreate (exportable)");
+			TRY(cu.Map(va, bytes, 0, h, 0), "cuMemMap");
+			TRY(cu.SetAccess(va, bytes, &access, 1), "cuMemSetAccess");
+			TRY(fill(va, seed, buf), "fill");
+			answer(sock, 'm', 0, "", now() - t, -1);
+			break;
+		case 'e': {
+			int out = -1;
+
+			TRY(cu.Export(&out, h, POSIX_FD, 0), "cuMemExportToShareableHandle");
+			answer(sock, 'e', 0, "", now() - t, out);
+			close(out);
+			break;
+		}
+		case 'r':
+			TRY(cu.Unmap(va, bytes), "cuMemUnmap");
+			TRY(cu.Release(h), "cuMemRelease");
+			h = 0;
+			answer(sock, 'r', 0, "", now() - t, -1);
+			break;
+		case 'i':
+			if (fd < 0) {
+				answer(sock, 'i', CUDA_ERROR_INVALID_VALUE, "no descriptor came", 0, -1);
+				break;
+			}
+			TRY(cu.Import(&h, (void *)(intptr_t)fd, POSIX_FD), "cuMemImportFromShareableHandle");
+			close(fd);
+			TRY(cu.Map(va, bytes, 0, h, 0), "cuMemMap at the same address");
+			TRY(cu.SetAccess(va, bytes, &access, 1), "cuMemSetAccess");
+			answer(sock, 'i', 0, "", now() - t, -1);
+			break;
+		case 'c':
+			TRY(check(va, seed, buf, want), "every byte as written");
+			answer(sock, 'c', 0, "", now() - t, -1);
+			break;
+		default:
+			answer(sock, cmd.what, 0, "", 0, -1);
+			_exit(0);
+		}
+	}
+}
+
+/* H: commands i(mport) [fd in], s(napshot), e(xport) [fd out], q(uit) */
+static void holder(int sock)
+{
+	CUmemAccessDesc access = { { CU_MEM_LOCATION_TYPE_DEVICE, 0 }, CU_MEM_ACCESS_FLAGS_PROT_READWRITE };
+	CUmemGenericAllocationHandle h = 0;
+	CUdeviceptr va = 0, copy = 0;
+	struct msg cmd;
+
+	context();
+	for (;;) {
+		int fd = -1;
+		double t;
+
+		recv_msg(sock, &cmd, &fd);
+		t = now();
+		switch (cmd.what) {
+		case 'i':
+			if (fd < 0) {
+				answer(sock, 'i', CUDA_ERROR_INVALID_VALUE, "no descriptor came", 0, -1);
+				break;
+			}
+			TRY(cu.Import(&h, (void *)(intptr_t)fd, POSIX_FD), "cuMemImportFromShareableHandle");
+			close(fd);
+			TRY(cu.AddressReserve(&va, bytes, 0, 0, 0), "cuMemAddressReserve");
+			TRY(cu.Map(va, bytes, 0, h, 0), "cuMemMap");
+			TRY(cu.SetAccess(va, bytes, &access, 1), "cuMemSetAccess");
+			answer(sock, 'i', 0, "", now() - t, -1);
+			break;
+		case 's':
+			if (!copy)
+				TRY(cu.MemAlloc(&copy, bytes), "cuMemAlloc (the snapshot)");
+			t = now();
+			TRY(cu.DtoD(copy, va, bytes), "cuMemcpyDtoD");
+			TRY(cu.CtxSynchronize(), "cuCtxSynchronize");
+			answer(sock, 's', 0, "", now() - t, -1);
+			break;
+		case 'e': {
+			int out = -1;
+
+			TRY(cu.Export(&out, h, POSIX_FD, 0), "cuMemExportToShareableHandle (held)");
+			answer(sock, 'e', 0, "", now() - t, out);
+			close(out);
+			break;
+		}
+		default:
+			answer(sock, cmd.what, 0, "", 0, -1);
+			_exit(0);
+		}
+	}
+}
+
+/* -- the controller ------------------------------------------------------------------------------ */
+
+static void out_json(const char *phase, const char *step, CUresult rc, double t)
+{
+	printf("%s    {\"phase\": \"%s\", \"step\": \"%s\", \"cuda_result\": %d, \"seconds\": %.4f}",
+	       first_out ? "" : ",\n", phase, step, rc, t);
+	first_out = 0;
+	fflush(stdout);
+	fprintf(stderr, "%-9s %-44s %s (%.3f s)\n", phase, step, rc ? "REFUSED" : "ok", t);
+	if (rc)
+		fprintf(stderr, "          CUresult %d\n", rc);
+}
+
+static int finish(int code, const char *verdict)
+{
+	printf("\n  ], \"verdict\": \"%s\"}\n", verdict);
+	fprintf(stderr, "verdict: %s\n", verdict);
+	return code;
+}
+
+/* one command to a process; its answer logged; its descriptor (if any) in *fd */
+static CUresult ask(int sock, const char *phase, char what, int fd_in, int *fd_out, const char *label)
+{
+	struct msg m = { .what = what };
+
+	send_msg(sock, &m, fd_in);
+	recv_msg(sock, &m, fd_out);
+	out_json(phase, m.rc ? m.step : label, m.rc, m.seconds);
+	return m.rc;
+}
+
+/* the driver's checkpoint of pid and back, each call timed */
+static CUresult round_trip(const char *phase, int pid)
+{
+	CUcheckpointLockArgs lock = { .timeoutMs = 30000 };
+	CUcheckpointCheckpointArgs ck;
+	CUcheckpointRestoreArgs rs;
+	CUcheckpointUnlockArgs un;
+	CUresult rc;
+	double t;
+
+	memset(&ck, 0, sizeof(ck)), memset(&rs, 0, sizeof(rs)), memset(&un, 0, sizeof(un));
+#define TIMED(call, name)                                                                      \
+	t = now();                                                                             \
+	rc = (call);                                                                           \
+	out_json(phase, name, rc, now() - t);                                                  \
+	if (rc)                                                                                \
+		return rc;
+	TIMED(cu.Lock(pid, &lock), "cuCheckpointProcessLock");
+	TIMED(cu.Checkpoint(pid, &ck), "cuCheckpointProcessCheckpoint");
+	TIMED(cu.Restore(pid, &rs), "cuCheckpointProcessRestore");
+	TIMED(cu.Unlock(pid, &un), "cuCheckpointProcessUnlock");
+#undef TIMED
+	return CUDA_SUCCESS;
+}
+
+int main(int argc, char **argv)
+{
+	double gib = 4;
+	int ps[2], hs[2], pid, hid, fd = -1;
+
+	for (int i = 1; i < argc; i += 2) {
+		if (i + 1 < argc && !strcmp(argv[i], "--gib"))
+			gib = atof(argv[i + 1]);
+		else {
+			fprintf(stderr, "usage: probe_held_memory [--gib G]\n");
+			return 2;
+		}
+	}
+	bytes = ((size_t)(gib * (1UL << 30)) + PIECE - 1) / PIECE * PIECE;
+	if (!bytes || gib <= 0) {
+		fprintf(stderr, "usage: probe_held_memory [--gib G]\n");
+		return 2;
+	}
+	/* the children first: nothing of the driver may be loaded across a fork */
+	if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, ps) ||
+	    socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, hs))
+		return perror("socketpair"), 3;
+	if ((pid = fork()) == 0) {
+		close(ps[0]), close(hs[0]), close(hs[1]);
+		load_driver();
+		program(ps[1]);
+	}
+	if ((hid = fork()) == 0) {
+		close(ps[0]), close(ps[1]), close(hs[0]);
+		load_driver();
+		holder(hs[1]);
+	}
+	close(ps[1]), close(hs[1]);
+	load_driver();
+	if (cu.Init(0))
+		return fprintf(stderr, "probe: cuInit failed in the controller\n"), 3;
+	printf("{\"probe\": \"held_memory\", \"bytes\": %zu, \"steps\": [\n", bytes);
+
+	/* 1. baseline: the driver saves all of it */
+	if (ask(ps[0], "baseline", 'm', -1, NULL, "map and fill (exportable)") ||
+	    round_trip("baseline", pid) || ask(ps[0], "baseline", 'c', -1, NULL, "every byte back"))
+		return finish(1, "the baseline failed: the probe cannot say anything");
+	/* 2. held by H through the driver's checkpoint */
+	if (ask(ps[0], "held", 'e', -1, &fd, "program exports its handle") || fd < 0)
+		return finish(1, "the program's handle cannot be exported");
+	if (ask(hs[0], "held", 'i', fd, NULL, "holder imports and maps it"))
+		return finish(1, "another process cannot import the program's memory");
+	close(fd);
+	if (ask(ps[0], "held", 'r', -1, NULL, "program unmaps and releases its own"))
+		return finish(1, "the program cannot release its handle");
+	if (round_trip("held", pid))
+		return finish(1, "the driver refuses a checkpoint of a program whose memory another "
+			      "process holds");
+	if (ask(hs[0], "held", 'e', -1, &fd, "holder exports the held handle") || fd < 0)
+		return finish(1, "the held handle cannot be handed back");
+	if (ask(ps[0], "held", 'i', fd, NULL, "program imports it at the same address"))
+		return finish(1, "the restored program cannot map its memory back");
+	close(fd);
+	if (ask(ps[0], "held", 'c', -1, NULL, "every byte back, nothing copied"))
+		return finish(1, "the memory came back changed");
+	/* 3. what a snapshot inside the pause would cost */
+	ask(hs[0], "snapshot", 's', -1, NULL, "device-to-device copy of all of it");
+	ask(ps[0], "done", 'q', -1, NULL, "program ends");
+	ask(hs[0], "done", 'q', -1, NULL, "holder ends");
+	waitpid(pid, NULL, 0), waitpid(hid, NULL, 0);
+	return finish(0, "held memory survives the driver's checkpoint: no copy back needed");
+}
