@@ -431,8 +431,8 @@ def own_fingerprints(store: Store, packed: dict[str, Any], rels: Iterable[str]
       - the store holds it and it has an owner: written here by a pack (Writer.commit), not
         imported (Store.import_snapshot drops the owner: fingerprints that came with it were
         never computed here);
-      - each file of rels lists, in the store's copy, exactly the chunks the packed doc lists
-        (else the checkpoint is not the one the store holds: its chunks verify by sha256);
+      - every file of rels lists, in the store's copy, exactly the chunks the packed doc lists
+        (else the checkpoint is not the one the store holds: all its chunks verify by sha256);
       - the store's entry records a host fingerprint for the chunk ("host_fingerprints").
     Nothing is ever taken from the packed doc's own fingerprints: a directory could carry any.
     Every other chunk is left out: verified by sha256, as before.
@@ -455,12 +455,17 @@ def own_fingerprints(store: Store, packed: dict[str, Any], rels: Iterable[str]
     owner = own["meta"].get("owner")
     if not isinstance(owner, str) or not owner:
         return {}                       # imported, or never an owner's: sha256
-    out: dict[str, str] = {}
-    clash: set[str] = set()
+    rels = list(rels)
     for rel in rels:
         mine, theirs = own["files"].get(rel), packed["files"].get(rel)
         if mine is None or theirs is None or mine["chunks"] != theirs["chunks"]:
-            continue
+            log.info("snapshot %s in the store differs from the packed checkpoint's (%s): its "
+                     "GPU data verifies by sha256", packed["name"], rel)
+            return {}
+    out: dict[str, str] = {}
+    clash: set[str] = set()
+    for rel in rels:
+        mine = own["files"][rel]
         for index, fp in mine.get("host_fingerprints", ()):
             name = mine["chunks"][index][0]
             if name is None:
