@@ -3,25 +3,26 @@ checkpoint, and straight out of it onto the GPU at a restore, through a bounded 
 memory (agent/PROTOCOL.md, "Streaming").
 
 Saving (Intake): the agent copies each 4 MiB part of its data from its pinned staging buffers
-into a free slot of the ring and sends a record (slot, file, offset, length, store length) on
-a SOCK_SEQPACKET socket; torpor's pool names, compresses and writes the part as a chunk
-from a private copy of the slot (the ring is shared with the agent, which runs inside the
-program: a part changed under the pool must not get one name and other bytes), then sends
-the slot's number back. Host memory holds at most the ring,
-however large the program; the data files stay holes, and no GPU byte is written twice
-(before, the agent wrote the data files and the pack read them back). Once the agent has sent
-every part, torpor makes the chunks durable and writes the program's stream record
-(agent_data.STREAMED: the chunk each part is, and the host fingerprint (XXH3-128) of the data
-it named, store/fingerprints.py fills holes from it), and only then commits. The agent releases nothing before the commit, so a torpor that fails or dies
+into a free slot of the ring and sends a record (slot, file, offset, length, store length) on a
+SOCK_SEQPACKET socket; torpor's pool names, compresses and writes the part as a chunk from a
+private copy of the slot (the ring is shared with the agent, which runs inside the program: a
+part changed under the pool must not get one name and other bytes), then sends the slot's
+number back. Host memory holds at most the ring, however large the program; the data files stay
+holes, and no GPU byte is written twice (before, the agent wrote the data files and the pack
+read them back). Once the agent has sent every part, torpor makes the chunks durable and writes
+the program's stream record (agent_data.STREAMED: the chunk each part is, and the host
+fingerprint (XXH3-128) of the data it named, store/fingerprints.py fills holes from it), and
+only then commits. The agent releases nothing before the commit, so a torpor that fails or dies
 mid-stream costs the program nothing: it runs on from its GPU memory.
 
-Loading (feed): torpor's pool reads each chunk of the program's data from the store into a
-free slot (a raw chunk straight from its file, a zstd one decompressed into it), checks it
-there, against its sha256 or, for a chunk this host streamed into its own store, against the
-fingerprint it recorded then (Source.fp, fingerprints.own_fingerprints), and sends its record; the agent copies the part onto the GPU and
-sends the slot back. A chunk of zeros (stored as nothing: the parts the agent found zero on
-the GPU, issue 20) goes as a record alone, slot ZERO: no slot, no bytes, the agent memsets it. Reading, decompressing and copying to the GPU overlap, and nothing is
-unpacked into files first.
+Loading (feed): torpor's pool reads each chunk of the program's data from the store into a free
+slot (a raw chunk straight from its file, a zstd one decompressed into it), checks it there,
+against its sha256 or, for a chunk this host streamed into its own store, against the
+fingerprint it recorded then (Source.fp, fingerprints.own_fingerprints), and sends its record;
+the agent copies the part onto the GPU and sends the slot back. A chunk of zeros (stored as
+nothing: the parts the agent found zero on the GPU, issue 20) goes as a record alone, slot
+ZERO: no slot, no bytes, the agent memsets it. Reading, decompressing and copying to the GPU
+overlap, and nothing is unpacked into files first.
 """
 
 from __future__ import annotations
