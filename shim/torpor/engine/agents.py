@@ -317,9 +317,11 @@ class AgentMoves:
         while torpor feeds it the parts from the store."""
         store, parts = sources
         ring = stream.Ring()
+        stats = stream.FeedStats()
         try:
             with concurrent.futures.ThreadPoolExecutor(1, "torpor-feed") as ex:
-                fed = ex.submit(stream.feed, store, ring, parts, f"GPU data of PID {t.pid}")
+                fed = ex.submit(stream.feed, store, ring, parts, f"GPU data of PID {t.pid}",
+                                stats)
                 try:
                     reply = a.resume_stream(ring.agent_fds(), self.cfg.agent_timeout_s)
                 except TorporError as e:
@@ -334,23 +336,37 @@ class AgentMoves:
                 fed.result()
         finally:
             ring.close()
-        return {**reply, "streamed": True}
+        return {**reply, "streamed": True, "fed": dataclasses.asdict(stats)}
 
     def _packed_sources(self, t: AgentTarget) -> tuple[Store, list[stream.Source]]:
         """The parts of t's data files in the packed checkpoint t.packed names (its chunks
-        are in this host's store: the restore's unpack brought in any it lacked)."""
+        are in this host's store: the restore's unpack brought in any it lacked). The packed
+        doc is the directory's (untrusted): the chunks it names verify by sha256, but those
+        the store's own snapshot of that checkpoint holds with the fingerprint this host
+        recorded when it streamed them in (fingerprints.own_fingerprints says when, and why
+        the owner need not be the restoring program's)."""
         doc = images.packed_doc(Path(t.packed))
         prog = f"{agent_data.DATA_DIR}/{t.name}"
-        return Store(self.cfg.store_dir), stream.sources(doc, prog, t.files)
+        store = Store(self.cfg.store_dir)
+        trusted = fingerprints.own_fingerprints(store, doc, stream.data_rels(prog, t.files))
+        return store, stream.sources(doc, prog, t.files, trusted)
 
     def _own_sources(self, t: AgentTarget) -> tuple[Store, list[stream.Source]]:
         """The parts of t's data that this operation's own prepare streamed into the store
-        (its stream record), and those its agent skipped (its owner's fingerprints)."""
+        (its stream record), and those its agent skipped (its owner's fingerprints). A
+        rollback: the stream record is this operation's own, written by its Intake in the
+        operation's data directory (0700, made by torpor: agent_data.DataDir; the agent only
+        ever gets fds of the data files), so a streamed part verifies by the fingerprint the
+        record holds (the intake's, of the bytes it named). A record the program could have
+        written would gain it nothing by that either: it names the chunks fed, so it could
+        name any chunk anyway, and a fingerprint only decides whether the bytes stored under
+        a name are accepted. Skipped parts verify by sha256 (the agent's fold is no check)."""
         store = Store(self.cfg.store_dir)
         prog = agent_data.DataDir(t.data).path(t.name)
         sizes = [os.path.getsize(prog / agent_data.file_name(k)) for k in range(t.files)]
         with store.backend.lock(False, store.lock_timeout):
-            return store, [stream.Source(p.file, p.offset, ref)
+            return store, [stream.Source(p.file, p.offset, ref,
+                                         p.fp if isinstance(p, fingerprints.Streamed) else None)
                            for p, ref in fingerprints.holes(store, prog, sizes, t.owner)]
 
     def _fill_skipped(self, t: AgentTarget) -> None:

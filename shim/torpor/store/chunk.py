@@ -28,6 +28,17 @@ Fingerprint: XXH3-128 of the raw data, 32 lowercase hex; ~17x sha256's speed (28
 against 1.7 on this machine). Not a name: it is not collision resistant, so it only ever
 stands for a chunk of the same owner's own snapshots (fingerprints.py), to spare a second
 checkpoint the sha256 of what did not change.
+
+Verifying by fingerprint: every chunk read is verified, by its sha256 name, or, for a GPU data
+chunk this host itself streamed into its store (store/stream.py), by the fingerprint the host
+computed of the very bytes it named, when it named them (read_blob_into's fp; ~20x cheaper: a
+streamed restore of 17 GB spent most of its ~64 thread-seconds in sha256). That catches what
+the sha256 check is there for on a chunk of this host's own: a blob damaged on disk or
+replaced by other bytes. It is used only where the fingerprint comes from a record this host
+wrote and kept (its store's own snapshot of a checkpoint, with an owner: never an imported
+one, never what a checkpoint directory says: fingerprints.own_fingerprints), so a checkpoint
+cannot pick the check its chunks pass; every other chunk, those imported from elsewhere
+above all, is verified by sha256.
 """
 
 from __future__ import annotations
@@ -201,11 +212,15 @@ def check_stored(path: Path, length: int | None = None) -> str | None:
     return None
 
 
-def read_blob_into(path: Path, name: str, dest: memoryview, where: str) -> None:
+def read_blob_into(path: Path, name: str, dest: memoryview, where: str,
+                   fp: str | None = None) -> None:
     """The raw data of the blob file at path into dest (exactly its length), verified against
     its name: a raw chunk read straight into dest, a zstd one decompressed into it, without a
     copy of the data in between (a restore streams tens of GB through here). Same checks as
-    read_blob_file and decode; FileNotFoundError when the file is not there."""
+    read_blob_file and decode; FileNotFoundError when the file is not there. fp: the
+    fingerprint this host recorded of the chunk's data when it named it (module docstring,
+    "Verifying by fingerprint"): the data is checked against it instead of its sha256, every
+    other check the same; only ever from a trusted record, never from a checkpoint."""
     fd = _open_blob(path, where)
     with open(fd, "rb", buffering=0):   # closes fd
         size = os.fstat(fd).st_size
@@ -231,7 +246,11 @@ def read_blob_into(path: Path, name: str, dest: memoryview, where: str) -> None:
                 raise _damaged(name, where, f"bad zstd data ({e})") from None
             if done != length or extra:
                 raise _damaged(name, where, f"its data is not the {length} bytes the header says")
-    if name_of(dest) != name:
+    if fp is not None:
+        if fingerprint(dest) != fp:
+            raise _damaged(name, where, "its content does not match the fingerprint this host "
+                           "recorded when it stored it")
+    elif name_of(dest) != name:
         raise _damaged(name, where, "its content does not match its sha256 name")
 
 

@@ -40,11 +40,18 @@ against, the fingerprints of its owner's own snapshots (their meta's "owner").
 A checkpoint whose agents streamed their data straight into the store (stream.py) leaves
 every part a hole, and records beside the index which chunk each part is (agent_data.STREAMED):
 
-    torpor-gpu-streamed 1
+    torpor-gpu-streamed 2
     <file k> <offset> <data length> <store chunk length> <sha256, or - for zeros>
+        <host fingerprint: chunk.fingerprint of the chunk's data, or - for zeros>
 
 Those holes are filled, and packed, like skipped ones (fill, pack_arguments), from the record
 rather than from fingerprints: its chunks are named by sha256, and are this checkpoint's own.
+The host fingerprint is torpor's, computed by the intake from the same private copy of the
+part it named and stored (never the agent's fold); the pack records it as the file's
+"host_fingerprints", so this host's store knows, for its own GPU data chunks, name -> XXH3-128
+of the bytes it named. A streamed restore from the store's own snapshot then verifies those
+chunks by that fingerprint instead of sha256 (own_fingerprints, chunk.py "Verifying by
+fingerprint"). Version 1, without it, is still read (its parts verify by sha256).
 
 Host fingerprints do for the rest of a checkpoint (CRIU's page images above all) what the
 agent's do for GPU data, on the host: the pack fingerprints every chunk it reads (XXH3-128,
@@ -59,12 +66,13 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from .. import agent_data
-from ..errors import CorruptCheckpointError, DamagedRecordsError, TorporError
+from ..errors import CorruptCheckpointError, DamagedRecordsError, NotFoundError, TorporError
 from ..files import atomic_write, fsync_dir, read_untrusted
 from ..layout import MAX_RECORD
 from .backend import BLOB_NAME
@@ -72,10 +80,12 @@ from .snapshot import FINGERPRINT
 from .store import CHUNK_SIZE, Store
 from .writer import StreamedRef
 
+log = logging.getLogger(__name__)
 PART = 4 << 20          # the agent's part (mover.c FILE_ALIGN): one store chunk
 HEADER = "torpor-gpu-fingerprints 2"
 HEADER_V1 = "torpor-gpu-fingerprints 1"   # before zero parts: still read
-STREAMED_HEADER = "torpor-gpu-streamed 1"
+STREAMED_HEADER = "torpor-gpu-streamed 2"
+STREAMED_HEADER_V1 = "torpor-gpu-streamed 1"   # before host fingerprints: still read
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +115,7 @@ class Streamed:
     length: int
     store_len: int
     sha: str | None   # None: zeros, stored as nothing
+    fp: str | None = None   # chunk.fingerprint of its data (None: zeros, or a version 1 record)
 
     @property
     def chunk(self) -> int:
@@ -156,9 +167,15 @@ def _part(f: list[str], version: int) -> Part:
 
 
 def _streamed(f: list[str], version: int) -> Streamed:
-    if len(f) != 5 or not (f[4] == "-" or BLOB_NAME.fullmatch(f[4])):
+    if len(f) != (6 if version >= 2 else 5) or not (f[4] == "-" or BLOB_NAME.fullmatch(f[4])):
         raise ValueError
-    return Streamed(int(f[0]), int(f[1]), int(f[2]), int(f[3]), None if f[4] == "-" else f[4])
+    fp = None
+    if version >= 2:   # zeros have neither a name nor a fingerprint; a chunk has both
+        if (f[4] == "-") != (f[5] == "-") or not (f[5] == "-" or FINGERPRINT.fullmatch(f[5])):
+            raise ValueError
+        fp = None if f[5] == "-" else f[5]
+    return Streamed(int(f[0]), int(f[1]), int(f[2]), int(f[3]), None if f[4] == "-" else f[4],
+                    fp)
 
 
 def parse(text: str, origin: str, sizes: list[int]) -> list[Part]:
@@ -169,12 +186,19 @@ def parse(text: str, origin: str, sizes: list[int]) -> list[Part]:
 
 def parse_streamed(text: str, origin: str, sizes: list[int]) -> list[Streamed]:
     """A stream record's parts, checked as an index's are."""
-    return _lines(text, origin, sizes, {STREAMED_HEADER: 1}, "stream record", _streamed)
+    return _lines(text, origin, sizes, {STREAMED_HEADER: 2, STREAMED_HEADER_V1: 1},
+                  "stream record", _streamed)
 
 
 def dump_streamed(parts: Iterable[Streamed]) -> str:
-    return "".join([STREAMED_HEADER + "\n"] + [
-        f"{p.file} {p.offset} {p.length} {p.store_len} {p.sha or '-'}\n" for p in parts])
+    """A stream record (version 2); a part of a chunk without its fingerprint is refused."""
+    lines = [STREAMED_HEADER + "\n"]
+    for p in parts:
+        if (p.sha is None) != (p.fp is None):
+            raise ValueError(f"streamed part {p} needs both a name and a fingerprint, or none")
+        lines.append(f"{p.file} {p.offset} {p.length} {p.store_len} {p.sha or '-'} "
+                     f"{p.fp or '-'}\n")
+    return "".join(lines)
 
 
 def dump(parts: Iterable[Part]) -> str:
@@ -396,12 +420,70 @@ def fill_dir(store: Store, images_dir: Path, owner: str) -> int:
     return done
 
 
+def own_fingerprints(store: Store, packed: dict[str, Any], rels: Iterable[str]
+                     ) -> dict[str, str]:
+    """For a streamed restore of the packed checkpoint whose snapshot is `packed` (read from
+    the checkpoint directory: untrusted): chunk name -> the host fingerprint this host recorded
+    of it when it stored it, for the chunks of the files rels (its agents' data files) that
+    may be verified by that fingerprint instead of sha256 (chunk.py, "Verifying by
+    fingerprint"). Taken only from the store's OWN copy of a snapshot of the same name, and
+    only when:
+      - the store holds it and it has an owner: written here by a pack (Writer.commit), not
+        imported (Store.import_snapshot drops the owner: fingerprints that came with it were
+        never computed here);
+      - every file of rels lists, in the store's copy, exactly the chunks the packed doc lists
+        (else the checkpoint is not the one the store holds: all its chunks verify by sha256);
+      - the store's entry records a host fingerprint for the chunk ("host_fingerprints").
+    Nothing is ever taken from the packed doc's own fingerprints: a directory could carry any.
+    Every other chunk is left out: verified by sha256, as before.
+
+    The owner need not be the restoring program's: the owner scoping above (known) is about
+    resolving a NAME by a fingerprint, where a crafted collision could hand a program another
+    tenant's chunk. Here the name comes first, and the fingerprint only verifies the bytes
+    read for it, and is the XXH3-128 of the data the host itself named by that sha256 (the
+    intake fingerprints the same private copy it names and stores: stream.Intake._take; the
+    writer the bytes it read). So the check accepts the bytes that name stands for, and a
+    blob damaged or replaced on disk fails it (not cryptographically: the blob is in this
+    host's store, which only torpor writes). A chunk named twice with two fingerprints is
+    left to sha256."""
+    try:
+        own = store.load(packed["name"])
+    except (NotFoundError, CorruptCheckpointError) as e:
+        log.info("the store's copy of snapshot %s is not usable (%s): its GPU data verifies "
+                 "by sha256", packed["name"], e)
+        return {}
+    owner = own["meta"].get("owner")
+    if not isinstance(owner, str) or not owner:
+        return {}                       # imported, or never an owner's: sha256
+    rels = list(rels)
+    for rel in rels:
+        mine, theirs = own["files"].get(rel), packed["files"].get(rel)
+        if mine is None or theirs is None or mine["chunks"] != theirs["chunks"]:
+            log.info("snapshot %s in the store differs from the packed checkpoint's (%s): its "
+                     "GPU data verifies by sha256", packed["name"], rel)
+            return {}
+    out: dict[str, str] = {}
+    clash: set[str] = set()
+    for rel in rels:
+        mine = own["files"][rel]
+        for index, fp in mine.get("host_fingerprints", ()):
+            name = mine["chunks"][index][0]
+            if name is None:
+                continue
+            if out.setdefault(name, fp) != fp:
+                clash.add(name)
+    for name in clash:
+        del out[name]
+    return out
+
+
 def pack_arguments(store: Store, images_dir: Path, refs: dict[str, list[Any]]
                    ) -> dict[str, dict[str, Any]]:
     """For Store.ingest_dir's extra: every agent data file of the checkpoint in images_dir
     that has an index gets its skipped chunks (given, from refs: its owner's known GPU
-    fingerprints) and its fingerprints; each index goes in with nothing skipped (the
-    snapshot's file is complete)."""
+    fingerprints) and its fingerprints, and its streamed chunks (the stream record) with the
+    host fingerprints the intake recorded of them; each index goes in with nothing skipped
+    (the snapshot's file is complete)."""
     out: dict[str, dict[str, Any]] = {}
     root = images_dir / agent_data.DATA_DIR
     if not usable(store) or not root.is_dir():
@@ -418,7 +500,10 @@ def pack_arguments(store: Store, images_dir: Path, refs: dict[str, list[Any]]
             chunks.update({s.chunk: StreamedRef(s.ref) for s in streamed if s.file == k})
             out[rel] = {"given": chunks,   # zero parts: no fingerprint, their chunk is none
                         "fingerprints": [[p.chunk, p.fp] for p in parts
-                                         if p.file == k and not p.zero]}
+                                         if p.file == k and not p.zero],
+                        # the host's own, of what it named (the stream record is torpor's)
+                        "host_fingerprints": [[s.chunk, s.fp] for s in streamed
+                                              if s.file == k and s.fp is not None]}
         if streamed:   # the snapshot's files are whole: no record of holes goes with them
             out[(prog / agent_data.STREAMED).relative_to(images_dir).as_posix()] = {"leave_out": True}
         out[index.relative_to(images_dir).as_posix()] = {"src": io.BytesIO(dump(

@@ -164,9 +164,13 @@ class Store:
                                          f"the snapshot says {length}")
         return data
 
-    def read_chunk_into(self, ref: list[Any], dest: memoryview, where: str) -> None:
+    def read_chunk_into(self, ref: list[Any], dest: memoryview, where: str,
+                        fp: str | None = None) -> bool:
         """read_chunk() into dest (exactly the chunk's length), without an intermediate copy
-        where the backend has local files (store/stream.py feeds GPU data this way)."""
+        where the backend has local files (store/stream.py feeds GPU data this way). fp: the
+        fingerprint this host recorded of the chunk (chunk.read_blob_into; from a trusted
+        record only): the data is checked against it rather than its sha256. Whether it was
+        (else sha256 was, or the chunk is zeros)."""
         name, length = ref
         if len(dest) != length:
             raise CorruptCheckpointError(f"chunk {name} ({where}): {length} bytes do not fit "
@@ -174,12 +178,13 @@ class Store:
         path = None if name is None else self.backend.blob_path(name)
         if path is None:
             dest[:] = self.read_chunk(ref, where)
-            return
+            return False
         try:
-            chunk.read_blob_into(path, name, dest, where)
+            chunk.read_blob_into(path, name, dest, where, fp)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"chunk {name} ({where}) is missing from store "
                                          f"{self.where}") from None
+        return fp is not None
 
     def read_entry(self, entry: dict[str, Any], where: str) -> Iterator[bytes]:
         """The chunks of one file entry of a validated snapshot, in order, each verified;

@@ -3,22 +3,26 @@ checkpoint, and straight out of it onto the GPU at a restore, through a bounded 
 memory (agent/PROTOCOL.md, "Streaming").
 
 Saving (Intake): the agent copies each 4 MiB part of its data from its pinned staging buffers
-into a free slot of the ring and sends a record (slot, file, offset, length, store length) on
-a SOCK_SEQPACKET socket; torpor's pool names, compresses and writes the part as a chunk
-straight from the slot, then sends the slot's number back. Host memory holds at most the ring,
-however large the program; the data files stay holes, and no GPU byte is written twice
-(before, the agent wrote the data files and the pack read them back). Once the agent has sent
-every part, torpor makes the chunks durable and writes the program's stream record
-(agent_data.STREAMED: the chunk each part is, store/fingerprints.py fills holes from it), and only
-then commits. The agent releases nothing before the commit, so a torpor that fails or dies
+into a free slot of the ring and sends a record (slot, file, offset, length, store length) on a
+SOCK_SEQPACKET socket; torpor's pool names, compresses and writes the part as a chunk from a
+private copy of the slot (the ring is shared with the agent, which runs inside the program: a
+part changed under the pool must not get one name and other bytes), then sends the slot's
+number back. Host memory holds at most the ring, however large the program; the data files stay
+holes, and no GPU byte is written twice (before, the agent wrote the data files and the pack
+read them back). Once the agent has sent every part, torpor makes the chunks durable and writes
+the program's stream record (agent_data.STREAMED: the chunk each part is, and the host
+fingerprint (XXH3-128) of the data it named, store/fingerprints.py fills holes from it), and
+only then commits. The agent releases nothing before the commit, so a torpor that fails or dies
 mid-stream costs the program nothing: it runs on from its GPU memory.
 
-Loading (feed): torpor's pool reads each chunk of the program's data from the store into a
-free slot (a raw chunk straight from its file, a zstd one decompressed into it), checks it
-against its sha256 there and sends its record; the agent copies the part onto the GPU and
-sends the slot back. A chunk of zeros (stored as nothing: the parts the agent found zero on
-the GPU, issue 20) goes as a record alone, slot ZERO: no slot, no bytes, the agent memsets it. Reading, decompressing and copying to the GPU overlap, and nothing is
-unpacked into files first.
+Loading (feed): torpor's pool reads each chunk of the program's data from the store into a free
+slot (a raw chunk straight from its file, a zstd one decompressed into it), checks it there,
+against its sha256 or, for a chunk this host streamed into its own store, against the
+fingerprint it recorded then (Source.fp, fingerprints.own_fingerprints), and sends its record;
+the agent copies the part onto the GPU and sends the slot back. A chunk of zeros (stored as
+nothing: the parts the agent found zero on the GPU, issue 20) goes as a record alone, slot
+ZERO: no slot, no bytes, the agent memsets it. Reading, decompressing and copying to the GPU
+overlap, and nothing is unpacked into files first.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from typing import Any, Iterable
 from .. import agent_data
 from ..errors import CorruptCheckpointError, TorporError, describe
 from ..files import atomic_write
-from . import fingerprints
+from . import chunk, fingerprints
 from .fingerprints import PART, Streamed
 from .store import Store
 from .writer import Writer
@@ -121,11 +125,14 @@ class IntakeStats:
     zero_chunks: int = 0
     seconds: float = 0.0
     # where the time went, summed over the pool's threads (to find what bounds a stream):
-    # naming (sha256), compressing, writing (with its fsync); then, in seconds of wall time,
-    # the store's sync and the stream record before the commit
+    # naming (sha256), compressing, writing (with its fsync), copying the slot and taking its
+    # fingerprint (XXH3-128); then, in seconds of wall time, the store's sync and the stream
+    # record before the commit
     hash_s: float = 0.0
     compress_s: float = 0.0
     write_s: float = 0.0
+    copy_s: float = 0.0
+    fingerprint_s: float = 0.0
     publish_s: float = 0.0
     threads: int = 0
 
@@ -225,7 +232,8 @@ class Intake:
                 self._record()
                 self.stats.publish_s = time.monotonic() - t
             self.stats.seconds = time.monotonic() - start
-            for i, field in enumerate(("hash_s", "compress_s", "write_s")):
+            for i, field in enumerate(("hash_s", "compress_s", "write_s", "copy_s",
+                                       "fingerprint_s")):
                 setattr(self.stats, field, sum(c[i] for c in self._clocks))
             self.stats.threads = len(self._clocks)
             self.ring.sock.send(SLOT_NO.pack(END))   # commit: the agent may release now
@@ -250,18 +258,33 @@ class Intake:
 
     def _take(self, w: Writer, slot: int, file: int, offset: int, length: int,
               store_len: int) -> None:
-        if not hasattr(self._local, "clock"):
-            self._local.clock = [0.0, 0.0, 0.0]
+        local = self._local
+        if not hasattr(local, "clock"):
+            local.clock = [0.0, 0.0, 0.0, 0.0, 0.0]
+            local.buf = bytearray(PART)   # this thread's private copy of a slot, reused
             with self._lock:
-                self._clocks.append(self._local.clock)
+                self._clocks.append(local.clock)
+        t0 = time.perf_counter()
         view = self.ring.slot(slot, length)
+        data = memoryview(local.buf)[:store_len]
         try:
-            # the store chunk is the part and the hole after it (zeros), as the pack reads it
-            data: Any = view if store_len == length else bytes(view) + bytes(store_len - length)
-            ref, stored = w.put_data(data, self._local.clock)
+            # The name, the blob and the fingerprint all come from one private copy: the
+            # agent (the program) can write the slot at any time, and a blob stored under a
+            # name its bytes do not have would poison every later checkpoint that reuses the
+            # name; a fingerprint of other bytes than those named would verify the wrong ones.
+            # The store chunk is the part and the hole after it (zeros), as the pack reads it.
+            data[:length] = view
+            if store_len > length:
+                data[length:] = chunk.zeros(store_len - length)
         finally:
             view.release()
-        self.ring.sock.send(SLOT_NO.pack(slot))
+        self.ring.sock.send(SLOT_NO.pack(slot))   # copied: the agent may fill it again
+        t1 = time.perf_counter()
+        ref, stored = w.put_data(data, local.clock)
+        t2 = time.perf_counter()
+        fp = None if ref[0] is None else chunk.fingerprint(data)
+        local.clock[3] += t1 - t0
+        local.clock[4] += time.perf_counter() - t2
         with self._lock:
             s = self.stats
             s.parts += 1
@@ -273,7 +296,7 @@ class Intake:
             else:
                 s.new_chunks += 1
                 s.new_bytes += stored
-            self.parts.append(Streamed(file, offset, length, store_len, ref[0]))
+            self.parts.append(Streamed(file, offset, length, store_len, ref[0], fp))
 
     def _record(self) -> None:
         """The stream record, durable, before the commit: without it the holes the parts
@@ -298,13 +321,23 @@ class Source:
     file: int
     offset: int
     ref: list[Any]   # [sha256 or None, length]
+    fp: str | None = None   # the host fingerprint to verify it by instead of its sha256: only
+                            # ever from a record this host wrote (chunk.py)
 
 
-def sources(doc: dict[str, Any], prog_rel: str, count: int) -> list[Source]:
+def data_rels(prog_rel: str, count: int) -> list[str]:
+    """The snapshot paths of one program's count data files (prog_rel: torpor-gpu/<pid>)."""
+    return [f"{prog_rel}/{agent_data.file_name(k)}" for k in range(count)]
+
+
+def sources(doc: dict[str, Any], prog_rel: str, count: int,
+            trusted: dict[str, str] | None = None) -> list[Source]:
     """The parts of one program's data files (prog_rel: torpor-gpu/<pid> in the snapshot doc,
     count files), from the snapshot's chunks: each data file is cut into PART chunks, and
     every one is a part (mover.c: chunks start at multiples of PART, and a part's store chunk
-    runs on to the next), so chunk i of file k is the part at offset i * PART."""
+    runs on to the next), so chunk i of file k is the part at offset i * PART. trusted: chunk
+    name -> the host fingerprint to verify it by (fingerprints.own_fingerprints: never the
+    doc's own); the others verify by sha256."""
     out = []
     for k in range(count):
         rel = f"{prog_rel}/{agent_data.file_name(k)}"
@@ -316,7 +349,7 @@ def sources(doc: dict[str, Any], prog_rel: str, count: int) -> list[Source]:
             if ref[1] > PART or (at % PART and ref[1]):
                 raise CorruptCheckpointError(f"snapshot {doc['name']}: {rel} is not cut into "
                                              f"{PART}-byte chunks, so it cannot be streamed")
-            out.append(Source(k, at, list(ref)))
+            out.append(Source(k, at, list(ref), (trusted or {}).get(ref[0] or "")))
             at += ref[1]
     return out
 
@@ -334,13 +367,23 @@ def spread(parts: list[Source], ways: int) -> list[Source]:
     return [s[i] for i in range(step) for s in stretches if i < len(s)]
 
 
-def feed(store: Store, ring: Ring, parts: Iterable[Source], where: str) -> int:
+@dataclasses.dataclass
+class FeedStats:
+    bytes: int = 0              # sent (zeros not counted)
+    by_fingerprint: int = 0     # chunks verified by the host fingerprint recorded here
+    by_sha256: int = 0          # chunks verified by their sha256 name
+    zero_chunks: int = 0        # sent as a record alone
+
+
+def feed(store: Store, ring: Ring, parts: Iterable[Source], where: str,
+         stats: FeedStats | None = None) -> int:
     """Send every part to the agent through the ring (its `resume stream` runs meanwhile), each
-    chunk read from the store straight into a free slot and verified there (zeros: a record
-    alone); then EOF. Returns, with the bytes sent (zeros not counted), once the agent has closed its end (its resume is over); a caller
-    that gives up on the agent shuts ring.sock down to end it sooner. StreamError or
-    CorruptCheckpointError on failure (the agent's resume then fails: its gate stays closed,
-    nothing lost)."""
+    chunk read from the store straight into a free slot and verified there, by its sha256 or
+    by its Source.fp (zeros: a record alone); then EOF. Returns, with the bytes sent (zeros
+    not counted), once the agent has closed its end (its resume is over); a caller that gives
+    up on the agent shuts ring.sock down to end it sooner. stats: filled in as it goes.
+    StreamError or CorruptCheckpointError on failure (the agent's resume then fails: its gate
+    stays closed, nothing lost)."""
     free: list[int] = []
     cond = threading.Condition()
     closed = [False]
@@ -370,7 +413,7 @@ def feed(store: Store, ring: Ring, parts: Iterable[Source], where: str) -> int:
 
     def send(part: Source) -> int:
         if not hasattr(local, "clock"):
-            local.clock = [0.0, 0.0]
+            local.clock = [0.0, 0.0, 0, 0]   # ..., chunks checked by fingerprint, by sha256
             clocks.append(local.clock)    # list.append: atomic
         if part.ref[0] is None:           # zeros: a record alone (the agent memsets them)
             try:
@@ -385,9 +428,10 @@ def feed(store: Store, ring: Ring, parts: Iterable[Source], where: str) -> int:
         length = part.ref[1]
         view = ring.slot(n, length)
         try:
-            store.read_chunk_into(part.ref, view, where)
+            by_fp = store.read_chunk_into(part.ref, view, where, part.fp)
         finally:
             view.release()
+        local.clock[2 if by_fp else 3] += 1
         try:
             ring.sock.send(RECORD.pack(n, part.file, part.offset, length, length))
         except (BrokenPipeError, ConnectionResetError):
@@ -401,12 +445,14 @@ def feed(store: Store, ring: Ring, parts: Iterable[Source], where: str) -> int:
     back = threading.Thread(target=slots_back, name="torpor-feed", daemon=True)
     back.start()
     total = 0
+    zeros = [0]
     start = time.perf_counter()
     try:
         with store.backend.lock(False, store.lock_timeout), \
                 concurrent.futures.ThreadPoolExecutor(store.workers, "torpor-feed") as pool:
-            futures = [pool.submit(send, p)
-                       for p in spread([p for p in parts if p.ref[1]], store.workers)]
+            todo = [p for p in parts if p.ref[1]]
+            zeros = [sum(p.ref[0] is None for p in todo)]
+            futures = [pool.submit(send, p) for p in spread(todo, store.workers)]
             try:
                 for f in futures:
                     total += f.result()
@@ -423,8 +469,15 @@ def feed(store: Store, ring: Ring, parts: Iterable[Source], where: str) -> int:
         except OSError:
             pass
     back.join()   # no thread left reading a socket that its caller closes next
+    st = stats if stats is not None else FeedStats()
+    st.bytes = total
+    st.by_fingerprint = sum(int(c[2]) for c in clocks)
+    st.by_sha256 = sum(int(c[3]) for c in clocks)
+    st.zero_chunks = zeros[0]
     # where a stream's time goes (what bounds it), as the store logs its unpacks
     log.info("fed %d bytes of %s in %.2f s by %d threads; thread-seconds: waiting for a slot "
-             "%.2f, reading and verifying %.2f", total, where, time.perf_counter() - start,
-             len(clocks), sum(c[0] for c in clocks), sum(c[1] for c in clocks))
+             "%.2f, reading and verifying %.2f; chunks verified by the fingerprint this host "
+             "recorded %d, by sha256 %d, zeros %d", total, where, time.perf_counter() - start,
+             len(clocks), sum(c[0] for c in clocks), sum(c[1] for c in clocks),
+             st.by_fingerprint, st.by_sha256, st.zero_chunks)
     return total

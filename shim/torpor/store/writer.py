@@ -192,12 +192,16 @@ class Writer:
 
     def add_file(self, relpath: str, src: Path | BinaryIO, pieces: Sequence[int] = (),
                  given: Mapping[int, list[Any]] | None = None,
-                 fingerprints: Sequence[list[Any]] = ()) -> dict[str, Any]:
+                 fingerprints: Sequence[list[Any]] = (),
+                 host_fingerprints: Sequence[list[Any]] = ()) -> dict[str, Any]:
         """Store one file (a path, or a binary stream read to its end) as relpath, cut at the
         lengths in pieces first (each at most the chunk size), the rest into fixed chunks.
         given: chunk index -> a chunk of the store that those bytes are (not read: a hole
         the agent left, fingerprints.py); fingerprints: [[chunk index, fingerprint], ...],
-        recorded with the file."""
+        recorded with the file; host_fingerprints: the same, for given chunks, of host
+        fingerprints torpor computed of their data as it named them (a stream record's:
+        fingerprints.pack_arguments; only ever torpor's own), recorded with those the writer
+        computes."""
         if any(not 0 < ref[1] <= self.store.chunk_size for ref in (given or {}).values()):
             raise UsageError(f"given chunks of {relpath} must be 1 to "
                              f"{self.store.chunk_size} bytes")
@@ -225,8 +229,14 @@ class Writer:
         entry = {"size": sum(r[1] for r in refs), "mode": mode, "chunks": refs}
         if fingerprints:
             entry["fingerprints"] = [list(f) for f in fingerprints]
-        if host := [[i, fp] for i, (_ref, fp) in enumerate(done) if fp]:
-            entry["host_fingerprints"] = host
+        mine = {i: fp for i, (_ref, fp) in enumerate(done) if fp}
+        for i, fp in host_fingerprints:
+            if not (0 <= i < len(refs) and given and i in given and refs[i][0] is not None):
+                raise UsageError(f"host fingerprint for chunk {i} of {relpath}, which is no "
+                                 "given chunk")
+            mine[i] = fp
+        if mine:
+            entry["host_fingerprints"] = [[i, mine[i]] for i in sorted(mine)]
         self.files[relpath] = entry
         return entry
 
