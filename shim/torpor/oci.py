@@ -79,6 +79,43 @@ def validate_container_id(cid: str) -> str:
     return cid
 
 
+# A container's name at torpor: its id, and which runtime root it lives under. One id may live
+# under two roots at once (containerd namespaces, podman and ctr side by side), so what torpor
+# keeps per container on the host (torpor-runtime's marker, the agent socket directory
+# <run_dir>/agents/<name>, torpord's record) is named <id>@<root key> (runtime/markers.py
+# root_key: 16 lowercase hex). A bare <id> is what an earlier torpor named them by.
+NAME_SEP = "@"
+_ROOT_KEY_RE = re.compile(r"[0-9a-f]{16}")
+
+
+def container_name(cid: str, root_key: str = "") -> str:
+    """<id>@<root key>, or <id> alone without a key (an earlier torpor's name); UsageError
+    for a bad id or key."""
+    name = validate_container_id(cid) + (NAME_SEP + root_key if root_key else "")
+    return validate_container_name(name)
+
+
+def validate_container_name(name: str) -> str:
+    """A container's name at torpor (container_name) fit to name a file in one directory: an
+    id as validate_container_id reads it, then nothing or '@' and 16 lowercase hex digits.
+    Nothing else ('/', a second '@', a newline) gets through."""
+    cid, sep, key = name.partition(NAME_SEP) if isinstance(name, str) else ("", "", "")
+    try:
+        validate_container_id(cid)
+    except UsageError:
+        raise UsageError(f"bad container name {name!r}: an id (1-128 of [A-Za-z0-9_.-], no "
+                         "'..'), optionally '@' and 16 lowercase hex digits") from None
+    if sep and not _ROOT_KEY_RE.fullmatch(key):
+        raise UsageError(f"bad container name {name!r}: after '@', 16 lowercase hex digits "
+                         "(the runtime root's key)")
+    return name
+
+
+def container_id_of(name: str) -> str:
+    """The container id in a container's name (validate_container_name)."""
+    return validate_container_name(name).partition(NAME_SEP)[0]
+
+
 MAX_SPEC = 64 << 20   # as the native front's MAX_SPEC: a bigger config.json is no spec of ours
 
 
