@@ -762,6 +762,7 @@ def test_what_runc_would_run_for_a_gpu_spec_or_a_marked_container_goes_to_python
     from hypothesis import HealthCheck, example, given, settings, strategies as st
 
     w.mark("G")
+    w.mark("G", "/r")      # under each root the argv may name: markers are per root
     for name, spec in (("gpu", '{"linux": {"devices": [{"path": "/dev/nvidia0"}]}}'),
                        ("cpu", "{}")):
         (w.bundle / name).mkdir()
