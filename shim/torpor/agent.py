@@ -87,10 +87,13 @@ def container_dirs(run_dir: Path) -> Path:
     return run_dir / "agents"
 
 
-def container_dir(run_dir: Path, container_id: str) -> Path:
-    """A container's socket directory on the host (torpor-runtime makes it at create)."""
-    from .oci import validate_container_id
-    return container_dirs(run_dir) / validate_container_id(container_id)
+def container_dir(run_dir: Path, name: str) -> Path:
+    """A container's socket directory on the host (torpor-runtime makes it at create), named
+    by the container's name at torpor (oci.container_name: <id>@<runtime root key>, or <id>
+    alone for a container an earlier torpor created); UsageError for any other name, so none
+    leads outside container_dirs."""
+    from .oci import validate_container_name
+    return container_dirs(run_dir) / validate_container_name(name)
 
 
 def socket_path(nspid: int, agent_dir: Path | None = None) -> Path:

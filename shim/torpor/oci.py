@@ -111,9 +111,10 @@ def validate_container_name(name: str) -> str:
     return name
 
 
-def container_id_of(name: str) -> str:
-    """The container id in a container's name (validate_container_name)."""
-    return validate_container_name(name).partition(NAME_SEP)[0]
+def split_name(name: str) -> tuple[str, str]:
+    """A container's name (validate_container_name) as (id, root key; "" for none)."""
+    cid, _, key = validate_container_name(name).partition(NAME_SEP)
+    return cid, key
 
 
 MAX_SPEC = 64 << 20   # as the native front's MAX_SPEC: a bigger config.json is no spec of ours
