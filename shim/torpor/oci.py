@@ -34,6 +34,11 @@ AGENT_SKIPPED_ANNOTATION = "org.torpor.agent-skipped"  # set by torpor-runtime: 
                                                  # was not preloaded (the container's libc)
 STORE_ANNOTATION = "org.torpor.store"            # "on"/"off": pack checkpoints into the image
                                                  # store (config `store_containers`)
+ROOT_KEY_ANNOTATION = "org.torpor.root-key"      # set by torpor-runtime: the key of the runtime
+                                                 # root the container lives under (its name:
+                                                 # container_name); torpor-hook, which the
+                                                 # runtime does not tell --root, reads it from
+                                                 # the container's state
 AGENT_LIBRARY_IN_CONTAINER = "/run/torpor/agent/libtorpor-agent.so"
 AGENT_DIR_IN_CONTAINER = "/run/torpor/agents"
 
@@ -341,6 +346,37 @@ def mark_agent_skipped(spec: dict[str, Any], reason: str) -> None:
     if not isinstance(annotations, dict):
         annotations = spec["annotations"] = {}
     annotations[AGENT_SKIPPED_ANNOTATION] = reason[:500]
+
+
+def set_root_key(spec: dict[str, Any], root_key: str) -> bool:
+    """Name the container's runtime root (its key) in the spec's annotations, which the
+    runtime hands every hook in the container's state (packaging/oci-hooks.d's too, which
+    get no environment from torpor-runtime). True if the spec changed."""
+    annotations = spec.get("annotations")
+    if not isinstance(annotations, dict):
+        annotations = spec["annotations"] = {}
+    if annotations.get(ROOT_KEY_ANNOTATION) == root_key:
+        return False
+    annotations[ROOT_KEY_ANNOTATION] = root_key
+    return True
+
+
+def name_in_state(state: Mapping[str, Any]) -> str:
+    """A container's name at torpor (container_name) from its OCI state as a hook reads it:
+    its id, and the root key torpor-runtime annotated (none: a container it did not create,
+    or an earlier torpor's, named by its id alone). UsageError for a bad id or key."""
+    annotations = state.get("annotations")
+    key = annotations.get(ROOT_KEY_ANNOTATION, "") if isinstance(annotations, dict) else ""
+    return container_name(state.get("id"), key if isinstance(key, str) else "?")
+
+
+def agent_host_dir(spec: Mapping[str, Any]) -> str | None:
+    """The host directory the spec binds at the agent's socket directory (add_agent), or
+    None."""
+    for m in _dicts(spec.get("mounts")):
+        if m.get("destination") == AGENT_DIR_IN_CONTAINER and isinstance(m.get("source"), str):
+            return m["source"]
+    return None
 
 
 def has_agent(spec: Mapping[str, Any]) -> bool:

@@ -147,9 +147,10 @@ def test_remove_without_a_marker_directory_is_nothing(cfg):
 
 def test_a_delete_leaves_what_the_id_alone_keys_while_another_root_marks_that_id(cfg,
                                                                               tmp_path):
-    """The agent socket directory and torpord's record are keyed by the container id alone:
-    X under /b deleted while torpor's X under /a runs must not take /a's agent directory
-    (its agent would be unreachable); /a's own delete then removes it."""
+    """An earlier torpor named the agent socket directory (and torpord's record) by the
+    container id alone: X under /b deleted while X under /a (created before the upgrade)
+    runs must not take /a's agent directory (its agent would be unreachable); /a's own
+    delete then removes it. Each root's own directory: test_runtime_names.py."""
     from torpor.runtime import lifecycle
     from torpor.runtime.runc import Runtime
     runc = tmp_path / "runc"
@@ -157,7 +158,7 @@ def test_a_delete_leaves_what_the_id_alone_keys_while_another_root_marks_that_id
     runc.chmod(0o755)
     markers.write(cfg, inv("/a"))
     markers.write(cfg, inv("/b"))
-    agent_dir = lifecycle.agent_dir(cfg, CID, {})
+    agent_dir = lifecycle.agent_dir(cfg, CID, {})     # the id alone: an earlier torpor's
     assert markers.other_roots(cfg, inv("/b", "delete")) == ["/a"]
     d = inv("/b", "delete")
     assert lifecycle.delete(cfg, Runtime(str(runc), d), d) == 0

@@ -7,38 +7,38 @@ container id may live under two runtime roots (--root: containerd namespaces, po
 side by side), so a marker is named by the pair:
 
     <run_dir>/containers/<container id>@<key>    0600, in a 0700 directory
-    key: FNV-1a 64 of the bytes of --root as given ("" where none is), 16 lowercase hex
-    JSON {"roots": [<--root as given>, ...]}
+    key: FNV-1a 64 of the bytes of --root, normalized ("" where none is), 16 lowercase hex
+    JSON {"roots": [<--root, normalized>, ...]}
 
-The root is read lexically first (normalize_root: repeated '/' collapsed, '.' components and
-a trailing '/' dropped; '..' and links left as they are, as the runtime would resolve them),
-so "/run/runc", "/run/runc/" and "/run/./runc" are one root. The front derives the same name
+--root is read lexically (normalize_root: repeated '/' collapsed, '.' components and a
+trailing '/' dropped; '..' and links left as they are, for the runtime to resolve), so
+"/run/runc", "/run/runc/" and "/run/./runc" are one root. The front derives the same name
 from the same argv (root_key here and the front's root_key must agree;
 tests/unit/test_runtime_front.py checks them against each other) and only looks whether the
-file is there: it keeps no GPU rule and reads no JSON. "roots" is the list of roots sharing that key, each as normalized:
-two roots whose keys collide share one file, each listed, and the file goes with the last of
-them. A collision thus only sends the other root's calls of that id through Python, which
-passes them on; it never takes a marker away. No '@' is in a container id, so no name of this
-form is an id.
+file is there: it keeps no GPU rule and reads no JSON. "roots" is the list of roots sharing
+that key: two roots whose keys collide share one file, each listed, and the file goes with
+the last of them. A collision thus only sends the other root's calls of that id through
+Python, which passes them on; it never takes a marker away. No '@' is in a container id, so
+no name of this form is an id.
 
 A marker of torpor before this naming, <run_dir>/containers/<container id> holding
 {"root": ...}, is still honoured: the front sends every call of that id to Python, which
 reads it as the marker of the root it names, removes it at that root's delete, and replaces
 it by the new name when it marks the same (root, id) again. So is one keyed by the root as
-given before roots were normalized (raw_key: a root spelled "/r/" marked before the upgrade
-and deleted after it): the front and Python look there too where the spelling differs from
-its normal form, and Python moves it to the normal name when it marks that root again.
+given before roots were normalized (raw_key: a container created under "/r/" before the
+upgrade and deleted after it): where the spelling differs from its normal form, the front
+and Python look there too, and Python moves it to the normal name when it marks that root
+again.
 
-The same key names the container's agent socket directory and torpord's record of it
-(agent_name below, oci.container_name).
+The same name, <id>@<key> (name(): oci.container_name), is the container's agent socket
+directory's (runtime/lifecycle.py agent_name) and torpord's record's.
 
 run_dir (/run/torpor) is a tmpfs like the runtimes' own state: markers go with a reboot as
-the containers do. Beyond that lexical reading roots are compared as given: "/run/runc" and
+the containers do. Beyond that lexical reading, roots are compared as given: "/run/runc" and
 no --root (runc's default) are two roots here, as each engine names a container's root the
-same way in every call. A
-marker that is stale (its container is gone without a delete) only sends that id's calls
-through Python, which passes them on. Writing or removing one never fails the command: the
-container must still start or go.
+same way in every call. A marker that is stale (its container is gone without a delete) only
+sends that id's calls through Python, which passes them on. Writing or removing one never
+fails the command: the container must still start or go.
 """
 
 from __future__ import annotations
@@ -109,6 +109,18 @@ def raw_root_of_invocation(inv: Invocation) -> str:
     """--root as given; "" where none is."""
     root = inv.global_opts.get("root")
     return root if isinstance(root, str) else ""
+
+
+def key(inv: Invocation) -> str:
+    """The key of inv's runtime root (root_key of its --root)."""
+    return root_key(root_of_invocation(inv))
+
+
+def name(inv: Invocation) -> str:
+    """inv's container's name at torpor: <id>@<root key> (oci.container_name), the name of
+    its marker, its agent socket directory and torpord's record of it; UsageError for an id
+    that cannot name a file."""
+    return oci.container_name(inv.container_id, key(inv))
 
 
 def path(cfg: Config, container_id: str, root: str) -> Path:
