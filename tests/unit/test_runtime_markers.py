@@ -28,7 +28,7 @@ def names(cfg) -> list[str]:
     ("", "cbf29ce484222325"), ("a", "af63dc4c8601ec8c"), ("foobar", "85944171f73967e8"),
 ])
 def test_root_key_is_fnv1a_64(text, key):
-    # the published FNV-1a 64 test vectors: the front's fnv1a64 computes the same
+    # the published FNV-1a 64 test vectors (roots already normal): the front computes the same
     assert markers.root_key(text) == key
 
 
