@@ -22,7 +22,7 @@ from typing import Any
 
 from ..errors import NotFoundError, TorporError, UsageError
 from ..files import private_dir, write_json
-from ..oci import NAME_SEP, validate_container_id, validate_container_name
+from ..oci import NAME_SEP, validate_container_name
 
 log = logging.getLogger("torpor.sidecar")
 
@@ -45,9 +45,8 @@ class Containers:
         """The registered name a request's container_id means: a name as it is; a bare id the
         record of that id alone, else the one record of that id under a runtime root
         (UsageError where there are several: the name must say which)."""
-        if NAME_SEP in cid or self._path(cid).exists():
+        if NAME_SEP in cid or self._path(cid).exists():   # (_path: a bad id is refused)
             return cid
-        validate_container_id(cid)
         found = sorted(p.name[:-len(".json")] for p in self.dir.glob(f"{cid}{NAME_SEP}*.json"))
         if len(found) > 1:
             raise UsageError(f"container id '{cid}' is registered under {len(found)} runtime "
