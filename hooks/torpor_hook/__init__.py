@@ -8,7 +8,11 @@ createRuntime runs when the runtime has made the container's namespaces (also on
 with the restored PID): a container whose spec names NVIDIA GPUs (torpor.oci.detect) is
 registered with torpord — id, bundle, host PID, GPU UUIDs, annotations — so `torpor ps`,
 torpord's List and container-id requests know it. poststop forgets it. Containers without GPUs
-are left alone.
+are left alone. The record is named as torpor names the container, <id>@<root key>
+(oci.name_in_state): the runtime does not tell a hook its --root, so torpor-runtime puts the
+root's key into the spec's annotations at create and restore, which the state carries. A
+container without it (created by an earlier torpor, or not by torpor-runtime) is registered by
+its id alone.
 
 A hook must never stop a container: every failure is logged (<state_dir>/hooks.log and
 stderr) and the hook exits 0. The checkpoint flow does not depend on registration: it reads
@@ -53,20 +57,22 @@ def register(state: dict, cfg) -> str:
     except NoDriverError:
         inv = None
     pid = int(state.get("pid") or 0)
+    name = oci.name_in_state(state)
     ensure_running(cfg, wait_s=START_WAIT_S)
     with Client(cfg, timeout=CALL_TIMEOUT_S) as c:
-        c.register_container(state["id"], bundle, [pid] if pid > 1 else [], use.uuids(inv),
+        c.register_container(name, bundle, [pid] if pid > 1 else [], use.uuids(inv),
                              {k: v for k, v in (state.get("annotations") or {}).items()
                               if isinstance(v, str)})
-    return f"registered (PID {pid}, GPUs {','.join(use.uuids(inv)) or use})"
+    return f"registered as {name} (PID {pid}, GPUs {','.join(use.uuids(inv)) or use})"
 
 
 def unregister(state: dict, cfg) -> str:
+    from torpor import oci
     from torpor.sidecar.client import Client
     if not cfg.socket_path.exists():
         return "torpord is not running"
     with Client(cfg, timeout=CALL_TIMEOUT_S) as c:
-        existed = c.unregister_container(state["id"], missing_ok=True)
+        existed = c.unregister_container(oci.name_in_state(state), missing_ok=True)
     return "unregistered" if existed else "was not registered"
 
 

@@ -18,10 +18,11 @@
  *                         whose marker could not be written) must not lose its GPU state;
  *                         both take seconds, the Python start 0.2 s.
  *   any other command     Python if the container has a marker under its root: the file
- *   naming a container    <run_dir>/containers/<id>@<key> (key: fnv1a64 of --root as given,
- *                         "" for none) the Python side writes at create/restore for each
- *                         container it took over and removes at delete (markers.py), or an
- *                         earlier torpor's <run_dir>/containers/<id> of any root; else runc.
+ *   naming a container    <run_dir>/containers/<id>@<key> (key: root_key, FNV-1a 64 of
+ *                         --root read lexically, "" for none) the Python side writes at
+ *                         create/restore for each container it took over and removes at
+ *                         delete (markers.py), or an earlier torpor's: keyed by --root as
+ *                         given, or <run_dir>/containers/<id> of any root; else runc.
  *   no container          (--version, list, spec, features, help): runc.
  * Anything the front cannot read for sure (an option runc does not have, an unreadable spec
  * or config file, an odd container id) goes to Python: never fail closed, never guess "CPU".
@@ -663,17 +664,48 @@ static bool valid_id(const char *id)
 }
 
 /*
- * The key of a runtime root in a marker's name: FNV-1a 64 of the bytes of --root as given
- * ("" for none, runc's default root). markers.root_key computes the same, bit for bit.
+ * The key of a runtime root in a marker's name: FNV-1a 64 of the bytes of --root as
+ * normalized ("" for none, runc's default root), or as given (raw) as torpor keyed it before
+ * it normalized roots. Normalized lexically: repeated '/' collapsed, '.' components and a
+ * trailing '/' dropped, '..' and links left as they are; "/" stays "/", a relative root of
+ * '.' only reads ".". markers.root_key and raw_key compute the same, bit for bit.
  */
-static uint64_t fnv1a64(const char *s)
-{
-	uint64_t h = 0xcbf29ce484222325ULL;
+#define FNV_OFFSET 0xcbf29ce484222325ULL
+#define FNV_PRIME 0x100000001b3ULL
 
-	for (; *s; s++) {
-		h ^= (unsigned char)*s;
-		h *= 0x100000001b3ULL;
+static void fnv_bytes(uint64_t *h, const char *s, size_t n)
+{
+	for (size_t k = 0; k < n; k++) {
+		*h ^= (unsigned char)s[k];
+		*h *= FNV_PRIME;
 	}
+}
+
+static uint64_t root_key(const char *root, bool raw)
+{
+	uint64_t h = FNV_OFFSET;
+	bool any = false;
+
+	if (raw || !*root) {
+		fnv_bytes(&h, root, strlen(root));
+		return h;
+	}
+	if (*root == '/')
+		fnv_bytes(&h, "/", 1);
+	for (const char *p = root; *p;) {
+		size_t n = strcspn(p, "/");
+
+		if (n && !(n == 1 && *p == '.')) {
+			if (any)
+				fnv_bytes(&h, "/", 1);
+			fnv_bytes(&h, p, n);
+			any = true;
+		}
+		p += n;
+		p += strspn(p, "/");
+	}
+	if (*root != '/' && !any)
+		fnv_bytes(&h, ".", 1);
 	return h;
 }
 
@@ -688,30 +720,38 @@ static int marker_at(const char *path)
 }
 
 /*
- * true: the container has a marker under this root, an earlier torpor's marker under any
- * root (its JSON names the root: Python reads it), or the front cannot tell. A key shared by
- * two roots only sends the other root's calls through Python.
+ * true: the container has a marker under this root (by its normal form, or as given where
+ * that differs: an earlier torpor's), an earlier torpor's marker under any root (its JSON
+ * names the root: Python reads it), or the front cannot tell. A key shared by two roots only
+ * sends the other root's calls through Python.
  */
 static bool has_marker(const struct settings *s, const char *root, const char *id,
 		       const char **why)
 {
 	char path[PATH_MAX];
+	uint64_t key, raw;
 	int r;
 
 	if (!valid_id(id)) {
 		*why = "container id torpor cannot name a file after";
 		return true;
 	}
-	if (snprintf(path, sizeof(path), "%s/containers/%s@%016" PRIx64, s->run_dir, id,
-		     fnv1a64(root ? root : "")) >= (int)sizeof(path)) {
-		*why = "marker path too long";
-		return true;
-	}
-	say("marker %s", path);
-	r = marker_at(path);
-	if (r) {
-		*why = r > 0 ? "marker" : "marker unreadable";
-		return true;
+	root = root ? root : "";
+	key = root_key(root, false);
+	raw = root_key(root, true);
+	for (int k = 0; k < (raw == key ? 1 : 2); k++) {
+		if (snprintf(path, sizeof(path), "%s/containers/%s@%016" PRIx64, s->run_dir, id,
+			     k ? raw : key) >= (int)sizeof(path)) {
+			*why = "marker path too long";
+			return true;
+		}
+		say("marker %s", path);
+		r = marker_at(path);
+		if (r) {
+			*why = r < 0 ? "marker unreadable"
+				     : k ? "marker of an unnormalized root" : "marker";
+			return true;
+		}
 	}
 	snprintf(path, sizeof(path), "%s/containers/%s", s->run_dir, id);	/* shorter: fits */
 	r = marker_at(path);

@@ -87,10 +87,13 @@ def container_dirs(run_dir: Path) -> Path:
     return run_dir / "agents"
 
 
-def container_dir(run_dir: Path, container_id: str) -> Path:
-    """A container's socket directory on the host (torpor-runtime makes it at create)."""
-    from .oci import validate_container_id
-    return container_dirs(run_dir) / validate_container_id(container_id)
+def container_dir(run_dir: Path, name: str) -> Path:
+    """A container's socket directory on the host (torpor-runtime makes it at create), named
+    by the container's name at torpor (oci.container_name: <id>@<runtime root key>, or <id>
+    alone for a container an earlier torpor created); UsageError for any other name, so none
+    leads outside container_dirs."""
+    from .oci import validate_container_name
+    return container_dirs(run_dir) / validate_container_name(name)
 
 
 def socket_path(nspid: int, agent_dir: Path | None = None) -> Path:
@@ -154,6 +157,24 @@ def _zeros(reply: dict[str, Any]) -> dict[str, int]:
             and 0 <= n < 1 << 62 else 0}
 
 
+SUN_PATH_MAX = 107   # sockaddr_un.sun_path holds 108 bytes, NUL included
+
+
+def _connect(sock: socket.socket, path: Path) -> None:
+    """sock connected to the Unix socket at path. A path longer than a socket address holds
+    (a container's agent directory <run_dir>/agents/<64-hex id>@<root key> leaves no room
+    for agent-<nspid>.sock under /run/torpor) is reached through its directory, held open
+    (O_PATH) for the call: /proc/self/fd/<fd>/<name> is short, and names the same socket."""
+    if len(os.fsencode(path)) <= SUN_PATH_MAX:
+        sock.connect(str(path))
+        return
+    fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        sock.connect(f"/proc/self/fd/{fd}/{path.name}")
+    finally:
+        os.close(fd)
+
+
 class AgentClient:
     """One connection to one program's agent. expect_pid: the host pid of the program; the
     connection is refused when another live process listens on the socket."""
@@ -172,7 +193,7 @@ class AgentClient:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self.sock.settimeout(timeout)
         try:
-            self.sock.connect(str(self.path))
+            _connect(self.sock, self.path)
         except OSError as e:
             self.sock.close()
             if e.errno == errno.ECONNREFUSED:  # a socket file nobody listens on

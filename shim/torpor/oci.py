@@ -34,6 +34,11 @@ AGENT_SKIPPED_ANNOTATION = "org.torpor.agent-skipped"  # set by torpor-runtime: 
                                                  # was not preloaded (the container's libc)
 STORE_ANNOTATION = "org.torpor.store"            # "on"/"off": pack checkpoints into the image
                                                  # store (config `store_containers`)
+ROOT_KEY_ANNOTATION = "org.torpor.root-key"      # set by torpor-runtime: the key of the runtime
+                                                 # root the container lives under (its name:
+                                                 # container_name); torpor-hook, which the
+                                                 # runtime does not tell --root, reads it from
+                                                 # the container's state
 AGENT_LIBRARY_IN_CONTAINER = "/run/torpor/agent/libtorpor-agent.so"
 AGENT_DIR_IN_CONTAINER = "/run/torpor/agents"
 
@@ -77,6 +82,44 @@ def validate_container_id(cid: str) -> str:
     if not isinstance(cid, str) or not _ID_RE.fullmatch(cid) or ".." in cid or cid == ".":
         raise UsageError(f"bad container id {cid!r}: use 1-128 of [A-Za-z0-9_.-], no '..'")
     return cid
+
+
+# A container's name at torpor: its id, and which runtime root it lives under. One id may live
+# under two roots at once (containerd namespaces, podman and ctr side by side), so what torpor
+# keeps per container on the host (torpor-runtime's marker, the agent socket directory
+# <run_dir>/agents/<name>, torpord's record) is named <id>@<root key> (runtime/markers.py
+# root_key: 16 lowercase hex). A bare <id> is what an earlier torpor named them by.
+NAME_SEP = "@"
+_ROOT_KEY_RE = re.compile(r"[0-9a-f]{16}")
+
+
+def container_name(cid: str, root_key: str = "") -> str:
+    """<id>@<root key>, or <id> alone without a key (an earlier torpor's name); UsageError
+    for a bad id or key."""
+    name = validate_container_id(cid) + (NAME_SEP + root_key if root_key else "")
+    return validate_container_name(name)
+
+
+def validate_container_name(name: str) -> str:
+    """A container's name at torpor (container_name) fit to name a file in one directory: an
+    id as validate_container_id reads it, then nothing or '@' and 16 lowercase hex digits.
+    Nothing else ('/', a second '@', a newline) gets through."""
+    cid, sep, key = name.partition(NAME_SEP) if isinstance(name, str) else ("", "", "")
+    try:
+        validate_container_id(cid)
+    except UsageError:
+        raise UsageError(f"bad container name {name!r}: an id (1-128 of [A-Za-z0-9_.-], no "
+                         "'..'), optionally '@' and 16 lowercase hex digits") from None
+    if sep and not _ROOT_KEY_RE.fullmatch(key):
+        raise UsageError(f"bad container name {name!r}: after '@', 16 lowercase hex digits "
+                         "(the runtime root's key)")
+    return name
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """A container's name (validate_container_name) as (id, root key; "" for none)."""
+    cid, _, key = validate_container_name(name).partition(NAME_SEP)
+    return cid, key
 
 
 MAX_SPEC = 64 << 20   # as the native front's MAX_SPEC: a bigger config.json is no spec of ours
@@ -303,6 +346,37 @@ def mark_agent_skipped(spec: dict[str, Any], reason: str) -> None:
     if not isinstance(annotations, dict):
         annotations = spec["annotations"] = {}
     annotations[AGENT_SKIPPED_ANNOTATION] = reason[:500]
+
+
+def set_root_key(spec: dict[str, Any], root_key: str) -> bool:
+    """Name the container's runtime root (its key) in the spec's annotations, which the
+    runtime hands every hook in the container's state (packaging/oci-hooks.d's too, which
+    get no environment from torpor-runtime). True if the spec changed."""
+    annotations = spec.get("annotations")
+    if not isinstance(annotations, dict):
+        annotations = spec["annotations"] = {}
+    if annotations.get(ROOT_KEY_ANNOTATION) == root_key:
+        return False
+    annotations[ROOT_KEY_ANNOTATION] = root_key
+    return True
+
+
+def name_in_state(state: Mapping[str, Any]) -> str:
+    """A container's name at torpor (container_name) from its OCI state as a hook reads it:
+    its id, and the root key torpor-runtime annotated (none: a container it did not create,
+    or an earlier torpor's, named by its id alone). UsageError for a bad id or key."""
+    annotations = state.get("annotations")
+    key = annotations.get(ROOT_KEY_ANNOTATION, "") if isinstance(annotations, dict) else ""
+    return container_name(state.get("id"), key if isinstance(key, str) else "?")
+
+
+def agent_host_dir(spec: Mapping[str, Any]) -> str | None:
+    """The host directory the spec binds at the agent's socket directory (add_agent), or
+    None."""
+    for m in _dicts(spec.get("mounts")):
+        if m.get("destination") == AGENT_DIR_IN_CONTAINER and isinstance(m.get("source"), str):
+            return m["source"]
+    return None
 
 
 def has_agent(spec: Mapping[str, Any]) -> bool:

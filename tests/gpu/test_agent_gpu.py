@@ -466,9 +466,11 @@ def test_podman_agent_export_import_continues_bit_exact(podman, containers, tmp_
     ref, tc = podman_started(containers, "agent1", GIB, last=59, at_step=10,
                              annotations={AGENT_ANNOTATION: "on"})
     cid = podman.inspect(tc.name, "{{.Id}}")
-    sockets = agent.container_dir(config.load().run_dir, cid)
-    wait_for(lambda: list(sockets.glob("agent-*.sock")), 60, f"an agent socket in {sockets}")
-    with agent.AgentClient(next(sockets.glob("agent-*.sock"))) as a:
+    # <id>@<key of podman's runtime root> (runtime/lifecycle.py agent_name)
+    dirs = agent.container_dirs(config.load().run_dir)
+    wait_for(lambda: list(dirs.glob(f"{cid}@*/agent-*.sock")), 60,
+             f"an agent socket in {dirs}/{cid}@*")
+    with agent.AgentClient(next(dirs.glob(f"{cid}@*/agent-*.sock"))) as a:
         st = a.status()
     show("container agent status", st)
     assert st.get("movable_bytes", 0) >= GIB * GiB, st

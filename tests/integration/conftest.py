@@ -122,6 +122,15 @@ def read_count(path: Path) -> int:
     raise AssertionError(f"{path} does not hold a counter: {text!r}")
 
 
+def agent_dir(run_dir: Path, cid: str) -> Path:
+    """The agent socket directory torpor-runtime made for the engine's container cid:
+    <run_dir>/agents/<cid>@<key of the engine's --root> (runtime/lifecycle.py agent_name),
+    made at its create or restore; a name that exists nowhere until it is."""
+    found = sorted((run_dir / "agents").glob(f"{cid}@*"))
+    assert len(found) <= 1, f"{cid} under {len(found)} runtime roots: {found}"
+    return found[0] if found else run_dir / "agents" / f"{cid}@not-made-yet"
+
+
 def wait_for(pred, timeout: float = 10.0, what: str = "condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

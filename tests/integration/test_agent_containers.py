@@ -18,11 +18,12 @@ import re
 import tarfile
 from pathlib import Path
 
-from tests.integration.conftest import wait_for
+from integration.containers import Containerd
+from tests.integration.conftest import agent_dir, wait_for
 from tests.integration.test_containers_gpu import (  # noqa: F401  (fixtures)
     GIB, containerd, fake_nodes, name, needs_criu, podman, shim)
 from tests.integration.torpord import base, daemon, gpu  # noqa: F401  (fixtures)
-from torpor.agent import AgentClient
+from torpor.agent import AgentClient, _peer_pid
 import pytest
 
 pytestmark = [needs_criu, pytest.mark.criu]
@@ -50,7 +51,7 @@ def test_podman_export_import_through_the_agent(podman, gpu, daemon, name, base)
                devices=[f"{nodes[0]}:/dev/nvidia0", f"{nodes[255]}:/dev/nvidiactl"])
     try:
         cid = podman.inspect(name, "{{.Id}}")
-        sock = daemon.cfg.run_dir / "agents" / cid / "agent-1.sock"   # PID 1 in the container
+        sock = agent_dir(daemon.cfg.run_dir, cid) / "agent-1.sock"   # PID 1 in the container
         wait_for(lambda: sock.exists() and gpu.proc_entry("ag.1"), 20,
                  "the program under its agent")
         old_pid = podman.pid(name)
@@ -76,7 +77,7 @@ def test_podman_export_import_through_the_agent(podman, gpu, daemon, name, base)
         assert podman.pid(name) != old_pid
         assert [e.rsplit(" ", 1)[0] for e in events.read_text().splitlines()] == \
             ["agent status", "agent resume"]
-        new_dir = daemon.cfg.run_dir / "agents" / new_cid
+        new_dir = agent_dir(daemon.cfg.run_dir, new_cid)
         with AgentClient(new_dir / "agent-1.sock") as a:
             st = a.status()
         assert (st["state"], st["gate"], st["intact"]) == ("running", "open", True)
@@ -87,7 +88,7 @@ def test_podman_export_import_through_the_agent(podman, gpu, daemon, name, base)
         events.unlink()
         podman.restore(import_=old)
         assert _events(events) == ["agent status", "agent resume"]
-        with AgentClient(daemon.cfg.run_dir / "agents" / podman.inspect(name, "{{.Id}}")
+        with AgentClient(agent_dir(daemon.cfg.run_dir, podman.inspect(name, "{{.Id}}"))
                          / "agent-1.sock") as a:
             st = a.status()
         assert (st["state"], st["gate"], st["intact"]) == ("running", "open", True)
@@ -133,7 +134,7 @@ def test_containerd_checkpoint_restore_through_the_agent(containerd, gpu, daemon
     ref = f"localhost/torpor-test-agent:{name.lower()}"
     new = f"{name}-r"[:60]
     try:
-        sock = daemon.cfg.run_dir / "agents" / name / "agent-1.sock"
+        sock = agent_dir(daemon.cfg.run_dir, name) / "agent-1.sock"
         wait_for(lambda: sock.exists() and gpu.proc_entry("agc.1"), 20,
                  "the program under its agent")
         old_pid = containerd.pid(name)
@@ -150,7 +151,7 @@ def test_containerd_checkpoint_restore_through_the_agent(containerd, gpu, daemon
         containerd.restore(ref, new)
         assert containerd.state(new) == "running" and containerd.pid(new) != old_pid
         assert _events(events) == ["agent status", "agent resume"]
-        with AgentClient(daemon.cfg.run_dir / "agents" / new / "agent-1.sock") as a:
+        with AgentClient(agent_dir(daemon.cfg.run_dir, new) / "agent-1.sock") as a:
             st = a.status()
         assert (st["state"], st["gate"], st["intact"]) == ("running", "open", True)
     finally:
@@ -174,7 +175,7 @@ def test_podman_store_checkpoint_asks_the_agent_for_fingerprints(podman, gpu, da
                devices=[f"{nodes[0]}:/dev/nvidia0", f"{nodes[255]}:/dev/nvidiactl"])
     try:
         cid = podman.inspect(name, "{{.Id}}")
-        sock = daemon.cfg.run_dir / "agents" / cid / "agent-1.sock"
+        sock = agent_dir(daemon.cfg.run_dir, cid) / "agent-1.sock"
         wait_for(lambda: sock.exists() and gpu.proc_entry("ag.1"), 20,
                  "the program under its agent")
         podman.checkpoint(name, leave_running=True)       # packed; then again, exported
@@ -199,9 +200,54 @@ def test_podman_store_checkpoint_asks_the_agent_for_fingerprints(podman, gpu, da
         podman.restore(import_=archive)
         # its GPU data streamed from the store (store/stream.py), not unpacked into files
         assert _events(events) == ["agent status", "agent resume", "agent resume-stream"]
-        with AgentClient(daemon.cfg.run_dir / "agents" / podman.inspect(name, "{{.Id}}")
+        with AgentClient(agent_dir(daemon.cfg.run_dir, podman.inspect(name, "{{.Id}}"))
                          / "agent-1.sock") as a:
             st = a.status()
         assert (st["state"], st["gate"], st["intact"]) == ("running", "open", True)
     finally:
         podman.rm(name)
+
+
+def test_one_id_in_two_containerd_namespaces_has_two_agents(containerd, shim, gpu, daemon,
+                                                            name, base):
+    """`ctr -n a run ... X` and `ctr -n b run ... X`: runc roots .../runc/a and .../runc/b.
+    Each container's agent is in its own directory (both programs are PID 1 inside, so one
+    directory would hold a single agent-1.sock), each checkpoint reaches its own agent, and
+    the delete of one leaves the other's directory and torpord record."""
+    other = Containerd(str(shim.path), namespace="torpor-test-other")
+    other.ensure_image()
+    ev_a, ev_b = gpu.state_dir / "agent-events-a", gpu.state_dir / "agent-events-b"
+    argv, env, mounts = agent_workload(gpu, "nsa", 3 << 20, ev_a)
+    containerd.run(name, argv, mounts=mounts, env=env, annotations={"org.torpor.agent": "on"})
+    argv, env, mounts = agent_workload(gpu, "nsb", 2 << 20, ev_b)
+    other.run(name, argv, mounts=mounts, env=env, annotations={"org.torpor.agent": "on"})
+    ref = f"localhost/torpor-test-agent-ns:{name.lower()}"
+    agents = daemon.cfg.run_dir / "agents"
+    try:
+        dirs = sorted(agents.glob(f"{name}@*"))
+        assert len(dirs) == 2 and not (agents / name).exists(), dirs
+        wait_for(lambda: all((d / "agent-1.sock").exists() for d in dirs)
+                 and gpu.proc_entry("nsa.1") and gpu.proc_entry("nsb.1"), 20,
+                 "both programs under their agents")
+        pids = {}
+        for d in dirs:     # each socket is the agent of a program of its own (host PID)
+            with AgentClient(d / "agent-1.sock") as a:
+                pids[d] = _peer_pid(a.sock)
+        assert sorted(pids.values()) == sorted([containerd.pid(name), other.pid(name)])
+        mine = next(d for d in dirs if pids[d] == containerd.pid(name))
+        wait_for(lambda: sorted(c.id for c in daemon.client().list().containers)
+                 == sorted(d.name for d in dirs), 10, "a record for each")
+
+        containerd.checkpoint(name, ref, leave_running=True)
+        assert "agent prepare" in _events(ev_a) and "agent prepare" not in _events(ev_b)
+
+        other.rm(name)
+        assert [d for d in agents.glob(f"{name}@*")] == [mine]
+        assert [c.id for c in daemon.client().list().containers] == [mine.name]
+        with AgentClient(mine / "agent-1.sock") as a:
+            assert a.status()["state"] == "running"
+    finally:
+        containerd.rm(name)
+        other.rm(name)
+        containerd.rm_image(ref)
+    assert list(agents.glob(f"{name}@*")) == []

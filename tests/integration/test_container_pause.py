@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from integration.containers import Podman
-from tests.integration.conftest import wait_for
+from tests.integration.conftest import agent_dir, wait_for
 from tests.integration.test_agent_containers import _events, agent_workload
 from tests.integration.test_containers_gpu import (  # noqa: F401  (fixtures)
     fake_nodes, name, needs_criu)
@@ -64,7 +64,7 @@ def _start(podman, gpu, daemon, base, name) -> tuple[Path, Path]:
     argv, env, mounts = agent_workload(gpu, "pz", NBYTES, events)
     podman.run(name, argv, mounts=mounts, env=env, annotations={"org.torpor.agent": "on"},
                devices=[f"{nodes[0]}:/dev/nvidia0", f"{nodes[255]}:/dev/nvidiactl"])
-    sock = daemon.cfg.run_dir / "agents" / podman.inspect(name, "{{.Id}}") / "agent-1.sock"
+    sock = agent_dir(daemon.cfg.run_dir, podman.inspect(name, "{{.Id}}")) / "agent-1.sock"
     wait_for(lambda: sock.exists() and gpu.proc_entry("pz.1"), 20, "the program under its agent")
     return events, sock
 
@@ -121,7 +121,7 @@ def test_leave_running_pause_is_shorter_than_the_write_out(mine, gpu, daemon, ba
         events.unlink()
         podman.restore(import_=archive)
         assert _events(events) == ["agent status", "agent resume"]
-        with AgentClient(daemon.cfg.run_dir / "agents" / podman.inspect(name, "{{.Id}}")
+        with AgentClient(agent_dir(daemon.cfg.run_dir, podman.inspect(name, "{{.Id}}"))
                          / "agent-1.sock") as a:
             st = a.status()
         assert (st["state"], st["gate"], st["intact"]) == ("running", "open", True)

@@ -26,7 +26,7 @@ import pytest
 
 from integration.containers import ContainerError, Containerd, Podman
 from tests.fakes.fakegpu import CHECKPOINTED, RUNNING, FakeGpu, pid_of
-from tests.integration.conftest import needs_criu, wait_for
+from tests.integration.conftest import agent_dir, needs_criu, wait_for
 from tests.integration.torpord import (  # noqa: F401  (fixtures)
     Daemon, base, gpu, daemon)
 from torpor.agent import AgentClient
@@ -237,7 +237,7 @@ def test_podman_agent_preloaded_by_default_and_answers_after_restore(podman, gpu
         cid = podman.inspect(name, "{{.Id}}")
         spec = json.loads((podman.bundle(name) / "config.json").read_text())
         assert "org.torpor.agent-skipped" not in (spec.get("annotations") or {})
-        agents = daemon.cfg.run_dir / "agents" / cid
+        agents = agent_dir(daemon.cfg.run_dir, cid)
         assert stat.S_IMODE(agents.stat().st_mode) == 0o700
         sock = agents / f"agent-{w.doc()['pid']}.sock"       # the PID inside the container
         wait_for(sock.exists, 10, "the agent's socket")
@@ -246,7 +246,7 @@ def test_podman_agent_preloaded_by_default_and_answers_after_restore(podman, gpu
         archive, tick = _export_and_remove(podman, name, w, base)
         podman.restore(import_=archive)
         w.wait_ticking(tick)
-        agents = daemon.cfg.run_dir / "agents" / podman.inspect(name, "{{.Id}}")
+        agents = agent_dir(daemon.cfg.run_dir, podman.inspect(name, "{{.Id}}"))
         with AgentClient(agents / sock.name) as a:
             assert a.status()["allocations"] == 1
     finally:
@@ -286,8 +286,10 @@ def test_podman_image_whose_libc_cannot_load_the_agent_starts_without_it(podman,
         assert "GLIBC_2.17" in reason, reason
         assert not any("libtorpor-agent" in e for e in spec["process"]["env"])
         assert f"create {cid}: agent not preloaded" in shim.log(daemon)
-        wait_for(lambda: any(c.id == cid and c.annotations.get("org.torpor.agent-skipped")
-                             == reason for c in daemon.client().list().containers), 10,
+        # registered as <id>@<key of podman's runtime root> (torpor-hook, oci.name_in_state)
+        wait_for(lambda: any(c.id.partition("@")[0] == cid
+                             and c.annotations.get("org.torpor.agent-skipped") == reason
+                             for c in daemon.client().list().containers), 10,
                  "torpord's record with the reason")
     finally:
         podman.rm(name)

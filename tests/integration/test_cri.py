@@ -27,7 +27,7 @@ import pytest
 
 from integration import cri as crimod
 from tests.fakes.fakegpu import RUNNING, FakeGpu
-from tests.integration.conftest import needs_criu, wait_for
+from tests.integration.conftest import agent_dir, needs_criu, wait_for
 from tests.integration.torpord import (  # noqa: F401  (fixtures)
     Daemon, base, gpu, daemon)
 from torpor import config
@@ -337,7 +337,7 @@ def _agent_socket(daemon: Daemon, cid: str, gpu: FakeGpu, scope: str) -> Path:
     """The socket of the container's program under its agent (agent-<PID in the pod>.sock in
     the directory torpor-runtime bound to /run/torpor/agents), once it serves."""
     def found() -> Path | None:
-        for sock in (daemon.cfg.run_dir / "agents" / cid).glob("agent-*.sock"):
+        for sock in agent_dir(daemon.cfg.run_dir, cid).glob("agent-*.sock"):
             if gpu.proc_entry(f"{scope}.{sock.stem.split('-')[1]}"):
                 return sock
         return None

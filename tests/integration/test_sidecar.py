@@ -170,11 +170,15 @@ def test_register_unregister_list_survive_restart(daemon):
                                    {"io.kubernetes.pod.name": "p"})
         assert got.id == "ctr-1.a_b" and got.pids == () and got.registered_at > 0
         c.register_container("ctr-2", "/b2", [os.getpid()])
-        for bad in ("../x", "a/b", "..", "", "x" * 129, "a..b"):
+        # the same id under another runtime root: torpor-hook's <id>@<root key>, its own record
+        c.register_container(f"ctr-1.a_b@{'0' * 16}", "/run/bundle/other")
+        for bad in ("../x", "a/b", "..", "", "x" * 129, "a..b", f"x@{'A' * 16}", "x@0",
+                    f"x@{'0' * 16}/../y"):
             with pytest.raises(UsageError):
                 c.register_container(bad, "/b")
         ids = [x.id for x in c.list().containers]
-        assert ids == ["ctr-1.a_b", "ctr-2"]
+        assert ids == ["ctr-1.a_b", f"ctr-1.a_b@{'0' * 16}", "ctr-2"]
+        assert c.unregister_container(f"ctr-1.a_b@{'0' * 16}") is True
     from torpor.cli.ps import containers_by_pid    # `torpor ps` names a registered PID's container
     assert containers_by_pid(daemon.cfg)[os.getpid()] == "ctr-2"
     cdir = daemon.cfg.state_dir / "containers"

@@ -51,6 +51,28 @@ def test_socket_of_finds_the_agent_by_nspid_and_none_without(fake, agents_dir):
     assert agent.socket_of(os.getpid(), agents_dir) == fake.path
     assert agent.socket_of(os.getpid(), agents_dir / "nowhere") is None
     assert agent.container_dir(Path("/run/torpor"), "abc") == Path("/run/torpor/agents/abc")
+    assert agent.container_dir(Path("/run/torpor"), f"abc@{'f' * 16}") == \
+        Path(f"/run/torpor/agents/abc@{'f' * 16}")
+    for bad in ("../abc", "abc@..", f"abc@{'f' * 16}/..", "a/b", f"@{'f' * 16}"):
+        with pytest.raises(UsageError):
+            agent.container_dir(Path("/run/torpor"), bad)
+
+
+def test_an_agent_socket_longer_than_a_socket_address_is_reached(tmp_path):
+    """A container's agent directory is <run_dir>/agents/<id>@<root key>: with podman's
+    64-hex ids, /run/torpor/agents/<id>@<key>/agent-<nspid>.sock is over the 107 bytes a
+    Unix socket address holds (connect: "AF_UNIX path too long")."""
+    long = tmp_path / "run" / "torpor" / "agents" / f"{'c' * 64}@{'0' * 16}"
+    long.mkdir(parents=True, mode=0o700)
+    short = tmp_path / "s"
+    short.symlink_to(long)     # the fake agent binds through a short name
+    a = FakeAgent(short / f"agent-{procs.nspid(os.getpid())}.sock").start()
+    try:
+        assert len(os.fsencode(agent.socket_path(os.getpid(), long))) > agent.SUN_PATH_MAX
+        with AgentClient.for_pid(os.getpid(), long) as c:
+            assert c.state() == "running"
+    finally:
+        a.stop()
 
 
 def test_prepare_detach_resume_round_trip(fake, tmp_path):

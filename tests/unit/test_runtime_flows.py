@@ -16,17 +16,19 @@ from typing import Any
 
 import pytest
 
-from torpor import config, manifest
+from torpor import config, manifest, oci
 from torpor.errors import CorruptCheckpointError, ExitCode
 from torpor.flows import container
 from torpor.runtime import checkpoint as rt_checkpoint
 from torpor.runtime import main as rt_main
+from torpor.runtime import markers
 from torpor.runtime import restore as rt_restore
 from torpor.sidecar.client import work_timeout
 from torpor.sidecar.convert import Checkpointed, CudaProcess, OperationResult, Restored
 from torpor.store import images as store_images
 
 CID = "c0ffee0123456789"
+NAME = f"{CID}@{markers.root_key('/r')}"    # its name at torpor under --root /r (markers.name)
 GPU = "GPU-11111111-2222-3333-4444-555555555555"
 
 FAKE_RUNC = textwrap.dedent("""\
@@ -215,7 +217,7 @@ def test_gpu_checkpoint_locks_dumps_finishes_and_seals(world):
     assert client.names() == ["ensure", "lock_and_checkpoint", "finish"]
     lock = client.calls[1][1]
     assert lock["pids"] == [world["pid"]] and lock["owner_pid"] == os.getpid()
-    assert lock["agent_container_id"] == CID
+    assert lock["agent_container_id"] == NAME
     assert client.calls[2][1] == {"op_id": "op-1"}
     # runc checkpoint ran with our argv, between the lock and the finish (its image is there)
     assert argv in runc.calls()
@@ -315,8 +317,10 @@ def test_gpu_restore_gives_torpord_the_restored_pid(world, monkeypatch, tmp_path
         kw = client.calls[1][1]
         assert kw["pids"] == [new.pid]
         assert kw["gpu_map"] == {}   # the same GPU: no pairs for the driver
-        assert kw["agent_container_id"] == CID
+        assert kw["agent_container_id"] == NAME
         assert world["runc"].calls()[-1] == argv
+        spec = json.loads((bundle / "config.json").read_text())
+        assert spec["annotations"][oci.ROOT_KEY_ANNOTATION] == markers.root_key("/r")
     finally:
         new.kill()
         new.wait()

@@ -285,14 +285,19 @@ ROOTS = {"none": None, "empty": "", "runc": "/run/runc",
          "k8s": "/run/containerd/runc/k8s.io", "spaces": "/var/run/my root/ x ",
          "long": "/" + "r" * 5000,                       # longer than PATH_MAX: only hashed
          "utf8": "/run/é/容器", "not-utf8": os.fsdecode(b"/run/\xff\xfe"),
-         "dash": "-x=--y"}
+         "dash": "-x=--y",
+         # spellings of one root (markers.normalize_root): one marker for all
+         "trailing": "/run/runc/", "double": "/run//runc", "dot": "/run/./runc",
+         "all-of-them": "//run/.//runc/./", "dotdot-kept": "/run/../runc/", "slash": "/",
+         "slashes": "///", "relative": "./x//y/", "dot-only": ".", "dot-slash": "./"}
 
 
 @pytest.mark.parametrize("root", ROOTS.values(), ids=ROOTS.keys())
 def test_front_and_python_agree_on_the_markers_name(w, root):
     """The front and markers.py derive a marker's name from the same argv, each its own way
-    (C's fnv1a64 of argv's bytes, Python's root_key of the decoded string): they must name
-    the same file, or a GPU container's delete goes straight to runc."""
+    (C's root_key of argv's bytes, Python's of the decoded string), both reading the root
+    lexically first: they must name the same file, or a GPU container's delete goes straight
+    to runc. Another spelling of the root finds the marker too."""
     from types import SimpleNamespace
     from torpor.runtime import argv as argv_mod, markers
 
@@ -307,9 +312,27 @@ def test_front_and_python_agree_on_the_markers_name(w, root):
         assert w.goes(*g, "state", CID) == "runc"
         assert markers.write(cfg, inv)
         assert w.goes(*g, "state", CID) == "python", g
+        if root:    # "" (or none) is runc's default root: no spelling of a path
+            normal = markers.normalize_root(root)
+            assert w.goes(f"--root={normal}", "state", CID) == "python", normal
+            assert w.goes(f"--root={normal}/./", "state", CID) == "python", normal
         assert w.goes("--root", "/elsewhere", "state", CID) == "runc"
         assert markers.remove(cfg, inv)
         assert os.listdir(w.run_dir / "containers") == []
+
+
+@pytest.mark.parametrize("root", ["/r/", "/r//x", "/r/./x", "./"])
+def test_a_marker_keyed_by_the_root_as_given_sends_that_spelling_to_python(w, root):
+    """A container marked under "/r/" by torpor before roots were normalized (its marker keyed
+    by the bytes as given) and deleted under "/r/" after the upgrade: the front must still
+    send its calls to Python, which removes that marker (test_runtime_markers.py)."""
+    from torpor.runtime import markers
+    old = w.run_dir / "containers" / f"{CID}@{markers.raw_key(root)}"
+    old.parent.mkdir(parents=True)
+    old.write_text(json.dumps({"roots": [root]}) + "\n")
+    assert w.goes("--root", root, "delete", CID) == "python"
+    assert "python (marker of an unnormalized root)" in w.debug("--root", root, "state", CID)
+    assert w.goes("--root", "/elsewhere/", "delete", CID) == "runc"
 
 
 def test_an_earlier_torpors_marker_sends_every_root_of_its_id_to_python(w):
@@ -739,6 +762,7 @@ def test_what_runc_would_run_for_a_gpu_spec_or_a_marked_container_goes_to_python
     from hypothesis import HealthCheck, example, given, settings, strategies as st
 
     w.mark("G")
+    w.mark("G", "/r")      # under each root the argv may name: markers are per root
     for name, spec in (("gpu", '{"linux": {"devices": [{"path": "/dev/nvidia0"}]}}'),
                        ("cpu", "{}")):
         (w.bundle / name).mkdir()

@@ -28,7 +28,7 @@ def names(cfg) -> list[str]:
     ("", "cbf29ce484222325"), ("a", "af63dc4c8601ec8c"), ("foobar", "85944171f73967e8"),
 ])
 def test_root_key_is_fnv1a_64(text, key):
-    # the published FNV-1a 64 test vectors: the front's fnv1a64 computes the same
+    # the published FNV-1a 64 test vectors (roots already normal): the front computes the same
     assert markers.root_key(text) == key
 
 
@@ -147,9 +147,10 @@ def test_remove_without_a_marker_directory_is_nothing(cfg):
 
 def test_a_delete_leaves_what_the_id_alone_keys_while_another_root_marks_that_id(cfg,
                                                                               tmp_path):
-    """The agent socket directory and torpord's record are keyed by the container id alone:
-    X under /b deleted while torpor's X under /a runs must not take /a's agent directory
-    (its agent would be unreachable); /a's own delete then removes it."""
+    """An earlier torpor named the agent socket directory (and torpord's record) by the
+    container id alone: X under /b deleted while X under /a (created before the upgrade)
+    runs must not take /a's agent directory (its agent would be unreachable); /a's own
+    delete then removes it. Each root's own directory: test_runtime_names.py."""
     from torpor.runtime import lifecycle
     from torpor.runtime.runc import Runtime
     runc = tmp_path / "runc"
@@ -157,7 +158,7 @@ def test_a_delete_leaves_what_the_id_alone_keys_while_another_root_marks_that_id
     runc.chmod(0o755)
     markers.write(cfg, inv("/a"))
     markers.write(cfg, inv("/b"))
-    agent_dir = lifecycle.agent_dir(cfg, CID, {})
+    agent_dir = lifecycle.agent_dir(cfg, CID, {})     # the id alone: an earlier torpor's
     assert markers.other_roots(cfg, inv("/b", "delete")) == ["/a"]
     d = inv("/b", "delete")
     assert lifecycle.delete(cfg, Runtime(str(runc), d), d) == 0
@@ -167,3 +168,63 @@ def test_a_delete_leaves_what_the_id_alone_keys_while_another_root_marks_that_id
     assert markers.other_roots(cfg, d) == []
     assert lifecycle.delete(cfg, Runtime(str(runc), d), d) == 0
     assert not agent_dir.exists() and names(cfg) == []
+
+
+# ---- one root, many spellings --------------------------------------------------------------
+
+@pytest.mark.parametrize("given, normal", [
+    ("", ""), ("/", "/"), ("//", "/"), ("/.", "/"), ("/run/runc", "/run/runc"),
+    ("/run/runc/", "/run/runc"), ("/run//runc", "/run/runc"), ("/run/./runc", "/run/runc"),
+    ("//run/./runc/.//", "/run/runc"), ("/run/../runc/", "/run/../runc"),   # '..' stays
+    ("run/", "run"), ("./run", "run"), (".", "."), ("./", "."), ("./.", "."), ("a", "a"),
+    ("/run/..", "/run/.."), ("/r/.x/", "/r/.x"),
+])
+def test_roots_are_read_lexically(given, normal):
+    assert markers.normalize_root(given) == normal
+    assert markers.root_key(given) == markers.root_key(normal)
+    assert markers.raw_key(given) == markers.root_key(normal) or given != normal
+
+
+def test_spellings_of_one_root_share_its_marker(cfg):
+    """An engine that writes /run/runc/ at create and /run/runc at delete (or the other way
+    round) deletes the container it created: one marker for both spellings."""
+    assert markers.write(cfg, inv("/run//runc/"))
+    assert names(cfg) == [f"{CID}@{markers.root_key('/run/runc')}"]
+    assert json.loads(markers.path(cfg, CID, "/run/runc").read_text()) == {"roots": ["/run/runc"]}
+    for spelling in ("/run/runc", "/run/./runc", "/run/runc/."):
+        assert markers.present(cfg, inv(spelling, "delete")), spelling
+    assert not markers.present(cfg, inv("/run/../run/runc", "delete"))   # '..' is not resolved
+    assert not markers.present(cfg, inv(None, "delete"))
+    assert markers.other_roots(cfg, inv("/run/runc/", "delete")) == []
+    assert markers.remove(cfg, inv("/run/runc", "delete"))
+    assert names(cfg) == []
+
+
+def unnormalized(cfg, root: str, cid: str = CID):
+    """A marker as torpor wrote it before it normalized roots: keyed by the root as given."""
+    d = markers.marker_dir(cfg)
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    m = d / f"{cid}@{markers.raw_key(root)}"
+    m.write_text(json.dumps({"roots": [root]}) + "\n")
+    return m
+
+
+def test_a_marker_keyed_by_the_root_as_given_before_the_upgrade_is_still_found(cfg):
+    """X created under "/r/" before the upgrade, deleted under "/r/" after it: its marker is
+    found where it is, and goes with that delete."""
+    old = unnormalized(cfg, "/r/")
+    assert markers.raw_key("/r/") != markers.root_key("/r/")
+    assert markers.present(cfg, inv("/r/", "delete"))
+    assert not markers.present(cfg, inv("/q/", "delete"))
+    assert markers.other_roots(cfg, inv("/r/", "delete")) == []
+    assert markers.other_roots(cfg, inv("/q", "delete")) == ["/r/"]
+    assert markers.remove(cfg, inv("/r/", "delete"))
+    assert not old.exists() and names(cfg) == []
+
+
+def test_marking_a_root_again_moves_its_unnormalized_marker_to_the_normal_name(cfg):
+    old = unnormalized(cfg, "/r/")
+    assert markers.write(cfg, inv("/r/"))
+    assert not old.exists()
+    assert names(cfg) == [markers.path(cfg, CID, "/r").name]
+    assert markers.present(cfg, inv("/r/", "delete"))

@@ -186,13 +186,45 @@ def test_register_list_unregister(service, cfg):
     assert not r.existed
 
 
-@pytest.mark.parametrize("cid", ["../x", "a/b", "..", "", "x" * 129])
+KEY = "0123456789abcdef"      # a runtime root's key (runtime/markers.py root_key)
+# names that are neither <id> nor <id>@<16 lowercase hex>: each could lead elsewhere, or
+# name a second file for one container
+HOSTILE_NAMES = ["../x", "a/b", "..", "x" * 129, f"x@{KEY.upper()}", "x@0123", f"x@{KEY}0",
+                 f"x@{KEY}/..", "x@../../../etc", f"@{KEY}", f"..@{KEY}", f"x@@{KEY}",
+                 f"x@{KEY}\n", f"x@{KEY}@{KEY}", f"x/@{KEY}", f"x@{KEY[:-1]}/", "x@", "x\n"]
+
+
+@pytest.mark.parametrize("cid", ["", *HOSTILE_NAMES])
 def test_register_refuses_bad_ids(service, cfg, cid):
     svc = service()
     with pytest.raises(Aborted) as e:
         svc.RegisterContainer(svc.pb.RegisterContainerRequest(id=cid, pids=[PID]), Ctx())
     assert e.value.exit_code == ExitCode.USAGE
     assert list((cfg.state_dir / "containers").iterdir()) == []
+
+
+def test_one_id_under_two_runtime_roots_has_two_records(service, cfg):
+    """torpor-hook registers a container torpor-runtime created as <id>@<root key>: the same
+    id under another root is another record, and the poststop or delete of one leaves the
+    other's. A bare id in a request means its one record; two must be told apart."""
+    svc = service()
+    pb = svc.pb
+    other = "fedcba9876543210"
+    for name in (f"ctr@{KEY}", f"ctr@{other}"):
+        svc.RegisterContainer(pb.RegisterContainerRequest(id=name, pids=[PID]), Ctx())
+    listing = svc.List(pb.ListRequest(), Ctx())
+    assert sorted(c.id for c in listing.containers) == [f"ctr@{KEY}", f"ctr@{other}"]
+    assert "2 runtime roots" in _refused(lambda: lock(svc, pids=[], container_id="ctr")).details
+    assert svc.UnregisterContainer(pb.UnregisterContainerRequest(id=f"ctr@{other}"),
+                                   Ctx()).existed
+    assert not svc.UnregisterContainer(pb.UnregisterContainerRequest(id="ctr", missing_ok=True),
+                                       Ctx()).existed     # no record of the id alone
+    assert [c.id for c in svc.List(pb.ListRequest(), Ctx()).containers] == [f"ctr@{KEY}"]
+    r = lock(svc, pids=[], container_id="ctr")       # its one record now
+    assert list(r.pids) == [PID]
+    svc.Rollback(pb.OperationRequest(op_id=r.op_id), Ctx())
+    r = lock(svc, pids=[], container_id=f"ctr@{KEY}")
+    svc.Rollback(pb.OperationRequest(op_id=r.op_id), Ctx())
 
 
 def test_register_refuses_pid_1_and_below(service):
@@ -352,6 +384,46 @@ def test_bad_checkpoint_requests(service, world):
     assert "not running" in _refused(lambda: lock(svc, owner_pid=gone.pid)).details
     assert world.ops == [] or all(o.ended for o in world.ops)
     assert svc.ops.open_ops() == []
+
+
+@pytest.mark.parametrize("name", HOSTILE_NAMES)
+def test_an_agent_directory_outside_the_agents_is_refused(service, world, cfg, name):
+    """agent_container_id names a directory under <run_dir>/agents: only a container's name
+    (<id> or <id>@<root key>) is taken, before anything is locked or restored."""
+    svc = service()
+    pb = svc.pb
+    e = _refused(lambda: lock(svc, agent_container_id=name, gpu_data_dir=str(cfg.run_dir / "d")))
+    assert "bad container" in e.details
+    e = _refused(lambda: svc.RestoreAndUnlock(pb.RestoreAndUnlockRequest(
+        pids=[PID], no_descendants=True, agent_container_id=name,
+        gpu_data_dir=str(cfg.run_dir / "d"), agents=[pb.AgentData(pid=PID, nspid=1, files=[1])]),
+        Ctx()))
+    assert "bad container" in e.details
+    assert world.calls == [] and svc.ops.open_ops() == []
+
+
+def test_a_containers_name_leads_to_its_own_agent_directory(service, world, cfg, monkeypatch):
+    """agent_container_id <id>@<root key> (what torpor-runtime sends for a container it
+    created) is that container's socket directory; the fingerprints' owner stays the id
+    (its packed checkpoints' owner)."""
+    from torpor.flows import container
+    svc = service()
+    seen: list[Any] = []
+    real = container.lock_and_checkpoint
+
+    def spy(engine: Any, pids: Any, **kw: Any) -> Any:
+        seen.append((kw["agent_dir"], kw["owner_container"]))
+        return real(engine, pids, **kw)
+    monkeypatch.setattr(container, "lock_and_checkpoint", spy)
+    for name in (f"ctr@{KEY}", "ctr"):
+        svc.Rollback(svc.pb.OperationRequest(op_id=lock(svc, agent_container_id=name).op_id),
+                     Ctx())
+    svc.RegisterContainer(svc.pb.RegisterContainerRequest(id=f"reg@{KEY}", pids=[PID]), Ctx())
+    svc.Rollback(svc.pb.OperationRequest(op_id=lock(svc, pids=[], container_id="reg").op_id),
+                 Ctx())
+    agents = cfg.run_dir / "agents"
+    assert seen == [(agents / f"ctr@{KEY}", "ctr"), (agents / "ctr", "ctr"),
+                    (agents / f"reg@{KEY}", "reg")]
 
 
 def test_bad_restore_and_operation_requests(service, world):

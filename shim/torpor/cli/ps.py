@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .. import agent, gpus, procs
+from .. import agent, gpus, oci, procs
 from ..config import Config
 from ..errors import NoDriverError, TorporError
 from ..progress import human_bytes
@@ -20,8 +20,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def containers_by_pid(cfg: Config) -> dict[int, str]:
-    """PID -> id of the container torpord registered it under (the container's process tree);
-    empty when torpord is not running (ps works without it)."""
+    """PID -> name of the container torpord registered it under (the container's process
+    tree; oci.container_name: <id>@<root key>, or an earlier torpor's <id>); empty when
+    torpord is not running (ps works without it)."""
     if not cfg.socket_path.exists():
         return {}
     from ..sidecar.client import Client
@@ -53,6 +54,17 @@ def agent_state(pid: int, agent_dir: Path | None) -> str:
         return "?"
 
 
+def _container(cfg: Config, name: str) -> tuple[str, Path | None]:
+    """A registered name as (container id, its agent directory); ("", None) for none; a name
+    torpord should not have let through: as it is, no agent directory."""
+    if not name:
+        return "", None
+    try:
+        return oci.split_name(name)[0], agent.container_dir(cfg.run_dir, name)
+    except TorporError:
+        return name, None
+
+
 def run(args: argparse.Namespace, ctx: Context) -> int:
     engine = ctx.engine
     try:
@@ -71,14 +83,13 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     rows = []
     for pid in pids:
         info = suspended.get(pid, {})
-        cid = containers.get(pid, "")
+        cid, sockets = _container(ctx.cfg, containers.get(pid, ""))
         rows.append({"pid": pid, "comm": procs.comm(pid),
                      "state": states[pid].name if pid in states else "?",
                      "gpus": inv.gpus_of(pid) or info.get("gpus", []),
                      "gpu_memory": inv.memory_of(pid) or 0,
                      "suspended": pid in suspended, "container": cid,
-                     "agent": agent_state(pid, agent.container_dir(ctx.cfg.run_dir, cid)
-                                          if cid else None)})
+                     "agent": agent_state(pid, sockets)})
     index = {g.uuid: g.index for g in inv.gpus}
     lines = [f"{'PID':>8}  {'STATE':<13} {'GPU':<5} {'MEMORY':>11}  {'AGENT':<9} "
              f"{'CONTAINER':<12}  COMMAND"]

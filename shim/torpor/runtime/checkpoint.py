@@ -49,6 +49,7 @@ from ..store import Store, fingerprints
 from ..store import images as store_images
 from .argv import Invocation
 from . import pause
+from .lifecycle import agent_name
 from .runc import Runtime
 
 log = logging.getLogger("torpor.runtime")
@@ -93,17 +94,18 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
     data.remove()   # an earlier checkpoint's, into the same image path
     store_images.forget_packed(images)
     flat.remove_flat(images)
+    name = agent_name(cfg, inv, spec)   # its agent directory's
     store = _open_store(cfg, cid) if oci.wants_store(spec, cfg.store_containers) else None
     if store is None:
-        rc = _checkpoint(cfg, runtime, cid, spec, use, pid, images, data, thawed,
+        rc = _checkpoint(cfg, runtime, cid, name, spec, use, pid, images, data, thawed,
                          leave_running, None)
     else:
         # the store's lock, shared, from the agents' skipping of what it holds to the pack: gc
         # cannot take those chunks in between
         try:
             with store.backend.lock(False, store.lock_timeout):
-                rc = _checkpoint(cfg, runtime, cid, spec, use, pid, images, data, thawed,
-                                 leave_running, store)
+                rc = _checkpoint(cfg, runtime, cid, name, spec, use, pid, images, data,
+                                 thawed, leave_running, store)
         finally:   # a pack that failed: the chunks it added, which nothing names, go now
             store_packing.discard_unnamed(
                 Journal(cfg), store, images,
@@ -137,7 +139,7 @@ def _open_store(cfg: Config, cid: str) -> Store | None:
         return None
 
 
-def _checkpoint(cfg: Config, runtime: Runtime, cid: str, spec: dict[str, Any],
+def _checkpoint(cfg: Config, runtime: Runtime, cid: str, name: str, spec: dict[str, Any],
                 use: Any, pid: int, images: Path, data: agent_data.DataDir, thawed: "_Thaw",
                 leave_running: bool, store: Store | None) -> int:
     t0 = time.monotonic()
@@ -151,11 +153,11 @@ def _checkpoint(cfg: Config, runtime: Runtime, cid: str, spec: dict[str, Any],
             with thawed:
                 if leave_running:   # asks the agents what they will move: a container the
                     # engine paused (containerd's CRI does) answers only once thawed
-                    stage = pause.staging(cfg, cid, pid)
+                    stage = pause.staging(cfg, cid, name, pid)
                     paused = time.monotonic()
                 ck = c.lock_and_checkpoint(pids=[pid], owner_pid=os.getpid(),
                                            gpu_data_dir=(stage or data).root,
-                                           agent_container_id=cid, fingerprints=fps,
+                                           agent_container_id=name, fingerprints=fps,
                                            staged=stage is not None)
         finally:   # rolled back (the agents have their data back), or nothing staged
             if stage is not None and not (sys.exc_info()[0] is None and ck.agents):

@@ -5,6 +5,15 @@ real runtime runs anyway (a container without hooks is still checkpointed with i
 the checkpoint flow reads the runtime's state itself). create (and run, create and start in
 one) marks each GPU container for the native front (markers.py), delete removes the mark once
 the runtime has deleted it.
+
+What torpor keeps per container on the host is named as its marker is, by the pair (runtime
+root, id): agent_name, <id>@<root key>. One id may live under two roots at once; each
+container then has its own agent socket directory (both main processes are nspid 1: one
+directory would hold one agent-1.sock for two programs) and its own record in torpord (the
+hook reads the root's key from the annotation create puts into the spec). A container an
+earlier torpor created has <run_dir>/agents/<id> bound into it and is registered as <id>:
+checkpoint finds its directory through its spec, delete removes both where no other root
+still marks that id.
 """
 
 from __future__ import annotations
@@ -53,6 +62,8 @@ def create(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
             # (one runc still runs keeps its marker: runc refuses this create of its id)
             log.info("create %s: removed a stale marker", inv.container_id)
         off = (spec.get("annotations") or {}).get(oci.HOOK_ANNOTATION) == "off"
+        if use and oci.set_root_key(spec, markers.key(inv)):
+            oci.save(bundle, spec)   # torpor-hook registers the container by its name
         if use and not off:
             path = hook_path()
             if path is None:
@@ -65,14 +76,14 @@ def create(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
                     log.info("create %s: GPUs %s; added hooks %s", inv.container_id, use,
                              ",".join(added))
         if use and oci.wants_agent(spec, cfg.agent):
-            preload_agent(cfg, bundle, spec, inv.container_id)
+            preload_agent(cfg, bundle, spec, inv.container_id, agent_name(cfg, inv))
     except Exception as e:  # whatever it is, the container must still start
         log.warning("create %s: spec left as it was: %s", inv.container_id, e,
                     exc_info=not isinstance(e, (TorporError, OSError, ValueError)))
     runtime.exec()
 
 
-def preload_agent(cfg: Config, bundle: Path, spec: dict, cid: str) -> None:
+def preload_agent(cfg: Config, bundle: Path, spec: dict, cid: str, name: str) -> None:
     """The agent into the container's spec, where its libc can load it (libc.py); else the
     spec gets the annotation org.torpor.agent-skipped with the reason (torpor-hook copies the
     annotations into torpord's record) and the container runs on the driver path."""
@@ -84,7 +95,7 @@ def preload_agent(cfg: Config, bundle: Path, spec: dict, cid: str) -> None:
         oci.mark_agent_skipped(spec, fit.reason)
         oci.save(bundle, spec)
         return
-    host_dir = agent_dir(cfg, cid, spec)
+    host_dir = agent_dir(cfg, name, spec)
     if oci.add_agent(spec, library, host_dir):
         oci.save(bundle, spec)
         log.info("create %s: agent preloaded (%s), sockets in %s", cid, fit.libc, host_dir)
@@ -95,13 +106,27 @@ def agent_dirs(cfg: Config) -> Path:
     return agent.container_dirs(cfg.run_dir)
 
 
-def agent_dir(cfg: Config, container_id: str, spec: dict) -> Path:
-    """The container's socket directory, 0700 and owned by the host uid its process runs as
-    (the agent creates its socket there, and accepts root and that uid). One left by an
-    earlier create or restore of this id (its owner that container's uid) is taken as it is:
-    only root makes entries in agent_dirs (0700), and private_dir would refuse it as another
-    uid's. Never through a link."""
-    path = agent.container_dir(cfg.run_dir, container_id)
+def agent_name(cfg: Config, inv: Invocation, spec: dict | None = None) -> str:
+    """The name of inv's container's agent socket directory (<run_dir>/agents/<name>) and of
+    torpord's record of it: markers.name, <id>@<root key>, one per (root, id) as its marker.
+    Given the spec of a running container (a checkpoint's): an earlier torpor's container has
+    <run_dir>/agents/<id> bound into it, and keeps that name for its life. UsageError for an
+    id that cannot name a file."""
+    mine = markers.name(inv)
+    if spec is not None and not (agent_dirs(cfg) / mine).is_dir():
+        legacy = agent_dirs(cfg) / oci.validate_container_id(inv.container_id)
+        if oci.agent_host_dir(spec) == str(legacy) and legacy.is_dir():
+            return legacy.name
+    return mine
+
+
+def agent_dir(cfg: Config, name: str, spec: dict) -> Path:
+    """The container's socket directory (name: agent_name's), 0700 and owned by the host uid
+    its process runs as (the agent creates its socket there, and accepts root and that uid).
+    One left by an earlier create or restore of this (root, id) (its owner that container's
+    uid) is taken as it is: only root makes entries in agent_dirs (0700), and private_dir
+    would refuse it as another uid's. Never through a link."""
+    path = agent.container_dir(cfg.run_dir, name)
     parent = open_trusted_dir(path.parent, "agent socket directory", create=True)
     try:
         try:
@@ -156,23 +181,27 @@ def delete(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
     if rc != 0 and not _gone(runtime, inv.container_id):
         return rc   # still there: its marker and agent directory stay with it
     markers.remove(cfg, inv)
-    if markers.other_roots(cfg, inv):
-        # the same id under another root is torpor's too: its agent directory and torpord's
-        # record (keyed by the id alone) are that container's as well, and go with its delete
-        log.info("delete %s: a container of this id under another runtime root is torpor's: "
-                 "its agent directory and torpord's record stay", inv.container_id)
-        return rc
     try:
-        shutil.rmtree(agent_dirs(cfg) / oci.validate_container_id(inv.container_id),
-                      ignore_errors=True)
+        names = [agent_name(cfg, inv)]
     except TorporError:
-        pass
+        return rc   # an id that names no file: torpor made nothing for it
+    # what an earlier torpor named by the id alone: this container's, or a stale one's, unless
+    # a container of this id under another root (created before the upgrade) may use it
+    if markers.other_roots(cfg, inv):
+        log.info("delete %s: a container of this id under another runtime root is torpor's: "
+                 "the agent directory and torpord's record named by the id alone stay",
+                 inv.container_id)
+    else:
+        names.append(inv.container_id)
+    for name in names:
+        shutil.rmtree(agent_dirs(cfg) / name, ignore_errors=True)
     if cfg.socket_path.exists():
         try:
             from ..sidecar.client import Client
             with Client(cfg, timeout=5) as c:
-                if c.unregister_container(inv.container_id, missing_ok=True):
-                    log.info("delete %s: unregistered", inv.container_id)
+                for name in names:
+                    if c.unregister_container(name, missing_ok=True):
+                        log.info("delete %s: unregistered %s", inv.container_id, name)
         except TorporError as e:
             log.warning("delete %s: could not unregister: %s", inv.container_id, e)
     return rc

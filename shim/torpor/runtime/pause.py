@@ -3,7 +3,7 @@ always one): the agents' GPU data is staged in host memory and written into the 
 directory once the container runs again, as a bare checkpoint's (flows/writeout.py: the one
 implementation, its memory check, fallback and failure rules).
 
-    staging(cfg, cid, pid)   where the agents put their data: a new directory in suspend_dir
+    staging(cfg, cid, name, pid)  where the agents put their data: a new directory in suspend_dir
                              (torpord makes it: LockAndCheckpoint's `staged`), or None (the
                              data then goes into <image-path>/torpor-gpu/ while the container
                              waits, as before): not under the agent, not enough host memory,
@@ -62,9 +62,10 @@ def _engine(cfg: Config) -> Engine:
     return Engine(cfg, Progress(stream=_LogStream()))  # type: ignore[arg-type]
 
 
-def staging(cfg: Config, cid: str, pid: int) -> agent_data.DataDir | None:
-    """A staging directory (not made yet) for the agents of container cid (root pid), or None
-    when their data goes straight into the image directory (the reason is logged)."""
+def staging(cfg: Config, cid: str, name: str, pid: int) -> agent_data.DataDir | None:
+    """A staging directory (not made yet) for the agents of container cid (root pid; name:
+    its agent directory's, lifecycle.agent_name), or None when their data goes straight into
+    the image directory (the reason is logged)."""
     try:
         tree = procs.tree(pid)
         try:
@@ -72,7 +73,7 @@ def staging(cfg: Config, cid: str, pid: int) -> agent_data.DataDir | None:
             nvml = sum(inv.memory_of(p) for p in tree)
         except NoDriverError:
             nvml = 0
-        return writeout.staging(_engine(cfg), tree, nvml, agent.container_dir(cfg.run_dir, cid))
+        return writeout.staging(_engine(cfg), tree, nvml, agent.container_dir(cfg.run_dir, name))
     except (OSError, TorporError) as e:
         log.warning("checkpoint %s: not staged in host memory: %s", cid, describe(e))
         return None

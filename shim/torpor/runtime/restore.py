@@ -46,7 +46,7 @@ from ..sidecar.convert import AgentData
 from ..store import images as store_images
 from . import markers
 from .argv import Invocation
-from .lifecycle import agent_dir
+from .lifecycle import agent_dir, agent_name
 from .runc import Runtime
 
 log = logging.getLogger("torpor.runtime")
@@ -106,7 +106,7 @@ def _run(cfg: Config, runtime: Runtime, inv: Invocation, held: contextlib.ExitSt
     else:
         print(f"torpor-runtime: warning: {images} holds an unsealed GPU manifest (the "
               "checkpoint could not finish it): image files not verified", file=sys.stderr)
-    _repoint_agent(cfg, bundle, cid, bool((m.get("container") or {}).get("agent")))
+    _respec(cfg, bundle, inv, bool((m.get("container") or {}).get("agent")))
     cuda = [p for p in m["processes"] if p["cuda"]]
     moved = [AgentData(pid=p, nspid=e["nspid"], files=tuple(e["files"]))   # checked there
              for p, e in manifest.agents(m).items()]
@@ -178,7 +178,7 @@ def _restore(cfg: Config, runtime: Runtime, inv: Invocation, op: Operation, imag
         with Client(cfg, timeout=work_timeout(cfg)) as c:
             out = c.restore_and_unlock(pids=[pid], gpu_map=placed.driver_map, agents=moved,
                                        gpu_data_dir=images / agent_data.DATA_DIR if moved else "",
-                                       agent_container_id=cid,
+                                       agent_container_id=agent_name(cfg, inv),
                                        gpu_data_packed=images if moved and in_store else "")
         _require_all(out.pids, cuda)
     except TorporError as e:
@@ -205,20 +205,23 @@ def _require_all(restored: Any, cuda: int) -> None:
         raise TorporError(f"torpord restored {n} of the checkpoint's {cuda} CUDA process(es)")
 
 
-def _repoint_agent(cfg: Config, bundle: Path, cid: str, had_agent: bool) -> None:
-    """The agent's mounts (if the container had the agent) to this host's library and a
-    socket directory of this container's (delete removed the old one). A spec without them
-    (containerd makes the restored container's spec from its own record, which never saw what
-    create added) gets them back: CRIU maps every mount it dumped onto one of the new spec's."""
+def _respec(cfg: Config, bundle: Path, inv: Invocation, had_agent: bool) -> None:
+    """The spec for this host and root: the agent's mounts (if the container had the agent)
+    to this host's library and the socket directory of this (root, id) (agent_name: delete
+    removed the old one, and the checkpoint may come from another root or host), and the
+    root's key for torpor-hook (oci.set_root_key). A spec without the mounts (containerd
+    makes the restored container's spec from its own record, which never saw what create
+    added) gets them back: CRIU maps every mount it dumped onto one of the new spec's."""
     spec = oci.load(bundle)
+    changed = oci.set_root_key(spec, markers.key(inv))
     if oci.has_agent(spec):
-        oci.repoint_agent(spec, agent.library(), agent_dir(cfg, cid, spec))
+        changed |= oci.repoint_agent(spec, agent.library(),
+                                     agent_dir(cfg, agent_name(cfg, inv), spec))
     elif had_agent:
-        oci.add_agent(spec, agent.library(), agent_dir(cfg, cid, spec))
-        log.info("restore %s: the agent's mounts added back to the spec", cid)
-    else:
-        return
-    oci.save(bundle, spec)
+        changed |= oci.add_agent(spec, agent.library(), agent_dir(cfg, agent_name(cfg, inv), spec))
+        log.info("restore %s: the agent's mounts added back to the spec", inv.container_id)
+    if changed:
+        oci.save(bundle, spec)
 
 
 def _read_pid(path: Path) -> int | None:

@@ -54,10 +54,12 @@ def gpu_info(pids: Iterable[int]) -> gpus.Inventory | None:
         return None
 
 
-def agent_dir(run_dir: Path, *container_ids: str) -> Path:
-    """The agents' socket directory: the first container's given, else the bare one."""
-    cid = next((c for c in container_ids if c), "")
-    return agent.container_dir(run_dir, cid) if cid else agent.default_dir()
+def agent_dir(run_dir: Path, *names: str) -> Path:
+    """The agents' socket directory: the first container's given (its name at torpor,
+    <id>@<root key> or an earlier torpor's <id>: UsageError for anything else, so that no
+    request names a directory outside <run_dir>/agents), else the bare one."""
+    name = next((n for n in names if n), "")
+    return agent.container_dir(run_dir, name) if name else agent.default_dir()
 
 
 def data_dir(path: str) -> Path | None:

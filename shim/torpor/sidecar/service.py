@@ -25,7 +25,7 @@ from ..engine import Engine
 from ..errors import NoDriverError, NotFoundError, SidecarError, TorporError, UsageError
 from ..flows import container
 from ..journal import Operation
-from ..oci import validate_container_id
+from ..oci import split_name, validate_container_name
 from ..progress import Progress
 from . import grpc_status, proto
 from . import convert
@@ -83,7 +83,7 @@ class Service:
     # -- containers -------------------------------------------------------------------------------
     @_rpc
     def RegisterContainer(self, request: Any, context: Any) -> Any:
-        cid = validate_container_id(request.id)
+        cid = validate_container_name(request.id)   # its name: <id>@<root key> or <id>
         record = {"id": cid, "bundle": request.bundle, "pids": [int(p) for p in request.pids],
                   "gpu_uuids": list(request.gpu_uuids), "annotations": dict(request.annotations),
                   "registered_at": time.time()}
@@ -95,7 +95,7 @@ class Service:
 
     @_rpc
     def UnregisterContainer(self, request: Any, context: Any) -> Any:
-        cid = validate_container_id(request.id)
+        cid = validate_container_name(request.id)
         existed = self.containers.remove(cid)
         if not existed and not request.missing_ok:
             raise NotFoundError(f"no registered container '{cid}'")
@@ -115,6 +115,7 @@ class Service:
             cfg = dataclasses.replace(cfg, lock_timeout_s=request.lock_timeout_s)
         pids = _resolve(self.containers, request.pids, request.container_id,
                         not request.no_descendants)
+        name = request.agent_container_id or self._name(request.container_id)
         owner = _owner(request.owner_pid)
         deadline = 0.0    # set when the operation opens
 
@@ -126,9 +127,10 @@ class Service:
 
         ck = container.lock_and_checkpoint(
             self.engine(cfg), pids, data=_data_dir(request.gpu_data_dir),
-            agent_dir=_agent_dir(self.cfg.run_dir, request.agent_container_id,
-                                 request.container_id),
-            owner_container=request.agent_container_id or request.container_id,
+            agent_dir=_agent_dir(self.cfg.run_dir, name),
+            # the fingerprints' owner is the container id, as its packed snapshots name it
+            # (runtime/checkpoint.py): each root's container of that id shares them
+            owner_container=split_name(name)[0] if name else "",
             mode=_fingerprint_mode(request.fingerprints), opened=opened,
             staged=request.staged)
         return to_pb(self.pb, convert.Checkpointed.of(ck, deadline, request.container_id))
@@ -157,9 +159,13 @@ class Service:
         return to_pb(self.pb, container.restore(
             self.engine(), pids, gpu_map=gpu_map, agents=convert.restore_entries(request.agents),
             data=_data_dir(request.gpu_data_dir),
-            agent_dir=_agent_dir(self.cfg.run_dir, request.agent_container_id,
-                                 request.container_id),
+            agent_dir=_agent_dir(self.cfg.run_dir, request.agent_container_id
+                                 or self._name(request.container_id)),
             packed=_packed_dir(request.gpu_data_packed)))
+
+    def _name(self, container_id: str) -> str:
+        """The registered name a request's container_id means (Containers.name_of), or ""."""
+        return self.containers.name_of(container_id) if container_id else ""
 
     # -- inspection ---------------------------------------------------------------------------------
     def _op_info(self, o: OpenOp) -> OperationInfo:
