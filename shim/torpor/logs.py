@@ -40,7 +40,11 @@ def setup(state_dir: Path, file_name: str | None, *, level: int = logging.INFO,
         return
     try:
         private_dir(state_dir)
-        fh = logging.FileHandler(state_dir / file_name)
+        # UTF-8 whatever the locale, and never an error: a message quotes argv and paths,
+        # which may hold bytes that are no UTF-8 (os.fsdecode's surrogates); a strict
+        # handler printed "--- Logging error ---" and a traceback on stderr instead
+        fh = logging.FileHandler(state_dir / file_name, encoding="utf-8",
+                                 errors="backslashreplace")
     except (OSError, TorporError):   # TorporError: a state_dir others could change, refused
         if must:
             raise

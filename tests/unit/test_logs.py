@@ -86,3 +86,17 @@ def test_hook_with_a_refused_state_dir_lets_the_container_start(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "Traceback" not in out.stderr
     assert not (shared / "state").exists()
+
+
+def test_a_message_with_bytes_that_are_no_utf8_is_logged_not_a_logging_error(root, tmp_path,
+                                                                           capsys):
+    """A path or argv word with bytes that are no UTF-8 (os.fsdecode gives surrogates) made
+    the log file's handler print '--- Logging error ---' and a traceback on stderr."""
+    import os
+    logs.setup(tmp_path / "state", "x.log")
+    odd = os.fsdecode(b"/tmp/\xff\xfe")
+    logging.getLogger("torpor.t").warning("torpor checkpoint 1 -D %s", odd)
+    for h in root.handlers:
+        h.flush()
+    assert "Logging error" not in capsys.readouterr().err
+    assert "-D /tmp/\\udcff\\udcfe" in (tmp_path / "state" / "x.log").read_text()
