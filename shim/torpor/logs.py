@@ -8,6 +8,7 @@ the hook (the runtime shows a hook's stderr).
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -15,6 +16,18 @@ from .errors import TorporError
 from .files import private_dir
 
 FORMAT = "%(asctime)s %(process)d %(levelname)s %(message)s"
+
+
+def _private_file(path: Path) -> None:
+    """The log file, created 0600 whatever the umask (torpor-hook and torpord keep their
+    caller's: the hook's log was 0644); one left readable by others is made 0600."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    try:
+        if os.fstat(fd).st_mode & 0o077:
+            os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
 
 
 def setup(state_dir: Path, file_name: str | None, *, level: int = logging.INFO,
@@ -40,6 +53,7 @@ def setup(state_dir: Path, file_name: str | None, *, level: int = logging.INFO,
         return
     try:
         private_dir(state_dir)
+        _private_file(state_dir / file_name)
         # UTF-8 whatever the locale, and never an error: a message quotes argv and paths,
         # which may hold bytes that are no UTF-8 (os.fsdecode's surrogates); a strict
         # handler printed "--- Logging error ---" and a traceback on stderr instead

@@ -100,3 +100,20 @@ def test_a_message_with_bytes_that_are_no_utf8_is_logged_not_a_logging_error(roo
         h.flush()
     assert "Logging error" not in capsys.readouterr().err
     assert "-D /tmp/\\udcff\\udcfe" in (tmp_path / "state" / "x.log").read_text()
+
+
+@pytest.mark.parametrize("before", [None, 0o644])
+def test_the_log_file_is_0600_whatever_the_umask(root, tmp_path, before):
+    """torpor-hook keeps its runtime's umask (022): its hooks.log was created 0644."""
+    import os
+    state = tmp_path / "state"
+    if before is not None:
+        state.mkdir(mode=0o700)
+        (state / "x.log").write_text("old\n")
+        os.chmod(state / "x.log", before)
+    umask = os.umask(0o022)
+    try:
+        logs.setup(state, "x.log")
+    finally:
+        os.umask(umask)
+    assert (state / "x.log").stat().st_mode & 0o777 == 0o600
