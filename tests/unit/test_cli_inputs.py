@@ -133,3 +133,15 @@ def test_a_store_name_is_checked_before_the_program_is_touched(torpor_env, tmp_p
     assert cli.main(["checkpoint", str(sleeper), "-D", str(tmp_path / "ck"), "--store", name]) == 2
     assert says in _one_line(capsys)
     assert touched == [] and not (tmp_path / "ck").exists()
+
+
+def test_a_relative_path_from_a_removed_directory_is_one_line(torpor_env, tmp_path, capsys,
+                                                             monkeypatch):
+    """Path arguments are made absolute as they are parsed: with the current directory
+    removed, getcwd() fails, and that must be a usage error, not a traceback."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    assert cli.main(["inspect", "ck"]) == 2
+    assert "the current directory no longer exists" in _one_line(capsys)

@@ -24,7 +24,8 @@ def path_arg(text: str) -> Path:
     """A path given on the command line (every path argument's argparse type), refused as it
     is parsed, before anything uses it: an empty one, and a name longer than any file system
     takes, are one line, exit 2, not the current directory or an OSError from deep inside a
-    command (main() still turns one such OSError from elsewhere into the same)."""
+    command (main() still turns one such OSError from elsewhere into the same). Returned
+    absolute (from the current directory, links and '..' left as given)."""
     if not text:   # Path("") is the current directory: never what an empty argument meant
         raise UsageError("an empty path was given: name the directory or file "
                          "('.' for the current directory)")
@@ -36,7 +37,14 @@ def path_arg(text: str) -> Path:
     if len(raw) >= PATH_MAX:
         raise UsageError(f"path {printable(text, 60)} is {len(raw)} bytes long, more than the "
                          f"{PATH_MAX - 1} a path may have")
-    return Path(text)
+    # absolute: CRIU resolves a relative --images-dir and --log-file from different places
+    # (a relative -D failed every dump, exit 8), and the journal and recovery (which finds a
+    # dumping CRIU by its --images-dir) may run from another directory
+    try:
+        return Path(text).absolute()
+    except FileNotFoundError:   # getcwd(): the current directory was removed
+        raise UsageError(f"path {printable(text, 60)} is relative but the current directory "
+                         "no longer exists: give an absolute path") from None
 
 
 @dataclasses.dataclass

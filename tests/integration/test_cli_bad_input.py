@@ -1,0 +1,32 @@
+"""What an adversarial sweep of the command lines found (tests/adhoc_clifuzz), with real CRIU and
+a fake GPU: each case is one line on stderr, a documented exit code, and the program runs on."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.fakes.fakegpu import RUNNING
+from tests.integration.conftest import needs_criu
+
+pytestmark = needs_criu
+
+
+def _torpor(torpor, *args: str, cwd=None, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torpor.cli.main", *args], env=torpor.env,
+                          capture_output=True, text=True, timeout=120, cwd=cwd,
+                          stdin=subprocess.DEVNULL, **kw)
+
+
+def test_a_relative_images_dir_is_checkpointed_into(torpor, gpu, tmp_path):
+    """`torpor checkpoint PID -D ck` failed every dump (exit 8): CRIU found its log file
+    relative to another directory than its images."""
+    with gpu.spawn() as prog:
+        proc = _torpor(torpor, "--json", "checkpoint", str(prog.pid), "-D", "ck",
+                       "--leave-running", cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["images_dir"] == str(tmp_path / "ck")
+        assert (tmp_path / "ck" / "torpor.json").is_file()
+        assert gpu.state(prog.pid)["state"] == RUNNING
+        prog.wait_tick(prog.tick() + 2)
