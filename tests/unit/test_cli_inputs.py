@@ -145,3 +145,45 @@ def test_a_relative_path_from_a_removed_directory_is_one_line(torpor_env, tmp_pa
     gone.rmdir()
     assert cli.main(["inspect", "ck"]) == 2
     assert "the current directory no longer exists" in _one_line(capsys)
+
+
+def _run_with_stdout(torpor_env, how: str, *args: str):
+    """torpor ARGS as a separate process whose stdout is closed (`>&-`) or a pipe nobody
+    reads any more (`| head -c0`)."""
+    import subprocess
+    import sys
+    env = {**os.environ, **torpor_env, "TORPOR_STORE_DIR": torpor_env["TORPOR_STATE_DIR"] + "s"}
+    cmd = [sys.executable, "-m", "torpor.cli.main", *args]
+    if how == "closed":
+        return subprocess.run(["/bin/sh", "-c", 'exec "$@" >&-', "sh", *cmd], env=env,
+                              stderr=subprocess.PIPE, text=True, timeout=60)
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        return subprocess.run(cmd, env=env, stdout=w, stderr=subprocess.PIPE, text=True,
+                              timeout=60)
+    finally:
+        os.close(w)
+
+
+@pytest.mark.parametrize("how", ["closed", "broken"])
+@pytest.mark.parametrize("args", [["ls"], ["--json", "ls"]])
+def test_a_stdout_that_takes_no_result_is_one_line_exit_1_not_an_internal_error(torpor_env,
+                                                                                 how, args):
+    """`torpor ls >&-` and `torpor ls | head -c0` were "internal error: AttributeError" and
+    "internal error: BrokenPipeError" (and for a checkpoint, exit 1 read as one that did
+    not happen): one line that says the command is done."""
+    proc = _run_with_stdout(torpor_env, how, *args)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("torpor: error: the command is done but its result could "
+                                  "not be written to stdout: ") and proc.stderr.count("\n") == 1, \
+        proc.stderr
+
+
+def test_a_closed_stdout_does_not_become_the_log(torpor_env):
+    """With descriptor 1 closed, the first file torpor opens (its log) is descriptor 1:
+    what is written to stdout, or done to it, must not reach the log."""
+    _run_with_stdout(torpor_env, "closed", "ls")
+    with open(os.path.join(torpor_env["TORPOR_STATE_DIR"], "torpor.log")) as f:
+        log = f.read()
+    assert "NAME" not in log and "could not be written to stdout: stdout is closed" in log

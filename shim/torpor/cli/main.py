@@ -77,7 +77,23 @@ def _not_a_bug(e: Exception, command: str) -> str | None:
     return None
 
 
+def hold_std_fds() -> None:
+    """/dev/null on each of descriptors 0-2 that torpor was started without (`>&-`): else
+    the first file torpor opens (its log, a lock, a checkpoint's file) becomes its stdout or
+    stderr, and a result or error line is written into it. Not inherited: the programs
+    torpor starts (torpor run) get the descriptors as torpor got them."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+            if null != fd:    # the lowest free descriptor: fd itself, unless a lower one is
+                os.dup2(null, fd, inheritable=False)
+                os.close(null)
+
+
 def main(argv: list[str] | None = None) -> int:
+    hold_std_fds()
     try:
         args = build_parser().parse_args(argv)
     except TorporError as e:   # a path argument refused as it was parsed (path_arg)
