@@ -30,3 +30,24 @@ def test_a_relative_images_dir_is_checkpointed_into(torpor, gpu, tmp_path):
         assert (tmp_path / "ck" / "torpor.json").is_file()
         assert gpu.state(prog.pid)["state"] == RUNNING
         prog.wait_tick(prog.tick() + 2)
+
+
+def test_a_stderr_nobody_reads_ends_the_progress_not_the_checkpoint(torpor, gpu, tmp_path):
+    """`torpor checkpoint ... 2>&1 | head -c1`: the first progress line raised
+    BrokenPipeError and the checkpoint failed (exit 1); one between the dump and the seal
+    would have failed a checkpoint that had ended its program."""
+    import os
+    r, w = os.pipe()
+    os.close(r)
+    with gpu.spawn() as prog:
+        try:
+            proc = subprocess.run([sys.executable, "-m", "torpor.cli.main", "--json", "checkpoint",
+                                   str(prog.pid), "-D", str(tmp_path / "ck"), "--leave-running"],
+                                  env=torpor.env, stdout=subprocess.PIPE, stderr=w,
+                                  stdin=subprocess.DEVNULL, timeout=120)
+        finally:
+            os.close(w)
+        assert proc.returncode == 0
+        assert json.loads(proc.stdout)["manifest"]["processes"][0]["cuda"]
+        assert gpu.state(prog.pid)["state"] == RUNNING
+        prog.wait_tick(prog.tick() + 2)

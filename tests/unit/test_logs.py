@@ -117,3 +117,18 @@ def test_the_log_file_is_0600_whatever_the_umask(root, tmp_path, before):
     finally:
         os.umask(umask)
     assert (state / "x.log").stat().st_mode & 0o777 == 0o600
+
+
+def test_progress_on_a_stream_that_takes_no_more_lines_stops_quietly():
+    """A say() that raised BrokenPipeError failed the operation it reported on."""
+    import os
+    from torpor.progress import Progress
+    r, w = os.pipe()
+    os.close(r)
+    stream = os.fdopen(w, "w")
+    p = Progress(stream, tick_s=0.01)
+    with p.phase("dump", "x"):
+        pass
+    p.say("after")
+    assert p.stream is None and "dump" in p.timings
+    os.close(w)   # what the failed flush left in stream's buffer goes nowhere

@@ -92,12 +92,20 @@ def hold_std_fds() -> None:
                 os.close(null)
 
 
+def _tell(line: str) -> None:
+    """The error line on stderr; a stderr that takes none changes no exit code."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError, AttributeError):   # broken, closed, or None (2>&-)
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     hold_std_fds()
     try:
         args = build_parser().parse_args(argv)
     except TorporError as e:   # a path argument refused as it was parsed (path_arg)
-        print(f"torpor: error: {printable(e.line(), 4000)}", file=sys.stderr)
+        _tell(f"torpor: error: {printable(e.line(), 4000)}")
         return e.exit_code
     debug = args.debug
     user_umask = os.umask(0o077)  # everything torpor writes holds, or describes, process memory
@@ -119,10 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("torpor").error("%s", e, exc_info=True)
         if debug:
             traceback.print_exc()
-        print(f"torpor: error: {printable(e.line(), 4000)}", file=sys.stderr)  # names from a checkpoint
+        _tell(f"torpor: error: {printable(e.line(), 4000)}")  # names from a checkpoint
         return e.exit_code
     except KeyboardInterrupt:
-        print("torpor: interrupted", file=sys.stderr)
+        _tell("torpor: interrupted")
         return ExitCode.INTERRUPTED
     except Exception as e:  # a bug: still one line, the traceback in the log
         usage = _not_a_bug(e, args.command)
@@ -130,13 +138,12 @@ def main(argv: list[str] | None = None) -> int:
             logging.getLogger("torpor").error("%s", e, exc_info=True)
             if debug:
                 traceback.print_exc()
-            print(f"torpor: error: {usage}", file=sys.stderr)
+            _tell(f"torpor: error: {usage}")
             return ExitCode.USAGE
         logging.getLogger("torpor").critical("unexpected error", exc_info=True)
         if debug:
             traceback.print_exc()
-        print(f"torpor: internal error: {type(e).__name__}: {printable(e, 4000)} (see --debug)",
-              file=sys.stderr)
+        _tell(f"torpor: internal error: {type(e).__name__}: {printable(e, 4000)} (see --debug)")
         return ExitCode.ERROR
 
 
