@@ -187,3 +187,25 @@ def test_a_closed_stdout_does_not_become_the_log(torpor_env):
     with open(os.path.join(torpor_env["TORPOR_STATE_DIR"], "torpor.log")) as f:
         log = f.read()
     assert "NAME" not in log and "could not be written to stdout: stdout is closed" in log
+
+
+def test_a_path_through_a_file_is_a_usage_error_not_a_bug(torpor_env, tmp_path, capsys):
+    """`restore -D FILE/sub`, `image push FIFO ...`, `run --agent-dir /dev/null` were
+    "internal error: NotADirectoryError", exit 1."""
+    (tmp_path / "afile").write_text("x")
+    os.mkfifo(tmp_path / "fifo")
+    for args in (["restore", "-D", str(tmp_path / "afile" / "sub")],
+                 ["image", "push", str(tmp_path / "fifo"), "localhost:1/r:t"],
+                 ["run", "--agent-dir", "/dev/null", "--", "true"]):
+        assert cli.main(args) == 2, args
+        assert "Not a directory: " in _one_line(capsys)
+
+
+def test_a_full_file_system_met_anywhere_is_one_line_exit_1(torpor_env, capsys, monkeypatch):
+    from torpor.cli import inspect
+
+    def full(path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    monkeypatch.setattr(inspect, "read_any", full)
+    assert cli.main(["inspect", "/tmp/x"]) == 1
+    assert "No space left on device: /tmp/x" in _one_line(capsys)

@@ -66,14 +66,23 @@ def _interrupt(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def _not_a_bug(e: Exception, command: str) -> str | None:
-    """The one line for an exception that is no bug of torpor's but bad input or a missing
-    right (exit 2), or None: a permission refused to a non-root user; a name too long for
-    the file system (a path given: path_arg refuses most as they are parsed)."""
+# OSErrors that are what a path given, or the host, is, not a bug of torpor's: a path through
+# a file (-D FILE/x, a FIFO given as a directory), a name too long, a link loop (exit 2); a
+# full or read-only file system (exit 1)
+_BAD_PATH = (errno.ENAMETOOLONG, errno.ENOTDIR, errno.ELOOP)
+_HOST = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+
+
+def _not_a_bug(e: Exception, command: str) -> tuple[str, int] | None:
+    """The one line and exit code for an exception that is no bug of torpor's but bad input
+    or a missing right (exit 2), or a full or read-only file system (exit 1), or None: a
+    permission refused to a non-root user; a path that cannot be one (path_arg refuses the
+    names too long as they are parsed)."""
     if isinstance(e, PermissionError) and os.geteuid() != 0:
-        return _needs_root(e, command)
-    if isinstance(e, OSError) and e.errno == errno.ENAMETOOLONG:
-        return f"{e.strerror}: {printable(e.filename if e.filename else e, 200)}"
+        return _needs_root(e, command), ExitCode.USAGE
+    if isinstance(e, OSError) and e.errno in _BAD_PATH + _HOST:
+        line = f"{e.strerror}: {printable(e.filename if e.filename else e, 200)}"
+        return line, ExitCode.USAGE if e.errno in _BAD_PATH else ExitCode.ERROR
     return None
 
 
@@ -133,13 +142,13 @@ def main(argv: list[str] | None = None) -> int:
         _tell("torpor: interrupted")
         return ExitCode.INTERRUPTED
     except Exception as e:  # a bug: still one line, the traceback in the log
-        usage = _not_a_bug(e, args.command)
-        if usage:
+        known = _not_a_bug(e, args.command)
+        if known:
             logging.getLogger("torpor").error("%s", e, exc_info=True)
             if debug:
                 traceback.print_exc()
-            _tell(f"torpor: error: {usage}")
-            return ExitCode.USAGE
+            _tell(f"torpor: error: {known[0]}")
+            return known[1]
         logging.getLogger("torpor").critical("unexpected error", exc_info=True)
         if debug:
             traceback.print_exc()
