@@ -4,6 +4,7 @@ a fake GPU: each case is one line on stderr, a documented exit code, and the pro
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -36,7 +37,6 @@ def test_a_stderr_nobody_reads_ends_the_progress_not_the_checkpoint(torpor, gpu,
     """`torpor checkpoint ... 2>&1 | head -c1`: the first progress line raised
     BrokenPipeError and the checkpoint failed (exit 1); one between the dump and the seal
     would have failed a checkpoint that had ended its program."""
-    import os
     r, w = os.pipe()
     os.close(r)
     with gpu.spawn() as prog:
@@ -51,3 +51,33 @@ def test_a_stderr_nobody_reads_ends_the_progress_not_the_checkpoint(torpor, gpu,
         assert json.loads(proc.stdout)["manifest"]["processes"][0]["cuda"]
         assert gpu.state(prog.pid)["state"] == RUNNING
         prog.wait_tick(prog.tick() + 2)
+
+
+def test_a_checkpoint_into_a_full_file_system_is_refused_before_the_program_is_touched(
+        torpor, gpu, tmp_path):
+    """No room even for the draft manifest: "internal error: OSError: No space left on
+    device", exit 1; now exit 8 (the program runs as before) and an empty directory."""
+    full = tmp_path / "full"
+    full.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(full)], check=True)
+    try:
+        fd = os.open(full / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            while os.write(fd, b"\0" * 4096):
+                pass
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        with gpu.spawn() as prog:
+            proc = _torpor(torpor, "checkpoint", str(prog.pid), "-D", str(full / "ck"))
+            assert proc.returncode == 8, proc.stderr
+            assert proc.stderr.splitlines()[-1] == (
+                f"torpor: error: cannot write into {full / 'ck'}: No space left on device; "
+                "nothing was done to the program")
+            assert list((full / "ck").iterdir()) == []
+            assert gpu.state(prog.pid)["state"] == RUNNING
+            prog.wait_tick(prog.tick() + 2)
+            assert [c.call for c in gpu.calls() if c.call != "get_state"] == []
+    finally:
+        subprocess.run(["umount", "-l", str(full)])
