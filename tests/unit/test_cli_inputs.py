@@ -209,3 +209,45 @@ def test_a_full_file_system_met_anywhere_is_one_line_exit_1(torpor_env, capsys, 
     monkeypatch.setattr(inspect, "read_any", full)
     assert cli.main(["inspect", "/tmp/x"]) == 1
     assert "No space left on device: /tmp/x" in _one_line(capsys)
+
+
+@pytest.mark.parametrize("text", [" {pid} ", "{pid}\n", "+{pid}", "0{pid}_0", "{arabic}",
+                                  "9" * 5000])
+def test_a_pid_is_decimal_ascii_digits(torpor_env, tmp_path, capsys, monkeypatch, sleeper,
+                                       text):
+    """int() took ' 5 ', '1_0' and Arabic-Indic digits: each named some process."""
+    from torpor.cli import checkpoint
+    monkeypatch.setattr(checkpoint, "checkpoint", lambda *a, **kw: pytest.fail("it ran"))
+    arabic = "".join(chr(0x660 + int(d)) for d in str(sleeper))
+    word = text.format(pid=sleeper, arabic=arabic)
+    for args in (["checkpoint", word, "-D", str(tmp_path / "ck")], ["suspend", word],
+                 ["resume", word]):
+        assert cli.main(args) == 2
+        assert "not a PID: '" in _one_line(capsys)
+
+
+def _a_kernel_thread() -> int | None:
+    from torpor import procs
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) > 1 and procs._kernel_thread(int(name)):
+            return int(name)
+    return None
+
+
+@pytest.mark.parametrize("who", ["kernel thread", "torpor itself", "torpor's parent"])
+def test_a_kernel_thread_or_torpors_own_tree_is_refused_before_criu_runs(torpor_env, tmp_path,
+                                                                        capsys, monkeypatch,
+                                                                        who):
+    """`torpor checkpoint 2` walked kthreadd's 'tree' (every kernel thread) and ran CRIU on it;
+    `torpor checkpoint $$` from a shell put torpor (and CRIU) in the tree it dumps: both
+    failed only at CRIU's dump, exit 8."""
+    from torpor.cli import checkpoint
+    monkeypatch.setattr(checkpoint, "checkpoint", lambda *a, **kw: pytest.fail("it ran"))
+    pid = {"kernel thread": _a_kernel_thread(), "torpor itself": os.getpid(),
+           "torpor's parent": os.getppid()}[who]
+    if pid is None or pid <= 1:
+        pytest.skip("no such process visible here")
+    assert cli.main(["checkpoint", str(pid), "-D", str(tmp_path / "ck")]) == 2
+    assert ("a kernel thread" if who == "kernel thread" else "holds this torpor") \
+        in _one_line(capsys)
+    assert not (tmp_path / "ck").exists()
