@@ -30,15 +30,29 @@ def _private_file(path: Path) -> None:
         os.close(fd)
 
 
+class _NoTraceback(logging.Formatter):
+    """A record's message without its traceback: for a stderr that shows one line per error
+    (the runtime shows torpor-hook's stderr), the traceback staying in the log file."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        saved = record.exc_info, record.exc_text, record.stack_info
+        record.exc_info = record.exc_text = record.stack_info = None
+        try:
+            return super().format(record)
+        finally:
+            record.exc_info, record.exc_text, record.stack_info = saved
+
+
 def setup(state_dir: Path, file_name: str | None, *, level: int = logging.INFO,
           fmt: str = FORMAT, file_level: int | None = None, stderr: bool = False,
           stderr_level: int | None = None, stderr_formatted: bool = False,
-          must: bool = False) -> None:
+          stderr_tracebacks: bool = True, must: bool = False) -> None:
     """The root logger at level, writing to stderr (given stderr; formatted as the file only
-    with stderr_formatted) and to state_dir/file_name (None: no file). A log file that cannot
-    be opened, or whose state_dir private_dir refuses, is left out, unless must (then the
-    OSError or UsageError): torpor-hook and torpor-runtime's create must never stop a
-    container for want of a log."""
+    with stderr_formatted; without tracebacks unless stderr_tracebacks) and to
+    state_dir/file_name (None: no file). A log file that cannot be opened, or whose
+    state_dir private_dir refuses, is left out, unless must (then the OSError or
+    UsageError): torpor-hook and torpor-runtime's create must never stop a container for
+    want of a log."""
     root = logging.getLogger()
     root.setLevel(level)
     formatter = logging.Formatter(fmt)
@@ -47,7 +61,9 @@ def setup(state_dir: Path, file_name: str | None, *, level: int = logging.INFO,
         if stderr_level is not None:
             h.setLevel(stderr_level)
         if stderr_formatted:
-            h.setFormatter(formatter)
+            h.setFormatter(formatter if stderr_tracebacks else _NoTraceback(fmt))
+        elif not stderr_tracebacks:
+            h.setFormatter(_NoTraceback())
         root.addHandler(h)
     if file_name is None:
         return
