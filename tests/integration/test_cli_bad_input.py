@@ -81,3 +81,21 @@ def test_a_checkpoint_into_a_full_file_system_is_refused_before_the_program_is_t
             assert [c.call for c in gpu.calls() if c.call != "get_state"] == []
     finally:
         subprocess.run(["umount", "-l", str(full)])
+
+
+def test_a_program_killed_during_the_lock_is_not_reported_rolled_back(torpor, gpu, tmp_path):
+    """Someone kills the program while torpor waits in the driver's lock: that was "lock
+    failed: ...; 1 process(es) rolled back to running", exit 8 (the program runs as before),
+    of a program that was gone."""
+    import threading
+    import time
+    with gpu.spawn() as prog:
+        gpu.delay("lock", 2000, prog.pid)
+        threading.Timer(0.6, prog.kill).start()
+        t0 = time.monotonic()
+        proc = _torpor(torpor, "checkpoint", str(prog.pid), "-D", str(tmp_path / "ck"))
+        assert time.monotonic() - t0 > 1.0      # the kill came during the lock
+        assert proc.returncode == 3, proc.stderr
+        last = proc.stderr.splitlines()[-1]
+        assert last.startswith("torpor: error: lock failed: ") and last.endswith(
+            f"; 0 process(es) rolled back to running; PID(s) {prog.pid} ended during it")
