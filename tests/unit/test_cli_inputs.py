@@ -251,3 +251,15 @@ def test_a_kernel_thread_or_torpors_own_tree_is_refused_before_criu_runs(torpor_
     assert ("a kernel thread" if who == "kernel thread" else "holds this torpor") \
         in _one_line(capsys)
     assert not (tmp_path / "ck").exists()
+
+
+def test_run_gives_the_agent_an_absolute_socket_directory(torpor_env, tmp_path, monkeypatch):
+    """TORPOR_AGENT_DIR=rel was handed on as it was: the agent binds its socket from the
+    program's current directory at its first driver call, wherever the program went by then."""
+    from torpor.cli import run
+    seen = {}
+    monkeypatch.setattr(run.os, "execve", lambda exe, argv, env: seen.update(env))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TORPOR_AGENT_DIR", "rel")
+    cli.main(["run", "--", "true"])
+    assert seen["TORPOR_AGENT_DIR"] == str(tmp_path / "rel")
