@@ -81,7 +81,8 @@ def _not_a_bug(e: Exception, command: str) -> tuple[str, int] | None:
     if isinstance(e, PermissionError) and os.geteuid() != 0:
         return _needs_root(e, command), ExitCode.USAGE
     if isinstance(e, OSError) and e.errno in _BAD_PATH + _HOST:
-        line = f"{e.strerror}: {printable(e.filename if e.filename else e, 200)}"
+        line = (f"{e.strerror}: {printable(e.filename, 200)}" if e.filename
+                else printable(e.strerror or e, 200))
         return line, ExitCode.USAGE if e.errno in _BAD_PATH else ExitCode.ERROR
     return None
 
