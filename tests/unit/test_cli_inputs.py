@@ -263,3 +263,27 @@ def test_run_gives_the_agent_an_absolute_socket_directory(torpor_env, tmp_path, 
     monkeypatch.setenv("TORPOR_AGENT_DIR", "rel")
     cli.main(["run", "--", "true"])
     assert seen["TORPOR_AGENT_DIR"] == str(tmp_path / "rel")
+
+
+def test_image_build_of_a_missing_checkpoint_is_not_found_as_for_restore(torpor_env, tmp_path,
+                                                                         capsys):
+    """restore and inspect said exit 3 of a missing checkpoint, image build exit 2."""
+    for args in (["restore", "-D", str(tmp_path / "none")], ["inspect", str(tmp_path / "none")],
+                 ["image", "build", str(tmp_path / "none"), "-o", str(tmp_path / "out")]):
+        assert cli.main(args) == 3, args
+        _one_line(capsys)
+
+
+def test_a_full_file_system_without_a_path_is_said_once(torpor_env, capsys, monkeypatch):
+    """'No space left on device: [Errno 28] No space left on device' (image build -o FULL)."""
+    from torpor.cli import inspect
+    monkeypatch.setattr(inspect, "read_any", lambda path: (_ for _ in ()).throw(
+        OSError(errno.ENOSPC, "No space left on device")))
+    assert cli.main(["inspect", "/tmp/x"]) == 1
+    assert _one_line(capsys) == "torpor: error: No space left on device\n"
+
+
+def test_a_demo_larger_than_the_hosts_memory_is_refused_first(torpor_env, capsys):
+    """--mib 2**70 started the demo program, which died: exit 1, "exited while waiting"."""
+    assert cli.main(["demo", "--cpu", "--mib", str(2**70)]) == 2
+    assert "MiB of memory this host has available" in _one_line(capsys)
