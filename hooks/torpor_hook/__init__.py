@@ -40,7 +40,24 @@ CALL_TIMEOUT_S = 5.0
 
 def _setup_logging(state_dir: Path) -> None:
     from torpor import logs
-    logs.setup(state_dir, "hooks.log", stderr=True)
+    logs.setup(state_dir, "hooks.log", stderr=True, stderr_tracebacks=False)
+
+
+def read_state(stream) -> dict:
+    """The container's state (OCI runtime spec, "State") from stream: a JSON object with a
+    string id, else ValueError saying what came instead."""
+    if stream is None:
+        raise ValueError("no container state: stdin is closed")
+    try:
+        state = json.load(stream)
+    except RecursionError:
+        raise ValueError("the container state on stdin is nested too deep") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"the container state on stdin is a JSON {type(state).__name__}, "
+                         "not an object")
+    if not isinstance(state.get("id"), str) or not state["id"]:
+        raise ValueError("the container state on stdin has no id")
+    return state
 
 
 def register(state: dict, cfg) -> str:
@@ -90,17 +107,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"torpor-hook: {stage}: config: {e}", file=sys.stderr)
         return 0
     _setup_logging(cfg.state_dir)
+    from torpor.errors import TorporError
+    from torpor.files import printable
     cid = "?"
     try:
-        state = json.load(sys.stdin)
-        cid = str(state.get("id", "?"))
+        state = read_state(sys.stdin)
+        cid = printable(state["id"], 80)
         if stage == "auto":
             stage = "poststop" if state.get("status") == "stopped" else "createRuntime"
         outcome = unregister(state, cfg) if stage == "poststop" else register(state, cfg)
         log.info("%s %s: %s", stage, cid, outcome)
-    except Exception as e:
+    except Exception as e:   # one line on stderr; a traceback, for a bug, in hooks.log only
         log.warning("%s %s: %s (the container goes on without torpor's registration)",
-                    stage, cid, e, exc_info=not isinstance(e, (OSError, ValueError, KeyError)))
+                    stage, cid, printable(e, 500),
+                    exc_info=not isinstance(e, (TorporError, OSError, ValueError, KeyError)))
     return 0
 
 

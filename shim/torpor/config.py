@@ -112,7 +112,13 @@ def _convert(kind: type, value: object) -> object:
     if issubclass(kind, Path) or kind is str:
         if not isinstance(value, str):
             raise TypeError("expected a string" + (" (a path)" if kind is not str else ""))
-        return Path(value) if kind is not str else value
+        if kind is str:
+            return value
+        if not Path(value).is_absolute():   # "" too: Path("") is the current directory
+            # a relative state_dir puts the journal and locks wherever torpor is run from:
+            # two torpors in two directories would not see each other's locks
+            raise ValueError("expected an absolute path")
+        return Path(value)
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise TypeError("expected a number")
     if kind is int and isinstance(value, float):
@@ -165,6 +171,8 @@ def load(path: Path | None = None, env: dict[str, str] | None = None) -> Config:
     if not math.isfinite(cfg.restore_fetch_timeout_s) or not 0 <= cfg.restore_fetch_timeout_s \
             <= 3600:
         raise UsageError("restore_fetch_timeout_s must be 0 (never fetch) to 3600 seconds")
+    if not 0 <= cfg.socket_owner_uid < 0xFFFFFFFF:   # (uid_t)-1 is no uid: "unchanged"
+        raise UsageError("socket_owner_uid must be a uid, 0 to 4294967294")
     if not 0 <= cfg.agent_files <= 16:
         raise UsageError("agent_files must be 0 (automatic) to 16")
     return cfg

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from .errors import NotFoundError, UsageError
+from .files import printable
 
 PROC = Path("/proc")
 # PID_MAX_LIMIT, the most /proc/sys/kernel/pid_max may be (4 Mi on 64-bit): every PID is below it
@@ -39,20 +40,54 @@ def pid_taken(pid: int, zombie_grace_s: float = 3.0) -> bool:
     return False
 
 
+PF_KTHREAD = 0x00200000   # /proc/PID/stat flags: a kernel thread (linux/sched.h)
+
+
+def _kernel_thread(pid: int) -> bool:
+    try:
+        return int(_stat_fields(pid)[6]) & PF_KTHREAD != 0
+    except (OSError, IndexError, ValueError):
+        return False
+
+
+def _holds_self(pid: int) -> bool:
+    """Whether pid is this process or one of its ancestors: its tree would hold the torpor
+    that checkpoints it (and CRIU, and the dump would stop them both)."""
+    cur, seen = os.getpid(), 0
+    while cur > 1 and seen < 4096:
+        if cur == pid:
+            return True
+        try:
+            cur = int(_stat_fields(cur)[1])
+        except (OSError, IndexError, ValueError):
+            return False
+        seen += 1
+    return False
+
+
 def require(pid: int) -> int:
     if pid <= 1:
         raise UsageError(f"refusing PID {pid}: not a program torpor can checkpoint")
     if not alive(pid):
         raise NotFoundError(f"no process with PID {pid}")
+    if _kernel_thread(pid):   # CRIU would try, after torpor walked its "tree" (kthreadd: all)
+        raise UsageError(f"refusing PID {pid}: a kernel thread, not a program torpor can "
+                         "checkpoint")
     return pid
 
 
 def parse_pid(text: str) -> int:
-    try:
-        pid = int(text)
-    except ValueError:
-        raise UsageError(f"not a PID: '{text}'") from None
-    return require(pid)
+    """A PID given on the command line: decimal ASCII digits (a leading '-' is read, then
+    refused), not whatever int() takes: ' 5 ', '1_0' and Arabic-Indic digits named other
+    processes. Neither this process nor an ancestor (the shell it was started from)."""
+    digits = text[1:] if text.startswith("-") else text
+    if not (digits.isascii() and digits.isdigit()) or len(digits) > 20:
+        raise UsageError(f"not a PID: '{printable(text, 40)}'")
+    pid = require(int(text))
+    if _holds_self(pid):
+        raise UsageError(f"refusing PID {pid}: its process tree holds this torpor (PID "
+                         f"{os.getpid()}); run torpor from outside the tree")
+    return pid
 
 
 def children(pid: int) -> list[int]:

@@ -35,8 +35,15 @@ class Progress:
         self.timings: dict[str, float] = {}
 
     def say(self, text: str) -> None:
-        if self.stream is not None:
-            print(f"torpor: {text}", file=self.stream, flush=True)
+        """One line on the stream. A stream that takes no more lines (stderr a pipe whose
+        reader left, a full disk) ends the progress, never the operation: a say() between
+        a dump and its seal failed a checkpoint that had ended its program."""
+        stream = self.stream
+        if stream is not None:
+            try:
+                print(f"torpor: {text}", file=stream, flush=True)
+            except (OSError, ValueError):   # ValueError: a closed file
+                self.stream = None
 
     @contextlib.contextmanager
     def phase(self, name: str, detail: str = "",

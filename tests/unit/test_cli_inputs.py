@@ -133,3 +133,157 @@ def test_a_store_name_is_checked_before_the_program_is_touched(torpor_env, tmp_p
     assert cli.main(["checkpoint", str(sleeper), "-D", str(tmp_path / "ck"), "--store", name]) == 2
     assert says in _one_line(capsys)
     assert touched == [] and not (tmp_path / "ck").exists()
+
+
+def test_a_relative_path_from_a_removed_directory_is_one_line(torpor_env, tmp_path, capsys,
+                                                             monkeypatch):
+    """Path arguments are made absolute as they are parsed: with the current directory
+    removed, getcwd() fails, and that must be a usage error, not a traceback."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    assert cli.main(["inspect", "ck"]) == 2
+    assert "the current directory no longer exists" in _one_line(capsys)
+
+
+def _run_with_stdout(torpor_env, how: str, *args: str):
+    """torpor ARGS as a separate process whose stdout is closed (`>&-`) or a pipe nobody
+    reads any more (`| head -c0`)."""
+    import subprocess
+    import sys
+    env = {**os.environ, **torpor_env, "TORPOR_STORE_DIR": torpor_env["TORPOR_STATE_DIR"] + "s"}
+    cmd = [sys.executable, "-m", "torpor.cli.main", *args]
+    if how == "closed":
+        return subprocess.run(["/bin/sh", "-c", 'exec "$@" >&-', "sh", *cmd], env=env,
+                              stderr=subprocess.PIPE, text=True, timeout=60)
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        return subprocess.run(cmd, env=env, stdout=w, stderr=subprocess.PIPE, text=True,
+                              timeout=60)
+    finally:
+        os.close(w)
+
+
+@pytest.mark.parametrize("how", ["closed", "broken"])
+@pytest.mark.parametrize("args", [["ls"], ["--json", "ls"]])
+def test_a_stdout_that_takes_no_result_is_one_line_exit_1_not_an_internal_error(torpor_env,
+                                                                                 how, args):
+    """`torpor ls >&-` and `torpor ls | head -c0` were "internal error: AttributeError" and
+    "internal error: BrokenPipeError" (and for a checkpoint, exit 1 read as one that did
+    not happen): one line that says the command is done."""
+    proc = _run_with_stdout(torpor_env, how, *args)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("torpor: error: the command is done but its result could "
+                                  "not be written to stdout: ") and proc.stderr.count("\n") == 1, \
+        proc.stderr
+
+
+def test_a_closed_stdout_does_not_become_the_log(torpor_env):
+    """With descriptor 1 closed, the first file torpor opens (its log) is descriptor 1:
+    what is written to stdout, or done to it, must not reach the log."""
+    _run_with_stdout(torpor_env, "closed", "ls")
+    with open(os.path.join(torpor_env["TORPOR_STATE_DIR"], "torpor.log")) as f:
+        log = f.read()
+    assert "NAME" not in log and "could not be written to stdout: stdout is closed" in log
+
+
+def test_a_path_through_a_file_is_a_usage_error_not_a_bug(torpor_env, tmp_path, capsys):
+    """`restore -D FILE/sub`, `image push FIFO ...`, `run --agent-dir /dev/null` were
+    "internal error: NotADirectoryError", exit 1."""
+    (tmp_path / "afile").write_text("x")
+    os.mkfifo(tmp_path / "fifo")
+    for args in (["restore", "-D", str(tmp_path / "afile" / "sub")],
+                 ["image", "push", str(tmp_path / "fifo"), "localhost:1/r:t"],
+                 ["run", "--agent-dir", "/dev/null", "--", "true"]):
+        assert cli.main(args) == 2, args
+        assert "Not a directory: " in _one_line(capsys)
+
+
+def test_a_full_file_system_met_anywhere_is_one_line_exit_1(torpor_env, capsys, monkeypatch):
+    from torpor.cli import inspect
+
+    def full(path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    monkeypatch.setattr(inspect, "read_any", full)
+    assert cli.main(["inspect", "/tmp/x"]) == 1
+    assert "No space left on device: /tmp/x" in _one_line(capsys)
+
+
+@pytest.mark.parametrize("text", [" {pid} ", "{pid}\n", "+{pid}", "0{pid}_0", "{arabic}",
+                                  "9" * 5000])
+def test_a_pid_is_decimal_ascii_digits(torpor_env, tmp_path, capsys, monkeypatch, sleeper,
+                                       text):
+    """int() took ' 5 ', '1_0' and Arabic-Indic digits: each named some process."""
+    from torpor.cli import checkpoint
+    monkeypatch.setattr(checkpoint, "checkpoint", lambda *a, **kw: pytest.fail("it ran"))
+    arabic = "".join(chr(0x660 + int(d)) for d in str(sleeper))
+    word = text.format(pid=sleeper, arabic=arabic)
+    for args in (["checkpoint", word, "-D", str(tmp_path / "ck")], ["suspend", word],
+                 ["resume", word]):
+        assert cli.main(args) == 2
+        assert "not a PID: '" in _one_line(capsys)
+
+
+def _a_kernel_thread() -> int | None:
+    from torpor import procs
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) > 1 and procs._kernel_thread(int(name)):
+            return int(name)
+    return None
+
+
+@pytest.mark.parametrize("who", ["kernel thread", "torpor itself", "torpor's parent"])
+def test_a_kernel_thread_or_torpors_own_tree_is_refused_before_criu_runs(torpor_env, tmp_path,
+                                                                        capsys, monkeypatch,
+                                                                        who):
+    """`torpor checkpoint 2` walked kthreadd's 'tree' (every kernel thread) and ran CRIU on it;
+    `torpor checkpoint $$` from a shell put torpor (and CRIU) in the tree it dumps: both
+    failed only at CRIU's dump, exit 8."""
+    from torpor.cli import checkpoint
+    monkeypatch.setattr(checkpoint, "checkpoint", lambda *a, **kw: pytest.fail("it ran"))
+    pid = {"kernel thread": _a_kernel_thread(), "torpor itself": os.getpid(),
+           "torpor's parent": os.getppid()}[who]
+    if pid is None or pid <= 1:
+        pytest.skip("no such process visible here")
+    assert cli.main(["checkpoint", str(pid), "-D", str(tmp_path / "ck")]) == 2
+    assert ("a kernel thread" if who == "kernel thread" else "holds this torpor") \
+        in _one_line(capsys)
+    assert not (tmp_path / "ck").exists()
+
+
+def test_run_gives_the_agent_an_absolute_socket_directory(torpor_env, tmp_path, monkeypatch):
+    """TORPOR_AGENT_DIR=rel was handed on as it was: the agent binds its socket from the
+    program's current directory at its first driver call, wherever the program went by then."""
+    from torpor.cli import run
+    seen = {}
+    monkeypatch.setattr(run.os, "execve", lambda exe, argv, env: seen.update(env))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TORPOR_AGENT_DIR", "rel")
+    cli.main(["run", "--", "true"])
+    assert seen["TORPOR_AGENT_DIR"] == str(tmp_path / "rel")
+
+
+def test_image_build_of_a_missing_checkpoint_is_not_found_as_for_restore(torpor_env, tmp_path,
+                                                                         capsys):
+    """restore and inspect said exit 3 of a missing checkpoint, image build exit 2."""
+    for args in (["restore", "-D", str(tmp_path / "none")], ["inspect", str(tmp_path / "none")],
+                 ["image", "build", str(tmp_path / "none"), "-o", str(tmp_path / "out")]):
+        assert cli.main(args) == 3, args
+        _one_line(capsys)
+
+
+def test_a_full_file_system_without_a_path_is_said_once(torpor_env, capsys, monkeypatch):
+    """'No space left on device: [Errno 28] No space left on device' (image build -o FULL)."""
+    from torpor.cli import inspect
+    monkeypatch.setattr(inspect, "read_any", lambda path: (_ for _ in ()).throw(
+        OSError(errno.ENOSPC, "No space left on device")))
+    assert cli.main(["inspect", "/tmp/x"]) == 1
+    assert _one_line(capsys) == "torpor: error: No space left on device\n"
+
+
+def test_a_demo_larger_than_the_hosts_memory_is_refused_first(torpor_env, capsys):
+    """--mib 2**70 started the demo program, which died: exit 1, "exited while waiting"."""
+    assert cli.main(["demo", "--cpu", "--mib", str(2**70)]) == 2
+    assert "MiB of memory this host has available" in _one_line(capsys)

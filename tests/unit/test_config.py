@@ -117,3 +117,19 @@ def test_a_user_s_default_suspend_dir_is_their_own_not_the_one_root_takes_back(m
     assert config.load(env={**none, "TORPOR_SUSPEND_DIR": "/x"}).suspend_dir == Path("/x")
     monkeypatch.setattr(config.os, "geteuid", lambda: 0)
     assert config.load(env=none).suspend_dir == Path("/dev/shm/torpor")
+
+
+@pytest.mark.parametrize("text,match", [
+    ('state_dir = "rel/dir"', "state_dir = 'rel/dir': expected an absolute path"),
+    ('store_dir = ""', "store_dir = '': expected an absolute path"),
+    ("socket_owner_uid = -1", "socket_owner_uid must be a uid"),
+    ("socket_owner_uid = 1099511627776", "socket_owner_uid must be a uid")])
+def test_a_relative_directory_or_no_uid_is_refused(tmp_path, text, match):
+    """A relative state_dir put the journal and locks wherever torpor ran (and every dump
+    failed); socket_owner_uid 2**40 crashed torpord at start (OverflowError), -1 was taken."""
+    f = tmp_path / "c.toml"
+    f.write_text(text)
+    with pytest.raises(UsageError, match=match):
+        config.load(f, env={})
+    with pytest.raises(UsageError, match="expected an absolute path"):
+        config.load(env={"TORPOR_CONFIG": str(tmp_path / "none"), "TORPOR_STATE_DIR": "rel"})

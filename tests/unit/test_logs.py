@@ -86,3 +86,49 @@ def test_hook_with_a_refused_state_dir_lets_the_container_start(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "Traceback" not in out.stderr
     assert not (shared / "state").exists()
+
+
+def test_a_message_with_bytes_that_are_no_utf8_is_logged_not_a_logging_error(root, tmp_path,
+                                                                           capsys):
+    """A path or argv word with bytes that are no UTF-8 (os.fsdecode gives surrogates) made
+    the log file's handler print '--- Logging error ---' and a traceback on stderr."""
+    import os
+    logs.setup(tmp_path / "state", "x.log")
+    odd = os.fsdecode(b"/tmp/\xff\xfe")
+    logging.getLogger("torpor.t").warning("torpor checkpoint 1 -D %s", odd)
+    for h in root.handlers:
+        h.flush()
+    assert "Logging error" not in capsys.readouterr().err
+    assert "-D /tmp/\\udcff\\udcfe" in (tmp_path / "state" / "x.log").read_text()
+
+
+@pytest.mark.parametrize("before", [None, 0o644])
+def test_the_log_file_is_0600_whatever_the_umask(root, tmp_path, before):
+    """torpor-hook keeps its runtime's umask (022): its hooks.log was created 0644."""
+    import os
+    state = tmp_path / "state"
+    if before is not None:
+        state.mkdir(mode=0o700)
+        (state / "x.log").write_text("old\n")
+        os.chmod(state / "x.log", before)
+    umask = os.umask(0o022)
+    try:
+        logs.setup(state, "x.log")
+    finally:
+        os.umask(umask)
+    assert (state / "x.log").stat().st_mode & 0o777 == 0o600
+
+
+def test_progress_on_a_stream_that_takes_no_more_lines_stops_quietly():
+    """A say() that raised BrokenPipeError failed the operation it reported on."""
+    import os
+    from torpor.progress import Progress
+    r, w = os.pipe()
+    os.close(r)
+    stream = os.fdopen(w, "w")
+    p = Progress(stream, tick_s=0.01)
+    with p.phase("dump", "x"):
+        pass
+    p.say("after")
+    assert p.stream is None and "dump" in p.timings
+    os.close(w)   # what the failed flush left in stream's buffer goes nowhere

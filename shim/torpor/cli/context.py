@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import sys
@@ -11,7 +12,7 @@ from typing import Any
 
 from ..config import Config
 from ..engine import Engine
-from ..errors import UsageError
+from ..errors import TorporError, UsageError, describe
 from ..files import printable
 from ..progress import Progress, human_bytes, human_rate
 
@@ -24,7 +25,8 @@ def path_arg(text: str) -> Path:
     """A path given on the command line (every path argument's argparse type), refused as it
     is parsed, before anything uses it: an empty one, and a name longer than any file system
     takes, are one line, exit 2, not the current directory or an OSError from deep inside a
-    command (main() still turns one such OSError from elsewhere into the same)."""
+    command (main() still turns one such OSError from elsewhere into the same). Returned
+    absolute (from the current directory, links and '..' left as given)."""
     if not text:   # Path("") is the current directory: never what an empty argument meant
         raise UsageError("an empty path was given: name the directory or file "
                          "('.' for the current directory)")
@@ -36,7 +38,14 @@ def path_arg(text: str) -> Path:
     if len(raw) >= PATH_MAX:
         raise UsageError(f"path {printable(text, 60)} is {len(raw)} bytes long, more than the "
                          f"{PATH_MAX - 1} a path may have")
-    return Path(text)
+    # absolute: CRIU resolves a relative --images-dir and --log-file from different places
+    # (a relative -D failed every dump, exit 8), and the journal and recovery (which finds a
+    # dumping CRIU by its --images-dir) may run from another directory
+    try:
+        return Path(text).absolute()
+    except FileNotFoundError:   # getcwd(): the current directory was removed
+        raise UsageError(f"path {printable(text, 60)} is relative but the current directory "
+                         "no longer exists: give an absolute path") from None
 
 
 @dataclasses.dataclass
@@ -54,13 +63,35 @@ class Context:
         return self._engine
 
     def emit(self, obj: Any, human: str) -> None:
-        """Print the result: JSON with --json, else the human text."""
-        if self.json:
-            json.dump(obj, sys.stdout, indent=2, sort_keys=True, default=str)
-            sys.stdout.write("\n")
-        else:
-            sys.stdout.write(human.rstrip("\n") + "\n")
-        sys.stdout.flush()
+        """Print the result: JSON with --json, else the human text. A stdout that takes no
+        result (closed, a pipe whose reader left, a full disk) is one TorporError, exit 1,
+        that says the command itself is done: it was an internal error (BrokenPipeError),
+        which a script could take for a checkpoint or restore that did not happen."""
+        out = sys.stdout
+        try:
+            if out is None:   # started with descriptor 1 closed (`>&-`)
+                raise OSError(errno.EBADF, "stdout is closed")
+            if self.json:
+                json.dump(obj, out, indent=2, sort_keys=True, default=str)
+                out.write("\n")
+            else:
+                out.write(human.rstrip("\n") + "\n")
+            out.flush()
+        except OSError as e:
+            _drop_stdout()
+            raise TorporError(f"the command is done but its result could not be written to "
+                              f"stdout: {describe(e)}") from e
+
+
+def _drop_stdout() -> None:
+    """What is left in stdout's buffer goes to /dev/null: the interpreter's flush at exit
+    would otherwise fail again and print 'Exception ignored ... BrokenPipeError'."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+        os.dup2(null, 1, inheritable=False)
+        os.close(null)
+    except OSError:
+        pass
 
 
 def agent_line(moved: dict[str, dict[str, Any]], verb: str = "moved") -> str:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from .. import procs
 from ..demo import scenario
+from ..errors import UsageError
 from ..progress import human_bytes
 from .context import Context, path_arg, timing_lines
 
@@ -20,8 +22,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
     if args.mib < 1:
-        from ..errors import UsageError
         raise UsageError("--mib must be at least 1")
+    free = procs.mem_available()   # the checkpoint holds it in host memory, GPU or not
+    if free is not None and args.mib > free >> 20:
+        raise UsageError(f"--mib {args.mib} is more than the {free >> 20} MiB of memory this "
+                         "host has available")
     r = scenario.run(ctx.engine, cpu=args.cpu, mib=args.mib, keep=args.keep)
     where = r["device"] or "the CPU"
     ctx.emit(r, f"demo passed: a program holding {r['mib']} MiB on {where} was checkpointed "

@@ -66,22 +66,56 @@ def _interrupt(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def _not_a_bug(e: Exception, command: str) -> str | None:
-    """The one line for an exception that is no bug of torpor's but bad input or a missing
-    right (exit 2), or None: a permission refused to a non-root user; a name too long for
-    the file system (a path given: path_arg refuses most as they are parsed)."""
+# OSErrors that are what a path given, or the host, is, not a bug of torpor's: a path through
+# a file (-D FILE/x, a FIFO given as a directory), a name too long, a link loop (exit 2); a
+# full or read-only file system (exit 1)
+_BAD_PATH = (errno.ENAMETOOLONG, errno.ENOTDIR, errno.ELOOP)
+_HOST = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+
+
+def _not_a_bug(e: Exception, command: str) -> tuple[str, int] | None:
+    """The one line and exit code for an exception that is no bug of torpor's but bad input
+    or a missing right (exit 2), or a full or read-only file system (exit 1), or None: a
+    permission refused to a non-root user; a path that cannot be one (path_arg refuses the
+    names too long as they are parsed)."""
     if isinstance(e, PermissionError) and os.geteuid() != 0:
-        return _needs_root(e, command)
-    if isinstance(e, OSError) and e.errno == errno.ENAMETOOLONG:
-        return f"{e.strerror}: {printable(e.filename if e.filename else e, 200)}"
+        return _needs_root(e, command), ExitCode.USAGE
+    if isinstance(e, OSError) and e.errno in _BAD_PATH + _HOST:
+        line = (f"{e.strerror}: {printable(e.filename, 200)}" if e.filename
+                else printable(e.strerror or e, 200))
+        return line, ExitCode.USAGE if e.errno in _BAD_PATH else ExitCode.ERROR
     return None
 
 
+def hold_std_fds() -> None:
+    """/dev/null on each of descriptors 0-2 that torpor was started without (`>&-`): else
+    the first file torpor opens (its log, a lock, a checkpoint's file) becomes its stdout or
+    stderr, and a result or error line is written into it. Not inherited: the programs
+    torpor starts (torpor run) get the descriptors as torpor got them."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+            if null != fd:    # the lowest free descriptor: fd itself, unless a lower one is
+                os.dup2(null, fd, inheritable=False)
+                os.close(null)
+
+
+def _tell(line: str) -> None:
+    """The error line on stderr; a stderr that takes none changes no exit code."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError, AttributeError):   # broken, closed, or None (2>&-)
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
+    hold_std_fds()
     try:
         args = build_parser().parse_args(argv)
     except TorporError as e:   # a path argument refused as it was parsed (path_arg)
-        print(f"torpor: error: {printable(e.line(), 4000)}", file=sys.stderr)
+        _tell(f"torpor: error: {printable(e.line(), 4000)}")
         return e.exit_code
     debug = args.debug
     user_umask = os.umask(0o077)  # everything torpor writes holds, or describes, process memory
@@ -103,24 +137,23 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("torpor").error("%s", e, exc_info=True)
         if debug:
             traceback.print_exc()
-        print(f"torpor: error: {printable(e.line(), 4000)}", file=sys.stderr)  # names from a checkpoint
+        _tell(f"torpor: error: {printable(e.line(), 4000)}")  # names from a checkpoint
         return e.exit_code
     except KeyboardInterrupt:
-        print("torpor: interrupted", file=sys.stderr)
+        _tell("torpor: interrupted")
         return ExitCode.INTERRUPTED
     except Exception as e:  # a bug: still one line, the traceback in the log
-        usage = _not_a_bug(e, args.command)
-        if usage:
+        known = _not_a_bug(e, args.command)
+        if known:
             logging.getLogger("torpor").error("%s", e, exc_info=True)
             if debug:
                 traceback.print_exc()
-            print(f"torpor: error: {usage}", file=sys.stderr)
-            return ExitCode.USAGE
+            _tell(f"torpor: error: {known[0]}")
+            return known[1]
         logging.getLogger("torpor").critical("unexpected error", exc_info=True)
         if debug:
             traceback.print_exc()
-        print(f"torpor: internal error: {type(e).__name__}: {printable(e, 4000)} (see --debug)",
-              file=sys.stderr)
+        _tell(f"torpor: internal error: {type(e).__name__}: {printable(e, 4000)} (see --debug)")
         return ExitCode.ERROR
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-from pathlib import Path
 
 from .. import agent
 from ..errors import NotFoundError, UsageError
@@ -41,7 +40,10 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     exe = shutil.which(cmd[0])
     if exe is None:
         raise NotFoundError(f"command not found: {cmd[0]}")
-    agent_dir = args.agent_dir or Path(os.environ.get("TORPOR_AGENT_DIR") or agent.DEFAULT_DIR)
+    # absolute (as --agent-dir is): the agent binds its socket when the program first calls
+    # the driver, from wherever the program's current directory is by then
+    agent_dir = args.agent_dir or path_arg(os.environ.get("TORPOR_AGENT_DIR")
+                                           or str(agent.DEFAULT_DIR))
     private_dir(agent_dir)
     env = agent.preload_env(dict(os.environ), agent_dir, ctx.cfg.libcuda)
     os.umask(ctx.user_umask)  # the caller's umask, not torpor's private one

@@ -162,7 +162,8 @@ class Engine(AgentMoves, Recovery):
             op.phase("checkpoint")
             before = sum(procs.rss_bytes(p) for p in pids)
             with self.progress.phase("checkpoint", f"GPU memory of {n} to host memory",
-                                     measure=lambda: sum(procs.rss_bytes(p) for p in pids) - before):
+                                     measure=lambda: max(0, sum(procs.rss_bytes(p)
+                                                                for p in pids) - before)):
                 _parallel(drv.checkpoint, pids)
         except HostMemoryError:
             op.close()   # nothing was touched: nothing to roll back
@@ -254,9 +255,15 @@ class Engine(AgentMoves, Recovery):
             agent_data.DataDir(Path(op.entry.data_root)).remove()
         op.close()
         code = ExitCode.INTERRUPTED if isinstance(error, KeyboardInterrupt) else None
+        ended = [p for p in pids if not procs.alive(p)]   # killed by someone meanwhile
+        if ended and len(ended) == len(pids) and code is None:
+            code = ExitCode.NOT_FOUND   # nothing runs on: not "rolled back to running"
         raise RolledBackError(f"{during} failed: {_describe(error)}; " + (
-                              f"{len(pids)} process(es) rolled back to running" if pids else
-                              "the program was left running (no GPU state to roll back)"),
+                              f"{len(pids) - len(ended)} process(es) rolled back to running"
+                              if pids else
+                              "the program was left running (no GPU state to roll back)")
+                              + (f"; PID(s) {', '.join(map(str, ended))} ended during it"
+                                 if ended else ""),
                               exit_code=code) from error
 
     # -- the agents -------------------------------------------------------------------------------

@@ -26,7 +26,8 @@ from .. import (__version__, agent_data, criu, gpus, interrupts, manifest, procs
                workloads)
 from ..driver import ProcessState
 from ..engine import Engine, targets_of
-from ..errors import BusyError, NoDriverError, RolledBackError, TorporError, UsageError
+from ..errors import (BusyError, NoDriverError, RolledBackError, TorporError, UsageError,
+                      describe)
 from ..files import open_trusted_dir, remove_lone_file, tree_size
 from ..progress import human_bytes
 from ..store import Store, fingerprints
@@ -115,7 +116,11 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
         # this one die after the dump, when the program is gone and the images are all of it.
         # Written before any driver call: a failure here needs no rollback.
         draft = _manifest(tool, inv, engine, comms, states, pid, shell_job, leave_running, {})
-        manifest.write_draft(images_dir, draft)
+        try:
+            manifest.write_draft(images_dir, draft)
+        except OSError as e:   # a full disk, most likely: was "internal error", exit 1
+            raise RolledBackError(f"cannot write into {images_dir}: {describe(e)}; nothing "
+                                  "was done to the program") from e
         stage = writeout.staging(engine, cuda_pids, sum(inv.memory_of(p) for p in cuda_pids)
                                  if inv else 0) if leave_running else None
         paused = time.monotonic()

@@ -157,7 +157,8 @@ def build(src: Path, out: Path, name: str = "", tag: str = "latest") -> Built:
                                  "not a checkpoint archive") from None
             m, mbytes, mpath = {}, b"", ""
     else:
-        raise UsageError(f"no checkpoint directory or archive {src}")
+        # exit 3, as restore and inspect say of a checkpoint that is not there (it was 2)
+        raise NotFoundError(f"no checkpoint directory or archive {src}")
     name = name or (src.name if src.is_dir() else "")
     lay = Layout(out)
     try:

@@ -31,6 +31,7 @@ import concurrent.futures
 import fcntl
 import faulthandler
 import logging
+import math
 import os
 import resource
 import signal
@@ -42,7 +43,7 @@ import grpc
 
 from .. import __version__, config, logs
 from ..engine import Engine
-from ..errors import SidecarError, TorporError, UsageError
+from ..errors import ExitCode, SidecarError, TorporError, UsageError
 from ..files import private_dir
 from ..progress import Progress
 from . import proto, root_socket
@@ -110,12 +111,32 @@ def _single_instance(run_dir: Path) -> int:
     return fd
 
 
+def _path(text: str) -> Path:
+    """A path option: never empty (Path("") is the current directory: --socket "" bound the
+    socket onto it and failed with a traceback)."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path was given")
+    return Path(text)
+
+
+def _seconds(text: str) -> float:
+    """--op-timeout: a finite number of seconds above 0 (nan and inf were taken: an open
+    operation, its program locked on the GPU, was then never rolled back)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError("must be a positive number of seconds")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="torpord", description=__doc__.split("\n")[0])
     p.add_argument("--version", action="version", version=f"torpord {__version__}")
-    p.add_argument("--config", type=Path, help="config file (default /etc/torpor/config.toml)")
-    p.add_argument("--socket", type=Path, help="public socket (default <run_dir>/torpord.sock)")
-    p.add_argument("--op-timeout", type=float, default=DEFAULT_OP_TIMEOUT_S, metavar="SECONDS",
+    p.add_argument("--config", type=_path, help="config file (default /etc/torpor/config.toml)")
+    p.add_argument("--socket", type=_path, help="public socket (default <run_dir>/torpord.sock)")
+    p.add_argument("--op-timeout", type=_seconds, default=DEFAULT_OP_TIMEOUT_S, metavar="SECONDS",
                    help="roll back an open operation not ended within this (default 600)")
     p.add_argument("--foreground", action="store_true",
                    help="stay in the foreground and log to stderr (systemd); otherwise detach "
@@ -131,8 +152,6 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config.load(args.config)
         if os.geteuid() != 0:  # it checkpoints other users' programs and owns /run/torpor
             raise UsageError("torpord must run as root (sudo torpord, or the torpord service)")
-        if args.op_timeout <= 0:
-            raise UsageError("--op-timeout must be positive")
         public = (args.socket or cfg.socket_path).absolute()
         private = cfg.run_dir.absolute() / "private" / "grpc.sock"
         for path in (public, private):
@@ -150,6 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     except TorporError as e:
         log.error("%s", e.line())
         return e.exit_code
+    except OSError as e:   # a socket path it cannot bind (a directory, one in use): one line
+        log.error("cannot serve: %s%s", e.strerror or e,
+                  f": {e.filename}" if e.filename else "")
+        log.debug("the error", exc_info=True)
+        return ExitCode.ERROR
 
 
 def _serve(cfg: config.Config, args: argparse.Namespace, public: Path, private: Path) -> int:
