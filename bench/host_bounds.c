@@ -36,6 +36,9 @@
  */
 #define _GNU_SOURCE
 #include "../agent/src/cuda_types.h"
+#define BENCH_NAME "host_bounds"
+#define BENCH_FAIL 1
+#include "driver_loader.h"
 
 #include <dlfcn.h>
 #include <emmintrin.h>
@@ -103,33 +106,10 @@ static void die(const char *what)
 	exit(1);
 }
 
-static double now(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return ts.tv_sec + ts.tv_nsec / 1e9;
-}
-
-static void *sym(void *lib, const char *name)
-{
-	void *p = dlsym(lib, name);
-
-	if (!p) {
-		fprintf(stderr, "host_bounds: libcuda.so.1 has no %s\n", name);
-		exit(1);
-	}
-	return p;
-}
-
 static void load_driver(void)
 {
-	void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+	void *lib = driver_open();
 
-	if (!lib) {
-		fprintf(stderr, "host_bounds: %s\n", dlerror());
-		exit(1);
-	}
 	cu.Init = sym(lib, "cuInit");
 	cu.DeviceGet = sym(lib, "cuDeviceGet");
 	cu.PrimaryCtxRetain = sym(lib, "cuDevicePrimaryCtxRetain");

@@ -34,6 +34,9 @@
 #define _GNU_SOURCE
 #include "../agent/src/cuda_checkpoint_types.h"
 #include "../agent/src/cuda_types.h"
+#define BENCH_NAME "probe"
+#define BENCH_FAIL 3
+#include "driver_loader.h"
 
 #include <dlfcn.h>
 #include <errno.h>
@@ -81,25 +84,6 @@ static struct {
 static size_t bytes;
 static int first_out = 1;
 
-static double now(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return ts.tv_sec + ts.tv_nsec / 1e9;
-}
-
-static void *sym(void *lib, const char *name)
-{
-	void *p = dlsym(lib, name);
-
-	if (!p) {
-		fprintf(stderr, "probe: libcuda.so.1 has no %s\n", name);
-		exit(3);
-	}
-	return p;
-}
-
 static CUresult missing(void)
 {
 	return CUDA_ERROR_NOT_SUPPORTED;
@@ -115,12 +99,8 @@ static void *optional(void *lib, const char *name)
 
 static void load_driver(void)
 {
-	void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+	void *lib = driver_open();
 
-	if (!lib) {
-		fprintf(stderr, "probe: %s\n", dlerror());
-		exit(3);
-	}
 	cu.Init = sym(lib, "cuInit");
 	cu.DeviceGet = sym(lib, "cuDeviceGet");
 	cu.PrimaryCtxRetain = sym(lib, "cuDevicePrimaryCtxRetain");

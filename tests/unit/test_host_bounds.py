@@ -17,17 +17,13 @@ pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 
 
 def test_host_bounds_runs_every_measurement_on_the_fake_driver(tmp_path):
-    lib = fakegpu.build()
-    state = tmp_path / "state"
-    state.mkdir()
-    (state / "gpus").write_text("GPU-11111111-2222-3333-4444-555555555555|NVIDIA H200|"
-                                f"{141 << 30}\n")
+    gpu = fakegpu.FakeGpu(tmp_path / "state")
     binary, sink = tmp_path / "host_bounds", tmp_path / "sink"
     sink.mkdir()
     subprocess.run(["gcc", "-O2", "-Wall", "-Werror", "-pthread",
                     str(ROOT / "bench" / "host_bounds.c"), "-ldl", "-o", str(binary)],
                    check=True, capture_output=True)
-    env = dict(os.environ, LD_LIBRARY_PATH=str(lib), **{fakegpu.STATE_DIR_VAR: str(state)})
+    env = dict(os.environ, **gpu.env())
     r = subprocess.run([str(binary), "--gib", "0.125", "--threads", "2", "--rounds", "1",
                         "--register-gib", "0.0625", "--stages", "4,8", "--dir", str(sink)],
                        env=env, capture_output=True, text=True, timeout=300)

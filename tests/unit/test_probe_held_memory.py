@@ -18,16 +18,12 @@ pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 
 
 def test_probe_runs_the_baseline_and_names_the_first_refusal(tmp_path):
-    lib = fakegpu.build()
-    state = tmp_path / "state"
-    state.mkdir()
-    (state / "gpus").write_text("GPU-11111111-2222-3333-4444-555555555555|NVIDIA H200|"
-                                f"{141 << 30}\n")
+    gpu = fakegpu.FakeGpu(tmp_path / "state")
     binary = tmp_path / "probe"
     subprocess.run(["gcc", "-O2", "-Wall", "-Werror", str(ROOT / "bench" /
                     "probe_held_memory.c"), "-ldl", "-o", str(binary)], check=True,
                    capture_output=True)
-    env = dict(os.environ, LD_LIBRARY_PATH=str(lib), **{fakegpu.STATE_DIR_VAR: str(state)})
+    env = dict(os.environ, **gpu.env())
     r = subprocess.run([str(binary), "--gib", "0.125"], env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 1, r.stderr
