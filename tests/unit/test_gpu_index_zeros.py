@@ -96,4 +96,5 @@ def test_zero_parts_pack_as_zeros_and_need_no_filling(tmp_path: Path):
     assert zero_file["given"] == {0: [None, PART]}
     assert zero_file["fingerprints"] == [[1, FP2]]   # the copied part's alone
     assert packed[f"{agent_data.DATA_DIR}/1234/{agent_data.file_name(1)}"] == {
-        "given": {1: [None, 100]}, "fingerprints": []}
+        "given": {1: [None, 100]}, "fingerprints": [],
+        "host_fingerprints": []}   # no stream: nothing the host named for this file
