@@ -517,9 +517,9 @@ static double team(const struct job *proto, int threads, struct job *worst, doub
 		pthread_create(&loader, NULL, dma_load, NULL);
 		while (!load_running)
 			usleep(1000);
-		dma0 = load_done;
 	}
 	pthread_barrier_wait(&ready);
+	dma0 = load_done; /* after the threads' set-up: the rate is the one while they copy */
 	t = now();
 	for (int k = 0; k < threads; k++)
 		pthread_join(th[k], NULL);
