@@ -31,6 +31,13 @@ VARIANTS = {
     "gpucheck-buffers4": {"TORPOR_AGENT_MOVER_CHECK": "gpu", "TORPOR_AGENT_MOVER_BUFFERS": "4"},
     "region-huge": {"TORPOR_AGENT_MOVER_REGION_HUGE": "1", "TORPOR_AGENT_MOVER_WORKERS": "2"},
     "no-presize": {"TORPOR_AGENT_MOVER_PRESIZE": "0"},
+    "stage-part": {"TORPOR_AGENT_MOVER_STAGE": "part"},
+    "stage-part-hostcheck-buffers3": {"TORPOR_AGENT_MOVER_STAGE": "part",
+                                      "TORPOR_AGENT_MOVER_CHECK": "host",
+                                      "TORPOR_AGENT_MOVER_BUFFERS": "3"},
+    "stage-part-buffers8-workers2": {"TORPOR_AGENT_MOVER_STAGE": "part",
+                                     "TORPOR_AGENT_MOVER_BUFFERS": "8",
+                                     "TORPOR_AGENT_MOVER_WORKERS": "2"},
 }
 
 
@@ -93,7 +100,8 @@ def test_every_variant_moves_out_and_back_bit_exact(gpu, probe, tmp_path, varian
         assert r["fingerprints"]["parts"] == 0, r
 
 
-@pytest.mark.parametrize("variant", ["default", "buffers4", "direct", "hostcheck"])
+@pytest.mark.parametrize("variant", ["default", "buffers4", "direct", "hostcheck", "stage-part",
+                                     "stage-part-hostcheck-buffers3"])
 def test_two_gpus_every_variant(gpu, probe, tmp_path, variant):
     """Each worker's chunks change GPU on the way (mover_workers.c worker_chunk): a slot is
     reused only once the copy that used it, on its own device's stream, is over."""
@@ -130,6 +138,40 @@ def test_gpu_check_refuses_a_damaged_file_by_its_fingerprints(gpu, probe, tmp_pa
     target.write_bytes(good)
     assert files.send(p.sock, "resume", write=False)["ok"]
     _intact(p, prog["mem"])
+
+
+@pytest.mark.parametrize("check,error", [("host", "checksum mismatch"),
+                                         ("gpu", "do not match their fingerprints")])
+def test_staged_a_part_at_a_time_a_damaged_file_is_refused(gpu, probe, tmp_path, check, error):
+    """TORPOR_AGENT_MOVER_STAGE=part: each part is checked as it comes back (host sums) or
+    after the reload (fingerprints); a changed byte in the middle of a part is found, the
+    program's memory is not half-loaded into a resumed program, and the good file resumes."""
+    p = probe(env={"TORPOR_AGENT_MOVER_STAGE": "part", "TORPOR_AGENT_MOVER_CHECK": check})
+    prog = _program(p)
+    files = Files(tmp_path / "data", 2)
+    assert files.send(p.sock, "prepare", write=True)["ok"]
+    assert p.ctl("detach")["ok"]
+    target = files.paths[1]
+    good = target.read_bytes()
+    at = len(good) // 2 + 12345
+    target.write_bytes(good[:at] + bytes([good[at] ^ 2]) + good[at + 1:])
+    r = files.send(p.sock, "resume", write=False)
+    assert r["ok"] is False and error in r["error"], r
+    target.write_bytes(good)
+    assert files.send(p.sock, "resume", write=False)["ok"]
+    _intact(p, prog["mem"])
+
+
+def test_staging_a_part_at_a_time_is_for_staged_sinks_only(gpu, probe, tmp_path):
+    p = probe(env={"TORPOR_AGENT_MOVER_STAGE": "part", "TORPOR_AGENT_MOVER_SINK": "direct"})
+    prog = _program(p)
+    files = Files(tmp_path / "data", 2)
+    assert files.send(p.sock, "prepare 5000", write=True)["ok"]
+    assert files.send(p.sock, "resume", write=False)["ok"]
+    _intact(p, prog["mem"])
+    log = p.stderr()
+    assert "TORPOR_AGENT_MOVER_STAGE=part is for a staged sink, not direct: ignored" in log, log
+    assert "staged a chunk at a time" in log, log[-2000:]
 
 
 def test_gpu_check_without_the_kernel_after_the_reload_checks_on_the_cpu(gpu, probe, tmp_path):
@@ -170,7 +212,7 @@ def test_gpu_check_from_memory_without_the_kernel_checks_the_region(gpu, probe):
     ("TORPOR_AGENT_MOVER_BUFFERS", "4x"), ("TORPOR_AGENT_MOVER_WORKERS", "0"),
     ("TORPOR_AGENT_MOVER_WORKERS", "17"), ("TORPOR_AGENT_MOVER_SINK", "Direct"),
     ("TORPOR_AGENT_MOVER_CHECK", "none"), ("TORPOR_AGENT_MOVER_REGION_HUGE", "yes"),
-    ("TORPOR_AGENT_MOVER_PRESIZE", "no")])
+    ("TORPOR_AGENT_MOVER_PRESIZE", "no"), ("TORPOR_AGENT_MOVER_STAGE", "parts")])
 def test_a_bad_value_is_ignored_with_a_warning(gpu, probe, tmp_path, name, value):
     p = probe(env={name: value})
     prog = _program(p)

@@ -110,9 +110,15 @@ def _resume_streamed(p, store: Store, data: Path, nfiles: int = 2, slots: int = 
     return reply
 
 
+# the mover staging a chunk at a time (default) or a part (agent/src/mover_tune.c): a streamed
+# save sends parts either way, a streamed load always stages chunks (the ring's records)
+STAGES = [{}, {"TORPOR_AGENT_MOVER_STAGE": "part"}]
+
+
+@pytest.mark.parametrize("stage", STAGES, ids=["chunk", "part"])
 def test_a_streamed_prepare_stores_every_part_and_a_streamed_resume_brings_it_back(
-        probe, tmp_path):
-    p = probe(env={"TORPOR_AGENT_FP_CHECK": "1"})
+        probe, tmp_path, stage):
+    p = probe(env={"TORPOR_AGENT_FP_CHECK": "1", **stage})
     mem = _program(p)
     store = Store(tmp_path / "store", workers=3)
     data = tmp_path / "data"
@@ -137,8 +143,10 @@ def test_a_streamed_prepare_stores_every_part_and_a_streamed_resume_brings_it_ba
     assert p.status()["state"] == "running" and _intact(p, mem)
 
 
-def test_a_rollback_fills_the_holes_from_the_store_and_resumes_from_the_files(probe, tmp_path):
-    p = probe()
+@pytest.mark.parametrize("stage", STAGES, ids=["chunk", "part"])
+def test_a_rollback_fills_the_holes_from_the_store_and_resumes_from_the_files(probe, tmp_path,
+                                                                               stage):
+    p = probe(env=stage)
     mem, store, data, reply = _streamed_out(p, tmp_path, (12,))
     assert reply.get("files"), reply
     fds = [os.open(data / agent_data.file_name(0), os.O_RDWR | os.O_CLOEXEC)]
