@@ -26,6 +26,9 @@ class ExitCode:
     CORRUPT = 9          # a checkpoint failed verification (manifest, checksums)
     SIDECAR = 10         # torpord unreachable or refused the request
     INTERRUPTED = 130    # Ctrl-C; the program was rolled back first
+    READER_GONE = 141    # a command that changes nothing (ps, ls, inspect, doctor) whose
+                         # stdout's reader left early (`torpor ps | head -1`): silent, as
+                         # coreutils die of SIGPIPE (128 + 13)
 
 
 class TorporError(Exception):

@@ -79,8 +79,18 @@ class Context:
             out.flush()
         except OSError as e:
             _drop_stdout()
-            raise TorporError(f"the command is done but its result could not be written to "
-                              f"stdout: {describe(e)}") from e
+            raise ResultNotWritten(f"the command is done but its result could not be written "
+                                   f"to stdout: {describe(e)}",
+                                   reader_gone=e.errno == errno.EPIPE) from e
+
+
+class ResultNotWritten(TorporError):
+    """emit's stdout took no result; reader_gone: a pipe whose reader left (EPIPE), which
+    main lets a command that changes nothing end on silently (ExitCode.READER_GONE)."""
+
+    def __init__(self, message: str, *, reader_gone: bool):
+        super().__init__(message)
+        self.reader_gone = reader_gone
 
 
 def _drop_stdout() -> None:

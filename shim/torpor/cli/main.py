@@ -20,13 +20,17 @@ from ..errors import ExitCode, TorporError
 from ..files import printable
 from ..progress import Progress
 from . import checkpoint, demo, doctor, image, inspect, ps, restore, run, store, suspend
-from .context import Context, path_arg
+from .context import Context, ResultNotWritten, path_arg
 
 COMMANDS: dict[str, ModuleType] = {
     "doctor": doctor, "ps": ps, "checkpoint": checkpoint, "restore": restore,
     "suspend": suspend, "resume": suspend, "inspect": inspect, "demo": demo, "run": run,
     "ls": store, "rm": store, "gc": store, "image": image,
 }
+# the commands that change nothing: a reader that stops reading their output early (`torpor
+# ps | head -1`) ends them silently, as it ends coreutils; any other command that could not
+# write its result says so (its work is done, and a script must not read it as not done)
+READ_ONLY = frozenset({"doctor", "ps", "inspect", "ls"})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,6 +137,13 @@ def main(argv: list[str] | None = None) -> int:
                 ctx.progress.say(msg)
         logging.getLogger("torpor").info("torpor %s", " ".join(sys.argv[1:]))
         return int(module.run(args, ctx) or 0)
+    except ResultNotWritten as e:
+        if e.reader_gone and args.command in READ_ONLY:
+            logging.getLogger("torpor").info("%s: the reader of stdout left", args.command)
+            return ExitCode.READER_GONE
+        logging.getLogger("torpor").error("%s", e)
+        _tell(f"torpor: error: {printable(e.line(), 4000)}")
+        return e.exit_code
     except TorporError as e:
         logging.getLogger("torpor").error("%s", e, exc_info=True)
         if debug:
