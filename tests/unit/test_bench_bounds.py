@@ -117,10 +117,34 @@ def test_stall_watch_sees_the_longest_time_the_steps_stood_still():
     assert 0.25 <= w.longest_s <= 0.45 and w.samples > 20
 
 
-def test_upstream_leg_refused_where_the_disk_cannot_hold_its_images_and_archive(tmp_path):
-    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
-    assert upstream_path.room(tmp_path, 0.5) == ""
-    assert "needs" in upstream_path.room(tmp_path, free / (1 << 30))
+def fake_free(monkeypatch, tmp_path, work_gb, containers_gb=1000):
+    """The free space upstream_path sees, whatever this machine's disk holds: work_gb in the
+    workdir (under tmp_path), containers_gb in podman's storage (a stand-in directory)."""
+    import types
+    containers = tmp_path / "containers"
+    containers.mkdir(exist_ok=True)
+    monkeypatch.setattr(upstream_path, "CONTAINERS", containers)
+
+    def disk_usage(path):
+        gb = containers_gb if Path(path).is_relative_to(containers) else work_gb
+        return types.SimpleNamespace(free=gb * GB, total=2000 * GB, used=0)
+    monkeypatch.setattr(upstream_path.shutil, "disk_usage", disk_usage)
+    return containers
+
+
+def test_upstream_leg_refused_where_the_disk_cannot_hold_its_images_and_archive(tmp_path,
+                                                                                monkeypatch):
+    """2 x (1.1 x GiB + 3 GB) in the workdir and in podman's storage: 16 GiB needs ~43.8 GB."""
+    work = tmp_path / "work"
+    work.mkdir()
+    containers = fake_free(monkeypatch, tmp_path, work_gb=44)
+    assert upstream_path.room(work, 16) == ""
+    assert upstream_path.room(work, 0.5) == ""
+    fake_free(monkeypatch, tmp_path, work_gb=43)
+    assert upstream_path.room(work, 16) == f"needs ~43.8 GB free in {work}, 43.0 GB free"
+    assert upstream_path.room(work, 0.5) == ""
+    fake_free(monkeypatch, tmp_path, work_gb=1000, containers_gb=7)
+    assert upstream_path.room(work, 0.5) == f"needs ~7.2 GB free in {containers}, 7.0 GB free"
 
 
 def test_a_leg_that_failed_after_its_restore_is_left_out_of_the_comparison(tmp_path):
@@ -341,15 +365,9 @@ class FakeContainer:
         return self.n
 
 
-def test_upstream_path_runs_the_16_gib_rows_and_the_cache_row(torpor_env, tmp_path,
-                                                              monkeypatch, capsys):
-    """`--sizes 16 --cache-gib 4` through upstream_path.main with doubles for podman and the
-    container: the disk is measured first, the 16 GiB row has all four legs, the cache row
-    upstream, agent and store, each leg with its disk bound; the cache row's archive ratio is
-    what the legs kept; nothing stays in the workdir."""
+def doubles_for_upstream_path(tmp_path, monkeypatch):
+    """upstream_path.main's podman, container, plugin and archive reader played by doubles."""
     import contextlib
-    import sys
-    work = tmp_path / "work"
     monkeypatch.setattr(upstream_path, "Podman", FakePodman)
     monkeypatch.setattr(upstream_path, "TorchContainer", FakeContainer)
     monkeypatch.setattr(upstream_path, "upstream_plugin",
@@ -358,11 +376,25 @@ def test_upstream_path_runs_the_16_gib_rows_and_the_cache_row(torpor_env, tmp_pa
     monkeypatch.setattr(upstream_path.archive, "manifest_from_archive",
                         lambda p: {"agent": {"1": {}}, "sizes": {"gpu_memory": 1},
                                    "timings": {"dump": 0.1}})
+
+
+def test_upstream_path_runs_the_16_gib_rows_and_the_cache_row(torpor_env, tmp_path,
+                                                              monkeypatch, capsys):
+    """`--sizes 16 --cache-gib 4` through upstream_path.main with doubles for podman and the
+    container, on a disk (faked) with room for every leg: the disk is measured first, the
+    16 GiB row has all four legs, the cache row upstream, agent and store, each leg with its
+    disk bound; the cache row's archive ratio is what the legs kept; nothing stays in the
+    workdir; exit 0."""
+    import sys
+    work = tmp_path / "work"
+    doubles_for_upstream_path(tmp_path, monkeypatch)
+    fake_free(monkeypatch, tmp_path, work_gb=44)        # 16 GiB's legs need ~43.8 GB
     out = tmp_path / "u.json"
     monkeypatch.setattr(sys, "argv", [
         "upstream_path.py", "--sizes", "16", "--cache-gib", "4", "--disk-probe-gib", "0.0625",
         "--workdir", str(work), "--out", str(out)])
     assert upstream_path.main() == 0, capsys.readouterr().out
+    assert "incomplete" not in capsys.readouterr().out
     doc = json.loads(out.read_text())
     assert doc["disk"]["write"] > 0 and doc["disk"]["read"] > 0
     big, cache = doc["rows"]
@@ -377,3 +409,36 @@ def test_upstream_path_runs_the_16_gib_rows_and_the_cache_row(torpor_env, tmp_pa
     assert cache["legs"]["store"]["store_cleanup"]["snapshots_removed"] == []
     assert "agent: archive 0.50 of upstream's (issue 20: <= 0.5: ok)" in doc["table"]
     assert [p.name for p in work.iterdir() if p.suffix == ".tar"] == []
+
+
+def test_upstream_path_skips_the_legs_without_room_says_why_and_exits_1(torpor_env, tmp_path,
+                                                                        monkeypatch, capsys):
+    """The same run on a disk (faked) with 34 GB free, CI's: every leg of the 16 GiB row is
+    skipped with what it needed and what was free, in the JSON and the table, none of them
+    started; the cache row (4+4 GiB, ~25 GB) runs bit-exact; the exit status is 1 and the last
+    line names the skipped legs (bench/README.md: a skipped leg is a comparison not made)."""
+    import sys
+    work = tmp_path / "work"
+    doubles_for_upstream_path(tmp_path, monkeypatch)
+    fake_free(monkeypatch, tmp_path, work_gb=34)
+    FakeContainer.started = {}
+    out = tmp_path / "u.json"
+    monkeypatch.setattr(sys, "argv", [
+        "upstream_path.py", "--sizes", "16", "--cache-gib", "4", "--disk-probe-gib", "0.0625",
+        "--workdir", str(work), "--out", str(out)])
+    assert upstream_path.main() == 1
+    text = capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    big, cache = doc["rows"]
+    why = f"needs ~43.8 GB free in {work}, 34.0 GB free"
+    assert {leg: r.get("skipped") for leg, r in big["legs"].items()} == \
+        {leg: why for leg in ("upstream", "driver", "agent", "store")}
+    assert not any(n.startswith("ub-") and "-16-" in n for n in FakeContainer.started)
+    assert "ratios_vs_upstream" not in big
+    assert all(v["bit_exact"] for v in cache["legs"].values()) and len(cache["legs"]) == 3
+    assert len([ln for ln in text.splitlines() if ln.startswith("{") and why in ln]) == 4
+    assert len([ln for ln in doc["table"].splitlines()
+                if ln.split()[:2] == ["16", "none"] and "needs ~43.8 GB free in" in ln]) == 4
+    assert text.rstrip().splitlines()[-1] == (
+        "incomplete (exit 1): skipped for room: 16 none upstream, 16 none driver, "
+        "16 none agent, 16 none store; failed or not bit-exact: none")

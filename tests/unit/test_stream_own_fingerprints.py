@@ -220,11 +220,17 @@ def test_only_the_stores_own_snapshot_lends_its_fingerprints(gpu, probe, tmp_pat
     assert _sources(engine, p, d) == own
 
     # a packed doc whose chunks differ from the store's snapshot's: sha256 for all of them
-    def swap(doc):   # two whole parts of one file (12 MiB in 2 files: one has two)
-        c = next(e["chunks"] for e in _data_entries(doc).values()
-                 if len(e["chunks"]) >= 2 and e["chunks"][0][1] == e["chunks"][1][1] == PART)
-        c[0], c[1] = c[1], c[0]
+    def swap(doc):
+        """The first two whole parts of the data files traded places: the sizes stay, the
+        chunks differ. Which file holds them varies: a chunk is a 32 MiB window of the fake
+        device's addresses, its mmap()'s, so the 12 MiB may cut into 12 + 0 MiB, 8 + 4, 6 + 6
+        (4 + 2 in each file: no file has two whole parts)... but any cut has two in all."""
+        a, b = [r for e in _data_entries(doc).values() for r in e["chunks"]
+                if r[0] is not None and r[1] == PART][:2]
+        assert a[0] != b[0]                             # random bytes: two names
+        a[:], b[:] = b[:], a[:]
     _rewrite_packed(d, swap)
+    assert images.packed_doc(d)["files"] != store.load("one")["files"]
     assert [s.fp for s in _sources(engine, p, d)] == [None] * n
     _rewrite_packed(d, swap)                            # swapped back: the store's again
     assert _sources(engine, p, d) == own
