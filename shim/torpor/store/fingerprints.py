@@ -41,7 +41,8 @@ One container id may live under two runtime roots (containerd namespaces, podman
 each perhaps another tenant's: the root key (runtime/markers.py root_key) makes them two
 owners. A container an earlier torpor created (agent directory agents/<id>, no key) keeps
 container:<id>, the owner its snapshots were packed under before keys; a keyed container never
-matches those, so the first checkpoint of one after the upgrade stores its data whole once.
+matches those, so its first checkpoint after the upgrade copies and hashes its data whole
+once (the store still keeps each chunk once by name).
 
 A checkpoint whose agents streamed their data straight into the store (stream.py) leaves
 every part a hole, and records beside the index which chunk each part is (agent_data.STREAMED):
