@@ -137,3 +137,23 @@ def test_one_id_under_two_roots_shares_no_fingerprints(gpu, probe, tmp_path, mon
     assert owners == {f"container:{A}"}
     assert "fill" in engine.progress.timings or stream        # files: filled before the resume
     assert p.call(f"@check {a} {48 * MIB} 3")["ok"] and p.call(f"@check {b} {8 * MIB} 4")["ok"]
+
+
+def test_a_restore_takes_fingerprints_from_its_own_snapshot_not_another_roots(tmp_path):
+    """own_fingerprints (a streamed restore's check by host fingerprint) lends those of the
+    store's own snapshot of the packed checkpoint, keyed owner and all, and none to a packed
+    doc of B's that names A's snapshot: its chunks are not A's. (It does not match the
+    restoring container's owner: the name picks the chunk, the fingerprint only checks the
+    bytes; fingerprints.own_fingerprints says why.)"""
+    store = Store(tmp_path / "store", chunk_size=CHUNK, workers=2)
+    rel = "torpor-gpu/1/gpu-memory-0.bin"
+    docs = {}
+    for snap, n in (("a", A), ("b", B)):
+        src = tmp_path / f"src-{snap}"
+        (src / rel).parent.mkdir(parents=True)
+        (src / rel).write_bytes(os.urandom(3 * CHUNK))
+        docs[snap], _ = store.ingest_dir(src, snap, {"owner": fingerprints.owner_of(n)}, known={})
+    own = {s: fingerprints.own_fingerprints(store, d, [rel]) for s, d in docs.items()}
+    assert all(len(f) == 3 for f in own.values()) and not set(own["a"]) & set(own["b"])
+    claims_a = {**docs["b"], "name": "a"}
+    assert fingerprints.own_fingerprints(store, claims_a, [rel]) == {}
