@@ -160,6 +160,40 @@ def test_a_new_container_beside_an_earlier_torpors_of_its_id_has_its_own(world, 
     assert world["client"].calls[1][1]["agent_container_id"] == name("/r")
 
 
+def _store_on(world, monkeypatch, tmp_path: Path) -> Path:
+    """The container's checkpoints go into the image store at tmp_path/store."""
+    monkeypatch.setenv("TORPOR_STORE_DIR", str(tmp_path / "store"))
+    spec = json.loads((world["bundle"] / "config.json").read_text())
+    spec.setdefault("annotations", {})["org.torpor.store"] = "on"
+    (world["bundle"] / "config.json").write_text(json.dumps(spec))
+    return tmp_path / "store"
+
+
+def _packed_owner(world, store: Path) -> str:
+    """Its checkpoint's snapshot's owner, which must be the owner torpord's agents were
+    given fingerprints for (named by agent_container_id, fingerprints.owner_of)."""
+    from torpor.store import Store, fingerprints
+    assert rt_main.main(checkpoint_argv(world["images"])) == 0
+    lock = world["client"].calls[1][1]
+    (snap,) = Store(store).snapshots()
+    assert snap.owner == fingerprints.owner_of(lock["agent_container_id"])
+    return snap.owner
+
+
+def test_a_containers_checkpoint_is_packed_under_its_root_keyed_name(world, monkeypatch,
+                                                                    tmp_path):
+    """Its fingerprints are its own, not every root's container of that id's."""
+    write_spec(world["bundle"], gpu=True)
+    assert _packed_owner(world, _store_on(world, monkeypatch, tmp_path)) \
+        == f"container:{name('/r')}"
+
+
+def test_an_earlier_torpors_container_keeps_its_ids_owner(world, cfg, monkeypatch, tmp_path):
+    """agents/<id>: its snapshots packed before root keys stay its own."""
+    legacy_container(cfg, "/r", world["bundle"])
+    assert _packed_owner(world, _store_on(world, monkeypatch, tmp_path)) == f"container:{CID}"
+
+
 def test_delete_of_an_earlier_torpors_container_removes_what_the_id_alone_names(world, cfg,
                                                                                 torpord):
     old = legacy_container(cfg, "/r", world["bundle"])

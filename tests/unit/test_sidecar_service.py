@@ -404,26 +404,35 @@ def test_an_agent_directory_outside_the_agents_is_refused(service, world, cfg, n
 
 def test_a_containers_name_leads_to_its_own_agent_directory(service, world, cfg, monkeypatch):
     """agent_container_id <id>@<root key> (what torpor-runtime sends for a container it
-    created) is that container's socket directory; the fingerprints' owner stays the id
-    (its packed checkpoints' owner)."""
+    created) is that container's socket directory, and its name is the fingerprints' owner
+    (as torpor-runtime packs its snapshots): one id under two roots shares none. An earlier
+    torpor's container, named by its id alone, keeps container:<id>; PIDs alone, their uid."""
     from torpor.flows import container
     svc = service()
     seen: list[Any] = []
-    real = container.lock_and_checkpoint
+    owners: list[str] = []
+    real, owner_of = container.lock_and_checkpoint, container.fingerprints.owner_of
 
     def spy(engine: Any, pids: Any, **kw: Any) -> Any:
         seen.append((kw["agent_dir"], kw["owner_container"]))
         return real(engine, pids, **kw)
     monkeypatch.setattr(container, "lock_and_checkpoint", spy)
-    for name in (f"ctr@{KEY}", "ctr"):
+    monkeypatch.setattr(container.fingerprints, "owner_of",
+                        lambda *a, **kw: owners.append(owner_of(*a, **kw)) or owners[-1])
+    other = "f" * 16
+    for name in (f"ctr@{KEY}", f"ctr@{other}", "ctr"):
         svc.Rollback(svc.pb.OperationRequest(op_id=lock(svc, agent_container_id=name).op_id),
                      Ctx())
     svc.RegisterContainer(svc.pb.RegisterContainerRequest(id=f"reg@{KEY}", pids=[PID]), Ctx())
     svc.Rollback(svc.pb.OperationRequest(op_id=lock(svc, pids=[], container_id="reg").op_id),
                  Ctx())
+    svc.Rollback(svc.pb.OperationRequest(op_id=lock(svc).op_id), Ctx())
     agents = cfg.run_dir / "agents"
-    assert seen == [(agents / f"ctr@{KEY}", "ctr"), (agents / "ctr", "ctr"),
-                    (agents / f"reg@{KEY}", "reg")]
+    names = [f"ctr@{KEY}", f"ctr@{other}", "ctr", f"reg@{KEY}"]
+    assert seen[:4] == [(agents / n, n) for n in names] and seen[4][1] == ""
+    assert owners[:4] == [f"container:ctr@{KEY}", f"container:ctr@{other}", "container:ctr",
+                          f"container:reg@{KEY}"]
+    assert owners[4].startswith("uid:")
 
 
 def test_bad_restore_and_operation_requests(service, world):

@@ -623,6 +623,27 @@ def test_cli_ls_rm_gc(tmp_path, torpor_env):
     assert gc.returncode == 0 and "removed 2 chunk(s)" in gc.stdout and blobs(s) == set()
 
 
+def test_cli_ls_shows_a_containers_owner_by_its_id_and_root_key(tmp_path, torpor_env):
+    """One id under two runtime roots is two owners: ls tells them apart (the ID shortened as
+    podman does, the root's key whole); --json has the owner whole."""
+    env = {**os.environ, "TORPOR_STORE_DIR": str(tmp_path / "store")}
+    s = Store(tmp_path / "store", chunk_size=CHUNK)
+    cid = "c0ffee" * 10 + "0123"
+    owners = [f"container:{cid}@0123456789abcdef", f"container:{cid}@fedcba9876543210",
+              f"container:{cid}", "uid:1000"]
+    for i, owner in enumerate(owners):
+        write(tmp_path / f"src{i}" / "f", os.urandom(CHUNK))
+        s.ingest_dir(tmp_path / f"src{i}", f"ckpt-{i}", {"owner": owner})
+    ls = subprocess.run(torpor_cmd("ls"), env=env, capture_output=True, text=True)
+    assert ls.returncode == 0, ls.stderr
+    shown = {line.split()[0]: line.split()[-1] for line in ls.stdout.splitlines()[1:]}
+    assert shown == {"ckpt-0": "container:c0ffeec0ffee@0123456789abcdef",
+                     "ckpt-1": "container:c0ffeec0ffee@fedcba9876543210",
+                     "ckpt-2": "container:c0ffeec0ffee", "ckpt-3": "uid:1000"}
+    ls = subprocess.run(torpor_cmd("ls", "--json"), env=env, capture_output=True, text=True)
+    assert sorted(r["owner"] for r in json.loads(ls.stdout)["snapshots"]) == sorted(owners)
+
+
 def test_ordered_map_keeps_order_with_items_done_inline():
     import concurrent.futures
     import threading

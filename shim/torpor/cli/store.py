@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from .. import store_packing
+from .. import oci, store_packing
 from ..progress import human_bytes
 from ..errors import ExitCode
 from ..flows import policy
@@ -63,9 +63,15 @@ def list_snapshots(args: argparse.Namespace, ctx: Context) -> None:
 
 
 def _short(owner: str) -> str:
-    """container:<64 hex> as podman shows a container: its ID's first 12 digits."""
-    kind, _, key = owner.partition(":")
-    return f"{kind}:{key[:12]}" if kind == "container" else owner or "-"
+    """A container's owner (fingerprints.owner_of) as podman shows a container, its ID's
+    first 12 digits, then its runtime root's key whole: container:<12>@<root key> (one ID
+    under two roots is two owners), container:<12> for an earlier torpor's container (no
+    key). --json has it whole."""
+    kind, _, name = owner.partition(":")
+    if kind != "container":
+        return owner or "-"
+    cid, sep, key = name.partition(oci.NAME_SEP)
+    return f"{kind}:{cid[:12]}{sep}{key}"
 
 
 def _refuse_while_a_pack_is_unfinished(ctx: Context) -> None:

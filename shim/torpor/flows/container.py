@@ -177,8 +177,10 @@ def lock_and_checkpoint(engine: Engine, pids: Sequence[int], *, data: Path | Non
                         staged: bool = False) -> Checkpointed:
     """RUNNING -> CHECKPOINTED for the CUDA processes among pids (their agents' data into
     data, their sockets in agent_dir), fingerprints as mode says for owner_container's
-    snapshots (policy.fingerprint_plan). opened(op, cuda_pids) takes the operation over (the
-    caller's table); a failure there, or before, rolls everything back and raises.
+    snapshots (policy.fingerprint_plan; owner_container: the container's name at torpor,
+    <id>@<root key> or an earlier torpor's <id>, fingerprints.owner_of; "": the programs'
+    uid is the owner). opened(op, cuda_pids) takes the operation over (the caller's table);
+    a failure there, or before, rolls everything back and raises.
     staged: data is a --leave-running checkpoint's staging in host memory, a new directory
     directly in config suspend_dir (made as a suspend's; a recovery removes it)."""
     pids = list(pids)

@@ -226,7 +226,7 @@ def _checkpoint(cfg: Config, runtime: Runtime, cid: str, name: str, spec: dict[s
     log.info("checkpoint %s: done in %.2f s, %d CUDA process(es), %d bytes of images", cid,
              time.monotonic() - t0, len(ck.cuda_processes), m["sizes"]["total"])
     if store is not None:
-        _store(cfg, store, images, cid)
+        _store(cfg, store, images, cid, name)
     return 0
 
 
@@ -251,22 +251,23 @@ def _end(cfg: Config, c: Client, cid: str, op_id: str, leave_running: bool) -> A
         return None
 
 
-def _store(cfg: Config, store: Store, images: Path, cid: str) -> None:
-    """Pack the sealed checkpoint into the image store (store_packing.py). The checkpoint is done
-    whatever happens here: a failure leaves it unpacked, the GPU data its agents skipped
-    filled in from the store (podman may export the directory to another host), and says
-    why."""
-    name = f"{cid[:12]}-{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S%f}"
+def _store(cfg: Config, store: Store, images: Path, cid: str, name: str) -> None:
+    """Pack the sealed checkpoint into the image store (store_packing.py), its owner the
+    container's name (agent_name's, which torpord was sent: its agents skipped what that
+    owner's snapshots hold; fingerprints.owner_of). The checkpoint is done whatever happens
+    here: a failure leaves it unpacked, the GPU data its agents skipped filled in from the
+    store (podman may export the directory to another host), and says why."""
+    snap = f"{cid[:12]}-{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S%f}"
     t = time.monotonic()
     try:
-        st = store_checkpoint(Engine(cfg), store, images, name, fingerprints.owner_of(cid))
+        st = store_checkpoint(Engine(cfg), store, images, snap, fingerprints.owner_of(name))
     except (OSError, TorporError) as e:
         log.error("checkpoint %s: not packed into the store: %s", cid, e)
         print(f"torpor-runtime: warning: {e}", file=sys.stderr)
         return
     log.info("checkpoint %s: packed into %s as %s in %.2f s: %d chunks, %d new (%d bytes), %d "
              "already stored (%d known by fingerprint), %d zero, %d streamed into the store by "
-             "the agents at the checkpoint", cid, store.where, name, time.monotonic() - t,
+             "the agents at the checkpoint", cid, store.where, snap, time.monotonic() - t,
              st["chunks"], st["new_chunks"], st["new_bytes"], st["reused_chunks"],
              st["by_fingerprint"], st["zero_chunks"], st["streamed"])
 

@@ -25,7 +25,7 @@ from ..engine import Engine
 from ..errors import NoDriverError, NotFoundError, SidecarError, TorporError, UsageError
 from ..flows import container
 from ..journal import Operation
-from ..oci import split_name, validate_container_name
+from ..oci import validate_container_name
 from ..progress import Progress
 from . import grpc_status, proto
 from . import convert
@@ -128,9 +128,10 @@ class Service:
         ck = container.lock_and_checkpoint(
             self.engine(cfg), pids, data=_data_dir(request.gpu_data_dir),
             agent_dir=_agent_dir(self.cfg.run_dir, name),
-            # the fingerprints' owner is the container id, as its packed snapshots name it
-            # (runtime/checkpoint.py): each root's container of that id shares them
-            owner_container=split_name(name)[0] if name else "",
+            # the fingerprints' owner is the container's name, <id>@<root key> (or an earlier
+            # torpor's <id>), as torpor-runtime packs its snapshots (runtime/checkpoint.py):
+            # one id under two roots shares none
+            owner_container=name,
             mode=_fingerprint_mode(request.fingerprints), opened=opened,
             staged=request.staged)
         return to_pb(self.pb, convert.Checkpointed.of(ck, deadline, request.container_id))

@@ -29,13 +29,20 @@ GPU as it reloads, so a hole left unfilled, or filled with other bytes, fails th
 loses nothing.
 
 Nothing in an index is trusted: file numbers, offsets and lengths are checked against the files
-before anything is written. Fingerprints are scoped by **owner** (a container's ID, or a bare
-program's uid: owner_of): the agent runs inside the program, so whatever fingerprints it is
-handed, the program can read, and whatever its index names, the program can write. Handed the
-whole store's, a program could learn which chunks other tenants hold and, crafting data to
-match one (the fold is not cryptographic), have its checkpoint name another tenant's chunk and
-read it back at restore. So a checkpoint is only ever handed, and its index only ever resolved
-against, the fingerprints of its owner's own snapshots (their meta's "owner").
+before anything is written. Fingerprints are scoped by **owner** (owner_of: a container by
+its name at torpor, container:<id>@<runtime root key>, or a bare program by its uid,
+uid:<uid>): the agent runs inside the program, so whatever fingerprints it is handed, the
+program can read, and whatever its index names, the program can write. Handed the whole
+store's, a program could learn which chunks other tenants hold and, crafting data to match one
+(the fold is not cryptographic), have its checkpoint name another tenant's chunk and read it
+back at restore. So a checkpoint is only ever handed, and its index only ever resolved
+against, the fingerprints of its owner's own snapshots (their meta's "owner", matched whole).
+One container id may live under two runtime roots (containerd namespaces, podman beside ctr),
+each perhaps another tenant's: the root key (runtime/markers.py root_key) makes them two
+owners. A container an earlier torpor created (agent directory agents/<id>, no key) keeps
+container:<id>, the owner its snapshots were packed under before keys; a keyed container never
+matches those, so its first checkpoint after the upgrade copies and hashes its data whole
+once (the store still keeps each chunk once by name).
 
 A checkpoint whose agents streamed their data straight into the store (stream.py) leaves
 every part a hole, and records beside the index which chunk each part is (agent_data.STREAMED):
@@ -68,11 +75,13 @@ import io
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from .. import agent_data
-from ..errors import CorruptCheckpointError, DamagedRecordsError, NotFoundError, TorporError
+from .. import agent_data, oci
+from ..errors import (CorruptCheckpointError, DamagedRecordsError, NotFoundError, TorporError,
+                      UsageError)
 from ..files import atomic_write, fsync_dir, read_untrusted
 from ..layout import MAX_RECORD
 from .backend import BLOB_NAME
@@ -246,13 +255,44 @@ def any_skipped(images_dir: Path) -> bool:
                if p.is_dir() and not p.is_symlink())
 
 
-def owner_of(container_id: str = "", uid: int | None = None) -> str:
-    """The owner key of a container's checkpoints, or of a bare program's (by its uid)."""
-    if container_id:
-        return f"container:{container_id}"
+CONTAINER_OWNER = "container:"
+UID_OWNER = "uid:"
+_UID = re.compile(r"0|[1-9][0-9]{0,9}")
+
+
+def owner_of(container: str = "", uid: int | None = None) -> str:
+    """The owner key of a container's checkpoints, or of a bare program's (by its uid).
+    container: the container's name at torpor (oci.container_name), as its agent directory
+    and torpord's record are named: <id>@<root key> (container:<id>@<root key>), so one id
+    under two runtime roots (two containerd namespaces, podman beside ctr: perhaps two
+    tenants) is two owners; <id> alone for a container an earlier torpor created (its agent
+    directory agents/<id>), which keeps the owner its snapshots were packed under,
+    container:<id>. No id holds '@' (oci.validate_container_id), so neither form is the
+    other's. UsageError for a name that is neither, or a negative uid."""
+    if container:
+        return CONTAINER_OWNER + oci.validate_container_name(container)
     if uid is None:
         raise ValueError("an owner is a container or a uid")
-    return f"uid:{int(uid)}"
+    if int(uid) < 0:
+        raise UsageError(f"bad uid {uid!r} for a fingerprint owner")
+    return f"{UID_OWNER}{int(uid)}"
+
+
+def check_owner(owner: str) -> str:
+    """owner as owner_of makes one (container:<container name>, uid:<decimal>), else
+    UsageError: an owner is matched as a whole string against the snapshots' "owner", so one
+    spelled otherwise could only ever name another's, or none."""
+    if isinstance(owner, str):
+        if owner.startswith(CONTAINER_OWNER):
+            try:
+                oci.validate_container_name(owner[len(CONTAINER_OWNER):])
+                return owner
+            except UsageError:
+                pass
+        elif owner.startswith(UID_OWNER) and _UID.fullmatch(owner[len(UID_OWNER):]):
+            return owner
+    raise UsageError(f"bad fingerprint owner {owner!r}: container:<id>[@<root key: 16 "
+                     "lowercase hex>] or uid:<decimal uid>")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,6 +314,7 @@ def known(store: Store, owner: str, check: bool = True) -> Known:
     the owner's snapshots."""
     if not owner:
         raise ValueError("fingerprints need an owner")
+    check_owner(owner)
     out = Known({}, {})
     mine = b'"owner": ' + json.dumps(owner).encode()   # as snapshot.dump writes it
     for name in store.backend.snapshots():

@@ -65,6 +65,8 @@ def pack(store: Store, images_dir: Path, name: str, owner: str = "",
     it may take by fingerprint (its agents' GPU data, and on the host), recorded in the
     snapshot; "" none. known: owner's fingerprints, read under the store's lock held since
     (else read here). Returns (snapshot, what was written)."""
+    if owner:
+        fingerprints.check_owner(owner)   # before anything: its snapshot records it
     if is_packed(images_dir):
         raise UsageError(f"{images_dir} is packed into a store already")
     if not (images_dir / MANIFEST).is_file():
