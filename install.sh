@@ -105,6 +105,16 @@ if [[ -d /etc/systemd/system ]]; then
     install -m 0644 packaging/systemd/torpord.service /etc/systemd/system/torpord.service
     if [[ -d /run/systemd/system ]]; then systemctl daemon-reload || true; fi
 fi
+# a torpord already running runs the version this replaced, and the two sides must agree (its
+# records and agent directories are named <id>@<root key>, its fingerprint owners too): under
+# systemd it is restarted (an operation in flight is rolled back, the program runs on);
+# started otherwise, the operator is told
+if [[ -d /run/systemd/system ]] && systemctl is-active --quiet torpord 2>/dev/null; then
+    if systemctl try-restart torpord; then say "torpord restarted: it runs this version now"
+    else say "warning: torpord could not be restarted: 'systemctl restart torpord'"; fi
+elif pids=$(pgrep -x torpord 2>/dev/null | tr '\n' ' ') && [[ -n $pids ]]; then
+    say "warning: torpord (pid ${pids% }) runs the version this replaced: restart it"
+fi
 
 if [[ "${TORPOR_NO_CONTAINERD2:-0}" != 1 && ${TORPOR_ENGINES:-1} != 0 ]]; then
     bash packaging/containerd/install-containerd2.sh

@@ -115,6 +115,7 @@ class FakeClient:
     def __init__(self, pid: int, fail: str = ""):
         self.pid, self.fail, self.calls = pid, fail, []
         self.timeouts: list[Any] = []   # each channel's deadline for its calls
+        self.answers_owner = True       # False: a torpord from before store_owner
 
     def __call__(self, cfg: Any, timeout: Any = None) -> "FakeClient":
         self.timeouts.append(timeout)
@@ -140,7 +141,13 @@ class FakeClient:
         return Checkpointed(op_id="op-1", pids=(self.pid,),
                             cuda_processes=(CudaProcess(self.pid, "CHECKPOINTED", (GPU,), 1 << 20,
                                                         {GPU: 1 << 20}),),
-                            timings={"checkpoint": 0.5}, deadline=0.0, container_id=CID)
+                            timings={"checkpoint": 0.5}, deadline=0.0, container_id=CID,
+                            store_owner=self._owner(kw.get("agent_container_id", "")))
+
+    def _owner(self, name: str) -> str:
+        """The owner torpord handed the agents fingerprints of, as the service answers it."""
+        from torpor.store import fingerprints
+        return fingerprints.owner_of(name) if name and self.answers_owner else ""
 
     def _result(self, op_id: str, outcome: str) -> OperationResult:
         return OperationResult(op_id, "checkpoint", (self.pid,), outcome, {"unlock": 0.1})

@@ -194,6 +194,33 @@ def test_an_earlier_torpors_container_keeps_its_ids_owner(world, cfg, monkeypatc
     assert _packed_owner(world, _store_on(world, monkeypatch, tmp_path)) == f"container:{CID}"
 
 
+def test_under_a_torpord_from_before_the_root_keys_the_pack_names_the_ids_owner(
+        world, monkeypatch, tmp_path):
+    """A torpord left running across the upgrade answers no store_owner and handed the
+    agents container:<id>'s fingerprints: the pack names that owner, so that what they
+    skipped resolves (under <id>@<key> it could not, and the checkpoint would lack it)."""
+    from torpor.store import Store
+    write_spec(world["bundle"], gpu=True)
+    store = _store_on(world, monkeypatch, tmp_path)
+    world["client"].answers_owner = False
+    assert rt_main.main(checkpoint_argv(world["images"])) == 0
+    assert world["client"].calls[1][1]["agent_container_id"] == name("/r")
+    (snap,) = Store(store).snapshots()
+    assert snap.owner == f"container:{CID}"
+
+
+def test_the_pack_names_the_owner_torpord_answered(world, monkeypatch, tmp_path):
+    """torpord decides whose fingerprints the agents get; the runtime packs under that, and
+    refuses (the checkpoint kept, unpacked, one warning) an owner no torpord could make."""
+    from torpor.store import Store
+    write_spec(world["bundle"], gpu=True)
+    store = _store_on(world, monkeypatch, tmp_path)
+    world["client"]._owner = lambda n: "container:../etc"
+    assert rt_main.main(checkpoint_argv(world["images"])) == 0
+    assert Store(store).snapshots() == []
+    assert (world["images"] / "torpor.json").exists()
+
+
 def test_delete_of_an_earlier_torpors_container_removes_what_the_id_alone_names(world, cfg,
                                                                                 torpord):
     old = legacy_container(cfg, "/r", world["bundle"])

@@ -421,8 +421,9 @@ def test_a_containers_name_leads_to_its_own_agent_directory(service, world, cfg,
                         lambda *a, **kw: owners.append(owner_of(*a, **kw)) or owners[-1])
     other = "f" * 16
     for name in (f"ctr@{KEY}", f"ctr@{other}", "ctr"):
-        svc.Rollback(svc.pb.OperationRequest(op_id=lock(svc, agent_container_id=name).op_id),
-                     Ctx())
+        r = lock(svc, agent_container_id=name)
+        assert r.store_owner == f"container:{name}"   # what torpor-runtime packs under
+        svc.Rollback(svc.pb.OperationRequest(op_id=r.op_id), Ctx())
     svc.RegisterContainer(svc.pb.RegisterContainerRequest(id=f"reg@{KEY}", pids=[PID]), Ctx())
     svc.Rollback(svc.pb.OperationRequest(op_id=lock(svc, pids=[], container_id="reg").op_id),
                  Ctx())

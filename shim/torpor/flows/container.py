@@ -117,6 +117,8 @@ class Checkpointed:
     cuda: tuple[CudaProcess, ...]
     moved: tuple[AgentMove, ...]
     timings: Mapping[str, float]
+    owner: str = ""   # whose store fingerprints its agents were handed (fingerprints.owner_of):
+                      # the owner its pack must name, so that what they skipped resolves
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +220,7 @@ def lock_and_checkpoint(engine: Engine, pids: Sequence[int], *, data: Path | Non
              op.entry.id, len(cuda_pids), len(pids), ",".join(map(str, cuda_pids)) or "-")
     return Checkpointed(op.entry.id, tuple(pids), tuple(cuda_pids), cuda,
                         tuple(AgentMove.of(p, r) for p, r in sorted(moved.items())),
-                        policy.timings(engine))
+                        policy.timings(engine), owner)
 
 
 def staged_data(cfg: Config, data: Path | None) -> agent_data.DataDir:

@@ -226,8 +226,19 @@ def _checkpoint(cfg: Config, runtime: Runtime, cid: str, name: str, spec: dict[s
     log.info("checkpoint %s: done in %.2f s, %d CUDA process(es), %d bytes of images", cid,
              time.monotonic() - t0, len(ck.cuda_processes), m["sizes"]["total"])
     if store is not None:
-        _store(cfg, store, images, cid, name)
+        _store(cfg, store, images, cid, ck.store_owner, name)
     return 0
+
+
+def pack_owner(answered: str, name: str) -> str:
+    """The owner a container's checkpoint is packed under: the one torpord handed its agents
+    the fingerprints of (answered: LockAndCheckpoint's store_owner), so that what they skipped
+    resolves. A torpord from before it answered one (left running across an upgrade) used
+    container:<id>, without the root key: that, then, or the pack could not name what the
+    agents skipped and the checkpoint would lack it."""
+    if answered:
+        return fingerprints.check_owner(answered)
+    return fingerprints.owner_of(oci.split_name(name)[0])
 
 
 def _end(cfg: Config, c: Client, cid: str, op_id: str, leave_running: bool) -> Any:
@@ -251,16 +262,15 @@ def _end(cfg: Config, c: Client, cid: str, op_id: str, leave_running: bool) -> A
         return None
 
 
-def _store(cfg: Config, store: Store, images: Path, cid: str, name: str) -> None:
-    """Pack the sealed checkpoint into the image store (store_packing.py), its owner the
-    container's name (agent_name's, which torpord was sent: its agents skipped what that
-    owner's snapshots hold; fingerprints.owner_of). The checkpoint is done whatever happens
+def _store(cfg: Config, store: Store, images: Path, cid: str, answered: str, name: str) -> None:
+    """Pack the sealed checkpoint into the image store (store_packing.py), under pack_owner's
+    owner (the one whose snapshots its agents skipped). The checkpoint is done whatever happens
     here: a failure leaves it unpacked, the GPU data its agents skipped filled in from the
     store (podman may export the directory to another host), and says why."""
     snap = f"{cid[:12]}-{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S%f}"
     t = time.monotonic()
     try:
-        st = store_checkpoint(Engine(cfg), store, images, snap, fingerprints.owner_of(name))
+        st = store_checkpoint(Engine(cfg), store, images, snap, pack_owner(answered, name))
     except (OSError, TorporError) as e:
         log.error("checkpoint %s: not packed into the store: %s", cid, e)
         print(f"torpor-runtime: warning: {e}", file=sys.stderr)

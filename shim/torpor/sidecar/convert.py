@@ -48,6 +48,7 @@ class Checkpointed:
     deadline: float
     container_id: str = ""
     agents: tuple[AgentData, ...] = ()
+    store_owner: str = ""   # the owner to pack under (flows/container.Checkpointed.owner)
     _message: ClassVar[str] = "LockAndCheckpointResponse"
     _nested: ClassVar[dict[str, type]] = {"cuda_processes": CudaProcess, "agents": AgentData}
 
@@ -56,7 +57,8 @@ class Checkpointed:
            container_id: str = "") -> "Checkpointed":
         """The answer for the engine's checkpoint c, open until deadline (wall clock)."""
         return cls(op_id=c.op_id, pids=c.pids, cuda_processes=c.cuda, timings=dict(c.timings),
-                   deadline=deadline, container_id=container_id, agents=c.moved)
+                   deadline=deadline, container_id=container_id, agents=c.moved,
+                   store_owner=c.owner)
 
 
 @dataclasses.dataclass(frozen=True)
