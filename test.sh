@@ -25,6 +25,16 @@ if [[ -z "${TORPOR_OLD_GLIBC:-}" ]]; then
         echo "test.sh: no older glibc could be fetched; the agent's old-glibc load test skips" >&2
     [[ -x $OLD_GLIBC/usr/bin/getconf ]] && export TORPOR_OLD_GLIBC=$OLD_GLIBC
 fi
+# a newer glibc with its headers (Debian unstable's), for the agent's build against one: hosts of
+# glibc >= 2.38 redirect functions to symbols no older glibc has (tests/unit/test_agent_glibc.py)
+NEW_GLIBC=/var/cache/torpor/glibc-unstable
+if [[ -z "${TORPOR_NEW_GLIBC:-}" ]]; then
+    [[ -e $NEW_GLIBC/usr/include/stdlib.h && -x $NEW_GLIBC/usr/bin/getconf ]] ||
+        { rm -rf "$NEW_GLIBC"; SUITE=unstable PACKAGES="libc6 libc-bin libc6-dev linux-libc-dev" \
+            timeout 300 bash tests/fakes/fetch_old_glibc.sh "$NEW_GLIBC" >/dev/null 2>&1; } ||
+        echo "test.sh: no newer glibc could be fetched; the agent's newer-glibc build test skips" >&2
+    [[ -e $NEW_GLIBC/usr/include/stdlib.h ]] && export TORPOR_NEW_GLIBC=$NEW_GLIBC
+fi
 # the CRI client of tests/integration/test_cri.py (from containerd 2's api.proto, if installed)
 "$PREFIX/bin/python" proto/generate_cri.py >/dev/null
 

@@ -30,6 +30,22 @@
 
 #if defined(__GLIBC__) && (defined(__x86_64__) || defined(__aarch64__))
 
+/* glibc >= 2.38's headers, with _GNU_SOURCE, redirect strtol, strtoul(l), sscanf, fscanf & co.
+ * to __isoc23_* (GLIBC_2.38: they also take C23's 0b prefixes), which no older glibc defines:
+ * built on such a host (Ubuntu 24.04, Debian 13, the GPU host's 2.39) the library needed
+ * GLIBC_2.38, and torpor-runtime skipped the agent in every container of an older libc.
+ * The agent reads no 0b numbers: features.h's switch off, as glibc turns it off to build
+ * those functions themselves (2.38-2.39 name it C2X_STRTOL, later ones C23_STRTOL). Must come
+ * before <stdlib.h>, <stdio.h> or <inttypes.h>: agent.h includes this first. */
+#ifdef __GLIBC_USE_C2X_STRTOL
+#undef __GLIBC_USE_C2X_STRTOL
+#define __GLIBC_USE_C2X_STRTOL 0
+#endif
+#ifdef __GLIBC_USE_C23_STRTOL
+#undef __GLIBC_USE_C23_STRTOL
+#define __GLIBC_USE_C23_STRTOL 0
+#endif
+
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>

@@ -102,6 +102,49 @@ def test_aarch64_build_needs_no_glibc_newer_than_2_17(tmp_path):
     assert all(too_new(versions) == [] for versions in v.needed.values()), v.needed
 
 
+def _new_glibc() -> Path:
+    new = os.environ.get("TORPOR_NEW_GLIBC", "")
+    if not new:
+        pytest.skip("set TORPOR_NEW_GLIBC=DIR to a newer glibc with its headers (SUITE=unstable "
+                    "PACKAGES='libc6 libc-bin libc6-dev linux-libc-dev' tests/fakes/"
+                    "fetch_old_glibc.sh DIR; test.sh does)")
+    if os.uname().machine != "x86_64":
+        pytest.skip("the newer-glibc build is written for x86_64")
+    return Path(new)
+
+
+def test_built_against_a_glibc_newer_than_2_38_it_still_needs_no_more_than_2_17(tmp_path):
+    """Hosts of glibc >= 2.38 (Ubuntu 24.04, Debian 13, the GPU host's 2.39) redirect strtol,
+    strtoull and fscanf to __isoc23_* (GLIBC_2.38) under _GNU_SOURCE: built there, the agent
+    needed 2.38, and every container of an older libc (most CUDA images) was left on the
+    driver's slow path. Built here against such a glibc's own headers and libraries (a
+    sysroot), it must still need no more than 2.17 (glibc_compat.h turns the redirect off)."""
+    root = _new_glibc()
+    libc6 = root / "usr" / "lib" / "x86_64-linux-gnu" / "libc.so.6"
+    if not (libc6.exists() and (root / "usr" / "include" / "stdlib.h").exists()):
+        pytest.skip(f"{root} lacks libc6 or libc6-dev")
+    if "GLIBC_2.38" not in elf_versions.read(libc6).defined:
+        pytest.skip(f"{root}'s glibc is older than 2.38: it redirects nothing")
+    inc = tmp_path / "include"          # xxhash.h (header-only), which the sysroot lacks
+    inc.mkdir()
+    shutil.copy("/usr/include/xxhash.h", inc)
+    lib = root / "usr" / "lib" / "x86_64-linux-gnu"
+    r = subprocess.run(["make", "-s", "-C", str(ROOT / "agent"), f"BUILD={tmp_path / 'b'}",
+                        f"EXTRA_CFLAGS=--sysroot={root} -I{inc} -Werror",
+                        f"LDFLAGS=-B{lib} -L{lib} -Wl,--sysroot={root} -Wl,-rpath-link,{lib}"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    built = tmp_path / "b" / "libtorpor-agent.so"
+    needs = elf_versions.read(built).needed
+    assert needs.get("libc.so.6"), needs
+    assert all(too_new(versions) == [] for versions in needs.values()), needs
+    nm = shutil.which("nm")
+    if nm:
+        undefined = subprocess.run([nm, "-D", "--undefined-only", str(built)], capture_output=True,
+                                   text=True, check=True).stdout
+        assert "__isoc23_" not in undefined, undefined
+
+
 def test_agent_names_libpthread_and_libdl():
     """Before glibc 2.34 pthread_create and dlopen live there only: a program that links
     neither (a container's /bin/sh) must still resolve the agent's."""
