@@ -1485,6 +1485,56 @@ static void *reserve(size_t size, size_t align, CUdeviceptr hint)
     return (void *)a;
 }
 
+/* $FAKE_CUDA_STATE_DIR/va_phase holding "<offset>": the process's first reservation that
+ * takes no hint starts `offset` bytes past a FK_PHASE_SPAN boundary instead of wherever mmap()
+ * (ASLR) puts it, and each later one ends where the one before starts (where that is free;
+ * downwards, as mmap() places them), so a test chooses how its allocations fall on the
+ * agent's 32 MiB windows (mover.c plan_build: which chunk, which data file) instead of getting
+ * one layout at random. The offset must be a multiple of the alignment asked for and below
+ * FK_PHASE_SPAN. 1 with *phase, 0 when there is no such file, else -1. */
+#define FK_PHASE_SPAN ((size_t)1 << 30)
+static int va_phase(const char *dir, size_t align, size_t *phase)
+{
+    char path[4096], buf[64], *end;
+    long long v;
+    snprintf(path, sizeof path, "%s/va_phase", dir);
+    if (fk_read_file(path, buf, sizeof buf) < 0)
+        return 0;
+    errno = 0;
+    v = strtoll(buf, &end, 0);
+    if (errno || end == buf || v < 0 || (size_t)v >= FK_PHASE_SPAN || (size_t)v % align ||
+        align > FK_PHASE_SPAN)
+        return -1;
+    *phase = (size_t)v;
+    return 1;
+}
+
+/* A va_phase reservation: below the one before (g_va_low, its start; 0 before the first), else
+ * at the phase in a span of its own. MAP_FAILED when there is no room. */
+static uintptr_t g_va_low;
+static pthread_mutex_t g_va_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void *reserve_phased(size_t size, size_t align, size_t phase)
+{
+    uintptr_t below;
+    void *m = MAP_FAILED;
+    pthread_mutex_lock(&g_va_lock);
+    below = (g_va_low - size) & ~(uintptr_t)(align - 1);
+    if (g_va_low > size && (m = reserve(size, align, below)) != (void *)below) {
+        if (m != MAP_FAILED) /* not free there: at the phase again */
+            munmap(m, size);
+        m = MAP_FAILED;
+    }
+    if (m == MAP_FAILED && (m = reserve(phase + size, FK_PHASE_SPAN, 0)) != MAP_FAILED && phase) {
+        munmap(m, phase);
+        m = (char *)m + phase;
+    }
+    if (m != MAP_FAILED)
+        g_va_low = (uintptr_t)m;
+    pthread_mutex_unlock(&g_va_lock);
+    return m;
+}
+
 /* size a multiple of the granularity, alignment 0 (the granularity) or a power of two, flags
  * 0. Reservations hold no memory: they count nowhere. */
 EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment,
@@ -1492,7 +1542,9 @@ EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignm
 {
     fk_call c;
     fk_span *a;
-    void *m;
+    void *m = MAP_FAILED;
+    size_t phase = 0;
+    int phased;
     CUresult rc;
     if ((rc = enter("cuMemAddressReserve", &c)) != CUDA_SUCCESS)
         return rc;
@@ -1500,7 +1552,18 @@ EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignm
         return CUDA_ERROR_INVALID_VALUE;
     if (alignment < FK_GRANULARITY)
         alignment = FK_GRANULARITY;
-    if ((m = reserve(size, alignment, addr)) == MAP_FAILED)
+    if ((phased = va_phase(c.dir, alignment, &phase)) < 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!phased)
+        m = reserve(size, alignment, addr);
+    else if (addr && (m = reserve(size, alignment, addr)) != (void *)(uintptr_t)addr) {
+        if (m != MAP_FAILED) /* the hint was not free: at the phase instead */
+            munmap(m, size);
+        m = MAP_FAILED;
+    }
+    if (phased && m == MAP_FAILED)
+        m = reserve_phased(size, alignment, phase);
+    if (m == MAP_FAILED)
         return CUDA_ERROR_OUT_OF_MEMORY;
     pthread_rwlock_wrlock(&g_mem);
     if ((a = grow(g_reserved, g_nreserved, &g_reserved_cap, sizeof *a))) {

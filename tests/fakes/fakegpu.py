@@ -20,6 +20,10 @@ State directory layout (shared by every process that loads the fakes; read at ev
   fail/<call>      "<CUresult> [pid]"      hang/lock "[pid]"      delay/<call> "<ms> [pid]"
   calls.log        "<call> <pid> <CUresult>" a line, one per checkpoint-API call
   cuda_version     13000 by default        driver_version "999.0-fake" by default
+  va_phase         "<offset>": GPU memory at chosen addresses (va_phase()); without it, at
+                   mmap()'s. $FAKE_CUDA_VA_PHASE (bytes) sets it for every FakeGpu: run a
+                   suite with FAKE_CUDA_VA_PHASE=$((26 << 20)) and so on to find a test that
+                   holds for the layout chance gave it only
 <call> is one of CALLS. A pid that is not a live CUDA process gets CUDA_ERROR_INVALID_VALUE.
   delay/<cu name>  "<ms> [pid]" (pid: the program's getpid()) also delays the driver calls fake_libcuda.c adds for torpor's
                    agent (cuStreamSynchronize, cuMemFree_v2, cuMemAllocPitch_v2, cuLaunchKernel,
@@ -70,6 +74,7 @@ STATE_DIR_VAR = "FAKE_CUDA_STATE_DIR"   # the fakes' state directory (both libra
 # its copy, which torpor's hooks pass on (TORPOR_*): for a torpord a hook starts (fake_common.h)
 HOOK_STATE_DIR_VAR = "TORPOR_FAKE_CUDA_STATE_DIR"
 SCOPE_VAR = "FAKE_CUDA_SCOPE"           # makes a program's key "<scope>.<nspid>"
+VA_PHASE_VAR = "FAKE_CUDA_VA_PHASE"     # bytes: every FakeGpu's va_phase (a sweep over layouts)
 SCOPE_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}\Z")   # = fk_scope_ok
 SYSTEM_PYTHON = "/usr/bin/python3"      # what container_workload runs the program with
 _KEY_RE = re.compile(r"(?:[1-9][0-9]*|[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}\.[1-9][0-9]*)\Z")
@@ -388,6 +393,8 @@ class FakeGpu:
         self.set_gpus(gpus)
         (self.state_dir / "cuda_version").write_text(f"{cuda_version}\n")
         (self.state_dir / "driver_version").write_text(f"{driver_version}\n")
+        if os.environ.get(VA_PHASE_VAR):        # a sweep of the suite over layouts
+            self.va_phase(int(os.environ[VA_PHASE_VAR], 0))
         self._programs: list[FakeProgram] = []
         self._nvml_handle: ctypes.CDLL | None = None
 
@@ -603,6 +610,17 @@ class FakeGpu:
         """`call` sleeps `ms` before doing anything (to SIGKILL the caller mid-phase)."""
         self._check_call(call)
         self._write(f"delay/{call}", f"{int(ms)}" + (f" {pid}" if pid else "") + "\n")
+
+    def va_phase(self, offset: int | None) -> None:
+        """Where GPU memory goes (fake_libcuda.c va_phase): a program's first reservation, a
+        VMM-served cuMemAlloc's too, `offset` bytes past a 1 GiB boundary and each later one
+        right below the one before; None: wherever mmap() puts it, which varies run to run.
+        The agent cuts its chunks at 32 MiB windows of these addresses, so a test that depends
+        on the cut takes it from here, not from chance. Read by each reservation as it is made."""
+        if offset is None:
+            (self.state_dir / "va_phase").unlink(missing_ok=True)
+        else:
+            self._write("va_phase", f"{int(offset)}\n")
 
     def clear_faults(self) -> None:
         for sub in ("fail", "hang", "delay"):

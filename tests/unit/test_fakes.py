@@ -650,6 +650,22 @@ def test_vmm_unmap_and_remap_keep_the_data(gpu, program):
     assert p.rc(f"vmmfree {ptr} {handle} {size}") == 0 and mem(gpu, p) == 0
 
 
+def test_va_phase_places_reservations_where_a_test_says(gpu, program):
+    """va_phase: the first reservation `offset` past a 1 GiB boundary, each later one right
+    below the one before; a malformed offset is refused; without it, mmap() decides."""
+    p = program
+    gpu.va_phase(26 * MIB)
+    first = p.call(f"reserve {12 * MIB}")["ptr"]
+    assert first % GIB == 26 * MIB
+    assert p.call(f"reserve {4 * MIB}")["ptr"] == first - 4 * MIB
+    assert p.call(f"reserve {6 * MIB}")["ptr"] == first - 10 * MIB
+    for bad in (MIB, GIB, -2 * MIB):                 # not granular, out of the span
+        gpu.va_phase(bad)
+        assert p.rc(f"reserve {2 * MIB}") == INVALID_VALUE
+    gpu.va_phase(None)
+    assert p.rc(f"reserve {2 * MIB}") == 0
+
+
 def test_vmm_mappings_side_by_side_are_one_range_for_copies(gpu, program):
     p = program
     r = p.call(f"reserve {6 * MIB}")["ptr"]
