@@ -10,7 +10,7 @@
 #define _GNU_SOURCE
 #endif
 #include <errno.h>
-#include "glibc_compat.h" /* old glibcs load it too: after <features.h> */
+#include "glibc_compat.h" /* old glibcs load it too: before stdlib.h/stdio.h */
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>

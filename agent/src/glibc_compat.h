@@ -23,12 +23,19 @@
  * GLIBC_x.y newer than 2.17 (torpor-runtime also compares them with a container's libc and
  * skips the preload where they are not met: runtime/libc.py).
  *
- * Included by agent.h, after <features.h> (so _GNU_SOURCE is in effect).
+ * Included by agent.h before any header that declares strtol or fscanf (the #error below
+ * says so at build time), after defining _GNU_SOURCE.
  */
 #ifndef TORPOR_GLIBC_COMPAT_H
 #define TORPOR_GLIBC_COMPAT_H
 
+#include <features.h> /* __GLIBC__ and the __GLIBC_USE_* switches below */
+
 #if defined(__GLIBC__) && (defined(__x86_64__) || defined(__aarch64__))
+
+#if defined(_STDLIB_H) || defined(_STDIO_H) || defined(_INTTYPES_H) || defined(_WCHAR_H)
+#error "glibc_compat.h must come before <stdlib.h>, <stdio.h>, <inttypes.h> and <wchar.h>"
+#endif
 
 /* glibc >= 2.38's headers, with _GNU_SOURCE, redirect strtol, strtoul(l), sscanf, fscanf & co.
  * to __isoc23_* (GLIBC_2.38: they also take C23's 0b prefixes), which no older glibc defines:
