@@ -574,7 +574,8 @@ def test_damaged_agent_data_is_caught_by_the_agent_and_the_restore_stopped(world
     process.checkpoint(world.engine(), PID, images)
     world.log()
     f = images / agent_data.rel_paths(PID, 3)[0]
-    damaged = b"\1" + f.read_bytes()[1:]
+    data = f.read_bytes()
+    damaged = bytes([data[0] ^ 0xFF]) + data[1:]     # a changed byte, whatever the data was
     f.write_bytes(damaged)
     killed = []
     monkeypatch.setattr(os, "kill", lambda pid, sig: killed.append((pid, sig)))
