@@ -52,8 +52,9 @@ GB, GiB, SLICE = 1e9, 1 << 30, 256 << 20
 # (in the order stage 1 runs them: the budget cuts the last)
 VARIANTS: dict[str, dict] = {
     "default": {},
-    # staging a part (4 MiB) at a time: bench/host_bounds.c's staged shape was faster at 4 MiB
-    # than at 32 on the H200 for every sink (2026-12-05); first in line for the budget
+    # staging a part (4 MiB) at a time is the default since the sweep of 2026-12-05 (resume
+    # 47-49 GB/s against 31-34 with chunks at 16 GiB); a chunk (32 MiB) at a time was before
+    "stage-chunk": {"TORPOR_AGENT_MOVER_STAGE": "chunk"},
     "stage-part": {"TORPOR_AGENT_MOVER_STAGE": "part"},
     "stage-part-buffers4": {"TORPOR_AGENT_MOVER_STAGE": "part", "TORPOR_AGENT_MOVER_BUFFERS": "4"},
     "no-presize": {"TORPOR_AGENT_MOVER_PRESIZE": "0"},

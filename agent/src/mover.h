@@ -43,8 +43,9 @@ struct mover_tune {
 			  * transparent huge pages (MADV_HUGEPAGE) */
 	int presize;     /* TORPOR_AGENT_MOVER_PRESIZE=0: data files sized after they are
 			  * written, not before (the mover before issue 20: measured against) */
-	int stage_part;  /* TORPOR_AGENT_MOVER_STAGE=part: staging buffers a part (FILE_ALIGN) long,
-			  * the copies a part at a time, not a chunk (staged sinks only) */
+	int stage_part;  /* TORPOR_AGENT_MOVER_STAGE=part (default): staging buffers a part
+			  * (FILE_ALIGN) long, the copies a part at a time, not a chunk (staged
+			  * sinks only: 0 with a direct one) */
 };
 extern struct mover_tune tune;
 

@@ -31,13 +31,15 @@
  *   TORPOR_AGENT_MOVER_REGION_HUGE=1  the agent's memory regions get MADV_HUGEPAGE (default 0)
  *   TORPOR_AGENT_MOVER_PRESIZE=0      data files sized once written, as before, instead of
  *                                     before the first write (default 1: mover.c says why)
- *   TORPOR_AGENT_MOVER_STAGE=chunk    the staged copies go a chunk (32 MiB) at a time (default)
- *                            part     a part (4 MiB) at a time, each staging buffer one part
- *                                     long: bench/host_bounds.c's staged shape on the H200 was
- *                                     faster at 4 MiB than at 32 for every sink (in: 49.9
- *                                     against 35.3 GB/s); the mover itself not yet measured.
- *                                     With a direct sink it is ignored (one warning); a
- *                                     streamed load stages chunks whatever it says.
+ *   TORPOR_AGENT_MOVER_STAGE=part     the staged copies go a part (4 MiB) at a time, each
+ *                                     staging buffer one part long (default): on the H200 at
+ *                                     16 GiB (bench/mover_sweep.py, 2026-12-05) resume copied at
+ *                                     47-49 GB/s against 31-34 with chunks, suspend at 33-35
+ *                                     against 28-30 (bench/host_bounds.c's staged shape had
+ *                                     said the same: 49.9 against 35.3 GB/s in).
+ *                            chunk    a chunk (32 MiB) at a time, as before.
+ *                                     A direct sink always copies chunks (asking for part there
+ *                                     warns once); a streamed load stages chunks whatever it says.
  */
 #define LOG_PREFIX "mover: "
 #include "agent.h" /* first: _GNU_SOURCE */
@@ -48,7 +50,7 @@
 #include "mover.h"
 
 struct mover_tune tune = { .buffers = 2, .workers = 0, .direct = DIRECT_OFF, .gpu_check = 1,
-			   .region_huge = 0, .presize = 1, .stage_part = 0 };
+			   .region_huge = 0, .presize = 1, .stage_part = 1 };
 
 /* name's value as an integer in [lo, hi] into *out; unset leaves it, anything else warns. */
 static void tune_int(const char *name, int lo, int hi, int *out)
@@ -91,6 +93,8 @@ void mover_tune_read(void)
 	static const char *const onoff[] = { "0", "1" };
 	static const char *const stages[] = { "chunk", "part" };
 	struct mover_tune t = tune;
+	const char *stage_env = getenv("TORPOR_AGENT_MOVER_STAGE");
+	int stage_asked = stage_env && !strcmp(stage_env, "part");
 
 	tune_int("TORPOR_AGENT_MOVER_BUFFERS", 2, MAX_BUFFERS, &t.buffers);
 	tune_int("TORPOR_AGENT_MOVER_WORKERS", 1, MAX_FILES, &t.workers);
@@ -100,8 +104,10 @@ void mover_tune_read(void)
 	tune_word("TORPOR_AGENT_MOVER_PRESIZE", onoff, 2, &t.presize);
 	tune_word("TORPOR_AGENT_MOVER_STAGE", stages, 2, &t.stage_part);
 	if (t.stage_part && t.direct != DIRECT_OFF) {
-		pr_warn("TORPOR_AGENT_MOVER_STAGE=part is for a staged sink, not %s: ignored",
-			sinks[t.direct]);
+		/* the default goes quietly; only someone who asked for part is told */
+		if (stage_asked)
+			pr_warn("TORPOR_AGENT_MOVER_STAGE=part is for a staged sink, not %s: ignored",
+				sinks[t.direct]);
 		t.stage_part = 0;
 	}
 	if (memcmp(&t, &tune, sizeof(t)))

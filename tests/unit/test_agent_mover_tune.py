@@ -31,7 +31,7 @@ VARIANTS = {
     "gpucheck-buffers4": {"TORPOR_AGENT_MOVER_CHECK": "gpu", "TORPOR_AGENT_MOVER_BUFFERS": "4"},
     "region-huge": {"TORPOR_AGENT_MOVER_REGION_HUGE": "1", "TORPOR_AGENT_MOVER_WORKERS": "2"},
     "no-presize": {"TORPOR_AGENT_MOVER_PRESIZE": "0"},
-    "stage-part": {"TORPOR_AGENT_MOVER_STAGE": "part"},
+    "stage-chunk": {"TORPOR_AGENT_MOVER_STAGE": "chunk"},    # part is the default
     "stage-part-hostcheck-buffers3": {"TORPOR_AGENT_MOVER_STAGE": "part",
                                       "TORPOR_AGENT_MOVER_CHECK": "host",
                                       "TORPOR_AGENT_MOVER_BUFFERS": "3"},
@@ -100,7 +100,7 @@ def test_every_variant_moves_out_and_back_bit_exact(gpu, probe, tmp_path, varian
         assert r["fingerprints"]["parts"] == 0, r
 
 
-@pytest.mark.parametrize("variant", ["default", "buffers4", "direct", "hostcheck", "stage-part",
+@pytest.mark.parametrize("variant", ["default", "buffers4", "direct", "hostcheck", "stage-chunk",
                                      "stage-part-hostcheck-buffers3"])
 def test_two_gpus_every_variant(gpu, probe, tmp_path, variant):
     """Each worker's chunks change GPU on the way (mover_workers.c worker_chunk): a slot is

@@ -110,9 +110,9 @@ def _resume_streamed(p, store: Store, data: Path, nfiles: int = 2, slots: int = 
     return reply
 
 
-# the mover staging a chunk at a time (default) or a part (agent/src/mover_tune.c): a streamed
+# the mover staging a chunk at a time or a part (the default, agent/src/mover_tune.c): a streamed
 # save sends parts either way, a streamed load always stages chunks (the ring's records)
-STAGES = [{}, {"TORPOR_AGENT_MOVER_STAGE": "part"}]
+STAGES = [{"TORPOR_AGENT_MOVER_STAGE": "chunk"}, {}]
 
 
 @pytest.mark.parametrize("stage", STAGES, ids=["chunk", "part"])
