@@ -23,6 +23,10 @@
  *   2. held       H imports P's handle (and maps it); P unmaps and releases its own; lock,
  *                 checkpoint, restore, unlock; H hands the handle back (a new descriptor); P
  *                 imports it, maps it at the same address and checks every byte.
+ *   2b. fdonly    P maps fresh memory and exports it; this process keeps the descriptor, no
+ *                 one imports it; P unmaps and releases; lock, checkpoint, restore, unlock
+ *                 (the checkpoint's time against the baseline says whether the driver copied
+ *                 it); P imports the kept descriptor at the same address and checks it.
  *   3. snapshot   H copies the held memory device to device into memory of its own (timed):
  *                 what the copy out inside the pause would cost.
  * Every step says what the driver answered; the first refusal ends the probe with its CUresult.
@@ -283,6 +287,16 @@ static void program(int sock)
 			TRY(fill(va, seed, buf), "fill");
 			answer(sock, 'm', 0, "", now() - t, -1);
 			break;
+		case 'n': /* fresh memory of its own at the same address (an imported handle cannot
+			   * be exported again), filled again */
+			TRY(cu.Unmap(va, bytes), "cuMemUnmap");
+			TRY(cu.Release(h), "cuMemRelease");
+			TRY(cu.Create(&h, bytes, &p, 0), "cuMemCreate (exportable)");
+			TRY(cu.Map(va, bytes, 0, h, 0), "cuMemMap");
+			TRY(cu.SetAccess(va, bytes, &access, 1), "cuMemSetAccess");
+			TRY(fill(va, seed, buf), "fill");
+			answer(sock, 'n', 0, "", now() - t, -1);
+			break;
 		case 'e': {
 			int out = -1;
 
@@ -430,8 +444,8 @@ int main(int argc, char **argv)
 {
 	double gib = 4;
 	int ps[2], hs[2], pid, hid, fd = -1, kept = -1;
-	const char *how = "";
-	char verdict[160];
+	const char *how = "", *fdonly;
+	char verdict[320];
 
 	for (int i = 1; i < argc; i += 2) {
 		if (i + 1 < argc && !strcmp(argv[i], "--gib"))
@@ -494,14 +508,37 @@ int main(int argc, char **argv)
 				      "it and the descriptor from before the checkpoint does not import");
 	}
 	close(kept);
+	kept = -1;
 	if (ask(ps[0], "held", 'c', -1, NULL, "every byte back, nothing copied"))
 		return finish(1, "the memory came back changed");
+	/* 2b. held by a descriptor alone: the controller (torpor's place, no CUDA context) keeps
+	 * the program's export descriptor and nobody imports it while the program has released
+	 * its handle. cuMemRelease's documentation says the memory lives while a shareable
+	 * counterpart does; whether the driver's checkpoint then leaves it out (its time against
+	 * the baseline says) and the program maps it back intact is this phase's answer. */
+	fdonly = "not tried";
+	if (ask(ps[0], "fdonly", 'n', -1, NULL, "program maps fresh memory of its own"))
+		fdonly = "the program could not map fresh memory";
+	else if (ask(ps[0], "fdonly", 'e', -1, &kept, "program exports its handle") || kept < 0)
+		fdonly = "the handle could not be exported a second time";
+	else if (ask(ps[0], "fdonly", 'r', -1, NULL, "program unmaps and releases its own"))
+		fdonly = "the program could not release its handle";
+	else if (round_trip("fdonly", pid))
+		fdonly = "the driver refused the checkpoint";
+	else if (ask(ps[0], "fdonly", 'i', kept, NULL, "program imports the kept descriptor"))
+		fdonly = "the kept descriptor does not import after the checkpoint";
+	else if (ask(ps[0], "fdonly", 'c', -1, NULL, "every byte back, nothing copied"))
+		fdonly = "the memory came back changed";
+	else
+		fdonly = "a descriptor alone holds it";
+	if (kept >= 0)
+		close(kept);
 	/* 3. what a snapshot inside the pause would cost */
 	ask(hs[0], "snapshot", 's', -1, NULL, "device-to-device copy of all of it");
 	ask(ps[0], "done", 'q', -1, NULL, "program ends");
 	ask(hs[0], "done", 'q', -1, NULL, "holder ends");
 	waitpid(pid, NULL, 0), waitpid(hid, NULL, 0);
 	snprintf(verdict, sizeof(verdict), "held memory survives the driver's checkpoint: no copy "
-		 "back needed (handed back by %s)", how);
+		 "back needed (handed back by %s); without a holder: %s", how, fdonly);
 	return finish(0, verdict);
 }
