@@ -245,6 +245,12 @@ def test_abort_and_a_resume_while_prepared_take_the_agents_own_held_memory(gpu, 
     assert p.ctl("abort")["held"] is False
     _intact(p, prog["mem"])
     fds_back(p, before)
+    # ... re-created exportable (the allocation's properties): the next prepare holds again
+    r = Files(tmp_path / "three", 1).send(p.sock, "prepare", write=True)
+    assert r["ok"] and r["held"] == MOVABLE, r
+    assert p.ctl("abort")["held"] is True
+    _intact(p, prog["mem"])
+    fds_back(p, before)
 
 
 def test_a_resume_with_the_files_while_prepared_takes_the_held_memory(gpu, probe, tmp_path):
