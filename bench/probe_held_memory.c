@@ -192,14 +192,17 @@ static void answer(int sock, char what, CUresult rc, const char *step, double t,
 	send_msg(sock, &m, fd);
 }
 
+/* A plain block, not do { } while (0): its `continue` must reach the command loop (inside a
+ * do-while it only left the do-while, the command went on and answered a second time, and
+ * every later answer of that process went to the command after the one it answered). */
 #define TRY(call, name)                                                                        \
-	do {                                                                                   \
+	{                                                                                      \
 		CUresult rc_ = (call);                                                         \
 		if (rc_ != CUDA_SUCCESS) {                                                     \
 			answer(sock, cmd.what, rc_, name, 0, -1);                              \
 			continue;                                                              \
 		}                                                                              \
-	} while (0)
+	}
 
 /* -- the program and the holder ----------------------------------------------------------------- */
 

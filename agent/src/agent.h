@@ -221,6 +221,16 @@ CUresult vmm_drop(void *phys);
 CUresult vmm_recreate(void *phys);
 /* Its data is back: an ordinary allocation again. */
 void vmm_reloaded(void *phys);
+/* Held memory (mover.c): was TORPOR_AGENT_VMM_EXPORT=1 set? Is this movable's memory
+ * exportable as a POSIX file descriptor (created asking for it)? Its descriptor (the driver's
+ * call, not the hooked one: the handle stays movable); 0 or a CUresult. Is it dropped (no
+ * handle now)? vmm_adopt: imports fd as its handle and maps it where it was, access as it
+ * was; 0, or a CUresult with the imported handle released again (still dropped). */
+int vmm_hold_enabled(void);
+int vmm_exportable(void *phys);
+CUresult vmm_export_fd(void *phys, int *fd);
+int vmm_dropped(void *phys);
+CUresult vmm_adopt(void *phys, int fd);
 struct vmm_status {
 	long movable;
 	unsigned long long movable_bytes;
@@ -231,6 +241,11 @@ void vmm_status(struct vmm_status *st);
 void vmm_after_fork(void);
 
 /* -- moving memory (mover.c; mover.h names the files it is split into) ------------------------ */
+
+/* Held memory (mover.c): at most this many allocations are held through a leave-running
+ * checkpoint, their descriptors sent in one message with the data files (control.c; the
+ * kernel's SCM_MAX_FD is 253); a program with more is copied back as before. */
+#define HOLD_MAX 200
 
 struct move_result {
 	unsigned long long bytes;
@@ -255,6 +270,12 @@ struct move_result {
 	unsigned long long zero_bytes;
 	char zero_error[160];
 	int streamed; /* through the image store's stream (a ring and a socket), not files */
+	/* held memory: a save's exported descriptors (held of them, the caller's to keep or
+	 * close) and the seconds the exports took; a load's: taken back (held_back, nothing
+	 * copied) and the seconds the imports took */
+	int held, held_back;
+	int hold_fds[HOLD_MAX];
+	double hold_seconds, import_seconds;
 	char error[256];
 };
 /* Copies every movable allocation into the files (striped, one thread a file; nfds 0: into
@@ -262,13 +283,21 @@ struct move_result {
  * be closed. index_fd >= 0: fingerprints every part on the GPU first, skips the parts whose
  * fingerprints are in known_fd (-1: none), and writes the index to index_fd. 0, or -1 with
  * r->error (nothing dropped). host_budget (0: none): refused, before anything is copied,
- * when the parts to copy (zero and skipped parts left out) need more host memory than this. */
+ * when the parts to copy (zero and skipped parts left out) need more host memory than this.
+ * With TORPOR_AGENT_VMM_EXPORT=1 and every movable allocation exportable (at most HOLD_MAX),
+ * each one's memory is exported to a descriptor before it is released (r->held of them in
+ * r->hold_fds, the caller's): the memory stays on the GPU while one of them is open. */
 int mover_save(const int *fds, int nfds, int known_fd, int index_fd, int ring_fd, int sock_fd,
 	       unsigned long long host_budget, struct move_result *r);
 /* Re-creates and reloads what mover_save saved from the same files (none: from the agent's
  * memory), verifying checksums. 0, or -1 with r->error (what was re-created stays; a retry
- * goes on from there). */
-int mover_load(const int *fds, int nfds, int ring_fd, int sock_fd, struct move_result *r);
+ * goes on from there). nheld > 0: held, the descriptors a save exported (r->hold_fds, in
+ * that order), are taken back first: each one checked to be the file exported for its
+ * allocation, imported and mapped where it was, nothing copied (r->held_back); any of that
+ * refused (one log line says why), the load goes on from the files as without them. The
+ * descriptors stay the caller's to close. */
+int mover_load(const int *fds, int nfds, int ring_fd, int sock_fd, const int *held, int nheld,
+	       struct move_result *r);
 /* ring_fd >= 0 (with sock_fd, a SOCK_SEQPACKET socket): the data goes to (comes from) torpor's
  * image store through the ring instead of the files' bytes (PROTOCOL.md, "Streaming"): a save
  * still sizes the files (holes) and releases nothing before torpor commits; a load takes the

@@ -27,6 +27,7 @@
 #define LOG_PREFIX "control: "
 #include "agent.h" /* first: _GNU_SOURCE */
 
+#include <ctype.h>
 #include <fcntl.h>
 #include <limits.h>
 #include <poll.h>
@@ -44,7 +45,11 @@
 #define DEFAULT_CLOSE_TIMEOUT_MS 10000
 #define MAX_CLIENTS 16
 #define LINE_MAX_LEN 256
-#define MAX_FDS 20 /* fds a command may carry: 16 data files, prepare's fp pair, a stream's pair */
+/* fds a command may carry: 16 data files and prepare's fp pair and a stream's pair, or a
+ * resume's 16 data files and HOLD_MAX held descriptors; a message is received whole up to the
+ * kernel's own limit (SCM_MAX_FD, not exported to user space), the rest closed */
+#define MAX_FDS (16 + HOLD_MAX)
+#define SCM_MAX_FD 253
 #define REPLY_MAX 2560
 
 struct client {
@@ -53,6 +58,8 @@ struct client {
 	char buf[LINE_MAX_LEN];
 	int fds[MAX_FDS]; /* received with the pending line (SCM_RIGHTS) */
 	int nfds;
+	int out_fds[HOLD_MAX]; /* sent with the reply (detach hold), then closed */
+	int nout;
 };
 
 /* Where the program's movable memory is: on the GPU (running), in the files given to prepare
@@ -74,6 +81,8 @@ static struct {
 	struct client clients[MAX_CLIENTS];
 	enum state state;
 	int held[MAX_FDS], nheld;  /* the data files of the prepare, while prepared */
+	int hold[HOLD_MAX], nhold; /* the descriptors holding the GPU memory (mover.c), while
+				    * prepared: until detach gives them away or closes them */
 	long long elapsed_ms, last_ms; /* since the prepare, counted in capped steps (gate.c) */
 } ctl = { .lock = PTHREAD_MUTEX_INITIALIZER, .listen_fd = -1 };
 
@@ -209,6 +218,7 @@ static void drop(struct client *c)
 	c->fd = -1;
 	c->len = 0;
 	close_fds(c->fds, &c->nfds);
+	close_fds(c->out_fds, &c->nout);
 }
 
 /* The uid the kernel shows for a uid this user namespace does not map. */
@@ -288,16 +298,66 @@ static void accept_one(void)
 	close(fd);
 }
 
-/* Never blocks: a client that does not read its replies (the socket buffer full) is dropped,
- * or it would stall the thread that serves everyone else. */
-static int reply(struct client *c, const char *text)
+static ssize_t send_text(struct client *c, const char *text, size_t len)
 {
-	size_t len = strlen(text);
 	ssize_t n;
 
 	do
 		n = send(c->fd, text, len, MSG_DONTWAIT | MSG_NOSIGNAL);
 	while (n < 0 && errno == EINTR);
+	return n;
+}
+
+/* The reply with c->out_fds (SCM_RIGHTS, one sendmsg), which are closed after either way. */
+static ssize_t send_with_fds(struct client *c, const char *text, size_t len)
+{
+	union {
+		char buf[CMSG_SPACE(sizeof(int) * HOLD_MAX)];
+		struct cmsghdr align;
+	} u;
+	struct iovec iov = { (void *)text, len };
+	struct msghdr msg = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf,
+			      .msg_controllen = CMSG_SPACE(sizeof(int) * c->nout) };
+	struct cmsghdr *cm;
+	ssize_t n;
+	int err;
+
+	memset(u.buf, 0, sizeof(u.buf));
+	cm = CMSG_FIRSTHDR(&msg);
+	cm->cmsg_level = SOL_SOCKET;
+	cm->cmsg_type = SCM_RIGHTS;
+	cm->cmsg_len = CMSG_LEN(sizeof(int) * c->nout);
+	memcpy(CMSG_DATA(cm), c->out_fds, sizeof(int) * c->nout);
+	do
+		n = sendmsg(c->fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+	while (n < 0 && errno == EINTR);
+	err = errno;
+	if (n < 0)
+		pr_pwarn("sending %d held descriptors", c->nout);
+	close_fds(c->out_fds, &c->nout);
+	errno = err;
+	return n;
+}
+
+/* Never blocks: a client that does not read its replies (the socket buffer full) is dropped,
+ * or it would stall the thread that serves everyone else. A reply carrying descriptors (detach
+ * hold) that cannot be sent goes again without them, as a plain detach's: nothing is held
+ * then (closed here), and a client still there learns so. */
+static int reply(struct client *c, const char *text)
+{
+	size_t len = strlen(text);
+	ssize_t n;
+
+	if (c->nout) {
+		n = send_with_fds(c, text, len);
+		if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) {
+			text = "{\"ok\":true,\"held\":0}\n";
+			len = strlen(text);
+			n = send_text(c, text, len);
+		}
+	} else {
+		n = send_text(c, text, len);
+	}
 	if (n == (ssize_t)len)
 		return 0;
 	pr_warn("a client does not read its replies: dropped");
@@ -454,7 +514,7 @@ static void prepare_reply(struct client *c, const char *arg, char *out, size_t s
 		/* nothing released, or (releasing failed half-way) reloaded at once from the files,
 		 * which are complete but for skipped parts (their fingerprints then fail the reload:
 		 * torpor fills them from the store and resumes) */
-		if (mover_pending() && mover_load(c->fds, c->nfds, -1, -1, &back)) {
+		if (mover_pending() && mover_load(c->fds, c->nfds, -1, -1, NULL, 0, &back)) {
 			pr_err("%s; reloading failed too: %s; the gate stays closed", r.error,
 			       back.error);
 			ctl.state = PREPARED;
@@ -471,6 +531,8 @@ static void prepare_reply(struct client *c, const char *arg, char *out, size_t s
 	memcpy(ctl.held, c->fds, sizeof(int) * c->nfds);
 	ctl.nheld = c->nfds;
 	c->nfds = 0;
+	memcpy(ctl.hold, r.hold_fds, sizeof(int) * r.held);
+	ctl.nhold = r.held;
 	ctl.state = PREPARED;
 	ctl.elapsed_ms = 0;
 	ctl.last_ms = now_ms();
@@ -480,12 +542,13 @@ static void prepare_reply(struct client *c, const char *arg, char *out, size_t s
 		     "\"host_alloc_seconds\":%.6f,\"phases\":{\"staging\":%.6f,\"copy\":%.6f,"
 		     "\"release\":%.6f},\"fingerprints\":{\"parts\":%ld,\"skipped\":%ld,"
 		     "\"skipped_bytes\":%llu,\"seconds\":%.6f,\"error\":\"%s\"},\"zero\":{\"parts\":%ld,"
-		     "\"bytes\":%llu,\"error\":\"%s\"},\"streamed\":%s,\"files\":[",
+		     "\"bytes\":%llu,\"error\":\"%s\"},\"streamed\":%s,\"held\":%d,"
+		     "\"hold_seconds\":%.6f,\"files\":[",
 		     r.bytes, r.chunks, r.allocations, released, r.seconds,
 		     r.in_memory ? "true" : "false", r.host_alloc_seconds, r.staging_seconds,
 		     r.copy_seconds, r.vmm_seconds, r.fp_parts, r.fp_skipped, r.fp_skipped_bytes,
 		     r.fp_seconds, r.fp_error, r.zero_parts, r.zero_bytes, r.zero_error,
-		     r.streamed ? "true" : "false");
+		     r.streamed ? "true" : "false", r.held, r.hold_seconds);
 	used = n > 0 && (size_t)n < size ? (size_t)n : size - 1;
 	for (int k = 0; k < r.nfiles && used < size; k++) {
 		n = snprintf(out + used, size - used, "%s%llu", k ? "," : "", r.file_size[k]);
@@ -497,13 +560,22 @@ static void prepare_reply(struct client *c, const char *arg, char *out, size_t s
 }
 
 /* Reloads from fds (the client's, else the held ones), or from the image store's stream
- * (ring_fd, sock_fd); the gate opens on success. */
-static int do_resume(int *fds, int nfds, int ring_fd, int sock_fd, char *out, size_t size)
+ * (ring_fd, sock_fd), taking the held memory back first when hold (the client's, else the
+ * agent's own) names it; the gate opens on success. */
+static int do_resume(int *fds, int nfds, int ring_fd, int sock_fd, const int *hold, int nhold,
+		     char *out, size_t size)
 {
 	struct move_result r;
+	int ret;
 
 	mover_stream_timeout((long long)(ctl.prepare_timeout_s * 1000));
-	if (mover_load(fds, nfds, ring_fd, sock_fd, &r)) {
+	ret = mover_load(fds, nfds, ring_fd, sock_fd, hold, nhold, &r);
+	/* the agent's own descriptors once they are of no more use: the memory is the
+	 * program's again, or it was not taken back (a later try copies) and they would only
+	 * keep the old memory on the GPU */
+	if (!ret || (nhold && !r.held_back))
+		close_fds(ctl.hold, &ctl.nhold);
+	if (ret) {
 		if (out)
 			error_reply(out, size, r.error);
 		else
@@ -515,16 +587,20 @@ static int do_resume(int *fds, int nfds, int ring_fd, int sock_fd, char *out, si
 	gate_open();
 	if (out)
 		snprintf(out, size, "{\"ok\":true,\"bytes\":%llu,\"chunks\":%ld,\"seconds\":%.6f,"
-			 "\"zero_bytes\":%llu,\"streamed\":%s,\"phases\":{\"recreate\":%.6f,"
-			 "\"staging\":%.6f,\"copy\":%.6f}}\n", r.bytes, r.chunks, r.seconds, r.zero_bytes,
-			 r.streamed ? "true" : "false", r.vmm_seconds, r.staging_seconds,
-			 r.copy_seconds);
+			 "\"zero_bytes\":%llu,\"streamed\":%s,\"held\":%s,\"phases\":{"
+			 "\"import\":%.6f,\"recreate\":%.6f,\"staging\":%.6f,\"copy\":%.6f}}\n",
+			 r.bytes, r.chunks, r.seconds, r.zero_bytes, r.streamed ? "true" : "false",
+			 r.held_back ? "true" : "false", r.import_seconds, r.vmm_seconds,
+			 r.staging_seconds, r.copy_seconds);
 	return 0;
 }
 
-/* "resume" (the client's files, or the held ones), "resume stream" (the ring and the socket:
- * from the image store), "abort" (the held ones). */
-static void resume_reply(struct client *c, int abort, int streamed, char *out, size_t size)
+/* "resume" (the client's files, or the kept ones), "resume held=N" (the client's files, then
+ * the N descriptors detach hold gave), "resume stream" (the ring and the socket: from the
+ * image store), "abort" (the kept ones). Without held=N, the agent's own held descriptors
+ * (still there while prepared) take the memory back. */
+static void resume_reply(struct client *c, int abort, int streamed, int nheld, char *out,
+			 size_t size)
 {
 	if (ctl.state == RUNNING) {
 		error_reply(out, size, "not prepared");
@@ -535,7 +611,16 @@ static void resume_reply(struct client *c, int abort, int streamed, char *out, s
 			error_reply(out, size, "resume stream takes the ring and the socket");
 			return;
 		}
-		do_resume(NULL, 0, c->fds[0], c->fds[1], out, size);
+		do_resume(NULL, 0, c->fds[0], c->fds[1], NULL, 0, out, size);
+		return;
+	}
+	if (nheld > c->nfds) {
+		error_reply(out, size, "resume held=N takes the data files, then N descriptors");
+		return;
+	}
+	if (nheld) { /* the client's fds are closed after */
+		do_resume(c->fds, c->nfds - nheld, -1, -1, c->fds + c->nfds - nheld, nheld, out,
+			  size);
 		return;
 	}
 	if (abort || !c->nfds) {
@@ -543,10 +628,43 @@ static void resume_reply(struct client *c, int abort, int streamed, char *out, s
 			error_reply(out, size, "detached: resume with the data files");
 			return;
 		}
-		do_resume(ctl.held, ctl.nheld, -1, -1, out, size);
+		do_resume(ctl.held, ctl.nheld, -1, -1, ctl.hold, ctl.nhold, out, size);
 		return;
 	}
-	do_resume(c->fds, c->nfds, -1, -1, out, size); /* the client's fds are closed after */
+	do_resume(c->fds, c->nfds, -1, -1, ctl.hold, ctl.nhold, out, size);
+}
+
+/* "detach" closes everything the agent kept; "detach hold" gives the held descriptors to the
+ * client with the reply (closed here once sent: the CRIU dump must not find them). */
+static void detach_reply(struct client *c, int hold, char *out, size_t size)
+{
+	if (ctl.state != PREPARED) {
+		error_reply(out, size, "not prepared");
+		return;
+	}
+	close_fds(ctl.held, &ctl.nheld);
+	ctl.state = DETACHED;
+	if (!hold) {
+		close_fds(ctl.hold, &ctl.nhold);
+		snprintf(out, size, "{\"ok\":true}\n");
+		return;
+	}
+	memcpy(c->out_fds, ctl.hold, sizeof(int) * ctl.nhold);
+	c->nout = ctl.nhold;
+	ctl.nhold = 0;
+	snprintf(out, size, "{\"ok\":true,\"held\":%d}\n", c->nout);
+}
+
+/* "held=N" (0 < N <= HOLD_MAX): N, or -1. */
+static int parse_held(const char *arg)
+{
+	char *end;
+	long n;
+
+	if (strncmp(arg, "held=", 5) || !isdigit((unsigned char)arg[5]))
+		return -1;
+	n = strtol(arg + 5, &end, 10);
+	return *end || n < 1 || n > HOLD_MAX ? -1 : (int)n;
 }
 
 /* The prepare deadline: a prepared program whose caller went away resumes by itself. */
@@ -562,7 +680,7 @@ static long prepared_tick(void)
 	if (ctl.elapsed_ms < limit)
 		return limit - ctl.elapsed_ms > 1000 ? 1000 : limit - ctl.elapsed_ms;
 	pr_warn("prepared %lld ms ago and neither detached nor aborted: resuming", ctl.elapsed_ms);
-	if (do_resume(ctl.held, ctl.nheld, -1, -1, NULL, 0)) {
+	if (do_resume(ctl.held, ctl.nheld, -1, -1, ctl.hold, ctl.nhold, NULL, 0)) {
 		ctl.elapsed_ms = 0; /* try again after another period */
 		return 1000;
 	}
@@ -620,18 +738,14 @@ static void handle_line(struct client *c, char *line, char *out, size_t size)
 		}
 	} else if (!strcmp(line, "prepare")) {
 		prepare_reply(c, arg, out, size);
-	} else if (!strcmp(line, "detach") && !*arg) {
-		if (ctl.state != PREPARED) {
-			error_reply(out, size, "not prepared");
-		} else {
-			close_fds(ctl.held, &ctl.nheld);
-			ctl.state = DETACHED;
-			snprintf(out, size, "{\"ok\":true}\n");
-		}
+	} else if (!strcmp(line, "detach") && (!*arg || !strcmp(arg, "hold"))) {
+		detach_reply(c, *arg != 0, out, size);
 	} else if (!strcmp(line, "resume") && (!*arg || !strcmp(arg, "stream"))) {
-		resume_reply(c, 0, *arg != 0, out, size);
+		resume_reply(c, 0, *arg != 0, 0, out, size);
+	} else if (!strcmp(line, "resume") && parse_held(arg) > 0) {
+		resume_reply(c, 0, 0, parse_held(arg), out, size);
 	} else if (!strcmp(line, "abort") && !*arg) {
-		resume_reply(c, 1, 0, out, size);
+		resume_reply(c, 1, 0, 0, out, size);
 	} else {
 		snprintf(out, size, "{\"ok\":false,\"error\":\"unknown command\"}\n");
 	}
@@ -642,7 +756,7 @@ static void handle_line(struct client *c, char *line, char *out, size_t size)
 static ssize_t receive(struct client *c)
 {
 	union {
-		char buf[CMSG_SPACE(sizeof(int) * MAX_FDS)];
+		char buf[CMSG_SPACE(sizeof(int) * SCM_MAX_FD)];
 		struct cmsghdr align;
 	} u;
 	struct iovec iov = { c->buf + c->len, sizeof(c->buf) - 1 - c->len };
@@ -839,6 +953,7 @@ void control_after_fork(void)
 	ctl.owner = 0;
 	ctl.path[0] = 0;
 	close_fds(ctl.held, &ctl.nheld); /* the child's copies */
+	close_fds(ctl.hold, &ctl.nhold);
 	ctl.state = RUNNING;
 	atomic_store(&ctl.started, 0);
 }

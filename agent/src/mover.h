@@ -7,6 +7,7 @@
 
 #include <pthread.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 #define XXH_INLINE_ALL
 #define XXH_STATIC_LINKING_ONLY
@@ -108,6 +109,15 @@ struct mover_plan {
 	int fingerprinted; /* the parts have fingerprints (some may not: see part) */
 	int zeros;         /* some parts are zero: a load memsets them (zeros_fill) */
 	int gpu_check;     /* tune.gpu_check took: the fingerprinted parts have no host sums */
+	/* held memory: the descriptor the save exported for each movable allocation (mv, in the
+	 * order they were given out), known by its file's identity: a load takes back only that
+	 * file for that allocation */
+	struct held_id {
+		size_t mv;
+		dev_t dev;
+		ino_t ino;
+	} hold[HOLD_MAX];
+	int nhold;
 };
 extern struct mover_plan plan;
 

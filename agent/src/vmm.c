@@ -7,6 +7,14 @@
  * the program's own use of the API (PyTorch expandable_segments, vLLM): the handles and where
  * they are mapped, with the access set on each mapping.
  *
+ * TORPOR_AGENT_VMM_EXPORT=1 in the program's environment (read once, with
+ * TORPOR_AGENT_VMM_MIN; off by default until measured on a GPU): the physical memory of every
+ * cuMemAlloc the agent serves is created exportable as a POSIX file descriptor
+ * (requestedHandleTypes), so that a leave-running checkpoint can hold it on the GPU through
+ * the driver's checkpoint instead of copying it back (mover.c, "held"). A driver that refuses
+ * that (any answer but out of memory) gets the allocation without it, one warning, and is not
+ * asked again. The program's own cuMemCreate keeps the program's properties.
+ *
  * Releasing (vmm_drop) unmaps a handle everywhere and releases it; the reservations stay.
  * Re-creating (vmm_recreate) makes a new handle of the same size and properties and maps it
  * where the old one was. The new handle has another value: the program keeps the old one, so
@@ -62,6 +70,9 @@ static struct {
 	size_t min_size;             /* cuMemAlloc at least this: served from VMM (0: never) */
 	size_t granularity[MAX_DEVICES];
 	int disabled;                /* the driver refused; cuMemAlloc goes to the driver */
+	int exportable;              /* TORPOR_AGENT_VMM_EXPORT=1: asked for, and on; 0 once the
+				      * driver refused it */
+	int export_asked;            /* TORPOR_AGENT_VMM_EXPORT=1 was set (vmm_hold_enabled) */
 } vm = { .lock = PTHREAD_MUTEX_INITIALIZER };
 
 static pthread_once_t min_once = PTHREAD_ONCE_INIT;
@@ -82,6 +93,19 @@ static void read_min(void)
 	}
 	vm.min_size = n; /* 0: never */
 	pr_info("cuMemAlloc of at least %llu bytes served from VMM%s", n, n ? "" : " (never)");
+}
+
+static void read_knobs(void)
+{
+	const char *v = getenv("TORPOR_AGENT_VMM_EXPORT");
+
+	read_min();
+	if (v && *v && strcmp(v, "0") && strcmp(v, "1"))
+		pr_warn("TORPOR_AGENT_VMM_EXPORT=%s is neither 0 nor 1: off", v);
+	vm.export_asked = vm.exportable = v && !strcmp(v, "1");
+	if (vm.exportable)
+		pr_info("VMM allocations created exportable (POSIX file descriptors): held through "
+			"a leave-running checkpoint");
 }
 
 /* -- lookups, under vm.lock ------------------------------------------------------------------ */
@@ -372,7 +396,7 @@ int vmm_alloc(CUdeviceptr *dptr, size_t bytesize, CUresult *rc)
 	struct phys *ph;
 	size_t g, asize;
 
-	pthread_once(&min_once, read_min);
+	pthread_once(&min_once, read_knobs);
 	if (!dptr || !vm.min_size || bytesize < vm.min_size || vm.disabled)
 		return 0;
 	if (!real.cuCtxGetDevice || !real.cuMemAddressReserve || !real.cuMemCreate ||
@@ -392,7 +416,19 @@ int vmm_alloc(CUdeviceptr *dptr, size_t bytesize, CUresult *rc)
 	*rc = real.cuMemAddressReserve(&va, asize, g, 0, 0);
 	if (*rc != CUDA_SUCCESS)
 		goto fallback;
-	*rc = real.cuMemCreate(&h, asize, &prop, 0);
+	if (vm.exportable) {
+		prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+		*rc = real.cuMemCreate(&h, asize, &prop, 0);
+		if (*rc != CUDA_SUCCESS && *rc != CUDA_ERROR_OUT_OF_MEMORY) {
+			/* two threads may both get here: both warn, both stop asking */
+			pr_warn("the driver refuses exportable VMM memory (CUresult %d): allocations "
+				"are not held through a leave-running checkpoint", *rc);
+			vm.exportable = 0;
+			prop.requestedHandleTypes = 0;
+		}
+	}
+	if (!prop.requestedHandleTypes)
+		*rc = real.cuMemCreate(&h, asize, &prop, 0);
 	if (*rc == CUDA_ERROR_OUT_OF_MEMORY) {
 		real.cuMemAddressFree(va, asize);
 		return 1; /* as cuMemAlloc would answer */
@@ -576,6 +612,75 @@ CUresult vmm_recreate(void *p)
 	}
 	if (rc != CUDA_SUCCESS)
 		pr_err("re-creating 0x%llx (%zu bytes): CUresult %d", ph->id, ph->size, rc);
+	return rc;
+}
+
+/* -- held memory (mover.c): exported before the drop, imported back instead of a copy ------- */
+
+int vmm_hold_enabled(void)
+{
+	pthread_once(&min_once, read_knobs);
+	return vm.export_asked;
+}
+
+int vmm_exportable(void *p)
+{
+	const struct phys *ph = p;
+
+	return ph->real && (ph->prop.requestedHandleTypes &
+			    CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+}
+
+/* The driver's call itself, not the hooked one: that one marks the handle shared (not
+ * movable), for the program's exports. */
+CUresult vmm_export_fd(void *p, int *fd)
+{
+	const struct phys *ph = p;
+
+	if (!real.cuMemExportToShareableHandle)
+		return CUDA_ERROR_NOT_SUPPORTED;
+	*fd = -1;
+	return real.cuMemExportToShareableHandle(fd, ph->real,
+						 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+}
+
+int vmm_dropped(void *p)
+{
+	const struct phys *ph = p;
+
+	return !ph->real;
+}
+
+/* The imported handle becomes ph->real and is mapped where the dropped one was, access as it
+ * was (vmm_recreate's loop, with a handle already set). Refused, it is unmapped and released
+ * again and ph stays dropped: a fresh one is created for the copy from the files. */
+CUresult vmm_adopt(void *p, int fd)
+{
+	struct phys *ph = p;
+	CUmemGenericAllocationHandle h = 0;
+	CUresult rc;
+
+	if (ph->real)
+		return CUDA_ERROR_INVALID_VALUE; /* re-created already (an earlier try) */
+	if (!real.cuMemImportFromShareableHandle)
+		return CUDA_ERROR_NOT_SUPPORTED;
+	rc = real.cuMemImportFromShareableHandle(&h, (void *)(intptr_t)fd,
+						 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+	if (rc != CUDA_SUCCESS)
+		return rc;
+	pthread_mutex_lock(&vm.lock);
+	ph->real = h;
+	pthread_mutex_unlock(&vm.lock);
+	rc = vmm_recreate(ph);
+	if (rc == CUDA_SUCCESS)
+		return rc;
+	for (struct vmap *m = vm.maps; m; m = m->next)
+		if (m->ph == ph)
+			real.cuMemUnmap(m->ptr, m->size); /* the ones not mapped answer an error */
+	real.cuMemRelease(h);
+	pthread_mutex_lock(&vm.lock);
+	ph->real = 0;
+	pthread_mutex_unlock(&vm.lock);
 	return rc;
 }
 

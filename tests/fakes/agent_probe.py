@@ -44,6 +44,8 @@ makes several calls stops at the first failing one: rc is its CUresult, "failed"
                                 rounded up to the granularity, cuMemAddressReserve, cuMemCreate
                                 (device 0), cuMemMap, cuMemSetAccess (read-write, device 0)
                                 -> "ptr", "handle", "size"; on a failure what was done is undone
+  vmmfd BYTES                   as vmm, the memory created exportable as a POSIX file descriptor
+                                (requestedHandleTypes)
   vmmfree PTR HANDLE BYTES      cuMemUnmap, cuMemRelease, cuMemAddressFree (BYTES rounded up too)
   reserve BYTES                 cuMemAddressReserve(BYTES, alignment 0, addr 0) -> "ptr"
   create BYTES                  cuMemCreate(BYTES, pinned on device 0) -> "handle"
@@ -145,6 +147,7 @@ class CallFailed(Exception):
 
 
 PINNED, LOCATION_DEVICE, PROT_READWRITE, GRANULARITY_RECOMMENDED = 1, 1, 3, 1
+POSIX_FD = 1   # CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 RANGE_START_ADDR, RANGE_SIZE = 11, 12
 CHUNK = 16 << 20
 
@@ -171,7 +174,7 @@ def access_desc(device: int = 0) -> CUmemAccessDesc:
 
 
 # command -> how many numbers (decimal or 0x...) it takes before its optional DOOR
-MEMORY_COMMANDS = {"fill": 3, "check": 3, "streamcopy": 3, "vmm": 1, "vmmfree": 3,
+MEMORY_COMMANDS = {"fill": 3, "check": 3, "streamcopy": 3, "vmm": 1, "vmmfd": 1, "vmmfree": 3,
                    "reserve": 1, "create": 1, "map": 3, "access": 2, "unmap": 2, "release": 1,
                    "addrfree": 2, "retain": 1, "meminfo": 0, "range": 1}
 
@@ -344,7 +347,8 @@ class Probe:
                     return 0
             if cmd == "check":
                 doc["ok"], doc["bad"] = True, None
-        elif cmd == "vmm":
+        elif cmd in ("vmm", "vmmfd"):
+            prop.requestedHandleTypes = POSIX_FD if cmd == "vmmfd" else 0
             step("cuMemGetAllocationGranularity", ctypes.byref(size), ctypes.byref(prop),
                  GRANULARITY_RECOMMENDED)
             nbytes = -(-num[0] // size.value) * size.value

@@ -48,6 +48,9 @@ enum {
     CU_POINTER_ATTRIBUTE_RANGE_SIZE = 12,
 };
 
+/* CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR: the one shareable handle type this fake has. */
+#define FK_POSIX_FD 1
+
 /* The granularity of the VMM calls (cuMemGetAllocationGranularity), as on current GPUs. */
 #define FK_GRANULARITY ((size_t)2 << 20)
 
@@ -493,7 +496,12 @@ EXPORT CUresult cuCtxSynchronize(void)
  *   cuMemAlloc_v2        private anonymous memory, MAP_NORESERVE: untouched pages cost
  *                        nothing, so a fake allocation of 100 GiB is fine;
  *   cuMemAddressReserve  a PROT_NONE MAP_NORESERVE range: addresses, no memory;
- *   cuMemCreate          a handle: a memfd of its size, which holds its data;
+ *   cuMemCreate          a handle: a memfd of its size, which holds its data (named
+ *                        fake-cuda-mem.<device>: an import finds its device again);
+ *   cuMemExportToShareableHandle  a dup of that memfd (POSIX_FD only): the memory lives
+ *                        while any descriptor of it does, released handle or not, as the
+ *                        driver's does while a shareable handle is open;
+ *   cuMemImportFromShareableHandle  a new handle over a dup of such a descriptor;
  *   cuMemMap             the memfd mapped MAP_SHARED|MAP_FIXED into a reservation, PROT_NONE
  *                        until cuMemSetAccess. Unmapped and mapped again, a handle still has
  *                        its data; a new handle starts zeroed.
@@ -514,6 +522,7 @@ typedef struct fk_handle {
     CUmemAllocationProp prop;
     int refs;               /* cuMemCreate, each cuMemRetainAllocationHandle; -1 a cuMemRelease */
     int maps;               /* its mappings */
+    int imported;           /* cuMemImportFromShareableHandle's: not exported again */
     struct fk_handle *next; /* on the way out: a list of handles to free */
 } fk_handle;
 
@@ -1431,6 +1440,9 @@ static CUresult check_prop(const CUmemAllocationProp *prop)
     int n = dir ? fk_read_gpus(dir, gpus, FK_MAX_GPUS) : 0;
     if (!prop || prop->type != CU_MEM_ALLOCATION_TYPE_PINNED || prop->location.type <= 0)
         return CUDA_ERROR_INVALID_VALUE;
+    /* requestedHandleTypes: POSIX file descriptors only (no FABRIC, no Win32 here) */
+    if (prop->requestedHandleTypes & ~FK_POSIX_FD)
+        return CUDA_ERROR_NOT_SUPPORTED;
     if (prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
         return CUDA_ERROR_NOT_SUPPORTED;
     if (prop->location.id < 0 || prop->location.id >= n)
@@ -1661,7 +1673,9 @@ EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
     if ((rc = check_prop(prop)) != CUDA_SUCCESS || (rc = charge(c.dir, c.key, size)) != 0)
         return rc;
     if ((h = calloc(1, sizeof *h))) {
-        h->fd = memfd_create("fake-cuda-mem", MFD_CLOEXEC);
+        char name[32];
+        snprintf(name, sizeof name, "fake-cuda-mem.%d", prop->location.id);
+        h->fd = memfd_create(name, MFD_CLOEXEC);
         h->size = size;
         h->prop = *prop;
         h->refs = 1;
@@ -1861,6 +1875,110 @@ EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle
     }
     pthread_rwlock_unlock(&g_mem);
     return rc;
+}
+
+/* A descriptor of the handle's memfd (POSIX_FD only), for another process or for this one
+ * to import. The handle must have asked for it at cuMemCreate (requestedHandleTypes), and an
+ * imported handle is not exported again: CUDA_ERROR_INVALID_VALUE, as the H200's driver
+ * answered (bench/results/probe_held_memory-h200-2026-12-05.json). Another type:
+ * CUDA_ERROR_NOT_SUPPORTED. */
+EXPORT CUresult cuMemExportToShareableHandle(void *shareableHandle,
+                                             CUmemGenericAllocationHandle handle, int handleType,
+                                             unsigned long long flags)
+{
+    fk_call c;
+    fk_handle *h;
+    CUresult rc;
+    if ((rc = enter("cuMemExportToShareableHandle", &c)) != CUDA_SUCCESS)
+        return rc;
+    if (!shareableHandle || flags)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (handleType != FK_POSIX_FD)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    pthread_rwlock_rdlock(&g_mem);
+    if (!(h = handle_of(handle, NULL)) || h->refs <= 0 || h->imported ||
+        !(h->prop.requestedHandleTypes & FK_POSIX_FD)) {
+        rc = CUDA_ERROR_INVALID_VALUE;
+    } else {
+        int fd = fcntl(h->fd, F_DUPFD_CLOEXEC, 0);
+        if (fd < 0)
+            rc = CUDA_ERROR_OUT_OF_MEMORY;
+        else
+            *(int *)shareableHandle = fd;
+    }
+    pthread_rwlock_unlock(&g_mem);
+    return rc;
+}
+
+/* The device a descriptor of one of this fake's memfds was created on ("fake-cuda-mem.<id>"),
+ * or -1 when it is not one. */
+static int memfd_device(int fd)
+{
+    char path[64], link[256], *end;
+    ssize_t n;
+    long dev;
+    snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+    n = readlink(path, link, sizeof link - 1);
+    if (n <= 0)
+        return -1;
+    link[n] = 0;
+    if (strncmp(link, "/memfd:fake-cuda-mem.", 21))
+        return -1;
+    dev = strtol(link + 21, &end, 10);
+    return end == link + 21 || dev < 0 || dev >= FK_MAX_GPUS ? -1 : (int)dev;
+}
+
+/* A new handle over the memory a descriptor of cuMemExportToShareableHandle holds (osHandle:
+ * the descriptor itself, cast, as cuda.h says for POSIX_FD); the caller may close its
+ * descriptor afterwards. Counted on this process's GPU as a cuMemCreate is. Anything but one
+ * of this fake's memfds: CUDA_ERROR_INVALID_VALUE. */
+EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle,
+                                               void *osHandle, int shHandleType)
+{
+    fk_call c;
+    fk_handle *h, **a = NULL;
+    struct stat st;
+    int fd = (int)(intptr_t)osHandle, dev;
+    CUresult rc;
+    if ((rc = enter("cuMemImportFromShareableHandle", &c)) != CUDA_SUCCESS)
+        return rc;
+    if (!handle)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (shHandleType != FK_POSIX_FD)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    if ((dev = memfd_device(fd)) < 0 || fstat(fd, &st) != 0 || st.st_size <= 0 ||
+        (size_t)st.st_size % FK_GRANULARITY)
+        return CUDA_ERROR_INVALID_VALUE;
+    if ((rc = charge(c.dir, c.key, (size_t)st.st_size)) != CUDA_SUCCESS)
+        return rc;
+    if ((h = calloc(1, sizeof *h))) {
+        h->fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+        h->size = (size_t)st.st_size;
+        h->prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+        h->prop.requestedHandleTypes = FK_POSIX_FD;
+        h->prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+        h->prop.location.id = dev;
+        h->refs = 1;
+        h->imported = 1;
+        if (h->fd >= 0) {
+            pthread_rwlock_wrlock(&g_mem);
+            if ((a = grow(g_handles, g_nhandles, &g_handles_cap, sizeof *a))) {
+                g_handles = a;
+                g_handles[g_nhandles++] = h;
+                h->id = g_next_handle++;
+                *handle = h->id;
+            }
+            pthread_rwlock_unlock(&g_mem);
+        }
+    }
+    if (!a) {
+        if (h && h->fd >= 0)
+            close(h->fd);
+        free(h);
+        refund(c.dir, c.key, (size_t)st.st_size);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    return CUDA_SUCCESS;
 }
 
 /* -- streams and events --------------------------------------------------------------------- */
@@ -2150,6 +2268,8 @@ EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVers
     X(cuMemUnmap, cuMemUnmap) X(cuMemSetAccess, cuMemSetAccess)                              \
     X(cuMemGetAllocationPropertiesFromHandle, cuMemGetAllocationPropertiesFromHandle)        \
     X(cuMemRetainAllocationHandle, cuMemRetainAllocationHandle)                              \
+    X(cuMemExportToShareableHandle, cuMemExportToShareableHandle)                            \
+    X(cuMemImportFromShareableHandle, cuMemImportFromShareableHandle)                        \
     X(cuLaunchKernel, cuLaunchKernel) X(cuMemcpyHtoD, cuMemcpyHtoD_v2)                       \
     X(cuMemcpyDtoH, cuMemcpyDtoH_v2) X(cuStreamSynchronize, cuStreamSynchronize)             \
     X(cuMemcpyHtoDAsync, cuMemcpyHtoDAsync_v2) X(cuMemcpyDtoHAsync, cuMemcpyDtoHAsync_v2)    \

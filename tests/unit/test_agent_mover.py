@@ -59,14 +59,15 @@ class Files:
                 os.close(fd)
 
 
-def _program(p: Probe) -> dict:
-    """A program holding movable memory (two VMM-served cuMemAllocs, its own VMM mapping) and
-    an allocation below the threshold; each filled with its own pattern."""
+def _program(p: Probe, own: str = "vmm") -> dict:
+    """A program holding movable memory (two VMM-served cuMemAllocs, its own VMM mapping made
+    by the probe's command `own`: vmm, or vmmfd for one exportable) and an allocation below
+    the threshold; each filled with its own pattern."""
     assert p.call("init dlsym")["rc"] == 0
     mem = {"big": (p.call(f"@alloc {64 * MIB} dlsym")["ptr"], 64 * MIB),
            "odd": (p.call(f"@alloc {3 * MIB + 5} proc")["ptr"], 3 * MIB + 5),
            "small": (p.call("@alloc 4096 dlsym")["ptr"], 4096)}
-    v = p.call(f"@vmm {8 * MIB}")
+    v = p.call(f"@{own} {8 * MIB}")
     mem["own"] = (v["ptr"], v["size"])
     for seed, (ptr, n) in enumerate(mem.values(), 1):
         assert p.call(f"@fill {ptr} {n} {seed}")["rc"] == 0
@@ -126,7 +127,8 @@ def test_prepare_moves_memory_out_and_resume_brings_it_back(gpu, probe, tmp_path
 
     r = files.send(p.sock, "resume", write=False)
     assert r["ok"] and r["bytes"] == movable, r
-    assert set(r["phases"]) == {"recreate", "staging", "copy"}, r
+    assert set(r["phases"]) == {"import", "recreate", "staging", "copy"}, r
+    assert r["held"] is False and r["phases"]["import"] == 0, r      # nothing was held
     assert r["phases"]["recreate"] + r["phases"]["copy"] <= r["seconds"] + 0.002, r
     assert p.result(held_check)["ok"]
     assert _gpu_mem(gpu, p) == held

@@ -1,8 +1,9 @@
 """bench/probe_held_memory.c on the fake driver: it builds without the CUDA toolkit, its three
 processes talk, the baseline round trip through the driver's checkpoint API runs and checks
-every byte, and where the driver lacks exportable handles (the fake does) it stops with a
-verdict saying so, in valid JSON. What the real driver answers is for the GPU host
-(PROBE_HELD=1 tests/gpu/run-on-gpu-host.sh)."""
+every byte, the held and descriptor-only round trips run through (the fake exports a handle's
+memory as a descriptor and imports it again, as the H200's driver does), and where the driver
+lacks exportable handles (the fake told so) it stops with a verdict saying so, in valid JSON.
+What the real driver answers is for the GPU host (PROBE_HELD=1 tests/gpu/run-on-gpu-host.sh)."""
 
 import json
 import os
@@ -16,22 +17,58 @@ from tests.fakes import fakegpu
 ROOT = fakegpu.FAKES_DIR.parents[1]
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 
+ROUND_TRIP = ["cuCheckpointProcessLock", "cuCheckpointProcessCheckpoint",
+              "cuCheckpointProcessRestore", "cuCheckpointProcessUnlock"]
 
-def test_probe_runs_the_baseline_and_names_the_first_refusal(tmp_path):
+
+def _run(tmp_path, fail_export: bool = False):
     gpu = fakegpu.FakeGpu(tmp_path / "state")
     binary = tmp_path / "probe"
     subprocess.run(["gcc", "-O2", "-Wall", "-Werror", str(ROOT / "bench" /
                     "probe_held_memory.c"), "-ldl", "-o", str(binary)], check=True,
                    capture_output=True)
+    if fail_export:      # a driver without exportable handles (fakegpu.py's fail/<call>)
+        (gpu.state_dir / "fail" / "cuMemExportToShareableHandle").write_text("801\n")
     env = dict(os.environ, **gpu.env())
     r = subprocess.run([str(binary), "--gib", "0.125"], env=env, capture_output=True,
                        text=True, timeout=120)
-    assert r.returncode == 1, r.stderr
     doc = json.loads(r.stdout)
-    steps = [(s["phase"], s["step"], s["cuda_result"]) for s in doc["steps"]]
+    return r, doc, [(s["phase"], s["step"], s["cuda_result"]) for s in doc["steps"]]
+
+
+def test_probe_runs_the_held_and_descriptor_only_round_trips(tmp_path):
+    r, doc, steps = _run(tmp_path)
+    assert r.returncode == 0, r.stderr
+    phase = lambda name: [(s, rc) for p, s, rc in steps if p == name]  # noqa: E731
+    assert phase("baseline") == [(s, 0) for s in ["map and fill (exportable)", *ROUND_TRIP,
+                                                  "every byte back"]]
+    # the holder's imported handle is not exported again (as on the H200: CUresult 1), so
+    # the program takes back the descriptor it exported before the checkpoint
+    assert phase("held") == [
+        ("program exports its handle", 0), ("holder imports and maps it", 0),
+        ("program unmaps and releases its own", 0), *[(s, 0) for s in ROUND_TRIP],
+        ("cuMemExportToShareableHandle (held)", 1),
+        ("program imports its pre-checkpoint descriptor at the same address", 0),
+        ("every byte back, nothing copied", 0)]
+    assert phase("fdonly") == [(s, 0) for s in [
+        "program maps fresh memory of its own", "program exports its handle",
+        "program unmaps and releases its own", *ROUND_TRIP,
+        "program imports the kept descriptor", "every byte back, nothing copied"]]
+    # the fake has no cuMemcpyDtoD_v2: the snapshot says so, and each process's answers stay
+    # with their own commands after it
+    assert phase("snapshot") == [("cuMemcpyDtoD", 801)]
+    assert phase("done") == [("program ends", 0), ("holder ends", 0)]
+    assert doc["verdict"] == (
+        "held memory survives the driver's checkpoint: no copy back needed (handed back by "
+        "the descriptor exported before the checkpoint); without a holder: a descriptor alone "
+        "holds it")
+
+
+def test_probe_names_a_driver_without_exportable_handles(tmp_path):
+    r, doc, steps = _run(tmp_path, fail_export=True)
+    assert r.returncode == 1, r.stderr
     assert [s for p, s, rc in steps if p == "baseline" and rc == 0] == [
-        "map and fill (exportable)", "cuCheckpointProcessLock", "cuCheckpointProcessCheckpoint",
-        "cuCheckpointProcessRestore", "cuCheckpointProcessUnlock", "every byte back"]
+        "map and fill (exportable)", *ROUND_TRIP, "every byte back"]
     assert steps[-1] == ("held", "cuMemExportToShareableHandle", 801)
     assert doc["verdict"] == "the program's handle cannot be exported"
 

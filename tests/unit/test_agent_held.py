@@ -1,0 +1,347 @@
+"""Held GPU memory through a leave-running checkpoint (issue 20, short pauses; agent/src/mover.c
+"held", agent/PROTOCOL.md): with TORPOR_AGENT_VMM_EXPORT=1 the agent creates its VMM memory
+exportable, and a prepare exports every movable allocation to a descriptor before releasing
+it; `detach hold` hands the descriptors to torpor, and `resume held=N` imports them at the
+same addresses: every byte back, nothing copied. Anything wrong with them, and the resume
+copies back from the files as before. Against the fake libcuda, whose exported descriptors
+are the handles' memfds: the memory lives while one is open.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import wait_for
+from tests.unit.test_agent import Probe, gpu, probe  # noqa: F401  (fixtures)
+from tests.unit.test_agent_mover import MIB, Files, _gpu_mem, _intact, _program, failing
+
+EXPORT = {"TORPOR_AGENT_VMM_EXPORT": "1"}
+MOVABLE = 3            # _program's big, odd and own allocations (small stays with the driver)
+
+
+def ctl_recv(sock: Path, line: str, fds: list[int] = (), timeout: float = 30.0
+             ) -> tuple[dict, list[int]]:
+    """One command with descriptors attached; its reply and the descriptors that came with it."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(str(sock))
+        if fds:
+            socket.send_fds(s, [line.encode() + b"\n"], list(fds))
+        else:
+            s.sendall(line.encode() + b"\n")
+        buf, got = b"", []
+        while not buf.endswith(b"\n"):
+            data, fds_in, _, _ = socket.recv_fds(s, 65536, 256)
+            got += fds_in
+            assert data, f"agent hung up; got {buf!r}"
+            buf += data
+    return json.loads(buf), got
+
+
+def resume_with(p: Probe, files: Files, line: str, held: list[int] = ()) -> dict:
+    data = files.open(write=False)
+    try:
+        return ctl_recv(p.sock, line, data + list(held))[0]
+    finally:
+        for fd in data:
+            os.close(fd)
+
+
+def close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def nfds(p: Probe) -> int:
+    return len(os.listdir(f"/proc/{p.pid}/fd"))
+
+
+def fds_back(p: Probe, before: int) -> None:
+    """The agent's descriptors (data files, held ones, the client's connection, which it closes
+    once it sees the hang-up) are all closed again: the program has `before` open (the fake's
+    handles have a memfd each: fewer while their memory is released)."""
+    deadline = time.monotonic() + 10
+    while nfds(p) != before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert nfds(p) == before, os.listdir(f"/proc/{p.pid}/fd")
+
+
+def prepared(gpu, p: Probe, tmp_path: Path, own: str = "vmmfd", n: int = 2):
+    prog = _program(p, own)
+    files = Files(tmp_path / "data", n)
+    before = nfds(p)
+    r = files.send(p.sock, "prepare 5000", write=True)
+    assert r["ok"], r
+    return prog, files, before, r
+
+
+def test_held_memory_comes_back_without_a_copy(gpu, probe, tmp_path):
+    p = probe(EXPORT)
+    prog, files, before, r = prepared(gpu, p, tmp_path)
+    assert r["held"] == MOVABLE and r["hold_seconds"] >= 0, r
+    assert r["bytes"] > 0                          # the files are written all the same
+    # while prepared the agent holds the data files and a descriptor an allocation (the
+    # fake's handles, released, closed their own memfds)
+    assert nfds(p) == before + 2 - MOVABLE + MOVABLE
+
+    r, held = ctl_recv(p.sock, "detach hold")
+    assert r == {"ok": True, "held": MOVABLE} and len(held) == MOVABLE, r
+    assert p.status()["state"] == "detached"
+    fds_back(p, before - MOVABLE)                  # none of them left in the program (the dump)
+
+    # nothing comes from the files (emptied) nor crosses "PCIe" (copies fail, counts stay)
+    for path in files.paths:
+        path.write_bytes(b"")
+    copies = gpu.copies(p.pid)
+    with failing(gpu, "cuMemcpyHtoDAsync_v2", f"2 {p.pid}"), \
+            failing(gpu, "cuMemsetD8Async", f"2 {p.pid}"):
+        r = resume_with(p, files, f"resume held={MOVABLE}", held)
+    close_all(held)
+    assert r["ok"] and r["held"] is True and r["bytes"] == 0, r
+    assert set(r["phases"]) == {"import", "recreate", "staging", "copy"}, r
+    assert gpu.copies(p.pid) == copies
+    assert "nothing copied" in p.stderr()
+    st = p.status()
+    assert (st["state"], st["gate"], st["movable_allocations"]) == ("running", "open", MOVABLE)
+    _intact(p, prog["mem"])
+    fds_back(p, before)
+
+    # a second round: the imported handles are ordinary ones again, but a driver does not
+    # export an imported handle (the H200 did not): nothing is held, the files carry it
+    files2 = Files(tmp_path / "again", 2)
+    r = files2.send(p.sock, "prepare 5000", write=True)
+    assert r["ok"] and r["held"] == 0, r
+    assert "nothing held through the checkpoint: exporting" in p.stderr()
+    r, held = ctl_recv(p.sock, "detach hold")
+    assert r == {"ok": True, "held": 0} and held == [], r
+    r = files2.send(p.sock, "resume", write=False)
+    assert r["ok"] and r["held"] is False, r
+    _intact(p, prog["mem"])
+    fds_back(p, before)
+
+    # and they free as any: cuMemFree of a served one, the program's own through its handle
+    mem = _gpu_mem(gpu, p)
+    big, _ = prog["mem"]["big"]
+    assert p.call(f"@free {big} dlsym")["rc"] == 0
+    own_ptr, own_size = prog["mem"]["own"]
+    assert p.call(f"@vmmfree {own_ptr} {prog['handle']} {own_size}")["rc"] == 0
+    assert _gpu_mem(gpu, p) == mem - 64 * MIB - own_size
+    assert p.status()["movable_allocations"] == 1
+    fds_back(p, before - 2)
+
+
+def test_a_held_resume_frees_like_any(gpu, probe, tmp_path):
+    """cuMemFree and the program's own release right after a held resume (the imported handle
+    is the allocation's now), and the GPU memory counted as before the prepare."""
+    p = probe(EXPORT)
+    prog, files, before, r = prepared(gpu, p, tmp_path)
+    r, held = ctl_recv(p.sock, "detach hold")
+    r = resume_with(p, files, f"resume held={MOVABLE}", held)
+    close_all(held)
+    assert r["ok"] and r["held"] is True, r
+    mem = _gpu_mem(gpu, p)
+    for name in ("big", "odd"):
+        assert p.call(f"@free {prog['mem'][name][0]} dlsym")["rc"] == 0, name
+    own_ptr, own_size = prog["mem"]["own"]
+    assert p.call(f"@retain {own_ptr}")["handle"] == prog["handle"]    # the value it knows
+    assert p.call(f"@release {prog['handle']}")["rc"] == 0
+    assert p.call(f"@vmmfree {own_ptr} {prog['handle']} {own_size}")["rc"] == 0
+    assert _gpu_mem(gpu, p) == mem - 64 * MIB - 4 * MIB - own_size
+    st = p.status()
+    assert (st["movable_allocations"], st["movable_bytes"]) == (0, 0)
+    fds_back(p, before - MOVABLE)                  # their handles are gone too
+
+
+def test_held_descriptors_closed_before_the_resume_copy_from_the_files(gpu, probe, tmp_path):
+    p = probe(EXPORT)
+    prog, files, before, r = prepared(gpu, p, tmp_path)
+    r, held = ctl_recv(p.sock, "detach hold")
+    assert r["held"] == MOVABLE
+    close_all(held)                                # the memory is gone with them
+    copies = gpu.copies(p.pid)
+    r = files.send(p.sock, "resume", write=False)
+    assert r["ok"] and r["held"] is False and r["bytes"] > 0, r
+    assert gpu.copies(p.pid)["htod"] > copies["htod"]
+    _intact(p, prog["mem"])
+    fds_back(p, before)
+
+
+@pytest.mark.parametrize("wrong", ["fewer", "duplicate", "swapped", "regular", "memfd"])
+def test_wrong_descriptors_are_refused_and_the_files_used(gpu, probe, tmp_path, wrong):
+    p = probe(EXPORT)
+    prog, files, before, r = prepared(gpu, p, tmp_path)
+    r, held = ctl_recv(p.sock, "detach hold")
+    assert r["held"] == MOVABLE
+    extra = []
+    if wrong == "fewer":
+        given = held[:-1]
+    elif wrong == "duplicate":
+        given = [held[0]] * MOVABLE
+    elif wrong == "swapped":
+        given = held[::-1]
+    elif wrong == "regular":
+        extra = [os.open(files.paths[0], os.O_RDONLY)]
+        given = [held[0], extra[0], held[2]]
+    else:                                          # another memory's descriptor, same size
+        extra = [os.memfd_create("fake-cuda-mem.0")]
+        os.ftruncate(extra[0], 64 * MIB)
+        given = [extra[0], *held[1:]]
+    copies = gpu.copies(p.pid)
+    r = resume_with(p, files, f"resume held={len(given)}", given)
+    close_all(held + extra)
+    assert r["ok"] and r["held"] is False, r
+    assert gpu.copies(p.pid)["htod"] > copies["htod"]
+    assert p.stderr().count("held memory not taken back") == 1, p.stderr()[-2000:]
+    _intact(p, prog["mem"])
+    fds_back(p, before)
+
+
+@pytest.mark.parametrize("call, how", [
+    ("cuMemImportFromShareableHandle", "1 {pid} after=1"),   # the second import
+    ("cuMemMap", "2 {pid} after=1 times=1")])                # the second one's mapping
+def test_a_refused_import_or_map_falls_back_to_the_files(gpu, probe, tmp_path, call, how):
+    """What was imported stays mapped and the copy writes the same bytes over it; an import
+    that could not be mapped is released again (the GPU's count says so)."""
+    p = probe(EXPORT)
+    prog = _program(p, "vmmfd")
+    mem = _gpu_mem(gpu, p)
+    files = Files(tmp_path / "data", 2)
+    before = nfds(p)
+    assert files.send(p.sock, "prepare 5000", write=True)["held"] == MOVABLE
+    r, held = ctl_recv(p.sock, "detach hold")
+    with failing(gpu, call, how.format(pid=p.pid)):
+        r = resume_with(p, files, f"resume held={MOVABLE}", held)
+    close_all(held)
+    assert r["ok"] and r["held"] is False, r
+    assert "held memory not taken back (taking back" in p.stderr()
+    _intact(p, prog["mem"])
+    st = p.status()
+    assert (st["movable_allocations"], st["moved_allocations"]) == (MOVABLE, 0)
+    # every handle counted once, as before the prepare: no import left unreleased
+    assert _gpu_mem(gpu, p) == mem
+    fds_back(p, before)
+
+
+def test_abort_and_a_resume_while_prepared_take_the_agents_own_held_memory(gpu, probe,
+                                                                           tmp_path):
+    p = probe(EXPORT)
+    prog, files, before, r = prepared(gpu, p, tmp_path)
+    copies = gpu.copies(p.pid)
+    r = p.ctl("abort")
+    assert r["ok"] and r["held"] is True, r
+    assert gpu.copies(p.pid) == copies
+    _intact(p, prog["mem"])
+    fds_back(p, before)
+    # prepared again from the imported handles: not exportable twice, so nothing held, and
+    # a fresh set of the program's own once copied back
+    r = Files(tmp_path / "two", 1).send(p.sock, "prepare", write=True)
+    assert r["ok"] and r["held"] == 0, r
+    assert p.ctl("abort")["held"] is False
+    _intact(p, prog["mem"])
+    fds_back(p, before)
+    # ... re-created exportable (the allocation's properties): the next prepare holds again
+    r = Files(tmp_path / "three", 1).send(p.sock, "prepare", write=True)
+    assert r["ok"] and r["held"] == MOVABLE, r
+    assert p.ctl("abort")["held"] is True
+    _intact(p, prog["mem"])
+    fds_back(p, before)
+
+
+def test_a_resume_with_the_files_while_prepared_takes_the_held_memory(gpu, probe, tmp_path):
+    p = probe(EXPORT)
+    prog, files, before, r = prepared(gpu, p, tmp_path)
+    copies = gpu.copies(p.pid)
+    r = files.send(p.sock, "resume", write=False)
+    assert r["ok"] and r["held"] is True, r
+    assert gpu.copies(p.pid) == copies
+    _intact(p, prog["mem"])
+    fds_back(p, before)
+
+
+def test_the_prepare_deadline_takes_the_held_memory_back(gpu, probe, tmp_path):
+    p = probe({**EXPORT, "TORPOR_AGENT_PREPARE_TIMEOUT_S": "1.5"})
+    prog, files, before, r = prepared(gpu, p, tmp_path)
+    assert r["held"] == MOVABLE
+    copies = gpu.copies(p.pid)
+    wait_for(lambda: p.status()["state"] == "running", timeout=15, what="the deadline resume")
+    assert gpu.copies(p.pid) == copies
+    assert "nothing copied" in p.stderr()
+    _intact(p, prog["mem"])
+    fds_back(p, before)
+
+
+def test_without_the_knob_nothing_is_held(gpu, probe, tmp_path):
+    p = probe()
+    prog, files, before, r = prepared(gpu, p, tmp_path)
+    assert r["held"] == 0, r
+    assert "nothing held" not in p.stderr()
+    r, held = ctl_recv(p.sock, "detach hold")
+    assert r == {"ok": True, "held": 0} and held == [], r
+    r = files.send(p.sock, "resume", write=False)
+    assert r["ok"] and r["held"] is False, r
+    _intact(p, prog["mem"])
+    fds_back(p, before)
+
+
+def test_a_program_allocation_not_exportable_holds_nothing(gpu, probe, tmp_path):
+    """All or nothing: the program's own cuMemCreate without POSIX descriptors is copied, so
+    everything is."""
+    p = probe(EXPORT)
+    prog, files, before, r = prepared(gpu, p, tmp_path, own="vmm")
+    assert r["held"] == 0, r
+    assert "is not exportable (the program's own" in p.stderr()
+    assert p.ctl("detach") == {"ok": True}
+    r = resume_with(p, files, "resume")
+    assert r["ok"] and r["held"] is False, r
+    _intact(p, prog["mem"])
+    fds_back(p, before)
+
+
+def test_a_driver_refusing_exportable_memory_is_asked_once(gpu, probe, tmp_path):
+    p = probe(EXPORT)
+    assert p.call("init dlsym")["rc"] == 0
+    with failing(gpu, "cuMemCreate", f"801 {p.pid} times=1"):
+        a = p.call(f"@alloc {16 * MIB} dlsym")
+    b = p.call(f"@alloc {16 * MIB} dlsym")
+    assert a["rc"] == 0 and b["rc"] == 0
+    assert p.status()["movable_allocations"] == 2     # still served from VMM
+    assert p.stderr().count("the driver refuses exportable VMM memory") == 1
+    assert p.call(f"@fill {a['ptr']} {16 * MIB} 3")["rc"] == 0
+    files = Files(tmp_path / "data", 1)
+    r = files.send(p.sock, "prepare", write=True)
+    assert r["ok"] and r["held"] == 0, r
+    assert files.send(p.sock, "resume", write=False)["ok"]
+    assert p.call(f"@check {a['ptr']} {16 * MIB} 3")["ok"]
+
+
+def test_a_client_gone_before_detach_hold_answers_holds_nothing(gpu, probe, tmp_path):
+    p = probe(EXPORT)
+    prog, files, before, r = prepared(gpu, p, tmp_path)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(str(p.sock))
+        s.sendall(b"detach hold\n")
+    wait_for(lambda: p.status()["state"] == "detached", timeout=10, what="the detach")
+    fds_back(p, before - MOVABLE)                  # sent or not, the agent kept none
+    r = files.send(p.sock, "resume", write=False)
+    assert r["ok"] and r["held"] is False, r
+    _intact(p, prog["mem"])
+    fds_back(p, before)
+
+
+def test_held_is_refused_when_malformed(gpu, probe, tmp_path):
+    p = probe(EXPORT)
+    prog, files, before, r = prepared(gpu, p, tmp_path)
+    for line in ("resume held=0", "resume held=x", "resume held=201", "detach keep"):
+        assert p.ctl(line)["error"] == "unknown command", line
+    r = resume_with(p, files, "resume held=9")           # 2 files, no held descriptors
+    assert r["ok"] is False and "held=N takes" in r["error"], r
+    assert p.status()["state"] == "prepared"
+    assert p.ctl("abort")["held"] is True
+    _intact(p, prog["mem"])
+    fds_back(p, before)
