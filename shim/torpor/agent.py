@@ -9,6 +9,8 @@ program, `<agent_dir>/agent-<nspid>.sock`, one command a line, one JSON object a
         a.prepare(fds, 10_000)   # movable GPU memory into the files (fds: empty, read-write)
         a.detach()               # the agent lets go of the files: the dump may come
         a.resume(fds)            # the memory back from the files (fds: read-only)
+        held = a.detach_hold()   # (after a prepare that says "held": N) the GPU memory's own
+        a.resume(fds, held=held) # descriptors held here through the dump: mapped back, no copy
         a.prepare([], 10_000)    # no files: into the program's own host memory (a suspend)
         a.resume()               # ... and back from there
 
@@ -38,6 +40,7 @@ log = logging.getLogger(__name__)
 DEFAULT_DIR = Path("/run/torpor/agents")
 REPLY_MAX = 1 << 20
 MAX_FILES = 16                       # what one `prepare` accepts
+HOLD_MAX = 200                       # held descriptors one `detach hold` may send (PROTOCOL.md)
 STATES = ("running", "prepared", "detached")
 LIBRARY = Path(__file__).resolve().parent / "_agent" / "libtorpor-agent.so"
 # How an agent older than `prepare ... host=N` (PROTOCOL.md) refuses it: its parser takes
@@ -52,6 +55,10 @@ class AgentError(TorporError):
     def __init__(self, message: str, *, refusal: str = "", **kw: Any):
         super().__init__(message, **kw)
         self.refusal = refusal
+
+
+class _Unheld(Exception):
+    """detach_hold: the agent's descriptors did not come as it said."""
 
 
 class NoAgentError(NotFoundError):
@@ -352,6 +359,9 @@ class AgentClient:
             raise AgentError("the agent did not keep the GPU memory in the program as asked "
                              "(an agent older than in-memory prepares?)")
         out["in_memory"] = not files
+        held = reply.get("held", 0)   # descriptors detach_hold() can take (0: an older agent)
+        out["held"] = held if isinstance(held, int) and not isinstance(held, bool) and \
+            0 <= held <= HOLD_MAX and files else 0
         if fp:
             f = reply.get("fingerprints")
             if not isinstance(f, dict):
@@ -385,17 +395,81 @@ class AgentClient:
         """The agent closes the prepare's fds (the CRIU dump comes next)."""
         return self.call("detach")
 
-    def resume(self, files: Sequence[int] | None = None, timeout: float | None = None
-               ) -> dict[str, Any]:
+    def detach_hold(self, timeout: float | None = None) -> list[int]:
+        """detach(), and the agent hands over the descriptors of the GPU memory it exported
+        in its prepare (the prepare's "held": N; PROTOCOL.md): while the caller holds them the
+        memory stays on the GPU through the driver's checkpoint, and resume(held=...) maps it
+        back instead of copying the files back. Returns them (the caller closes them, which
+        frees the memory); [] when the agent sent none or not as many as it said (those that
+        came are closed: the resume then copies from the files, as after detach())."""
+        if self._buf:
+            raise AgentError(f"the agent at {self.path} sent more than it was asked")
+        if timeout is not None:
+            self.sock.settimeout(timeout)
+        fds: list[int] = []
+        try:
+            self.sock.sendall(b"detach hold\n")
+            while b"\n" not in self._buf:
+                data, got, flags, _ = socket.recv_fds(self.sock, 65536, HOLD_MAX + 1)
+                fds.extend(got)
+                if not data:
+                    raise AgentError(f"the agent at {self.path} hung up on 'detach hold'")
+                if flags & socket.MSG_CTRUNC:
+                    raise AgentError(f"the agent at {self.path} sent more descriptors than "
+                                     f"{HOLD_MAX}")
+                self._buf += data
+                if len(self._buf) > REPLY_MAX:
+                    raise AgentError(f"the agent at {self.path} sent an oversized reply")
+            raw, _, self._buf = self._buf.partition(b"\n")
+            try:
+                reply = loads_json(raw)
+            except ValueError as e:
+                raise AgentError(f"the agent at {self.path} sent a non-JSON reply: "
+                                 f"{raw[:200]!r}") from e
+            if not isinstance(reply, dict) or reply.get("ok") is not True:
+                error = reply.get("error") if isinstance(reply, dict) else reply
+                raise AgentError(f"agent 'detach hold': {error}", refusal=str(error))
+            held = reply.get("held", 0)
+            if not isinstance(held, int) or isinstance(held, bool) or held != len(fds):
+                log.warning("the agent at %s said it held %r descriptors and sent %d: none "
+                            "kept (its resume copies from the files)", self.path, held, len(fds))
+                raise _Unheld
+        except _Unheld:
+            for fd in fds:
+                os.close(fd)
+            return []
+        except socket.timeout as e:
+            for fd in fds:
+                os.close(fd)
+            raise AgentError(f"the agent at {self.path} did not answer 'detach hold' within "
+                             f"{self.sock.gettimeout():.0f} s") from e
+        except BaseException as e:
+            for fd in fds:
+                os.close(fd)
+            if isinstance(e, OSError):
+                raise AgentError(f"agent at {self.path}: {e}") from e
+            raise
+        return fds
+
+    def resume(self, files: Sequence[int] | None = None, timeout: float | None = None,
+               held: Sequence[int] = ()) -> dict[str, Any]:
         """The memory back from files (the prepare's files, same order, read-only; None while
         the agent still holds the prepare's fds), checksums verified, gate open.
-        Returns {"bytes", "seconds"}. On failure the memory stays out (retry with good files)."""
+        held: the descriptors detach_hold() returned, in its order: the agent maps that memory
+        back instead of copying (it checks each is the one it sent; any doubt and it copies
+        from the files instead). The caller still closes them after.
+        Returns {"bytes", "seconds", "held" (mapped back, not copied)}. On failure the memory
+        stays out (retry with good files)."""
         fds = list(files or ())
         if len(fds) > MAX_FILES:
             raise ValueError(f"resume takes at most {MAX_FILES} files")
-        reply = self.call("resume", fds, timeout)
+        if len(held) > HOLD_MAX or (held and not fds):
+            raise ValueError(f"resume takes at most {HOLD_MAX} held descriptors, after the files")
+        line = f"resume held={len(held)}" if held else "resume"
+        reply = self.call(line, [*fds, *held], timeout)
         return _with_phases({"bytes": _int(reply, "bytes", "resume"),
                              "seconds": _number(reply, "seconds", "resume"),
+                             "held": reply.get("held") is True,
                              **_zeros(reply)}, reply)
 
     def resume_stream(self, stream: Sequence[int], timeout: float | None = None

@@ -91,6 +91,13 @@ class FakeAgent:
         self.before_host_budget = False        # an agent preloaded before host=N existed
         self.sums: list[str] = []
         self.sizes: list[int] = []             # the data files' sizes at the prepare
+        # held GPU memory (agent/PROTOCOL.md, TORPOR_AGENT_VMM_EXPORT=1): export=N cuts the
+        # memory into N "allocations", each a memfd the prepare keeps and `detach hold` sends
+        self.export = 0
+        self.exported: list[int] = []          # the memfds, while the agent has them
+        self.exported_ids: list[tuple[int, int]] = []   # (st_dev, st_ino) of each, as sent
+        self.resumed_held: bool | None = None  # the last resume: mapped back (True) or copied
+        self._out_fds: list[int] = []          # sent with the next reply, then closed
         self.fail: dict[str, str] = {}
         self.raw: dict[str, bytes] = {}
         self.hang: set[str] = set()
@@ -149,7 +156,19 @@ class FakeAgent:
                             buf = b""
                             self._drain(conn)
                             break
-                        conn.sendall(reply)
+                        if self._out_fds:
+                            out, self._out_fds = self._out_fds, []
+                            try:
+                                sent = socket.send_fds(conn, [reply], out)
+                                if sent < len(reply):
+                                    conn.sendall(reply[sent:])
+                            except OSError:   # the client went: nothing is held
+                                pass
+                            finally:
+                                for fd in out:
+                                    os.close(fd)
+                        else:
+                            conn.sendall(reply)
                 for fd in fds:
                     os.close(fd)
 
@@ -303,12 +322,13 @@ class FakeAgent:
         finally:
             for fd in stream:
                 os.close(fd)
+        held = self._export() if fds and self.export else 0
         self.kept, self.memory = list(fds), None
         self.state, self.gate = "prepared", "closed"
         self.sizes = [os.fstat(fd).st_size for fd in fds]
         return {"ok": True, "bytes": len(self.original), "chunks": len(self.sums),
                 "allocations": 1, "cache_released": 0, "seconds": time.monotonic() - t,
-                "in_memory": not fds, "files": list(self.sizes),
+                "in_memory": not fds, "files": list(self.sizes), "held": held,
                 **({"fingerprints": fingerprints} if fingerprints else {}),
                 **({"streamed": True} if stream else {})}
 
@@ -357,18 +377,73 @@ class FakeAgent:
         assert not missing, f"the image store's stream ended {missing} part(s) short"
         return content
 
+    def _export(self) -> int:
+        """The memory as self.export memfds (the GPU's, held by their descriptors)."""
+        assert self.memory is not None
+        n = self.export
+        step = -(-len(self.memory) // n)
+        for k in range(n):
+            fd = os.memfd_create(f"fake-held-{k}", os.MFD_CLOEXEC)
+            os.pwrite(fd, self.memory[k * step:(k + 1) * step], 0)
+            st = os.fstat(fd)
+            self.exported.append(fd)
+            self.exported_ids.append((st.st_dev, st.st_ino))
+        return n
+
+    def _drop_exported(self) -> None:
+        for fd in self.exported:
+            os.close(fd)
+        self.exported = []
+
     def _do_detach(self, arg: str, fds: list[int]) -> dict[str, Any]:
         assert self.state == "prepared", f"detach while {self.state}"
+        assert arg in ("", "hold"), f"detach {arg}"
         for fd in self.kept:
             os.close(fd)
         self.kept, self.state = [], "detached"
-        return {"ok": True}
+        if arg == "hold" and self.exported:
+            self._out_fds, self.exported = self.exported, []   # sent, then the agent's closed
+            return {"ok": True, "held": len(self._out_fds)}
+        self._drop_exported()
+        return {"ok": True, **({"held": 0} if arg == "hold" else {})}
+
+    def _take_held(self, held: list[int]) -> bytes | None:
+        """The memory from the held descriptors (agent/PROTOCOL.md `resume held=N`), or None
+        (not the ones it sent: the resume copies from the files)."""
+        ids = [(st.st_dev, st.st_ino) for st in map(os.fstat, held)]
+        if not held or ids != self.exported_ids:
+            self.log.add(f"agent held-refused {self.pid}")
+            return None
+        return b"".join(os.pread(fd, os.fstat(fd).st_size, 0) for fd in held)
 
     def _do_resume(self, arg: str, fds: list[int]) -> dict[str, Any]:
         t = time.monotonic()
         streamed: list[bytearray] | None = None
+        back: bytes | None = None
         try:
             assert self.state in ("prepared", "detached"), f"resume while {self.state}"
+            if arg.startswith("held="):
+                n = int(arg[5:])
+                assert 1 <= n <= len(fds), f"held={n} with {len(fds)} descriptors"
+                held, fds = fds[-n:], fds[:-n]
+                try:
+                    back = self._take_held(held)
+                finally:
+                    for fd in held:
+                        os.close(fd)
+                arg = ""
+            elif self.exported and self.state == "prepared":   # its own, still held
+                back = self._take_held(self.exported)
+            self._drop_exported()
+            self.resumed_held = back is not None
+            if back is not None:   # mapped back: the files are not read
+                self.log.add(f"agent resume-held {self.pid}")
+                self.memory, self.held = back, None
+                for fd in [*fds, *self.kept]:
+                    os.close(fd)
+                fds, self.kept = [], []
+                self.state, self.gate = "running", "open"
+                return {"ok": True, "bytes": 0, "seconds": time.monotonic() - t, "held": True}
             if self.driver is not None:
                 assert self.driver.unlocked(self.pid), "the driver holds the program (would block)"
             if arg == "stream":
@@ -401,7 +476,7 @@ class FakeAgent:
             os.close(fd)
         self.kept, self.memory, self.held = [], bytes(out), None
         self.state, self.gate = "running", "open"
-        return {"ok": True, "bytes": len(out), "seconds": time.monotonic() - t,
+        return {"ok": True, "bytes": len(out), "seconds": time.monotonic() - t, "held": False,
                 **({"streamed": True} if streamed is not None else {})}
 
     def _do_abort(self, arg: str, fds: list[int]) -> dict[str, Any]:

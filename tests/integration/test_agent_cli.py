@@ -247,3 +247,53 @@ def test_the_real_agent_through_checkpoint_and_restore(torpor, gpu, tmp_path, re
         st = a.status()
     assert (st["state"], st["gate"]) == ("running", "open")
     assert gpu.state(proc.pid)["state"] == 0
+
+
+def test_the_real_agent_holds_its_memory_through_a_leave_running_checkpoint(torpor, gpu,
+                                                                             tmp_path, reaper):
+    """A program started with TORPOR_AGENT_VMM_EXPORT=1: `torpor checkpoint --leave-running`
+    takes its allocations' descriptors at detach and the resume maps them back (the agent's
+    log says nothing was copied); the checkpoint still holds every byte (its restore, after
+    the program is killed, brings them back from the files)."""
+    from tests.fakes.fakegpu import PROGRAM
+    agents = tmp_path / "agents"
+    status = tmp_path / "status.json"
+    torpor.env["TORPOR_AGENT_DIR"] = str(agents)
+    plog = tmp_path / "program.log"
+    log = open(plog, "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "torpor.cli.main", "run", "--",
+                             sys.executable, str(PROGRAM), "--mem", str(64 << 20),
+                             "--status", str(status), "--lib", gpu.libcuda,
+                             "--fill", f"0:{64 << 20}"],
+                            env={**torpor.env, "TORPOR_AGENT_VMM_EXPORT": "1",
+                                 "TORPOR_AGENT_LOG_LEVEL": "20"},
+                            stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                            start_new_session=True)
+    log.close()
+    reaper.append(proc.pid)
+    wait_for(lambda: status.exists() and (agents / f"agent-{proc.pid}.sock").exists(), 20,
+             "the program under the agent")
+    with AgentClient.for_pid(proc.pid, agents) as a:
+        st = a.status()
+    if not st.get("movable_bytes"):
+        pytest.skip("the fake driver serves no VMM memory: nothing for the agent to move")
+    images = tmp_path / "ck"
+    r = torpor.run("checkpoint", str(proc.pid), "-D", str(images), "--leave-running")
+    assert r.returncode == 0, r.stderr
+    assert "held on the GPU through the dump" in r.stdout + r.stderr
+    text = plog.read_text(errors="replace")
+    assert "held on the GPU by their descriptors" in text, text[-3000:]
+    assert "nothing copied" in text and "not taken back" not in text, text[-3000:]
+    assert torpor.json("inspect", str(images), "--verify")["verified"]
+    tick = json.loads(status.read_text())["tick"]
+    wait_for(lambda: json.loads(status.read_text() or "{}").get("tick", 0) > tick + 2, 10,
+             "the program ticking on")
+    with AgentClient.for_pid(proc.pid, agents) as a:
+        st = a.status()
+    assert (st["state"], st["gate"]) == ("running", "open")
+    # the checkpoint stands on its own: every byte is in its data files (their restore is
+    # test_the_real_agent_through_checkpoint_and_restore's; this program's log, open in it,
+    # grew since, which CRIU would refuse)
+    m = json.loads((images / "torpor.json").read_text())
+    entry = m["agent"][str(proc.pid)]
+    assert entry["bytes"] == 64 << 20 and sum(entry["files"]) >= 64 << 20, entry

@@ -827,3 +827,93 @@ def test_no_agent_prepares_unless_the_journal_on_disk_names_it(world, monkeypatc
     assert not any(e.startswith("agent prepare") or e.startswith("driver lock")
                    for e in world.log())
     assert world.agent.intact
+
+
+# -- held GPU memory (agent/PROTOCOL.md `detach hold`, `resume held=N`) ---------------------------
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_leave_running_holds_the_memory_through_the_dump_and_maps_it_back(world, fake_criu):
+    """A program whose agent exported its memory (TORPOR_AGENT_VMM_EXPORT=1): torpor takes the
+    descriptors at detach, keeps them through the driver's checkpoint and the dump, and the
+    resume maps them back: the data files are not read, and no descriptor is left open."""
+    world.agent.export = 3
+    before = _open_fds()
+    m = process.checkpoint(world.engine(), PID, world.tmp / "ckpt", leave_running=True)
+    log = world.log()
+    assert log[log.index("agent prepare"):] == [
+        "agent prepare", "agent detach", "driver lock", "driver checkpoint", "criu dump",
+        "driver restore", "driver unlock", "agent status", "agent resume", "agent resume-held"]
+    assert world.agent.intact and world.agent.resumed_held is True
+    assert "held on the GPU through the dump" in world.out.getvalue()
+    # the checkpoint itself has every byte: written out from the staged files as before
+    assert sum(m["files"][r]["size"] for r in agent_data.rel_paths(PID, 3)) == \
+        len(world.agent.original)
+    assert "held" not in m["agent"][str(PID)]     # this operation's, not the checkpoint's
+    manifest.verify(world.tmp / "ckpt", manifest.read(world.tmp / "ckpt"))
+    assert _open_fds() == before
+
+
+def test_a_checkpoint_that_ends_the_program_holds_nothing(world, fake_criu):
+    world.agent.export = 2
+    before = _open_fds()
+    process.checkpoint(world.engine(), PID, world.tmp / "ckpt")
+    assert "agent detach" in world.log() and world.agent.exported == []
+    assert world.agent.resumed_held is None and _open_fds() == before
+
+
+def test_a_suspend_holds_nothing(world):
+    """A suspend frees the GPU: its memory is never held."""
+    world.agent.export = 2
+    process.suspend(world.engine(), PID)
+    assert world.agent.exported == [] and world.agent.state == "detached"
+    process.resume(world.engine(), PID)
+    assert world.agent.intact and world.agent.resumed_held is False
+
+
+def test_a_failed_dump_rolls_back_through_the_held_memory(world, fake_criu):
+    world.agent.export = 2
+    fake_criu["dump"] = True
+    before = _open_fds()
+    with pytest.raises(RolledBackError, match="dump failed"):
+        process.checkpoint(world.engine(), PID, world.tmp / "ckpt", leave_running=True)
+    assert world.log()[-2:] == ["agent resume", "agent resume-held"]
+    assert world.agent.intact and _open_fds() == before
+
+
+def test_held_memory_the_agent_does_not_recognise_is_copied_back_from_the_files(world,
+                                                                               fake_criu):
+    world.agent.export = 2
+    real_export = world.agent._export
+
+    def export() -> int:   # the agent recorded other files than it sends
+        n = real_export()
+        world.agent.exported_ids = [(0, 0)] * n
+        return n
+
+    world.agent._export = export
+    before = _open_fds()
+    process.checkpoint(world.engine(), PID, world.tmp / "ckpt", leave_running=True)
+    log = world.log()
+    assert "agent held-refused" in log and "agent resume-held" not in log
+    assert world.agent.intact and world.agent.resumed_held is False
+    assert _open_fds() == before
+
+
+def test_an_agent_that_sends_fewer_descriptors_than_it_said_is_resumed_from_the_files(
+        world, fake_criu):
+    world.agent.export = 2
+    real_detach = world.agent._do_detach
+
+    def detach(arg, fds):   # says 2, sends 1
+        reply = real_detach(arg, fds)
+        os.close(world.agent._out_fds.pop())
+        return reply
+
+    world.agent._do_detach = detach
+    before = _open_fds()
+    process.checkpoint(world.engine(), PID, world.tmp / "ckpt", leave_running=True)
+    assert world.agent.intact and world.agent.resumed_held is False
+    assert _open_fds() == before

@@ -82,6 +82,10 @@ class Engine(AgentMoves, Recovery):
         self.cfg = cfg
         self.progress = progress or Progress(stream=None)
         self.journal = Journal(cfg)
+        # pid -> descriptors of its GPU memory that its agent handed over at detach (a
+        # lock_and_checkpoint with hold=True): that program's resume maps them back instead
+        # of copying; whatever is left when the operation ends is closed (release_held)
+        self._held: dict[int, list[int]] = {}
 
     # -- the driver -------------------------------------------------------------------------
     @property
@@ -117,7 +121,8 @@ class Engine(AgentMoves, Recovery):
                             scratch: bool = False,
                             known_fingerprints: Collection[str] | None = None,
                             owner: str = "", stream_into: Store | None = None,
-                            host: HostMemory | None = None) -> dict[int, dict[str, Any]]:
+                            host: HostMemory | None = None, hold: bool = False
+                            ) -> dict[int, dict[str, Any]]:
         """RUNNING -> CHECKPOINTED for every pid; on any failure all are rolled back first.
 
         data: where the agents of the pids that have one (a socket in agent_dir, default
@@ -131,7 +136,12 @@ class Engine(AgentMoves, Recovery):
         host memory the GPU memory may take (suspend): checked once the agents are probed
         (_host_budgets), HostMemoryError before anything is locked or moved (op closed);
         an agent whose data needs more than its share refuses its prepare before copying,
-        and everything rolls back.
+        and everything rolls back. hold: the program resumes in this operation (a
+        --leave-running checkpoint): where its agent exported its GPU memory (a program
+        started with TORPOR_AGENT_VMM_EXPORT=1, docs/agent.md), torpor keeps the descriptors
+        through the driver's checkpoint and the dump, and the resume maps that memory back
+        instead of copying the files back (never for a suspend: the memory would stay on the
+        GPU).
         Returns what each agent moved: pid -> {"nspid", "bytes", "chunks", "allocations",
         "cache_released", "seconds", "files"} (torpor.json's "agent")."""
         if not pids:
@@ -153,7 +163,7 @@ class Engine(AgentMoves, Recovery):
             budgets = self._host_budgets(pids, sockets, host)
             if sockets and data is not None:
                 moved = self._prepare_agents(op, sockets, data, scratch, known_fingerprints,
-                                             owner, stream_into, budgets)
+                                             owner, stream_into, budgets, hold=hold)
             op.phase("lock")
             op.require_journalled(pids)   # durable, on disk, before the first lock
             with self.progress.phase("lock", n):
@@ -251,6 +261,7 @@ class Engine(AgentMoves, Recovery):
             raise TorporError(f"{during} failed ({_describe(error)}) and rollback failed: "
                               + "; ".join(problems),
                               hint="run 'torpor ps' and 'torpor resume PID'") from error
+        self.release_held()
         if op.entry.data_root:
             agent_data.DataDir(Path(op.entry.data_root)).remove()
         op.close()

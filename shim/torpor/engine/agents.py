@@ -111,6 +111,12 @@ def restore_targets(entries: Mapping[int, Mapping[str, Any]], data: Path,
     return out
 
 
+def _close_all(fds: list[int]) -> None:
+    """Close fds and empty the list (a second call closes nothing)."""
+    while fds:
+        os.close(fds.pop())
+
+
 def _rate(nbytes: int, seconds: float) -> str:
     return f"{human_bytes(nbytes)} in {seconds:.2f} s ({human_rate(nbytes, seconds)})"
 
@@ -119,6 +125,8 @@ def _rate(nbytes: int, seconds: float) -> str:
 class AgentMoves:
     """Engine's agent steps: probe, prepare, resume (from files, host memory or the store's
     stream), and the agents' share of a rollback."""
+
+    _held: dict[int, list[int]]   # Engine.__init__: descriptors taken at detach, by pid
 
     def agent_sockets(self, pids: Iterable[int], agent_dir: Path | None = None) -> dict[int, Path]:
         """pid -> its agent's socket, for the pids whose program runs under the agent."""
@@ -172,10 +180,11 @@ class AgentMoves:
                         data: agent_data.DataDir | agent_data.InProcess, scratch: bool,
                         known: Collection[str] | None = None, owner: str = "",
                         stream_into: Store | None = None,
-                        budgets: Mapping[int, int | None] | None = None
+                        budgets: Mapping[int, int | None] | None = None, hold: bool = False
                         ) -> dict[int, dict[str, Any]]:
         """Each agent in sockets (probed: _probe) moves its program's memory into data;
-        budgets: the host memory each one's data may take (Engine._host_budgets)."""
+        budgets: the host memory each one's data may take (Engine._host_budgets); hold: the
+        descriptors of the memory those agents exported are taken at detach (self._held)."""
         op.phase("agent-prepare")
         in_process = isinstance(data, agent_data.InProcess)
         count = 0 if in_process else agent_data.file_count(self.cfg)
@@ -253,12 +262,26 @@ class AgentMoves:
         self.progress.say(f"  agent-prepare: {_rate(total, time.monotonic() - start)}")
         op.phase("agent-detach")
         for pid in sorted(targets):
+            held = moved[pid].pop("held", 0)   # not the checkpoint's: this operation's
             try:
                 with self._client(targets[pid], STATUS_TIMEOUT_S) as a:
-                    a.detach()
+                    if hold and held:
+                        self._held[pid] = a.detach_hold(STATUS_TIMEOUT_S)
+                    else:
+                        a.detach()
             except TorporError as e:
                 raise AgentError(f"PID {pid}: {e}", exit_code=e.exit_code) from e
+        if self._held:
+            n = sum(map(len, self._held.values()))
+            self.progress.say(f"  agent-detach: {n} allocation(s) of GPU memory held on the "
+                              "GPU through the dump (mapped back, not copied, at resume)")
         return moved
+
+    def release_held(self, pids: Iterable[int] | None = None) -> None:
+        """Close the held descriptors of pids (all: None): the memory they kept on the GPU is
+        freed unless its program mapped it back."""
+        for pid in list(self._held) if pids is None else list(pids):
+            _close_all(self._held.pop(pid, []))
 
     def _host_shares(self, sockets: Mapping[int, Path], budget: int | None
                      ) -> dict[int, int | None]:
@@ -287,15 +310,25 @@ class AgentMoves:
         the parts its agent skipped are filled from the image store first (a rollback of the
         checkpoint that skipped them); otherwise data with skipped parts is refused: an index
         from an archive must not make this host's store hand out what it holds."""
+        held = self._held.pop(t.pid, [])
+        try:
+            return self._resume_one_with(t, fill, held)
+        finally:
+            _close_all(held)   # mapped back by the agent's own import, or no longer wanted
+
+    def _resume_one_with(self, t: AgentTarget, fill: bool, held: list[int]) -> dict[str, Any]:
         with self._client(t, STATUS_TIMEOUT_S) as a:
             if a.state() == "running":
                 return {"bytes": 0, "seconds": 0.0}
+            if not t.files or t.packed:
+                _close_all(held)   # before a resume that copies: never the memory twice
             if t.in_process:
                 return a.resume(None, self.cfg.agent_timeout_s)
             if t.packed:
                 return self._resume_streamed(a, t, self._packed_sources(t))
             data = agent_data.DataDir(t.data)
             if fill and (data.path(t.name) / agent_data.STREAMED).exists():
+                _close_all(held)
                 return self._resume_streamed(a, t, self._own_sources(t))
             if fill:
                 self._fill_skipped(t)
@@ -306,7 +339,7 @@ class AgentMoves:
                     "them in (its pack, or its rollback): refused")
             fds = agent_data.DataDir(t.data).for_resume(t.name, t.files)
             try:
-                return a.resume(fds, self.cfg.agent_timeout_s)
+                return a.resume(fds, self.cfg.agent_timeout_s, held=held)
             finally:
                 for fd in fds:
                     os.close(fd)
