@@ -54,6 +54,9 @@ VARIANTS: dict[str, dict] = {
     "default": {},
     # staging a part (4 MiB) at a time is the default since the sweep of 2026-12-05 (resume
     # 47-49 GB/s against 31-34 with chunks at 16 GiB); a chunk (32 MiB) at a time was before
+    # held memory: a --leave-running checkpoint maps the memory back instead of copying it
+    # (agent/PROTOCOL.md "Held memory"); suspends and resumes as default's
+    "hold": {"TORPOR_AGENT_VMM_EXPORT": "1"},
     "stage-chunk": {"TORPOR_AGENT_MOVER_STAGE": "chunk"},
     "stage-part": {"TORPOR_AGENT_MOVER_STAGE": "part"},
     "stage-part-buffers4": {"TORPOR_AGENT_MOVER_STAGE": "part", "TORPOR_AGENT_MOVER_BUFFERS": "4"},
@@ -233,7 +236,8 @@ class Sweep:
             row["ready_s"] = round(time.perf_counter() - t, 2)
             prog.wait_step(nwin + 1)         # every slice summed once before anything moves
             log = prog.log.read_text(errors="replace")
-            row["agent_tuned_line"] = next((ln for ln in log.splitlines() if "tuned:" in ln), "")
+            row["agent_tuned_line"] = next((ln for ln in log.splitlines() if "tuned:" in ln
+                                            or "created exportable" in ln), "")
             if env and not row["agent_tuned_line"]:
                 row["warning"] = "no 'tuned:' line in the program's log: the agent did not " \
                                  "take the variant"
