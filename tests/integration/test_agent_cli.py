@@ -194,14 +194,11 @@ def test_a_suspend_dir_a_user_made_first_does_not_stop_suspends(env, program, tm
             subprocess.run(["umount", str(shm / "torpor")], check=True)
 
 
-@pytest.mark.parametrize("store", [False, True], ids=["files", "store"])
-def test_the_real_agent_through_checkpoint_and_restore(torpor, gpu, tmp_path, reaper, store):
-    """`torpor run` preloads libtorpor-agent.so into the fake CUDA program; its 64 MiB
-    allocation is movable: the checkpoint has the agent write it into the images, the restore
-    has it read back, and the program goes on ticking. Into the image store (--store), the
-    agent streams it straight into the store, and back from there (store/stream.py). Skipped
-    with an agent library that predates prepare (no "state" in its status), or a fake driver
-    without the VMM API."""
+def _under_the_agent(torpor, gpu, tmp_path: Path, reaper, env: dict | None = None
+                     ) -> tuple[subprocess.Popen, Path, Path]:
+    """The fake CUDA program with 64 MiB of data under `torpor run` (the C agent preloaded),
+    its agent answering: (the process, its status file, its agents directory). Skips with an
+    agent library that predates prepare, or a fake driver without the VMM API."""
     from tests.fakes.fakegpu import PROGRAM
     agents = tmp_path / "agents"
     status = tmp_path / "status.json"
@@ -211,8 +208,8 @@ def test_the_real_agent_through_checkpoint_and_restore(torpor, gpu, tmp_path, re
                              sys.executable, str(PROGRAM), "--mem", str(64 << 20),
                              "--status", str(status), "--lib", gpu.libcuda,
                              "--fill", f"0:{64 << 20}"],   # data: zeros would not move
-                            env=torpor.env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                            start_new_session=True)
+                            env={**torpor.env, **(env or {})}, stdin=subprocess.DEVNULL,
+                            stdout=log, stderr=log, start_new_session=True)
     log.close()
     reaper.append(proc.pid)
     wait_for(lambda: status.exists() and (agents / f"agent-{proc.pid}.sock").exists(), 20,
@@ -223,6 +220,18 @@ def test_the_real_agent_through_checkpoint_and_restore(torpor, gpu, tmp_path, re
         pytest.skip("the agent library predates prepare")
     if not st.get("movable_bytes"):
         pytest.skip("the fake driver serves no VMM memory: nothing for the agent to move")
+    return proc, status, agents
+
+
+@pytest.mark.parametrize("store", [False, True], ids=["files", "store"])
+def test_the_real_agent_through_checkpoint_and_restore(torpor, gpu, tmp_path, reaper, store):
+    """`torpor run` preloads libtorpor-agent.so into the fake CUDA program; its 64 MiB
+    allocation is movable: the checkpoint has the agent write it into the images, the restore
+    has it read back, and the program goes on ticking. Into the image store (--store), the
+    agent streams it straight into the store, and back from there (store/stream.py). Skipped
+    with an agent library that predates prepare (no "state" in its status), or a fake driver
+    without the VMM API."""
+    proc, status, agents = _under_the_agent(torpor, gpu, tmp_path, reaper)
     images = tmp_path / "ck"
     torpor.env["TORPOR_STORE_DIR"] = str(tmp_path / "store")
     ck = torpor.json("checkpoint", str(proc.pid), "-D", str(images),
@@ -253,30 +262,10 @@ def test_the_real_agent_holds_its_memory_through_a_leave_running_checkpoint(torp
                                                                              tmp_path, reaper):
     """A program started with TORPOR_AGENT_VMM_EXPORT=1: `torpor checkpoint --leave-running`
     takes its allocations' descriptors at detach and the resume maps them back (the agent's
-    log says nothing was copied); the checkpoint still holds every byte (its restore, after
-    the program is killed, brings them back from the files)."""
-    from tests.fakes.fakegpu import PROGRAM
-    agents = tmp_path / "agents"
-    status = tmp_path / "status.json"
-    torpor.env["TORPOR_AGENT_DIR"] = str(agents)
+    log says nothing was copied); the checkpoint still holds every byte, in its data files."""
     plog = tmp_path / "program.log"
-    log = open(plog, "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "torpor.cli.main", "run", "--",
-                             sys.executable, str(PROGRAM), "--mem", str(64 << 20),
-                             "--status", str(status), "--lib", gpu.libcuda,
-                             "--fill", f"0:{64 << 20}"],
-                            env={**torpor.env, "TORPOR_AGENT_VMM_EXPORT": "1",
-                                 "TORPOR_AGENT_LOG_LEVEL": "20"},
-                            stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                            start_new_session=True)
-    log.close()
-    reaper.append(proc.pid)
-    wait_for(lambda: status.exists() and (agents / f"agent-{proc.pid}.sock").exists(), 20,
-             "the program under the agent")
-    with AgentClient.for_pid(proc.pid, agents) as a:
-        st = a.status()
-    if not st.get("movable_bytes"):
-        pytest.skip("the fake driver serves no VMM memory: nothing for the agent to move")
+    proc, status, agents = _under_the_agent(torpor, gpu, tmp_path, reaper, {
+        "TORPOR_AGENT_VMM_EXPORT": "1", "TORPOR_AGENT_LOG_LEVEL": "20"})
     images = tmp_path / "ck"
     r = torpor.run("checkpoint", str(proc.pid), "-D", str(images), "--leave-running")
     assert r.returncode == 0, r.stderr
