@@ -1660,6 +1660,31 @@ static int dirty(const char *dir, int fd, size_t size)
     return 0;
 }
 
+/* h into the handle table, its id in *handle: the table's new array, or NULL (out of memory) */
+static fk_handle **handle_add(fk_handle *h, CUmemGenericAllocationHandle *handle)
+{
+    fk_handle **a;
+    pthread_rwlock_wrlock(&g_mem);
+    if ((a = grow(g_handles, g_nhandles, &g_handles_cap, sizeof *a))) {
+        g_handles = a;
+        g_handles[g_nhandles++] = h;
+        h->id = g_next_handle++;
+        *handle = h->id;
+    }
+    pthread_rwlock_unlock(&g_mem);
+    return a;
+}
+
+/* A handle that could not be made: its memfd and the GPU memory charged for it given back */
+static CUresult handle_failed(fk_handle *h, fk_call *c, size_t size)
+{
+    if (h && h->fd >= 0)
+        close(h->fd);
+    free(h);
+    refund(c->dir, c->key, size);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+}
+
 EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
                             const CUmemAllocationProp *prop, unsigned long long flags)
 {
@@ -1679,25 +1704,10 @@ EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
         h->size = size;
         h->prop = *prop;
         h->refs = 1;
-        if (h->fd >= 0 && ftruncate(h->fd, (off_t)size) == 0 && dirty(c.dir, h->fd, size) == 0) {
-            pthread_rwlock_wrlock(&g_mem);
-            if ((a = grow(g_handles, g_nhandles, &g_handles_cap, sizeof *a))) {
-                g_handles = a;
-                g_handles[g_nhandles++] = h;
-                h->id = g_next_handle++;
-                *handle = h->id;
-            }
-            pthread_rwlock_unlock(&g_mem);
-        }
+        if (h->fd >= 0 && ftruncate(h->fd, (off_t)size) == 0 && dirty(c.dir, h->fd, size) == 0)
+            a = handle_add(h, handle);
     }
-    if (!a) {
-        if (h && h->fd >= 0)
-            close(h->fd);
-        free(h);
-        refund(c.dir, c.key, size);
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    return CUDA_SUCCESS;
+    return a ? CUDA_SUCCESS : handle_failed(h, &c, size);
 }
 
 /* Drops one reference; the memory goes once none is left and nothing maps it. */
@@ -1960,25 +1970,10 @@ EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *han
         h->prop.location.id = dev;
         h->refs = 1;
         h->imported = 1;
-        if (h->fd >= 0) {
-            pthread_rwlock_wrlock(&g_mem);
-            if ((a = grow(g_handles, g_nhandles, &g_handles_cap, sizeof *a))) {
-                g_handles = a;
-                g_handles[g_nhandles++] = h;
-                h->id = g_next_handle++;
-                *handle = h->id;
-            }
-            pthread_rwlock_unlock(&g_mem);
-        }
+        if (h->fd >= 0)
+            a = handle_add(h, handle);
     }
-    if (!a) {
-        if (h && h->fd >= 0)
-            close(h->fd);
-        free(h);
-        refund(c.dir, c.key, (size_t)st.st_size);
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    return CUDA_SUCCESS;
+    return a ? CUDA_SUCCESS : handle_failed(h, &c, (size_t)st.st_size);
 }
 
 /* -- streams and events --------------------------------------------------------------------- */

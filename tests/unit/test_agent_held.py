@@ -9,7 +9,6 @@ are the handles' memfds: the memory lives while one is open.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
@@ -19,29 +18,11 @@ import pytest
 
 from tests.integration.conftest import wait_for
 from tests.unit.test_agent import Probe, gpu, probe  # noqa: F401  (fixtures)
-from tests.unit.test_agent_mover import MIB, Files, _gpu_mem, _intact, _program, failing
+from tests.unit.test_agent_mover import (MIB, Files, _gpu_mem, _intact, _program, ctl_recv,
+                                         failing)
 
 EXPORT = {"TORPOR_AGENT_VMM_EXPORT": "1"}
 MOVABLE = 3            # _program's big, odd and own allocations (small stays with the driver)
-
-
-def ctl_recv(sock: Path, line: str, fds: list[int] = (), timeout: float = 30.0
-             ) -> tuple[dict, list[int]]:
-    """One command with descriptors attached; its reply and the descriptors that came with it."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        s.connect(str(sock))
-        if fds:
-            socket.send_fds(s, [line.encode() + b"\n"], list(fds))
-        else:
-            s.sendall(line.encode() + b"\n")
-        buf, got = b"", []
-        while not buf.endswith(b"\n"):
-            data, fds_in, _, _ = socket.recv_fds(s, 65536, 256)
-            got += fds_in
-            assert data, f"agent hung up; got {buf!r}"
-            buf += data
-    return json.loads(buf), got
 
 
 def resume_with(p: Probe, files: Files, line: str, held: list[int] = ()) -> dict:

@@ -22,8 +22,10 @@ from tests.unit.test_agent import Probe, gpu, probe  # noqa: F401  (fixtures)
 MIB = 1 << 20
 
 
-def ctl_fds(sock: Path, line: str, fds: list[int] = (), timeout: float = 30.0) -> dict:
-    """One command with file descriptors attached (SCM_RIGHTS), on a fresh connection."""
+def ctl_recv(sock: Path, line: str, fds: list[int] = (), timeout: float = 30.0
+             ) -> tuple[dict, list[int]]:
+    """One command with file descriptors attached (SCM_RIGHTS), on a fresh connection: its
+    reply and the descriptors that came with it (`detach hold`'s)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         s.connect(str(sock))
@@ -31,12 +33,21 @@ def ctl_fds(sock: Path, line: str, fds: list[int] = (), timeout: float = 30.0) -
             socket.send_fds(s, [line.encode() + b"\n"], list(fds))
         else:
             s.sendall(line.encode() + b"\n")
-        buf = b""
+        buf, got = b"", []
         while not buf.endswith(b"\n"):
-            chunk = s.recv(65536)
-            assert chunk, f"agent hung up; got {buf!r}"
-            buf += chunk
-    return json.loads(buf)
+            data, fds_in, _, _ = socket.recv_fds(s, 65536, 256)
+            got += fds_in
+            assert data, f"agent hung up; got {buf!r}"
+            buf += data
+    return json.loads(buf), got
+
+
+def ctl_fds(sock: Path, line: str, fds: list[int] = (), timeout: float = 30.0) -> dict:
+    """ctl_recv's reply; any descriptors that came with it closed."""
+    reply, got = ctl_recv(sock, line, fds, timeout)
+    for fd in got:
+        os.close(fd)
+    return reply
 
 
 class Files:
