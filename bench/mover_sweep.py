@@ -268,7 +268,9 @@ class Sweep:
                     lr["pause"] = m.get("pause")
                     lr["writeout"] = (m.get("timings") or {}).get("writeout")
                     row["leave_running"] = lr
-                    print(f"    paused {(m.get('pause') or {}).get('paused_s')} s", flush=True)
+                    print(f"    paused {(m.get('pause') or {}).get('paused_s')} s, "
+                          f"{(m.get('pause') or {}).get('held', 0)} allocation(s) held on the GPU",
+                          flush=True)
                 finally:
                     shutil.rmtree(images, ignore_errors=True)
             last = prog.step()

@@ -917,3 +917,16 @@ def test_an_agent_that_sends_fewer_descriptors_than_it_said_is_resumed_from_the_
     process.checkpoint(world.engine(), PID, world.tmp / "ckpt", leave_running=True)
     assert world.agent.intact and world.agent.resumed_held is False
     assert _open_fds() == before
+
+
+def test_the_manifest_and_the_cli_say_how_much_stayed_on_the_gpu(world, fake_criu):
+    from torpor.cli.checkpoint import pause_line
+    world.agent.export = 3
+    m = process.checkpoint(world.engine(), PID, world.tmp / "ck", leave_running=True)
+    assert m["pause"]["held"] == 3 and manifest.read(world.tmp / "ck")["pause"]["held"] == 3
+    assert "3 allocation(s) of GPU memory kept on the GPU (not copied back)" in \
+        pause_line(m["pause"], 1.0)
+    world.log()
+    world.agent.export = 0      # nothing held: the line says nothing of it
+    m = process.checkpoint(world.engine(), PID, world.tmp / "ck2", leave_running=True)
+    assert m["pause"]["held"] == 0 and "kept on the GPU" not in pause_line(m["pause"], 1.0)

@@ -42,7 +42,8 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     out = {"images_dir": str(args.images_dir), "manifest": m, "stored": stored,
            "durable_s": durable}
     if pause:
-        out.update(paused_s=pause.get("paused_s"), staged=bool(pause.get("staged")))
+        out.update(paused_s=pause.get("paused_s"), staged=bool(pause.get("staged")),
+                   held=int(pause.get("held") or 0))
     ctx.emit(out,
              f"checkpointed PID {pid} ({len(m['processes'])} process(es), {len(cuda)} with CUDA "
              f"state, {human_bytes(m['sizes']['gpu_memory'])} GPU memory) into {args.images_dir}: "
@@ -69,4 +70,6 @@ def pause_line(pause: dict, durable: float) -> str:
         return "the program is still running\n"
     return (f"the program is still running: paused {float(pause.get('paused_s', 0)):.2f} s"
             + (", its GPU data written out while it ran" if pause.get("staged") else "")
+            + (f", {pause['held']} allocation(s) of GPU memory kept on the GPU (not copied "
+               "back)" if isinstance(pause.get("held"), int) and pause["held"] > 0 else "")
             + f"; the checkpoint durable after {durable:.2f} s\n")

@@ -257,11 +257,11 @@ class Engine(AgentMoves, Recovery):
         The data files of the failed operation's agents go once the agents are resumed."""
         with interrupts.deferred():  # a second Ctrl-C must not stop the rollback
             problems = self.rollback(pids, agents=targets_of(op.entry.agents))
+        self.release_held()   # a later torpor's recovery copies from the files: never these
         if problems:
             raise TorporError(f"{during} failed ({_describe(error)}) and rollback failed: "
                               + "; ".join(problems),
                               hint="run 'torpor ps' and 'torpor resume PID'") from error
-        self.release_held()
         if op.entry.data_root:
             agent_data.DataDir(Path(op.entry.data_root)).remove()
         op.close()

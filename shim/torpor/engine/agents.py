@@ -277,6 +277,10 @@ class AgentMoves:
                               "GPU through the dump (mapped back, not copied, at resume)")
         return moved
 
+    def held_counts(self) -> dict[int, int]:
+        """pid -> the allocations of its GPU memory held now (taken at detach, not yet resumed)."""
+        return {p: len(fds) for p, fds in self._held.items() if fds}
+
     def release_held(self, pids: Iterable[int] | None = None) -> None:
         """Close the held descriptors of pids (all: None): the memory they kept on the GPU is
         freed unless its program mapped it back."""

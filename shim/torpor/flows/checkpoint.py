@@ -9,7 +9,8 @@ The agent phases are those of programs run under the in-process agent (`torpor r
 GPU memory goes into <images dir>/torpor-gpu/ (agent_data.py). Left running, they stage it in
 host memory instead (writeout.py) and it is written into the directory once the program runs
 again: the program is paused for the copy to host memory and the dump, not for the disk. The
-manifest's "pause" says how long it was paused ({"paused_s", "staged"}).
+manifest's "pause" says how long it was paused ({"paused_s", "staged", "held": the allocations
+that stayed on the GPU through it, mapped back rather than copied}).
 """
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
         stage = writeout.staging(engine, cuda_pids, sum(inv.memory_of(p) for p in cuda_pids)
                                  if inv else 0) if leave_running else None
         paused = time.monotonic()
+        stack.callback(engine.release_held)   # held GPU memory no resume took, on any path
         try:
             plan = policy.fingerprint_plan(
                 cfg, store if known is not None else None, owner,
@@ -133,7 +135,7 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
                                                known_fingerprints=plan.skip, owner=owner,
                                                stream_into=plan.stream_into,
                                                hold=leave_running)
-            stack.callback(engine.release_held)   # whatever no resume took
+            held = engine.held_counts()
         except RolledBackError:
             (images_dir / manifest.DRAFT).unlink(missing_ok=True)  # the directory is reusable
             raise
@@ -160,10 +162,14 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
                 manifest.clear_partial(images_dir, keep=(agent_data.DATA_DIR,))  # until resumed
                 engine.fail(op, cuda_pids, e, during="dump")
             dump_error = e  # the program is gone: its images are all that is left of it
+        back: dict[int, dict[str, Any]] = {}
         if leave_running and cuda_pids:
-            policy.restore_or_roll_back(engine, op, cuda_pids, agents=agents)
+            back = policy.restore_or_roll_back(engine, op, cuda_pids, agents=agents)
         if leave_running:
-            draft["pause"] = {"paused_s": round(time.monotonic() - paused, 4), "staged": staged}
+            # the allocations that stayed on the GPU through the pause and were mapped back
+            kept = sum(n for p, n in held.items() if (back.get(p) or {}).get("held"))
+            draft["pause"] = {"paused_s": round(time.monotonic() - paused, 4), "staged": staged,
+                              "held": kept}
             progress.say(f"the program runs again, paused {draft['pause']['paused_s']:.2f} s"
                          + ("; its GPU data is written out while it runs" if staged else ""))
         if staged and stage is not None:
