@@ -917,3 +917,21 @@ def test_an_agent_that_sends_fewer_descriptors_than_it_said_is_resumed_from_the_
     process.checkpoint(world.engine(), PID, world.tmp / "ckpt", leave_running=True)
     assert world.agent.intact and world.agent.resumed_held is False
     assert _open_fds() == before
+
+
+def test_a_rollback_that_fails_still_closes_the_held_descriptors(world, fake_criu):
+    """The driver's checkpoint fails and so does the rollback's unlock: the journal entry
+    stays for the next torpor, which resumes from the files; this one must not keep the
+    program's GPU memory held meanwhile (with it, the next resume would hold it twice)."""
+    world.agent.export = 2
+    world.driver.fail.update(checkpoint=PID, unlock=PID)
+    e = world.engine()
+    before = _open_fds()
+    with pytest.raises(TorporError, match="rollback failed"):
+        process.checkpoint(e, PID, world.tmp / "ckpt", leave_running=True)
+    assert e._held == {} and _open_fds() == before
+    assert world.agent.state == "detached" and world.journal_entries() != []
+    world.driver.fail.clear()
+    world.engine().recover()
+    assert world.agent.intact and world.agent.resumed_held is False
+    assert world.journal_entries() == []

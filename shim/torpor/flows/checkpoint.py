@@ -129,11 +129,11 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
                 cfg, store if known is not None else None, owner,
                 policy.FingerprintMode.of(store is not None, leave_running), known)
             data = stage or agent_data.DataDir(images_dir / agent_data.DATA_DIR)
+            stack.callback(engine.release_held)   # whatever no resume took, however it ends
             moved = engine.lock_and_checkpoint(op, cuda_pids, data=data, scratch=bool(stage),
                                                known_fingerprints=plan.skip, owner=owner,
                                                stream_into=plan.stream_into,
                                                hold=leave_running)
-            stack.callback(engine.release_held)   # whatever no resume took
         except RolledBackError:
             (images_dir / manifest.DRAFT).unlink(missing_ok=True)  # the directory is reusable
             raise
