@@ -412,6 +412,8 @@ class AgentClient:
             while b"\n" not in self._buf:
                 data, got, flags, _ = socket.recv_fds(self.sock, 65536, HOLD_MAX + 1)
                 fds.extend(got)
+                for fd in got:   # SCM_RIGHTS gives inheritable ones: no child may keep them
+                    os.set_inheritable(fd, False)
                 if not data:
                     raise AgentError(f"the agent at {self.path} hung up on 'detach hold'")
                 if flags & socket.MSG_CTRUNC:
@@ -430,9 +432,11 @@ class AgentClient:
                 error = reply.get("error") if isinstance(reply, dict) else reply
                 raise AgentError(f"agent 'detach hold': {error}", refusal=str(error))
             held = reply.get("held", 0)
-            if not isinstance(held, int) or isinstance(held, bool) or held != len(fds):
-                log.warning("the agent at %s said it held %r descriptors and sent %d: none "
-                            "kept (its resume copies from the files)", self.path, held, len(fds))
+            if not isinstance(held, int) or isinstance(held, bool) or held != len(fds) \
+                    or held > HOLD_MAX:   # more than a resume takes (ValueError there)
+                log.warning("the agent at %s said it held %r descriptors and sent %d (at most "
+                            "%d are taken): none kept (its resume copies from the files)",
+                            self.path, held, len(fds), HOLD_MAX)
                 raise _Unheld
         except _Unheld:
             for fd in fds:

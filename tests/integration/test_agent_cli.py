@@ -8,10 +8,12 @@ The same against the C agent belongs with tests/gpu and the agent's own tests.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -286,3 +288,73 @@ def test_the_real_agent_holds_its_memory_through_a_leave_running_checkpoint(torp
     m = json.loads((images / "torpor.json").read_text())
     entry = m["agent"][str(proc.pid)]
     assert entry["bytes"] == 64 << 20 and sum(entry["files"]) >= 64 << 20, entry
+
+
+def _digest(pid: int, status: Path, size: int = 64 << 20) -> str:
+    """sha256 of the program's allocation, read from its memory (the fake's device memory is
+    the program's own: test_agent_zeros_cli.py)."""
+    h = hashlib.sha256()
+    with open(f"/proc/{pid}/mem", "rb") as mem:
+        mem.seek(json.loads(status.read_text())["ptr"])
+        for _ in range(size // (16 << 20)):
+            h.update(mem.read(16 << 20))
+    return h.hexdigest()
+
+
+def _held_by(pid: int) -> list[str]:
+    """The fake GPU memory's descriptors open in process pid (fake_libcuda.c's memfds)."""
+    out = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if "fake-cuda-mem" in link:
+            out.append(link)
+    return out
+
+
+@pytest.mark.parametrize("slow_call,state_when_killed", [
+    ("checkpoint", 1),   # LOCKED: killed in the driver's checkpoint, before the dump
+    ("restore", 2),      # CHECKPOINTED: killed after the dump, before the unlock
+])
+def test_a_torpor_killed_while_it_holds_the_memory_is_recovered_from_the_files(
+        torpor, gpu, tmp_path, reaper, slow_call, state_when_killed):
+    """`torpor checkpoint --leave-running` SIGKILLed while it holds the program's GPU
+    memory by its descriptors (after `detach hold`): they close with it, and the next torpor
+    (`torpor ps`) gives the program its memory back from the staged data files; it ticks on,
+    its data intact, nothing left staged nor journalled."""
+    from tests.fakes.fakegpu import RUNNING
+    torpor.env["TORPOR_SUSPEND_DIR"] = str(tmp_path / "shm")
+    proc, status, agents = _under_the_agent(torpor, gpu, tmp_path, reaper, {
+        "TORPOR_AGENT_VMM_EXPORT": "1", "TORPOR_AGENT_LOG_LEVEL": "20"})
+    before = _digest(proc.pid, status)
+    gpu.delay(slow_call, 20000, pid=proc.pid)
+    t = torpor.start("checkpoint", str(proc.pid), "-D", str(tmp_path / "ck"), "--leave-running")
+    try:
+        wait_for(lambda: (gpu.state(proc.pid) or {}).get("state") == state_when_killed
+                 and _held_by(t.pid) and time.sleep(0.3) is None, 30,
+                 f"torpor to hold the memory in the driver's {slow_call}")
+        assert _held_by(t.pid)   # still holding when it dies
+    finally:
+        t.kill()
+        t.communicate()
+    gpu.clear_faults()
+    assert t.returncode == -9
+    assert gpu.state(proc.pid)["state"] == state_when_killed
+    ps = torpor.run("ps")   # any command first rolls back what a dead torpor left
+    assert ps.returncode == 0, ps.stderr
+    assert "recovered" in ps.stderr and str(proc.pid) in ps.stderr, ps.stderr
+    assert gpu.state(proc.pid)["state"] == RUNNING
+    tick = json.loads(status.read_text())["tick"]
+    wait_for(lambda: json.loads(status.read_text() or "{}").get("tick", 0) > tick + 2, 10,
+             "the program ticking on")
+    assert _digest(proc.pid, status) == before
+    with AgentClient.for_pid(proc.pid, agents) as a:
+        ast = a.status()
+    assert (ast["state"], ast["gate"]) == ("running", "open")
+    text = (tmp_path / "program.log").read_text(errors="replace")
+    assert "held on the GPU by their descriptors" in text, text[-3000:]   # it held
+    assert "nothing copied" not in text, text[-3000:]                     # and copied back
+    assert list((tmp_path / "shm").iterdir()) == []
+    assert list((tmp_path / "state" / "journal").glob("*.json")) == []

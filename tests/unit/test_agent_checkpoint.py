@@ -930,3 +930,105 @@ def test_the_manifest_and_the_cli_say_how_much_stayed_on_the_gpu(world, fake_cri
     world.agent.export = 0      # nothing held: the line says nothing of it
     m = process.checkpoint(world.engine(), PID, world.tmp / "ck2", leave_running=True)
     assert m["pause"]["held"] == 0 and "kept on the GPU" not in pause_line(m["pause"], 1.0)
+
+
+def test_a_rollback_that_fails_still_closes_the_held_descriptors(world, fake_criu):
+    """The driver's checkpoint fails and so does the rollback's unlock: the journal entry
+    stays for the next torpor, which resumes from the files; this one must not keep the
+    program's GPU memory held meanwhile (with it, the next resume would hold it twice)."""
+    world.agent.export = 2
+    world.driver.fail.update(checkpoint=PID, unlock=PID)
+    e = world.engine()
+    before = _open_fds()
+    with pytest.raises(TorporError, match="rollback failed"):
+        process.checkpoint(e, PID, world.tmp / "ckpt", leave_running=True)
+    assert e._held == {} and _open_fds() == before
+    assert world.agent.state == "detached" and world.journal_entries() != []
+    world.driver.fail.clear()
+    world.engine().recover()
+    assert world.agent.intact and world.agent.resumed_held is False
+    assert world.journal_entries() == []
+
+
+def test_recovery_after_a_torpor_killed_while_it_holds_the_memory(world, tmp_path):
+    """A --leave-running checkpoint's torpor SIGKILLed in CRIU's dump, after `detach hold`:
+    its held descriptors (the only ones left: the agent closed its own) went with it, so the
+    GPU memory is gone; the next torpor gives the program its memory back from the staged
+    files, intact, and leaves nothing staged nor journalled."""
+    world.agent.export = 2
+    images, said = tmp_path / "ckpt", tmp_path / "held.json"
+    code = textwrap.dedent(f"""
+        import dataclasses, json, os, signal
+        from pathlib import Path
+        from tests.fakes.fake_agent import Events, FakeDriver
+        from torpor import config, criu, engine, gpus
+        from torpor.flows import process
+        from torpor.errors import NoDriverError
+        drv = FakeDriver(Events(), [{PID}])
+        engine.load_driver = lambda path: drv
+        def nonvml(): raise NoDriverError("none")
+        gpus.discover = nonvml
+        cfg = dataclasses.replace(config.load(), suspend_dir=Path({str(world.cfg.suspend_dir)!r}),
+                                  agent_files=2, suspend_in_process=False)
+        e = engine.Engine(cfg)
+        class Tool:
+            version_text = "4.0-fake"
+        def dump(tool, cfg, pid, images_dir, **kw):   # torpor dies in the dump
+            fds = [fd for held in e._held.values() for fd in held]
+            Path({str(said)!r}).write_text(json.dumps(
+                {{"pids": list(e._held), "fds": [os.readlink(f"/proc/self/fd/{{fd}}")
+                                                  for fd in fds]}}))
+            os.kill(os.getpid(), signal.SIGKILL)
+        criu.find = lambda cfg: Tool()
+        criu.dump = dump
+        process.checkpoint(e, {PID}, Path({str(images)!r}), leave_running=True)
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == -9, proc.stderr
+    held = json.loads(said.read_text())
+    assert held["pids"] == [PID] and len(held["fds"]) == 2     # it held them in the dump
+    assert all("fake-held" in f for f in held["fds"])
+    assert world.log()[-2:] == ["agent prepare", "agent detach"]
+    assert world.agent.state == "detached" and world.agent.exported == []
+    world.driver.states[PID] = world.driver.S.CHECKPOINTED   # where the dead one left it
+    (entry,) = world.journal_entries()
+    doc = json.loads(entry.read_text())
+    assert doc["phase"] == "dump" and doc["scratch"] is True
+    assert Path(doc["data_root"]).parent == world.cfg.suspend_dir   # staged
+    messages = world.engine().recover()
+    assert world.log() == ["driver restore", "driver unlock", "agent status", "agent resume"]
+    assert world.agent.intact and world.agent.resumed_held is False   # from the files
+    assert any("back the GPU memory their agent had moved" in m for m in messages), messages
+    assert list(world.cfg.suspend_dir.iterdir()) == [] and world.journal_entries() == []
+    assert not (images / manifest.DRAFT).exists()
+    assert world.engine().recover() == []
+
+
+def test_a_leave_running_checkpoint_of_two_programs_one_holding(world, fake_criu, monkeypatch):
+    """Two programs under the agent in one tree: the one whose agent exported its memory is
+    mapped back, the other copied back from the files, both at once (_parallel), and no
+    descriptor is left open."""
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        monkeypatch.setattr("torpor.agent._peer_pid", lambda sock: 0)  # one process serves both
+        world.driver.states[child.pid] = world.driver.S.RUNNING
+        other = FakeAgent(world.agents_dir / f"agent-{child.pid}.sock", log=world.events,
+                          driver=world.driver, pid=child.pid).start()
+        try:
+            world.agent.export = 2
+            before = _open_fds()
+            process.checkpoint(world.engine(), PID, world.tmp / "ckpt", leave_running=True)
+            ev = world.events()
+            assert {f"agent resume {PID}", f"agent resume {child.pid}",
+                    f"agent resume-held {PID}"} <= set(ev)
+            assert f"agent resume-held {child.pid}" not in ev
+            assert world.agent.intact and world.agent.resumed_held is True
+            assert other.intact and other.resumed_held is False
+            assert _open_fds() == before
+        finally:
+            other.stop()
+    finally:
+        child.kill()
+        child.wait()

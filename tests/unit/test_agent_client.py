@@ -336,3 +336,56 @@ def test_agent_settings(tmp_path):
         f.write_text(text)
         with pytest.raises(UsageError, match=match):
             config.load(f, env={})
+
+
+# -- held descriptors (agent/PROTOCOL.md `detach hold`) --------------------------------------------
+
+def _prepared_to_hold(fake: FakeAgent, tmp_path: Path, a: AgentClient, export: int) -> None:
+    (tmp_path / "images").mkdir()
+    d = data_dir(tmp_path).make()
+    fds = d.for_prepare(1, 2)
+    fake.export = export
+    try:
+        assert a.prepare(fds, 1000)["held"] == export
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_held_descriptors_are_not_inherited_by_what_torpor_runs(fake, tmp_path):
+    """recvmsg's SCM_RIGHTS descriptors are inheritable unless asked otherwise: a child
+    started while torpor holds them (CRIU, a runtime started with close_fds=False) would
+    keep the program's GPU memory after torpor closed its own."""
+    with AgentClient(fake.path) as a:
+        _prepared_to_hold(fake, tmp_path, a, 2)
+        held = a.detach_hold()
+        try:
+            assert len(held) == 2 and not any(map(os.get_inheritable, held))
+        finally:
+            for fd in held:
+                os.close(fd)
+
+
+def test_more_held_descriptors_than_a_resume_takes_are_none_kept(fake, tmp_path):
+    """An agent that sends (and says) more than HOLD_MAX: resume(held=...) would refuse
+    them with a ValueError (no TorporError: the rollback would not catch it); none are kept,
+    and the resume copies from the files."""
+    real = fake._do_detach
+
+    def detach(arg, fds):   # says and sends HOLD_MAX + 1
+        reply = real(arg, fds)
+        for fd in fake._out_fds:
+            os.close(fd)
+        fake._out_fds = [os.memfd_create("extra") for _ in range(agent.HOLD_MAX + 1)]
+        return {**reply, "held": len(fake._out_fds)}
+
+    fake._do_detach = detach
+    before = _open_fds()
+    with AgentClient(fake.path) as a:
+        _prepared_to_hold(fake, tmp_path, a, 1)
+        assert a.detach_hold() == []
+    assert _open_fds() == before

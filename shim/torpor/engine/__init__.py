@@ -256,8 +256,10 @@ class Engine(AgentMoves, Recovery):
         If the rollback itself fails, the journal entry stays for the next torpor to retry.
         The data files of the failed operation's agents go once the agents are resumed."""
         with interrupts.deferred():  # a second Ctrl-C must not stop the rollback
-            problems = self.rollback(pids, agents=targets_of(op.entry.agents))
-        self.release_held()   # a later torpor's recovery copies from the files: never these
+            try:
+                problems = self.rollback(pids, agents=targets_of(op.entry.agents))
+            finally:   # what no resume took: the next torpor resumes from the files, and
+                self.release_held()   # held here too, the memory would be on the GPU twice
         if problems:
             raise TorporError(f"{during} failed ({_describe(error)}) and rollback failed: "
                               + "; ".join(problems),
