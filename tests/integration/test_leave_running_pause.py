@@ -109,7 +109,8 @@ def test_the_pause_is_shorter_than_the_write(env, gpu, tmp_path, reaper):
     assert out["staged"] is True
     assert out["durable_s"] - out["paused_s"] >= 0.9 * write_s, out
     assert out["paused_s"] < write_s / 2, out
-    assert out["manifest"]["pause"] == {"paused_s": out["paused_s"], "staged": True}
+    assert out["manifest"]["pause"] == {"paused_s": out["paused_s"], "staged": True, "held": 0}
+    assert out["held"] == 0      # a program without TORPOR_AGENT_VMM_EXPORT: nothing held
     assert out["manifest"]["timings"]["writeout"] >= 0.9 * write_s
     assert f"the program runs again, paused {out['paused_s']:.2f} s; its GPU data is " \
         "written out while it runs" in r.stderr
