@@ -104,6 +104,8 @@ class FakeAgent:
         self.seen: list[dict[str, Any]] = []   # per command with fds: what each fd was
         self.faults_file = self.path.with_name(self.path.name + ".faults.json")
         self._stop = threading.Event()
+        self._idle = threading.Event()          # set while no connection is being served
+        self._idle.set()
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.path.unlink(missing_ok=True)
         self.sock.bind(str(self.path))
@@ -115,6 +117,12 @@ class FakeAgent:
     def start(self) -> "FakeAgent":
         self._thread.start()
         return self
+
+    def wait_idle(self, timeout: float = 5.0) -> None:
+        """Until the connection being served is closed on this side too: a client's close
+        reaches the server thread a moment later, so its descriptor for the connection
+        outlives the client's by that much."""
+        assert self._idle.wait(timeout), "the fake agent still serves a connection"
 
     def stop(self) -> None:
         self._stop.set()
@@ -134,43 +142,50 @@ class FakeAgent:
                 continue
             except OSError:
                 return
-            with conn:
-                conn.settimeout(0.1)
-                buf, fds = b"", []
-                while not self._stop.is_set():
-                    try:
-                        data, new_fds, _flags, _addr = socket.recv_fds(conn, 4096, 32)
-                    except socket.timeout:
-                        continue
-                    except OSError:
+            self._idle.clear()
+            try:
+                self._serve_one(conn)
+            finally:
+                self._idle.set()
+
+    def _serve_one(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(0.1)
+            buf, fds = b"", []
+            while not self._stop.is_set():
+                try:
+                    data, new_fds, _flags, _addr = socket.recv_fds(conn, 4096, 32)
+                except socket.timeout:
+                    continue
+                except OSError:
+                    break
+                if not data:
+                    break
+                buf += data
+                fds += new_fds
+                while b"\n" in buf:
+                    line, _, buf = buf.partition(b"\n")
+                    reply = self._command(line.decode(), fds)
+                    fds = []
+                    if reply is None:    # hang: no answer on this connection, ever
+                        buf = b""
+                        self._drain(conn)
                         break
-                    if not data:
-                        break
-                    buf += data
-                    fds += new_fds
-                    while b"\n" in buf:
-                        line, _, buf = buf.partition(b"\n")
-                        reply = self._command(line.decode(), fds)
-                        fds = []
-                        if reply is None:    # hang: no answer on this connection, ever
-                            buf = b""
-                            self._drain(conn)
-                            break
-                        if self._out_fds:
-                            out, self._out_fds = self._out_fds, []
-                            try:
-                                sent = socket.send_fds(conn, [reply], out)
-                                if sent < len(reply):
-                                    conn.sendall(reply[sent:])
-                            except OSError:   # the client went: nothing is held
-                                pass
-                            finally:
-                                for fd in out:
-                                    os.close(fd)
-                        else:
-                            conn.sendall(reply)
-                for fd in fds:
-                    os.close(fd)
+                    if self._out_fds:
+                        out, self._out_fds = self._out_fds, []
+                        try:
+                            sent = socket.send_fds(conn, [reply], out)
+                            if sent < len(reply):
+                                conn.sendall(reply[sent:])
+                        except OSError:   # the client went: nothing is held
+                            pass
+                        finally:
+                            for fd in out:
+                                os.close(fd)
+                    else:
+                        conn.sendall(reply)
+            for fd in fds:
+                os.close(fd)
 
     def _drain(self, conn: socket.socket) -> None:
         while not self._stop.is_set():

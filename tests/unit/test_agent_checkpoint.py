@@ -831,7 +831,10 @@ def test_no_agent_prepares_unless_the_journal_on_disk_names_it(world, monkeypatc
 
 # -- held GPU memory (agent/PROTOCOL.md `detach hold`, `resume held=N`) ---------------------------
 
-def _open_fds() -> set[str]:
+def _open_fds(agent: FakeAgent) -> set[str]:
+    """This process's descriptors once the fake agent (a thread of it) closed its side of
+    every connection."""
+    agent.wait_idle()
     return set(os.listdir("/proc/self/fd"))
 
 
@@ -840,7 +843,7 @@ def test_leave_running_holds_the_memory_through_the_dump_and_maps_it_back(world,
     descriptors at detach, keeps them through the driver's checkpoint and the dump, and the
     resume maps them back: the data files are not read, and no descriptor is left open."""
     world.agent.export = 3
-    before = _open_fds()
+    before = _open_fds(world.agent)
     m = process.checkpoint(world.engine(), PID, world.tmp / "ckpt", leave_running=True)
     log = world.log()
     assert log[log.index("agent prepare"):] == [
@@ -853,15 +856,15 @@ def test_leave_running_holds_the_memory_through_the_dump_and_maps_it_back(world,
         len(world.agent.original)
     assert "held" not in m["agent"][str(PID)]     # this operation's, not the checkpoint's
     manifest.verify(world.tmp / "ckpt", manifest.read(world.tmp / "ckpt"))
-    assert _open_fds() == before
+    assert _open_fds(world.agent) == before
 
 
 def test_a_checkpoint_that_ends_the_program_holds_nothing(world, fake_criu):
     world.agent.export = 2
-    before = _open_fds()
+    before = _open_fds(world.agent)
     process.checkpoint(world.engine(), PID, world.tmp / "ckpt")
     assert "agent detach" in world.log() and world.agent.exported == []
-    assert world.agent.resumed_held is None and _open_fds() == before
+    assert world.agent.resumed_held is None and _open_fds(world.agent) == before
 
 
 def test_a_suspend_holds_nothing(world):
@@ -876,11 +879,11 @@ def test_a_suspend_holds_nothing(world):
 def test_a_failed_dump_rolls_back_through_the_held_memory(world, fake_criu):
     world.agent.export = 2
     fake_criu["dump"] = True
-    before = _open_fds()
+    before = _open_fds(world.agent)
     with pytest.raises(RolledBackError, match="dump failed"):
         process.checkpoint(world.engine(), PID, world.tmp / "ckpt", leave_running=True)
     assert world.log()[-2:] == ["agent resume", "agent resume-held"]
-    assert world.agent.intact and _open_fds() == before
+    assert world.agent.intact and _open_fds(world.agent) == before
 
 
 def test_held_memory_the_agent_does_not_recognise_is_copied_back_from_the_files(world,
@@ -894,12 +897,12 @@ def test_held_memory_the_agent_does_not_recognise_is_copied_back_from_the_files(
         return n
 
     world.agent._export = export
-    before = _open_fds()
+    before = _open_fds(world.agent)
     process.checkpoint(world.engine(), PID, world.tmp / "ckpt", leave_running=True)
     log = world.log()
     assert "agent held-refused" in log and "agent resume-held" not in log
     assert world.agent.intact and world.agent.resumed_held is False
-    assert _open_fds() == before
+    assert _open_fds(world.agent) == before
 
 
 def test_an_agent_that_sends_fewer_descriptors_than_it_said_is_resumed_from_the_files(
@@ -913,10 +916,10 @@ def test_an_agent_that_sends_fewer_descriptors_than_it_said_is_resumed_from_the_
         return reply
 
     world.agent._do_detach = detach
-    before = _open_fds()
+    before = _open_fds(world.agent)
     process.checkpoint(world.engine(), PID, world.tmp / "ckpt", leave_running=True)
     assert world.agent.intact and world.agent.resumed_held is False
-    assert _open_fds() == before
+    assert _open_fds(world.agent) == before
 
 
 def test_the_manifest_and_the_cli_say_how_much_stayed_on_the_gpu(world, fake_criu):
@@ -939,10 +942,10 @@ def test_a_rollback_that_fails_still_closes_the_held_descriptors(world, fake_cri
     world.agent.export = 2
     world.driver.fail.update(checkpoint=PID, unlock=PID)
     e = world.engine()
-    before = _open_fds()
+    before = _open_fds(world.agent)
     with pytest.raises(TorporError, match="rollback failed"):
         process.checkpoint(e, PID, world.tmp / "ckpt", leave_running=True)
-    assert e._held == {} and _open_fds() == before
+    assert e._held == {} and _open_fds(world.agent) == before
     assert world.agent.state == "detached" and world.journal_entries() != []
     world.driver.fail.clear()
     world.engine().recover()
@@ -1018,7 +1021,7 @@ def test_a_leave_running_checkpoint_of_two_programs_one_holding(world, fake_criu
                           driver=world.driver, pid=child.pid).start()
         try:
             world.agent.export = 2
-            before = _open_fds()
+            before = _open_fds(world.agent)
             process.checkpoint(world.engine(), PID, world.tmp / "ckpt", leave_running=True)
             ev = world.events()
             assert {f"agent resume {PID}", f"agent resume {child.pid}",
@@ -1026,7 +1029,7 @@ def test_a_leave_running_checkpoint_of_two_programs_one_holding(world, fake_criu
             assert f"agent resume-held {child.pid}" not in ev
             assert world.agent.intact and world.agent.resumed_held is True
             assert other.intact and other.resumed_held is False
-            assert _open_fds() == before
+            assert _open_fds(world.agent) == before
         finally:
             other.stop()
     finally:

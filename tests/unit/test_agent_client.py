@@ -352,7 +352,10 @@ def _prepared_to_hold(fake: FakeAgent, tmp_path: Path, a: AgentClient, export: i
             os.close(fd)
 
 
-def _open_fds() -> set[str]:
+def _open_fds(agent: FakeAgent) -> set[str]:
+    """This process's descriptors once the fake agent (a thread of it) closed its side of
+    every connection."""
+    agent.wait_idle()
     return set(os.listdir("/proc/self/fd"))
 
 
@@ -384,8 +387,8 @@ def test_more_held_descriptors_than_a_resume_takes_are_none_kept(fake, tmp_path)
         return {**reply, "held": len(fake._out_fds)}
 
     fake._do_detach = detach
-    before = _open_fds()
+    before = _open_fds(fake)
     with AgentClient(fake.path) as a:
         _prepared_to_hold(fake, tmp_path, a, 1)
         assert a.detach_hold() == []
-    assert _open_fds() == before
+    assert _open_fds(fake) == before
