@@ -170,6 +170,34 @@ def test_a_bare_checkpoint_travels_as_one_layer(node_a, node_b, registry, tmp_pa
     wait_for(lambda: _count(status) > n + 3, 10, "the restored program to go on")
 
 
+def test_a_blob_whose_link_a_dying_registry_left_blank_is_pushed_again(node_a, node_b, registry,
+                                                                       tmp_path, reaper):
+    """docker-registry killed while it links a finished blob into the repository leaves the
+    link file empty or half written, and answers every HEAD of that blob with 500 from then
+    on (CI met it once after test_a_push_cut_off_by_a_dying_registry_resumes' kill). The next
+    push uploads that blob again, which writes the link anew, and the image pulls whole."""
+    prog, status = _stable_program(tmp_path, reaper)
+    node_a.json("checkpoint", str(prog.pid), "-D", str(tmp_path / "ck"))
+    checkpointed_and_reaped(type("P", (), {"proc": prog})())
+    first = _build_push(node_a, registry, tmp_path / "ck", tmp_path / "img", "link/ck:v1")
+    links = sorted(registry.storage.glob("docker/registry/v2/repositories/link/ck/_layers/"
+                                         "sha256/*/link"))
+    assert len(links) == first["blobs"] == 2
+    links[0].write_text("")                    # as a kill between its open and its write
+    links[1].write_text(links[1].read_text()[:20])   # a kill within its write
+    second = node_a.json("image", "push", str(tmp_path / "img"), f"{registry.host}/link/ck:v1",
+                         *registry.args())
+    assert second["uploaded_blobs"] == 2 and second["skipped_blobs"] == 0, second
+    third = node_a.json("image", "push", str(tmp_path / "img"), f"{registry.host}/link/ck:v1",
+                        *registry.args())
+    assert third["skipped_blobs"] == 2, third   # the registry knows them again
+    pulled = node_b.json("image", "pull", f"{registry.host}/link/ck:v1", "-D", str(tmp_path / "p"),
+                         *registry.args())
+    n = _count(status)
+    node_b.json("restore", "-D", pulled["checkpoint"])
+    wait_for(lambda: _count(status) > n + 3, 10, "the restored program to go on")
+
+
 def _tamper(path: Path, truncate: bool) -> None:
     data = bytearray(path.read_bytes())
     if truncate:
