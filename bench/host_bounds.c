@@ -247,16 +247,20 @@ static void copy_nt(void *dst, const void *src, size_t n)
 
 /* -- sinks ------------------------------------------------------------------------------------ */
 
-/* pwrite   1 MiB pwrites into a sparse file (the mover's data files: sized, then written;
- *          the kernel allocates each page as the write fills it, without zeroing it first)
+/* pwrite   1 MiB pwrites into a sparse file (the mover's data files before 2026-12-05: sized,
+ *          then written; the kernel allocates each page as the write comes, and zeroes what
+ *          a write leaves of a new huge page: shmem_write_end)
+ * pwrite-whole  one pwrite a piece (4 or 32 MiB, huge-page aligned): every new huge page
+ *          written whole, nothing zeroed (the mover's TORPOR_AGENT_MOVER_WRITE=part)
  * map      memcpy into a file's shared mapping, allocated and populated before the clock
  * map-nt   the same with non-temporal stores (no read of the destination before the write)
  * map-nt-fault  non-temporal stores into the mapping of a sparse file: each page is
  *          allocated (and zeroed) by a fault during the copy, as a mover writing through a
  *          mapping without a pool of pages would meet it
  * anon     memcpy into populated anonymous memory with transparent huge pages */
-enum sink { SPWRITE, SMAP, SMAPNT, SNTFAULT, SANON, NSINKS };
-static const char *sink_name[NSINKS] = { "pwrite", "map", "map-nt", "map-nt-fault", "anon" };
+enum sink { SPWRITE, SPWRITEW, SMAP, SMAPNT, SNTFAULT, SANON, NSINKS };
+static const char *sink_name[NSINKS] = { "pwrite", "pwrite-whole", "map", "map-nt",
+					  "map-nt-fault", "anon" };
 
 struct sinkmem {
 	enum sink s;
@@ -272,7 +276,7 @@ static void sink_open(struct sinkmem *k, enum sink s, int tag)
 	}
 	memset(&k->m, 0, sizeof(k->m));
 	k->m.n = share;
-	file_get(&k->m, share, tag, s == SMAP || s == SMAPNT, s != SPWRITE);
+	file_get(&k->m, share, tag, s == SMAP || s == SMAPNT, s != SPWRITE && s != SPWRITEW);
 }
 
 /* n bytes at off of the sink from (out) or into (in) buf */
@@ -280,7 +284,9 @@ static void sink_io(struct sinkmem *k, int outward, unsigned char *buf, size_t o
 {
 	unsigned char *at = k->m.p ? (unsigned char *)k->m.p + off : NULL;
 
-	if (k->s != SPWRITE) {
+	size_t block = k->s == SPWRITEW ? n : BLOCK;
+
+	if (k->s != SPWRITE && k->s != SPWRITEW) {
 		if (!outward)
 			memcpy(buf, at, n);
 		else if (k->s == SMAPNT || k->s == SNTFAULT)
@@ -289,8 +295,8 @@ static void sink_io(struct sinkmem *k, int outward, unsigned char *buf, size_t o
 			memcpy(at, buf, n);
 		return;
 	}
-	for (size_t b = 0; b < n; b += BLOCK) {
-		size_t len = n - b < BLOCK ? n - b : BLOCK;
+	for (size_t b = 0; b < n; b += block) {
+		size_t len = n - b < block ? n - b : block;
 
 		for (size_t done = 0; done < len;) {
 			ssize_t r = outward ? pwrite(k->m.fd, buf + b + done, len - done, off + b + done)

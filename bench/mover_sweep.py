@@ -57,6 +57,9 @@ VARIANTS: dict[str, dict] = {
     # held memory: a --leave-running checkpoint maps the memory back instead of copying it
     # (agent/PROTOCOL.md "Held memory"); suspends and resumes as default's
     "hold": {"TORPOR_AGENT_VMM_EXPORT": "1"},
+    # each saved part in one pwrite is the default since 2026-12-05 (whole huge pages of the
+    # tmpfs: the kernel zeroes what a 1 MiB write leaves of a new 2 MiB page); 1 MiB writes were
+    "write-block": {"TORPOR_AGENT_MOVER_WRITE": "block"},
     "stage-chunk": {"TORPOR_AGENT_MOVER_STAGE": "chunk"},
     "stage-part": {"TORPOR_AGENT_MOVER_STAGE": "part"},
     "stage-part-buffers4": {"TORPOR_AGENT_MOVER_STAGE": "part", "TORPOR_AGENT_MOVER_BUFFERS": "4"},

@@ -47,6 +47,8 @@ struct mover_tune {
 	int stage_part;  /* TORPOR_AGENT_MOVER_STAGE=part (default): staging buffers a part
 			  * (FILE_ALIGN) long, the copies a part at a time, not a chunk (staged
 			  * sinks only: 0 with a direct one) */
+	int write_part;  /* TORPOR_AGENT_MOVER_WRITE=part (default): a saved part goes to its
+			  * file in one pwrite, not SUB at a time (block) */
 };
 extern struct mover_tune tune;
 

@@ -38,6 +38,11 @@
  *                                     against 28-30 (bench/host_bounds.c's staged shape had
  *                                     said the same: 49.9 against 35.3 GB/s in).
  *                            chunk    a chunk (32 MiB) at a time, as before.
+ *   TORPOR_AGENT_MOVER_WRITE=part     a saved part goes to its data file in one pwrite
+ *                                     (default): whole huge pages of the tmpfs, which the
+ *                                     kernel then need not zero first (mover_workers.c's
+ *                                     part_io says why)
+ *                            block    SUB (1 MiB) at a time, as before, to measure against
  *                                     A direct sink always copies chunks (asking for part there
  *                                     warns once); a streamed load stages chunks whatever it says.
  */
@@ -50,7 +55,8 @@
 #include "mover.h"
 
 struct mover_tune tune = { .buffers = 2, .workers = 0, .direct = DIRECT_OFF, .gpu_check = 1,
-			   .region_huge = 0, .presize = 1, .stage_part = 1 };
+			   .region_huge = 0, .presize = 1, .stage_part = 1,
+			   .write_part = 1 };
 
 /* name's value as an integer in [lo, hi] into *out; unset leaves it, anything else warns. */
 static void tune_int(const char *name, int lo, int hi, int *out)
@@ -92,6 +98,7 @@ void mover_tune_read(void)
 	static const char *const checks[] = { "host", "gpu" };
 	static const char *const onoff[] = { "0", "1" };
 	static const char *const stages[] = { "chunk", "part" };
+	static const char *const writes[] = { "block", "part" };
 	struct mover_tune t = tune;
 	const char *stage_env = getenv("TORPOR_AGENT_MOVER_STAGE");
 	int stage_asked = stage_env && !strcmp(stage_env, "part");
@@ -103,6 +110,7 @@ void mover_tune_read(void)
 	tune_word("TORPOR_AGENT_MOVER_REGION_HUGE", onoff, 2, &t.region_huge);
 	tune_word("TORPOR_AGENT_MOVER_PRESIZE", onoff, 2, &t.presize);
 	tune_word("TORPOR_AGENT_MOVER_STAGE", stages, 2, &t.stage_part);
+	tune_word("TORPOR_AGENT_MOVER_WRITE", writes, 2, &t.write_part);
 	if (t.stage_part && t.direct != DIRECT_OFF) {
 		/* the default goes quietly; only someone who asked for part is told */
 		if (stage_asked)
@@ -112,8 +120,8 @@ void mover_tune_read(void)
 	}
 	if (memcmp(&t, &tune, sizeof(t)))
 		pr_info("tuned: buffers %d, workers %d, sink %s, check %s, region huge pages %s, "
-			"files sized %s, staged a %s at a time", t.buffers, t.workers, sinks[t.direct],
-			checks[t.gpu_check], t.region_huge ? "on" : "off", t.presize ? "first" : "last",
-			stages[t.stage_part]);
+			"files sized %s, staged a %s at a time, written a %s at a time", t.buffers,
+			t.workers, sinks[t.direct], checks[t.gpu_check], t.region_huge ? "on" : "off",
+			t.presize ? "first" : "last", stages[t.stage_part], writes[t.write_part]);
 	tune = t;
 }

@@ -274,12 +274,45 @@ static void sync_streams(struct worker *w)
 }
 
 /* One part of chunk c between buf and the sink (file_io) */
+/* n bytes between p and w's data file at off, whole (pwrite or pread again after a short one);
+ * 0, or -1 with the worker failed. */
+static int file_all(struct worker *w, unsigned char *p, size_t n, unsigned long long off)
+{
+	for (size_t done = 0; done < n;) {
+		ssize_t r = w->saving ? pwrite(w->fd, p + done, n - done, off + done)
+				      : pread(w->fd, p + done, n - done, off + done);
+
+		if (r < 0 && errno == EINTR)
+			continue;
+		if (r < 0) {
+			fail(w, "%s data file %d: %s", w->saving ? "writing" : "reading", w->k,
+			     strerror(errno));
+			return -1;
+		}
+		if (r == 0) {
+			fail(w, "data file %d ends at %llu: it is not the file this data was saved to",
+			     w->k, off + done);
+			return -1;
+		}
+		done += r;
+	}
+	return 0;
+}
+
+/* Part q of c between buf and the sink, SUB at a time (each block summed whole while it is in
+ * the CPU's cache: the checksum's stripes fall the same way on both sides). A save into a
+ * file writes the part in one pwrite (TORPOR_AGENT_MOVER_WRITE=part, the default): the part is
+ * FILE_ALIGN-aligned in its file, so every write covers whole huge pages of the suspend_dir's
+ * tmpfs, and the kernel does not zero the rest of a new 2 MiB page that a 1 MiB write leaves
+ * (shmem_write_end zeroes what a write leaves of a folio not yet up to date, and the next
+ * write overwrites it: half a byte more written to memory for every byte saved). */
 static int part_io(struct worker *w, const struct chunk *c, unsigned char *buf, int q,
 		   uint64_t *sum)
 {
 	size_t first = (size_t)q * FILE_ALIGN, last = first + part_len(c, q);
 	unsigned long long sink = c->part[q].sink_off; /* the part's first byte in the sink */
 	int summed = part_summed(&c->part[q]);
+	int whole = w->saving && !w->region && tune.write_part;
 	struct sum s;
 
 	if (w->saving && stream_active())
@@ -294,33 +327,14 @@ static int part_io(struct worker *w, const struct chunk *c, unsigned char *buf, 
 			unsigned char *at = w->region + sink + (block - first);
 
 			w->saving ? memcpy(at, buf + block, n) : memcpy(buf + block, at, n);
-			if (!w->saving && summed)
-				sum_add(&s, buf + block, n);
-			continue;
-		}
-		for (size_t done = 0; done < n;) {
-			ssize_t r = w->saving ? pwrite(w->fd, buf + block + done, n - done,
-						       sink + (block - first) + done)
-					      : pread(w->fd, buf + block + done, n - done,
-						      sink + (block - first) + done);
-
-			if (r < 0 && errno == EINTR)
-				continue;
-			if (r < 0) {
-				fail(w, "%s data file %d: %s", w->saving ? "writing" : "reading",
-				     w->k, strerror(errno));
-				return -1;
-			}
-			if (r == 0) {
-				fail(w, "data file %d ends at %llu: it is not the file this data was "
-				     "saved to", w->k, sink + (block - first) + done);
-				return -1;
-			}
-			done += r;
+		} else if (!whole && file_all(w, buf + block, n, sink + (block - first))) {
+			return -1;
 		}
 		if (!w->saving && summed)
 			sum_add(&s, buf + block, n);
 	}
+	if (whole && file_all(w, buf + first, last - first, sink))
+		return -1;
 	*sum = summed ? sum_end(&s) : 0;
 	return 0;
 }

@@ -33,7 +33,7 @@ def test_host_bounds_runs_every_measurement_on_the_fake_driver(tmp_path):
     seen = {(x["what"], x.get("sink") or x.get("kind"), x.get("direction"),
              x.get("under_dma"), x.get("stage_mib"), x.get("threads")) for x in runs}
     assert {w for w, *_ in seen} == {"pcie", "copy", "staged", "register"}
-    sinks = {"pwrite", "map", "map-nt", "map-nt-fault", "anon"}
+    sinks = {"pwrite", "pwrite-whole", "map", "map-nt", "map-nt-fault", "anon"}
     assert {s for w, s, *_ in seen if w == "copy"} == sinks
     assert {(s, m) for w, s, d, u, m, t in seen if w == "staged" and d == "out"} == \
         {(s, m) for s in sinks for m in (4, 8)}
