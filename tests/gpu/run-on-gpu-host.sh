@@ -30,7 +30,9 @@
 # staged shape per sink, cuMemHostRegister per kind of memory (bench/host_bounds.sh; its
 # arguments in HOST_BOUNDS_ARGS, default --gib 16 --threads 16; about a minute). PROBE_HELD=1
 # whether a program's GPU memory held by another process survives the driver's checkpoint
-# (bench/probe_held_memory.c at PROBE_HELD_GIB, default 4: seconds).
+# (bench/probe_held_memory.c at PROBE_HELD_GIB, default 4: seconds). PROBE_EXPORT=1 what the
+# driver's exported descriptors are and whether an imported handle exports again
+# (bench/probe_export_identity.c: seconds).
 set -uo pipefail
 cd "$(dirname "$(readlink -f "$0")")/../.."
 OUT="${OUT:-/tmp/torpor-out}"; mkdir -p "$OUT"
@@ -147,6 +149,10 @@ if [[ -n "${PROBE_HELD:-}" && "${PROBE_HELD}" != 0 ]]; then
     gcc -O2 bench/probe_held_memory.c -ldl -o /tmp/probe_held_memory &&
         /tmp/probe_held_memory --gib "${PROBE_HELD_GIB:-4}" > "$OUT/probe_held_memory.json" \
         2> >(tee "$OUT/probe-held-memory.txt" >&2)
+fi
+if [[ -n "${PROBE_EXPORT:-}" && "${PROBE_EXPORT}" != 0 ]]; then
+    gcc -O1 bench/probe_export_identity.c -ldl -o /tmp/probe_export_identity &&
+        /tmp/probe_export_identity 2>&1 | tee "$OUT/probe-export-identity.txt"
 fi
 if [[ -n "${MOVER_SWEEP:-}" && "${MOVER_SWEEP}" != 0 ]]; then
     python3 bench/mover_sweep.py --sizes ${MOVER_SWEEP_SIZES:-8 16} ${MOVER_SWEEP_ARGS:-} \
