@@ -23,6 +23,16 @@
  * is not movable: the other process maps that very memory. A mapping of a handle the agent
  * never saw created (imported from another process) is not movable either.
  *
+ * A handle taken back from a held descriptor (vmm_adopt) is an imported one, which the driver
+ * does not export again (the H200 refused it; tests/fakes' libcuda does too): the next
+ * leave-running checkpoint would hold nothing. So the agent keeps a duplicate of the
+ * descriptor it took the memory back from (close-on-exec, its file noted) and hands out
+ * duplicates of it instead (vmm_export_fd). The kept descriptor is closed whenever the memory
+ * would go or leave the program: the mover's drop, the program's release or cuMemFree, and in
+ * a child after fork, where it would keep the parent's memory alive for the child's life and
+ * be a descriptor CRIU cannot dump. Found to be another file (the program closed it and opened
+ * something else there), it is forgotten, not closed.
+ *
  * One mutex over both lists, never held across a driver call that can block on the GPU (the
  * VMM calls do not). Lists are linked: programs hold thousands of mappings at most, and these
  * calls are rare next to kernel launches (allocators cache).
@@ -30,8 +40,11 @@
 #define LOG_PREFIX "vmm: "
 #include "agent.h" /* first: _GNU_SOURCE */
 
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #define MAX_ACCESS 8  /* access descriptors kept per mapping (devices that may access it) */
 #define MAX_DEVICES 64
@@ -51,6 +64,7 @@ struct phys {
 					  * mapping goes */
 	unsigned shared : 1;             /* exported: not movable */
 	unsigned moved : 1;              /* dropped by the mover: its data is in the files */
+	int kept;            /* 1 + its slot in kept[]: the descriptor it was taken back from */
 };
 
 struct vmap {
@@ -133,6 +147,64 @@ static void phys_unlink(struct phys *ph)
 			*pp = ph->next;
 			return;
 		}
+}
+
+/* The descriptors the held memory was taken back from (one a phys at most), in a fixed array a
+ * child after fork can close without walking the lists. Under vm.lock. */
+static struct kept_fd {
+	int fd1; /* the descriptor + 1; 0: a free slot */
+	dev_t dev;
+	ino_t ino;
+} kept[HOLD_MAX];
+
+/* Under vm.lock: the kept descriptor, if it is still the file it was (else forgotten, not
+ * closed); -1 if none. */
+static int kept_get(struct phys *ph)
+{
+	struct kept_fd *k = ph->kept ? &kept[ph->kept - 1] : NULL;
+	struct stat st;
+
+	if (!k)
+		return -1;
+	if (fstat(k->fd1 - 1, &st) == 0 && st.st_dev == k->dev && st.st_ino == k->ino)
+		return k->fd1 - 1;
+	pr_warn("the descriptor 0x%llx was taken back from is another file now: not kept",
+		ph->id);
+	k->fd1 = 0;
+	ph->kept = 0;
+	return -1;
+}
+
+/* Under vm.lock: the kept descriptor closed (if it is still the one kept). */
+static void kept_close(struct phys *ph)
+{
+	int fd = kept_get(ph);
+
+	if (fd >= 0) {
+		close(fd);
+		kept[ph->kept - 1].fd1 = 0;
+		ph->kept = 0;
+	}
+}
+
+/* Under vm.lock: a duplicate of fd kept for ph (none where no slot or descriptor is free: the
+ * next prepare then asks the driver, which may refuse, and that checkpoint copies). */
+static void kept_add(struct phys *ph, int fd)
+{
+	struct stat st;
+	int i, dup;
+
+	kept_close(ph);
+	for (i = 0; i < HOLD_MAX && kept[i].fd1; i++)
+		;
+	if (i == HOLD_MAX || (dup = fcntl(fd, F_DUPFD_CLOEXEC, 3)) < 0)
+		return;
+	if (fstat(dup, &st) < 0) {
+		close(dup);
+		return;
+	}
+	kept[i] = (struct kept_fd){ .fd1 = dup + 1, .dev = st.st_dev, .ino = st.st_ino };
+	ph->kept = i + 1;
 }
 
 static struct phys *phys_new(CUmemGenericAllocationHandle h, size_t size,
@@ -241,6 +313,7 @@ static void phys_maybe_free(struct phys *ph)
 {
 	if (ph->dropped_by_program && ph->nmaps == 0) {
 		phys_unlink(ph);
+		kept_close(ph);
 		free(ph);
 	}
 }
@@ -256,6 +329,7 @@ void vmm_release_pre(struct track *t, CUmemGenericAllocationHandle handle)
 		return;
 	pthread_mutex_lock(&vm.lock);
 	if (--ph->refs <= 0) {
+		kept_close(ph); /* the program let go: the memory goes with its last mapping */
 		ph->dropped_by_program = 1;
 		phys_maybe_free(ph);
 	}
@@ -494,6 +568,7 @@ int vmm_free(CUdeviceptr dptr, CUresult *rc)
 		;
 	if (ph) {
 		phys_unlink(ph);
+		kept_close(ph);
 		for (struct vmap **pp = &vm.maps; *pp; pp = &(*pp)->next)
 			if ((*pp)->ph == ph) {
 				m = *pp;
@@ -582,6 +657,7 @@ CUresult vmm_drop(void *p)
 	pthread_mutex_lock(&vm.lock);
 	ph->real = 0;
 	ph->moved = 1;
+	kept_close(ph); /* a duplicate went with the held ones, if held: the program keeps none */
 	pthread_mutex_unlock(&vm.lock);
 	return CUDA_SUCCESS;
 }
@@ -635,8 +711,15 @@ int vmm_exportable(void *p)
  * movable), for the program's exports. */
 CUresult vmm_export_fd(void *p, int *fd)
 {
-	const struct phys *ph = p;
+	struct phys *ph = p;
+	int k;
 
+	pthread_mutex_lock(&vm.lock);
+	k = kept_get(ph); /* taken back from a descriptor: a duplicate of it */
+	*fd = k >= 0 ? fcntl(k, F_DUPFD_CLOEXEC, 3) : -1;
+	pthread_mutex_unlock(&vm.lock);
+	if (k >= 0)
+		return *fd >= 0 ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
 	if (!real.cuMemExportToShareableHandle)
 		return CUDA_ERROR_NOT_SUPPORTED;
 	*fd = -1;
@@ -672,8 +755,12 @@ CUresult vmm_adopt(void *p, int fd)
 	ph->real = h;
 	pthread_mutex_unlock(&vm.lock);
 	rc = vmm_recreate(ph);
-	if (rc == CUDA_SUCCESS)
+	if (rc == CUDA_SUCCESS) {
+		pthread_mutex_lock(&vm.lock);
+		kept_add(ph, fd);
+		pthread_mutex_unlock(&vm.lock);
 		return rc;
+	}
 	for (struct vmap *m = vm.maps; m; m = m->next)
 		if (m->ph == ph)
 			real.cuMemUnmap(m->ptr, m->size); /* the ones not mapped answer an error */
@@ -715,6 +802,14 @@ void vmm_status(struct vmm_status *st)
  * another thread may have been walking the lists). */
 void vmm_after_fork(void)
 {
+	for (int i = 0; i < HOLD_MAX; i++) { /* the parent's memory: not the child's to keep */
+		struct stat st;
+
+		if (kept[i].fd1 && fstat(kept[i].fd1 - 1, &st) == 0 && st.st_dev == kept[i].dev &&
+		    st.st_ino == kept[i].ino)
+			close(kept[i].fd1 - 1);
+		kept[i].fd1 = 0;
+	}
 	pthread_mutex_init(&vm.lock, NULL);
 	vm.phys = NULL;
 	vm.maps = NULL;

@@ -296,6 +296,19 @@ class Probe:
         elif cmd == "cached":
             self.fake_torch(args[:3])
             rc = 0
+        elif cmd == "forkfds":   # a child forked, its descriptors then: a pipe tells them
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                os.close(r)
+                os.write(w, json.dumps(sorted(os.listdir("/proc/self/fd"), key=int)).encode())
+                os._exit(0)
+            os.close(w)
+            with os.fdopen(r) as f:
+                doc["child_fds"] = json.loads(f.read())
+            os.waitpid(pid, 0)
+            doc["fds"] = sorted(os.listdir("/proc/self/fd"), key=int)
+            rc = 0
         elif cmd == "quit":
             rc = 0
         else:

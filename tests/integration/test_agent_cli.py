@@ -288,6 +288,15 @@ def test_the_real_agent_holds_its_memory_through_a_leave_running_checkpoint(torp
     m = json.loads((images / "torpor.json").read_text())
     entry = m["agent"][str(proc.pid)]
     assert entry["bytes"] == 64 << 20 and sum(entry["files"]) >= 64 << 20, entry
+    # the next periodic checkpoint holds again: the memory is an imported handle now, which
+    # the driver does not export again, and the agent hands out the descriptor it kept
+    r = torpor.run("checkpoint", str(proc.pid), "-D", str(tmp_path / "ck2"), "--leave-running",
+                   "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["held"] == 1, r.stdout
+    text = plog.read_text(errors="replace")
+    assert text.count("nothing copied") == 2 and "not taken back" not in text, text[-3000:]
+    assert torpor.json("inspect", str(tmp_path / "ck2"), "--verify")["verified"]
 
 
 def _digest(pid: int, status: Path, size: int = 64 << 20) -> str:

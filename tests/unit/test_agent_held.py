@@ -46,11 +46,15 @@ def nfds(p: Probe) -> int:
 def fds_back(p: Probe, before: int) -> None:
     """The agent's descriptors (data files, held ones, the client's connection, which it closes
     once it sees the hang-up) are all closed again: the program has `before` open (the fake's
-    handles have a memfd each: fewer while their memory is released)."""
+    handles have a memfd each: fewer while their memory is released; and memory taken back
+    from held descriptors keeps a duplicate of each, KEPT, for the next hold)."""
     deadline = time.monotonic() + 10
     while nfds(p) != before and time.monotonic() < deadline:
         time.sleep(0.02)
     assert nfds(p) == before, os.listdir(f"/proc/{p.pid}/fd")
+
+
+KEPT = MOVABLE   # after a held resume: the duplicates kept, one an allocation (vmm.c)
 
 
 def prepared(gpu, p: Probe, tmp_path: Path, own: str = "vmmfd", n: int = 2):
@@ -91,18 +95,31 @@ def test_held_memory_comes_back_without_a_copy(gpu, probe, tmp_path):
     st = p.status()
     assert (st["state"], st["gate"], st["movable_allocations"]) == ("running", "open", MOVABLE)
     _intact(p, prog["mem"])
-    fds_back(p, before)
+    fds_back(p, before + KEPT)
 
-    # a second round: the imported handles are ordinary ones again, but a driver does not
-    # export an imported handle (the H200 did not): nothing is held, the files carry it
+    # a second round: the imported handles are the allocations' now, and a driver does not
+    # export an imported handle (the H200 did not; nor does the fake): the agent hands out
+    # duplicates of the descriptors it took them back from, so it holds again, copying nothing
     files2 = Files(tmp_path / "again", 2)
     r = files2.send(p.sock, "prepare 5000", write=True)
-    assert r["ok"] and r["held"] == 0, r
-    assert "nothing held through the checkpoint: exporting" in p.stderr()
+    assert r["ok"] and r["held"] == MOVABLE, r
     r, held = ctl_recv(p.sock, "detach hold")
-    assert r == {"ok": True, "held": 0} and held == [], r
-    r = files2.send(p.sock, "resume", write=False)
-    assert r["ok"] and r["held"] is False, r
+    assert r == {"ok": True, "held": MOVABLE} and len(held) == MOVABLE, r
+    fds_back(p, before - MOVABLE)        # its kept ones closed with the drop: none in the dump
+    copies = gpu.copies(p.pid)
+    r = resume_with(p, files2, f"resume held={MOVABLE}", held)
+    close_all(held)
+    assert r["ok"] and r["held"] is True, r
+    assert gpu.copies(p.pid) == copies
+    _intact(p, prog["mem"])
+    fds_back(p, before + KEPT)
+
+    # a suspend (no hold asked) copies, and the re-created handles keep nothing
+    files3 = Files(tmp_path / "third", 2)
+    assert files3.send(p.sock, "prepare 5000", write=True)["ok"]
+    r, held = ctl_recv(p.sock, "detach")
+    assert r["ok"] and held == [], r
+    assert files3.send(p.sock, "resume", write=False)["held"] is False
     _intact(p, prog["mem"])
     fds_back(p, before)
 
@@ -115,6 +132,26 @@ def test_held_memory_comes_back_without_a_copy(gpu, probe, tmp_path):
     assert _gpu_mem(gpu, p) == mem - 64 * MIB - own_size
     assert p.status()["movable_allocations"] == 1
     fds_back(p, before - 2)
+
+
+def test_memory_taken_back_frees_with_its_kept_descriptor(gpu, probe, tmp_path):
+    """After a held resume each allocation keeps the descriptor it came back from: cuMemFree
+    and the program's own release close it with the memory, so none of it outlives the
+    program's free."""
+    p = probe(EXPORT)
+    prog, files, before, r = prepared(gpu, p, tmp_path)
+    r, held = ctl_recv(p.sock, "detach hold")
+    r = resume_with(p, files, f"resume held={MOVABLE}", held)
+    close_all(held)
+    assert r["ok"] and r["held"] is True, r
+    fds_back(p, before + KEPT)
+    mem = _gpu_mem(gpu, p)
+    big, _ = prog["mem"]["big"]
+    assert p.call(f"@free {big} dlsym")["rc"] == 0
+    own_ptr, own_size = prog["mem"]["own"]
+    assert p.call(f"@vmmfree {own_ptr} {prog['handle']} {own_size}")["rc"] == 0
+    assert _gpu_mem(gpu, p) == mem - 64 * MIB - own_size
+    fds_back(p, before + KEPT - 4)       # two handles' memfds and their two kept descriptors
 
 
 def test_a_held_resume_frees_like_any(gpu, probe, tmp_path):
@@ -206,7 +243,7 @@ def test_a_refused_import_or_map_falls_back_to_the_files(gpu, probe, tmp_path, c
     assert (st["movable_allocations"], st["moved_allocations"]) == (MOVABLE, 0)
     # every handle counted once, as before the prepare: no import left unreleased
     assert _gpu_mem(gpu, p) == mem
-    fds_back(p, before)
+    fds_back(p, before + 1)   # the first, imported and mapped, keeps its descriptor
 
 
 def test_abort_and_a_resume_while_prepared_take_the_agents_own_held_memory(gpu, probe,
@@ -218,20 +255,39 @@ def test_abort_and_a_resume_while_prepared_take_the_agents_own_held_memory(gpu, 
     assert r["ok"] and r["held"] is True, r
     assert gpu.copies(p.pid) == copies
     _intact(p, prog["mem"])
-    fds_back(p, before)
-    # prepared again from the imported handles: not exportable twice, so nothing held, and
-    # a fresh set of the program's own once copied back
+    fds_back(p, before + KEPT)
+    # prepared again from the imported handles: held again through the kept descriptors
     r = Files(tmp_path / "two", 1).send(p.sock, "prepare", write=True)
-    assert r["ok"] and r["held"] == 0, r
-    assert p.ctl("abort")["held"] is False
-    _intact(p, prog["mem"])
-    fds_back(p, before)
-    # ... re-created exportable (the allocation's properties): the next prepare holds again
-    r = Files(tmp_path / "three", 1).send(p.sock, "prepare", write=True)
     assert r["ok"] and r["held"] == MOVABLE, r
     assert p.ctl("abort")["held"] is True
     _intact(p, prog["mem"])
-    fds_back(p, before)
+    fds_back(p, before + KEPT)
+
+
+def test_a_forked_child_keeps_none_of_the_kept_descriptors(gpu, probe, tmp_path):
+    """A child forked after a held resume (a DataLoader worker) would keep the parent's GPU
+    memory alive for its whole life through the inherited kept descriptors, and be a process
+    with descriptors CRIU cannot dump: the agent's fork handler closes them in the child."""
+    p = probe(EXPORT)
+    prog, files, before, r = prepared(gpu, p, tmp_path)
+    r, held = ctl_recv(p.sock, "detach hold")
+    r = resume_with(p, files, f"resume held={MOVABLE}", held)
+    close_all(held)
+    assert r["ok"] and r["held"] is True, r
+    fds_back(p, before + KEPT)
+    doc = p.call("forkfds")
+
+    def memory(fd: str) -> bool:      # the fake's GPU memory: a memfd (its handles' and kept)
+        try:
+            return "memfd:" in os.readlink(f"/proc/{p.pid}/fd/{fd}")
+        except FileNotFoundError:    # the probe's pipe, closed since
+            return False
+    parents = {fd for fd in doc["fds"] if memory(fd)}
+    assert len(parents) == MOVABLE + KEPT, doc   # the handles' own and the kept duplicates
+    gone = parents - set(doc["child_fds"])
+    assert len(gone) == KEPT, doc        # the kept ones, and only those, closed in the child
+    _intact(p, prog["mem"])
+    fds_back(p, before + KEPT)           # the parent keeps its own
 
 
 def test_a_resume_with_the_files_while_prepared_takes_the_held_memory(gpu, probe, tmp_path):
@@ -242,7 +298,7 @@ def test_a_resume_with_the_files_while_prepared_takes_the_held_memory(gpu, probe
     assert r["ok"] and r["held"] is True, r
     assert gpu.copies(p.pid) == copies
     _intact(p, prog["mem"])
-    fds_back(p, before)
+    fds_back(p, before + KEPT)
 
 
 def test_the_prepare_deadline_takes_the_held_memory_back(gpu, probe, tmp_path):
@@ -254,7 +310,7 @@ def test_the_prepare_deadline_takes_the_held_memory_back(gpu, probe, tmp_path):
     assert gpu.copies(p.pid) == copies
     assert "nothing copied" in p.stderr()
     _intact(p, prog["mem"])
-    fds_back(p, before)
+    fds_back(p, before + KEPT)
 
 
 def test_without_the_knob_nothing_is_held(gpu, probe, tmp_path):
@@ -325,4 +381,4 @@ def test_held_is_refused_when_malformed(gpu, probe, tmp_path):
     assert p.status()["state"] == "prepared"
     assert p.ctl("abort")["held"] is True
     _intact(p, prog["mem"])
-    fds_back(p, before)
+    fds_back(p, before + KEPT)
