@@ -268,3 +268,26 @@ def pstree(images_dir: Path) -> list[dict]:
     except Exception as e:  # pycriu raises its own and protobuf errors
         raise CriuError(f"cannot read {path}: {e}") from e
     return list(img["entries"])
+
+
+# stats-dump's fields (microseconds) as the pause reports them, in seconds
+_DUMP_STATS_S = {"frozen_time": "frozen_s", "memdump_time": "memdump_s",
+                 "memwrite_time": "memwrite_s"}
+
+
+def dump_stats(images_dir: Path) -> dict[str, float | int] | None:
+    """What CRIU's dump says of itself (its stats-dump, read with pycriu): how long it kept
+    the tree frozen, of which dumping and writing memory, and the pages it wrote. None where
+    there is none or it cannot be read (an older CRIU, a damaged file): it only informs."""
+    try:
+        from pycriu import images
+        with open(images_dir / "stats-dump", "rb") as f:
+            entry = images.load(f)["entries"][0]["dump"]
+        out: dict[str, float | int] = {
+            name: round(int(entry[key]) / 1e6, 4) for key, name in _DUMP_STATS_S.items()}
+        out["pages_written"] = int(entry["pages_written"])
+    except Exception:  # noqa: BLE001  (pycriu's own and protobuf errors, a missing field)
+        return None
+    if any(v < 0 for v in out.values()):
+        return None
+    return out

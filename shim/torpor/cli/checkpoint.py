@@ -43,7 +43,8 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
            "durable_s": durable}
     if pause:
         out.update(paused_s=pause.get("paused_s"), staged=bool(pause.get("staged")),
-                   held=int(pause.get("held") or 0))
+                   held=int(pause.get("held") or 0),
+                   criu_frozen_s=(pause.get("criu") or {}).get("frozen_s"))
     ctx.emit(out,
              f"checkpointed PID {pid} ({len(m['processes'])} process(es), {len(cuda)} with CUDA "
              f"state, {human_bytes(m['sizes']['gpu_memory'])} GPU memory) into {args.images_dir}: "

@@ -10,7 +10,8 @@ GPU memory goes into <images dir>/torpor-gpu/ (agent_data.py). Left running, the
 host memory instead (writeout.py) and it is written into the directory once the program runs
 again: the program is paused for the copy to host memory and the dump, not for the disk. The
 manifest's "pause" says how long it was paused ({"paused_s", "staged", "held": the allocations
-that stayed on the GPU through it, mapped back rather than copied}).
+that stayed on the GPU through it, mapped back rather than copied; "criu": how long CRIU's dump
+kept the tree frozen, from its stats-dump: criu.dump_stats}).
 """
 
 from __future__ import annotations
@@ -170,6 +171,9 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
             kept = sum(n for p, n in held.items() if (back.get(p) or {}).get("held"))
             draft["pause"] = {"paused_s": round(time.monotonic() - paused, 4), "staged": staged,
                               "held": kept}
+            stats = criu.dump_stats(images_dir) if dump_error is None else None
+            if stats:   # how much of the pause was CRIU's freeze
+                draft["pause"]["criu"] = stats
             progress.say(f"the program runs again, paused {draft['pause']['paused_s']:.2f} s"
                          + ("; its GPU data is written out while it runs" if staged else ""))
         if staged and stage is not None:

@@ -1,0 +1,43 @@
+"""criu.dump_stats: CRIU's stats-dump, read with pycriu, as the pause reports it; anything it
+cannot read is no stats, never an error (it only informs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from torpor import criu
+
+pycriu = pytest.importorskip("pycriu")
+
+
+def _write(path: Path, dump: dict) -> None:
+    from pycriu import images
+    with open(path / "stats-dump", "wb") as f:
+        images.dump({"magic": "STATS", "entries": [{"dump": dump}]}, f)
+
+
+def test_the_stats_in_seconds(tmp_path):
+    _write(tmp_path, {"freezing_time": 180, "frozen_time": 556295, "memdump_time": 549072,
+                      "memwrite_time": 533523, "pages_scanned": 51947, "pages_skipped_parent": 0,
+                      "irmap_resolve": 0, "pages_lazy": 0,
+                      "pages_written": 51877})
+    assert criu.dump_stats(tmp_path) == {"frozen_s": 0.5563, "memdump_s": 0.5491,
+                                         "memwrite_s": 0.5335, "pages_written": 51877}
+
+
+@pytest.mark.parametrize("content", [None, b"", b"\x00" * 40, b"garbage" * 100])
+def test_no_or_a_damaged_file_is_no_stats(tmp_path, content):
+    if content is not None:
+        (tmp_path / "stats-dump").write_bytes(content)
+    assert criu.dump_stats(tmp_path) is None
+
+
+def test_a_restore_stats_file_is_no_dump_stats(tmp_path):
+    from pycriu import images
+    with open(tmp_path / "stats-dump", "wb") as f:
+        images.dump({"magic": "STATS", "entries": [{"restore": {
+            "pages_compared": 1, "pages_skipped_cow": 0, "forking_time": 5,
+            "restore_time": 7}}]}, f)
+    assert criu.dump_stats(tmp_path) is None
