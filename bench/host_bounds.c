@@ -63,7 +63,8 @@
 #endif
 
 #define MIB (1UL << 20)
-#define BLOCK MIB /* the mover's pwrite (agent/src/mover.h SUB) */
+#define BLOCK MIB /* the mover's pwrite before 2026-12-05, its pread (agent/src/mover.h SUB) */
+#define PART_BYTES (4 * MIB) /* the mover's pwrite since (a part, agent/src/mover.h FILE_ALIGN) */
 #define MAX_THREADS 64
 
 static struct {
@@ -250,8 +251,9 @@ static void copy_nt(void *dst, const void *src, size_t n)
 /* pwrite   1 MiB pwrites into a sparse file (the mover's data files before 2026-12-05: sized,
  *          then written; the kernel allocates each page as the write comes, and zeroes what
  *          a write leaves of a new huge page: shmem_write_end)
- * pwrite-whole  one pwrite a piece (4 or 32 MiB, huge-page aligned): every new huge page
- *          written whole, nothing zeroed (the mover's TORPOR_AGENT_MOVER_WRITE=part)
+ * pwrite-whole  one pwrite a part (4 MiB, huge-page aligned): every new huge page written
+ *          whole, nothing zeroed (the mover's TORPOR_AGENT_MOVER_WRITE=part); read back as
+ *          pwrite
  * map      memcpy into a file's shared mapping, allocated and populated before the clock
  * map-nt   the same with non-temporal stores (no read of the destination before the write)
  * map-nt-fault  non-temporal stores into the mapping of a sparse file: each page is
@@ -284,7 +286,9 @@ static void sink_io(struct sinkmem *k, int outward, unsigned char *buf, size_t o
 {
 	unsigned char *at = k->m.p ? (unsigned char *)k->m.p + off : NULL;
 
-	size_t block = k->s == SPWRITEW ? n : BLOCK;
+	/* pwrite-whole writes a part (4 MiB, the mover's) at a time, or the piece if smaller;
+	 * both read back 1 MiB at a time, as the mover's load does */
+	size_t block = k->s == SPWRITEW && outward ? (n < PART_BYTES ? n : PART_BYTES) : BLOCK;
 
 	if (k->s != SPWRITE && k->s != SPWRITEW) {
 		if (!outward)

@@ -231,6 +231,8 @@ int vmm_exportable(void *phys);
 CUresult vmm_export_fd(void *phys, int *fd);
 int vmm_dropped(void *phys);
 CUresult vmm_adopt(void *phys, int fd);
+/* Every descriptor memory was taken back from (vmm.c, "kept") closed: after a prepare's drop. */
+void vmm_kept_close_all(void);
 struct vmm_status {
 	long movable;
 	unsigned long long movable_bytes;

@@ -387,9 +387,9 @@ int mover_save(const int *fds, int nfds, int known_fd, int index_fd, int ring_fd
 	/* Every file at its full size before the first byte is written (and so a file ending in
 	 * skipped parts or a hole has it too): a tmpfs mounted huge=within_size (suspend_dir's)
 	 * gives a write huge pages only where the file's size already covers them, and the
-	 * workers write 1 MiB at a time, each past the end of a growing file: measured on Linux
-	 * 6.18, 256 MiB written so got no 2 MiB page, and every page once the file was sized
-	 * first. */
+	 * workers wrote 1 MiB at a time (TORPOR_AGENT_MOVER_WRITE=block), each past the end of a
+	 * growing file: measured on Linux 6.18, 256 MiB written so got no 2 MiB page, and every
+	 * page once the file was sized first. */
 	ret = tune.presize ? size_files(fds, nfds, r) : 0;
 	if (!ret && plan.nchunks)
 		ret = run_workers(in_memory ? NULL : fds, plan.nfiles, 1, r);
@@ -421,6 +421,7 @@ int mover_save(const int *fds, int nfds, int known_fd, int index_fd, int ring_fd
 		}
 		dropped++;
 	}
+	vmm_kept_close_all(); /* none open in the program through the checkpoint and the dump */
 	plan.pending = 1;
 	r->vmm_seconds = seconds_since(t1);
 	r->chunks = plan.nchunks;

@@ -273,7 +273,6 @@ static void sync_streams(struct worker *w)
 				     w->saving ? "copy out" : "reload");
 }
 
-/* One part of chunk c between buf and the sink (file_io) */
 /* n bytes between p and w's data file at off, whole (pwrite or pread again after a short one);
  * 0, or -1 with the worker failed. */
 static int file_all(struct worker *w, unsigned char *p, size_t n, unsigned long long off)
@@ -299,13 +298,18 @@ static int file_all(struct worker *w, unsigned char *p, size_t n, unsigned long 
 	return 0;
 }
 
+#define HUGE_PAGE (2UL << 20) /* the tmpfs's huge page: a save's write covers whole ones */
+
 /* Part q of c between buf and the sink, SUB at a time (each block summed whole while it is in
  * the CPU's cache: the checksum's stripes fall the same way on both sides). A save into a
- * file writes the part in one pwrite (TORPOR_AGENT_MOVER_WRITE=part, the default): the part is
- * FILE_ALIGN-aligned in its file, so every write covers whole huge pages of the suspend_dir's
- * tmpfs, and the kernel does not zero the rest of a new 2 MiB page that a 1 MiB write leaves
- * (shmem_write_end zeroes what a write leaves of a folio not yet up to date, and the next
- * write overwrites it: half a byte more written to memory for every byte saved). */
+ * file writes whole huge pages (TORPOR_AGENT_MOVER_WRITE=part, the default): the part in one
+ * pwrite, or 2 MiB at a time once summed (still in cache). The part is FILE_ALIGN-aligned in
+ * its file, so every write covers whole huge pages of the suspend_dir's tmpfs, and the kernel
+ * does not zero the rest of a new 2 MiB page that a 1 MiB write leaves (shmem_write_end
+ * zeroes what a write leaves of a folio not yet up to date, and the next write overwrites it:
+ * half a byte more written to memory for every byte saved). That holds where the kernel copies
+ * a write a folio at a time (Linux 6.18, here and on the GPU host); one that copies page by
+ * page zeroes a new huge page at its first 4 KiB whatever the write's size. */
 static int part_io(struct worker *w, const struct chunk *c, unsigned char *buf, int q,
 		   uint64_t *sum)
 {
@@ -313,6 +317,7 @@ static int part_io(struct worker *w, const struct chunk *c, unsigned char *buf, 
 	unsigned long long sink = c->part[q].sink_off; /* the part's first byte in the sink */
 	int summed = part_summed(&c->part[q]);
 	int whole = w->saving && !w->region && tune.write_part;
+	size_t pending = first; /* whole: written up to here */
 	struct sum s;
 
 	if (w->saving && stream_active())
@@ -327,22 +332,24 @@ static int part_io(struct worker *w, const struct chunk *c, unsigned char *buf, 
 			unsigned char *at = w->region + sink + (block - first);
 
 			w->saving ? memcpy(at, buf + block, n) : memcpy(buf + block, at, n);
-		} else if (!whole && file_all(w, buf + block, n, sink + (block - first))) {
-			return -1;
+		} else if (!whole) {
+			if (file_all(w, buf + block, n, sink + (block - first)))
+				return -1;
+		} else if (block + n == last || (summed && block + n - pending >= HUGE_PAGE)) {
+			if (file_all(w, buf + pending, block + n - pending, sink + (pending - first)))
+				return -1;
+			pending = block + n;
 		}
 		if (!w->saving && summed)
 			sum_add(&s, buf + block, n);
 	}
-	if (whole && file_all(w, buf + first, last - first, sink))
-		return -1;
 	*sum = summed ? sum_end(&s) : 0;
 	return 0;
 }
 
 
-/* Writes (saving) or reads one chunk's bytes between buf and the sink, part by part and SUB
- * at a time in a part (each block summed whole: the checksum's stripes must fall the same way
- * on both sides), and returns each part's checksum in sums. The parts that stay behind
+/* Writes (saving) or reads one chunk's bytes between buf and the sink, part by part (part_io:
+ * how each is summed and written), and returns each part's checksum in sums. The parts that stay behind
  * (part_stays) are neither written nor read (nor summed). */
 static int file_io(struct worker *w, const struct chunk *c, unsigned char *buf, uint64_t *sums)
 {

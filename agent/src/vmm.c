@@ -42,7 +42,9 @@
 
 #include <fcntl.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -175,36 +177,94 @@ static int kept_get(struct phys *ph)
 	return -1;
 }
 
-/* Under vm.lock: the kept descriptor closed (if it is still the one kept). */
-static void kept_close(struct phys *ph)
+/* Under vm.lock: the kept descriptor out of the table, to be closed (kept_close) once the
+ * lock is let go: the close may be what frees the GPU memory, a driver call the lock is never
+ * held across. -1 if none. */
+static int kept_take(struct phys *ph)
 {
 	int fd = kept_get(ph);
 
 	if (fd >= 0) {
-		close(fd);
 		kept[ph->kept - 1].fd1 = 0;
 		ph->kept = 0;
 	}
+	return fd;
 }
 
-/* Under vm.lock: a duplicate of fd kept for ph (none where no slot or descriptor is free: the
- * next prepare then asks the driver, which may refuse, and that checkpoint copies). */
+static void kept_close(int fd)
+{
+	if (fd >= 0)
+		close(fd);
+}
+
+/* Where kept descriptors go: high, away from the numbers a program opens and closes (as CRIU
+ * keeps its own), under the soft limit with room for all of them; else anywhere above 2. */
+static int kept_floor(void)
+{
+	struct rlimit rl;
+
+	if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY &&
+	    rl.rlim_cur >= 4 * HOLD_MAX)
+		return (int)(rl.rlim_cur - 2 * HOLD_MAX);
+	return 3;
+}
+
+/* Under vm.lock: a duplicate of fd kept for ph. Only a descriptor that is a file of its own
+ * (not a device node, not an anonymous inode all such descriptors share) is kept: its
+ * identity is what tells it from whatever the program opens under that number later. None
+ * kept (no slot, no descriptor, not such a file): the next prepare asks the driver, which may
+ * refuse an imported handle, and that checkpoint copies. */
 static void kept_add(struct phys *ph, int fd)
 {
+	static int warned;
+	char path[40], link[64] = "";
 	struct stat st;
-	int i, dup;
+	int i, dup = -1;
 
-	kept_close(ph);
+	kept_close(kept_take(ph)); /* none: adopted from a dropped handle */
+	snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
+	if (fstat(fd, &st) < 0 || S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode) ||
+	    (readlink(path, link, sizeof(link) - 1) > 0 && !strncmp(link, "anon_inode:", 11))) {
+		if (!warned++)
+			pr_info("held memory: the driver's descriptors are not files of their own: "
+				"none kept (a periodic checkpoint holds every other time)");
+		return;
+	}
 	for (i = 0; i < HOLD_MAX && kept[i].fd1; i++)
 		;
-	if (i == HOLD_MAX || (dup = fcntl(fd, F_DUPFD_CLOEXEC, 3)) < 0)
-		return;
-	if (fstat(dup, &st) < 0) {
-		close(dup);
+	if (i < HOLD_MAX) {
+		dup = fcntl(fd, F_DUPFD_CLOEXEC, kept_floor());
+		if (dup < 0)
+			dup = fcntl(fd, F_DUPFD_CLOEXEC, 3);
+	}
+	if (dup < 0) {
+		if (!warned++)
+			pr_warn("held memory: no descriptor kept for 0x%llx (%s): the next checkpoint "
+				"may copy it", ph->id, i < HOLD_MAX ? strerror(errno) : "no slot");
 		return;
 	}
 	kept[i] = (struct kept_fd){ .fd1 = dup + 1, .dev = st.st_dev, .ino = st.st_ino };
 	ph->kept = i + 1;
+}
+
+/* Every kept descriptor closed: after a prepare's drop none may stay open in the program
+ * through the driver's checkpoint and CRIU's dump (the dropped ones' went with the drop; an
+ * allocation the prepare did not move, unmapped or exported since it was taken back, keeps
+ * its own until here). */
+void vmm_kept_close_all(void)
+{
+	int fds[HOLD_MAX], n = 0;
+
+	pthread_mutex_lock(&vm.lock);
+	for (struct phys *ph = vm.phys; ph; ph = ph->next) {
+		int fd = kept_take(ph);
+
+		if (fd >= 0 && n < HOLD_MAX)
+			fds[n++] = fd;
+	}
+	pthread_mutex_unlock(&vm.lock);
+	while (n)
+		kept_close(fds[--n]);
 }
 
 static struct phys *phys_new(CUmemGenericAllocationHandle h, size_t size,
@@ -313,7 +373,7 @@ static void phys_maybe_free(struct phys *ph)
 {
 	if (ph->dropped_by_program && ph->nmaps == 0) {
 		phys_unlink(ph);
-		kept_close(ph);
+		kept_close(kept_take(ph)); /* none left: the program's release took it */
 		free(ph);
 	}
 }
@@ -322,6 +382,7 @@ void vmm_release_pre(struct track *t, CUmemGenericAllocationHandle handle)
 {
 	struct phys *ph;
 	CUmemGenericAllocationHandle h = translate(handle, &ph);
+	int fd = -1;
 
 	t->handled = 1;
 	t->rc = real.cuMemRelease ? real.cuMemRelease(h) : CUDA_ERROR_NOT_SUPPORTED;
@@ -329,11 +390,12 @@ void vmm_release_pre(struct track *t, CUmemGenericAllocationHandle handle)
 		return;
 	pthread_mutex_lock(&vm.lock);
 	if (--ph->refs <= 0) {
-		kept_close(ph); /* the program let go: the memory goes with its last mapping */
+		fd = kept_take(ph); /* the program let go: the memory goes with its last mapping */
 		ph->dropped_by_program = 1;
 		phys_maybe_free(ph);
 	}
 	pthread_mutex_unlock(&vm.lock);
+	kept_close(fd);
 }
 
 void vmm_map_pre(struct track *t, CUdeviceptr ptr, size_t size, size_t offset,
@@ -562,13 +624,14 @@ int vmm_free(CUdeviceptr dptr, CUresult *rc)
 	struct phys *ph = NULL;
 	struct vmap *m = NULL;
 	size_t size;
+	int fd = -1;
 
 	pthread_mutex_lock(&vm.lock);
 	for (ph = vm.phys; ph && ph->own_va != dptr; ph = ph->next)
 		;
 	if (ph) {
 		phys_unlink(ph);
-		kept_close(ph);
+		fd = kept_take(ph);
 		for (struct vmap **pp = &vm.maps; *pp; pp = &(*pp)->next)
 			if ((*pp)->ph == ph) {
 				m = *pp;
@@ -593,6 +656,7 @@ int vmm_free(CUdeviceptr dptr, CUresult *rc)
 		*rc = real.cuMemAddressFree(dptr, size);
 	if (*rc != CUDA_SUCCESS)
 		pr_warn("cuMemFree(0x%llx) of a VMM allocation: CUresult %d", dptr, *rc);
+	kept_close(fd); /* after the release: the memory goes with it */
 	free(m);
 	free(ph);
 	return 1;
@@ -643,6 +707,7 @@ CUresult vmm_drop(void *p)
 {
 	struct phys *ph = p;
 	CUresult rc = CUDA_SUCCESS;
+	int fd;
 
 	/* The mappings stay in the list (vmm_recreate maps them again); the driver unmaps. */
 	for (struct vmap *m = vm.maps; m && rc == CUDA_SUCCESS; m = m->next)
@@ -657,8 +722,9 @@ CUresult vmm_drop(void *p)
 	pthread_mutex_lock(&vm.lock);
 	ph->real = 0;
 	ph->moved = 1;
-	kept_close(ph); /* a duplicate went with the held ones, if held: the program keeps none */
+	fd = kept_take(ph); /* a duplicate went with the held ones, if held: the program keeps none */
 	pthread_mutex_unlock(&vm.lock);
+	kept_close(fd);
 	return CUDA_SUCCESS;
 }
 

@@ -256,8 +256,8 @@ def _pmd_mapped_kib(path) -> int:
 def test_data_files_on_a_within_size_tmpfs_get_huge_pages(gpu, probe, tmp_path, presize):
     """suspend_dir is a tmpfs mounted huge=within_size (agent_data.HUGE_TMPFS_OPTIONS), where
     a write gets huge pages only inside the file's size. The mover sizes its files before it
-    writes 1 MiB at a time: without that (TORPOR_AGENT_MOVER_PRESIZE=0, the mover before;
-    Linux 6.18) hardly one 2 MiB page."""
+    writes them: without that (TORPOR_AGENT_MOVER_PRESIZE=0, the mover before, which also wrote
+    1 MiB at a time: TORPOR_AGENT_MOVER_WRITE=block; Linux 6.18) hardly one 2 MiB page."""
     import subprocess
     mnt = tmp_path / "huge"
     mnt.mkdir()
