@@ -569,6 +569,9 @@ def main(argv: list[str]) -> int:
                     help="append a timestamp a loop to this file, and wait while the gate is "
                          "closed (as a real program's CUDA calls do): its longest gap is how "
                          "long the program was paused")
+    ap.add_argument("--export", type=int, default=0,
+                    help="its memory as N allocations a prepare exports (TORPOR_AGENT_VMM_EXPORT"
+                         "=1's held memory: `detach hold` sends them)")
     args = ap.parse_args(argv[1:])
     preload = os.environ.get("LD_PRELOAD", "")
     if "libtorpor-agent" in preload:   # a container preloads the real agent: be the only one
@@ -577,6 +580,7 @@ def main(argv: list[str]) -> int:
         os.execv(sys.executable, [sys.executable, "-I", *argv])
     agent = FakeAgent(Path(args.dir) / f"agent-{os.getpid()}.sock", args.bytes,
                       log=Events(Path(args.log)))
+    agent.export = args.export
     if args.lib:
         lib = ctypes.CDLL(args.lib)
         dev, ctx = ctypes.c_int(0), ctypes.c_void_p()

@@ -58,10 +58,11 @@ def mine(base, daemon, gpu, podman_image):
     return Podman(str(wrapper), timeout=120)
 
 
-def _start(podman, gpu, daemon, base, name) -> tuple[Path, Path]:
+def _start(podman, gpu, daemon, base, name, export: int = 0) -> tuple[Path, Path]:
     nodes = fake_nodes(base)
     events = gpu.state_dir / "agent-events"
     argv, env, mounts = agent_workload(gpu, "pz", NBYTES, events)
+    argv += ["--export", str(export)] if export else []
     podman.run(name, argv, mounts=mounts, env=env, annotations={"org.torpor.agent": "on"},
                devices=[f"{nodes[0]}:/dev/nvidia0", f"{nodes[255]}:/dev/nvidiactl"])
     sock = agent_dir(daemon.cfg.run_dir, podman.inspect(name, "{{.Id}}")) / "agent-1.sock"
@@ -127,6 +128,51 @@ def test_leave_running_pause_is_shorter_than_the_write_out(mine, gpu, daemon, ba
         assert (st["state"], st["gate"], st["intact"]) == ("running", "open", True)
     finally:
         podman.rm(name)
+
+
+def test_a_container_holds_its_gpu_memory_through_the_pause(mine, gpu, daemon, base, name):
+    """A container whose agent exports its memory (TORPOR_AGENT_VMM_EXPORT=1's held memory):
+    torpord takes the descriptors at LockAndCheckpoint, keeps them with the open operation
+    through runc's dump, and its RestoreAndUnlock maps them back, copying nothing back; the
+    checkpoint still has every byte (its data written out from the staging) and restores."""
+    podman = mine
+    events, sock = _start(podman, gpu, daemon, base, name, export=2)
+    try:
+        archive = base / "ck.tar"
+        podman.checkpoint(name, export=archive, leave_running=True, compress="none")
+        assert podman.state(name) == "running"
+        ev = _events(events)
+        assert ev[-2:] == ["agent resume", "agent resume-held"], ev
+        assert _staged(daemon) == set()
+        with tarfile.open(archive) as tf:
+            m = json.loads(tf.extractfile("checkpoint/torpor.json").read())
+        assert m["pause"]["held"] == 2 and m["pause"]["staged"] is True, m["pause"]
+        assert m["pause"]["criu"]["pages_written"] > 0, m["pause"]
+        pid = next(iter(m["agent"]))
+        assert m["agent"][pid]["bytes"] == NBYTES, m["agent"][pid]
+        with AgentClient(sock) as a:
+            st = a.status()
+        assert (st["state"], st["gate"], st["intact"]) == ("running", "open", True)
+        held = [fd for fd in os.listdir(f"/proc/{daemon.proc.pid}/fd")
+                if "memfd:" in _link(daemon.proc.pid, fd)]
+        assert held == [], held      # torpord keeps none once it is over
+
+        podman.rm(name)
+        events.unlink()
+        podman.restore(import_=archive)   # from the data files: every byte was written out
+        with AgentClient(agent_dir(daemon.cfg.run_dir, podman.inspect(name, "{{.Id}}"))
+                         / "agent-1.sock") as a:
+            st = a.status()
+        assert (st["state"], st["gate"], st["intact"]) == ("running", "open", True)
+    finally:
+        podman.rm(name)
+
+
+def _link(pid: int, fd: str) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+        return ""
 
 
 def _fill(path: Path) -> None:
@@ -266,18 +312,25 @@ def _kill_torpord(daemon) -> None:
         pass
 
 
-def test_torpord_killed_during_the_dump_of_a_staged_checkpoint(mine, gpu, daemon, base, name):
-    """SIGKILL of torpord while runc dumps (its operation open, the agents' data staged):
-    the new torpord's recovery gives the agents their data back from the staging and removes
-    it; torpor-runtime, its operation lost, says the container runs on and leaves no
+@pytest.mark.parametrize("export", [0, 2])
+def test_torpord_killed_during_the_dump_of_a_staged_checkpoint(mine, gpu, daemon, base, name,
+                                                               export):
+    """SIGKILL of torpord while runc dumps (its operation open, the agents' data staged; with
+    export, their memory held by torpord's descriptors, which close with it): the new
+    torpord's recovery gives the agents their data back from the staging and removes it;
+    torpor-runtime, its operation lost, says the container runs on and leaves no
     checkpoint."""
     from torpor.engine import Engine
     podman = mine
-    events, sock = _start(podman, gpu, daemon, base, name)
+    events, sock = _start(podman, gpu, daemon, base, name, export=export)
     images = podman.bundle(name) / "checkpoint"
     try:
         ck = _leave_running(podman, name, images, ".torpor-writing")
         assert not (images / "torpor-gpu").exists()    # still dumping
+        if export:   # torpord holds the container's memory now
+            held = [fd for fd in os.listdir(f"/proc/{daemon.proc.pid}/fd")
+                    if "memfd:" in _link(daemon.proc.pid, fd)]
+            assert len(held) == export, held
         _kill_torpord(daemon)
         out, _ = ck.communicate(timeout=120)
         assert ck.returncode != 0, out

@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from torpor.driver import ProcessState
-from torpor.errors import ExitCode, RolledBackError
+from torpor.errors import ExitCode, RolledBackError, SidecarError
 from torpor.progress import Progress
 from torpor.sidecar import EXIT_CODE_KEY
 from torpor.sidecar.service import Service
@@ -72,10 +72,42 @@ class FakeOp:
 
 
 class FakeEngine:
-    def __init__(self, world: "World"):
-        self.world = world
+    def __init__(self, world: "World", cfg: Any = None):
+        self.world, self.cfg = world, cfg
         self.progress = Progress(stream=None)
         self.driver = SimpleNamespace(unlock=lambda p: world.set(p, ProcessState.RUNNING))
+        self._held: dict[int, list[int]] = {}
+
+    # the held descriptors as the real engine keeps them (engine/agents.py)
+    def take_held(self) -> dict[int, list[int]]:
+        held, self._held = {p: f for p, f in self._held.items() if f}, {}
+        return held
+
+    def give_held(self, held: dict[int, list[int]]) -> None:
+        for p, fds in held.items():
+            if fds:
+                self._held[p] = list(fds)
+
+    def held_counts(self) -> dict[int, int]:
+        return {p: len(f) for p, f in self._held.items() if f}
+
+    def release_held(self) -> None:
+        for fds in self._held.values():
+            for fd in fds:
+                os.close(fd)
+        self._held = {}
+
+    def _map_back(self, pids: Any) -> dict[int, bool]:
+        """The resume of each pid: mapped back through its held descriptors (then closed, as
+        the real engine's resume closes them) or not."""
+        out = {}
+        for p in pids:
+            fds = self._held.pop(p, [])
+            self.world.calls.append(("held", p, len(fds)))
+            for fd in fds:
+                os.close(fd)
+            out[p] = bool(fds)
+        return out
 
     def begin(self, kind: str, pids: list[int]) -> FakeOp:
         self.world.ops.append(FakeOp(self.world, kind, pids))
@@ -87,14 +119,20 @@ class FakeEngine:
     def lock_and_checkpoint(self, op: FakeOp, pids: list[int], data: Any, agent_dir: Any,
                             **kw: Any) -> dict[int, dict[str, Any]]:
         self.world.calls.append(("lock_and_checkpoint", tuple(pids)))
+        self.world.hold_asked.append(kw.get("hold", False))
         for p in pids:
             self.world.set(p, ProcessState.CHECKPOINTED)
+            if kw.get("hold") and p in self.world.hold:
+                self._held[p] = [os.memfd_create(f"held-{p}-{i}", os.MFD_CLOEXEC)
+                                 for i in range(self.world.hold[p])]
+                self.world.held_fds += self._held[p]
         return self.world.moved
 
     def rollback(self, pids: Any, gpu_map: Any = None, agents: Any = None) -> list[str]:
         self.world.calls.append(("rollback", tuple(pids)))
         if self.world.rollback_problems:
             return list(self.world.rollback_problems)
+        self._map_back(pids)
         for p in pids:
             self.world.set(p, ProcessState.RUNNING)
         return []
@@ -107,9 +145,11 @@ class FakeEngine:
     def restore_and_unlock(self, op: FakeOp, pids: list[int], gpu_map: Any = None,
                            agents: Any = None) -> dict[int, dict[str, Any]]:
         self.world.calls.append(("restore_and_unlock", tuple(pids)))
+        back = self._map_back(pids)
         for p in pids:
             self.world.set(p, ProcessState.RUNNING)
-        return {p: {"bytes": 1, "seconds": 0.0} for p in (agents or {})}
+        return {p: {"bytes": 1, "seconds": 0.0, "held": back.get(p, False)}
+                for p in (agents or {})}
 
     def recover(self) -> list[str]:
         return []
@@ -123,6 +163,20 @@ class World:
         self.moved: dict[int, dict[str, Any]] = {}
         self.rollback_problems: list[str] = []
         self.seq = 0
+        self.hold: dict[int, int] = {}       # pid -> descriptors its agent holds (hold=True)
+        self.hold_asked: list[bool] = []     # each lock_and_checkpoint's hold
+        self.held_fds: list[int] = []        # every descriptor handed out
+
+    def open_held(self) -> list[int]:
+        """Those of held_fds still open (in this process: no other opened since)."""
+        out = []
+        for fd in self.held_fds:
+            try:
+                os.fstat(fd)
+                out.append(fd)
+            except OSError:
+                pass
+        return out
 
     def set(self, pid: int, state: ProcessState) -> None:
         self.states[pid] = state
@@ -132,7 +186,7 @@ class FakeService(Service):
     world: World
 
     def engine(self, cfg: Any = None) -> Any:
-        return FakeEngine(self.world)
+        return FakeEngine(self.world, cfg or self.cfg)
 
 
 @pytest.fixture
@@ -281,6 +335,101 @@ def test_leave_running_restores_the_open_operation(service, world):
     out = svc.RestoreAndUnlock(svc.pb.RestoreAndUnlockRequest(op_id=r.op_id), Ctx())
     assert out.op_id == r.op_id and list(out.pids) == [PID]
     assert ("restore_and_unlock", (PID,)) in world.calls and svc.ops.open_ops() == []
+
+
+# -- held GPU memory: a --leave-running (staged) checkpoint's agents hold their memory by
+# descriptors through the dump; the open operation keeps them between the calls ---------------
+
+def lock_staged(svc: Service, **kw: Any) -> Any:
+    """A --leave-running checkpoint's lock: its agents' data staged in suspend_dir."""
+    svc.world.seq += 1
+    return lock(svc, staged=True,
+                gpu_data_dir=str(svc.cfg.suspend_dir / f"stage-{svc.world.seq}"), **kw)
+
+
+def _held_by(svc: Service, op_id: str) -> int:
+    o = svc.ops.get(op_id)
+    return sum(map(len, o.held.values())) if o else 0
+
+
+def test_a_staged_checkpoint_holds_and_its_restore_maps_the_memory_back(service, world):
+    world.hold = {PID: 3}
+    svc = service()
+    r = lock_staged(svc)
+    assert world.hold_asked == [True]
+    assert _held_by(svc, r.op_id) == 3 and len(world.open_held()) == 3   # with the operation
+    svc.RestoreAndUnlock(svc.pb.RestoreAndUnlockRequest(op_id=r.op_id), Ctx())
+    assert ("held", PID, 3) in world.calls            # the restore's engine got them all
+    assert world.open_held() == [] and svc.ops.open_ops() == []
+
+
+def test_a_checkpoint_that_ends_the_program_holds_nothing(service, world):
+    world.hold = {PID: 2}
+    svc = service()
+    r = lock(svc)
+    assert world.hold_asked == [False] and _held_by(svc, r.op_id) == 0
+    svc.Finish(svc.pb.OperationRequest(op_id=r.op_id), Ctx())
+    assert world.held_fds == []
+
+
+@pytest.mark.parametrize("end", ["rollback", "timeout", "caller", "shutdown"])
+def test_every_rollback_of_a_held_operation_goes_through_the_memory(service, world, end):
+    """The dump failed (the runtime rolls back), nobody ended it in time, its caller died,
+    torpord stops: the rollback's engine maps the held memory back (no copy), nothing stays
+    open in torpord."""
+    world.hold = {PID: 2}
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        svc = service(op_timeout_s=30)
+        r = lock_staged(svc, owner_pid=owner.pid)
+        assert _held_by(svc, r.op_id) == 2
+        if end == "rollback":
+            svc.Rollback(svc.pb.OperationRequest(op_id=r.op_id), Ctx())
+        elif end == "timeout":
+            svc.ops.reap(svc.ops.get(r.op_id).expires)
+        elif end == "caller":
+            owner.kill()
+            owner.wait()
+            svc.ops.reap(time.monotonic())
+        else:
+            svc.shutdown()
+    finally:
+        owner.kill()
+        owner.wait()
+    assert ("held", PID, 2) in world.calls and ("rollback", (PID,)) in world.calls
+    assert world.states[PID] == ProcessState.RUNNING
+    assert world.open_held() == [] and svc.ops.open_ops() == []
+
+
+def test_finish_closes_what_a_staged_operation_held(service, world):
+    """A runtime that finishes a staged operation (its dump ended the container after all):
+    the held memory goes, and the live program is rolled back from its files."""
+    world.hold = {PID: 2}
+    svc = service()
+    r = lock_staged(svc)
+    svc.Finish(svc.pb.OperationRequest(op_id=r.op_id), Ctx())
+    assert ("held", PID, 0) in world.calls    # resumed (still alive) from its files
+    assert world.open_held() == []
+
+
+@pytest.mark.parametrize("where", ["before the table", "the table"])
+def test_a_held_operation_that_fails_to_open_rolls_back_through_its_memory(
+        service, world, monkeypatch, where):
+    """Before the operation is in the table (the journal's phase cannot be written) or as it
+    goes in (torpord began to stop meanwhile): the rollback at once maps the memory back."""
+    world.hold = {PID: 2}
+    svc = service()
+    if where == "the table":
+        monkeypatch.setattr(svc.ops, "add", lambda o: (_ for _ in ()).throw(
+            SidecarError("torpord is shutting down")))
+    else:
+        def full(self: FakeOp, name: str, **kw: Any) -> None:
+            raise OSError(28, "No space left on device")
+        monkeypatch.setattr(FakeOp, "phase", full)
+    with pytest.raises(Aborted):
+        lock_staged(svc)
+    assert ("held", PID, 2) in world.calls and world.open_held() == []
+    assert world.states[PID] == ProcessState.RUNNING and svc.ops.open_ops() == []
 
 
 def test_not_running_on_the_gpu_is_refused_and_nothing_stays_open(service, world):

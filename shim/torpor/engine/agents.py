@@ -281,6 +281,21 @@ class AgentMoves:
         """pid -> the allocations of its GPU memory held now (taken at detach, not yet resumed)."""
         return {p: len(fds) for p, fds in self._held.items() if fds}
 
+    def take_held(self) -> dict[int, list[int]]:
+        """The held descriptors, handed over: this engine keeps none. torpord keeps them with
+        the open operation between its calls (sidecar/operations.py's OpenOp)."""
+        held = {p: fds for p, fds in self._held.items() if fds}
+        self._held = {}
+        return held
+
+    def give_held(self, held: Mapping[int, list[int]]) -> None:
+        """Take over descriptors another engine held (take_held): this engine's resume of
+        their programs maps them back, and release_held closes what none took."""
+        for pid, fds in held.items():
+            if fds:
+                _close_all(self._held.pop(pid, []))   # never two sets for one program
+                self._held[pid] = list(fds)
+
     def release_held(self, pids: Iterable[int] | None = None) -> None:
         """Close the held descriptors of pids (all: None): the memory they kept on the GPU is
         freed unless its program mapped it back."""

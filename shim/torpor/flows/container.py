@@ -100,11 +100,15 @@ class AgentResume:
     pid: int
     bytes: int = 0
     seconds: float = 0.0
+    held: int = 0      # allocations mapped back from held descriptors (0: copied back)
 
 
-def resumed(back: Mapping[int, Mapping[str, Any]]) -> tuple[AgentResume, ...]:
-    """The engine's agent resumes (pid -> {bytes, seconds}), in PID order."""
-    return tuple(AgentResume(p, int(r["bytes"]), float(r["seconds"]))
+def resumed(back: Mapping[int, Mapping[str, Any]], held: Mapping[int, int] | None = None
+            ) -> tuple[AgentResume, ...]:
+    """The engine's agent resumes (pid -> {bytes, seconds, held}), in PID order; held: the
+    allocations each had held before it (Engine.held_counts), counted where it took them."""
+    return tuple(AgentResume(p, int(r["bytes"]), float(r["seconds"]),
+                             (held or {}).get(p, 0) if r.get("held") else 0)
                  for p, r in sorted(back.items()))
 
 
@@ -184,7 +188,10 @@ def lock_and_checkpoint(engine: Engine, pids: Sequence[int], *, data: Path | Non
     uid is the owner). opened(op, cuda_pids) takes the operation over (the caller's table);
     a failure there, or before, rolls everything back and raises.
     staged: data is a --leave-running checkpoint's staging in host memory, a new directory
-    directly in config suspend_dir (made as a suspend's; a recovery removes it)."""
+    directly in config suspend_dir (made as a suspend's; a recovery removes it). Its agents
+    that can hold their GPU memory by descriptors through the dump do (agent/PROTOCOL.md,
+    "Held memory"): opened takes them over with the operation (Engine.take_held), and the
+    restore_open or roll_back of it gives them back to its engine (Engine.give_held)."""
     pids = list(pids)
     where = staged_data(engine.cfg, data) if staged else \
         (agent_data.DataDir(data) if data else None)
@@ -205,7 +212,7 @@ def lock_and_checkpoint(engine: Engine, pids: Sequence[int], *, data: Path | Non
             else policy.NO_FINGERPRINTS
         moved = engine.lock_and_checkpoint(  # rolls back and closes op on failure
             op, cuda_pids, where, agent_dir, scratch=staged, known_fingerprints=plan.skip,
-            owner=owner, stream_into=plan.stream_into)
+            owner=owner, stream_into=plan.stream_into, hold=staged)
         try:
             # CHECKPOINTED now: until the operation is in the caller's table (where a rollback,
             # a timeout or a shutdown finds it), any failure rolls back at once.
@@ -282,11 +289,12 @@ def restore_open(engine: Engine, op: Operation, cuda_pids: Sequence[int],
     """--leave-running: the dump is done and the processes still live; give them the GPU."""
     live = [p for p in cuda_pids if procs.alive(p)]
     agents = {p: t for p, t in targets_of(op.entry.agents).items() if p in live}
+    held = engine.held_counts()
     back = policy.restore_or_roll_back(engine, op, live, gpu_map, agents)
     op.close()
     log.info("%s: left running, %d CUDA process(es) restored and unlocked", op.entry.id,
              len(live))
-    return Restored(op.entry.id, tuple(live), dict(gpu_map), resumed(back),
+    return Restored(op.entry.id, tuple(live), dict(gpu_map), resumed(back, held),
                     policy.timings(engine))
 
 

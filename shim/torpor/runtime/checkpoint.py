@@ -95,17 +95,18 @@ def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
     store_images.forget_packed(images)
     flat.remove_flat(images)
     name = agent_name(cfg, inv, spec)   # its agent directory's
+    work = Path(inv.opt("work-path") or images).absolute()   # where CRIU writes its stats
     store = _open_store(cfg, cid) if oci.wants_store(spec, cfg.store_containers) else None
     if store is None:
         rc = _checkpoint(cfg, runtime, cid, name, spec, use, pid, images, data, thawed,
-                         leave_running, None)
+                         leave_running, None, work)
     else:
         # the store's lock, shared, from the agents' skipping of what it holds to the pack: gc
         # cannot take those chunks in between
         try:
             with store.backend.lock(False, store.lock_timeout):
                 rc = _checkpoint(cfg, runtime, cid, name, spec, use, pid, images, data,
-                                 thawed, leave_running, store)
+                                 thawed, leave_running, store, work)
         finally:   # a pack that failed: the chunks it added, which nothing names, go now
             store_packing.discard_unnamed(
                 Journal(cfg), store, images,
@@ -141,7 +142,7 @@ def _open_store(cfg: Config, cid: str) -> Store | None:
 
 def _checkpoint(cfg: Config, runtime: Runtime, cid: str, name: str, spec: dict[str, Any],
                 use: Any, pid: int, images: Path, data: agent_data.DataDir, thawed: "_Thaw",
-                leave_running: bool, store: Store | None) -> int:
+                leave_running: bool, store: Store | None, work: Path) -> int:
     t0 = time.monotonic()
     ensure_running(cfg)
     timings: dict[str, float] = {}
@@ -212,7 +213,8 @@ def _checkpoint(cfg: Config, runtime: Runtime, cid: str, name: str, spec: dict[s
         timings["finish"] = time.monotonic() - t
         if leave_running:
             pause.after(cfg, cid, images, draft, staged, ours, ck, out is not None, paused,
-                        timings)
+                        timings, held=sum(a.held for a in out.agents) if out else 0,
+                        work=work)
     try:
         # into the store: its sha256 names every chunk, and a pack that fails adds them
         m = manifest.seal(images, cfg.checksums and store is None, timings)

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import agent, agent_data, gpus, manifest, procs
+from .. import agent, agent_data, criu, gpus, manifest, procs
 from ..config import Config
 from ..engine import Engine
 from ..errors import NoDriverError, RolledBackError, TorporError, describe
@@ -97,13 +97,19 @@ def begin(cfg: Config, images: Path, stage: agent_data.DataDir) -> Operation:
 
 def after(cfg: Config, cid: str, images: Path, draft: dict[str, Any],
           stage: agent_data.DataDir | None, op: Operation | None, ck: Checkpointed,
-          resumed: bool, t0: float, timings: dict[str, float]) -> None:
+          resumed: bool, t0: float, timings: dict[str, float], held: int = 0,
+          work: Path | None = None) -> None:
     """The dump is done and the container runs again (resumed: torpord gave it its GPU back;
-    t0: when the pause began). Writes the staged data out (op: begin()'s) and the draft with
-    its "pause"; raises RolledBackError (the container runs on, images marked damaged,
-    nothing staged)."""
+    t0: when the pause began; held: its allocations that stayed on the GPU through the pause
+    and were mapped back; work: where CRIU wrote its stats-dump, the runtime's --work-path
+    or the images). Writes the staged data out (op: begin()'s) and the draft with its
+    "pause" (as a bare checkpoint's, flows/checkpoint.py); raises RolledBackError (the
+    container runs on, images marked damaged, nothing staged)."""
     paused = round(time.monotonic() - t0, 4)
-    draft["pause"] = {"paused_s": paused, "staged": stage is not None}
+    draft["pause"] = {"paused_s": paused, "staged": stage is not None, "held": held}
+    stats = criu.dump_stats(work or images)
+    if stats:   # how much of the pause was CRIU's freeze
+        draft["pause"]["criu"] = stats
     log.info("checkpoint %s: the container runs again, paused %.2f s%s", cid, paused,
              "; its GPU data is written out while it runs" if stage is not None else "")
     if stage is not None and not resumed:

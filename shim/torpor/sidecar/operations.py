@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import threading
 import time
 from typing import Callable, Iterator
@@ -42,6 +43,19 @@ class OpenOp:
     deadline: float   # wall clock, only reported to clients
     expires: float    # time.monotonic() of the automatic rollback: a clock step cannot move it
     owner: tuple[int, int | None] | None = None  # (pid, start time) of the caller, if given
+    # the GPU memory its agents hold by descriptors through the dump (Engine.take_held), by
+    # pid: the operation's restore maps it back; every other end closes what is left
+    held: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+
+    def release_held(self) -> None:
+        """Close what is held (the programs get their memory from the staged files)."""
+        held, self.held = self.held, {}
+        for fds in held.values():
+            for fd in fds:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
     def owner_gone(self) -> bool:
         """The caller died without ending the operation, and no dump holds the processes
@@ -185,5 +199,11 @@ class OperationTable:
 
     def rollback(self, o: OpenOp) -> container.OperationResult:
         """Bring o's live CUDA processes (and their agents) back to RUNNING and close o
-        (flows/container.py's roll_back)."""
-        return container.roll_back(self.engine(), o.op, o.cuda_pids)
+        (flows/container.py's roll_back), through the memory o holds (no copy back)."""
+        engine = self.engine()
+        engine.give_held(o.held)
+        o.held = {}
+        try:
+            return container.roll_back(engine, o.op, o.cuda_pids)
+        finally:
+            engine.release_held()   # what no resume took

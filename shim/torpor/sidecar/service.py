@@ -118,27 +118,38 @@ class Service:
         name = request.agent_container_id or self._name(request.container_id)
         owner = _owner(request.owner_pid)
         deadline = 0.0    # set when the operation opens
+        engine = self.engine(cfg)
 
         def opened(op: Operation, cuda_pids: list[int]) -> None:   # SidecarError when stopping
             nonlocal deadline
             deadline = time.time() + self.op_timeout_s
-            self.ops.add(OpenOp(op, pids, cuda_pids, request.container_id, deadline,
-                                time.monotonic() + self.op_timeout_s, owner))
+            # the memory its agents hold goes with the operation: its restore maps it back
+            o = OpenOp(op, pids, cuda_pids, request.container_id, deadline,
+                       time.monotonic() + self.op_timeout_s, owner, held=engine.take_held())
+            try:
+                self.ops.add(o)
+            except BaseException:
+                engine.give_held(o.held)   # the rollback that follows resumes through them
+                raise
 
-        ck = container.lock_and_checkpoint(
-            self.engine(cfg), pids, data=_data_dir(request.gpu_data_dir),
-            agent_dir=_agent_dir(self.cfg.run_dir, name),
-            # the fingerprints' owner is the container's name, <id>@<root key> (or an earlier
-            # torpor's <id>), as torpor-runtime packs its snapshots (runtime/checkpoint.py):
-            # one id under two roots shares none
-            owner_container=name,
-            mode=_fingerprint_mode(request.fingerprints), opened=opened,
-            staged=request.staged)
+        try:
+            ck = container.lock_and_checkpoint(
+                engine, pids, data=_data_dir(request.gpu_data_dir),
+                agent_dir=_agent_dir(self.cfg.run_dir, name),
+                # the fingerprints' owner is the container's name, <id>@<root key> (or an
+                # earlier torpor's <id>), as torpor-runtime packs its snapshots
+                # (runtime/checkpoint.py): one id under two roots shares none
+                owner_container=name,
+                mode=_fingerprint_mode(request.fingerprints), opened=opened,
+                staged=request.staged)
+        finally:
+            engine.release_held()   # what no operation took (none, unless it failed)
         return to_pb(self.pb, convert.Checkpointed.of(ck, deadline, request.container_id))
 
     @_rpc
     def Finish(self, request: Any, context: Any) -> Any:
         o = self.ops.take(request.op_id)
+        o.release_held()   # the dump ended the programs: their memory goes
         return to_pb(self.pb, container.finish(self.engine(), o.op, o.cuda_pids))
 
     @_rpc
@@ -153,8 +164,14 @@ class Service:
             if request.pids or request.container_id:
                 raise UsageError("give an operation id or PIDs/container, not both")
             o = self.ops.take(request.op_id)
-            return to_pb(self.pb, container.restore_open(self.engine(), o.op, o.cuda_pids,
-                                                         gpu_map))
+            engine = self.engine()
+            engine.give_held(o.held)   # mapped back, not copied
+            o.held = {}
+            try:
+                return to_pb(self.pb, container.restore_open(engine, o.op, o.cuda_pids,
+                                                             gpu_map))
+            finally:
+                engine.release_held()
         pids = _resolve(self.containers, request.pids, request.container_id,
                         not request.no_descendants)
         return to_pb(self.pb, container.restore(
