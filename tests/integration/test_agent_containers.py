@@ -40,6 +40,17 @@ def agent_workload(gpu, label: str, nbytes: int, events: Path):
     return argv, {**env, "NVIDIA_VISIBLE_DEVICES": gpu.uuid(0)}, mounts
 
 
+def restored_intact(podman, daemon, name: str, archive: Path, events: Path,
+                    expect: tuple[str, ...] = ("agent status", "agent resume")) -> None:
+    """podman restores name from archive: its agent saw expect, and runs with every byte."""
+    podman.restore(import_=archive)
+    assert _events(events) == list(expect)
+    with AgentClient(agent_dir(daemon.cfg.run_dir, podman.inspect(name, "{{.Id}}"))
+                     / "agent-1.sock") as a:
+        st = a.status()
+    assert (st["state"], st["gate"], st["intact"]) == ("running", "open", True)
+
+
 def test_podman_export_import_through_the_agent(podman, gpu, daemon, name, base):
     nodes = fake_nodes(base)
     events = gpu.state_dir / "agent-events"
@@ -86,12 +97,7 @@ def test_podman_export_import_through_the_agent(podman, gpu, daemon, name, base)
         podman.rm(name)
         old = _with_subdirectories(archive, base / "old-layout.tar")
         events.unlink()
-        podman.restore(import_=old)
-        assert _events(events) == ["agent status", "agent resume"]
-        with AgentClient(agent_dir(daemon.cfg.run_dir, podman.inspect(name, "{{.Id}}"))
-                         / "agent-1.sock") as a:
-            st = a.status()
-        assert (st["state"], st["gate"], st["intact"]) == ("running", "open", True)
+        restored_intact(podman, daemon, name, old, events)
     finally:
         podman.rm(name)
 
@@ -197,13 +203,9 @@ def test_podman_store_checkpoint_asks_the_agent_for_fingerprints(podman, gpu, da
         assert sorted((store / "snapshots").glob("*.json")), "nothing packed"
         events.unlink()
         podman.rm(name)
-        podman.restore(import_=archive)
         # its GPU data streamed from the store (store/stream.py), not unpacked into files
-        assert _events(events) == ["agent status", "agent resume", "agent resume-stream"]
-        with AgentClient(agent_dir(daemon.cfg.run_dir, podman.inspect(name, "{{.Id}}"))
-                         / "agent-1.sock") as a:
-            st = a.status()
-        assert (st["state"], st["gate"], st["intact"]) == ("running", "open", True)
+        restored_intact(podman, daemon, name, archive, events,
+                        ("agent status", "agent resume", "agent resume-stream"))
     finally:
         podman.rm(name)
 

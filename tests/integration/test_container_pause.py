@@ -22,7 +22,7 @@ import pytest
 
 from integration.containers import Podman
 from tests.integration.conftest import agent_dir, wait_for
-from tests.integration.test_agent_containers import _events, agent_workload
+from tests.integration.test_agent_containers import _events, agent_workload, restored_intact
 from tests.integration.test_containers_gpu import (  # noqa: F401  (fixtures)
     fake_nodes, name, needs_criu)
 from tests.integration.torpord import Daemon, base, gpu  # noqa: F401  (fixtures)
@@ -120,12 +120,7 @@ def test_leave_running_pause_is_shorter_than_the_write_out(mine, gpu, daemon, ba
 
         podman.rm(name)
         events.unlink()
-        podman.restore(import_=archive)
-        assert _events(events) == ["agent status", "agent resume"]
-        with AgentClient(agent_dir(daemon.cfg.run_dir, podman.inspect(name, "{{.Id}}"))
-                         / "agent-1.sock") as a:
-            st = a.status()
-        assert (st["state"], st["gate"], st["intact"]) == ("running", "open", True)
+        restored_intact(podman, daemon, name, archive, events)
     finally:
         podman.rm(name)
 
@@ -159,11 +154,8 @@ def test_a_container_holds_its_gpu_memory_through_the_pause(mine, gpu, daemon, b
 
         podman.rm(name)
         events.unlink()
-        podman.restore(import_=archive)   # from the data files: every byte was written out
-        with AgentClient(agent_dir(daemon.cfg.run_dir, podman.inspect(name, "{{.Id}}"))
-                         / "agent-1.sock") as a:
-            st = a.status()
-        assert (st["state"], st["gate"], st["intact"]) == ("running", "open", True)
+        # from the data files: every byte was written out
+        restored_intact(podman, daemon, name, archive, events)
     finally:
         podman.rm(name)
 

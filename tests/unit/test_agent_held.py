@@ -66,6 +66,28 @@ def prepared(gpu, p: Probe, tmp_path: Path, own: str = "vmmfd", n: int = 2):
     return prog, files, before, r
 
 
+def free_two(gpu, p: Probe, prog: dict) -> None:
+    """cuMemFree of a served allocation, the program's own release of its handle: the GPU
+    has that much memory less in use."""
+    mem = _gpu_mem(gpu, p)
+    big, _ = prog["mem"]["big"]
+    assert p.call(f"@free {big} dlsym")["rc"] == 0
+    own_ptr, own_size = prog["mem"]["own"]
+    assert p.call(f"@vmmfree {own_ptr} {prog['handle']} {own_size}")["rc"] == 0
+    assert _gpu_mem(gpu, p) == mem - 64 * MIB - own_size
+
+
+def taken_back(gpu, p: Probe, tmp_path: Path):
+    """A prepare that holds, `detach hold`, and the resume that maps the memory back: the
+    program's memory is imported handles now, each with its kept descriptor."""
+    prog, files, before, r = prepared(gpu, p, tmp_path)
+    r, held = ctl_recv(p.sock, "detach hold")
+    r = resume_with(p, files, f"resume held={MOVABLE}", held)
+    close_all(held)
+    assert r["ok"] and r["held"] is True, r
+    return prog, files, before
+
+
 def test_held_memory_comes_back_without_a_copy(gpu, probe, tmp_path):
     p = probe(EXPORT)
     prog, files, before, r = prepared(gpu, p, tmp_path)
@@ -125,12 +147,7 @@ def test_held_memory_comes_back_without_a_copy(gpu, probe, tmp_path):
     fds_back(p, before)
 
     # and they free as any: cuMemFree of a served one, the program's own through its handle
-    mem = _gpu_mem(gpu, p)
-    big, _ = prog["mem"]["big"]
-    assert p.call(f"@free {big} dlsym")["rc"] == 0
-    own_ptr, own_size = prog["mem"]["own"]
-    assert p.call(f"@vmmfree {own_ptr} {prog['handle']} {own_size}")["rc"] == 0
-    assert _gpu_mem(gpu, p) == mem - 64 * MIB - own_size
+    free_two(gpu, p, prog)
     assert p.status()["movable_allocations"] == 1
     fds_back(p, before - 2)
 
@@ -140,18 +157,9 @@ def test_memory_taken_back_frees_with_its_kept_descriptor(gpu, probe, tmp_path):
     and the program's own release close it with the memory, so none of it outlives the
     program's free."""
     p = probe(EXPORT)
-    prog, files, before, r = prepared(gpu, p, tmp_path)
-    r, held = ctl_recv(p.sock, "detach hold")
-    r = resume_with(p, files, f"resume held={MOVABLE}", held)
-    close_all(held)
-    assert r["ok"] and r["held"] is True, r
+    prog, files, before = taken_back(gpu, p, tmp_path)
     fds_back(p, before + KEPT)
-    mem = _gpu_mem(gpu, p)
-    big, _ = prog["mem"]["big"]
-    assert p.call(f"@free {big} dlsym")["rc"] == 0
-    own_ptr, own_size = prog["mem"]["own"]
-    assert p.call(f"@vmmfree {own_ptr} {prog['handle']} {own_size}")["rc"] == 0
-    assert _gpu_mem(gpu, p) == mem - 64 * MIB - own_size
+    free_two(gpu, p, prog)
     fds_back(p, before + KEPT - 4)       # two handles' memfds and their two kept descriptors
 
 
@@ -159,11 +167,7 @@ def test_a_held_resume_frees_like_any(gpu, probe, tmp_path):
     """cuMemFree and the program's own release right after a held resume (the imported handle
     is the allocation's now), and the GPU memory counted as before the prepare."""
     p = probe(EXPORT)
-    prog, files, before, r = prepared(gpu, p, tmp_path)
-    r, held = ctl_recv(p.sock, "detach hold")
-    r = resume_with(p, files, f"resume held={MOVABLE}", held)
-    close_all(held)
-    assert r["ok"] and r["held"] is True, r
+    prog, files, before = taken_back(gpu, p, tmp_path)
     mem = _gpu_mem(gpu, p)
     for name in ("big", "odd"):
         assert p.call(f"@free {prog['mem'][name][0]} dlsym")["rc"] == 0, name
@@ -279,11 +283,7 @@ def test_no_kept_descriptor_stays_open_through_the_next_dump(gpu, probe, tmp_pat
     (the program unmapped it since, keeping its handle): its kept descriptor is closed with
     the others all the same, or the driver's checkpoint and CRIU's dump would meet it."""
     p = probe(EXPORT)
-    prog, files, before, r = prepared(gpu, p, tmp_path)
-    r, held = ctl_recv(p.sock, "detach hold")
-    r = resume_with(p, files, f"resume held={MOVABLE}", held)
-    close_all(held)
-    assert r["ok"] and r["held"] is True, r
+    prog, files, before = taken_back(gpu, p, tmp_path)
     assert len(_kept(p)) == KEPT
     own_ptr, own_size = prog["mem"]["own"]
     assert p.call(f"@unmap {own_ptr} {own_size}")["rc"] == 0      # its handle kept
@@ -304,11 +304,7 @@ def test_a_forked_child_keeps_none_of_the_kept_descriptors(gpu, probe, tmp_path)
     memory alive for its whole life through the inherited kept descriptors, and be a process
     with descriptors CRIU cannot dump: the agent's fork handler closes them in the child."""
     p = probe(EXPORT)
-    prog, files, before, r = prepared(gpu, p, tmp_path)
-    r, held = ctl_recv(p.sock, "detach hold")
-    r = resume_with(p, files, f"resume held={MOVABLE}", held)
-    close_all(held)
-    assert r["ok"] and r["held"] is True, r
+    prog, files, before = taken_back(gpu, p, tmp_path)
     fds_back(p, before + KEPT)
     doc = p.call("forkfds")
 
