@@ -275,13 +275,17 @@ _DUMP_STATS_S = {"frozen_time": "frozen_s", "memdump_time": "memdump_s",
                  "memwrite_time": "memwrite_s"}
 
 
-def dump_stats(images_dir: Path) -> dict[str, float | int] | None:
+def dump_stats(images_dir: Path, since: float = 0.0) -> dict[str, float | int] | None:
     """What CRIU's dump says of itself (its stats-dump, read with pycriu): how long it kept
     the tree frozen, of which dumping and writing memory, and the pages it wrote. None where
-    there is none or it cannot be read (an older CRIU, a damaged file): it only informs."""
+    there is none, it was written before since (wall clock: an earlier dump's, in a work
+    directory that outlives checkpoints) or it cannot be read (an older CRIU, a damaged
+    file): it only informs."""
     try:
         from pycriu import images
         with open(images_dir / "stats-dump", "rb") as f:
+            if os.fstat(f.fileno()).st_mtime < since:
+                return None
             entry = images.load(f)["entries"][0]["dump"]
         out: dict[str, float | int] = {
             name: round(int(entry[key]) / 1e6, 4) for key, name in _DUMP_STATS_S.items()}

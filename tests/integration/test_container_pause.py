@@ -328,6 +328,7 @@ def test_torpord_killed_during_the_dump_of_a_staged_checkpoint(mine, gpu, daemon
         assert ck.returncode != 0, out
         wait_for(lambda: _staged(daemon) == set() and _events(events)[-1] == "agent resume", 60,
                  "the new torpord's recovery")
+        assert "agent resume-held" not in _events(events)   # the held memory went with it
         assert podman.state(name) == "running"
         Engine(daemon.cfg).recover()
         assert not (images / "torpor.json").exists(), sorted(os.listdir(images))

@@ -26,7 +26,7 @@ import pytest
 from tests.fakes.fake_agent import Events, FakeAgent, FakeDriver
 from torpor import agent_data, criu, engine as engine_mod, gpus, manifest, procs
 from torpor.flows import process
-from torpor.engine import Engine
+from torpor.engine import Engine, targets_of
 from torpor.errors import CriuError, RolledBackError, TorporError, UsageError
 from torpor.progress import Progress
 
@@ -1035,3 +1035,39 @@ def test_a_leave_running_checkpoint_of_two_programs_one_holding(world, fake_criu
     finally:
         child.kill()
         child.wait()
+
+
+def test_held_memory_moves_from_the_checkpoints_engine_to_the_restores(world):
+    """torpord's two calls of a container's leave-running checkpoint, each with its engine:
+    the first hands what its agents hold over (take_held: it keeps none, so its end closes
+    nothing), the second takes it (give_held) and its resume maps the memory back."""
+    world.agent.export = 2
+    a = world.engine()
+    op = a.begin("checkpoint", [PID])
+    a.lock_and_checkpoint(op, [PID], data=agent_data.DataDir.scratch(world.cfg, PID),
+                          scratch=True, hold=True)
+    held = a.take_held()
+    assert list(held) == [PID] and len(held[PID]) == 2
+    assert a.held_counts() == {} and a.take_held() == {}
+    a.release_held()                  # the first call's end: nothing of it to close
+    files = {(os.fstat(fd).st_dev, os.fstat(fd).st_ino) for fd in held[PID]}   # still open
+    assert len(files) == 2
+    b = world.engine()
+    b.give_held(held)
+    assert b.held_counts() == {PID: 2}
+    agents = targets_of(op.entry.agents)
+    back = b.restore_and_unlock(op, [PID], agents=agents)
+    assert back[PID]["held"] is True and world.agent.resumed_held is True
+    assert world.log()[-2:] == ["agent resume", "agent resume-held"]
+    b.release_held()
+    assert world.agent.intact
+    # the resume closed them all: none of their files is open in this process any more
+    open_files = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            st = os.stat(f"/proc/self/fd/{fd}")
+            open_files.add((st.st_dev, st.st_ino))
+        except OSError:
+            pass
+    assert not files & open_files
+    op.close()

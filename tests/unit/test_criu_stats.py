@@ -41,3 +41,17 @@ def test_a_restore_stats_file_is_no_dump_stats(tmp_path):
             "pages_compared": 1, "pages_skipped_cow": 0, "forking_time": 5,
             "restore_time": 7}}]}, f)
     assert criu.dump_stats(tmp_path) is None
+
+
+def test_stats_older_than_the_dump_are_an_earlier_dumps(tmp_path):
+    """podman's --work-path outlives checkpoints: a stats-dump written before this pause
+    began is an earlier dump's, not this one's."""
+    import os
+    import time
+    _write(tmp_path, {"freezing_time": 1, "frozen_time": 2, "memdump_time": 1,
+                      "memwrite_time": 1, "pages_scanned": 1, "pages_skipped_parent": 0,
+                      "irmap_resolve": 0, "pages_lazy": 0, "pages_written": 1})
+    now = time.time()
+    os.utime(tmp_path / "stats-dump", (now - 60, now - 60))
+    assert criu.dump_stats(tmp_path, since=now - 5) is None
+    assert criu.dump_stats(tmp_path, since=now - 120)["pages_written"] == 1

@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from torpor.driver import ProcessState
-from torpor.errors import ExitCode, RolledBackError, SidecarError
+from torpor.errors import ExitCode, RolledBackError, SidecarError, TorporError
 from torpor.progress import Progress
 from torpor.sidecar import EXIT_CODE_KEY
 from torpor.sidecar.service import Service
@@ -66,6 +66,8 @@ class FakeOp:
 
     def release(self) -> None:
         self.ended = "released"
+        if self.world.open_held():   # recovery may claim it now, and copy from the files
+            self.world.calls.append(("released while held", self.entry.id))
 
     def abandon(self) -> None:
         self.ended = self.ended or "abandoned"
@@ -99,9 +101,12 @@ class FakeEngine:
 
     def _map_back(self, pids: Any) -> dict[int, bool]:
         """The resume of each pid: mapped back through its held descriptors (then closed, as
-        the real engine's resume closes them) or not."""
+        the real engine's resume closes them) or not; a resume that copies while descriptors
+        are open somewhere (the memory twice on the GPU) is recorded."""
         out = {}
         for p in pids:
+            if not self._held.get(p) and self.world.open_held():
+                self.world.calls.append(("copied while held", p))
             fds = self._held.pop(p, [])
             self.world.calls.append(("held", p, len(fds)))
             for fd in fds:
@@ -145,6 +150,8 @@ class FakeEngine:
     def restore_and_unlock(self, op: FakeOp, pids: list[int], gpu_map: Any = None,
                            agents: Any = None) -> dict[int, dict[str, Any]]:
         self.world.calls.append(("restore_and_unlock", tuple(pids)))
+        if self.world.restore_fails:
+            raise TorporError("the driver's restore failed")
         back = self._map_back(pids)
         for p in pids:
             self.world.set(p, ProcessState.RUNNING)
@@ -164,6 +171,7 @@ class World:
         self.rollback_problems: list[str] = []
         self.seq = 0
         self.hold: dict[int, int] = {}       # pid -> descriptors its agent holds (hold=True)
+        self.restore_fails = False
         self.hold_asked: list[bool] = []     # each lock_and_checkpoint's hold
         self.held_fds: list[int] = []        # every descriptor handed out
 
@@ -408,8 +416,40 @@ def test_finish_closes_what_a_staged_operation_held(service, world):
     svc = service()
     r = lock_staged(svc)
     svc.Finish(svc.pb.OperationRequest(op_id=r.op_id), Ctx())
-    assert ("held", PID, 0) in world.calls    # resumed (still alive) from its files
+    assert ("held", PID, 0) in world.calls    # resumed (still alive) from its files ...
+    assert ("copied while held", PID) not in world.calls   # ... once the memory was let go
     assert world.open_held() == []
+
+
+def test_a_restore_onto_other_gpus_lets_the_held_memory_go_first(service, world):
+    """Held memory is on the GPU it was on: a RestoreAndUnlock that remaps the program to
+    another GPU lets it go and the program copies its data back from the files there."""
+    world.hold = {PID: 2}
+    svc = service()
+    r = lock_staged(svc)
+    svc.RestoreAndUnlock(svc.pb.RestoreAndUnlockRequest(
+        op_id=r.op_id, gpu_map={"GPU-aaaa": "GPU-bbbb"}), Ctx())
+    assert ("held", PID, 0) in world.calls and ("copied while held", PID) not in world.calls
+    assert world.open_held() == [] and svc.ops.open_ops() == []
+
+
+@pytest.mark.parametrize("how", ["restore", "rollback"])
+def test_a_failed_end_of_a_held_operation_leaves_nothing_open(service, world, how):
+    """The restore fails and so does its retry, or a rollback fails: the journal entry stays
+    for recovery, which copies from the files, so nothing may stay held in torpord."""
+    world.hold = {PID: 2}
+    svc = service()
+    r = lock_staged(svc)
+    world.restore_fails = True
+    world.rollback_problems = ["PID 1: the agent does not answer"]
+    with pytest.raises(Aborted):
+        if how == "restore":
+            svc.RestoreAndUnlock(svc.pb.RestoreAndUnlockRequest(op_id=r.op_id), Ctx())
+        else:
+            svc.Rollback(svc.pb.OperationRequest(op_id=r.op_id), Ctx())
+    assert world.open_held() == [] and svc.ops.open_ops() == []
+    assert world.ops[0].ended == "released"   # kept for recovery ...
+    assert ("released while held", r.op_id) not in world.calls   # ... once nothing is held
 
 
 @pytest.mark.parametrize("where", ["before the table", "the table"])

@@ -264,6 +264,7 @@ def _roll_back(engine: Engine, op: Operation, pids: list[int], what: str) -> Non
     (recovery retries it) and the error names what failed."""
     problems = engine.rollback(pids, agents=targets_of(op.entry.agents))
     if problems:
+        engine.release_held()   # before recovery may claim the entry and copy from the files
         op.release()
         raise TorporError(f"{what} failed: " + "; ".join(problems), hint=policy.RETRY_HINT)
 

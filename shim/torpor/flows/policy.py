@@ -134,6 +134,7 @@ def restore_or_roll_back(engine: Engine, op: Operation, checkpointed: list[int],
         again = list(checkpointed) + locked if retry is None else list(retry)
         problems = engine.rollback(again, gpu_map, agents)   # once more, from where it got
         if problems:
+            engine.release_held()   # before recovery may claim the entry and copy from files
             op.release()
             raise TorporError(f"{phase} failed: {e}; retry failed too: " + "; ".join(problems),
                               hint=RETRY_HINT) from e

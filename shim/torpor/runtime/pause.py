@@ -107,7 +107,7 @@ def after(cfg: Config, cid: str, images: Path, draft: dict[str, Any],
     container runs on, images marked damaged, nothing staged)."""
     paused = round(time.monotonic() - t0, 4)
     draft["pause"] = {"paused_s": paused, "staged": stage is not None, "held": held}
-    stats = criu.dump_stats(work or images)
+    stats = criu.dump_stats(work or images, since=time.time() - paused)
     if stats:   # how much of the pause was CRIU's freeze
         draft["pause"]["criu"] = stats
     log.info("checkpoint %s: the container runs again, paused %.2f s%s", cid, paused,

@@ -200,10 +200,13 @@ class OperationTable:
     def rollback(self, o: OpenOp) -> container.OperationResult:
         """Bring o's live CUDA processes (and their agents) back to RUNNING and close o
         (flows/container.py's roll_back), through the memory o holds (no copy back)."""
-        engine = self.engine()
-        engine.give_held(o.held)
-        o.held = {}
         try:
-            return container.roll_back(engine, o.op, o.cuda_pids)
+            engine = self.engine()
+            engine.give_held(o.held)
+            o.held = {}
+            try:
+                return container.roll_back(engine, o.op, o.cuda_pids)
+            finally:
+                engine.release_held()   # what no resume took
         finally:
-            engine.release_held()   # what no resume took
+            o.release_held()   # no engine could be made: never kept for good

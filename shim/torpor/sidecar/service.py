@@ -149,7 +149,7 @@ class Service:
     @_rpc
     def Finish(self, request: Any, context: Any) -> Any:
         o = self.ops.take(request.op_id)
-        o.release_held()   # the dump ended the programs: their memory goes
+        o.release_held()   # the dump ended the programs (any still alive copy back: first)
         return to_pb(self.pb, container.finish(self.engine(), o.op, o.cuda_pids))
 
     @_rpc
@@ -164,14 +164,19 @@ class Service:
             if request.pids or request.container_id:
                 raise UsageError("give an operation id or PIDs/container, not both")
             o = self.ops.take(request.op_id)
-            engine = self.engine()
-            engine.give_held(o.held)   # mapped back, not copied
-            o.held = {}
             try:
-                return to_pb(self.pb, container.restore_open(engine, o.op, o.cuda_pids,
-                                                             gpu_map))
+                engine = self.engine()
+                if any(old != new for old, new in gpu_map.items()):
+                    o.release_held()   # on the GPU it was on: the remapped program copies
+                engine.give_held(o.held)   # mapped back, not copied
+                o.held = {}
+                try:
+                    return to_pb(self.pb, container.restore_open(engine, o.op, o.cuda_pids,
+                                                                 gpu_map))
+                finally:
+                    engine.release_held()
             finally:
-                engine.release_held()
+                o.release_held()   # no engine could be made: never kept for good
         pids = _resolve(self.containers, request.pids, request.container_id,
                         not request.no_descendants)
         return to_pb(self.pb, container.restore(
