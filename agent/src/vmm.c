@@ -489,6 +489,23 @@ void vmm_export_pre(struct track *t, void *shareable, CUmemGenericAllocationHand
 	t->rc = real.cuMemExportToShareableHandle
 			? real.cuMemExportToShareableHandle(shareable, handle, type, flags)
 			: CUDA_ERROR_NOT_SUPPORTED;
+	if (t->rc != CUDA_SUCCESS && ph && type == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR &&
+	    shareable) {
+		/* taken back from a held descriptor, the handle is an imported one, which the
+		 * driver does not export: the program's export of its own memory gets what the
+		 * driver gave for it before (a duplicate of the kept descriptor, as the driver's
+		 * own, inheritable) */
+		int fd;
+
+		pthread_mutex_lock(&vm.lock);
+		fd = kept_get(ph);
+		fd = fd >= 0 ? fcntl(fd, F_DUPFD, 3) : -1;
+		pthread_mutex_unlock(&vm.lock);
+		if (fd >= 0) {
+			*(int *)shareable = fd;
+			t->rc = CUDA_SUCCESS;
+		}
+	}
 	if (t->rc != CUDA_SUCCESS || !ph)
 		return;
 	pthread_mutex_lock(&vm.lock);

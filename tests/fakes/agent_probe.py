@@ -53,6 +53,8 @@ makes several calls stops at the first failing one: rc is its CUresult, "failed"
   access PTR BYTES              cuMemSetAccess(PTR, BYTES, read-write for device 0)
   unmap PTR BYTES | release HANDLE | addrfree PTR BYTES
   retain PTR                    cuMemRetainAllocationHandle -> "handle"
+  export HANDLE                 cuMemExportToShareableHandle(POSIX file descriptor) -> "fd" (the
+                                probe's now: the test closes it through /proc or leaves it)
   meminfo                       cuMemGetInfo -> "free", "total"
   range PTR                     cuMemGetAddressRange -> "base", "size"; cuPointerGetAttribute
                                 RANGE_START_ADDR, RANGE_SIZE -> "attr_base", "attr_size"
@@ -106,6 +108,9 @@ FUNCS = {
     "cuMemCreate": ("cuMemCreate", [c_ptr, ctypes.c_size_t, ctypes.c_void_p,
                                     ctypes.c_ulonglong]),
     "cuMemRelease": ("cuMemRelease", [ctypes.c_ulonglong]),
+    "cuMemExportToShareableHandle": ("cuMemExportToShareableHandle",
+                                     [ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_int,
+                                      ctypes.c_ulonglong]),
     "cuMemMap": ("cuMemMap", [ctypes.c_ulonglong, ctypes.c_size_t, ctypes.c_size_t,
                               ctypes.c_ulonglong, ctypes.c_ulonglong]),
     "cuMemUnmap": ("cuMemUnmap", [ctypes.c_ulonglong, ctypes.c_size_t]),
@@ -176,7 +181,7 @@ def access_desc(device: int = 0) -> CUmemAccessDesc:
 # command -> how many numbers (decimal or 0x...) it takes before its optional DOOR
 MEMORY_COMMANDS = {"fill": 3, "check": 3, "streamcopy": 3, "vmm": 1, "vmmfd": 1, "vmmfree": 3,
                    "reserve": 1, "create": 1, "map": 3, "access": 2, "unmap": 2, "release": 1,
-                   "addrfree": 2, "retain": 1, "meminfo": 0, "range": 1}
+                   "addrfree": 2, "retain": 1, "export": 1, "meminfo": 0, "range": 1}
 
 
 class Dl_info(ctypes.Structure):
@@ -404,6 +409,10 @@ class Probe:
         elif cmd == "retain":
             step("cuMemRetainAllocationHandle", ctypes.byref(handle), num[0])
             doc["handle"] = handle.value
+        elif cmd == "export":
+            fd = ctypes.c_int(-1)
+            step("cuMemExportToShareableHandle", ctypes.byref(fd), num[0], POSIX_FD, 0)
+            doc["fd"] = fd.value
         elif cmd == "meminfo":
             free, total = ctypes.c_size_t(), ctypes.c_size_t()
             step("cuMemGetInfo", ctypes.byref(free), ctypes.byref(total))

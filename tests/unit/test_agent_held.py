@@ -299,6 +299,23 @@ def test_no_kept_descriptor_stays_open_through_the_next_dump(gpu, probe, tmp_pat
     assert len(_kept(p)) == KEPT - 1   # the moved ones keep theirs again
 
 
+def test_the_programs_own_export_of_memory_taken_back_still_works(gpu, probe, tmp_path):
+    """The program exports its own cuMemCreate memory after a held resume (NCCL's IPC, a
+    second process): the handle is an imported one now, which the driver refuses to export
+    (so does the fake); the program gets a duplicate of the descriptor the memory came back
+    from, that very memory, and the allocation is the program's shared memory from then on
+    (not moved again)."""
+    p = probe(EXPORT)
+    prog, files, before = taken_back(gpu, p, tmp_path)
+    r = p.call(f"@export {prog['handle']}")
+    assert r["rc"] == 0 and r["fd"] >= 3, r
+    st = os.stat(f"/proc/{p.pid}/fd/{r['fd']}")
+    kept = {(s.st_dev, s.st_ino) for s in (os.stat(f"/proc/{p.pid}/fd/{fd}") for fd in _kept(p))}
+    assert (st.st_dev, st.st_ino) in kept
+    assert p.status()["movable_allocations"] == MOVABLE - 1
+    assert "exported: stays with the driver's checkpoint" in p.stderr()
+
+
 def test_a_forked_child_keeps_none_of_the_kept_descriptors(gpu, probe, tmp_path):
     """A child forked after a held resume (a DataLoader worker) would keep the parent's GPU
     memory alive for its whole life through the inherited kept descriptors, and be a process
