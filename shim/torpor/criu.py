@@ -22,7 +22,7 @@ from pathlib import Path
 from . import manifest, procs
 from .config import Config
 from .errors import CriuError, TorporError
-from .files import private_dir, read_untrusted_tail
+from .files import private_dir, read_small_file, read_untrusted_tail
 
 log = logging.getLogger(__name__)
 
@@ -283,10 +283,11 @@ def dump_stats(images_dir: Path, since: float = 0.0) -> dict[str, float | int] |
     file): it only informs."""
     try:
         from pycriu import images
-        with open(images_dir / "stats-dump", "rb") as f:
-            if os.fstat(f.fileno()).st_mtime < since:
-                return None
-            entry = images.load(f)["entries"][0]["dump"]
+        path = images_dir / "stats-dump"
+        if os.lstat(path).st_mtime < since:
+            return None
+        # CRIU writes a few dozen bytes: a FIFO, a device or anything larger is not read
+        entry = images.loads(read_small_file(path, 4096))["entries"][0]["dump"]
         out: dict[str, float | int] = {
             name: round(int(entry[key]) / 1e6, 4) for key, name in _DUMP_STATS_S.items()}
         out["pages_written"] = int(entry["pages_written"])

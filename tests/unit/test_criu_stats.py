@@ -55,3 +55,12 @@ def test_stats_older_than_the_dump_are_an_earlier_dumps(tmp_path):
     os.utime(tmp_path / "stats-dump", (now - 60, now - 60))
     assert criu.dump_stats(tmp_path, since=now - 5) is None
     assert criu.dump_stats(tmp_path, since=now - 120)["pages_written"] == 1
+
+
+def test_a_fifo_or_a_huge_file_is_not_read(tmp_path):
+    import os
+    os.mkfifo(tmp_path / "stats-dump")
+    assert criu.dump_stats(tmp_path) is None        # never waited on
+    (tmp_path / "stats-dump").unlink()
+    (tmp_path / "stats-dump").write_bytes(b"\x00" * (1 << 20))
+    assert criu.dump_stats(tmp_path) is None
