@@ -198,15 +198,18 @@ static void kept_close(int fd)
 }
 
 /* Where kept descriptors go: high, away from the numbers a program opens and closes (as CRIU
- * keeps its own), under the soft limit with room for all of them; else anywhere above 2. */
+ * keeps its own), under the soft limit with room for all of them, but not above 4096 (the
+ * kernel sizes a process's descriptor table to its highest descriptor: PyTorch raises the
+ * limit to a million); else anywhere above 2. */
 static int kept_floor(void)
 {
 	struct rlimit rl;
+	rlim_t top;
 
-	if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY &&
-	    rl.rlim_cur >= 4 * HOLD_MAX)
-		return (int)(rl.rlim_cur - 2 * HOLD_MAX);
-	return 3;
+	if (getrlimit(RLIMIT_NOFILE, &rl) < 0)
+		return 3;
+	top = rl.rlim_cur == RLIM_INFINITY || rl.rlim_cur > 4096 ? 4096 : rl.rlim_cur;
+	return top >= 4 * HOLD_MAX ? (int)(top - 2 * HOLD_MAX) : 3;
 }
 
 /* Under vm.lock: a duplicate of fd kept for ph. Only a descriptor that is a file of its own
