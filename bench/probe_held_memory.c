@@ -27,6 +27,12 @@
  *                 one imports it; P unmaps and releases; lock, checkpoint, restore, unlock
  *                 (the checkpoint's time against the baseline says whether the driver copied
  *                 it); P imports the kept descriptor at the same address and checks it.
+ *   2c. selfheld  P maps fresh memory, exports it and keeps the descriptor itself (the
+ *                 agent's place), releases its handle; lock, checkpoint, restore, unlock (the
+ *                 checkpoint's time against the baseline: whether the driver saved memory the
+ *                 program holds only by a descriptor); P imports its own descriptor at the same
+ *                 address, checks it, and exports the imported handle again (can the program
+ *                 hand it out a second time?).
  *   3. snapshot   H copies the held memory device to device into memory of its own (timed):
  *                 what the copy out inside the pause would cost.
  * Every step says what the driver answered; the first refusal ends the probe with its CUresult.
@@ -273,6 +279,7 @@ static void program(int sock)
 	uint64_t *buf = malloc(PIECE), *want = malloc(PIECE);
 	uint64_t seed = 0x5eed0000ULL ^ (uint64_t)getpid();
 	struct msg cmd;
+	int own = -1; /* selfheld: the descriptor the program keeps of its own memory */
 
 	context();
 	for (;;) {
@@ -329,6 +336,32 @@ static void program(int sock)
 			TRY(check(va, seed, buf, want), "every byte as written");
 			answer(sock, 'c', 0, "", now() - t, -1);
 			break;
+		case 'K': /* export and keep the descriptor here */
+			TRY(cu.Export(&own, h, POSIX_FD, 0), "cuMemExportToShareableHandle");
+			answer(sock, 'K', 0, "", now() - t, -1);
+			break;
+		case 'J': /* import the kept descriptor at the same address */
+			if (own < 0) {
+				answer(sock, 'J', CUDA_ERROR_INVALID_VALUE, "no descriptor kept", 0, -1);
+				break;
+			}
+			TRY(cu.Import(&h, (void *)(intptr_t)own, POSIX_FD),
+			    "cuMemImportFromShareableHandle (its own)");
+			close(own);
+			own = -1;
+			TRY(cu.Map(va, bytes, 0, h, 0), "cuMemMap at the same address");
+			TRY(cu.SetAccess(va, bytes, &access, 1), "cuMemSetAccess");
+			answer(sock, 'J', 0, "", now() - t, -1);
+			break;
+		case 'x': { /* the imported handle exported again, in the same process */
+			int out = -1;
+
+			TRY(cu.Export(&out, h, POSIX_FD, 0),
+			    "cuMemExportToShareableHandle (imported)");
+			answer(sock, 'x', 0, "", now() - t, -1);
+			close(out);
+			break;
+		}
 		default:
 			answer(sock, cmd.what, 0, "", 0, -1);
 			_exit(0);
@@ -447,8 +480,8 @@ int main(int argc, char **argv)
 {
 	double gib = 4;
 	int ps[2], hs[2], pid, hid, fd = -1, kept = -1;
-	const char *how = "", *fdonly;
-	char verdict[320];
+	const char *how = "", *fdonly, *selfheld;
+	char verdict[480];
 
 	for (int i = 1; i < argc; i += 2) {
 		if (i + 1 < argc && !strcmp(argv[i], "--gib"))
@@ -536,12 +569,33 @@ int main(int argc, char **argv)
 		fdonly = "a descriptor alone holds it";
 	if (kept >= 0)
 		close(kept);
+	/* 2c. held by the program itself: the agent would keep its descriptors (no hand-over to
+	 * torpor) if the driver's checkpoint leaves such memory out too */
+	if (ask(ps[0], "selfheld", 'n', -1, NULL, "program maps fresh memory of its own"))
+		selfheld = "the program could not map fresh memory";
+	else if (ask(ps[0], "selfheld", 'K', -1, NULL, "program exports and keeps the descriptor"))
+		selfheld = "the handle could not be exported";
+	else if (ask(ps[0], "selfheld", 'r', -1, NULL, "program unmaps and releases its own"))
+		selfheld = "the program could not release its handle";
+	else if (round_trip("selfheld", pid))
+		selfheld = "the driver refused the checkpoint";
+	else if (ask(ps[0], "selfheld", 'J', -1, NULL, "program imports its own descriptor"))
+		selfheld = "its own descriptor does not import after the checkpoint";
+	else if (ask(ps[0], "selfheld", 'c', -1, NULL, "every byte back, nothing copied"))
+		selfheld = "the memory came back changed";
+	else
+		selfheld = ask(ps[0], "selfheld", 'x', -1, NULL, "program exports the imported "
+			       "handle again") ? "its own descriptor holds it (the checkpoint's time "
+			       "says whether the driver saved it); the imported handle does not export "
+			       "again" : "its own descriptor holds it (the checkpoint's time says whether "
+			       "the driver saved it); the imported handle exports again";
 	/* 3. what a snapshot inside the pause would cost */
 	ask(hs[0], "snapshot", 's', -1, NULL, "device-to-device copy of all of it");
 	ask(ps[0], "done", 'q', -1, NULL, "program ends");
 	ask(hs[0], "done", 'q', -1, NULL, "holder ends");
 	waitpid(pid, NULL, 0), waitpid(hid, NULL, 0);
 	snprintf(verdict, sizeof(verdict), "held memory survives the driver's checkpoint: no copy "
-		 "back needed (handed back by %s); without a holder: %s", how, fdonly);
+		 "back needed (handed back by %s); without a holder: %s; held by the program "
+		 "itself: %s", how, fdonly, selfheld);
 	return finish(0, verdict);
 }

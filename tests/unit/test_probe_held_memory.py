@@ -54,6 +54,13 @@ def test_probe_runs_the_held_and_descriptor_only_round_trips(tmp_path):
         "program maps fresh memory of its own", "program exports its handle",
         "program unmaps and releases its own", *ROUND_TRIP,
         "program imports the kept descriptor", "every byte back, nothing copied"]]
+    # held by the program itself, then the imported handle exported again: the fake refuses
+    # that as the H200's driver did in the holder
+    assert phase("selfheld") == [(s, 0) for s in [
+        "program maps fresh memory of its own", "program exports and keeps the descriptor",
+        "program unmaps and releases its own", *ROUND_TRIP,
+        "program imports its own descriptor", "every byte back, nothing copied"]] + [
+        ("cuMemExportToShareableHandle (imported)", 1)]
     # the fake has no cuMemcpyDtoD_v2: the snapshot says so, and each process's answers stay
     # with their own commands after it
     assert phase("snapshot") == [("cuMemcpyDtoD", 801)]
@@ -61,7 +68,8 @@ def test_probe_runs_the_held_and_descriptor_only_round_trips(tmp_path):
     assert doc["verdict"] == (
         "held memory survives the driver's checkpoint: no copy back needed (handed back by "
         "the descriptor exported before the checkpoint); without a holder: a descriptor alone "
-        "holds it")
+        "holds it; held by the program itself: its own descriptor holds it (the checkpoint's "
+        "time says whether the driver saved it); the imported handle does not export again")
 
 
 def test_probe_names_a_driver_without_exportable_handles(tmp_path):
