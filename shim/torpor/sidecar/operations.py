@@ -57,6 +57,25 @@ class OpenOp:
                 except OSError:
                     pass
 
+    @contextlib.contextmanager
+    def ending(self, engine_of: Callable[[], Engine], keep: bool = True) -> Iterator[Engine]:
+        """The engine of the call that ends this operation, given what it holds (keep False:
+        closed first, the programs copy from the files): its resume maps the memory back,
+        and whatever none took is closed at the end, as is everything should no engine be
+        made."""
+        try:
+            engine = engine_of()
+            if not keep:
+                self.release_held()
+            engine.give_held(self.held)
+            self.held = {}
+            try:
+                yield engine
+            finally:
+                engine.release_held()
+        finally:
+            self.release_held()
+
     def owner_gone(self) -> bool:
         """The caller died without ending the operation, and no dump holds the processes
         (a dump still running finishes or fails by itself first)."""
@@ -200,13 +219,5 @@ class OperationTable:
     def rollback(self, o: OpenOp) -> container.OperationResult:
         """Bring o's live CUDA processes (and their agents) back to RUNNING and close o
         (flows/container.py's roll_back), through the memory o holds (no copy back)."""
-        try:
-            engine = self.engine()
-            engine.give_held(o.held)
-            o.held = {}
-            try:
-                return container.roll_back(engine, o.op, o.cuda_pids)
-            finally:
-                engine.release_held()   # what no resume took
-        finally:
-            o.release_held()   # no engine could be made: never kept for good
+        with o.ending(self.engine) as engine:
+            return container.roll_back(engine, o.op, o.cuda_pids)

@@ -149,8 +149,9 @@ class Service:
     @_rpc
     def Finish(self, request: Any, context: Any) -> Any:
         o = self.ops.take(request.op_id)
-        o.release_held()   # the dump ended the programs (any still alive copy back: first)
-        return to_pb(self.pb, container.finish(self.engine(), o.op, o.cuda_pids))
+        # the dump ended the programs: any still alive copies back, once the memory is gone
+        with o.ending(self.engine, keep=False) as engine:
+            return to_pb(self.pb, container.finish(engine, o.op, o.cuda_pids))
 
     @_rpc
     def Rollback(self, request: Any, context: Any) -> Any:
@@ -164,19 +165,12 @@ class Service:
             if request.pids or request.container_id:
                 raise UsageError("give an operation id or PIDs/container, not both")
             o = self.ops.take(request.op_id)
-            try:
-                engine = self.engine()
-                if any(old != new for old, new in gpu_map.items()):
-                    o.release_held()   # on the GPU it was on: the remapped program copies
-                engine.give_held(o.held)   # mapped back, not copied
-                o.held = {}
-                try:
-                    return to_pb(self.pb, container.restore_open(engine, o.op, o.cuda_pids,
-                                                                 gpu_map))
-                finally:
-                    engine.release_held()
-            finally:
-                o.release_held()   # no engine could be made: never kept for good
+            # mapped back, not copied; but held memory is on the GPU it was on: a program
+            # remapped to another copies from the files
+            remapped = any(old != new for old, new in gpu_map.items())
+            with o.ending(self.engine, keep=not remapped) as engine:
+                return to_pb(self.pb, container.restore_open(engine, o.op, o.cuda_pids,
+                                                             gpu_map))
         pids = _resolve(self.containers, request.pids, request.container_id,
                         not request.no_descendants)
         return to_pb(self.pb, container.restore(
