@@ -1071,3 +1071,19 @@ def test_held_memory_moves_from_the_checkpoints_engine_to_the_restores(world):
             pass
     assert not files & open_files
     op.close()
+
+
+def test_a_restore_onto_another_gpu_lets_the_held_memory_go_first(world):
+    """Held memory is on the GPU it was on: an engine's restore that remaps the program's GPU
+    closes what it holds before anything, and the program copies its memory from the files."""
+    world.agent.export = 2
+    e = world.engine()
+    op = e.begin("checkpoint", [PID])
+    e.lock_and_checkpoint(op, [PID], data=agent_data.DataDir.scratch(world.cfg, PID),
+                          scratch=True, hold=True)
+    assert e.held_counts() == {PID: 2}
+    back = e.restore_and_unlock(op, [PID], gpu_map={"GPU-aaaa": "GPU-bbbb"},
+                                agents=targets_of(op.entry.agents))
+    assert e.held_counts() == {} and back[PID]["held"] is False
+    assert world.agent.resumed_held is False and world.agent.intact
+    op.close()

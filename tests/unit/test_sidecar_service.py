@@ -150,6 +150,8 @@ class FakeEngine:
     def restore_and_unlock(self, op: FakeOp, pids: list[int], gpu_map: Any = None,
                            agents: Any = None) -> dict[int, dict[str, Any]]:
         self.world.calls.append(("restore_and_unlock", tuple(pids)))
+        if any(o != m for o, m in (gpu_map or {}).items()):   # as the real engine's
+            self.release_held()
         if self.world.restore_fails:
             raise TorporError("the driver's restore failed")
         back = self._map_back(pids)

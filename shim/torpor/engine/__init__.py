@@ -207,7 +207,11 @@ class Engine(AgentMoves, Recovery):
                            ) -> dict[int, dict[str, Any]]:
         """CHECKPOINTED -> RUNNING for every pid, then every program in agents gets the memory
         its agent moved back (resume). Raises DriverError / AgentError; the caller decides.
-        Returns pid -> {"bytes", "seconds"} of each agent's resume."""
+        Returns pid -> {"bytes", "seconds"} of each agent's resume. Memory held through the
+        checkpoint is on the GPU it was on: a gpu_map that moves any GPU lets it go first, and
+        the programs copy theirs from the files on the new one."""
+        if any(o != m for o, m in (gpu_map or {}).items()):
+            self.release_held()
         if not pids and not agents:
             return {}
         op.phase("gpu-restore", gpu_map=dict(gpu_map or {}),   # agents first: a recovery resumes

@@ -165,10 +165,7 @@ class Service:
             if request.pids or request.container_id:
                 raise UsageError("give an operation id or PIDs/container, not both")
             o = self.ops.take(request.op_id)
-            # mapped back, not copied; but held memory is on the GPU it was on: a program
-            # remapped to another copies from the files
-            remapped = any(old != new for old, new in gpu_map.items())
-            with o.ending(self.engine, keep=not remapped) as engine:
+            with o.ending(self.engine) as engine:   # held memory mapped back, not copied
                 return to_pb(self.pb, container.restore_open(engine, o.op, o.cuda_pids,
                                                              gpu_map))
         pids = _resolve(self.containers, request.pids, request.container_id,
