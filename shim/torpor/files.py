@@ -478,10 +478,10 @@ def printable(text: object, limit: int = 200) -> str:
     return out + ("..." if len(s) > limit else "")
 
 
-def write_new(path: Path, data: bytes, mode: int = 0o600) -> None:
+def write_new(path: Path, data: bytes, mode: int = 0o600, *, durable: bool = True) -> None:
     """Write data into a file that must not exist yet (O_EXCL refuses anything planted) and
-    fsync it; nothing is left behind if that fails. The file gets mode exactly: the umask
-    (torpor-runtime's is 077) must not turn the 0644 config.json oci.save keeps into 0600."""
+    fsync it (durable); nothing is left behind if that fails. The file gets mode exactly: the
+    umask (torpor-runtime's is 077) must not turn the 0644 config.json oci.save keeps into 0600."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
         try:
@@ -489,7 +489,8 @@ def write_new(path: Path, data: bytes, mode: int = 0o600) -> None:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
-            os.fsync(fd)
+            if durable:
+                os.fsync(fd)
         finally:
             os.close(fd)
     except BaseException:
@@ -506,22 +507,29 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, data: bytes, mode: int = 0o600, tmp_dir: Path | None = None) -> None:
+def atomic_write(path: Path, data: bytes, mode: int = 0o600, tmp_dir: Path | None = None, *,
+                 durable: bool = True) -> None:
     """Write to a temporary name, fsync, rename, fsync the directory. The temporary file is in
-    path's directory, or in tmp_dir (same filesystem) where leftovers are collected."""
+    path's directory, or in tmp_dir (same filesystem) where leftovers are collected.
+
+    durable=False leaves out both fsyncs: the rename alone already shows every reader the whole
+    file or the old one, however the writer dies (SIGKILL included); only a crash of the kernel
+    or the machine can lose it. For what means nothing after one: see journal.CRASH_ONLY."""
     tmp = (tmp_dir or path.parent) / f".{path.name}.tmp.{os.getpid()}"
     tmp.unlink(missing_ok=True)  # a leftover of ours
-    write_new(tmp, data, mode)
+    write_new(tmp, data, mode, durable=durable)
     try:
         os.replace(tmp, path)
     except OSError:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
 
 
-def write_json(path: Path, obj: object) -> None:
-    atomic_write(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+def write_json(path: Path, obj: object, *, durable: bool = True) -> None:
+    atomic_write(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode(),
+                 durable=durable)
 
 
 def tree_size(path: Path, allocated: bool = False) -> int:

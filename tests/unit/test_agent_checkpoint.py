@@ -137,6 +137,39 @@ def test_suspend_moves_memory_through_the_agent_then_the_driver(world):
     assert world.journal_entries() == []
 
 
+def fsyncs_under(monkeypatch, root: Path) -> list[str]:
+    """From now on, the path of every fsync under root (files and directories), in order."""
+    seen: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if path == str(root) or path.startswith(f"{root}/"):
+            seen.append(path)
+        real(fd)
+    monkeypatch.setattr(os, "fsync", fsync)
+    return seen
+
+
+def test_a_suspend_and_its_resume_journal_without_fsyncs(world, monkeypatch):
+    """A suspend's and a resume's journal entries and the suspended record mean nothing once the
+    machine went down with the program (journal.CRASH_ONLY): whole (renamed) for a torpor that
+    dies, never fsynced on the suspend's critical path. A checkpoint's stay durable."""
+    seen = fsyncs_under(monkeypatch, world.cfg.state_dir)
+    process.suspend(world.engine(), PID)
+    assert world.engine().journal.suspended()[PID]["agent"]["bytes"] == len(world.agent.original)
+    process.resume(world.engine(), PID)
+    assert world.agent.intact and seen == []
+
+    op = world.engine().begin("checkpoint", [PID])
+    op.phase("lock")
+    entry = str(world.cfg.journal_dir / f"{op.entry.id}.json")
+    tmp = f"{world.cfg.journal_dir}/.{op.entry.id}.json.tmp.{os.getpid()}"
+    assert seen == [tmp, str(world.cfg.journal_dir)] * 2     # begin, then the phase
+    op.close()
+    assert not Path(entry).exists()
+
+
 def in_process(world: World) -> None:
     """Suspends keep the agent's data in the program (config suspend_in_process)."""
     world.cfg = dataclasses.replace(world.cfg, suspend_in_process=True)
