@@ -35,6 +35,13 @@
  *                 hand it out a second time?).
  *   3. snapshot   H copies the held memory device to device into memory of its own (timed):
  *                 what the copy out inside the pause would cost.
+ *   4. drain      P maps fresh memory, exports it (this process keeps the descriptor) and
+ *                 releases its handle; H imports the descriptor and copies all of it to the
+ *                 host (pinned, 64 MiB at a time), checking every byte, *while* this process
+ *                 locks and checkpoints P; then restore, unlock, P imports the kept descriptor
+ *                 and checks it. Can the copy out leave the pause's critical path (run beside
+ *                 the driver's checkpoint and CRIU's dump, in another process), at what rate,
+ *                 and does it slow the driver's checkpoint (against fdonly's)?
  * Every step says what the driver answered; the first refusal ends the probe with its CUresult.
  * JSON on stdout, a line a step on stderr.
  *
@@ -84,6 +91,7 @@ static struct {
 	CUresult (*HtoD)(CUdeviceptr, const void *, size_t);
 	CUresult (*DtoH)(void *, CUdeviceptr, size_t);
 	CUresult (*DtoD)(CUdeviceptr, CUdeviceptr, size_t);
+	CUresult (*HostAlloc)(void **, size_t, unsigned);
 	CUresult (*Lock)(int, CUcheckpointLockArgs *);
 	CUresult (*Checkpoint)(int, CUcheckpointCheckpointArgs *);
 	CUresult (*Restore)(int, CUcheckpointRestoreArgs *);
@@ -130,6 +138,7 @@ static void load_driver(void)
 	cu.HtoD = sym(lib, "cuMemcpyHtoD_v2");
 	cu.DtoH = sym(lib, "cuMemcpyDtoH_v2");
 	cu.DtoD = optional(lib, "cuMemcpyDtoD_v2");
+	cu.HostAlloc = optional(lib, "cuMemHostAlloc");
 	cu.Lock = sym(lib, "cuCheckpointProcessLock");
 	cu.Checkpoint = sym(lib, "cuCheckpointProcessCheckpoint");
 	cu.Restore = sym(lib, "cuCheckpointProcessRestore");
@@ -144,6 +153,7 @@ struct msg {
 	int rc;           /* CUresult of the step (0: done) */
 	double seconds;   /* how long the step took */
 	char step[48];    /* which call answered rc */
+	uint64_t arg;     /* the drain's: the program's seed */
 };
 
 static void send_msg(int sock, const struct msg *m, int fd)
@@ -369,13 +379,42 @@ static void program(int sock)
 	}
 }
 
-/* H: commands i(mport) [fd in], s(napshot), e(xport) [fd out], q(uit) */
+/* H's drain: every byte of the memory at va to the host, 64 MiB at a time through a pinned
+ * buffer (pageable where the driver has no cuMemHostAlloc), each piece checked against the
+ * program's pattern; *copy_s: the copies' seconds alone (not the checks') */
+static CUresult drain(CUdeviceptr va, uint64_t seed, double *copy_s)
+{
+	static uint64_t *pinned, *want;
+	CUresult rc;
+
+	*copy_s = 0;
+	if (!pinned && cu.HostAlloc((void **)&pinned, PIECE, 0))
+		pinned = malloc(PIECE);
+	if (!want)
+		want = malloc(PIECE);
+	if (!pinned || !want)
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	for (size_t o = 0; o < bytes; o += PIECE) {
+		double t = now();
+
+		if ((rc = cu.DtoH(pinned, va + o, PIECE)))
+			return rc;
+		*copy_s += now() - t;
+		pattern(want, o, PIECE, seed);
+		if (memcmp(pinned, want, PIECE))
+			return CUDA_ERROR_INVALID_VALUE;
+	}
+	return CUDA_SUCCESS;
+}
+
+/* H: commands i(mport) [fd in], s(napshot), e(xport) [fd out], d(rain) [fd in], q(uit) */
 static void holder(int sock)
 {
 	CUmemAccessDesc access = { { CU_MEM_LOCATION_TYPE_DEVICE, 0 }, CU_MEM_ACCESS_FLAGS_PROT_READWRITE };
-	CUmemGenericAllocationHandle h = 0;
-	CUdeviceptr va = 0, copy = 0;
+	CUmemGenericAllocationHandle h = 0, dh = 0;
+	CUdeviceptr va = 0, copy = 0, dva = 0;
 	struct msg cmd;
+	double copy_s;
 
 	context();
 	for (;;) {
@@ -413,6 +452,23 @@ static void holder(int sock)
 			close(out);
 			break;
 		}
+		case 'd': /* import at an address of its own, copy all of it out, let it go */
+			if (fd < 0) {
+				answer(sock, 'd', CUDA_ERROR_INVALID_VALUE, "no descriptor came", 0, -1);
+				break;
+			}
+			TRY(cu.Import(&dh, (void *)(intptr_t)fd, POSIX_FD),
+			    "cuMemImportFromShareableHandle (drain)");
+			close(fd);
+			if (!dva)
+				TRY(cu.AddressReserve(&dva, bytes, 0, 0, 0), "cuMemAddressReserve (drain)");
+			TRY(cu.Map(dva, bytes, 0, dh, 0), "cuMemMap (drain)");
+			TRY(cu.SetAccess(dva, bytes, &access, 1), "cuMemSetAccess (drain)");
+			TRY(drain(dva, cmd.arg, &copy_s), "every byte to the host, as written");
+			TRY(cu.Unmap(dva, bytes), "cuMemUnmap (drain)");
+			TRY(cu.Release(dh), "cuMemRelease (drain)");
+			answer(sock, 'd', 0, "", copy_s, -1);
+			break;
 		default:
 			answer(sock, cmd.what, 0, "", 0, -1);
 			_exit(0);
@@ -451,8 +507,9 @@ static CUresult ask(int sock, const char *phase, char what, int fd_in, int *fd_o
 	return m.rc;
 }
 
-/* the driver's checkpoint of pid and back, each call timed */
-static CUresult round_trip(const char *phase, int pid)
+/* half of the driver's checkpoint of pid and back, each call timed: lock and checkpoint
+ * (out), or restore and unlock */
+static CUresult half_trip(const char *phase, int pid, int out)
 {
 	CUcheckpointLockArgs lock = { .timeoutMs = 30000 };
 	CUcheckpointCheckpointArgs ck;
@@ -468,20 +525,80 @@ static CUresult round_trip(const char *phase, int pid)
 	out_json(phase, name, rc, now() - t);                                                  \
 	if (rc)                                                                                \
 		return rc;
-	TIMED(cu.Lock(pid, &lock), "cuCheckpointProcessLock");
-	TIMED(cu.Checkpoint(pid, &ck), "cuCheckpointProcessCheckpoint");
-	TIMED(cu.Restore(pid, &rs), "cuCheckpointProcessRestore");
-	TIMED(cu.Unlock(pid, &un), "cuCheckpointProcessUnlock");
+	if (out) {
+		TIMED(cu.Lock(pid, &lock), "cuCheckpointProcessLock");
+		TIMED(cu.Checkpoint(pid, &ck), "cuCheckpointProcessCheckpoint");
+	} else {
+		TIMED(cu.Restore(pid, &rs), "cuCheckpointProcessRestore");
+		TIMED(cu.Unlock(pid, &un), "cuCheckpointProcessUnlock");
+	}
 #undef TIMED
 	return CUDA_SUCCESS;
+}
+
+static CUresult round_trip(const char *phase, int pid)
+{
+	CUresult rc = half_trip(phase, pid, 1);
+
+	return rc ? rc : half_trip(phase, pid, 0);
+}
+
+/* 4. the drain: H copies the program's released memory out (kept: its descriptor, which the
+ * program takes back afterwards) while the driver locks and checkpoints the program. What it
+ * found, in a sentence. */
+static const char *drain_phase(int psock, int hsock, int pid)
+{
+	struct msg m = { .what = 'd', .arg = 0x5eed0000ULL ^ (uint64_t)pid };
+	int kept = -1;
+	CUresult ck;
+	double t;
+	const char *said, *xor = getenv("PROBE_DRAIN_SEED_XOR");
+
+	if (xor) /* the tests': the holder told another pattern, as for another allocation */
+		m.arg ^= strtoull(xor, NULL, 0);
+	if (ask(psock, "drain", 'n', -1, NULL, "program maps fresh memory of its own"))
+		return "the program could not map fresh memory";
+	if (ask(psock, "drain", 'e', -1, &kept, "program exports its handle") || kept < 0)
+		return "the handle could not be exported";
+	if (ask(psock, "drain", 'r', -1, NULL, "program unmaps and releases its own")) {
+		close(kept);
+		return "the program could not release its handle";
+	}
+	t = now();
+	send_msg(hsock, &m, kept);            /* H starts; the driver's half runs meanwhile */
+	ck = half_trip("drain", pid, 1);
+	out_json("drain", "(the lock and checkpoint ended, seconds after the drain began)", 0,
+		 now() - t);
+	recv_msg(hsock, &m, NULL);
+	out_json("drain", m.rc ? m.step : "holder copied all of it out beside them (copy seconds)",
+		 m.rc, m.seconds);
+	out_json("drain", "(the drain ended, seconds after it began)", 0, now() - t);
+	said = m.rc ? "the holder could not copy the released memory out" : NULL;
+	if (ck) {
+		close(kept);
+		return "the driver refused the checkpoint beside the drain";
+	}
+	if (half_trip("drain", pid, 0)) {
+		close(kept);
+		return "the driver refused the restore after the drain";
+	}
+	if (ask(psock, "drain", 'i', kept, NULL, "program imports the kept descriptor")) {
+		close(kept);
+		return "the kept descriptor does not import after the drain";
+	}
+	close(kept);
+	if (ask(psock, "drain", 'c', -1, NULL, "every byte back"))
+		return "the memory came back changed";
+	return said ? said : "another process copies released memory out while the driver "
+		"checkpoints its program (the steps' times say at what rate and at what cost)";
 }
 
 int main(int argc, char **argv)
 {
 	double gib = 4;
 	int ps[2], hs[2], pid, hid, fd = -1, kept = -1;
-	const char *how = "", *fdonly, *selfheld;
-	char verdict[480];
+	const char *how = "", *fdonly, *selfheld, *drained;
+	char verdict[640];
 
 	for (int i = 1; i < argc; i += 2) {
 		if (i + 1 < argc && !strcmp(argv[i], "--gib"))
@@ -591,11 +708,12 @@ int main(int argc, char **argv)
 			       "the driver saved it); the imported handle exports again";
 	/* 3. what a snapshot inside the pause would cost */
 	ask(hs[0], "snapshot", 's', -1, NULL, "device-to-device copy of all of it");
+	drained = drain_phase(ps[0], hs[0], pid);
 	ask(ps[0], "done", 'q', -1, NULL, "program ends");
 	ask(hs[0], "done", 'q', -1, NULL, "holder ends");
 	waitpid(pid, NULL, 0), waitpid(hid, NULL, 0);
 	snprintf(verdict, sizeof(verdict), "held memory survives the driver's checkpoint: no copy "
 		 "back needed (handed back by %s); without a holder: %s; held by the program "
-		 "itself: %s", how, fdonly, selfheld);
+		 "itself: %s; drain: %s", how, fdonly, selfheld, drained);
 	return finish(0, verdict);
 }

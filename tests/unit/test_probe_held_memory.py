@@ -21,7 +21,7 @@ ROUND_TRIP = ["cuCheckpointProcessLock", "cuCheckpointProcessCheckpoint",
               "cuCheckpointProcessRestore", "cuCheckpointProcessUnlock"]
 
 
-def _run(tmp_path, fail_export: bool = False):
+def _run(tmp_path, fail_export: bool = False, env: dict | None = None):
     gpu = fakegpu.FakeGpu(tmp_path / "state")
     binary = tmp_path / "probe"
     subprocess.run(["gcc", "-O2", "-Wall", "-Werror", str(ROOT / "bench" /
@@ -29,7 +29,7 @@ def _run(tmp_path, fail_export: bool = False):
                    capture_output=True)
     if fail_export:      # a driver without exportable handles (fakegpu.py's fail/<call>)
         (gpu.state_dir / "fail" / "cuMemExportToShareableHandle").write_text("801\n")
-    env = dict(os.environ, **gpu.env())
+    env = dict(os.environ, **gpu.env(), **(env or {}))
     r = subprocess.run([str(binary), "--gib", "0.125"], env=env, capture_output=True,
                        text=True, timeout=120)
     doc = json.loads(r.stdout)
@@ -64,12 +64,33 @@ def test_probe_runs_the_held_and_descriptor_only_round_trips(tmp_path):
     # the fake has no cuMemcpyDtoD_v2: the snapshot says so, and each process's answers stay
     # with their own commands after it
     assert phase("snapshot") == [("cuMemcpyDtoD", 801)]
+    # the drain: the holder copies the released memory out and checks it while the driver
+    # locks and checkpoints the program; the program then takes it back intact
+    assert phase("drain") == [(s, 0) for s in [
+        "program maps fresh memory of its own", "program exports its handle",
+        "program unmaps and releases its own", *ROUND_TRIP[:2],
+        "(the lock and checkpoint ended, seconds after the drain began)",
+        "holder copied all of it out beside them (copy seconds)",
+        "(the drain ended, seconds after it began)", *ROUND_TRIP[2:],
+        "program imports the kept descriptor", "every byte back"]]
     assert phase("done") == [("program ends", 0), ("holder ends", 0)]
     assert doc["verdict"] == (
         "held memory survives the driver's checkpoint: no copy back needed (handed back by "
         "the descriptor exported before the checkpoint); without a holder: a descriptor alone "
         "holds it; held by the program itself: its own descriptor holds it (the checkpoint's "
-        "time says whether the driver saved it); the imported handle does not export again")
+        "time says whether the driver saved it); the imported handle does not export again; "
+        "drain: another process copies released memory out while the driver checkpoints its "
+        "program (the steps' times say at what rate and at what cost)")
+
+
+def test_a_drain_that_finds_other_bytes_says_so(tmp_path):
+    """The holder checks every byte it drains against the program's pattern: memory another
+    process changed (here: the program's seed is not the one the holder is told, as if the
+    descriptor were another allocation's) is refused, not reported as drained."""
+    r, doc, steps = _run(tmp_path, env={"PROBE_DRAIN_SEED_XOR": "1"})
+    assert r.returncode == 0, r.stderr
+    assert ("drain", "every byte to the host, as written", 1) in steps
+    assert doc["verdict"].endswith("drain: the holder could not copy the released memory out")
 
 
 def test_probe_names_a_driver_without_exportable_handles(tmp_path):
