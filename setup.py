@@ -53,8 +53,9 @@ class BuildPyWithProto(build_py):
                 raise SystemExit(f"building the agent (make -C agent) failed: {e}; "
                                  "it needs make and a C compiler (./install.sh installs them)")
             out.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(Path(tmp) / "libtorpor-agent.so", out / "libtorpor-agent.so")
-        self.announce(f"built {out / 'libtorpor-agent.so'}", level=2)
+            for name in ("libtorpor-agent.so", "torpor-copier"):
+                shutil.copy2(Path(tmp) / name, out / name)
+        self.announce(f"built {out / 'libtorpor-agent.so'} and {out / 'torpor-copier'}", level=2)
 
 
     def _build_front(self) -> None:
@@ -77,6 +78,7 @@ class SdistWithProto(sdist):
                      "shim/front/Makefile", "shim/front/torpor-runtime.c"):
             self.filelist.append(name)
         self.filelist.recursive_include("agent/src", "*")
+        self.filelist.recursive_include("agent/copier", "*")
 
 
 class BinaryDistribution(Distribution):

@@ -278,6 +278,9 @@ struct move_result {
 	int held, held_back;
 	int hold_fds[HOLD_MAX];
 	double hold_seconds, import_seconds;
+	/* a save with a plan file: its copy left to torpor's copier (defer.c), or why not */
+	int deferred;
+	char defer_error[160];
 	char error[256];
 };
 /* Copies every movable allocation into the files (striped, one thread a file; nfds 0: into
@@ -288,9 +291,12 @@ struct move_result {
  * when the parts to copy (zero and skipped parts left out) need more host memory than this.
  * With TORPOR_AGENT_VMM_EXPORT=1 and every movable allocation exportable (at most HOLD_MAX),
  * each one's memory is exported to a descriptor before it is released (r->held of them in
- * r->hold_fds, the caller's): the memory stays on the GPU while one of them is open. */
+ * r->hold_fds, the caller's): the memory stays on the GPU while one of them is open.
+ * plan_fd >= 0 (a regular file): the copy is deferred where it can be (defer.c): the memory
+ * held, the plan written there, nothing copied (r->deferred); else it copies, r->defer_error
+ * saying why. */
 int mover_save(const int *fds, int nfds, int known_fd, int index_fd, int ring_fd, int sock_fd,
-	       unsigned long long host_budget, struct move_result *r);
+	       int plan_fd, unsigned long long host_budget, struct move_result *r);
 /* Re-creates and reloads what mover_save saved from the same files (none: from the agent's
  * memory), verifying checksums. 0, or -1 with r->error (what was re-created stays; a retry
  * goes on from there). nheld > 0: held, the descriptors a save exported (r->hold_fds, in

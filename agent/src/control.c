@@ -427,6 +427,7 @@ static void prepare_reply(struct client *c, const char *arg, char *out, size_t s
 	struct move_result r;
 	long timeout_ms;
 	int ret, n, ndata = c->nfds, known_fd = -1, index_fd = -1, ring_fd = -1, sock_fd = -1;
+	int plan_fd = -1;
 	unsigned long long host_budget = 0;
 	size_t used, alen = strlen(arg);
 	char targ[32];
@@ -435,10 +436,20 @@ static void prepare_reply(struct client *c, const char *arg, char *out, size_t s
 		error_reply(out, size, "already prepared: resume or abort first");
 		return;
 	}
-	/* "prepare [timeout_ms] [fp [stream]]": with fp, the last two fds are the known
-	 * fingerprints and the index to write; with stream, two more after them: the image
-	 * store's ring and socket (PROTOCOL.md) */
-	if (word_at_end(arg, &alen, "stream")) {
+	/* "prepare [timeout_ms] [host=N] [fp [stream] | defer]": with fp, the last two fds are
+	 * the known fingerprints and the index to write; with stream, two more after them: the
+	 * image store's ring and socket; with defer, the last fd is the plan file (PROTOCOL.md) */
+	if (word_at_end(arg, &alen, "defer")) {
+		struct stat st;
+
+		if (c->nfds < 2 || fstat(c->fds[c->nfds - 1], &st) < 0 || !S_ISREG(st.st_mode)) {
+			error_reply(out, size, "prepare ... defer takes the data files, then the plan "
+				    "file (a regular file)");
+			return;
+		}
+		ndata = c->nfds - 1;
+		plan_fd = c->fds[ndata];
+	} else if (word_at_end(arg, &alen, "stream")) {
 		if (!word_at_end(arg, &alen, "fp") || c->nfds < 5) {
 			error_reply(out, size, "prepare ... fp stream takes the data files, the known "
 				    "fingerprints, the index file, the ring and the socket");
@@ -455,7 +466,7 @@ static void prepare_reply(struct client *c, const char *arg, char *out, size_t s
 		}
 		ndata = c->nfds - 2;
 	}
-	if (ndata != c->nfds) {
+	if (ndata != c->nfds && plan_fd < 0) {
 		known_fd = c->fds[ndata];
 		index_fd = c->fds[ndata + 1];
 	}
@@ -502,8 +513,9 @@ static void prepare_reply(struct client *c, const char *arg, char *out, size_t s
 		return;
 	}
 	mover_stream_timeout((long long)(ctl.prepare_timeout_s * 1000));
-	ret = mover_save(c->fds, ndata, known_fd, index_fd, ring_fd, sock_fd, host_budget, &r);
-	if (known_fd >= 0) { /* torpor's, read and written: not kept */
+	ret = mover_save(c->fds, ndata, known_fd, index_fd, ring_fd, sock_fd, plan_fd, host_budget,
+			 &r);
+	if (known_fd >= 0 || plan_fd >= 0) { /* torpor's, read and written: not kept */
 		for (int k = ndata; k < c->nfds; k++)
 			close(c->fds[k]);
 		c->nfds = ndata;
@@ -543,12 +555,13 @@ static void prepare_reply(struct client *c, const char *arg, char *out, size_t s
 		     "\"release\":%.6f},\"fingerprints\":{\"parts\":%ld,\"skipped\":%ld,"
 		     "\"skipped_bytes\":%llu,\"seconds\":%.6f,\"error\":\"%s\"},\"zero\":{\"parts\":%ld,"
 		     "\"bytes\":%llu,\"error\":\"%s\"},\"streamed\":%s,\"held\":%d,"
-		     "\"hold_seconds\":%.6f,\"files\":[",
+		     "\"hold_seconds\":%.6f,\"deferred\":%s,\"defer_error\":\"%s\",\"files\":[",
 		     r.bytes, r.chunks, r.allocations, released, r.seconds,
 		     r.in_memory ? "true" : "false", r.host_alloc_seconds, r.staging_seconds,
 		     r.copy_seconds, r.vmm_seconds, r.fp_parts, r.fp_skipped, r.fp_skipped_bytes,
 		     r.fp_seconds, r.fp_error, r.zero_parts, r.zero_bytes, r.zero_error,
-		     r.streamed ? "true" : "false", r.held, r.hold_seconds);
+		     r.streamed ? "true" : "false", r.held, r.hold_seconds,
+		     r.deferred ? "true" : "false", r.defer_error);
 	used = n > 0 && (size_t)n < size ? (size_t)n : size - 1;
 	for (int k = 0; k < r.nfiles && used < size; k++) {
 		n = snprintf(out + used, size - used, "%s%llu", k ? "," : "", r.file_size[k]);

@@ -239,7 +239,7 @@ static int size_files(const int *fds, int nfds, struct move_result *r)
 
 /* The host memory a save's sinks take: every part that is copied out (zero parts and those
  * the store has stay behind). */
-static unsigned long long host_bytes_needed(void)
+unsigned long long host_bytes_needed(void)
 {
 	unsigned long long n = 0;
 
@@ -250,7 +250,7 @@ static unsigned long long host_bytes_needed(void)
 	return n;
 }
 
-static void hold_close(struct move_result *r)
+void hold_close(struct move_result *r)
 {
 	for (int i = 0; i < r->held; i++)
 		close(r->hold_fds[i]);
@@ -260,7 +260,7 @@ static void hold_close(struct move_result *r)
 
 /* Every movable allocation's memory exported to a descriptor (r->hold_fds), each one's file
  * remembered (plan.hold), or none: the memory is held only if all of it can be. */
-static void hold_export(struct move_result *r)
+void hold_export(struct move_result *r)
 {
 	long long t0 = now_ms();
 	char why[160] = "";
@@ -309,13 +309,38 @@ static void hold_export(struct move_result *r)
 	r->hold_seconds = seconds_since(t0);
 }
 
+/* A deferred save whose release failed after `dropped` allocations: nothing is in the files,
+ * so those take their held memory back (nothing copied), everything held is let go, and the
+ * save is undone. */
+static void undrop_held(size_t dropped, struct move_result *r)
+{
+	for (int k = 0; k < plan.nhold; k++) {
+		const struct movable *mv = &plan.mv[plan.hold[k].mv];
+		CUcontext ctx = track_context_of(mv->dev);
+		CUresult rc;
+
+		if (plan.hold[k].mv >= dropped)
+			continue;
+		if (ctx)
+			real.cuCtxSetCurrent(ctx);
+		rc = vmm_adopt(mv->phys, r->hold_fds[k]);
+		if (rc != CUDA_SUCCESS)
+			pr_err("taking back %zu bytes at 0x%llx after a failed release: CUresult %d: "
+			       "that memory is lost", mv->size, mv->src, rc);
+		vmm_reloaded(mv->phys);
+	}
+	hold_close(r);
+	plan_free();
+	r->deferred = 0;
+}
+
 int mover_save(const int *fds, int nfds, int known_fd, int index_fd, int ring_fd, int sock_fd,
-	       unsigned long long host_budget, struct move_result *r)
+	       int plan_fd, unsigned long long host_budget, struct move_result *r)
 {
 	long long t0 = now_ms(), t1;
 	size_t dropped = 0, nknown = 0;
 	XXH128_canonical_t *known = NULL;
-	int ret, in_memory = nfds == 0, gpu_check;
+	int ret, in_memory = nfds == 0, gpu_check, deferred = 0;
 	const char *check = getenv("TORPOR_AGENT_FP_CHECK");
 	const char *zeros = getenv("TORPOR_AGENT_ZEROS"); /* "0": every part is copied */
 
@@ -390,10 +415,13 @@ int mover_save(const int *fds, int nfds, int known_fd, int index_fd, int ring_fd
 	 * workers wrote 1 MiB at a time (TORPOR_AGENT_MOVER_WRITE=block), each past the end of a
 	 * growing file: measured on Linux 6.18, 256 MiB written so got no 2 MiB page, and every
 	 * page once the file was sized first. */
-	ret = tune.presize ? size_files(fds, nfds, r) : 0;
-	if (!ret && plan.nchunks)
+	ret = tune.presize || plan_fd >= 0 ? size_files(fds, nfds, r) : 0;
+	/* defer (defer.c): held, the plan written, nothing copied here: another process copies */
+	if (!ret && plan_fd >= 0)
+		deferred = defer_save(plan_fd, in_memory, index_fd, ring_fd, r) == 0;
+	if (!ret && plan.nchunks && !deferred)
 		ret = run_workers(in_memory ? NULL : fds, plan.nfiles, 1, r);
-	if (!ret && !tune.presize) /* TORPOR_AGENT_MOVER_PRESIZE=0: as before, to measure */
+	if (!ret && !tune.presize && plan_fd < 0) /* TORPOR_AGENT_MOVER_PRESIZE=0: as before */
 		ret = size_files(fds, nfds, r);
 	/* the index before anything is released: without it the skipped parts are lost */
 	if (!ret && index_fd >= 0)
@@ -404,17 +432,23 @@ int mover_save(const int *fds, int nfds, int known_fd, int index_fd, int ring_fd
 	r->streamed = stream_active();
 	stream_close();
 	if (ret) {
+		hold_close(r);
 		plan_free(); /* the agent's regions too: nothing was released */
 		return -1;
 	}
-	/* every byte is out: held (exported, the memory lives on while a descriptor does), then
-	 * the GPU memory released */
-	hold_export(r);
+	/* every byte is out (or deferred: held already): held (exported, the memory lives on
+	 * while a descriptor does), then the GPU memory released */
+	if (!deferred)
+		hold_export(r);
 	t1 = now_ms();
 	for (size_t m = 0; m < plan.nmv; m++) {
 		if (vmm_drop(plan.mv[m].phys) != CUDA_SUCCESS) {
 			snprintf(r->error, sizeof(r->error), "releasing GPU memory failed after %zu of "
 				 "%zu allocations", dropped, plan.nmv);
+			if (deferred) { /* nothing is in the files: the held memory is the way back */
+				undrop_held(dropped, r);
+				return -1;
+			}
 			hold_close(r); /* the reload copies: nothing is held */
 			plan.pending = 1; /* the caller reloads: the copy is complete */
 			return -1;
@@ -431,9 +465,10 @@ int mover_save(const int *fds, int nfds, int known_fd, int index_fd, int ring_fd
 	if (!in_memory)
 		memcpy(r->file_size, plan.file_size, sizeof(r->file_size));
 	r->seconds = seconds_since(t0);
-	pr_info("saved %llu bytes (%zu allocations, %zu chunks, %d %s; %llu bytes of zero parts "
-		"stay behind) in %.3f s", r->bytes, plan.nmv, plan.nchunks, plan.nfiles,
-		in_memory ? "regions of host memory" : "files", r->zero_bytes, r->seconds);
+	pr_info("%s %llu bytes (%zu allocations, %zu chunks, %d %s; %llu bytes of zero parts "
+		"stay behind) in %.3f s", deferred ? "left to the copier" : "saved", r->bytes,
+		plan.nmv, plan.nchunks, plan.nfiles, in_memory ? "regions of host memory" : "files",
+		r->zero_bytes, r->seconds);
 	if (r->held)
 		pr_info("%d allocations held on the GPU by their descriptors (exported in %.3f s)",
 			r->held, r->hold_seconds);

@@ -185,6 +185,19 @@ static inline unsigned long long part_store_len(const struct chunk *c, int q)
 	return plan.file_size[c->file] - at < FILE_ALIGN ? plan.file_size[c->file] - at : FILE_ALIGN;
 }
 
+/* -- held memory and the deferred copy (mover.c, defer.c) ------------------------------------- */
+
+/* The host memory a save's sinks take: every part that is copied out. */
+unsigned long long host_bytes_needed(void);
+/* Every movable allocation exported to a descriptor (r->hold_fds, plan.hold), or none. */
+void hold_export(struct move_result *r);
+/* Closes r's held descriptors: nothing is held. */
+void hold_close(struct move_result *r);
+/* After the layout and the files sized: held, the copy's plan written to plan_fd, nothing
+ * copied (0, r->deferred); or -1 with why in r->defer_error, nothing held, for a save that
+ * copies as always. */
+int defer_save(int plan_fd, int in_memory, int index_fd, int ring_fd, struct move_result *r);
+
 /* -- the workers (mover_workers.c) ------------------------------------------------------------ */
 
 struct worker {

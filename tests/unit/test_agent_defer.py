@@ -1,0 +1,190 @@
+"""The deferred copy (issue 20, short pauses; agent/src/defer.c, agent/copier/copier.c,
+agent/PROTOCOL.md "The deferred copy"): a `prepare ... defer` holds the program's memory and
+writes the plan of the copy instead of copying; torpor-copier, a process of its own, imports
+the held descriptors and fills the data files from the plan. Against the fake libcuda (its
+exported descriptors are the handles' memfds, which another process maps): the files the
+copier writes are the files a plain prepare writes, byte for byte, and a resume from them
+alone (the held memory let go) gives the program every byte back. The copier takes nothing
+in the plan on trust."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.unit.test_agent import AGENT_DIR, Probe, build_agent, gpu, probe  # noqa: F401
+from tests.unit.test_agent_held import EXPORT, MOVABLE, close_all, fds_back, nfds
+from tests.unit.test_agent_mover import MIB, Files, _intact, _program, ctl_fds, ctl_recv
+
+COPIER = AGENT_DIR / "build" / "torpor-copier"
+PART = 4 * MIB
+
+
+def prepare_deferred(p: Probe, files: Files, plan: int) -> dict:
+    data = files.open(write=True)
+    try:
+        return ctl_fds(p.sock, "prepare 5000 defer", data + [plan])
+    finally:
+        close_all(data)
+
+
+def plan_text(plan: int) -> str:
+    return os.pread(plan, 1 << 20, 0).decode()
+
+
+def run_copier(gpu, plan: int, files: list[int], held: list[int], *extra: str
+               ) -> tuple[int, dict]:
+    build_agent()
+    r = subprocess.run([str(COPIER), "--libcuda", gpu.libcuda, "--plan", str(plan),
+                        "--files", ",".join(map(str, files)), "--held",
+                        ",".join(map(str, held)), *extra],
+                       pass_fds=[plan, *files, *held], capture_output=True, timeout=60,
+                       env={**os.environ, **gpu.env()})
+    return r.returncode, json.loads(r.stdout) if r.stdout.strip() else {"stderr": r.stderr}
+
+
+def new_plan(text: str = "") -> int:
+    fd = os.memfd_create("plan", os.MFD_CLOEXEC)
+    os.write(fd, text.encode())
+    return fd
+
+
+def test_a_deferred_copy_fills_the_files_a_plain_prepare_would(gpu, probe, tmp_path):
+    p = probe(EXPORT)
+    prog = _program(p, "vmmfd")
+    before = nfds(p)
+    # what a plain prepare writes, for comparison: prepared and taken back (held)
+    plain = Files(tmp_path / "plain", 2)
+    r = plain.send(p.sock, "prepare 5000", write=True)
+    assert r["ok"] and r["held"] == MOVABLE, r
+    r, held = ctl_recv(p.sock, "detach hold")
+    data = plain.open(write=False)
+    assert ctl_fds(p.sock, f"resume held={MOVABLE}", data + held)["held"] is True
+    close_all(data + held)
+
+    files = Files(tmp_path / "deferred", 2)
+    plan = new_plan()
+    r = prepare_deferred(p, files, plan)
+    assert r["ok"] and r["deferred"] is True and r["defer_error"] == "", r
+    assert r["held"] == MOVABLE and r["bytes"] > 0, r
+    # sized, not written: every byte is a hole until the copier has run
+    assert [f.stat().st_size for f in files.paths] == r["files"]
+    assert all(f.stat().st_blocks == 0 for f in files.paths)
+    text = plan_text(plan)
+    assert text.startswith("torpor-copy-plan 1\nfiles 2\nalloc 0 ") and text.endswith("end\n")
+    assert text.count("\nalloc ") == MOVABLE
+    assert "left to the copier" in p.stderr()
+
+    r, held = ctl_recv(p.sock, "detach hold")
+    assert r == {"ok": True, "held": MOVABLE} and len(held) == MOVABLE, r
+    data = files.open(write=False)
+    rw = [os.open(f, os.O_RDWR | os.O_CLOEXEC) for f in files.paths]
+    try:
+        rc, out = run_copier(gpu, plan, rw, held)
+    finally:
+        close_all(rw)
+    assert rc == 0 and out["ok"] is True, out
+    assert out["allocations"] == MOVABLE and out["bytes"] > 0 and out["parts"] > 0, out
+    assert [f.read_bytes() for f in files.paths] == [f.read_bytes() for f in plain.paths]
+
+    # the files alone bring it back: the held memory let go first
+    close_all(held)
+    r = ctl_fds(p.sock, "resume", data)
+    close_all(data)
+    assert r["ok"] and r["held"] is False and r["bytes"] > 0, r
+    _intact(p, prog["mem"])
+    fds_back(p, before)      # the kept descriptors went with the deferred prepare's drop
+    os.close(plan)
+
+
+def test_a_prepare_that_cannot_defer_copies_and_says_why(gpu, probe, tmp_path):
+    """Without held memory (no TORPOR_AGENT_VMM_EXPORT) nothing can be left to a copier: the
+    prepare copies as always, the files are whole, and its reply says why."""
+    p = probe()
+    prog = _program(p)
+    files = Files(tmp_path / "d", 2)
+    plan = new_plan()
+    r = prepare_deferred(p, files, plan)
+    os.close(plan)
+    assert r["ok"] and r["deferred"] is False and "held memory" in r["defer_error"], r
+    assert r["held"] == 0
+    assert ctl_fds(p.sock, "detach")["ok"]
+    r = files.send(p.sock, "resume", write=False)
+    assert r["ok"] and r["bytes"] > 0, r
+    _intact(p, prog["mem"])
+
+
+def test_defer_needs_a_plan_file(gpu, probe, tmp_path):
+    p = probe(EXPORT)
+    _program(p, "vmmfd")
+    files = Files(tmp_path / "d", 1)
+    data = files.open(write=True)
+    try:
+        r = ctl_fds(p.sock, "prepare 5000 defer", data)
+    finally:
+        close_all(data)
+    assert not r["ok"] and "plan file" in r["error"], r
+    assert p.status()["state"] == "running" and p.status()["gate"] == "open"
+
+
+# -- the copier takes nothing in the plan on trust ----------------------------------------------
+
+GOOD = ("torpor-copy-plan 1\nfiles 1\nalloc 0 2097152 " + "0" * 32 + "\n"
+        "part 0 0 4096\nseg 0 0 4096\nend\n")
+
+
+@pytest.mark.parametrize("plan,why", [
+    ("", "cut short"),
+    ("torpor-copy-plan 2\n", "not a copy plan"),
+    (GOOD.replace("files 1", "files 2"), "files are not the 1 given"),
+    (GOOD.replace("alloc 0 ", "alloc 1 "), "bad allocation"),
+    (GOOD.replace("part 0 0 4096", "part 1 0 4096"), "whole part inside its file"),
+    (GOOD.replace("part 0 0 4096", "part 0 4096 4096"), "whole part inside its file"),
+    (GOOD.replace("part 0 0 4096", "part 0 8388608 4096"), "whole part inside its file"),
+    (GOOD.replace("part 0 0 4096\nseg 0 0 4096", "part 0 0 8388608\nseg 0 0 4096"),
+     "whole part inside its file"),
+    (GOOD.replace("seg 0 0 4096", "seg 0 2097150 4096"), "outside its allocation"),
+    (GOOD.replace("seg 0 0 4096", "seg 1 0 4096"), "outside its allocation"),
+    (GOOD.replace("seg 0 0 4096", "seg 0 0 2048"), "cut short"),
+    (GOOD.replace("seg 0 0 4096", "seg 0 0 4096 7"), "outside its allocation"),
+    (GOOD.replace("end\n", "end\npart 0 0 4096\n"), "after its end"),
+    (GOOD.replace("end\n", ""), "cut short"),
+    (GOOD.replace("end\n", "end"), "newline"),
+    (GOOD.replace("seg 0 0 4096", "seg 0 18446744073709551615 4096"), "outside"),
+    (GOOD + "\0", "NUL"),
+])
+def test_the_copier_refuses_a_bad_plan_and_writes_nothing(gpu, tmp_path, plan, why):
+    data = tmp_path / "data"
+    data.write_bytes(b"\xaa" * (2 * PART))
+    fd = os.open(data, os.O_RDWR)
+    held = os.open("/dev/null", os.O_RDONLY)
+    pfd = new_plan(plan)
+    try:
+        rc, out = run_copier(gpu, pfd, [fd], [held])
+    finally:
+        close_all([fd, held, pfd])
+    assert rc == 1 and out["ok"] is False and why in out["error"], out
+    assert data.read_bytes() == b"\xaa" * (2 * PART)
+
+
+def test_the_copier_refuses_a_file_not_open_for_writing(gpu, tmp_path):
+    data = tmp_path / "data"
+    data.write_bytes(b"\0" * PART)
+    fd = os.open(data, os.O_RDONLY)
+    pfd = new_plan(GOOD)
+    try:
+        rc, out = run_copier(gpu, pfd, [fd], [fd])
+    finally:
+        close_all([fd, pfd])
+    assert rc == 1 and "open for writing" in out["error"], out
+
+
+@pytest.mark.parametrize("args", [[], ["--plan", "99"], ["--bogus", "1"], ["--files"]])
+def test_the_copier_refuses_bad_usage(args):
+    build_agent()
+    r = subprocess.run([str(COPIER), *args], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and r.stderr.startswith("usage:"), r.stderr
