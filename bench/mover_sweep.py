@@ -32,6 +32,7 @@ not depend on the bulk's size: one small reference at the end serves every progr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -48,8 +49,8 @@ sys.path[:0] = [str(ROOT / "shim"), str(ROOT)]
 
 GB, GiB, SLICE = 1e9, 1 << 30, 256 << 20
 
-# name -> the program's environment (mover_tune.c) and config changes (engine side)
-# (in the order stage 1 runs them: the budget cuts the last)
+# name -> the program's environment (mover_tune.c) and config changes (engine side: keys
+# "cfg:<Config field>") (in the order stage 1 runs them: the budget cuts the last)
 VARIANTS: dict[str, dict] = {
     "default": {},
     # staging a part (4 MiB) at a time is the default since the sweep of 2026-12-05 (resume
@@ -57,6 +58,9 @@ VARIANTS: dict[str, dict] = {
     # held memory: a --leave-running checkpoint maps the memory back instead of copying it
     # (agent/PROTOCOL.md "Held memory"); suspends and resumes as default's
     "hold": {"TORPOR_AGENT_VMM_EXPORT": "1"},
+    # held, and the copy out left to torpor-copier beside the driver's checkpoint and the dump
+    # (agent/PROTOCOL.md "The deferred copy"; config leave_running_drain)
+    "drain": {"TORPOR_AGENT_VMM_EXPORT": "1", "cfg:leave_running_drain": True},
     # each saved part in one pwrite is the default since 2026-12-05 (whole huge pages of the
     # tmpfs: the kernel zeroes what a 1 MiB write leaves of a new 2 MiB page); 1 MiB writes were
     "write-block": {"TORPOR_AGENT_MOVER_WRITE": "block"},
@@ -186,10 +190,10 @@ class Sweep:
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
 
-    def engine(self):
+    def engine(self, overrides: dict | None = None):
         from torpor.engine import Engine
         from torpor.progress import Progress
-        return Engine(self.cfg, Progress(None))
+        return Engine(dataclasses.replace(self.cfg, **(overrides or {})), Progress(None))
 
     def start(self, name: str, gib: float, env: dict, *, agent: bool = True, max_steps: int = 0,
               sleep: float = 0.01):
@@ -229,8 +233,9 @@ class Sweep:
 
     def one(self, variant: str, gib: float, leave_running: bool, limits: dict) -> dict:
         from torpor.flows import process
-        env = VARIANTS[variant]
-        row: dict = {"variant": variant, "gib": gib, "env": env}
+        env = {k: v for k, v in VARIANTS[variant].items() if not k.startswith("cfg:")}
+        cfg = {k[4:]: v for k, v in VARIANTS[variant].items() if k.startswith("cfg:")}
+        row: dict = {"variant": variant, "gib": gib, "env": env, **({"cfg": cfg} if cfg else {})}
         nwin = windows(gib)
         prog = self.start(f"{variant}-{gib:g}", gib, env)
         try:
@@ -244,7 +249,7 @@ class Sweep:
             if env and not row["agent_tuned_line"]:
                 row["warning"] = "no 'tuned:' line in the program's log: the agent did not " \
                                  "take the variant"
-            eng = self.engine()
+            eng = self.engine(cfg)
             row["rounds"] = []
             for n in range(self.args.rounds):
                 t = time.perf_counter()
@@ -272,8 +277,9 @@ class Sweep:
                     lr["writeout"] = (m.get("timings") or {}).get("writeout")
                     row["leave_running"] = lr
                     print(f"    paused {(m.get('pause') or {}).get('paused_s')} s, "
-                          f"{(m.get('pause') or {}).get('held', 0)} allocation(s) held on the GPU",
-                          flush=True)
+                          f"{(m.get('pause') or {}).get('held', 0)} allocation(s) held on the GPU"
+                          + (f", copied beside the dump: {m['pause']['drained']}"
+                             if (m.get("pause") or {}).get("drained") else ""), flush=True)
                 finally:
                     shutil.rmtree(images, ignore_errors=True)
             last = prog.step()

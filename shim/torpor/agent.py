@@ -301,7 +301,8 @@ class AgentClient:
     # -- moving GPU memory (PROTOCOL.md) --------------------------------------------------------
     def prepare(self, files: Sequence[int], timeout_ms: int, timeout: float | None = None,
                 fingerprints: tuple[int, int] | None = None,
-                stream: Sequence[int] = (), host_budget: int | None = None) -> dict[str, Any]:
+                stream: Sequence[int] = (), host_budget: int | None = None,
+                plan: int | None = None) -> dict[str, Any]:
         """Movable GPU memory into files (fds of empty regular files, read-write), or with no
         files into the program's own host memory; the gate is closed after. Returns the
         agent's reply: {"bytes" (moved), "zero_bytes" (found zero: stayed), "chunks",
@@ -319,6 +320,11 @@ class AgentClient:
         An agent older than host budgets (preloaded before torpor was upgraded) refuses the
         word: then all it could move (its status's movable_bytes, zero parts included) must
         fit, or this refuses, and the prepare goes again without it.
+        plan: the fd of an empty regular file (read-write): the copy is deferred where the
+        agent can (PROTOCOL.md, "The deferred copy"): its memory held, the copy's plan written
+        there, nothing copied, "deferred": true; a copier (copier.py) must fill the files
+        before anything reads them. Where it cannot, it copies as always, and "defer_error"
+        says why. An agent older than the deferred copy is asked again without it.
         On failure (AgentError) the agent released nothing and opened its gate again."""
         if not 0 <= len(files) <= MAX_FILES:
             raise ValueError(f"prepare takes 0 to {MAX_FILES} files, not {len(files)}")
@@ -329,11 +335,24 @@ class AgentClient:
         fp = fingerprints is not None
         if host_budget is not None and host_budget < 1:
             raise ValueError("host_budget is a number of bytes above 0")
+        if plan is not None and (not files or fp or host_budget is not None):
+            raise ValueError("a deferred copy is for a prepare into files, without the store "
+                             "or a host budget")
         budget = f" host={int(host_budget)}" if host_budget is not None else ""
         words = f"{' fp' if fp else ''}{' stream' if stream else ''}"
         fds = [*files, *(fingerprints or ()), *stream]
         try:
-            reply = self.call(f"prepare {int(timeout_ms)}{budget}{words}", fds, timeout)
+            if plan is not None:
+                try:
+                    reply = self.call(f"prepare {int(timeout_ms)} defer", [*fds, plan], timeout)
+                except AgentError as e:
+                    if e.refusal != BEFORE_HOST_BUDGET:   # its parser's words for "defer" too
+                        raise
+                    log.info("the agent at %s is older than the deferred copy: it copies",
+                             self.path)
+                    reply = self.call(f"prepare {int(timeout_ms)}", fds, timeout)
+            else:
+                reply = self.call(f"prepare {int(timeout_ms)}{budget}{words}", fds, timeout)
         except AgentError as e:
             if host_budget is None or e.refusal != BEFORE_HOST_BUDGET:
                 raise
@@ -362,6 +381,13 @@ class AgentClient:
         held = reply.get("held", 0)   # descriptors detach_hold() can take (0: an older agent)
         out["held"] = held if isinstance(held, int) and not isinstance(held, bool) and \
             0 <= held <= HOLD_MAX and files else 0
+        if plan is not None:
+            # deferred: nothing is in the files until the copier has run, and the held memory
+            # is the only copy of the data: a reply that says so without any is not believed
+            out["deferred"] = reply.get("deferred") is True and out["held"] > 0
+            if reply.get("deferred") is True and not out["deferred"]:
+                raise AgentError("the agent deferred its copy but holds no memory")
+            out["defer_error"] = str(reply.get("defer_error", "") or "")[:200]
         if fp:
             f = reply.get("fingerprints")
             if not isinstance(f, dict):

@@ -52,6 +52,8 @@ class Config:
     tcp_established: bool = False               # bare checkpoints keep established TCP connections
     leave_running_staging: bool = True          # --leave-running: agents' data staged in suspend_dir
     writeout_rate_mbps: float = 0.0             # ... and written out at most this fast (0: no limit)
+    leave_running_drain: bool = False           # --leave-running: held memory copied beside the dump
+
     # torpor-runtime fetching a checkpoint image's chunks at restore (registry/chunks.py)
     registry_auth_file: str = ""                # read first: the node's registry credentials
     registry_hosts_dir: Path = Path("/etc/containerd/certs.d")  # containerd's config_path (TLS)
@@ -83,6 +85,7 @@ _ENV = {
     "TORPOR_STORE_DIR": ("store_dir", Path),
     "TORPOR_STORE_STREAM": ("store_stream", bool),
     "TORPOR_TCP_ESTABLISHED": ("tcp_established", bool),
+    "TORPOR_LEAVE_RUNNING_DRAIN": ("leave_running_drain", bool),
     "TORPOR_REGISTRY_AUTH_FILE": ("registry_auth_file", str),
     "TORPOR_REGISTRY_HOSTS_DIR": ("registry_hosts_dir", Path),
     "TORPOR_RESTORE_FETCH_TIMEOUT": ("restore_fetch_timeout_s", float),

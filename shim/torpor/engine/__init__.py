@@ -32,7 +32,7 @@ import threading
 from pathlib import Path
 from typing import Any, Collection, Iterable, Mapping
 
-from .. import agent, agent_data, interrupts, procs, workloads
+from .. import agent, agent_data, copier, interrupts, procs, workloads
 from ..config import Config
 from ..driver import Driver, DriverError, ProcessState
 from ..errors import ExitCode, HostMemoryError, NoDriverError, RolledBackError, TorporError
@@ -86,6 +86,9 @@ class Engine(AgentMoves, Recovery):
         # lock_and_checkpoint with hold=True): that program's resume maps them back instead
         # of copying; whatever is left when the operation ends is closed (release_held)
         self._held: dict[int, list[int]] = {}
+        # pid -> the copier filling its data files (a deferred copy: copier.py), from the
+        # detach until that program's resume waits for it
+        self._copiers: dict[int, copier.Copier] = {}
 
     # -- the driver -------------------------------------------------------------------------
     @property
@@ -121,8 +124,8 @@ class Engine(AgentMoves, Recovery):
                             scratch: bool = False,
                             known_fingerprints: Collection[str] | None = None,
                             owner: str = "", stream_into: Store | None = None,
-                            host: HostMemory | None = None, hold: bool = False
-                            ) -> dict[int, dict[str, Any]]:
+                            host: HostMemory | None = None, hold: bool = False,
+                            drain: bool = False) -> dict[int, dict[str, Any]]:
         """RUNNING -> CHECKPOINTED for every pid; on any failure all are rolled back first.
 
         data: where the agents of the pids that have one (a socket in agent_dir, default
@@ -141,7 +144,10 @@ class Engine(AgentMoves, Recovery):
         started with TORPOR_AGENT_VMM_EXPORT=1, docs/agent.md), torpor keeps the descriptors
         through the driver's checkpoint and the dump, and the resume maps that memory back
         instead of copying the files back (never for a suspend: the memory would stay on the
-        GPU).
+        GPU). drain (with hold): where an agent can, it leaves the copy into its data files to
+        a copier (copier.py) that runs beside the driver's checkpoint and the dump; the
+        program's resume waits for it, and its reply's "drain" says how it went (a failed one
+        leaves the files without the GPU data: the caller must not seal them).
         Returns what each agent moved: pid -> {"nspid", "bytes", "chunks", "allocations",
         "cache_released", "seconds", "files"} (torpor.json's "agent")."""
         if not pids:
@@ -163,7 +169,8 @@ class Engine(AgentMoves, Recovery):
             budgets = self._host_budgets(pids, sockets, host)
             if sockets and data is not None:
                 moved = self._prepare_agents(op, sockets, data, scratch, known_fingerprints,
-                                             owner, stream_into, budgets, hold=hold)
+                                             owner, stream_into, budgets, hold=hold,
+                                             drain=drain)
             op.phase("lock")
             op.require_journalled(pids)   # durable, on disk, before the first lock
             with self.progress.phase("lock", n):

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterable, Mapping, TypeVar
 
-from .. import agent, agent_data, procs
+from .. import agent, agent_data, copier, procs
 from ..agent import AgentClient, AgentError, NoAgentError
 from ..errors import (CorruptCheckpointError, TorporError)
 from ..files import tree_size
@@ -56,6 +56,8 @@ class AgentTarget:
     owner: str = ""     # whose store fingerprints its agent was handed (fingerprints.py)
     packed: str = ""    # a packed checkpoint directory: its data comes from the image store
                         # (store/stream.py), not from files
+    copier: int = 0     # a deferred copy (copier.py): the copier's PID filling the files,
+    copier_start: int = 0   # and its start time; nothing reads them before it is gone
 
     @property
     def in_process(self) -> bool:
@@ -70,12 +72,15 @@ class AgentTarget:
     def to_json(self) -> dict[str, Any]:
         return {"socket": str(self.socket), "data": str(self.data), "name": self.name,
                 "files": self.files, **({"owner": self.owner} if self.owner else {}),
-                **({"packed": self.packed} if self.packed else {})}
+                **({"packed": self.packed} if self.packed else {}),
+                **({"copier": self.copier, "copier_start": self.copier_start}
+                   if self.copier else {})}
 
     @classmethod
     def from_json(cls, pid: int | str, d: Mapping[str, Any]) -> "AgentTarget":
         return cls(int(pid), Path(d["socket"]), Path(d["data"]), int(d.get("name", pid)),
-                   int(d["files"]), str(d.get("owner", "")), str(d.get("packed", "")))
+                   int(d["files"]), str(d.get("owner", "")), str(d.get("packed", "")),
+                   int(d.get("copier", 0)), int(d.get("copier_start", 0)))
 
 
 def targets_of(agents: Mapping[str, Mapping[str, Any]]) -> dict[int, AgentTarget]:
@@ -127,6 +132,7 @@ class AgentMoves:
     stream), and the agents' share of a rollback."""
 
     _held: dict[int, list[int]]   # Engine.__init__: descriptors taken at detach, by pid
+    _copiers: dict[int, copier.Copier]   # Engine.__init__: deferred copies running, by pid
 
     def agent_sockets(self, pids: Iterable[int], agent_dir: Path | None = None) -> dict[int, Path]:
         """pid -> its agent's socket, for the pids whose program runs under the agent."""
@@ -180,11 +186,13 @@ class AgentMoves:
                         data: agent_data.DataDir | agent_data.InProcess, scratch: bool,
                         known: Collection[str] | None = None, owner: str = "",
                         stream_into: Store | None = None,
-                        budgets: Mapping[int, int | None] | None = None, hold: bool = False
-                        ) -> dict[int, dict[str, Any]]:
+                        budgets: Mapping[int, int | None] | None = None, hold: bool = False,
+                        drain: bool = False) -> dict[int, dict[str, Any]]:
         """Each agent in sockets (probed: _probe) moves its program's memory into data;
         budgets: the host memory each one's data may take (Engine._host_budgets); hold: the
-        descriptors of the memory those agents exported are taken at detach (self._held)."""
+        descriptors of the memory those agents exported are taken at detach (self._held);
+        drain (with hold, into files, no store): each agent that can leaves its copy to a
+        copier (copier.py) that runs from the detach until the program's resume."""
         op.phase("agent-prepare")
         in_process = isinstance(data, agent_data.InProcess)
         count = 0 if in_process else agent_data.file_count(self.cfg)
@@ -204,11 +212,15 @@ class AgentMoves:
         timeout_ms = int(self.cfg.lock_timeout_s * 1000)
 
         untouched: set[int] = set()   # never reached: no prepare sent, nothing to resume
+        defer = drain and hold and not in_process and known is None
+        plans: dict[int, int] = {}    # the deferred copies' plans, until their copier starts
 
         def prepare(pid: int) -> dict[str, Any]:
             fds = [] if in_process else data.for_prepare(pid, count)
             fp: tuple[int, int] | None = None
             intake: stream.Intake | None = None
+            if defer:
+                plans[pid] = copier.new_plan()
             try:
                 if known is not None and not in_process:
                     fds.append(data.new_index(pid))
@@ -225,7 +237,8 @@ class AgentMoves:
                 with client as a:
                     reply = a.prepare(fds[:count], timeout_ms, fingerprints=fp,
                                       stream=intake.agent_fds() if intake else (),
-                                      host_budget=(budgets or {}).get(pid))
+                                      host_budget=(budgets or {}).get(pid),
+                                      plan=plans.get(pid))
                 if intake is not None:   # answered ok: the store committed every part
                     reply["streamed"] = intake.finish().to_json()
                     intake = None
@@ -254,28 +267,81 @@ class AgentMoves:
         try:
             with self.progress.phase("agent-prepare", what, measure=measure):
                 moved = _parallel(prepare, sorted(targets))
+        except BaseException:
+            for fd in plans.values():
+                os.close(fd)
+            raise
         finally:
             if untouched:   # a rollback does not look for what was never there
                 op.phase("agent-prepare", agents={p: t.to_json() for p, t in targets.items()
                                                   if p not in untouched})
         total = sum(r["bytes"] for r in moved.values())
-        self.progress.say(f"  agent-prepare: {_rate(total, time.monotonic() - start)}")
+        deferred = sorted(p for p, r in moved.items() if r.get("deferred"))
+        self.progress.say(f"  agent-prepare: {_rate(total, time.monotonic() - start)}"
+                          if not deferred else
+                          f"  agent-prepare: {human_bytes(total)} held for the copier in "
+                          f"{time.monotonic() - start:.2f} s (copied beside the dump)")
         op.phase("agent-detach")
-        for pid in sorted(targets):
-            held = moved[pid].pop("held", 0)   # not the checkpoint's: this operation's
-            try:
-                with self._client(targets[pid], STATUS_TIMEOUT_S) as a:
-                    if hold and held:
-                        self._held[pid] = a.detach_hold(STATUS_TIMEOUT_S)
-                    else:
-                        a.detach()
-            except TorporError as e:
-                raise AgentError(f"PID {pid}: {e}", exit_code=e.exit_code) from e
+        try:
+            for pid in sorted(targets):
+                held = moved[pid].pop("held", 0)   # not the checkpoint's: this operation's
+                try:
+                    with self._client(targets[pid], STATUS_TIMEOUT_S) as a:
+                        if hold and held:
+                            self._held[pid] = a.detach_hold(STATUS_TIMEOUT_S)
+                        else:
+                            a.detach()
+                    if pid in deferred:
+                        targets[pid] = self._start_copier(op, targets, pid, data, plans[pid])
+                except TorporError as e:
+                    raise AgentError(f"PID {pid}: {e}", exit_code=e.exit_code) from e
+        finally:
+            for fd in plans.values():
+                os.close(fd)
         if self._held:
             n = sum(map(len, self._held.values()))
             self.progress.say(f"  agent-detach: {n} allocation(s) of GPU memory held on the "
-                              "GPU through the dump (mapped back, not copied, at resume)")
+                              "GPU through the dump (mapped back, not copied, at resume)"
+                              + (f"; {len(deferred)} copier(s) copying it into the data "
+                                 "files meanwhile" if deferred else ""))
+        for pid in deferred:
+            moved[pid]["deferred"] = True
         return moved
+
+    def _start_copier(self, op: Operation, targets: dict[int, AgentTarget], pid: int,
+                      data: agent_data.DataDir, plan: int) -> AgentTarget:
+        """pid's deferred copy under way (copier.start), journaled before this returns: a
+        recovery waits for that copier before it reads the files. Its memory is held here
+        (self._held): a copier that cannot start is a failure the rollback undoes."""
+        t = targets[pid]
+        held = self._held.get(pid) or []
+        if not held:
+            raise AgentError("its agent deferred its copy but handed over no memory")
+        files = data.for_fill(pid, t.files)
+        try:
+            c = copier.start(self.cfg.libcuda, plan, files, held)
+        except OSError as e:
+            raise AgentError(f"starting torpor-copier: {e}") from e
+        finally:
+            for fd in files:
+                os.close(fd)
+        self._copiers[pid] = c
+        t = dataclasses.replace(t, copier=c.pid, copier_start=c.start or 0)
+        targets[pid] = t
+        op.phase("agent-detach", agents={p: x.to_json() for p, x in targets.items()})
+        return t
+
+    def _wait_copier(self, t: AgentTarget) -> dict[str, Any] | None:
+        """The deferred copy of t's program done (copier.wait), or None when it had none. Its
+        reply, {"ok": False, "error"} when it failed: the files lack the GPU data then."""
+        c = self._copiers.pop(t.pid, None)
+        if c is None and t.copier:
+            c = copier.Copier(t.copier, t.copier_start or None)
+        if c is None:
+            return None
+        with self.progress.phase("agent-drain", f"the copy of PID {t.pid}'s GPU memory into "
+                                 "its data files"):
+            return copier.wait(c, self.cfg.agent_timeout_s)
 
     def held_counts(self) -> dict[int, int]:
         """pid -> the allocations of its GPU memory held now (taken at detach, not yet resumed)."""
@@ -336,6 +402,13 @@ class AgentMoves:
             _close_all(held)   # mapped back by the agent's own import, or no longer wanted
 
     def _resume_one_with(self, t: AgentTarget, fill: bool, held: list[int]) -> dict[str, Any]:
+        # first: the program must not write the memory a copier still reads, and the files
+        # are the way back only once it is done
+        drained = self._wait_copier(t)
+        reply = self._resume_from(t, fill, held)
+        return reply if drained is None else {**reply, "drain": drained}
+
+    def _resume_from(self, t: AgentTarget, fill: bool, held: list[int]) -> dict[str, Any]:
         with self._client(t, STATUS_TIMEOUT_S) as a:
             if a.state() == "running":
                 return {"bytes": 0, "seconds": 0.0}

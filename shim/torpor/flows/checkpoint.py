@@ -135,7 +135,8 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
             moved = engine.lock_and_checkpoint(op, cuda_pids, data=data, scratch=bool(stage),
                                                known_fingerprints=plan.skip, owner=owner,
                                                stream_into=plan.stream_into,
-                                               hold=leave_running)
+                                               hold=leave_running,
+                                               drain=leave_running and cfg.leave_running_drain)
             held = engine.held_counts()
         except RolledBackError:
             (images_dir / manifest.DRAFT).unlink(missing_ok=True)  # the directory is reusable
@@ -171,6 +172,9 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
             kept = sum(n for p, n in held.items() if (back.get(p) or {}).get("held"))
             draft["pause"] = {"paused_s": round(time.monotonic() - paused, 4), "staged": staged,
                               "held": kept}
+            drained = _drained(moved, back, stage, images_dir, op)
+            if drained:
+                draft["pause"]["drained"] = drained
             stats = criu.dump_stats(images_dir) if dump_error is None else None
             if stats:   # how much of the pause was CRIU's freeze
                 draft["pause"]["criu"] = stats
@@ -190,6 +194,33 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
                               f"its images in {images_dir} were kept and sealed, but may be "
                               "incomplete")
     return m
+
+
+def _drained(moved: dict[int, dict[str, Any]], back: dict[int, dict[str, Any]],
+             stage: agent_data.DataDir | None, images_dir: Path, op: Any) -> dict[str, Any]:
+    """The deferred copies (a copier filled the data files beside the dump: copier.py): how
+    they went, {"programs", "bytes", "seconds"} (the slowest), or {} when there were none.
+    One that failed, or that no resume waited for (the resume failed, and its retry took the
+    program back), leaves the files without GPU data: the directory is abandoned (marked
+    damaged, nothing staged left), the operation closed, and the program runs on: said, exit 8."""
+    deferred = [p for p, r in moved.items() if r.get("deferred")]
+    if not deferred:
+        return {}
+    drains = {p: (back.get(p) or {}).get("drain") or {} for p in deferred}
+    bad = {p: str(d.get("error") or "no resume waited for its copier")
+           for p, d in drains.items() if d.get("ok") is not True}
+    if bad:
+        e = TorporError("the copy of the GPU memory into the data files failed ("
+                        + "; ".join(f"PID {p}: {why}" for p, why in sorted(bad.items())) + ")")
+        if stage is not None:
+            raise writeout.failed(e, stage, images_dir, op)
+        why = writeout.abandon(images_dir, e)
+        op.close()
+        raise RolledBackError(f"{e}; the program runs on, and {images_dir} is no checkpoint "
+                              f"({why.split(':')[0]}, marked damaged)")
+    return {"programs": len(deferred),
+            "bytes": sum(int(d.get("bytes", 0)) for d in drains.values()),
+            "seconds": round(max(float(d.get("seconds", 0)) for d in drains.values()), 4)}
 
 
 def _write_out(engine: Engine, op: Any, stage: agent_data.DataDir, images_dir: Path,

@@ -1,0 +1,131 @@
+"""`torpor checkpoint --leave-running` with the deferred copy (config leave_running_drain;
+copier.py, agent/PROTOCOL.md "The deferred copy"): the real C agent in the fake CUDA program
+holds its memory and leaves the copy to torpor-copier, which fills the data files while the
+driver checkpoints the program and CRIU dumps it. The checkpoint's files are the ones a plain
+checkpoint writes; a torpor killed while the copier runs leaves it to finish, and the next
+torpor gives the program its memory back from those files; a copier that fails fails the
+checkpoint, never the program."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import needs_criu, wait_for
+from tests.integration.test_agent_cli import _digest, _held_by, _under_the_agent
+from torpor.agent import AgentClient
+
+pytestmark = needs_criu
+HELD = {"TORPOR_AGENT_VMM_EXPORT": "1", "TORPOR_AGENT_LOG_LEVEL": "20"}
+
+
+def _data(images: Path, pid: int) -> list[bytes]:
+    return [f.read_bytes() for f in sorted((images / "torpor-gpu" / str(pid)).iterdir())]
+
+
+def _ticks_on(proc, status: Path, agents: Path) -> None:
+    tick = json.loads(status.read_text())["tick"]
+    wait_for(lambda: json.loads(status.read_text() or "{}").get("tick", 0) > tick + 2, 10,
+             "the program ticking on")
+    with AgentClient.for_pid(proc.pid, agents) as a:
+        st = a.status()
+    assert (st["state"], st["gate"]) == ("running", "open")
+
+
+@pytest.fixture
+def drained(torpor, tmp_path):
+    torpor.env["TORPOR_SUSPEND_DIR"] = str(tmp_path / "shm")
+    torpor.env["TORPOR_LEAVE_RUNNING_DRAIN"] = "1"
+    return torpor
+
+
+def test_the_copier_fills_the_files_beside_the_dump(drained, gpu, tmp_path, reaper):
+    torpor = drained
+    plog = tmp_path / "program.log"
+    proc, status, agents = _under_the_agent(torpor, gpu, tmp_path, reaper, HELD)
+    before = _digest(proc.pid, status)
+    images = tmp_path / "ck"
+    r = torpor.run("checkpoint", str(proc.pid), "-D", str(images), "--leave-running")
+    assert r.returncode == 0, r.stderr
+    assert "copying it into the data files meanwhile" in r.stdout + r.stderr
+    text = plog.read_text(errors="replace")
+    assert "left to the copier" in text and "nothing copied" in text, text[-3000:]
+    m = json.loads((images / "torpor.json").read_text())
+    assert m["agent"][str(proc.pid)]["deferred"] is True
+    drain = m["pause"]["drained"]
+    assert drain["programs"] == 1 and drain["bytes"] == 64 << 20, m["pause"]
+    assert torpor.json("inspect", str(images), "--verify")["verified"]
+    _ticks_on(proc, status, agents)
+    assert _digest(proc.pid, status) == before
+
+    # the same program checkpointed the plain way: the same data files, byte for byte
+    torpor.env["TORPOR_LEAVE_RUNNING_DRAIN"] = "0"
+    plain = tmp_path / "plain"
+    r = torpor.run("checkpoint", str(proc.pid), "-D", str(plain), "--leave-running")
+    assert r.returncode == 0, r.stderr
+    assert "deferred" not in json.loads((plain / "torpor.json").read_text())["agent"][
+        str(proc.pid)]
+    assert _data(images, proc.pid) == _data(plain, proc.pid)
+
+
+def test_a_torpor_killed_while_its_copier_runs_is_recovered_from_the_files(
+        drained, gpu, tmp_path, reaper):
+    """torpor SIGKILLed in the driver's checkpoint while its copier is still copying (held up
+    in its pinned buffers): the copier, in a session of its own, finishes the files, and the
+    next torpor (`torpor ps`) waits for it, then gives the program its memory back from them;
+    every byte as it was, nothing left staged nor journalled."""
+    from tests.fakes.fakegpu import RUNNING
+    torpor = drained
+    proc, status, agents = _under_the_agent(torpor, gpu, tmp_path, reaper, HELD)
+    before = _digest(proc.pid, status)
+    gpu.delay("checkpoint", 20000, pid=proc.pid)
+    (gpu.state_dir / "delay" / "cuMemHostAlloc").write_text("3000\n")   # the copier's alone
+    t = torpor.start("checkpoint", str(proc.pid), "-D", str(tmp_path / "ck"), "--leave-running")
+    try:
+        wait_for(lambda: (gpu.state(proc.pid) or {}).get("state") == 1 and _held_by(t.pid)
+                 and time.sleep(0.3) is None, 30, "torpor in the driver's checkpoint, holding")
+    finally:
+        t.kill()
+        t.communicate()
+    assert t.returncode == -9
+    gpu.clear_faults()
+    (gpu.state_dir / "delay" / "cuMemHostAlloc").unlink(missing_ok=True)
+    start = time.monotonic()
+    ps = torpor.run("ps")
+    assert ps.returncode == 0, ps.stderr
+    assert "recovered" in ps.stderr and str(proc.pid) in ps.stderr, ps.stderr
+    # it waited for the copier, still copying when torpor died, then read its files
+    assert "agent-drain done" in ps.stderr, ps.stderr
+    assert gpu.state(proc.pid)["state"] == RUNNING
+    _ticks_on(proc, status, agents)
+    assert _digest(proc.pid, status) == before
+    text = (tmp_path / "program.log").read_text(errors="replace")
+    assert "left to the copier" in text and "nothing copied" not in text, text[-3000:]
+    assert list((tmp_path / "shm").iterdir()) == []
+    assert list((tmp_path / "state" / "journal").glob("*.json")) == []
+    assert time.monotonic() - start < 60
+
+
+def test_a_copier_that_fails_fails_the_checkpoint_not_the_program(drained, gpu, tmp_path,
+                                                                   reaper):
+    torpor = drained
+    proc, status, agents = _under_the_agent(torpor, gpu, tmp_path, reaper, HELD)
+    before = _digest(proc.pid, status)
+    images = tmp_path / "ck"
+    (gpu.state_dir / "fail" / "cuMemHostAlloc").write_text("2\n")   # only the copier's
+    try:
+        r = torpor.run("checkpoint", str(proc.pid), "-D", str(images), "--leave-running")
+    finally:
+        (gpu.state_dir / "fail" / "cuMemHostAlloc").unlink()
+    assert r.returncode == 8, r.stderr
+    assert "the copy of the GPU memory into the data files failed" in r.stderr, r.stderr
+    assert "pinned host memory" in r.stderr and "runs on" in r.stderr, r.stderr
+    assert (images / "torpor-damaged.txt").exists()
+    assert not (images / "torpor.json").exists()
+    _ticks_on(proc, status, agents)
+    assert _digest(proc.pid, status) == before
+    assert list((tmp_path / "shm").iterdir()) == []
+    assert list((tmp_path / "state" / "journal").glob("*.json")) == []
