@@ -51,6 +51,7 @@ def test_the_copier_fills_the_files_beside_the_dump(drained, gpu, tmp_path, reap
     r = torpor.run("checkpoint", str(proc.pid), "-D", str(images), "--leave-running")
     assert r.returncode == 0, r.stderr
     assert "copying it into the data files meanwhile" in r.stdout + r.stderr
+    assert "64.00 MiB of it copied into the checkpoint beside the dump" in r.stdout, r.stdout
     text = plog.read_text(errors="replace")
     assert "left to the copier" in text and "nothing copied" in text, text[-3000:]
     m = json.loads((images / "torpor.json").read_text())

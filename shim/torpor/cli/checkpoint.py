@@ -44,6 +44,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     if pause:
         out.update(paused_s=pause.get("paused_s"), staged=bool(pause.get("staged")),
                    held=int(pause.get("held") or 0),
+                   drained_bytes=int((pause.get("drained") or {}).get("bytes") or 0),
                    criu_frozen_s=(pause.get("criu") or {}).get("frozen_s"))
     ctx.emit(out,
              f"checkpointed PID {pid} ({len(m['processes'])} process(es), {len(cuda)} with CUDA "
@@ -73,4 +74,7 @@ def pause_line(pause: dict, durable: float) -> str:
             + (", its GPU data written out while it ran" if pause.get("staged") else "")
             + (f", {pause['held']} allocation(s) of GPU memory kept on the GPU (not copied "
                "back)" if isinstance(pause.get("held"), int) and pause["held"] > 0 else "")
+            + (f", {human_bytes(int(pause['drained'].get('bytes') or 0))} of it copied into "
+               "the checkpoint beside the dump" if isinstance(pause.get("drained"), dict)
+               and pause["drained"].get("bytes") else "")
             + f"; the checkpoint durable after {durable:.2f} s\n")
