@@ -48,7 +48,8 @@ mkdir -p /etc/criu && echo "network-lock nftables" > /etc/criu/runc.conf
 ln -sf /opt/criu/bin/criu /usr/local/sbin/criu   # runc runs `criu` from PATH
 # the agent, where the package build would put it (gcc and make are on the GPU host)
 make -s -C agent BUILD=/tmp/agent-build EXTRA_CFLAGS="-I$PWD/.device/include" && mkdir -p shim/torpor/_agent &&
-    cp /tmp/agent-build/libtorpor-agent.so shim/torpor/_agent/ || echo "agent build failed"
+    cp /tmp/agent-build/libtorpor-agent.so /tmp/agent-build/torpor-copier shim/torpor/_agent/ ||
+    echo "agent build failed"
 export PYTHONPATH="/tmp/site:$PWD/shim:$PWD/.device/py:$PWD:$PWD/hooks" TORPOR_CRIU=/opt/criu/bin/criu
 export PYTHONUNBUFFERED=1
 # podman bundle (podman starts conmon and runc with a clean environment: its wrappers carry
