@@ -535,6 +535,14 @@ static void *worker_main(void *arg)
 			else
 				write_part(file_fd[w->file], buf[b], pending[b]);
 		}
+	/* nothing of ours still copying when the allocations are unmapped (release_all), failed
+	 * or not */
+	for (int d = 0; d < ndevices; d++)
+		if (have[d]) {
+			cu.CtxSetCurrent(devices[d].ctx);
+			cu.StreamSynchronize(stream[d][0]);
+			cu.StreamSynchronize(stream[d][1]);
+		}
 	return NULL;
 }
 
@@ -603,9 +611,12 @@ int main(int argc, char **argv)
 	free(text);
 	t1 = now();
 	for (int f = 0; f < nfiles; f++) {
+		int err;
+
 		workers[f] = (struct worker){ .file = f };
-		if (pthread_create(&workers[f].thread, NULL, worker_main, &workers[f])) {
-			fail("starting a thread: %s", strerror(errno));
+		err = pthread_create(&workers[f].thread, NULL, worker_main, &workers[f]);
+		if (err) {
+			fail("starting a thread: %s", strerror(err));
 			for (int g = 0; g < f; g++)
 				pthread_join(workers[g].thread, NULL);
 			release_all();

@@ -303,9 +303,11 @@ int mover_save(const int *fds, int nfds, int known_fd, int index_fd, int ring_fd
  * that order), are taken back first: each one checked to be the file exported for its
  * allocation, imported and mapped where it was, nothing copied (r->held_back); any of that
  * refused (one log line says why), the load goes on from the files as without them. The
- * descriptors stay the caller's to close. */
+ * descriptors stay the caller's to close. After a deferred save (mover_deferred) the files
+ * hold nothing until torpor's copier has run: without drained the load only takes the held
+ * memory back, and a refused import undoes what it imported and changes nothing. */
 int mover_load(const int *fds, int nfds, int ring_fd, int sock_fd, const int *held, int nheld,
-	       struct move_result *r);
+	       int drained, struct move_result *r);
 /* ring_fd >= 0 (with sock_fd, a SOCK_SEQPACKET socket): the data goes to (comes from) torpor's
  * image store through the ring instead of the files' bytes (PROTOCOL.md, "Streaming"): a save
  * still sizes the files (holes) and releases nothing before torpor commits; a load takes the
@@ -313,6 +315,8 @@ int mover_load(const int *fds, int nfds, int ring_fd, int sock_fd, const int *he
 void mover_stream_timeout(long long ms);
 /* Is there saved memory not yet reloaded? Is it in the agent's memory? */
 int mover_pending(void);
+/* Is the saved memory's copy deferred (defer.c: the files empty until the copier ran)? */
+int mover_deferred(void);
 int mover_in_memory(void);
 /* Bytes of the agent's own memory holding saved GPU data. */
 unsigned long long mover_host_bytes(void);

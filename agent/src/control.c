@@ -339,6 +339,7 @@ static ssize_t send_with_fds(struct client *c, const char *text, size_t len)
 	return n;
 }
 
+
 /* Never blocks: a client that does not read its replies (the socket buffer full) is dropped,
  * or it would stall the thread that serves everyone else. A reply carrying descriptors (detach
  * hold) that cannot be sent goes again without them, as a plain detach's: nothing is held
@@ -348,7 +349,16 @@ static int reply(struct client *c, const char *text)
 	size_t len = strlen(text);
 	ssize_t n;
 
-	if (c->nout) {
+	if (c->nout && mover_deferred()) {
+		/* duplicates (the agent keeps its own until `detach release`): not sent, closed,
+		 * and the agent is prepared again (an abort takes the memory back) */
+		n = send_with_fds(c, text, len);
+		if (n < 0) {
+			ctl.state = PREPARED;
+			pr_warn("the held descriptors of a deferred save could not be sent: prepared "
+				"again");
+		}
+	} else if (c->nout) {
 		n = send_with_fds(c, text, len);
 		if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) {
 			text = "{\"ok\":true,\"held\":0}\n";
@@ -526,7 +536,7 @@ static void prepare_reply(struct client *c, const char *arg, char *out, size_t s
 		/* nothing released, or (releasing failed half-way) reloaded at once from the files,
 		 * which are complete but for skipped parts (their fingerprints then fail the reload:
 		 * torpor fills them from the store and resumes) */
-		if (mover_pending() && mover_load(c->fds, c->nfds, -1, -1, NULL, 0, &back)) {
+		if (mover_pending() && mover_load(c->fds, c->nfds, -1, -1, NULL, 0, 0, &back)) {
 			pr_err("%s; reloading failed too: %s; the gate stays closed", r.error,
 			       back.error);
 			ctl.state = PREPARED;
@@ -576,17 +586,18 @@ static void prepare_reply(struct client *c, const char *arg, char *out, size_t s
  * (ring_fd, sock_fd), taking the held memory back first when hold (the client's, else the
  * agent's own) names it; the gate opens on success. */
 static int do_resume(int *fds, int nfds, int ring_fd, int sock_fd, const int *hold, int nhold,
-		     char *out, size_t size)
+		     int drained, char *out, size_t size)
 {
 	struct move_result r;
 	int ret;
 
 	mover_stream_timeout((long long)(ctl.prepare_timeout_s * 1000));
-	ret = mover_load(fds, nfds, ring_fd, sock_fd, hold, nhold, &r);
+	ret = mover_load(fds, nfds, ring_fd, sock_fd, hold, nhold, drained, &r);
 	/* the agent's own descriptors once they are of no more use: the memory is the
 	 * program's again, or it was not taken back (a later try copies) and they would only
-	 * keep the old memory on the GPU */
-	if (!ret || (nhold && !r.held_back))
+	 * keep the old memory on the GPU; after a deferred save they are all there is until
+	 * the copier has run: kept for the next try */
+	if (!ret || (nhold && !r.held_back && !mover_deferred()))
 		close_fds(ctl.hold, &ctl.nhold);
 	if (ret) {
 		if (out)
@@ -612,8 +623,8 @@ static int do_resume(int *fds, int nfds, int ring_fd, int sock_fd, const int *ho
  * the N descriptors detach hold gave), "resume stream" (the ring and the socket: from the
  * image store), "abort" (the kept ones). Without held=N, the agent's own held descriptors
  * (still there while prepared) take the memory back. */
-static void resume_reply(struct client *c, int abort, int streamed, int nheld, char *out,
-			 size_t size)
+static void resume_reply(struct client *c, int abort, int streamed, int nheld, int drained,
+			 char *out, size_t size)
 {
 	if (ctl.state == RUNNING) {
 		error_reply(out, size, "not prepared");
@@ -624,7 +635,7 @@ static void resume_reply(struct client *c, int abort, int streamed, int nheld, c
 			error_reply(out, size, "resume stream takes the ring and the socket");
 			return;
 		}
-		do_resume(NULL, 0, c->fds[0], c->fds[1], NULL, 0, out, size);
+		do_resume(NULL, 0, c->fds[0], c->fds[1], NULL, 0, drained, out, size);
 		return;
 	}
 	if (nheld > c->nfds) {
@@ -632,8 +643,8 @@ static void resume_reply(struct client *c, int abort, int streamed, int nheld, c
 		return;
 	}
 	if (nheld) { /* the client's fds are closed after */
-		do_resume(c->fds, c->nfds - nheld, -1, -1, c->fds + c->nfds - nheld, nheld, out,
-			  size);
+		do_resume(c->fds, c->nfds - nheld, -1, -1, c->fds + c->nfds - nheld, nheld, drained,
+			  out, size);
 		return;
 	}
 	if (abort || !c->nfds) {
@@ -641,10 +652,10 @@ static void resume_reply(struct client *c, int abort, int streamed, int nheld, c
 			error_reply(out, size, "detached: resume with the data files");
 			return;
 		}
-		do_resume(ctl.held, ctl.nheld, -1, -1, ctl.hold, ctl.nhold, out, size);
+		do_resume(ctl.held, ctl.nheld, -1, -1, ctl.hold, ctl.nhold, drained, out, size);
 		return;
 	}
-	do_resume(c->fds, c->nfds, -1, -1, ctl.hold, ctl.nhold, out, size);
+	do_resume(c->fds, c->nfds, -1, -1, ctl.hold, ctl.nhold, drained, out, size);
 }
 
 /* "detach" closes everything the agent kept; "detach hold" gives the held descriptors to the
@@ -662,10 +673,39 @@ static void detach_reply(struct client *c, int hold, char *out, size_t size)
 		snprintf(out, size, "{\"ok\":true}\n");
 		return;
 	}
+	if (mover_deferred()) {
+		/* a deferred save: duplicates go, the agent keeps its own until `detach release`
+		 * (torpor's copier has them by then): the memory is never held by torpor alone,
+		 * whose death before then leaves it here for the next torpor's resume */
+		for (c->nout = 0; c->nout < ctl.nhold; c->nout++) {
+			c->out_fds[c->nout] = fcntl(ctl.hold[c->nout], F_DUPFD_CLOEXEC, 3);
+			if (c->out_fds[c->nout] < 0) {
+				close_fds(c->out_fds, &c->nout);
+				ctl.state = PREPARED;
+				error_reply(out, size, "duplicating the held descriptors failed: still "
+					    "prepared");
+				return;
+			}
+		}
+		snprintf(out, size, "{\"ok\":true,\"held\":%d,\"release\":true}\n", c->nout);
+		return;
+	}
 	memcpy(c->out_fds, ctl.hold, sizeof(int) * ctl.nhold);
 	c->nout = ctl.nhold;
 	ctl.nhold = 0;
 	snprintf(out, size, "{\"ok\":true,\"held\":%d}\n", c->nout);
+}
+
+/* "detach release": after a deferred save's `detach hold`, once torpor's copier holds the
+ * memory too, the agent lets its own descriptors go (none may be in the CRIU dump). */
+static void release_reply(char *out, size_t size)
+{
+	if (ctl.state != DETACHED || !mover_deferred()) {
+		error_reply(out, size, "nothing to release (detach hold of a deferred save first)");
+		return;
+	}
+	close_fds(ctl.hold, &ctl.nhold);
+	snprintf(out, size, "{\"ok\":true}\n");
 }
 
 /* "held=N" (0 < N <= HOLD_MAX): N, or -1. */
@@ -677,6 +717,8 @@ static int parse_held(const char *arg)
 	if (strncmp(arg, "held=", 5) || !isdigit((unsigned char)arg[5]))
 		return -1;
 	n = strtol(arg + 5, &end, 10);
+	if (!strcmp(end, " drained")) /* torpor's copier filled the files (a deferred copy) */
+		end += strlen(end);
 	return *end || n < 1 || n > HOLD_MAX ? -1 : (int)n;
 }
 
@@ -693,7 +735,7 @@ static long prepared_tick(void)
 	if (ctl.elapsed_ms < limit)
 		return limit - ctl.elapsed_ms > 1000 ? 1000 : limit - ctl.elapsed_ms;
 	pr_warn("prepared %lld ms ago and neither detached nor aborted: resuming", ctl.elapsed_ms);
-	if (do_resume(ctl.held, ctl.nheld, -1, -1, ctl.hold, ctl.nhold, NULL, 0)) {
+	if (do_resume(ctl.held, ctl.nheld, -1, -1, ctl.hold, ctl.nhold, 0, NULL, 0)) {
 		ctl.elapsed_ms = 0; /* try again after another period */
 		return 1000;
 	}
@@ -753,12 +795,16 @@ static void handle_line(struct client *c, char *line, char *out, size_t size)
 		prepare_reply(c, arg, out, size);
 	} else if (!strcmp(line, "detach") && (!*arg || !strcmp(arg, "hold"))) {
 		detach_reply(c, *arg != 0, out, size);
+	} else if (!strcmp(line, "detach") && !strcmp(arg, "release")) {
+		release_reply(out, size);
 	} else if (!strcmp(line, "resume") && (!*arg || !strcmp(arg, "stream"))) {
-		resume_reply(c, 0, *arg != 0, 0, out, size);
+		resume_reply(c, 0, *arg != 0, 0, 0, out, size);
+	} else if (!strcmp(line, "resume") && !strcmp(arg, "drained")) {
+		resume_reply(c, 0, 0, 0, 1, out, size);
 	} else if (!strcmp(line, "resume") && parse_held(arg) > 0) {
-		resume_reply(c, 0, 0, parse_held(arg), out, size);
+		resume_reply(c, 0, 0, parse_held(arg), !!strstr(arg, " drained"), out, size);
 	} else if (!strcmp(line, "abort") && !*arg) {
-		resume_reply(c, 1, 0, 0, out, size);
+		resume_reply(c, 1, 0, 0, 0, out, size);
 	} else {
 		snprintf(out, size, "{\"ok\":false,\"error\":\"unknown command\"}\n");
 	}

@@ -209,6 +209,11 @@ int mover_pending(void)
 	return plan.pending;
 }
 
+int mover_deferred(void)
+{
+	return plan.pending && plan.deferred;
+}
+
 /* Workers for a save into the agent's memory: one a CPU the program may run on, at most
  * MAX_FILES. */
 static int memory_sinks(void)
@@ -314,6 +319,16 @@ void hold_export(struct move_result *r)
  * save is undone. */
 static void undrop_held(size_t dropped, struct move_result *r)
 {
+	if (dropped < plan.nmv) { /* its release failed, maybe after its unmap: mapped again */
+		const struct movable *mv = &plan.mv[dropped];
+		CUcontext ctx = track_context_of(mv->dev);
+
+		if (ctx)
+			real.cuCtxSetCurrent(ctx);
+		if (vmm_recreate(mv->phys) != CUDA_SUCCESS)
+			pr_err("mapping %zu bytes at 0x%llx again after a failed release failed",
+			       mv->size, mv->src);
+	}
 	for (int k = 0; k < plan.nhold; k++) {
 		const struct movable *mv = &plan.mv[plan.hold[k].mv];
 		CUcontext ctx = track_context_of(mv->dev);
@@ -457,6 +472,7 @@ int mover_save(const int *fds, int nfds, int known_fd, int index_fd, int ring_fd
 	}
 	vmm_kept_close_all(); /* none open in the program through the checkpoint and the dump */
 	plan.pending = 1;
+	plan.deferred = deferred; /* the files have no data until torpor's copier has run */
 	r->vmm_seconds = seconds_since(t1);
 	r->chunks = plan.nchunks;
 	r->allocations = plan.nmv;
@@ -527,6 +543,18 @@ static int hold_import(const int *held, int nheld, char *err, size_t errsize)
 		if (rc != CUDA_SUCCESS) {
 			snprintf(err, errsize, "taking back %zu bytes at 0x%llx: CUresult %d", mv->size,
 				 mv->src, rc);
+			/* deferred: the files are no way back; what was imported is let go again
+			 * (its memory lives on in the descriptors), for a retry from the start */
+			while (plan.deferred && k-- > 0) {
+				const struct movable *m = &plan.mv[plan.hold[k].mv];
+
+				ctx = track_context_of(m->dev);
+				if (ctx)
+					real.cuCtxSetCurrent(ctx);
+				if (vmm_drop(m->phys) != CUDA_SUCCESS)
+					pr_err("letting 0x%llx go again after a refused import failed: "
+					       "it stays mapped", m->src);
+			}
 			return -1;
 		}
 	}
@@ -534,7 +562,7 @@ static int hold_import(const int *held, int nheld, char *err, size_t errsize)
 }
 
 int mover_load(const int *fds, int nfds, int ring_fd, int sock_fd, const int *held, int nheld,
-	       struct move_result *r)
+	       int drained, struct move_result *r)
 {
 	long long t0 = now_ms();
 	int ret;
@@ -543,6 +571,33 @@ int mover_load(const int *fds, int nfds, int ring_fd, int sock_fd, const int *he
 	if (!plan.pending) {
 		snprintf(r->error, sizeof(r->error), "nothing to resume");
 		return -1;
+	}
+	/* deferred (defer.c): until torpor says its copier filled the files (drained), the held
+	 * memory is the only copy of the data: taken back, or nothing changes */
+	if (plan.deferred && !drained) {
+		char why[160];
+
+		if (nheld <= 0 || ring_fd >= 0) {
+			snprintf(r->error, sizeof(r->error), "the GPU data is not in the files yet (a "
+				 "deferred copy): resume held=N, or add drained once the copier is done");
+			return -1;
+		}
+		if (hold_import(held, nheld, why, sizeof(why))) {
+			snprintf(r->error, sizeof(r->error), "held memory not taken back (%s), and the "
+				 "files have no data yet (a deferred copy): nothing changed", why);
+			pr_warn("%s", r->error);
+			r->import_seconds = seconds_since(t0);
+			return -1;
+		}
+		for (size_t m = 0; m < plan.nmv; m++)
+			vmm_reloaded(plan.mv[m].phys);
+		r->held_back = 1;
+		r->allocations = plan.nmv;
+		r->import_seconds = r->seconds = seconds_since(t0);
+		pr_info("took back %zu allocations held on the GPU in %.3f s: nothing copied",
+			plan.nmv, r->seconds);
+		plan_free();
+		return 0;
 	}
 	if (nheld > 0 && ring_fd < 0) {
 		char why[160];

@@ -111,6 +111,7 @@ struct mover_plan {
 	int fingerprinted; /* the parts have fingerprints (some may not: see part) */
 	int zeros;         /* some parts are zero: a load memsets them (zeros_fill) */
 	int gpu_check;     /* tune.gpu_check took: the fingerprinted parts have no host sums */
+	int deferred;      /* defer.c: the files have no data until torpor's copier has run */
 	/* held memory: the descriptor the save exported for each movable allocation (mv, in the
 	 * order they were given out), known by its file's identity: a load takes back only that
 	 * file for that allocation */

@@ -217,6 +217,7 @@ class AgentClient:
                                  f"PID {expect_pid} (programs in different pid namespaces "
                                  "share an agent directory)")
         self._buf = b""
+        self.release_owed = False   # detach_hold of a deferred prepare: detach_release owed
 
     @classmethod
     def for_pid(cls, pid: int, agent_dir: Path | None = None, timeout: float = 30.0
@@ -427,7 +428,11 @@ class AgentClient:
         memory stays on the GPU through the driver's checkpoint, and resume(held=...) maps it
         back instead of copying the files back. Returns them (the caller closes them, which
         frees the memory); [] when the agent sent none or not as many as it said (those that
-        came are closed: the resume then copies from the files, as after detach())."""
+        came are closed: the resume then copies from the files, as after detach()).
+        After a deferred prepare these are duplicates: the agent keeps its own until
+        detach_release() (self.release_owed says so), so that its memory is never held by
+        this process alone."""
+        self.release_owed = False
         if self._buf:
             raise AgentError(f"the agent at {self.path} sent more than it was asked")
         if timeout is not None:
@@ -464,6 +469,7 @@ class AgentClient:
                             "%d are taken): none kept (its resume copies from the files)",
                             self.path, held, len(fds), HOLD_MAX)
                 raise _Unheld
+            self.release_owed = reply.get("release") is True
         except _Unheld:
             for fd in fds:
                 os.close(fd)
@@ -481,13 +487,21 @@ class AgentClient:
             raise
         return fds
 
+    def detach_release(self) -> dict[str, Any]:
+        """After a deferred prepare's detach_hold(), once the copier holds the memory too: the
+        agent closes its own descriptors (none may be in the CRIU dump)."""
+        return self.call("detach release")
+
     def resume(self, files: Sequence[int] | None = None, timeout: float | None = None,
-               held: Sequence[int] = ()) -> dict[str, Any]:
+               held: Sequence[int] = (), drained: bool = False) -> dict[str, Any]:
         """The memory back from files (the prepare's files, same order, read-only; None while
         the agent still holds the prepare's fds), checksums verified, gate open.
         held: the descriptors detach_hold() returned, in its order: the agent maps that memory
         back instead of copying (it checks each is the one it sent; any doubt and it copies
         from the files instead). The caller still closes them after.
+        drained: after a deferred prepare, the copier filled the files (or, in a recovery,
+        ended): only then may the agent read them; without it the held memory is the only way
+        back, and a refused import changes nothing.
         Returns {"bytes", "seconds", "held" (mapped back, not copied)}. On failure the memory
         stays out (retry with good files)."""
         fds = list(files or ())
@@ -495,7 +509,8 @@ class AgentClient:
             raise ValueError(f"resume takes at most {MAX_FILES} files")
         if len(held) > HOLD_MAX or (held and not fds):
             raise ValueError(f"resume takes at most {HOLD_MAX} held descriptors, after the files")
-        line = f"resume held={len(held)}" if held else "resume"
+        line = (f"resume held={len(held)}" if held else "resume") + (" drained" if drained
+                                                                       else "")
         reply = self.call(line, [*fds, *held], timeout)
         return _with_phases({"bytes": _int(reply, "bytes", "resume"),
                              "seconds": _number(reply, "seconds", "resume"),

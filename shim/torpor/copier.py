@@ -18,17 +18,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
 from . import procs
-from .errors import NotFoundError
+from .errors import NotFoundError, TorporError
 
 BINARY = Path(__file__).resolve().parent / "_agent" / "torpor-copier"
 REPLY_MAX = 64 << 10
+FOREIGN_WAIT_S = 60.0   # how long a recovery waits for another torpor's copier, each time
+
+
+class StillCopying(TorporError):
+    """Another torpor's copier still runs: what it holds is the only copy of the data, so it
+    is never killed; the journal entry stays, and the next recovery looks again."""
 
 
 def binary() -> Path:
@@ -68,12 +73,14 @@ def start(libcuda: str, plan: int, files: Sequence[int], held: Sequence[int]) ->
 
 def wait(c: Copier, timeout: float) -> dict[str, Any]:
     """Until the copier is gone: its reply ({"ok": true, "bytes", "parts", "seconds",
-    "setup_seconds", "copy_seconds"}, or {"ok": false, "error"}). One still copying after
-    timeout seconds is killed (the resume cannot wait for ever: the program is paused), and
-    that is its failure. Another torpor's copier (recovery: no proc) says nothing but that it
-    ended: {"ok": None}; the agent's check of every part at the resume says the rest."""
+    "setup_seconds", "copy_seconds"}, or {"ok": false, "error"}). One of ours still copying
+    after timeout seconds is killed (the resume cannot wait for ever: the program is paused,
+    and this torpor holds the memory too), and that is its failure. Another torpor's copier
+    (recovery: no proc) says nothing but that it ended: {"ok": None}, the agent's check of
+    every part at the resume says the rest; one still running after FOREIGN_WAIT_S (or
+    timeout, if shorter) raises StillCopying: it may hold the only copy, never killed."""
     if c.proc is None:
-        return _wait_foreign(c, timeout)
+        return _wait_foreign(c, min(timeout, FOREIGN_WAIT_S))
     try:
         out, _ = c.proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -95,15 +102,15 @@ def _wait_foreign(c: Copier, timeout: float) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while _same(c):
         if time.monotonic() > deadline:
-            try:
-                os.kill(c.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            return {"ok": False, "error": f"still copying after {timeout:g} s: killed"}
+            raise StillCopying(f"torpor-copier (PID {c.pid}) is still copying a program's GPU "
+                               "memory into its checkpoint, which an interrupted torpor left: "
+                               "the program gets its memory back once it is done",
+                               hint="run 'torpor ps' again in a while")
         time.sleep(0.05)
     return {"ok": None}
 
 
 def _same(c: Copier) -> bool:
-    """The copier's process still runs (not another one under its PID)."""
+    """The copier's process still runs (not another one under its PID: its start time, or,
+    where none was recorded, any process there is waited for, never signalled)."""
     return procs.alive(c.pid) and (not c.start or procs.start_time(c.pid) == c.start)

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from tests.unit.test_agent import AGENT_DIR, Probe, build_agent, gpu, probe  # noqa: F401
-from tests.unit.test_agent_held import EXPORT, MOVABLE, close_all, fds_back, nfds
-from tests.unit.test_agent_mover import MIB, Files, _intact, _program, ctl_fds, ctl_recv
+from tests.unit.test_agent_held import EXPORT, MOVABLE, close_all, fds_back, nfds, resume_with
+from tests.unit.test_agent_mover import (MIB, Files, _intact, _program, ctl_fds, ctl_recv,
+                                         failing)
 
 COPIER = AGENT_DIR / "build" / "torpor-copier"
 PART = 4 * MIB
@@ -79,8 +80,9 @@ def test_a_deferred_copy_fills_the_files_a_plain_prepare_would(gpu, probe, tmp_p
     assert text.count("\nalloc ") == MOVABLE
     assert "left to the copier" in p.stderr()
 
+    # duplicates: the agent keeps its own until the copier has them too (detach release)
     r, held = ctl_recv(p.sock, "detach hold")
-    assert r == {"ok": True, "held": MOVABLE} and len(held) == MOVABLE, r
+    assert r == {"ok": True, "held": MOVABLE, "release": True} and len(held) == MOVABLE, r
     data = files.open(write=False)
     rw = [os.open(f, os.O_RDWR | os.O_CLOEXEC) for f in files.paths]
     try:
@@ -89,11 +91,13 @@ def test_a_deferred_copy_fills_the_files_a_plain_prepare_would(gpu, probe, tmp_p
         close_all(rw)
     assert rc == 0 and out["ok"] is True, out
     assert out["allocations"] == MOVABLE and out["bytes"] > 0 and out["parts"] > 0, out
+    assert ctl_fds(p.sock, "detach release") == {"ok": True}
     assert [f.read_bytes() for f in files.paths] == [f.read_bytes() for f in plain.paths]
 
-    # the files alone bring it back: the held memory let go first
+    # the files alone bring it back (once torpor says the copier filled them), the held
+    # memory let go first
     close_all(held)
-    r = ctl_fds(p.sock, "resume", data)
+    r = ctl_fds(p.sock, "resume drained", data)
     close_all(data)
     assert r["ok"] and r["held"] is False and r["bytes"] > 0, r
     _intact(p, prog["mem"])
@@ -188,3 +192,74 @@ def test_the_copier_refuses_bad_usage(args):
     build_agent()
     r = subprocess.run([str(COPIER), *args], capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and r.stderr.startswith("usage:"), r.stderr
+
+
+# -- until the copier has run, the held memory is the only copy of the data ----------------------
+
+def deferred(gpu, p: Probe, tmp_path: Path, fault: tuple[str, str] | None = None
+             ) -> tuple[Files, dict]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    files, plan = Files(tmp_path / "d", 2), new_plan()
+    try:
+        if fault:
+            with failing(gpu, *fault):
+                return files, prepare_deferred(p, files, plan)
+        return files, prepare_deferred(p, files, plan)
+    finally:
+        os.close(plan)
+
+
+def test_a_release_that_fails_in_a_deferred_prepare_keeps_the_memory(gpu, probe, tmp_path):
+    """The second allocation's release fails (after its unmap): the prepare fails, and every
+    allocation is the program's again, mapped, every byte as it was."""
+    p = probe(EXPORT)
+    prog = _program(p, "vmmfd")
+    _, r = deferred(gpu, p, tmp_path, ("cuMemRelease", f"2 {p.pid} after=1 times=1"))
+    assert r["ok"] is False, r
+    st = p.status()
+    assert (st["state"], st["gate"]) == ("running", "open"), st
+    _intact(p, prog["mem"])
+
+
+def test_a_refused_import_changes_nothing_and_the_next_try_takes_it_back(gpu, probe, tmp_path):
+    """The files are holes: an import refused half-way lets go what it imported and
+    changes nothing else (no copy from the files), for abort and for torpor's resume held=N
+    alike; the next try takes the memory back."""
+    p = probe(EXPORT)
+    prog = _program(p, "vmmfd")
+    _, r = deferred(gpu, p, tmp_path)
+    assert r["deferred"] is True, r
+    with failing(gpu, "cuMemImportFromShareableHandle", f"1 {p.pid} after=1 times=1"):
+        r = ctl_fds(p.sock, "abort")
+    assert not r["ok"] and "nothing changed" in r["error"], r
+    r = ctl_fds(p.sock, "abort")
+    assert r["ok"] and r["held"] is True, r
+    _intact(p, prog["mem"])
+
+    files, r = deferred(gpu, p, tmp_path / "again")
+    r, held = ctl_recv(p.sock, "detach hold")
+    assert ctl_fds(p.sock, "detach release")["ok"]
+    with failing(gpu, "cuMemImportFromShareableHandle", f"1 {p.pid} after=1 times=1"):
+        r = resume_with(p, files, f"resume held={MOVABLE}", held)
+    assert not r["ok"] and "nothing changed" in r["error"], r
+    r = resume_with(p, files, "resume", [])           # the files: not until drained
+    assert not r["ok"] and "not in the files yet" in r["error"], r
+    r = resume_with(p, files, f"resume held={MOVABLE}", held)
+    close_all(held)
+    assert r["ok"] and r["held"] is True, r
+    _intact(p, prog["mem"])
+
+
+def test_a_torpor_gone_before_the_release_leaves_the_memory_with_the_agent(gpu, probe,
+                                                                           tmp_path):
+    """torpor dies between `detach hold` and `detach release` (its duplicates close with
+    it): the agent still holds the memory, and the next torpor's resume (files, nothing
+    held) takes it back from there."""
+    p = probe(EXPORT)
+    prog = _program(p, "vmmfd")
+    files, r = deferred(gpu, p, tmp_path)
+    r, held = ctl_recv(p.sock, "detach hold")
+    close_all(held)
+    r = resume_with(p, files, "resume", [])
+    assert r["ok"] and r["held"] is True, r
+    _intact(p, prog["mem"])

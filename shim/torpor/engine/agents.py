@@ -291,8 +291,14 @@ class AgentMoves:
                             self._held[pid] = a.detach_hold(STATUS_TIMEOUT_S)
                         else:
                             a.detach()
-                    if pid in deferred:
-                        targets[pid] = self._start_copier(op, targets, pid, data, plans[pid])
+                        if pid in deferred:
+                            # the agent keeps its own descriptors until the copier, journaled,
+                            # has them too: never this process alone (its death would free
+                            # the only copy of the data)
+                            targets[pid] = self._start_copier(op, targets, pid, data,
+                                                              plans[pid])
+                            if a.release_owed:
+                                a.detach_release()
                 except TorporError as e:
                     raise AgentError(f"PID {pid}: {e}", exit_code=e.exit_code) from e
         finally:
@@ -330,6 +336,12 @@ class AgentMoves:
         targets[pid] = t
         op.phase("agent-detach", agents={p: x.to_json() for p, x in targets.items()})
         return t
+
+    def wait_copier(self, t: AgentTarget) -> dict[str, Any] | None:
+        """_wait_copier for a caller that has no resume to wait for it (its program's resume
+        failed or never came): the copier's own reply, or {"ok": None} for one that ended
+        without this torpor hearing it; None when there was none."""
+        return self._wait_copier(t)
 
     def _wait_copier(self, t: AgentTarget) -> dict[str, Any] | None:
         """The deferred copy of t's program done (copier.wait), or None when it had none. Its
@@ -395,20 +407,23 @@ class AgentMoves:
         the parts its agent skipped are filled from the image store first (a rollback of the
         checkpoint that skipped them); otherwise data with skipped parts is refused: an index
         from an archive must not make this host's store hand out what it holds."""
-        held = self._held.pop(t.pid, [])
-        try:
-            return self._resume_one_with(t, fill, held)
-        finally:
-            _close_all(held)   # mapped back by the agent's own import, or no longer wanted
-
-    def _resume_one_with(self, t: AgentTarget, fill: bool, held: list[int]) -> dict[str, Any]:
         # first: the program must not write the memory a copier still reads, and the files
         # are the way back only once it is done
-        drained = self._wait_copier(t)
-        reply = self._resume_from(t, fill, held)
-        return reply if drained is None else {**reply, "drain": drained}
+        drain = self._wait_copier(t)
+        ready = drain is None or drain.get("ok") is not False   # None: another torpor's, ended
+        held = self._held.pop(t.pid, [])
+        try:
+            reply = self._resume_one_with(t, fill, held, drained=drain is not None and ready)
+        except BaseException:
+            if held and not ready:   # the files lack the data: the held memory is all there is
+                self._held[t.pid], held = held, []
+            raise
+        finally:
+            _close_all(held)   # mapped back by the agent's own import, or no longer wanted
+        return reply if drain is None else {**reply, "drain": drain}
 
-    def _resume_from(self, t: AgentTarget, fill: bool, held: list[int]) -> dict[str, Any]:
+    def _resume_one_with(self, t: AgentTarget, fill: bool, held: list[int],
+                         drained: bool = False) -> dict[str, Any]:
         with self._client(t, STATUS_TIMEOUT_S) as a:
             if a.state() == "running":
                 return {"bytes": 0, "seconds": 0.0}
@@ -431,7 +446,7 @@ class AgentMoves:
                     "them in (its pack, or its rollback): refused")
             fds = agent_data.DataDir(t.data).for_resume(t.name, t.files)
             try:
-                return a.resume(fds, self.cfg.agent_timeout_s, held=held)
+                return a.resume(fds, self.cfg.agent_timeout_s, held=held, drained=drained)
             finally:
                 for fd in fds:
                     os.close(fd)

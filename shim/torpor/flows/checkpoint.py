@@ -172,7 +172,7 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
             kept = sum(n for p, n in held.items() if (back.get(p) or {}).get("held"))
             draft["pause"] = {"paused_s": round(time.monotonic() - paused, 4), "staged": staged,
                               "held": kept}
-            drained = _drained(moved, back, stage, images_dir, op)
+            drained = _drained(engine, moved, back, agents, stage, images_dir, op)
             if drained:
                 draft["pause"]["drained"] = drained
             stats = criu.dump_stats(images_dir) if dump_error is None else None
@@ -196,28 +196,43 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
     return m
 
 
-def _drained(moved: dict[int, dict[str, Any]], back: dict[int, dict[str, Any]],
-             stage: agent_data.DataDir | None, images_dir: Path, op: Any) -> dict[str, Any]:
+def _drained(engine: Engine, moved: dict[int, dict[str, Any]], back: dict[int, dict[str, Any]],
+             agents: dict[int, Any], stage: agent_data.DataDir | None, images_dir: Path,
+             op: Any) -> dict[str, Any]:
     """The deferred copies (a copier filled the data files beside the dump: copier.py): how
     they went, {"programs", "bytes", "seconds"} (the slowest), or {} when there were none.
-    One that failed, or that no resume waited for (the resume failed, and its retry took the
-    program back), leaves the files without GPU data: the directory is abandoned (marked
-    damaged, nothing staged left), the operation closed, and the program runs on: said, exit 8."""
+    A copy no resume waited for (the resume failed and its retry brought the program back, or
+    the program ended) is waited for here. One that failed, or copied other than the bytes
+    its agent planned, leaves the files without GPU data: the directory is abandoned (marked
+    damaged, nothing staged left), the operation closed, said, exit 8."""
     deferred = [p for p, r in moved.items() if r.get("deferred")]
     if not deferred:
         return {}
-    drains = {p: (back.get(p) or {}).get("drain") or {} for p in deferred}
-    bad = {p: str(d.get("error") or "no resume waited for its copier")
-           for p, d in drains.items() if d.get("ok") is not True}
+    drains = {}
+    for p in deferred:
+        d = (back.get(p) or {}).get("drain")
+        if d is None and p in agents:
+            d = engine.wait_copier(agents[p])
+        drains[p] = d or {}
+    bad = {}
+    for p, d in drains.items():
+        if d.get("ok") is not True:
+            bad[p] = str(d.get("error") or "its copier ended and said nothing")
+        elif int(d.get("bytes", -1)) != int(moved[p].get("bytes", -2)):
+            bad[p] = (f"it copied {d.get('bytes')} bytes where its agent planned "
+                      f"{moved[p].get('bytes')}")
     if bad:
         e = TorporError("the copy of the GPU memory into the data files failed ("
                         + "; ".join(f"PID {p}: {why}" for p, why in sorted(bad.items())) + ")")
+        alive = any(procs.alive(p) for p in deferred)
         if stage is not None:
-            raise writeout.failed(e, stage, images_dir, op)
+            raise writeout.failed(e, stage, images_dir, op,
+                                  what="the program" if alive else "nothing (it ended)")
         why = writeout.abandon(images_dir, e)
         op.close()
-        raise RolledBackError(f"{e}; the program runs on, and {images_dir} is no checkpoint "
-                              f"({why.split(':')[0]}, marked damaged)")
+        raise RolledBackError(f"{e}; " + ("the program runs on, and " if alive else "")
+                              + f"{images_dir} is no checkpoint ({why.split(':')[0]}, marked "
+                              "damaged)")
     return {"programs": len(deferred),
             "bytes": sum(int(d.get("bytes", 0)) for d in drains.values()),
             "seconds": round(max(float(d.get("seconds", 0)) for d in drains.values()), 4)}
