@@ -561,6 +561,20 @@ static int hold_import(const int *held, int nheld, char *err, size_t errsize)
 	return 0;
 }
 
+/* The held memory taken back (hold_import): the program's again, nothing copied. 0. */
+static int held_back(long long t0, struct move_result *r)
+{
+	for (size_t m = 0; m < plan.nmv; m++)
+		vmm_reloaded(plan.mv[m].phys);
+	r->held_back = 1;
+	r->allocations = plan.nmv;
+	r->import_seconds = r->seconds = seconds_since(t0);
+	pr_info("took back %zu allocations held on the GPU in %.3f s: nothing copied", plan.nmv,
+		r->seconds);
+	plan_free();
+	return 0;
+}
+
 int mover_load(const int *fds, int nfds, int ring_fd, int sock_fd, const int *held, int nheld,
 	       int drained, struct move_result *r)
 {
@@ -589,30 +603,13 @@ int mover_load(const int *fds, int nfds, int ring_fd, int sock_fd, const int *he
 			r->import_seconds = seconds_since(t0);
 			return -1;
 		}
-		for (size_t m = 0; m < plan.nmv; m++)
-			vmm_reloaded(plan.mv[m].phys);
-		r->held_back = 1;
-		r->allocations = plan.nmv;
-		r->import_seconds = r->seconds = seconds_since(t0);
-		pr_info("took back %zu allocations held on the GPU in %.3f s: nothing copied",
-			plan.nmv, r->seconds);
-		plan_free();
-		return 0;
+		return held_back(t0, r);
 	}
 	if (nheld > 0 && ring_fd < 0) {
 		char why[160];
 
-		if (!hold_import(held, nheld, why, sizeof(why))) {
-			for (size_t m = 0; m < plan.nmv; m++)
-				vmm_reloaded(plan.mv[m].phys);
-			r->held_back = 1;
-			r->allocations = plan.nmv;
-			r->import_seconds = r->seconds = seconds_since(t0);
-			pr_info("took back %zu allocations held on the GPU in %.3f s: nothing copied",
-				plan.nmv, r->seconds);
-			plan_free();
-			return 0;
-		}
+		if (!hold_import(held, nheld, why, sizeof(why)))
+			return held_back(t0, r);
 		pr_warn("held memory not taken back (%s): reloading it from %s", why,
 			plan.in_memory ? "the agent's memory" : "the files");
 		r->import_seconds = seconds_since(t0);

@@ -251,12 +251,7 @@ def test_the_real_agent_through_checkpoint_and_restore(torpor, gpu, tmp_path, re
     r = torpor.json("restore", "-D", str(images))
     assert r["agent"][str(proc.pid)]["bytes"] == 64 << 20
     assert r["agent"][str(proc.pid)].get("streamed", False) is store
-    tick = json.loads(status.read_text())["tick"]
-    wait_for(lambda: json.loads(status.read_text() or "{}").get("tick", 0) > tick + 2, 10,
-             "the restored program ticking")
-    with AgentClient.for_pid(proc.pid, agents) as a:
-        st = a.status()
-    assert (st["state"], st["gate"]) == ("running", "open")
+    ticks_on(proc.pid, status, agents)
     assert gpu.state(proc.pid)["state"] == 0
 
 
@@ -276,12 +271,7 @@ def test_the_real_agent_holds_its_memory_through_a_leave_running_checkpoint(torp
     assert "held on the GPU by their descriptors" in text, text[-3000:]
     assert "nothing copied" in text and "not taken back" not in text, text[-3000:]
     assert torpor.json("inspect", str(images), "--verify")["verified"]
-    tick = json.loads(status.read_text())["tick"]
-    wait_for(lambda: json.loads(status.read_text() or "{}").get("tick", 0) > tick + 2, 10,
-             "the program ticking on")
-    with AgentClient.for_pid(proc.pid, agents) as a:
-        st = a.status()
-    assert (st["state"], st["gate"]) == ("running", "open")
+    ticks_on(proc.pid, status, agents)
     # the checkpoint stands on its own: every byte is in its data files (their restore is
     # test_the_real_agent_through_checkpoint_and_restore's; this program's log, open in it,
     # grew since, which CRIU would refuse)
@@ -297,6 +287,16 @@ def test_the_real_agent_holds_its_memory_through_a_leave_running_checkpoint(torp
     text = plog.read_text(errors="replace")
     assert text.count("nothing copied") == 2 and "not taken back" not in text, text[-3000:]
     assert torpor.json("inspect", str(tmp_path / "ck2"), "--verify")["verified"]
+
+
+def ticks_on(pid: int, status: Path, agents: Path) -> None:
+    """The program under the agent ticks on (its status file), its agent running, gate open."""
+    tick = json.loads(status.read_text())["tick"]
+    wait_for(lambda: json.loads(status.read_text() or "{}").get("tick", 0) > tick + 2, 10,
+             "the program ticking on")
+    with AgentClient.for_pid(pid, agents) as a:
+        st = a.status()
+    assert (st["state"], st["gate"]) == ("running", "open")
 
 
 def _digest(pid: int, status: Path, size: int = 64 << 20) -> str:
@@ -355,13 +355,8 @@ def test_a_torpor_killed_while_it_holds_the_memory_is_recovered_from_the_files(
     assert ps.returncode == 0, ps.stderr
     assert "recovered" in ps.stderr and str(proc.pid) in ps.stderr, ps.stderr
     assert gpu.state(proc.pid)["state"] == RUNNING
-    tick = json.loads(status.read_text())["tick"]
-    wait_for(lambda: json.loads(status.read_text() or "{}").get("tick", 0) > tick + 2, 10,
-             "the program ticking on")
+    ticks_on(proc.pid, status, agents)
     assert _digest(proc.pid, status) == before
-    with AgentClient.for_pid(proc.pid, agents) as a:
-        ast = a.status()
-    assert (ast["state"], ast["gate"]) == ("running", "open")
     text = (tmp_path / "program.log").read_text(errors="replace")
     assert "held on the GPU by their descriptors" in text, text[-3000:]   # it held
     assert "nothing copied" not in text, text[-3000:]                     # and copied back

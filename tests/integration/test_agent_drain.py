@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import needs_criu, wait_for
-from tests.integration.test_agent_cli import _digest, _held_by, _under_the_agent
-from torpor.agent import AgentClient
+from tests.integration.test_agent_cli import _digest, _held_by, _under_the_agent, ticks_on
 
 pytestmark = needs_criu
 HELD = {"TORPOR_AGENT_VMM_EXPORT": "1", "TORPOR_AGENT_LOG_LEVEL": "20"}
@@ -24,15 +23,6 @@ HELD = {"TORPOR_AGENT_VMM_EXPORT": "1", "TORPOR_AGENT_LOG_LEVEL": "20"}
 
 def _data(images: Path, pid: int) -> list[bytes]:
     return [f.read_bytes() for f in sorted((images / "torpor-gpu" / str(pid)).iterdir())]
-
-
-def _ticks_on(proc, status: Path, agents: Path) -> None:
-    tick = json.loads(status.read_text())["tick"]
-    wait_for(lambda: json.loads(status.read_text() or "{}").get("tick", 0) > tick + 2, 10,
-             "the program ticking on")
-    with AgentClient.for_pid(proc.pid, agents) as a:
-        st = a.status()
-    assert (st["state"], st["gate"]) == ("running", "open")
 
 
 @pytest.fixture
@@ -59,7 +49,7 @@ def test_the_copier_fills_the_files_beside_the_dump(drained, gpu, tmp_path, reap
     drain = m["pause"]["drained"]
     assert drain["programs"] == 1 and drain["bytes"] == 64 << 20, m["pause"]
     assert torpor.json("inspect", str(images), "--verify")["verified"]
-    _ticks_on(proc, status, agents)
+    ticks_on(proc.pid, status, agents)
     assert _digest(proc.pid, status) == before
 
     # the same program checkpointed the plain way: the same data files, byte for byte
@@ -101,7 +91,7 @@ def test_a_torpor_killed_while_its_copier_runs_is_recovered_from_the_files(
     # it waited for the copier, still copying when torpor died, then read its files
     assert "agent-drain done" in ps.stderr, ps.stderr
     assert gpu.state(proc.pid)["state"] == RUNNING
-    _ticks_on(proc, status, agents)
+    ticks_on(proc.pid, status, agents)
     assert _digest(proc.pid, status) == before
     text = (tmp_path / "program.log").read_text(errors="replace")
     assert "left to the copier" in text and "nothing copied" not in text, text[-3000:]
@@ -126,7 +116,7 @@ def test_a_copier_that_fails_fails_the_checkpoint_not_the_program(drained, gpu, 
     assert "pinned host memory" in r.stderr and "runs on" in r.stderr, r.stderr
     assert (images / "torpor-damaged.txt").exists()
     assert not (images / "torpor.json").exists()
-    _ticks_on(proc, status, agents)
+    ticks_on(proc.pid, status, agents)
     assert _digest(proc.pid, status) == before
     assert list((tmp_path / "shm").iterdir()) == []
     assert list((tmp_path / "state" / "journal").glob("*.json")) == []
