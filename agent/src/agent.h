@@ -317,6 +317,9 @@ void mover_stream_timeout(long long ms);
 int mover_pending(void);
 /* Is the saved memory's copy deferred (defer.c: the files empty until the copier ran)? */
 int mover_deferred(void);
+/* Are held the descriptors the pending save exported, one an allocation, in its order? 0, or
+ * -1 with why in err. */
+int hold_matches(const int *held, int nheld, char *err, size_t errsize);
 int mover_in_memory(void);
 /* Bytes of the agent's own memory holding saved GPU data. */
 unsigned long long mover_host_bytes(void);

@@ -308,6 +308,13 @@ static ssize_t send_text(struct client *c, const char *text, size_t len)
 	return n;
 }
 
+/* Detached after a deferred save, its held descriptors still the agent's (no `detach release`
+ * yet, or given back by `hold N`): as prepared for an abort and the deadline. */
+static int holds_deferred(void)
+{
+	return ctl.state == DETACHED && mover_deferred() && ctl.nhold > 0;
+}
+
 /* The reply with c->out_fds (SCM_RIGHTS, one sendmsg), which are closed after either way. */
 static ssize_t send_with_fds(struct client *c, const char *text, size_t len)
 {
@@ -648,7 +655,7 @@ static void resume_reply(struct client *c, int abort, int streamed, int nheld, i
 		return;
 	}
 	if (abort || !c->nfds) {
-		if (ctl.state == DETACHED && !mover_in_memory()) {
+		if (ctl.state == DETACHED && !mover_in_memory() && !holds_deferred()) {
 			error_reply(out, size, "detached: resume with the data files");
 			return;
 		}
@@ -696,6 +703,31 @@ static void detach_reply(struct client *c, int hold, char *out, size_t size)
 	snprintf(out, size, "{\"ok\":true,\"held\":%d}\n", c->nout);
 }
 
+/* "hold N" (N descriptors): a deferred save's held descriptors given back to the agent by a
+ * torpor that cannot keep them (its rollback failed, and the files lack the data): the agent
+ * checks each is the file it exported and keeps them, so that the next try (a recovery's
+ * resume) takes the memory back from here, and the deadline too. */
+static void hold_reply(struct client *c, int n, char *out, size_t size)
+{
+	char why[160];
+
+	if (ctl.state == RUNNING || !mover_deferred() || ctl.nhold) {
+		error_reply(out, size, "nothing to hold (a deferred save whose descriptors the agent "
+			    "gave away)");
+		return;
+	}
+	if (n != c->nfds || hold_matches(c->fds, c->nfds, why, sizeof(why))) {
+		error_reply(out, size, n != c->nfds ? "hold N takes N descriptors" : why);
+		return;
+	}
+	memcpy(ctl.hold, c->fds, sizeof(int) * c->nfds);
+	ctl.nhold = c->nfds;
+	c->nfds = 0;   /* kept */
+	ctl.elapsed_ms = 0;
+	ctl.last_ms = now_ms();
+	snprintf(out, size, "{\"ok\":true,\"held\":%d}\n", ctl.nhold);
+}
+
 /* "detach release": after a deferred save's `detach hold`, once torpor's copier holds the
  * memory too, the agent lets its own descriptors go (none may be in the CRIU dump). */
 static void release_reply(char *out, size_t size)
@@ -706,6 +738,18 @@ static void release_reply(char *out, size_t size)
 	}
 	close_fds(ctl.hold, &ctl.nhold);
 	snprintf(out, size, "{\"ok\":true}\n");
+}
+
+/* "N" (0 < N <= HOLD_MAX): N, or -1. */
+static int parse_count(const char *arg)
+{
+	char *end;
+	long n;
+
+	if (!isdigit((unsigned char)arg[0]))
+		return -1;
+	n = strtol(arg, &end, 10);
+	return *end || n < 1 || n > HOLD_MAX ? -1 : (int)n;
 }
 
 /* "held=N" (0 < N <= HOLD_MAX): N, or -1. */
@@ -727,7 +771,7 @@ static long prepared_tick(void)
 {
 	long long now = now_ms(), step, limit = (long long)(ctl.prepare_timeout_s * 1000);
 
-	if (ctl.state != PREPARED)
+	if (ctl.state != PREPARED && !holds_deferred())
 		return -1;
 	step = now - ctl.last_ms;
 	ctl.elapsed_ms += step < 0 ? 0 : step > 1000 ? 1000 : step;
@@ -797,6 +841,8 @@ static void handle_line(struct client *c, char *line, char *out, size_t size)
 		detach_reply(c, *arg != 0, out, size);
 	} else if (!strcmp(line, "detach") && !strcmp(arg, "release")) {
 		release_reply(out, size);
+	} else if (!strcmp(line, "hold") && parse_count(arg) > 0) {
+		hold_reply(c, parse_count(arg), out, size);
 	} else if (!strcmp(line, "resume") && (!*arg || !strcmp(arg, "stream"))) {
 		resume_reply(c, 0, *arg != 0, 0, 0, out, size);
 	} else if (!strcmp(line, "resume") && !strcmp(arg, "drained")) {

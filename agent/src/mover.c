@@ -507,18 +507,16 @@ unsigned long long mover_host_bytes(void)
 
 static int mover_load_from(const int *fds, int nfds, struct move_result *r);
 
-/* Takes the held memory back (nothing copied): 0, or -1 with why in err. Every descriptor is
- * checked before anything is imported; what was imported before a refused import or map stays
- * mapped, and the copy from the files writes the same bytes over it. */
-static int hold_import(const int *held, int nheld, char *err, size_t errsize)
+/* Are held the descriptors the save exported, one an allocation, in its order (their files'
+ * identities)? 0, or -1 with why in err. */
+int hold_matches(const int *held, int nheld, char *err, size_t errsize)
 {
-	int k;
-
-	if (nheld != plan.nhold) {
-		snprintf(err, errsize, "%d descriptors given, %d held", nheld, plan.nhold);
+	if (!plan.pending || nheld != plan.nhold) {
+		snprintf(err, errsize, "%d descriptors given, %d held", nheld,
+			 plan.pending ? plan.nhold : 0);
 		return -1;
 	}
-	for (k = 0; k < nheld; k++) {
+	for (int k = 0; k < nheld; k++) {
 		struct stat st;
 
 		if (fstat(held[k], &st) < 0 || st.st_dev != plan.hold[k].dev ||
@@ -527,6 +525,25 @@ static int hold_import(const int *held, int nheld, char *err, size_t errsize)
 				 "allocation", k);
 			return -1;
 		}
+	}
+	return 0;
+}
+
+/* Takes the held memory back (nothing copied): 0, or -1 with why in err. Every descriptor is
+ * checked before anything is imported; what was imported before a refused import or map stays
+ * mapped, and the copy from the files writes the same bytes over it (a deferred save: let go
+ * again, the files being no way back). */
+static int hold_import(const int *held, int nheld, char *err, size_t errsize)
+{
+	int k;
+
+	if (nheld != plan.nhold) {
+		snprintf(err, errsize, "%d descriptors given, %d held", nheld, plan.nhold);
+		return -1;
+	}
+	if (hold_matches(held, nheld, err, errsize))
+		return -1;
+	for (k = 0; k < nheld; k++) {
 		if (!vmm_dropped(plan.mv[plan.hold[k].mv].phys)) {
 			snprintf(err, errsize, "the memory was re-created already (a resume before)");
 			return -1;
@@ -637,6 +654,15 @@ int mover_load(const int *fds, int nfds, int ring_fd, int sock_fd, const int *he
 	ret = mover_load_from(fds, nfds, r);
 	r->streamed = stream_active();
 	stream_close();
+	if (ret && plan.deferred) {
+		/* the files failed a deferred save's load (a copier that did not finish them): the
+		 * memory re-created for them goes again, so that the held memory, still the only
+		 * copy, can be taken back by a later try */
+		for (size_t m = 0; m < plan.nmv; m++)
+			if (!vmm_dropped(plan.mv[m].phys) && vmm_drop(plan.mv[m].phys) != CUDA_SUCCESS)
+				pr_err("letting 0x%llx go again after a failed load failed",
+				       plan.mv[m].src);
+	}
 	if (ret)
 		return -1;
 	r->seconds = seconds_since(t0);

@@ -111,6 +111,6 @@ def _wait_foreign(c: Copier, timeout: float) -> dict[str, Any]:
 
 
 def _same(c: Copier) -> bool:
-    """The copier's process still runs (not another one under its PID: its start time, or,
-    where none was recorded, any process there is waited for, never signalled)."""
-    return procs.alive(c.pid) and (not c.start or procs.start_time(c.pid) == c.start)
+    """The copier's process still runs (not another one under its PID: its start time; one
+    whose start could not be read when it started had ended by then)."""
+    return bool(c.start) and procs.alive(c.pid) and procs.start_time(c.pid) == c.start

@@ -263,3 +263,57 @@ def test_a_torpor_gone_before_the_release_leaves_the_memory_with_the_agent(gpu, 
     r = resume_with(p, files, "resume", [])
     assert r["ok"] and r["held"] is True, r
     _intact(p, prog["mem"])
+
+
+def test_an_abort_before_the_release_takes_the_memory_back(gpu, probe, tmp_path):
+    """Detached after a deferred save, its own descriptors not yet released (torpor died
+    between `detach hold` and `detach release`): an abort takes the memory back."""
+    p = probe(EXPORT)
+    prog = _program(p, "vmmfd")
+    deferred(gpu, p, tmp_path)
+    r, held = ctl_recv(p.sock, "detach hold")
+    close_all(held)
+    r = ctl_fds(p.sock, "abort")
+    assert r["ok"] and r["held"] is True, r
+    _intact(p, prog["mem"])
+
+
+def test_a_failed_load_from_unfilled_files_leaves_the_held_memory_to_take_back(gpu, probe,
+                                                                               tmp_path):
+    """`drained` said, but the files are holes (a copier that lied, or a recovery after one
+    that failed) and the import is refused: the load from the files fails its check, and what
+    it re-created goes again, so the held memory still comes back."""
+    p = probe(EXPORT)
+    prog = _program(p, "vmmfd")
+    files, _ = deferred(gpu, p, tmp_path)
+    r, held = ctl_recv(p.sock, "detach hold")
+    assert ctl_fds(p.sock, "detach release")["ok"]
+    with failing(gpu, "cuMemImportFromShareableHandle", f"1 {p.pid} after=0 times=1"):
+        r = resume_with(p, files, f"resume held={MOVABLE} drained", held)
+    assert not r["ok"], r
+    r = resume_with(p, files, f"resume held={MOVABLE}", held)
+    close_all(held)
+    assert r["ok"] and r["held"] is True, r
+    _intact(p, prog["mem"])
+
+
+def test_held_descriptors_given_back_are_kept_for_the_next_resume(gpu, probe, tmp_path):
+    """A torpor that cannot keep a deferred save's descriptors (its rollback failed) gives
+    them back (`hold N`): the agent checks they are its own and keeps them, and the next
+    resume (a recovery's: files, nothing held, not drained) takes the memory back."""
+    p = probe(EXPORT)
+    prog = _program(p, "vmmfd")
+    files, _ = deferred(gpu, p, tmp_path)
+    r, held = ctl_recv(p.sock, "detach hold")
+    assert ctl_fds(p.sock, "detach release")["ok"]
+    wrong = [os.open("/dev/null", os.O_RDONLY) for _ in held]
+    r = ctl_fds(p.sock, f"hold {MOVABLE}", wrong)
+    close_all(wrong)
+    assert not r["ok"] and "not the file exported" in r["error"], r
+    r = ctl_fds(p.sock, f"hold {MOVABLE}", held)
+    assert r == {"ok": True, "held": MOVABLE}, r
+    assert not ctl_fds(p.sock, f"hold {MOVABLE}", held)["ok"]      # once
+    close_all(held)
+    r = resume_with(p, files, "resume", [])
+    assert r["ok"] and r["held"] is True, r
+    _intact(p, prog["mem"])

@@ -89,6 +89,10 @@ class Engine(AgentMoves, Recovery):
         # pid -> the copier filling its data files (a deferred copy: copier.py), from the
         # detach until that program's resume waits for it
         self._copiers: dict[int, copier.Copier] = {}
+        # pid -> its deferred copy's target (where its agent listens) and, once waited for,
+        # the copier's reply: asked again, the same answer (never "ended, said nothing")
+        self._deferred: dict[int, AgentTarget] = {}
+        self._drains: dict[int, dict[str, Any]] = {}
 
     # -- the driver -------------------------------------------------------------------------
     @property

@@ -133,6 +133,8 @@ class AgentMoves:
 
     _held: dict[int, list[int]]   # Engine.__init__: descriptors taken at detach, by pid
     _copiers: dict[int, copier.Copier]   # Engine.__init__: deferred copies running, by pid
+    _deferred: dict[int, AgentTarget]     # ... their programs' targets
+    _drains: dict[int, dict[str, Any]]    # ... and their copiers' replies, once waited for
 
     def agent_sockets(self, pids: Iterable[int], agent_dir: Path | None = None) -> dict[int, Path]:
         """pid -> its agent's socket, for the pids whose program runs under the agent."""
@@ -275,14 +277,14 @@ class AgentMoves:
             if untouched:   # a rollback does not look for what was never there
                 op.phase("agent-prepare", agents={p: t.to_json() for p, t in targets.items()
                                                   if p not in untouched})
-        total = sum(r["bytes"] for r in moved.values())
-        deferred = sorted(p for p, r in moved.items() if r.get("deferred"))
-        self.progress.say(f"  agent-prepare: {_rate(total, time.monotonic() - start)}"
-                          if not deferred else
-                          f"  agent-prepare: {human_bytes(total)} held for the copier in "
-                          f"{time.monotonic() - start:.2f} s (copied beside the dump)")
-        op.phase("agent-detach")
         try:
+            total = sum(r["bytes"] for r in moved.values())
+            deferred = sorted(p for p, r in moved.items() if r.get("deferred"))
+            self.progress.say(f"  agent-prepare: {_rate(total, time.monotonic() - start)}"
+                              if not deferred else
+                              f"  agent-prepare: {human_bytes(total)} held for the copier in "
+                              f"{time.monotonic() - start:.2f} s (copied beside the dump)")
+            op.phase("agent-detach")
             for pid in sorted(targets):
                 held = moved[pid].pop("held", 0)   # not the checkpoint's: this operation's
                 try:
@@ -333,7 +335,7 @@ class AgentMoves:
                 os.close(fd)
         self._copiers[pid] = c
         t = dataclasses.replace(t, copier=c.pid, copier_start=c.start or 0)
-        targets[pid] = t
+        targets[pid] = self._deferred[pid] = t
         op.phase("agent-detach", agents={p: x.to_json() for p, x in targets.items()})
         return t
 
@@ -346,6 +348,8 @@ class AgentMoves:
     def _wait_copier(self, t: AgentTarget) -> dict[str, Any] | None:
         """The deferred copy of t's program done (copier.wait), or None when it had none. Its
         reply, {"ok": False, "error"} when it failed: the files lack the GPU data then."""
+        if t.pid in self._drains:
+            return self._drains[t.pid]
         c = self._copiers.pop(t.pid, None)
         if c is None and t.copier:
             c = copier.Copier(t.copier, t.copier_start or None)
@@ -353,7 +357,9 @@ class AgentMoves:
             return None
         with self.progress.phase("agent-drain", f"the copy of PID {t.pid}'s GPU memory into "
                                  "its data files"):
-            return copier.wait(c, self.cfg.agent_timeout_s)
+            reply = copier.wait(c, self.cfg.agent_timeout_s)
+        self._drains[t.pid] = reply
+        return reply
 
     def held_counts(self) -> dict[int, int]:
         """pid -> the allocations of its GPU memory held now (taken at detach, not yet resumed)."""
@@ -376,9 +382,25 @@ class AgentMoves:
 
     def release_held(self, pids: Iterable[int] | None = None) -> None:
         """Close the held descriptors of pids (all: None): the memory they kept on the GPU is
-        freed unless its program mapped it back."""
+        freed unless its program mapped it back. Those of a deferred copy whose copier did not
+        say it filled the files are the only copy of the data: given back to its agent first
+        (`hold N`), which keeps them for the next resume (a recovery's, or its deadline's)."""
         for pid in list(self._held) if pids is None else list(pids):
-            _close_all(self._held.pop(pid, []))
+            fds = self._held.pop(pid, [])
+            if fds and pid in self._deferred and \
+                    (self._drains.get(pid) or {}).get("ok") is not True:
+                self._give_back(self._deferred[pid], fds)
+            _close_all(fds)
+
+    def _give_back(self, t: AgentTarget, fds: list[int]) -> None:
+        try:
+            with self._client(t, STATUS_TIMEOUT_S) as a:
+                a.call(f"hold {len(fds)}", fds)
+            log.warning("PID %d: its GPU memory, not yet in its checkpoint's files, given back "
+                        "to its agent to hold", t.pid)
+        except TorporError as e:
+            log.error("PID %d: its agent would not take back the GPU memory only it and this "
+                      "torpor held (%s): that memory goes with this torpor", t.pid, e)
 
     def _host_shares(self, sockets: Mapping[int, Path], budget: int | None
                      ) -> dict[int, int | None]:
