@@ -131,7 +131,8 @@ def test_built_against_a_glibc_newer_than_2_38_it_still_needs_no_more_than_2_17(
     lib = root / "usr" / "lib" / "x86_64-linux-gnu"
     r = subprocess.run(["make", "-s", "-C", str(ROOT / "agent"), f"BUILD={tmp_path / 'b'}",
                         f"EXTRA_CFLAGS=--sysroot={root} -I{inc} -Werror",
-                        f"LDFLAGS=-B{lib} -L{lib} -Wl,--sysroot={root} -Wl,-rpath-link,{lib}"],
+                        f"LDFLAGS=-B{lib} -L{lib} -Wl,--sysroot={root} -Wl,-rpath-link,{lib}",
+                        "lib"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     built = tmp_path / "b" / "libtorpor-agent.so"
