@@ -120,3 +120,35 @@ def test_a_copier_that_fails_fails_the_checkpoint_not_the_program(drained, gpu, 
     assert _digest(proc.pid, status) == before
     assert list((tmp_path / "shm").iterdir()) == []
     assert list((tmp_path / "state" / "journal").glob("*.json")) == []
+
+
+def test_a_program_that_dies_before_its_resume_keeps_its_checkpoint(drained, gpu, tmp_path,
+                                                                    reaper):
+    """The program is killed after the driver unlocked it, while its resume waits for the
+    copier (held up in its pinned buffers): the resume then finds it gone. The copier's reply,
+    heard once, still counts: the checkpoint, all that is left of the program, is sealed whole,
+    not abandoned as a copy that "ended and said nothing"."""
+    torpor = drained
+    proc, status, agents = _under_the_agent(torpor, gpu, tmp_path, reaper, HELD)
+    images = tmp_path / "ck"
+    (gpu.state_dir / "delay" / "cuMemHostAlloc").write_text("3000\n")   # the copier's alone
+    t = torpor.start("checkpoint", str(proc.pid), "-D", str(images), "--leave-running")
+    try:
+        wait_for(lambda: any(c.call == "unlock" for c in gpu.calls()), 30,
+                 "the driver's unlock, the copier still copying")
+        proc.kill()
+        proc.wait()
+        out, err = t.communicate(timeout=120)
+    finally:
+        if t.poll() is None:
+            t.kill()
+            t.communicate()
+    gpu.clear_faults()
+    assert "agent-drain" in err and "agent-resume" not in err.split("agent-drain")[1].split(
+        "\n")[0], err
+    assert (images / "torpor.json").exists(), err
+    assert not (images / "torpor-damaged.txt").exists(), err
+    m = json.loads((images / "torpor.json").read_text())
+    assert m["agent"][str(proc.pid)]["deferred"] is True
+    assert m["pause"]["drained"]["bytes"] == 64 << 20, m["pause"]
+    assert torpor.json("inspect", str(images), "--verify")["verified"]

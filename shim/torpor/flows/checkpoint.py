@@ -225,14 +225,16 @@ def _drained(engine: Engine, moved: dict[int, dict[str, Any]], back: dict[int, d
         e = TorporError("the copy of the GPU memory into the data files failed ("
                         + "; ".join(f"PID {p}: {why}" for p, why in sorted(bad.items())) + ")")
         alive = any(procs.alive(p) for p in deferred)
+        if stage is not None and alive:
+            raise writeout.failed(e, stage, images_dir, op)
         if stage is not None:
-            raise writeout.failed(e, stage, images_dir, op,
-                                  what="the program" if alive else "nothing (it ended)")
+            stage.remove()
         why = writeout.abandon(images_dir, e)
         op.close()
-        raise RolledBackError(f"{e}; " + ("the program runs on, and " if alive else "")
-                              + f"{images_dir} is no checkpoint ({why.split(':')[0]}, marked "
-                              "damaged)")
+        raise RolledBackError(f"{e}; " + ("the program runs on" if alive else
+                                          "the program ended meanwhile")
+                              + f", and {images_dir} is no checkpoint ({why.split(':')[0]}, "
+                              "marked damaged)")
     return {"programs": len(deferred),
             "bytes": sum(int(d.get("bytes", 0)) for d in drains.values()),
             "seconds": round(max(float(d.get("seconds", 0)) for d in drains.values()), 4)}
