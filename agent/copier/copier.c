@@ -3,6 +3,7 @@
  * (agent/src/defer.c says why; agent/PROTOCOL.md "The deferred copy").
  *
  *   torpor-copier --libcuda PATH --plan FD --files FD[,FD...] --held FD[,FD...]
+ *   torpor-copier --libcuda PATH --ctl FD [--devices UUID[,UUID...]]
  *
  * plan: the plan the program's agent wrote (defer.c: what is in it); files: the data files, in
  * the agent's order, open for writing and sized already; held: the descriptors of the program's
@@ -18,7 +19,15 @@
  * every byte copied must lie inside its allocation and every byte written inside its file as
  * it was sized, a part no longer than the image store's chunk and at a multiple of it.
  *
- * One JSON line on stdout: {"ok":true,"bytes","parts","allocations","seconds",
+ * Ready first (--ctl, a SOCK_SEQPACKET socket): the driver is loaded and each GPU named (NVML's
+ * UUIDs) has its context before the program pauses, and one line says so on stdout:
+ * {"ready":true,"devices","seconds"}. A copier that cannot get there (a GPU without room for
+ * another context, in exclusive-process mode) says why instead, and torpor copies in the program
+ * as without a copier. The go is one message on the socket: "go F H" with the plan, the F files
+ * and the H held descriptors, in that order, as SCM_RIGHTS. The socket closed without it:
+ * nothing to do.
+ *
+ * Then one JSON line on stdout: {"ok":true,"bytes","parts","allocations","seconds",
  * "setup_seconds","copy_seconds"}, exit 0; or {"ok":false,"error"}, exit 1 (2: bad usage).
  * Nothing else is written, to the files or anywhere, on a refusal before the copy.
  */
@@ -36,6 +45,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -134,7 +144,7 @@ static void fail(const char *fmt, ...)
 static void usage(const char *why)
 {
 	fprintf(stderr, "usage: torpor-copier --libcuda PATH --plan FD --files FD[,FD...] --held "
-		"FD[,FD...] (%s)\n", why);
+		"FD[,FD...], or --libcuda PATH --ctl FD [--devices UUID[,UUID...]] (%s)\n", why);
 	exit(2);
 }
 
@@ -345,51 +355,150 @@ static int parse_plan(char *text, size_t len)
 
 /* -- the GPU side -------------------------------------------------------------------------------- */
 
-static int devices_find(void)
+/* devices[]'s index of the GPU whose UUID is uuid, its primary context retained (at the first
+ * time it is named); -1 when this host shows no such GPU or it has no room for a context. */
+static int device_retain(const unsigned char *uuid)
 {
-	int count = 0;
+	int d, count = 0;
 	CUresult rc;
 
-	if ((rc = cu.Init(0)) || (rc = cu.DeviceGetCount(&count))) {
-		fail("cuInit: CUresult %d", rc);
+	for (d = 0; d < ndevices; d++)
+		if (!memcmp(devices[d].uuid, uuid, 16))
+			return d;
+	if ((rc = cu.DeviceGetCount(&count))) {
+		fail("cuDeviceGetCount: CUresult %d", rc);
 		return -1;
 	}
-	for (int k = 0; k < nallocs; k++) {
-		int d;
+	for (int i = 0; i < count; i++) {
+		CUdevice dev;
+		CUuuid u;
 
-		for (d = 0; d < ndevices && memcmp(devices[d].uuid, allocs[k].uuid, 16); d++)
-			;
-		if (d == ndevices) {
-			int i;
-
-			for (i = 0; i < count; i++) {
-				CUdevice dev;
-				CUuuid u;
-
-				if (cu.DeviceGet(&dev, i) || cu.DeviceGetUuid(&u, dev))
-					continue;
-				if (!memcmp(u.bytes, allocs[k].uuid, 16)) {
-					if (ndevices == MAX_DEVICES) {
-						fail("more than %d GPUs", MAX_DEVICES);
-						return -1;
-					}
-					devices[d].dev = dev;
-					memcpy(devices[d].uuid, u.bytes, 16);
-					if ((rc = cu.PrimaryCtxRetain(&devices[d].ctx, dev))) {
-						fail("a context on GPU %d: CUresult %d", i, rc);
-						return -1;
-					}
-					ndevices++;
-					break;
-				}
-			}
-			if (i == count) {
-				fail("allocation %d is on a GPU this host does not show", k);
-				return -1;
-			}
+		if (cu.DeviceGet(&dev, i) || cu.DeviceGetUuid(&u, dev) || memcmp(u.bytes, uuid, 16))
+			continue;
+		if (ndevices == MAX_DEVICES) {
+			fail("more than %d GPUs", MAX_DEVICES);
+			return -1;
 		}
-		allocs[k].dev = d;
+		if ((rc = cu.PrimaryCtxRetain(&devices[d].ctx, dev))) {
+			fail("a context on GPU %d: CUresult %d", i, rc);
+			return -1;
+		}
+		devices[d].dev = dev;
+		memcpy(devices[d].uuid, uuid, 16);
+		return ndevices++;
 	}
+	fail("a GPU this host does not show");
+	return -1;
+}
+
+static int cuda_init(void)
+{
+	CUresult rc = cu.Init(0);
+
+	if (rc)
+		fail("cuInit: CUresult %d", rc);
+	return rc ? -1 : 0;
+}
+
+static int devices_find(void)
+{
+	for (int k = 0; k < nallocs; k++)
+		if ((allocs[k].dev = device_retain(allocs[k].uuid)) < 0) {
+			fail("allocation %d is on a GPU this host cannot give a context", k);
+			return -1;
+		}
+	return 0;
+}
+
+/* --devices (before the plan): each GPU named by NVML's UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-
+ * xxxxxxxxxxxx) gets its context now, while the program still runs. A name of another form (a
+ * MIG instance's) is left to the plan. */
+static int devices_ready(char *list)
+{
+	for (char *save = NULL, *tok = strtok_r(list, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+		unsigned char uuid[16];
+		int n = 0;
+
+		if (strncmp(tok, "GPU-", 4))
+			continue;
+		for (const char *c = tok + 4; *c && n <= 32; c++) {
+			if (*c == '-')
+				continue;
+			if (hexval(*c) < 0) {
+				n = -1;
+				break;
+			}
+			if (n < 32)
+				uuid[n / 2] = (unsigned char)(n % 2 ? uuid[n / 2] << 4 | hexval(*c) : hexval(*c));
+			n++;
+		}
+		if (n != 32)
+			usage("--devices: not a GPU UUID");
+		if (device_retain(uuid) < 0)
+			return -1;
+	}
+	return 0;
+}
+
+/* --ctl: torpor's go, one SOCK_SEQPACKET message "go F H" carrying 1 + F + H descriptors: the
+ * plan, the F data files, the H held allocations. Anything else is refused, every descriptor
+ * that came with it closed. The socket closed first (torpor's prepare did not defer, or torpor
+ * is gone): nothing to do. */
+static int receive(int sock, int *plan, int *held)
+{
+	enum { MAX = 1 + MAX_FILES + MAX_HELD };
+	char text[64];
+	union {
+		struct cmsghdr h;
+		char b[CMSG_SPACE(sizeof(int) * MAX)];
+	} c;
+	struct iovec iov = { text, sizeof(text) - 1 };
+	struct msghdr m = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = c.b,
+			    .msg_controllen = sizeof(c.b) };
+	int fds[MAX], nfds = 0, f = 0, h = 0, end = 0;
+	ssize_t n;
+
+	do
+		n = recvmsg(sock, &m, MSG_CMSG_CLOEXEC);
+	while (n < 0 && errno == EINTR);
+	if (n < 0) {
+		fail("receiving the plan: %s", strerror(errno));
+		return -1;
+	}
+	for (struct cmsghdr *cm = CMSG_FIRSTHDR(&m); cm; cm = CMSG_NXTHDR(&m, cm)) {
+		size_t k;
+
+		if (cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS)
+			continue;
+		k = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+		for (size_t i = 0; i < k; i++) {
+			int fd;
+
+			memcpy(&fd, CMSG_DATA(cm) + i * sizeof(int), sizeof(int));
+			if (nfds < MAX)
+				fds[nfds++] = fd;
+			else
+				close(fd);
+		}
+	}
+	text[n] = 0;
+	if (n == 0 && !nfds) {
+		fail("no plan came: torpor copied in the program or went away");
+		return -1;
+	}
+	if ((m.msg_flags & (MSG_CTRUNC | MSG_TRUNC)) ||
+	    sscanf(text, "go %d %d%n", &f, &h, &end) != 2 || text[end] || f < 1 || f > MAX_FILES ||
+	    h < 1 || h > MAX_HELD || nfds != 1 + f + h) {
+		for (int i = 0; i < nfds; i++)
+			close(fds[i]);
+		fail("torpor's go is malformed");
+		return -1;
+	}
+	*plan = fds[0];
+	memcpy(file_fd, fds + 1, sizeof(int) * (size_t)f);
+	memcpy(held, fds + 1 + f, sizeof(int) * (size_t)h);
+	nfiles = f;
+	nheld = h;
 	return 0;
 }
 
@@ -568,7 +677,8 @@ static int result(double t0, double setup, double copy_s, unsigned long long byt
 int main(int argc, char **argv)
 {
 	const char *libcuda = NULL;
-	int plan_fd = -1, held[MAX_HELD], files_given = 0;
+	char *devices_arg = NULL;
+	int plan_fd = -1, ctl_fd = -1, held[MAX_HELD], files_given = 0;
 	double t0 = now(), t1, t2;
 	struct worker workers[MAX_FILES];
 	unsigned long long bytes = 0;
@@ -588,11 +698,29 @@ int main(int argc, char **argv)
 			nfiles = fd_list(argv[i + 1], file_fd, MAX_FILES), files_given = 1;
 		else if (!strcmp(argv[i], "--held"))
 			nheld = fd_list(argv[i + 1], held, MAX_HELD);
+		else if (!strcmp(argv[i], "--ctl"))
+			ctl_fd = fd_arg(argv[i + 1]);
+		else if (!strcmp(argv[i], "--devices"))
+			devices_arg = argv[i + 1];
 		else
 			usage("an unknown option");
 	}
-	if (!libcuda || plan_fd < 0 || !files_given || !nfiles || !nheld)
+	if (ctl_fd >= 0) {
+		/* ready first: the driver loaded and each GPU's context made while the program runs;
+		 * then the plan and the descriptors, from torpor over the socket */
+		if (plan_fd >= 0 || files_given || nheld || !libcuda)
+			usage("--ctl takes --libcuda and --devices only");
+		if (load(libcuda) || cuda_init() || (devices_arg && devices_ready(devices_arg)))
+			return result(t0, 0, 0, 0, 0);
+		printf("{\"ready\":true,\"devices\":%d,\"seconds\":%.6f}\n", ndevices, now() - t0);
+		fflush(stdout);
+		if (receive(ctl_fd, &plan_fd, held))
+			return result(t0, 0, 0, 0, 0);
+		close(ctl_fd);
+		t0 = now();
+	} else if (!libcuda || plan_fd < 0 || !files_given || !nfiles || !nheld || devices_arg) {
 		usage("every option is needed");
+	}
 	for (int k = 0; k < nfiles; k++) {
 		struct stat st;
 
@@ -604,7 +732,8 @@ int main(int argc, char **argv)
 		file_size[k] = (unsigned long long)st.st_size;
 	}
 	text = read_plan(plan_fd, &len);
-	if (!text || parse_plan(text, len) || load(libcuda) || devices_find() || import_all(held)) {
+	if (!text || parse_plan(text, len) || (ctl_fd < 0 && (load(libcuda) || cuda_init())) ||
+	    devices_find() || import_all(held)) {
 		release_all();
 		return result(t0, 0, 0, 0, 0);
 	}

@@ -4,10 +4,13 @@ data files, from a process of its own, beside the driver's checkpoint and CRIU's
 A leave-running checkpoint whose agent deferred its copy (agent/PROTOCOL.md, "The deferred
 copy"; config leave_running_drain) has its data files sized but empty once the agent's
 prepare returns: the agent wrote the plan of the copy into a memfd and released the memory,
-which the descriptors `detach hold` gave torpor keep alive. start() hands the plan, the data
-files and those descriptors to the copier, in a session of its own (as CRIU: a torpor killed
-during the pause does not take it along, and it finishes the files before it lets the memory
-go); wait() is the last step before the program's resume, which must not run while the copier
+which the descriptors `detach hold` gave torpor keep alive. The copier was started before
+the pause (prestart, in a session of its own: as CRIU, a torpor killed during the pause does
+not take it along) and made its GPU contexts while the program ran; ready() says it got there,
+and only then does the prepare defer its copy (a copier that cannot, on a GPU without room for
+another context, leaves the copy to the agent as without one). hand() gives it the plan, the
+data files and those descriptors; it finishes the files before it lets the memory go. wait()
+is the last step before the program's resume, which must not run while the copier
 reads the memory the program would write. A recovery in another torpor only has the copier's
 PID and start time from the journal: it waits for that process to be gone, then resumes the
 program from the files, which the agent checks part by part by their GPU fingerprints.
@@ -18,6 +21,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import select
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -28,6 +33,7 @@ from .errors import NotFoundError, TorporError
 
 BINARY = Path(__file__).resolve().parent / "_agent" / "torpor-copier"
 REPLY_MAX = 64 << 10
+READY_TIMEOUT_S = 30.0  # how long a copier may take to load the driver and make its contexts
 FOREIGN_WAIT_S = 60.0   # how long a recovery waits for another torpor's copier, each time
 
 
@@ -53,22 +59,91 @@ class Copier:
     pid: int
     start: int | None                        # its start time (procs.start_time), for recovery
     proc: subprocess.Popen[bytes] | None = None   # this torpor's child: its reply on stdout
+    ctl: socket.socket | None = None         # ready(): where its go goes (hand)
+    early: bytes = b""                       # what it wrote after its ready line
 
     def to_json(self) -> dict[str, int]:
         return {"copier": self.pid, "copier_start": self.start or 0}
 
 
-def start(libcuda: str, plan: int, files: Sequence[int], held: Sequence[int]) -> Copier:
-    """The copier running: plan (new_plan(), written by the agent), files (the data files,
-    read-write, sized by the agent), held (detach_hold's descriptors, in their order). Every
-    fd stays the caller's (the copier has its own copies)."""
-    fds = [plan, *files, *held]
-    proc = subprocess.Popen(
-        [str(binary()), "--libcuda", libcuda, "--plan", str(plan),
-         "--files", ",".join(map(str, files)), "--held", ",".join(map(str, held))],
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-        pass_fds=fds, start_new_session=True)
-    return Copier(proc.pid, procs.start_time(proc.pid), proc)
+def _spawn(args: list[str], fds: Sequence[int]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [str(binary()), *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL, pass_fds=fds, start_new_session=True)
+
+
+def prestart(libcuda: str, devices: Sequence[str]) -> Copier:
+    """A copier started before the pause, with nothing to copy yet: it loads the driver and
+    makes a context on each of devices (NVML's UUIDs of the program's GPUs) while the program
+    runs, then waits for hand(). ready() says whether it got there; discard() one that is not
+    handed anything. It holds no memory until hand(), so it may be killed until then."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        args = ["--libcuda", libcuda, "--ctl", str(theirs.fileno())]
+        if devices:
+            args += ["--devices", ",".join(devices)]
+        proc = _spawn(args, [theirs.fileno()])
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+    return Copier(proc.pid, procs.start_time(proc.pid), proc, ours)
+
+
+def ready(c: Copier, timeout: float = READY_TIMEOUT_S) -> str | None:
+    """None once c (prestart) says it is ready to copy; else why it is not (its own error, or
+    nothing said in time), and c is discarded."""
+    assert c.proc is not None and c.proc.stdout is not None
+    fd, buf = c.proc.stdout.fileno(), b""
+    deadline = time.monotonic() + timeout
+    why = f"not ready after {timeout:g} s"
+    while b"\n" not in buf and len(buf) < REPLY_MAX:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            break
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            why = "it ended with no reply"
+            break
+        buf += chunk
+    line, nl, c.early = buf.partition(b"\n")
+    if nl:
+        try:
+            reply = json.loads(line)
+        except ValueError:
+            reply = None
+        if isinstance(reply, dict) and reply.get("ready") is True:
+            return None
+        why = str(reply.get("error", "?"))[:300] if isinstance(reply, dict) else \
+            "it said something else"
+    discard(c)
+    return why
+
+
+def hand(c: Copier, plan: int, files: Sequence[int], held: Sequence[int]) -> None:
+    """Give a ready copier its work: plan (new_plan(), written by the agent), files (the data
+    files, read-write, sized by the agent), held (detach_hold's descriptors, in their order).
+    OSError when it is gone. Every fd stays the caller's (the copier has its own copies)."""
+    assert c.ctl is not None
+    try:
+        socket.send_fds(c.ctl, [f"go {len(files)} {len(held)}".encode()],
+                        [plan, *files, *held])
+    finally:
+        c.ctl.close()
+        c.ctl = None
+
+
+def discard(c: Copier) -> None:
+    """A prestarted copier never handed anything (or not ready): it holds nothing, so it goes."""
+    if c.ctl is not None:
+        c.ctl.close()
+        c.ctl = None
+    if c.proc is None or c.proc.stdout is None or c.proc.stdout.closed:
+        return   # never ours, or reaped already
+    if c.proc.poll() is None:
+        c.proc.kill()
+    c.proc.communicate()
 
 
 def wait(c: Copier, timeout: float) -> dict[str, Any]:
@@ -87,8 +162,9 @@ def wait(c: Copier, timeout: float) -> dict[str, Any]:
         c.proc.kill()
         c.proc.communicate()
         return {"ok": False, "error": f"still copying after {timeout:g} s: killed"}
+    out = (c.early + out)[:REPLY_MAX]
     try:
-        reply = json.loads(out[:REPLY_MAX] or b"null")
+        reply = json.loads(out or b"null")
     except ValueError:
         reply = None
     if not isinstance(reply, dict) or not isinstance(reply.get("ok"), bool):

@@ -1298,6 +1298,8 @@ EXPORT CUresult cuCtxDestroy_v2(CUcontext ctx)
 EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
 {
     CUresult rc;
+    if (injected(fk_dir(), "cuDevicePrimaryCtxRetain", (int)getpid(), &rc))
+        return rc; /* no room for a context, say */
     t_in_primary = 1;
     rc = cuCtxCreate_v2(pctx, 0, dev);
     t_in_primary = 0;

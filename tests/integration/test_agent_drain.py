@@ -152,3 +152,30 @@ def test_a_program_that_dies_before_its_resume_keeps_its_checkpoint(drained, gpu
     assert m["agent"][str(proc.pid)]["deferred"] is True
     assert m["pause"]["drained"]["bytes"] == 64 << 20, m["pause"]
     assert torpor.json("inspect", str(images), "--verify")["verified"]
+
+
+def test_a_copier_without_room_for_its_context_leaves_the_copy_to_the_agent(
+        drained, gpu, tmp_path, reaper):
+    """No room on the GPU for the copier's context (or a GPU in exclusive-process mode): the
+    copier is not ready before the pause, the operator is told, and the agent copies before
+    the dump as without a copier. The checkpoint is whole; the program runs on intact."""
+    torpor = drained
+    proc, status, agents = _under_the_agent(torpor, gpu, tmp_path, reaper, HELD)
+    before = _digest(proc.pid, status)
+    images = tmp_path / "ck"
+    (gpu.state_dir / "fail" / "cuDevicePrimaryCtxRetain").write_text("2\n")
+    try:
+        r = torpor.run("checkpoint", str(proc.pid), "-D", str(images), "--leave-running")
+    finally:
+        (gpu.state_dir / "fail" / "cuDevicePrimaryCtxRetain").unlink()
+    assert r.returncode == 0, r.stderr
+    out = r.stdout + r.stderr
+    assert (f"PID {proc.pid}: torpor-copier is not ready (a context on GPU 0: CUresult 2): "
+            "its GPU memory is copied before the dump") in out, out
+    assert "copying it into the data files meanwhile" not in out, out
+    m = json.loads((images / "torpor.json").read_text())
+    assert "deferred" not in m["agent"][str(proc.pid)] and "drained" not in m["pause"], m
+    assert torpor.json("inspect", str(images), "--verify")["verified"]
+    ticks_on(proc.pid, status, agents)
+    assert _digest(proc.pid, status) == before
+    assert list((tmp_path / "state" / "journal").glob("*.json")) == []

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from torpor import copier
 from tests.unit.test_agent import AGENT_DIR, Probe, build_agent, gpu, probe  # noqa: F401
 from tests.unit.test_agent_held import EXPORT, MOVABLE, close_all, fds_back, nfds, resume_with
 from tests.unit.test_agent_mover import (MIB, Files, _intact, _program, ctl_fds, ctl_recv,
@@ -317,3 +319,102 @@ def test_held_descriptors_given_back_are_kept_for_the_next_resume(gpu, probe, tm
     r = resume_with(p, files, "resume", [])
     assert r["ok"] and r["held"] is True, r
     _intact(p, prog["mem"])
+
+
+# -- the copier ready before the pause (copier.prestart: --ctl) ----------------------------------
+
+@pytest.fixture
+def ready_copier(gpu, monkeypatch):
+    """copier.prestart's copiers: this build's binary, in the fake GPU's environment."""
+    build_agent()
+    monkeypatch.setattr(copier, "BINARY", COPIER)
+    for k, v in gpu.env().items():
+        monkeypatch.setenv(k, v)
+    started: list[copier.Copier] = []
+
+    def start(devices=None) -> copier.Copier:
+        started.append(copier.prestart(gpu.libcuda, [gpu.uuid(0)] if devices is None
+                                       else devices))
+        return started[-1]
+    yield start
+    for c in started:
+        copier.discard(c)
+
+
+def test_a_copier_ready_before_the_pause_fills_the_files_once_handed_them(gpu, probe,
+                                                                           tmp_path,
+                                                                           ready_copier):
+    """Its context made while the program runs, the copier waits; handed the plan, the files
+    and the held descriptors over its socket, it fills the files a resume then reads."""
+    p = probe(EXPORT)
+    prog = _program(p, "vmmfd")
+    c = ready_copier()
+    assert copier.ready(c, 30) is None
+    assert c.proc.poll() is None            # waiting for its go
+    files, plan = Files(tmp_path / "d", 2), new_plan()
+    r = prepare_deferred(p, files, plan)
+    assert r["ok"] and r["deferred"] is True, r
+    r, held = ctl_recv(p.sock, "detach hold")
+    rw = [os.open(f, os.O_RDWR | os.O_CLOEXEC) for f in files.paths]
+    try:
+        copier.hand(c, plan, rw, held)
+    finally:
+        close_all(rw + [plan])
+    out = copier.wait(c, 60)
+    assert out["ok"] is True and out["allocations"] == MOVABLE and out["bytes"] > 0, out
+    assert ctl_fds(p.sock, "detach release") == {"ok": True}
+    close_all(held)
+    data = files.open(write=False)
+    r = ctl_fds(p.sock, "resume drained", data)
+    close_all(data)
+    assert r["ok"] and r["held"] is False, r
+    _intact(p, prog["mem"])
+
+
+def test_a_copier_without_room_for_its_context_is_not_ready_and_says_why(gpu, ready_copier):
+    with failing(gpu, "cuDevicePrimaryCtxRetain", "2"):    # CUDA_ERROR_OUT_OF_MEMORY
+        c = ready_copier()
+        why = copier.ready(c, 30)
+    assert why == "a context on GPU 0: CUresult 2", why
+    assert c.proc.returncode is not None     # gone, reaped
+
+
+@pytest.mark.parametrize("devices,why", [(["GPU-not-hex"], "no reply"),
+                                         (["GPU-" + "0" * 32], "does not show")])
+def test_a_copier_named_a_gpu_it_cannot_find_is_not_ready(gpu, ready_copier, devices, why):
+    c = ready_copier(devices)
+    assert why in copier.ready(c, 30)
+
+
+def test_a_ready_copier_never_handed_anything_ends_on_its_own(gpu, ready_copier):
+    """torpor's prepare copied after all, or torpor is gone: the socket closes, the copier ends
+    (it holds nothing)."""
+    c = ready_copier()
+    assert copier.ready(c, 30) is None
+    c.ctl.close()
+    c.ctl = None
+    out = copier.wait(c, 30)
+    assert out == {"ok": False, "error": "no plan came: torpor copied in the program or went "
+                   "away"}, out
+
+
+@pytest.mark.parametrize("text,extra", [("go 1 3", 0), ("go 1 1 x", 0), ("go 0 1", 0),
+                                        ("go 1 1", 1), ("stop", 0)])
+def test_a_ready_copier_refuses_a_malformed_go_and_writes_nothing(gpu, ready_copier, tmp_path,
+                                                                  text, extra):
+    """The go's descriptors must be exactly what its text counts: else nothing is copied,
+    nothing written, and every descriptor that came along is closed."""
+    data = tmp_path / "data"
+    data.write_bytes(b"\xaa" * PART)
+    fd = os.open(data, os.O_RDWR)
+    pfd = new_plan(GOOD)
+    held = os.open("/dev/null", os.O_RDONLY)
+    c = ready_copier()
+    assert copier.ready(c, 30) is None
+    try:
+        socket.send_fds(c.ctl, [text.encode()], [pfd, fd, held] + [held] * extra)
+    finally:
+        close_all([fd, pfd, held])
+    out = copier.wait(c, 30)
+    assert out["ok"] is False and "malformed" in out["error"], out
+    assert data.read_bytes() == b"\xaa" * PART

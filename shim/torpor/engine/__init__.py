@@ -89,6 +89,9 @@ class Engine(AgentMoves, Recovery):
         # pid -> the copier filling its data files (a deferred copy: copier.py), from the
         # detach until that program's resume waits for it
         self._copiers: dict[int, copier.Copier] = {}
+        # pid -> a copier started before the pause, ready, not yet handed its copy
+        # (ready_copiers; None: asked, not ready): the only ones a prepare may defer to
+        self._ready: dict[int, copier.Copier | None] = {}
         # pid -> its deferred copy's target (where its agent listens) and, once waited for,
         # the copier's reply: asked again, the same answer (never "ended, said nothing")
         self._deferred: dict[int, AgentTarget] = {}

@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterable, Mapping, TypeVar
 
-from .. import agent, agent_data, copier, procs
+from .. import agent, agent_data, copier, gpus, procs
 from ..agent import AgentClient, AgentError, NoAgentError
-from ..errors import (CorruptCheckpointError, TorporError)
+from ..errors import CorruptCheckpointError, NoDriverError, TorporError
 from ..files import tree_size
 from ..journal import Operation
 from ..progress import human_bytes, human_rate
@@ -122,6 +122,15 @@ def _close_all(fds: list[int]) -> None:
         os.close(fds.pop())
 
 
+def _gpus_of(pids: list[int]) -> dict[int, list[str]]:
+    """pid -> the UUIDs of the GPUs NVML says it uses (none where NVML cannot tell)."""
+    try:
+        inv = gpus.discover()
+    except NoDriverError:
+        return {p: [] for p in pids}
+    return {p: inv.gpus_of(p) for p in pids}
+
+
 def _rate(nbytes: int, seconds: float) -> str:
     return f"{human_bytes(nbytes)} in {seconds:.2f} s ({human_rate(nbytes, seconds)})"
 
@@ -133,6 +142,7 @@ class AgentMoves:
 
     _held: dict[int, list[int]]   # Engine.__init__: descriptors taken at detach, by pid
     _copiers: dict[int, copier.Copier]   # Engine.__init__: deferred copies running, by pid
+    _ready: dict[int, copier.Copier | None]  # ... copiers ready for one (None: not ready)
     _deferred: dict[int, AgentTarget]     # ... their programs' targets
     _drains: dict[int, dict[str, Any]]    # ... and their copiers' replies, once waited for
 
@@ -184,6 +194,36 @@ class AgentMoves:
             live[pid] = path
         return live
 
+    def ready_copiers(self, devices: Mapping[int, Collection[str]]) -> None:
+        """A copier ready for each pid's deferred copy (copier.prestart: the driver loaded, a
+        context on each of its GPUs, NVML's UUIDs in devices[pid]), made before the pause,
+        while the programs run. A pid whose copier cannot get there (no room on its GPU for
+        another context, a GPU in exclusive-process mode) is said and copies in its program
+        before the dump, as without one; drop_copiers lets go of those never used."""
+        started: dict[int, copier.Copier] = {}
+        todo = {p: d for p, d in devices.items() if p not in self._ready}
+        self._ready.update((p, None) for p in todo)   # asked once: not ready until it says so
+        try:
+            for pid, uuids in sorted(todo.items()):
+                started[pid] = copier.prestart(self.cfg.libcuda, sorted(uuids))
+        except (OSError, TorporError) as e:
+            self.progress.say(f"warning: torpor-copier cannot start ({e}): GPU memory is "
+                              "copied before the dump")
+        for pid, c in started.items():
+            why = copier.ready(c)
+            if why is None:
+                self._ready[pid] = c
+            else:
+                self.progress.say(f"warning: PID {pid}: torpor-copier is not ready ({why}): "
+                                  "its GPU memory is copied before the dump, not beside it")
+
+    def drop_copiers(self) -> None:
+        """Let go of the ready copiers never handed a copy (they hold nothing)."""
+        while self._ready:
+            c = self._ready.popitem()[1]
+            if c is not None:
+                copier.discard(c)
+
     def _prepare_agents(self, op: Operation, sockets: Mapping[int, Path],
                         data: agent_data.DataDir | agent_data.InProcess, scratch: bool,
                         known: Collection[str] | None = None, owner: str = "",
@@ -214,14 +254,19 @@ class AgentMoves:
         timeout_ms = int(self.cfg.lock_timeout_s * 1000)
 
         untouched: set[int] = set()   # never reached: no prepare sent, nothing to resume
-        defer = drain and hold and not in_process and known is None
+        defer: set[int] = set()
+        if drain and hold and not in_process and known is None:
+            # only a copier ready now takes a copy over (ready_copiers, best before the pause)
+            if any(p not in self._ready for p in targets):
+                self.ready_copiers(_gpus_of([p for p in targets if p not in self._ready]))
+            defer = {p for p in targets if self._ready.get(p) is not None}
         plans: dict[int, int] = {}    # the deferred copies' plans, until their copier starts
 
         def prepare(pid: int) -> dict[str, Any]:
             fds = [] if in_process else data.for_prepare(pid, count)
             fp: tuple[int, int] | None = None
             intake: stream.Intake | None = None
-            if defer:
+            if pid in defer:
                 plans[pid] = copier.new_plan()
             try:
                 if known is not None and not in_process:
@@ -272,6 +317,7 @@ class AgentMoves:
         except BaseException:
             for fd in plans.values():
                 os.close(fd)
+            self.drop_copiers()
             raise
         finally:
             if untouched:   # a rollback does not look for what was never there
@@ -306,6 +352,7 @@ class AgentMoves:
         finally:
             for fd in plans.values():
                 os.close(fd)
+            self.drop_copiers()   # those whose agent copied after all
         if self._held:
             n = sum(map(len, self._held.values()))
             self.progress.say(f"  agent-detach: {n} allocation(s) of GPU memory held on the "
@@ -318,18 +365,21 @@ class AgentMoves:
 
     def _start_copier(self, op: Operation, targets: dict[int, AgentTarget], pid: int,
                       data: agent_data.DataDir, plan: int) -> AgentTarget:
-        """pid's deferred copy under way (copier.start), journaled before this returns: a
+        """pid's deferred copy under way (its ready copier handed it), journaled before this returns: a
         recovery waits for that copier before it reads the files. Its memory is held here
         (self._held): a copier that cannot start is a failure the rollback undoes."""
         t = targets[pid]
         held = self._held.get(pid) or []
         if not held:
             raise AgentError("its agent deferred its copy but handed over no memory")
+        c = self._ready.pop(pid)   # only a pid with a ready copier defers (_prepare_agents)
+        assert c is not None
         files = data.for_fill(pid, t.files)
         try:
-            c = copier.start(self.cfg.libcuda, plan, files, held)
+            copier.hand(c, plan, files, held)
         except OSError as e:
-            raise AgentError(f"starting torpor-copier: {e}") from e
+            copier.discard(c)
+            raise AgentError(f"handing torpor-copier its copy: {e}") from e
         finally:
             for fd in files:
                 os.close(fd)

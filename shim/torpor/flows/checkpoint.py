@@ -125,6 +125,11 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
                                   "was done to the program") from e
         stage = writeout.staging(engine, cuda_pids, sum(inv.memory_of(p) for p in cuda_pids)
                                  if inv else 0) if leave_running else None
+        drain = leave_running and cfg.leave_running_drain and store is None
+        if drain and cuda_pids:   # the copiers' contexts made while the program still runs
+            stack.callback(engine.drop_copiers)
+            engine.ready_copiers({p: inv.gpus_of(p) if inv else []
+                                  for p in engine.agent_sockets(cuda_pids)})
         paused = time.monotonic()
         stack.callback(engine.release_held)   # held GPU memory no resume took, on any path
         try:
@@ -136,7 +141,7 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
                                                known_fingerprints=plan.skip, owner=owner,
                                                stream_into=plan.stream_into,
                                                hold=leave_running,
-                                               drain=leave_running and cfg.leave_running_drain)
+                                               drain=drain)
             held = engine.held_counts()
         except RolledBackError:
             (images_dir / manifest.DRAFT).unlink(missing_ok=True)  # the directory is reusable
