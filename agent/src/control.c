@@ -942,7 +942,7 @@ static void *control_main(void *arg)
 				pfd[n++].events = POLLIN;
 			}
 		timeout = (int)gate_tick(); /* the prepare deadline: -1, or at most 1000 ms */
-		if (ctl.state == PREPARED) {
+		if (ctl.state == PREPARED || holds_deferred()) { /* prepared_tick's own test */
 			long left = prepared_tick();
 
 			if (left >= 0 && (timeout < 0 || left < timeout))

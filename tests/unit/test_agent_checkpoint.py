@@ -795,6 +795,36 @@ def test_torpord_leave_running_resumes_the_agent(world, torpord):
     assert world.agent.intact and data_files(image / agent_data.DATA_DIR)
 
 
+def test_a_restore_and_unlock_failing_with_an_os_error_leaves_the_operation_to_recovery(
+        world, torpord, monkeypatch):
+    """RestoreAndUnlock took the operation out of torpord's table, then the journal's disk
+    was full: the error reaches the caller, and the entry is left to recovery (its locks
+    dropped), which gives the program its GPU state back once the disk has room again; no
+    PID stays locked by a lost operation."""
+    import errno
+    from torpor import journal as journal_mod
+    pb = torpord.pb
+    world.cfg.suspend_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    ck = torpord.LockAndCheckpoint(pb.LockAndCheckpointRequest(
+        pids=[PID], no_descendants=True, gpu_data_dir=str(world.cfg.suspend_dir / "stage-1"),
+        agent_container_id="ctr1", staged=True), Ctx())
+    real = journal_mod.write_json
+
+    def full(path, doc, **kw):
+        if doc.get("phase") == "gpu-restore":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, doc, **kw)
+    monkeypatch.setattr(journal_mod, "write_json", full)
+    with pytest.raises(Exception, match="No space left"):
+        torpord.RestoreAndUnlock(pb.RestoreAndUnlockRequest(op_id=ck.op_id), Ctx())
+    monkeypatch.setattr(journal_mod, "write_json", real)     # the disk has room again
+    assert torpord.ops.open_ops() == []
+    world.log()
+    world.engine().recover()                                  # torpord's periodic recovery
+    assert world.agent.intact, (world.agent.state, world.log())
+    world.engine().begin("checkpoint", [PID]).close()        # no BusyError: nothing locked
+
+
 def test_torpord_lock_failure_resumes_and_removes_the_data(world, torpord):
     pb = torpord.pb
     image = world.tmp / "image"

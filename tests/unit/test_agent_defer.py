@@ -418,3 +418,45 @@ def test_a_ready_copier_refuses_a_malformed_go_and_writes_nothing(gpu, ready_cop
     out = copier.wait(c, 30)
     assert out["ok"] is False and "malformed" in out["error"], out
     assert data.read_bytes() == b"\xaa" * PART
+
+
+# -- the deadline while a deferred save's memory is the agent's alone ---------------------------
+
+def _frozen_for(p: Probe, seconds: float) -> dict:
+    """The agent's status after seconds with nobody connecting (the deadline must fire by
+    itself, not at the next client's wake-up)."""
+    import time
+    time.sleep(seconds)
+    return p.status()
+
+
+def test_the_deadline_takes_back_memory_a_dead_torpor_left_with_the_agent(gpu, probe,
+                                                                         tmp_path):
+    """torpor died after `detach hold`, before `detach release`: the agent holds the only copy,
+    detached, its gate closed. The prepare deadline gives the program its memory back without
+    anyone connecting."""
+    p = probe({**EXPORT, "TORPOR_AGENT_PREPARE_TIMEOUT_S": "1.5"})
+    prog = _program(p, "vmmfd")
+    deferred(gpu, p, tmp_path)
+    r, held = ctl_recv(p.sock, "detach hold")
+    assert r["ok"] and r.get("release") is True, r
+    close_all(held)                      # torpor died: its duplicates closed with it
+    st = _frozen_for(p, 6)               # 4 x the deadline
+    assert (st["state"], st["gate"]) == ("running", "open"), st
+    _intact(p, prog["mem"])
+
+
+def test_the_deadline_takes_back_memory_given_back_by_hold_n(gpu, probe, tmp_path):
+    """A torpor whose rollback failed gave the descriptors back (`hold N`) and went: the
+    deadline takes the memory back by itself."""
+    p = probe({**EXPORT, "TORPOR_AGENT_PREPARE_TIMEOUT_S": "1.5"})
+    prog = _program(p, "vmmfd")
+    deferred(gpu, p, tmp_path)
+    r, held = ctl_recv(p.sock, "detach hold")
+    assert ctl_fds(p.sock, "detach release")["ok"]
+    r = ctl_fds(p.sock, f"hold {MOVABLE}", held)
+    close_all(held)
+    assert r == {"ok": True, "held": MOVABLE}, r
+    st = _frozen_for(p, 6)
+    assert (st["state"], st["gate"]) == ("running", "open"), st
+    _intact(p, prog["mem"])

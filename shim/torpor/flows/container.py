@@ -13,12 +13,13 @@ closed on success, or kept for recovery when a rollback failed (the error says s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from .. import agent_data, gpus, oci, placement, procs
 from ..config import Config
@@ -239,6 +240,19 @@ def staged_data(cfg: Config, data: Path | None) -> agent_data.DataDir:
     return agent_data.DataDir(data, private_parent=True, huge_tmpfs=cfg.suspend_tmpfs)
 
 
+@contextlib.contextmanager
+def _ending(engine: Engine, op: Operation) -> Iterator[None]:
+    """An operation taken out of torpord's table ends here: any error no step below handles
+    (a full disk under the journal, no descriptors left) leaves its entry to recovery, its
+    locks dropped, never held by this torpord for good (nothing else would end it)."""
+    try:
+        yield
+    except BaseException:
+        engine.release_held()   # what the programs need back, to their agents (deferred)
+        op.release()
+        raise
+
+
 def finish(engine: Engine, op: Operation, cuda_pids: Sequence[int]) -> OperationResult:
     """The dump is done. It ended the processes; any CUDA process still alive a moment later
     would stay checkpointed forever, so it is brought back (a --leave-running dump)."""
@@ -249,7 +263,7 @@ def finish(engine: Engine, op: Operation, cuda_pids: Sequence[int]) -> Operation
     if alive:
         log.warning("%s finished with CUDA PIDs %s still alive: resuming them", op.entry.id,
                     alive)
-        with engine.progress.phase("resume"):
+        with _ending(engine, op), engine.progress.phase("resume"):
             _roll_back(engine, op, alive, f"finish of {op.entry.id}")
     op.close()
     log.info("%s finished", op.entry.id)
@@ -273,10 +287,14 @@ def roll_back(engine: Engine, op: Operation, cuda_pids: Sequence[int]) -> Operat
     """Give the live ones of cuda_pids their GPU state back (the dump failed, or nobody ended
     the operation in time) and close the operation."""
     live = [p for p in cuda_pids if procs.alive(p)]
-    with engine.progress.phase("rollback"):
+    with _ending(engine, op), engine.progress.phase("rollback"):
         _roll_back(engine, op, live, f"rollback of {op.entry.id}")
     if op.entry.scratch and op.entry.data_root:   # a staging: the agents have their data back
-        agent_data.DataDir(Path(op.entry.data_root)).remove()
+        try:
+            agent_data.DataDir(Path(op.entry.data_root)).remove()
+        except OSError as e:
+            log.warning("%s: its staging %s not removed: %s", op.entry.id,
+                        op.entry.data_root, e)
     op.close()
     log.info("%s rolled back (%s running again)", op.entry.id,
              ",".join(map(str, live)) or "none")
@@ -291,7 +309,8 @@ def restore_open(engine: Engine, op: Operation, cuda_pids: Sequence[int],
     live = [p for p in cuda_pids if procs.alive(p)]
     agents = {p: t for p, t in targets_of(op.entry.agents).items() if p in live}
     held = engine.held_counts()
-    back = policy.restore_or_roll_back(engine, op, live, gpu_map, agents)
+    with _ending(engine, op):
+        back = policy.restore_or_roll_back(engine, op, live, gpu_map, agents)
     op.close()
     log.info("%s: left running, %d CUDA process(es) restored and unlocked", op.entry.id,
              len(live))
