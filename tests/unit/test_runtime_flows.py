@@ -16,9 +16,11 @@ from typing import Any
 
 import pytest
 
-from torpor import config, manifest, oci
+from torpor import agent_data, config, manifest, oci
+from torpor.engine import Engine
 from torpor.errors import CorruptCheckpointError, ExitCode
 from torpor.flows import container
+from torpor.journal import Journal
 from torpor.runtime import checkpoint as rt_checkpoint
 from torpor.runtime import main as rt_main
 from torpor.runtime import markers
@@ -644,3 +646,50 @@ def test_a_foreground_packed_restore_lets_gc_go_on_while_the_container_runs(worl
             "--pid-file", str(tmp_path / "pid"), CID]
     assert rt_main.main(argv) == 0
     assert gc_while_running == ["ran"]
+
+
+def test_a_torpord_lost_in_lock_and_checkpoint_keeps_its_staging_for_recovery(
+        torpor_env, tmp_path, monkeypatch):
+    """torpord died (or the call timed out) after its agents detached, their data staged in
+    host memory: torpor-runtime gets an error but must not remove the staging, the only
+    copy of that data, which the journal entry's recovery gives back from."""
+    import contextlib
+    from torpor.errors import SidecarError
+    from torpor.runtime import pause
+    monkeypatch.setenv("TORPOR_SUSPEND_DIR", str(tmp_path / "shm"))
+    cfg = config.load()
+    stage = agent_data.DataDir(Path(cfg.suspend_dir) / "ck-stage", private_parent=True)
+    monkeypatch.setattr(pause, "staging", lambda *a, **k: stage)
+    monkeypatch.setattr(rt_checkpoint, "ensure_running", lambda cfg: None)
+
+    class DyingTorpord:
+        def __init__(self, *a, **k):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def lock_and_checkpoint(self, **kw):
+            op = Engine(cfg).begin("checkpoint", [])
+            stage.make()
+            (stage.root / "4242").mkdir()
+            (stage.root / "4242" / "gpu-memory-0.bin").write_bytes(b"\x5a" * 4096)
+            op.phase("agent-detach", data_root=str(stage.root), scratch=True,
+                     agents={4242: {"socket": "/nonexistent", "data": str(stage.root),
+                                    "name": 4242, "files": 1}})
+            op.release()                      # ... and then it is SIGKILLed
+            raise SidecarError("torpord: connection lost (UNAVAILABLE)")
+
+    monkeypatch.setattr(rt_checkpoint, "Client", DyingTorpord)
+    images = tmp_path / "images"
+    images.mkdir()
+    with pytest.raises(SidecarError):
+        rt_checkpoint._checkpoint(cfg, None, "c1", "c1", {}, None, 4242, images,
+                                  agent_data.DataDir(images / agent_data.DATA_DIR),
+                                  contextlib.nullcontext(), True, None, images)
+    (orphan,) = [e for e, fd in Journal(cfg).orphans()]
+    assert orphan.data_root == str(stage.root)
+    assert (stage.root / "4242" / "gpu-memory-0.bin").exists()

@@ -160,8 +160,9 @@ def _checkpoint(cfg: Config, runtime: Runtime, cid: str, name: str, spec: dict[s
                                            gpu_data_dir=(stage or data).root,
                                            agent_container_id=name, fingerprints=fps,
                                            staged=stage is not None)
-        finally:   # rolled back (the agents have their data back), or nothing staged
-            if stage is not None and not (sys.exc_info()[0] is None and ck.agents):
+        finally:
+            if stage is not None and _stage_done(cfg, stage, sys.exc_info()[0] is not None
+                                                 or not ck.agents):
                 stage.remove()
         staged = stage if stage is not None and ck.agents else None
         op_id = ck.op_id
@@ -230,6 +231,15 @@ def _checkpoint(cfg: Config, runtime: Runtime, cid: str, name: str, spec: dict[s
     if store is not None:
         _store(cfg, store, images, cid, ck.store_owner, name)
     return 0
+
+
+def _stage_done(cfg: Config, stage: agent_data.DataDir, failed: bool) -> bool:
+    """Whether the staging is this runtime's to remove after LockAndCheckpoint: nothing was
+    staged, or it failed and no journal entry names the staging. torpord rolled back and
+    removed it, or never made anything, or it died or is still at work (a lost connection, a
+    timeout): then its entry's recovery gives the agents their data back from there, the
+    only copy of it."""
+    return failed and not Journal(cfg).names_data(str(stage.root), but="")
 
 
 def pack_owner(answered: str, name: str) -> str:
