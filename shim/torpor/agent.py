@@ -438,6 +438,7 @@ class AgentClient:
         if timeout is not None:
             self.sock.settimeout(timeout)
         fds: list[int] = []
+        too_many = False
         try:
             self.sock.sendall(b"detach hold\n")
             while b"\n" not in self._buf:
@@ -450,6 +451,11 @@ class AgentClient:
                 if flags & socket.MSG_CTRUNC:
                     raise AgentError(f"the agent at {self.path} sent more descriptors than "
                                      f"{HOLD_MAX}")
+                if len(fds) > HOLD_MAX:   # over several messages: an agent in a container
+                    too_many = True       # is not trusted with this process's fd table
+                    for fd in fds:
+                        os.close(fd)
+                    fds = []
                 self._buf += data
                 if len(self._buf) > REPLY_MAX:
                     raise AgentError(f"the agent at {self.path} sent an oversized reply")
@@ -464,7 +470,7 @@ class AgentClient:
                 raise AgentError(f"agent 'detach hold': {error}", refusal=str(error))
             held = reply.get("held", 0)
             if not isinstance(held, int) or isinstance(held, bool) or held != len(fds) \
-                    or held > HOLD_MAX:   # more than a resume takes (ValueError there)
+                    or held > HOLD_MAX or too_many:   # more than a resume takes
                 log.warning("the agent at %s said it held %r descriptors and sent %d (at most "
                             "%d are taken): none kept (its resume copies from the files)",
                             self.path, held, len(fds), HOLD_MAX)

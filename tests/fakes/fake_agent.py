@@ -149,6 +149,7 @@ class FakeAgent:
                 self._idle.set()
 
     def _serve_one(self, conn: socket.socket) -> None:
+        self.conn = conn   # the connection served now (a test's handler may write to it)
         with conn:
             conn.settimeout(0.1)
             buf, fds = b"", []

@@ -392,3 +392,36 @@ def test_more_held_descriptors_than_a_resume_takes_are_none_kept(fake, tmp_path)
         _prepared_to_hold(fake, tmp_path, a, 1)
         assert a.detach_hold() == []
     assert _open_fds(fake) == before
+
+
+def test_an_agent_that_floods_detach_hold_with_descriptors_gets_none_kept(fake, tmp_path):
+    """A hostile agent (in a container: untrusted) sends its descriptors over many messages
+    before its reply line: torpor never has more than one message's worth open, keeps none,
+    and the resume copies from the files."""
+    real = fake._do_detach
+
+    def detach(arg, fds):
+        reply = real(arg, fds)
+        for fd in fake._out_fds:
+            os.close(fd)
+        fake._out_fds = []
+        for _ in range(5):   # 5 x 150 descriptors, no newline yet
+            extra = [os.memfd_create("flood") for _ in range(150)]
+            socket.send_fds(fake.conn, [b" "], extra)
+            for fd in extra:
+                os.close(fd)
+        return {**reply, "held": 2}
+
+    fake._do_detach = detach
+    before = _open_fds(fake)
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # room for the fake's 150 and one message's worth more than HOLD_MAX, not for all 750
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(before) + 600, hard))
+    try:
+        with AgentClient(fake.path) as a:
+            _prepared_to_hold(fake, tmp_path, a, 1)
+            assert a.detach_hold() == []
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert _open_fds(fake) == before
