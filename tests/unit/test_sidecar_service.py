@@ -493,6 +493,22 @@ def test_timeout_rolls_back(service, world):
     assert svc.ops.open_ops() == []
 
 
+def test_an_expired_operation_whose_dump_still_runs_waits_for_its_end(service, world,
+                                                                      monkeypatch):
+    """Past its deadline while CRIU still holds the processes: a rollback then would give
+    them their GPU state back under the dump. It waits, and rolls back once the dump let go."""
+    from torpor import procs
+    svc = service(op_timeout_s=30)
+    r = lock(svc)
+    o = svc.ops.get(r.op_id)
+    monkeypatch.setattr(procs, "traced", lambda pid: pid == PID)
+    assert svc.ops.reap(o.expires + 60) == []
+    assert world.states[PID] != ProcessState.RUNNING and svc.ops.get(r.op_id) is o
+    monkeypatch.setattr(procs, "traced", lambda pid: False)
+    assert [x.id for x in svc.ops.reap(o.expires + 60)] == [r.op_id]
+    assert world.states[PID] == ProcessState.RUNNING
+
+
 def test_reaper_thread_rolls_back_an_expired_operation(service, world):
     svc = service(op_timeout_s=0.3)
     svc.ops.start_reaper()

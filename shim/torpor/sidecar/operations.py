@@ -81,7 +81,13 @@ class OpenOp:
         (a dump still running finishes or fails by itself first)."""
         if self.owner is None or procs.start_time(self.owner[0]) == self.owner[1]:
             return False
-        return not any(procs.traced(p) for p in self.cuda_pids)
+        return not self.dumping()
+
+    def dumping(self) -> bool:
+        """A dump (CRIU) holds its processes now: a rollback would give them their GPU back
+        under it, and the dump would save a program half checkpointed. It ends or fails by
+        itself first."""
+        return any(procs.traced(p) for p in self.cuda_pids)
 
     @property
     def id(self) -> str:
@@ -167,9 +173,9 @@ class OperationTable:
 
     def reap(self, now: float) -> list[OpenOp]:
         """Roll back the operations expired at monotonic time now or whose caller died; the
-        ones taken out of the table."""
+        ones taken out of the table. One whose dump still runs waits for its end."""
         with self._lock:
-            expired = [o for o in self._ops.values() if o.expires <= now]
+            expired = [o for o in self._ops.values() if o.expires <= now and not o.dumping()]
             orphaned = [o for o in self._ops.values()
                         if o not in expired and o.owner_gone()]
             for o in expired + orphaned:
