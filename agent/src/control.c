@@ -1049,11 +1049,19 @@ void control_after_fork(void)
 	pthread_mutex_init(&ctl.lock, NULL);
 	if (ctl.listen_fd >= 0)
 		close(ctl.listen_fd);
-	for (int i = 0; i < MAX_CLIENTS; i++)
-		if (ctl.clients[i].fd >= 0) {
-			close(ctl.clients[i].fd);
-			ctl.clients[i].fd = -1;
+	for (int i = 0; i < MAX_CLIENTS; i++) {
+		struct client *c = &ctl.clients[i];
+
+		if (c->fd >= 0) {
+			close(c->fd);
+			c->fd = -1;
 		}
+		/* a fork while a command was in flight: what it received (a resume's held memory)
+		 * or was about to send (detach hold) would keep GPU memory alive in the child */
+		close_fds(c->fds, &c->nfds);
+		close_fds(c->out_fds, &c->nout);
+		c->len = 0;
+	}
 	ctl.listen_fd = -1;
 	ctl.owner = 0;
 	ctl.path[0] = 0;

@@ -432,3 +432,36 @@ def test_held_is_refused_when_malformed(gpu, probe, tmp_path):
     assert p.ctl("abort")["held"] is True
     _intact(p, prog["mem"])
     fds_back(p, before + KEPT)
+
+
+def test_a_child_forked_while_a_command_is_in_flight_keeps_none_of_its_descriptors(
+        gpu, probe, tmp_path):
+    """Descriptors the agent received with a line not yet complete (a resume's held memory,
+    in flight): a child forked then must not keep them (GPU memory alive for its life)."""
+    import socket
+    import time
+    p = probe(EXPORT)
+    _program(p, "vmmfd")
+    sent = [os.memfd_create("in-flight") for _ in range(2)]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(str(p.sock))
+        socket.send_fds(s, [b"resume held=2"], sent)    # no newline: the line is pending
+        close_all(sent)
+
+        def in_flight() -> set[str]:
+            return {fd for fd in os.listdir(f"/proc/{p.pid}/fd")
+                    if "in-flight" in _link(p.pid, fd)}
+        deadline = time.monotonic() + 10
+        while len(in_flight()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        parents = in_flight()
+        assert len(parents) == 2, parents
+        doc = p.call("forkfds")
+        assert not parents & set(doc["child_fds"]), doc
+
+
+def _link(pid: int, fd: str) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+        return ""
