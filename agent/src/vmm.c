@@ -798,6 +798,7 @@ int vmm_exportable(void *p)
 CUresult vmm_export_fd(void *p, int *fd)
 {
 	struct phys *ph = p;
+	CUresult rc;
 	int k;
 
 	pthread_mutex_lock(&vm.lock);
@@ -809,8 +810,13 @@ CUresult vmm_export_fd(void *p, int *fd)
 	if (!real.cuMemExportToShareableHandle)
 		return CUDA_ERROR_NOT_SUPPORTED;
 	*fd = -1;
-	return real.cuMemExportToShareableHandle(fd, ph->real,
-						 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+	rc = real.cuMemExportToShareableHandle(fd, ph->real, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+					       0);
+	/* whatever the driver made it: a child the program spawns (posix_spawn, vfork: no fork
+	 * handler runs) must not keep this memory alive */
+	if (rc == CUDA_SUCCESS && *fd >= 0)
+		fcntl(*fd, F_SETFD, FD_CLOEXEC);
+	return rc;
 }
 
 int vmm_dropped(void *p)

@@ -1912,7 +1912,8 @@ EXPORT CUresult cuMemExportToShareableHandle(void *shareableHandle,
         !(h->prop.requestedHandleTypes & FK_POSIX_FD)) {
         rc = CUDA_ERROR_INVALID_VALUE;
     } else {
-        int fd = fcntl(h->fd, F_DUPFD_CLOEXEC, 0);
+        /* inheritable, as nothing says the driver's is not: the agent must not count on it */
+        int fd = fcntl(h->fd, F_DUPFD, 0);
         if (fd < 0)
             rc = CUDA_ERROR_OUT_OF_MEMORY;
         else

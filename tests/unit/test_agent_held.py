@@ -465,3 +465,17 @@ def _link(pid: int, fd: str) -> str:
         return os.readlink(f"/proc/{pid}/fd/{fd}")
     except OSError:
         return ""
+
+
+def test_the_memory_a_prepare_exports_is_never_inherited(gpu, probe, tmp_path):
+    """The driver's exported descriptors, held by the agent while prepared, may come
+    inheritable: a child the program spawns then (posix_spawn, vfork: no fork handler runs)
+    would keep its GPU memory alive. The agent makes them close-on-exec."""
+    p = probe(EXPORT)
+    prepared(gpu, p, tmp_path)
+    memory = [fd for fd in os.listdir(f"/proc/{p.pid}/fd") if "fake-cuda-mem" in _link(p.pid, fd)]
+    assert len(memory) >= MOVABLE, memory
+    for fd in memory:
+        flags = next(int(line.split()[1], 8) for line in
+                     open(f"/proc/{p.pid}/fdinfo/{fd}") if line.startswith("flags:"))
+        assert flags & os.O_CLOEXEC, (fd, oct(flags))
