@@ -411,8 +411,9 @@ static int devices_find(void)
 }
 
 /* --devices (before the plan): each GPU named by NVML's UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-
- * xxxxxxxxxxxx) gets its context now, while the program still runs. A name of another form (a
- * MIG instance's) is left to the plan. */
+ * xxxxxxxxxxxx) gets its context now, while the program still runs. A name of another form is
+ * skipped; ready needs one at least (a program on a MIG instance, which NVML names by its
+ * parent GPU and CUDA by its own UUID, is not ready: it copies in its agent). */
 static int devices_ready(char *list)
 {
 	for (char *save = NULL, *tok = strtok_r(list, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
@@ -712,6 +713,10 @@ int main(int argc, char **argv)
 			usage("--ctl takes --libcuda and --devices only");
 		if (load(libcuda) || cuda_init() || (devices_arg && devices_ready(devices_arg)))
 			return result(t0, 0, 0, 0, 0);
+		if (!ndevices) { /* NVML named none (or a MIG instance's parent): nothing proven */
+			fail("no GPU of the program's has a context here");
+			return result(t0, 0, 0, 0, 0);
+		}
 		printf("{\"ready\":true,\"devices\":%d,\"seconds\":%.6f}\n", ndevices, now() - t0);
 		fflush(stdout);
 		if (receive(ctl_fd, &plan_fd, held))

@@ -67,9 +67,11 @@ class Copier:
 
 
 def _spawn(args: list[str], fds: Sequence[int]) -> subprocess.Popen[bytes]:
+    # every GPU visible, whatever this torpor's shell hides: the program's may be any of them
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     return subprocess.Popen(
         [str(binary()), *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL, pass_fds=fds, start_new_session=True)
+        stderr=subprocess.DEVNULL, pass_fds=fds, start_new_session=True, env=env)
 
 
 def prestart(libcuda: str, devices: Sequence[str]) -> Copier:
@@ -98,9 +100,11 @@ def ready(c: Copier, timeout: float = READY_TIMEOUT_S) -> str | None:
     fd, buf = c.proc.stdout.fileno(), b""
     deadline = time.monotonic() + timeout
     why = f"not ready after {timeout:g} s"
+    poller = select.poll()   # not select(): a descriptor past 1024 is fine
+    poller.register(fd, select.POLLIN)
     while b"\n" not in buf and len(buf) < REPLY_MAX:
         left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
+        if left <= 0 or not poller.poll(max(1, int(left * 1000))):
             break
         chunk = os.read(fd, 4096)
         if not chunk:

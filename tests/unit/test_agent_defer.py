@@ -380,7 +380,9 @@ def test_a_copier_without_room_for_its_context_is_not_ready_and_says_why(gpu, re
 
 
 @pytest.mark.parametrize("devices,why", [(["GPU-not-hex"], "no reply"),
-                                         (["GPU-" + "0" * 32], "does not show")])
+                                         (["GPU-" + "0" * 32], "does not show"),
+                                         ([], "no GPU of the program's has a context here"),
+                                         (["MIG-0a1b"], "no GPU of the program's")])
 def test_a_copier_named_a_gpu_it_cannot_find_is_not_ready(gpu, ready_copier, devices, why):
     c = ready_copier(devices)
     assert why in copier.ready(c, 30)

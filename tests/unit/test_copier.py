@@ -5,13 +5,18 @@ hold the only copy of a program's GPU data, and the recovery leaves the entry fo
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
+import types
+from pathlib import Path
 
 import pytest
 
 from torpor import copier, procs
+from torpor.agent import AgentError
+from torpor.engine import agents
 
 
 def _own(code: str) -> copier.Copier:
@@ -70,3 +75,111 @@ def test_a_reused_pid_is_not_the_copier():
     finally:
         proc.kill()
         proc.wait()
+
+
+# -- ready_copiers and _start_copier with a stand-in copier (no GPU, no build) ------------------
+
+FAKE = r'''#!{py}
+import os, socket, sys
+a = sys.argv[1:]
+ctl = int(a[a.index("--ctl") + 1])
+open(os.environ["FAKE_PIDS"], "a").write(f"{{os.getpid()}}\n")
+assert "CUDA_VISIBLE_DEVICES" not in os.environ
+print('{{"ready":true,"devices":1,"seconds":0}}', flush=True)
+s = socket.socket(fileno=ctl)
+m = s.recv(64)
+print('{{"ok":false,"error":"no plan came"}}', flush=True)
+'''
+
+
+class _Say:
+    def __init__(self):
+        self.lines = []
+
+    def say(self, s):
+        self.lines.append(s)
+
+
+class _Engine(agents.AgentMoves):
+    def __init__(self):
+        self.cfg = types.SimpleNamespace(libcuda="/nonexistent/libcuda.so")
+        self.progress = _Say()
+        self._ready, self._held, self._copiers, self._deferred, self._drains = {}, {}, {}, {}, {}
+
+
+@pytest.fixture
+def stand_in(tmp_path, monkeypatch):
+    b = tmp_path / "torpor-copier"
+    b.write_text(FAKE.format(py=sys.executable))
+    b.chmod(0o755)
+    monkeypatch.setattr(copier, "BINARY", b)
+    pids = tmp_path / "pids"
+    pids.write_text("")
+    monkeypatch.setenv("FAKE_PIDS", str(pids))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")   # the program's GPU may be any
+    return pids
+
+
+def _running(pid: int) -> bool:
+    try:
+        st = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return st.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_a_copier_whose_reply_pipe_is_past_fd_1024_is_ready(stand_in):
+    e = _Engine()
+    fillers = []
+    try:
+        while not fillers or fillers[-1] < 1100:
+            fillers.append(os.open("/dev/null", os.O_RDONLY))
+        e.ready_copiers({101: []})
+        assert e._ready[101] is not None, e.progress.lines
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        e.drop_copiers()
+
+
+def test_an_interrupt_while_copiers_get_ready_leaves_none_running(stand_in, monkeypatch):
+    e = _Engine()
+    real = copier.ready
+
+    def ready(c, timeout=30.0):
+        real(c, timeout)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(copier, "ready", ready)
+    with pytest.raises(KeyboardInterrupt):
+        e.ready_copiers({101: [], 102: []})
+    e.drop_copiers()                                  # the flow's stack callback
+    pids = [int(x) for x in stand_in.read_text().split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 5
+    while any(map(_running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(map(_running, pids)), pids
+
+
+def test_a_ready_copier_whose_files_cannot_be_opened_is_let_go(stand_in):
+    e = _Engine()
+    e.ready_copiers({101: []})
+    c = e._ready[101]
+    assert c is not None
+    r, w = os.pipe()
+    e._held[101] = [r]
+
+    class Data:
+        def for_fill(self, pid, n):
+            raise PermissionError(13, "Permission denied")
+    t = agents.AgentTarget(101, Path("/nonexistent"), Path("/x"), 101, 1)
+    try:
+        with pytest.raises(AgentError, match="Permission denied"):
+            e._start_copier(types.SimpleNamespace(phase=lambda *a, **k: None), {101: t}, 101,
+                            Data(), -1)
+        e.drop_copiers()
+        assert c.proc.poll() is not None and c.ctl is None
+    finally:
+        copier.discard(c)
+        os.close(r)
+        os.close(w)

@@ -204,18 +204,28 @@ class AgentMoves:
         todo = {p: d for p, d in devices.items() if p not in self._ready}
         self._ready.update((p, None) for p in todo)   # asked once: not ready until it says so
         try:
-            for pid, uuids in sorted(todo.items()):
-                started[pid] = copier.prestart(self.cfg.libcuda, sorted(uuids))
-        except (OSError, TorporError) as e:
-            self.progress.say(f"warning: torpor-copier cannot start ({e}): GPU memory is "
-                              "copied before the dump")
-        for pid, c in started.items():
-            why = copier.ready(c)
-            if why is None:
-                self._ready[pid] = c
-            else:
-                self.progress.say(f"warning: PID {pid}: torpor-copier is not ready ({why}): "
-                                  "its GPU memory is copied before the dump, not beside it")
+            try:
+                for pid, uuids in sorted(todo.items()):
+                    started[pid] = copier.prestart(self.cfg.libcuda, sorted(uuids))
+            except (OSError, TorporError) as e:
+                self.progress.say(f"warning: torpor-copier cannot start ({e}): GPU memory is "
+                                  "copied before the dump")
+            deadline = time.monotonic() + copier.READY_TIMEOUT_S   # one wait for them all
+            for pid, c in list(started.items()):
+                try:
+                    why = copier.ready(c, max(0.0, deadline - time.monotonic()))
+                except (OSError, ValueError) as e:
+                    copier.discard(c)
+                    why = str(e)
+                del started[pid]
+                if why is None:
+                    self._ready[pid] = c
+                else:
+                    self.progress.say(f"warning: PID {pid}: torpor-copier is not ready ({why}): "
+                                      "its GPU memory is copied before the dump, not beside it")
+        finally:   # an interrupt: none is left running (they hold nothing yet)
+            for c in started.values():
+                copier.discard(c)
 
     def drop_copiers(self) -> None:
         """Let go of the ready copiers never handed a copy (they hold nothing)."""
@@ -325,7 +335,8 @@ class AgentMoves:
                                                   if p not in untouched})
         try:
             total = sum(r["bytes"] for r in moved.values())
-            deferred = sorted(p for p, r in moved.items() if r.get("deferred"))
+            # only those asked to: an agent's word alone defers nothing (no plan, no copier)
+            deferred = sorted(p for p in defer if moved[p].get("deferred"))
             self.progress.say(f"  agent-prepare: {_rate(total, time.monotonic() - start)}"
                               if not deferred else
                               f"  agent-prepare: {human_bytes(total)} held for the copier in "
@@ -372,9 +383,14 @@ class AgentMoves:
         held = self._held.get(pid) or []
         if not held:
             raise AgentError("its agent deferred its copy but handed over no memory")
-        c = self._ready.pop(pid)   # only a pid with a ready copier defers (_prepare_agents)
-        assert c is not None
-        files = data.for_fill(pid, t.files)
+        c = self._ready.get(pid)   # only a pid with a ready copier defers (_prepare_agents)
+        if c is None:
+            raise AgentError("its agent deferred a copy torpor did not ask it to defer")
+        try:
+            files = data.for_fill(pid, t.files)
+        except OSError as e:   # the copier stays ready: drop_copiers lets it go
+            raise AgentError(f"the data files for torpor-copier: {e}") from e
+        del self._ready[pid]
         try:
             copier.hand(c, plan, files, held)
         except OSError as e:
