@@ -96,6 +96,7 @@ class FakeAgent:
         self.export = 0
         self.exported: list[int] = []          # the memfds, while the agent has them
         self.exported_ids: list[tuple[int, int]] = []   # (st_dev, st_ino) of each, as sent
+        self.deferred = False                  # the last prepare left its copy to a copier
         self.resumed_held: bool | None = None  # the last resume: mapped back (True) or copied
         self._out_fds: list[int] = []          # sent with the next reply, then closed
         self.fail: dict[str, str] = {}
@@ -269,6 +270,49 @@ class FakeAgent:
         return {"ok": True}
 
     def _do_prepare(self, arg: str, fds: list[int]) -> dict[str, Any]:
+        if arg.split()[-1:] == ["defer"]:   # the plan comes last (PROTOCOL.md "The deferred copy")
+            assert fds, "defer without a plan"
+            plan, fds = fds[-1], fds[:-1]
+            try:
+                return self._prepare_deferred(arg.rsplit(" ", 1)[0], fds, plan)
+            finally:
+                os.close(plan)
+        return self._prepare(arg, fds)
+
+    def _prepare_deferred(self, arg: str, fds: list[int], plan: int) -> dict[str, Any]:
+        """As the C agent's defer.c: with held memory, the files laid out and sized (holes),
+        the plan written, the memory held by its exports alone, nothing copied; else a
+        plain prepare and why not."""
+        if not self.export:
+            return {**self._prepare(arg, fds), "deferred": False,
+                    "defer_error": "no held memory (TORPOR_AGENT_VMM_EXPORT=1)"}
+        self.log.add(f"agent prepare-defer {self.pid}")
+        reply = self._prepare(arg, fds, write=False)
+        assert self.original is not None
+        n = len(fds)
+        size = len(self.original)
+        step = -(-size // self.export)
+        lines = ["torpor-copy-plan 1", f"files {n}"]
+        lines += [f"alloc {k} {min(step, size - k * step)} {'0' * 32}"
+                  for k in range(self.export)]
+        for f in range(n):   # file f holds chunks f, f + n, ... back to back (_prepare)
+            chunks = list(range(f, -(-size // CHUNK), n))
+            for at in range(0, len(chunks) * CHUNK, PART):
+                part = chunks[at // CHUNK:(at + PART) // CHUNK]
+                length = sum(min(CHUNK, size - c * CHUNK) for c in part)
+                lines.append(f"part {f} {at} {length}")
+                for c in part:
+                    lo, hi = c * CHUNK, min(size, (c + 1) * CHUNK)
+                    while lo < hi:   # a chunk may straddle two allocations
+                        k = lo // step
+                        end = min(hi, (k + 1) * step)
+                        lines.append(f"seg {k} {lo - k * step} {end - lo}")
+                        lo = end
+        os.pwrite(plan, ("\n".join(lines) + "\nend\n").encode(), 0)
+        self.deferred = True
+        return {**reply, "deferred": True, "defer_error": ""}
+
+    def _prepare(self, arg: str, fds: list[int], write: bool = True) -> dict[str, Any]:
         t = time.monotonic()
         if self.before_host_budget:   # its parser (agent/src/control.c before host=N): after
             rest = [w for w in arg.split() if w not in ("fp", "stream")]   # fp and stream,
@@ -325,7 +369,7 @@ class FakeAgent:
                     content[k] += chunk
                 self.sums.append(hashlib.sha256(chunk).hexdigest())
             for fd, data in zip(fds, content):
-                if stream:                          # through the ring: the files stay holes
+                if stream or not write:             # the ring's, or the copier's: holes
                     os.ftruncate(fd, len(data))
                 else:
                     os.pwrite(fd, data, 0)
@@ -412,16 +456,31 @@ class FakeAgent:
         self.exported = []
 
     def _do_detach(self, arg: str, fds: list[int]) -> dict[str, Any]:
+        if arg == "release":   # a deferred save's own descriptors go (the copier has them)
+            assert self.state == "detached" and self.deferred, "release of nothing deferred"
+            self._drop_exported()
+            return {"ok": True}
         assert self.state == "prepared", f"detach while {self.state}"
         assert arg in ("", "hold"), f"detach {arg}"
         for fd in self.kept:
             os.close(fd)
         self.kept, self.state = [], "detached"
+        if arg == "hold" and self.exported and self.deferred:
+            # duplicates: the agent keeps its own until `detach release` (never one holder)
+            self._out_fds = [os.dup(fd) for fd in self.exported]
+            return {"ok": True, "held": len(self._out_fds), "release": True}
         if arg == "hold" and self.exported:
             self._out_fds, self.exported = self.exported, []   # sent, then the agent's closed
             return {"ok": True, "held": len(self._out_fds)}
         self._drop_exported()
         return {"ok": True, **({"held": 0} if arg == "hold" else {})}
+
+    def _do_hold(self, arg: str, fds: list[int]) -> dict[str, Any]:
+        """A deferred save's descriptors given back (`hold N`): its own again."""
+        assert self.state == "detached" and self.deferred and len(fds) == int(arg), "hold"
+        self._drop_exported()
+        self.exported = list(fds)
+        return {"ok": True, "held": len(fds)}
 
     def _take_held(self, held: list[int]) -> bytes | None:
         """The memory from the held descriptors (agent/PROTOCOL.md `resume held=N`), or None
@@ -438,6 +497,9 @@ class FakeAgent:
         back: bytes | None = None
         try:
             assert self.state in ("prepared", "detached"), f"resume while {self.state}"
+            words = arg.split()
+            drained = "drained" in words   # the copier filled the files: they may be read
+            arg = " ".join(w for w in words if w != "drained")
             if arg.startswith("held="):
                 n = int(arg[5:])
                 assert 1 <= n <= len(fds), f"held={n} with {len(fds)} descriptors"
@@ -448,7 +510,7 @@ class FakeAgent:
                     for fd in held:
                         os.close(fd)
                 arg = ""
-            elif self.exported and self.state == "prepared":   # its own, still held
+            elif self.exported and (self.state == "prepared" or self.deferred):   # its own
                 back = self._take_held(self.exported)
             self._drop_exported()
             self.resumed_held = back is not None
@@ -458,8 +520,10 @@ class FakeAgent:
                 for fd in [*fds, *self.kept]:
                     os.close(fd)
                 fds, self.kept = [], []
-                self.state, self.gate = "running", "open"
+                self.state, self.gate, self.deferred = "running", "open", False
                 return {"ok": True, "bytes": 0, "seconds": time.monotonic() - t, "held": True}
+            assert drained or not self.deferred, \
+                "a deferred save's files read before the copier filled them"
             if self.driver is not None:
                 assert self.driver.unlocked(self.pid), "the driver holds the program (would block)"
             if arg == "stream":
@@ -491,7 +555,7 @@ class FakeAgent:
         for fd in self.kept:
             os.close(fd)
         self.kept, self.memory, self.held = [], bytes(out), None
-        self.state, self.gate = "running", "open"
+        self.state, self.gate, self.deferred = "running", "open", False
         return {"ok": True, "bytes": len(out), "seconds": time.monotonic() - t, "held": False,
                 **({"streamed": True} if streamed is not None else {})}
 

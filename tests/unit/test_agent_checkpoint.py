@@ -1150,3 +1150,95 @@ def test_a_restore_onto_another_gpu_lets_the_held_memory_go_first(world):
     assert e.held_counts() == {} and back[PID]["held"] is False
     assert world.agent.resumed_held is False and world.agent.intact
     op.close()
+
+
+# -- a container's deferred copy (torpord: copiers fill the staging beside the dump) -------------
+
+FAKE_COPIER = Path(__file__).resolve().parents[1] / "fakes" / "fake_copier.py"
+
+
+@pytest.fixture
+def drain_torpord(world, monkeypatch):
+    """torpord with leave_running_drain on, its copier the stand-in for the fake agent's
+    memory (tests/fakes/fake_copier.py), the container's agent holding its memory."""
+    from torpor import copier
+    from torpor.agent import container_dir
+    from torpor.sidecar.service import Service
+    monkeypatch.setattr(copier, "BINARY", FAKE_COPIER)
+    cdir = container_dir(world.cfg.run_dir, "ctr1")
+    cdir.mkdir(parents=True, mode=0o700)
+    world.agent.stop()
+    world.agent = FakeAgent(cdir / f"agent-{PID}.sock", log=world.events,
+                            driver=world.driver).start()
+    world.agent.export = 2
+    world.cfg.suspend_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    s = Service(dataclasses.replace(world.cfg, leave_running_drain=True), op_timeout_s=60)
+    yield s
+    world.agent.stop()
+
+
+def _staged_checkpoint(torpord) -> tuple[Any, Path]:
+    stage = torpord.cfg.suspend_dir / "stage-1"
+    ck = torpord.LockAndCheckpoint(torpord.pb.LockAndCheckpointRequest(
+        pids=[PID], no_descendants=True, gpu_data_dir=str(stage), agent_container_id="ctr1",
+        staged=True), Ctx())
+    return ck, stage
+
+
+def _layout(original: bytes, n: int) -> list[bytes]:
+    """The fake agent's data files: file k holds chunks k, k + n, ... back to back."""
+    from tests.fakes.fake_agent import CHUNK
+    chunks = [original[i:i + CHUNK] for i in range(0, len(original), CHUNK)]
+    return [b"".join(chunks[k::n]) for k in range(n)]
+
+
+def test_a_container_copy_is_left_to_a_copier_beside_the_dump(world, drain_torpord):
+    """A staged (--leave-running) checkpoint of a container whose agent holds its memory:
+    the copier, ready before the pause, fills the staging while runc dumps; RestoreAndUnlock
+    waits for it, maps the memory back and says what it copied. The staging then holds what
+    a plain prepare writes, byte for byte."""
+    ck, stage = _staged_checkpoint(drain_torpord)
+    log = world.log()
+    assert "agent prepare-defer" in log and "agent detach" in log, log
+    assert "copier-ready" in ck.timings
+    r = drain_torpord.RestoreAndUnlock(drain_torpord.pb.RestoreAndUnlockRequest(
+        op_id=ck.op_id), Ctx())
+    assert r.drain_error == "" and r.drained == len(world.agent.original), r
+    assert world.agent.intact and world.agent.resumed_held is True
+    files = sorted((stage / str(PID)).iterdir())
+    assert [f.read_bytes() for f in files] == _layout(world.agent.original, 3)
+    assert drain_torpord.ops.open_ops() == [] and world.journal_entries() == []
+
+
+def test_a_container_copy_that_fails_says_so_and_the_program_runs_on(world, drain_torpord,
+                                                                     monkeypatch):
+    monkeypatch.setenv("FAKE_COPIER_FAIL", "pinned host memory: CUresult 2")
+    ck, stage = _staged_checkpoint(drain_torpord)
+    r = drain_torpord.RestoreAndUnlock(drain_torpord.pb.RestoreAndUnlockRequest(
+        op_id=ck.op_id), Ctx())
+    assert r.drain_error == f"PID {PID}: pinned host memory: CUresult 2", r
+    assert world.agent.intact and world.agent.resumed_held is True
+    assert drain_torpord.ops.open_ops() == [] and world.journal_entries() == []
+
+
+def test_a_failed_dump_of_a_container_with_a_deferred_copy_rolls_back_through_the_memory(
+        world, drain_torpord, monkeypatch):
+    """runc's dump failed (Rollback) while the copier still copies: the rollback waits for it,
+    then maps the held memory back; nothing copied back, nothing left open."""
+    monkeypatch.setenv("FAKE_COPIER_DELAY_S", "0.5")
+    ck, _ = _staged_checkpoint(drain_torpord)
+    drain_torpord.Rollback(drain_torpord.pb.OperationRequest(op_id=ck.op_id), Ctx())
+    assert world.agent.intact and world.agent.resumed_held is True
+    assert drain_torpord.ops.open_ops() == [] and world.journal_entries() == []
+
+
+def test_a_finish_of_a_container_with_a_deferred_copy_waits_for_the_copier(
+        world, drain_torpord, monkeypatch):
+    """A Finish (the dump ended the program; here it lives on, so it is brought back): the
+    copier is waited for before the memory is let go, and the program comes back from the
+    files it filled."""
+    monkeypatch.setenv("FAKE_COPIER_DELAY_S", "0.5")
+    ck, _ = _staged_checkpoint(drain_torpord)
+    drain_torpord.Finish(drain_torpord.pb.OperationRequest(op_id=ck.op_id), Ctx())
+    assert world.agent.intact and world.agent.resumed_held is False
+    assert drain_torpord.ops.open_ops() == [] and world.journal_entries() == []

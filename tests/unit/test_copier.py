@@ -144,21 +144,23 @@ def test_a_copier_whose_reply_pipe_is_past_fd_1024_is_ready(stand_in):
 
 def test_an_interrupt_while_copiers_get_ready_leaves_none_running(stand_in, monkeypatch):
     e = _Engine()
-    real = copier.ready
+    real, real_start, started = copier.ready, copier.prestart, []
+
+    def prestart(*a):
+        started.append(real_start(*a))
+        return started[-1]
 
     def ready(c, timeout=30.0):
         real(c, timeout)
         raise KeyboardInterrupt
+    monkeypatch.setattr(copier, "prestart", prestart)
     monkeypatch.setattr(copier, "ready", ready)
     with pytest.raises(KeyboardInterrupt):
         e.ready_copiers({101: [], 102: []})
     e.drop_copiers()                                  # the flow's stack callback
-    pids = [int(x) for x in stand_in.read_text().split()]
-    assert len(pids) == 2
-    deadline = time.monotonic() + 5
-    while any(map(_running, pids)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(map(_running, pids)), pids
+    assert len(started) == 2
+    assert all(c.proc.returncode is not None for c in started)   # gone and reaped
+    assert not any(_running(c.pid) for c in started)
 
 
 def test_a_ready_copier_whose_files_cannot_be_opened_is_let_go(stand_in):

@@ -693,3 +693,27 @@ def test_a_torpord_lost_in_lock_and_checkpoint_keeps_its_staging_for_recovery(
     (orphan,) = [e for e, fd in Journal(cfg).orphans()]
     assert orphan.data_root == str(stage.root)
     assert (stage.root / "4242" / "gpu-memory-0.bin").exists()
+
+
+def test_a_container_whose_deferred_copy_failed_has_no_checkpoint_and_runs_on(
+        torpor_env, tmp_path, monkeypatch):
+    """RestoreAndUnlock said the copiers did not fill the staging (drain_error): nothing is
+    written out, the image directory is marked damaged, nothing stays staged or journaled,
+    and the error says the container runs on."""
+    from torpor.errors import RolledBackError
+    from torpor.runtime import pause
+    monkeypatch.setenv("TORPOR_SUSPEND_DIR", str(tmp_path / "shm"))
+    cfg = config.load()
+    stage = agent_data.DataDir(Path(cfg.suspend_dir) / "ck-stage", private_parent=True).make()
+    images = tmp_path / "images"
+    images.mkdir()
+    op = pause.begin(cfg, images, stage)
+    ck = Checkpointed(op_id="op-1", pids=(1,), cuda_processes=(), timings={}, deadline=0.0,
+                      container_id=CID)
+    with pytest.raises(RolledBackError, match="the copy of the GPU memory into the data files "
+                       r"failed \(PID 7: pinned host memory\); the container runs on"):
+        pause.after(cfg, CID, images, {}, stage, op, ck, True, 0.0, {},
+                    drain_error="PID 7: pinned host memory")
+    assert not stage.root.exists()
+    assert (images / "torpor-damaged.txt").exists()
+    assert list(Journal(cfg).orphans()) == [] and list(cfg.journal_dir.glob("*.json")) == []

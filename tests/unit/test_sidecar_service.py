@@ -20,6 +20,7 @@ import grpc
 import pytest
 
 from torpor.driver import ProcessState
+from torpor.engine import Copies
 from torpor.errors import ExitCode, RolledBackError, SidecarError, TorporError
 from torpor.progress import Progress
 from torpor.sidecar import EXIT_CODE_KEY
@@ -92,6 +93,22 @@ class FakeEngine:
 
     def held_counts(self) -> dict[int, int]:
         return {p: len(f) for p, f in self._held.items() if f}
+
+    # no deferred copies in this world (engine/agents.py's Copies)
+    def take_copies(self) -> Copies:
+        return Copies()
+
+    def give_copies(self, c: Copies) -> None:
+        assert not c
+
+    def wait_copiers(self) -> None:
+        pass
+
+    def drop_copiers(self) -> None:
+        pass
+
+    def drain_report(self, back: Any) -> tuple[dict[str, Any], dict[int, str]]:
+        return {}, {}
 
     def release_held(self) -> None:
         for fds in self._held.values():

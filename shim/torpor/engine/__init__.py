@@ -39,8 +39,8 @@ from ..errors import ExitCode, HostMemoryError, NoDriverError, RolledBackError, 
 from ..journal import Journal, Operation
 from ..progress import Progress, human_bytes
 from ..store.store import Store
-from .agents import (STATUS_TIMEOUT_S, AgentMoves, AgentTarget, _parallel,  # noqa: F401
-                     restore_targets, targets_of)
+from .agents import (STATUS_TIMEOUT_S, AgentMoves, AgentTarget, Copies,  # noqa: F401
+                     _parallel, gpus_of, restore_targets, targets_of)
 from .recovery import Recovery
 
 log = logging.getLogger("torpor.engine")
@@ -96,6 +96,7 @@ class Engine(AgentMoves, Recovery):
         # the copier's reply: asked again, the same answer (never "ended, said nothing")
         self._deferred: dict[int, AgentTarget] = {}
         self._drains: dict[int, dict[str, Any]] = {}
+        self._planned: dict[int, int] = {}
 
     # -- the driver -------------------------------------------------------------------------
     @property

@@ -41,6 +41,21 @@ def _parallel(fn: Callable[[int], T], pids: list[int]) -> dict[int, T]:
     return {pid: f.result() for pid, f in futures.items()}
 
 
+@dataclasses.dataclass
+class Copies:
+    """The deferred copies of one operation (copier.py), handed from engine to engine with
+    it as its held descriptors are (torpord's open operation: take_copies, give_copies): by
+    pid, the copier filling the files, the program's target, the bytes its agent planned
+    and, once heard, the copier's reply."""
+    copiers: dict[int, copier.Copier] = dataclasses.field(default_factory=dict)
+    targets: dict[int, "AgentTarget"] = dataclasses.field(default_factory=dict)
+    planned: dict[int, int] = dataclasses.field(default_factory=dict)
+    drains: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.targets)
+
+
 @dataclasses.dataclass(frozen=True)
 class AgentTarget:
     """One program whose agent moves (or moved) its GPU memory: where its agent listens, and
@@ -122,7 +137,7 @@ def _close_all(fds: list[int]) -> None:
         os.close(fds.pop())
 
 
-def _gpus_of(pids: list[int]) -> dict[int, list[str]]:
+def gpus_of(pids: list[int]) -> dict[int, list[str]]:
     """pid -> the UUIDs of the GPUs NVML says it uses (none where NVML cannot tell)."""
     try:
         inv = gpus.discover()
@@ -145,6 +160,7 @@ class AgentMoves:
     _ready: dict[int, copier.Copier | None]  # ... copiers ready for one (None: not ready)
     _deferred: dict[int, AgentTarget]     # ... their programs' targets
     _drains: dict[int, dict[str, Any]]    # ... and their copiers' replies, once waited for
+    _planned: dict[int, int]              # ... and the bytes their agents planned
 
     def agent_sockets(self, pids: Iterable[int], agent_dir: Path | None = None) -> dict[int, Path]:
         """pid -> its agent's socket, for the pids whose program runs under the agent."""
@@ -268,7 +284,7 @@ class AgentMoves:
         if drain and hold and not in_process and known is None:
             # only a copier ready now takes a copy over (ready_copiers, best before the pause)
             if any(p not in self._ready for p in targets):
-                self.ready_copiers(_gpus_of([p for p in targets if p not in self._ready]))
+                self.ready_copiers(gpus_of([p for p in targets if p not in self._ready]))
             defer = {p for p in targets if self._ready.get(p) is not None}
         plans: dict[int, int] = {}    # the deferred copies' plans, until their copier starts
 
@@ -372,6 +388,7 @@ class AgentMoves:
                                  "files meanwhile" if deferred else ""))
         for pid in deferred:
             moved[pid]["deferred"] = True
+            self._planned[pid] = int(moved[pid].get("bytes", 0))
         return moved
 
     def _start_copier(self, op: Operation, targets: dict[int, AgentTarget], pid: int,
@@ -426,6 +443,56 @@ class AgentMoves:
             reply = copier.wait(c, self.cfg.agent_timeout_s)
         self._drains[t.pid] = reply
         return reply
+
+    def take_copies(self) -> Copies:
+        """The deferred copies, handed over with the held descriptors (take_held): this
+        engine keeps none."""
+        out = Copies(self._copiers, self._deferred, self._planned, self._drains)
+        self._copiers, self._deferred, self._planned, self._drains = {}, {}, {}, {}
+        return out
+
+    def give_copies(self, c: Copies) -> None:
+        """Take over another engine's deferred copies (take_copies): this engine's resume
+        of their programs waits for their copiers, and drain_report says how they went."""
+        self._copiers.update(c.copiers)
+        self._deferred.update(c.targets)
+        self._planned.update(c.planned)
+        self._drains.update(c.drains)
+
+    def wait_copiers(self) -> None:
+        """Every deferred copy done (its copier's reply heard, or it gone): before the held
+        descriptors of programs that will not resume are let go (release_held)."""
+        for t in list(self._deferred.values()):
+            try:
+                self._wait_copier(t)
+            except TorporError as e:   # StillCopying: it holds its own copies until done
+                log.warning("PID %d: %s", t.pid, e)
+
+    def drain_report(self, back: Mapping[int, Mapping[str, Any]]
+                     ) -> tuple[dict[str, Any], dict[int, str]]:
+        """How the deferred copies went, once their programs resumed (back: the resumes'
+        replies, whose "drain" is the copier's): {"programs", "bytes", "seconds"} (the
+        slowest), {} when there were none; and pid -> why, for each that failed or copied
+        other than the bytes its agent planned (its files lack the GPU data). One no resume
+        waited for (the resume failed and its retry brought the program back, or the
+        program ended) is waited for here."""
+        if not self._deferred:
+            return {}, {}
+        drains: dict[int, dict[str, Any]] = {}
+        for p, t in sorted(self._deferred.items()):
+            d = (back.get(p) or {}).get("drain")
+            drains[p] = dict(d) if d is not None else (self._wait_copier(t) or {})
+        bad = {}
+        for p, d in drains.items():
+            if d.get("ok") is not True:
+                bad[p] = str(d.get("error") or "its copier ended and said nothing")
+            elif int(d.get("bytes", -1)) != self._planned.get(p, -2):
+                bad[p] = (f"it copied {d.get('bytes')} bytes where its agent planned "
+                          f"{self._planned.get(p)}")
+        return ({"programs": len(drains),
+                 "bytes": sum(int(d.get("bytes", 0)) for d in drains.values()),
+                 "seconds": round(max(float(d.get("seconds", 0)) for d in drains.values()),
+                                  4)}, bad)
 
     def held_counts(self) -> dict[int, int]:
         """pid -> the allocations of its GPU memory held now (taken at detach, not yet resumed)."""

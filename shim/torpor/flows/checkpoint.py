@@ -128,8 +128,9 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
         drain = leave_running and cfg.leave_running_drain and store is None
         if drain and cuda_pids:   # the copiers' contexts made while the program still runs
             stack.callback(engine.drop_copiers)
-            engine.ready_copiers({p: inv.gpus_of(p) if inv else []
-                                  for p in engine.agent_sockets(cuda_pids)})
+            with progress.phase("copier-ready", "torpor-copier ready to copy"):
+                engine.ready_copiers({p: inv.gpus_of(p) if inv else []
+                                      for p in engine.agent_sockets(cuda_pids)})
         paused = time.monotonic()
         stack.callback(engine.release_held)   # held GPU memory no resume took, on any path
         try:
@@ -177,7 +178,7 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
             kept = sum(n for p, n in held.items() if (back.get(p) or {}).get("held"))
             draft["pause"] = {"paused_s": round(time.monotonic() - paused, 4), "staged": staged,
                               "held": kept}
-            drained = _drained(engine, moved, back, agents, stage, images_dir, op)
+            drained = _drained(engine, moved, back, stage, images_dir, op)
             if drained:
                 draft["pause"]["drained"] = drained
             stats = criu.dump_stats(images_dir) if dump_error is None else None
@@ -202,8 +203,7 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
 
 
 def _drained(engine: Engine, moved: dict[int, dict[str, Any]], back: dict[int, dict[str, Any]],
-             agents: dict[int, Any], stage: agent_data.DataDir | None, images_dir: Path,
-             op: Any) -> dict[str, Any]:
+             stage: agent_data.DataDir | None, images_dir: Path, op: Any) -> dict[str, Any]:
     """The deferred copies (a copier filled the data files beside the dump: copier.py): how
     they went, {"programs", "bytes", "seconds"} (the slowest), or {} when there were none.
     A copy no resume waited for (the resume failed and its retry brought the program back, or
@@ -213,19 +213,7 @@ def _drained(engine: Engine, moved: dict[int, dict[str, Any]], back: dict[int, d
     deferred = [p for p, r in moved.items() if r.get("deferred")]
     if not deferred:
         return {}
-    drains = {}
-    for p in deferred:
-        d = (back.get(p) or {}).get("drain")
-        if d is None and p in agents:
-            d = engine.wait_copier(agents[p])
-        drains[p] = d or {}
-    bad = {}
-    for p, d in drains.items():
-        if d.get("ok") is not True:
-            bad[p] = str(d.get("error") or "its copier ended and said nothing")
-        elif int(d.get("bytes", -1)) != int(moved[p].get("bytes", -2)):
-            bad[p] = (f"it copied {d.get('bytes')} bytes where its agent planned "
-                      f"{moved[p].get('bytes')}")
+    summary, bad = engine.drain_report(back)
     if bad:
         e = TorporError("the copy of the GPU memory into the data files failed ("
                         + "; ".join(f"PID {p}: {why}" for p, why in sorted(bad.items())) + ")")
@@ -240,9 +228,7 @@ def _drained(engine: Engine, moved: dict[int, dict[str, Any]], back: dict[int, d
                                           "the program ended meanwhile")
                               + f", and {images_dir} is no checkpoint ({why.split(':')[0]}, "
                               "marked damaged)")
-    return {"programs": len(deferred),
-            "bytes": sum(int(d.get("bytes", 0)) for d in drains.values()),
-            "seconds": round(max(float(d.get("seconds", 0)) for d in drains.values()), 4)}
+    return summary
 
 
 def _write_out(engine: Engine, op: Any, stage: agent_data.DataDir, images_dir: Path,

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from .. import agent_data, gpus, oci, placement, procs
 from ..config import Config
 from ..driver import ProcessState
-from ..engine import Engine, restore_targets, targets_of
+from ..engine import Engine, gpus_of, restore_targets, targets_of
 from ..errors import NoDriverError, PreflightError, TorporError, UsageError
 from ..journal import Operation
 from ..store import fingerprints
@@ -161,6 +161,11 @@ class Restored:
     gpu_map: Mapping[str, str]
     agents: tuple[AgentResume, ...]
     timings: Mapping[str, float]
+    # the deferred copies (a staged checkpoint's, config leave_running_drain): the bytes the
+    # copiers wrote into the staging beside the dump, and why they failed ("": they did not;
+    # then the staging lacks the GPU data: no checkpoint, the programs run on)
+    drained: int = 0
+    drain_error: str = ""
 
 
 def cuda_processes(pids: Sequence[int], states: Mapping[int, ProcessState]
@@ -192,7 +197,11 @@ def lock_and_checkpoint(engine: Engine, pids: Sequence[int], *, data: Path | Non
     directly in config suspend_dir (made as a suspend's; a recovery removes it). Its agents
     that can hold their GPU memory by descriptors through the dump do (agent/PROTOCOL.md,
     "Held memory"): opened takes them over with the operation (Engine.take_held), and the
-    restore_open or roll_back of it gives them back to its engine (Engine.give_held)."""
+    restore_open or roll_back of it gives them back to its engine (Engine.give_held). With
+    config leave_running_drain (and no fingerprints for the store) their copy into the
+    staging is left to copiers beside the dump (agent/PROTOCOL.md "The deferred copy"),
+    ready before the pause and handed over with the held descriptors (Engine.take_copies);
+    restore_open says how they went (Restored.drained, drain_error)."""
     pids = list(pids)
     where = staged_data(engine.cfg, data) if staged else \
         (agent_data.DataDir(data) if data else None)
@@ -211,9 +220,19 @@ def lock_and_checkpoint(engine: Engine, pids: Sequence[int], *, data: Path | Non
         plan = policy.fingerprint_plan(engine.cfg, policy.open_store(engine.cfg), owner, mode) \
             if data is not None and mode is not policy.FingerprintMode.NONE \
             else policy.NO_FINGERPRINTS
-        moved = engine.lock_and_checkpoint(  # rolls back and closes op on failure
-            op, cuda_pids, where, agent_dir, scratch=staged, known_fingerprints=plan.skip,
-            owner=owner, stream_into=plan.stream_into, hold=staged)
+        # a staging's copy left to copiers beside the dump (as a bare checkpoint's), each
+        # ready before the pause; not into the store (its fingerprints are checked on the host)
+        drain = staged and engine.cfg.leave_running_drain and plan.skip is None
+        if drain:
+            with engine.progress.phase("copier-ready", "torpor-copier ready to copy"):
+                engine.ready_copiers(gpus_of(sorted(engine.agent_sockets(cuda_pids,
+                                                                         agent_dir))))
+        try:
+            moved = engine.lock_and_checkpoint(  # rolls back and closes op on failure
+                op, cuda_pids, where, agent_dir, scratch=staged, known_fingerprints=plan.skip,
+                owner=owner, stream_into=plan.stream_into, hold=staged, drain=drain)
+        finally:
+            engine.drop_copiers()
         try:
             # CHECKPOINTED now: until the operation is in the caller's table (where a rollback,
             # a timeout or a shutdown finds it), any failure rolls back at once.
@@ -311,11 +330,18 @@ def restore_open(engine: Engine, op: Operation, cuda_pids: Sequence[int],
     held = engine.held_counts()
     with _ending(engine, op):
         back = policy.restore_or_roll_back(engine, op, live, gpu_map, agents)
+        drained, bad = engine.drain_report(back)
     op.close()
-    log.info("%s: left running, %d CUDA process(es) restored and unlocked", op.entry.id,
-             len(live))
+    why = "; ".join(f"PID {p}: {w}" for p, w in sorted(bad.items()))
+    if why:
+        log.error("%s: the copy of the GPU memory into the staging failed (%s); the programs "
+                  "run on", op.entry.id, why)
+    log.info("%s: left running, %d CUDA process(es) restored and unlocked%s", op.entry.id,
+             len(live), f"; {drained['bytes']} bytes copied beside the dump" if drained
+             and not why else "")
     return Restored(op.entry.id, tuple(live), dict(gpu_map), resumed(back, held),
-                    policy.timings(engine))
+                    policy.timings(engine), drained=int(drained.get("bytes", 0)),
+                    drain_error=why)
 
 
 def plan_restore(states: Mapping[int, ProcessState]) -> RestorePlan:

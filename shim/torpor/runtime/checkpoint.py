@@ -167,6 +167,8 @@ def _checkpoint(cfg: Config, runtime: Runtime, cid: str, name: str, spec: dict[s
         staged = stage if stage is not None and ck.agents else None
         op_id = ck.op_id
         timings.update(ck.timings)
+        # the copiers got ready while the container still ran (torpord's, before its pause)
+        paused += ck.timings.get("copier-ready", 0.0)
         log.info("checkpoint %s: %s locked and checkpointed %s in %.2f s%s", cid, op_id,
                  [p.pid for p in ck.cuda_processes], time.monotonic() - t0,
                  "".join(f"; agent of {a.pid} moved {a.bytes} bytes in {a.seconds:.2f} s"
@@ -215,7 +217,8 @@ def _checkpoint(cfg: Config, runtime: Runtime, cid: str, name: str, spec: dict[s
         if leave_running:
             pause.after(cfg, cid, images, draft, staged, ours, ck, out is not None, paused,
                         timings, held=sum(a.held for a in out.agents) if out else 0,
-                        work=work)
+                        work=work, drained=out.drained if out else 0,
+                        drain_error=out.drain_error if out else "")
     try:
         # into the store: its sha256 names every chunk, and a pack that fails adds them
         m = manifest.seal(images, cfg.checksums and store is None, timings)

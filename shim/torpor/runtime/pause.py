@@ -98,15 +98,18 @@ def begin(cfg: Config, images: Path, stage: agent_data.DataDir) -> Operation:
 def after(cfg: Config, cid: str, images: Path, draft: dict[str, Any],
           stage: agent_data.DataDir | None, op: Operation | None, ck: Checkpointed,
           resumed: bool, t0: float, timings: dict[str, float], held: int = 0,
-          work: Path | None = None) -> None:
+          work: Path | None = None, drained: int = 0, drain_error: str = "") -> None:
     """The dump is done and the container runs again (resumed: torpord gave it its GPU back;
     t0: when the pause began; held: its allocations that stayed on the GPU through the pause
     and were mapped back; work: where CRIU wrote its stats-dump, the runtime's --work-path
-    or the images). Writes the staged data out (op: begin()'s) and the draft with its
-    "pause" (as a bare checkpoint's, flows/checkpoint.py); raises RolledBackError (the
-    container runs on, images marked damaged, nothing staged)."""
+    or the images; drained, drain_error: torpord's deferred copies, RestoreAndUnlock's).
+    Writes the staged data out (op: begin()'s) and the draft with its "pause" (as a bare
+    checkpoint's, flows/checkpoint.py); raises RolledBackError (the container runs on, images
+    marked damaged, nothing staged)."""
     paused = round(time.monotonic() - t0, 4)
     draft["pause"] = {"paused_s": paused, "staged": stage is not None, "held": held}
+    if drained or drain_error:
+        draft["pause"]["drained"] = {"bytes": drained}
     stats = criu.dump_stats(work or images, since=time.time() - paused)
     if stats:   # how much of the pause was CRIU's freeze
         draft["pause"]["criu"] = stats
@@ -121,6 +124,12 @@ def after(cfg: Config, cid: str, images: Path, draft: dict[str, Any],
         raise RolledBackError(f"checkpoint {cid}: torpord lost the operation before the "
                               f"staged GPU data was written out; the container runs on, and "
                               f"{images} is no checkpoint ({why.split(':')[0]}, marked damaged)")
+    if stage is not None and op is not None and drain_error:
+        # the copiers did not fill the staging: it lacks the GPU data (the agents' memory
+        # is back in the programs, which run on), as a bare checkpoint's (flows/checkpoint.py)
+        raise writeout.failed(TorporError(f"the copy of the GPU memory into the data files "
+                                          f"failed ({drain_error})"), stage, images, op,
+                              "the container", prefix=f"checkpoint {cid}: ")
     if stage is not None and op is not None:
         _write_out(cfg, cid, images, draft, stage, op, ck, timings)
     draft["pause"]["durable_s"] = round(time.monotonic() - t0, 4)

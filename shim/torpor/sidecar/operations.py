@@ -21,7 +21,7 @@ import time
 from typing import Callable, Iterator
 
 from .. import procs
-from ..engine import Engine
+from ..engine import Copies, Engine
 from ..errors import NotFoundError, SidecarError, TorporError, UsageError
 from ..flows import container
 from ..journal import Operation
@@ -46,6 +46,9 @@ class OpenOp:
     # the GPU memory its agents hold by descriptors through the dump (Engine.take_held), by
     # pid: the operation's restore maps it back; every other end closes what is left
     held: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    # its deferred copies (Engine.take_copies): the copiers filling a staging beside the
+    # dump, which the end of the operation waits for before it lets the memory go
+    copies: Copies = dataclasses.field(default_factory=Copies)
 
     def release_held(self) -> None:
         """Close what is held (the programs get their memory from the staged files)."""
@@ -65,8 +68,13 @@ class OpenOp:
         made."""
         try:
             engine = engine_of()
-            if not keep:
-                self.release_held()
+            engine.give_copies(self.copies)   # a copier still copying is never killed
+            self.copies = Copies()
+            if not keep:   # the memory goes: once no copier reads it (the files have it)
+                engine.give_held(self.held)
+                self.held = {}
+                engine.wait_copiers()
+                engine.release_held()
             engine.give_held(self.held)
             self.held = {}
             try:

@@ -125,11 +125,13 @@ class Service:
             deadline = time.time() + self.op_timeout_s
             # the memory its agents hold goes with the operation: its restore maps it back
             o = OpenOp(op, pids, cuda_pids, request.container_id, deadline,
-                       time.monotonic() + self.op_timeout_s, owner, held=engine.take_held())
+                       time.monotonic() + self.op_timeout_s, owner, held=engine.take_held(),
+                       copies=engine.take_copies())
             try:
                 self.ops.add(o)
             except BaseException:
                 engine.give_held(o.held)   # the rollback that follows resumes through them
+                engine.give_copies(o.copies)
                 raise
 
         try:
