@@ -604,11 +604,13 @@ int mover_load(const int *fds, int nfds, int ring_fd, int sock_fd, const int *he
 		return -1;
 	}
 	/* deferred (defer.c): until torpor says its copier filled the files (drained), the held
-	 * memory is the only copy of the data: taken back, or nothing changes */
-	if (plan.deferred && !drained) {
+	 * memory is the only copy of the data: taken back, or nothing changes. A stream comes
+	 * from the image store, which only a pack of the filled files gave it (a restored
+	 * checkpoint's: the agent was dumped deferred) */
+	if (plan.deferred && !drained && ring_fd < 0) {
 		char why[160];
 
-		if (nheld <= 0 || ring_fd >= 0) {
+		if (nheld <= 0) {
 			snprintf(r->error, sizeof(r->error), "the GPU data is not in the files yet (a "
 				 "deferred copy): resume held=N, or add drained once the copier is done");
 			return -1;

@@ -34,6 +34,7 @@ class Config:
     run_dir: Path = Path("/run/torpor")         # torpord's socket
     libcuda: str = "libcuda.so.1"               # driver library holding cuCheckpointProcess*
     criu: str = ""                              # CRIU binary; empty: search PATH and /usr/local/sbin
+    copier: str = ""                            # torpor-copier; empty: beside the agent library
     lock_timeout_s: float = 10.0                # how long a driver lock may wait for CUDA calls in flight
     checksums: bool = True                      # sha256 of every image file in torpor.json
     socket_owner_uid: int = 0                   # besides root, the one uid torpord answers

@@ -42,11 +42,14 @@ class StillCopying(TorporError):
     is never killed; the journal entry stays, and the next recovery looks again."""
 
 
-def binary() -> Path:
-    if not BINARY.is_file():
-        raise NotFoundError(f"torpor-copier is missing ({BINARY})",
-                            hint="reinstall torpor: the build compiles agent/ with make and gcc")
-    return BINARY
+def binary(path: str = "") -> Path:
+    """The copier to run: path (config copier), else the one installed beside the agent."""
+    exe = Path(path) if path else BINARY
+    if not exe.is_file():
+        raise NotFoundError(f"torpor-copier is missing ({exe})",
+                            hint="reinstall torpor: the build compiles agent/ with make and gcc"
+                            if not path else "set config copier to where it is")
+    return exe
 
 
 def new_plan() -> int:
@@ -66,25 +69,25 @@ class Copier:
         return {"copier": self.pid, "copier_start": self.start or 0}
 
 
-def _spawn(args: list[str], fds: Sequence[int]) -> subprocess.Popen[bytes]:
+def _spawn(args: list[str], fds: Sequence[int], exe: str = "") -> subprocess.Popen[bytes]:
     # every GPU visible, whatever this torpor's shell hides: the program's may be any of them
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     return subprocess.Popen(
-        [str(binary()), *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        [str(binary(exe)), *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL, pass_fds=fds, start_new_session=True, env=env)
 
 
-def prestart(libcuda: str, devices: Sequence[str]) -> Copier:
+def prestart(libcuda: str, devices: Sequence[str], exe: str = "") -> Copier:
     """A copier started before the pause, with nothing to copy yet: it loads the driver and
     makes a context on each of devices (NVML's UUIDs of the program's GPUs) while the program
     runs, then waits for hand(). ready() says whether it got there; discard() one that is not
-    handed anything. It holds no memory until hand(), so it may be killed until then."""
+    handed anything. exe: config copier (binary()). It holds no memory until hand(), so it may be killed until then."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         args = ["--libcuda", libcuda, "--ctl", str(theirs.fileno())]
         if devices:
             args += ["--devices", ",".join(devices)]
-        proc = _spawn(args, [theirs.fileno()])
+        proc = _spawn(args, [theirs.fileno()], exe)
     except BaseException:
         ours.close()
         raise

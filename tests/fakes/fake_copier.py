@@ -3,8 +3,9 @@
 agent's (tests/fakes/fake_agent.py): its held descriptors are memfds holding the bytes.
 The same command line and protocol as `--ctl`: the ready line, then the go ("go F H" and
 SCM_RIGHTS [plan, F files, H held]), then the plan's parts copied, one JSON line.
-FAKE_COPIER_FAIL=<error>: it fails after the go, writing nothing. FAKE_COPIER_DELAY_S: it
-waits that long after the go."""
+FAKE_COPIER_FAIL=<error>, or a file $FAKE_CUDA_STATE_DIR/fail/torpor-copier holding it (the
+fake driver's fault files, for a copier torpord starts): it fails after the go, writing
+nothing. FAKE_COPIER_DELAY_S: it waits that long after the go."""
 
 from __future__ import annotations
 
@@ -27,8 +28,15 @@ def main(argv: list[str]) -> int:
     plan, files, held = fds[0], fds[1:1 + int(f)], fds[1 + int(f):]
     assert len(held) == int(h)
     time.sleep(float(os.environ.get("FAKE_COPIER_DELAY_S", "0")))
-    if os.environ.get("FAKE_COPIER_FAIL"):
-        print(json.dumps({"ok": False, "error": os.environ["FAKE_COPIER_FAIL"]}), flush=True)
+    fail = os.environ.get("FAKE_COPIER_FAIL", "")
+    try:
+        with open(os.path.join(os.environ.get("FAKE_CUDA_STATE_DIR", "/nonexistent"), "fail",
+                               "torpor-copier")) as f:
+            fail = f.read().strip() or "failed"
+    except OSError:
+        pass
+    if fail:
+        print(json.dumps({"ok": False, "error": fail}), flush=True)
         return 1
     text = os.pread(plan, 64 << 20, 0).decode().splitlines()
     copied = parts = 0

@@ -9,6 +9,7 @@ checkpoint, never the program."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -179,3 +180,33 @@ def test_a_copier_without_room_for_its_context_leaves_the_copy_to_the_agent(
     ticks_on(proc.pid, status, agents)
     assert _digest(proc.pid, status) == before
     assert list((tmp_path / "state" / "journal").glob("*.json")) == []
+
+
+def test_a_drained_checkpoint_restores(drained, gpu, tmp_path, reaper):
+    """The program is gone; its checkpoint, whose copy a copier made, brings it back. CRIU
+    dumped the agent while its save was deferred, so the restore tells it the files are
+    filled (a sealed checkpoint's are): every byte as it was."""
+    torpor = drained
+    proc, status, agents = _under_the_agent(torpor, gpu, tmp_path, reaper, HELD)
+    before = _digest(proc.pid, status)
+    images = tmp_path / "ck"
+    r = torpor.run("checkpoint", str(proc.pid), "-D", str(images), "--leave-running")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((images / "torpor.json").read_text())["pause"]["drained"]["bytes"] > 0
+    proc.kill()
+    proc.wait(timeout=10)
+    _as_dumped(images, tmp_path / "program.log")   # it ran on, logging, after the dump
+    out = torpor.json("restore", "-D", str(images))
+    assert out["agent"][str(proc.pid)]["bytes"] == 64 << 20, out
+    ticks_on(proc.pid, status, agents)
+    assert _digest(proc.pid, status) == before
+
+
+def _as_dumped(images: Path, log: Path) -> None:
+    """log cut back to the size CRIU saw at the dump (it reopens open files in place)."""
+    import pycriu
+    with open(images / "files.img", "rb") as f:
+        entries = pycriu.images.load(f)["entries"]
+    size = next(e["reg"]["size"] for e in entries
+                if "reg" in e and e["reg"]["name"].endswith(log.name))
+    os.truncate(log, int(size))

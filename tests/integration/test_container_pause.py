@@ -47,6 +47,11 @@ def daemon(base, gpu):
 
 @pytest.fixture
 def mine(base, daemon, gpu, podman_image):
+    return _podman_for(daemon, base)
+
+
+def _podman_for(daemon: Daemon, base: Path) -> Podman:
+    """podman with this tree's torpor-runtime, in daemon's environment (its config)."""
     if not os.access(RUNTIME, os.X_OK):
         pytest.skip(f"no torpor-runtime beside {sys.executable}")
     env = {k: v for k, v in daemon.env.items()
@@ -358,4 +363,73 @@ def test_torpord_killed_during_the_write_out_changes_nothing(mine, gpu, daemon, 
             st = a.status()
         assert (st["state"], st["gate"], st["intact"]) == ("running", "open", True), st
     finally:
+        podman.rm(name)
+
+
+# -- the deferred copy (leave_running_drain): copiers fill the staging beside runc's dump --------
+
+FAKE_COPIER = Path(__file__).resolve().parents[1] / "fakes" / "fake_copier.py"
+
+
+@pytest.fixture
+def drained(base, gpu, podman_image):
+    """torpord and torpor-runtime with leave_running_drain; the copier is the stand-in for the
+    fake agent's memory (its held descriptors are memfds of the bytes)."""
+    d = Daemon(base, gpu, CONFIG + f'suspend_dir = "{base / "shm"}"\n'
+               "leave_running_drain = true\n" + f'copier = "{FAKE_COPIER}"\n').start()
+    yield d, _podman_for(d, base)
+    d.stop()
+
+
+def test_a_container_copy_is_left_to_a_copier_beside_the_dump(drained, gpu, base, name):
+    """podman's --leave-running checkpoint of a container whose agent holds its memory: the
+    copier fills the staging while runc dumps, the container gets its memory back mapped,
+    the export has every byte (it restores intact) and says what was copied beside the dump."""
+    daemon, podman = drained
+    events, sock = _start(podman, gpu, daemon, base, name, export=2)
+    try:
+        archive = base / "ck.tar"
+        podman.checkpoint(name, export=archive, leave_running=True, compress="none")
+        assert podman.state(name) == "running"
+        ev = _events(events)
+        assert "agent prepare-defer" in ev and ev[-1] == "agent resume-held", ev
+        assert _staged(daemon) == set()
+        with tarfile.open(archive) as tf:
+            m = json.loads(tf.extractfile("checkpoint/torpor.json").read())
+        assert m["pause"]["drained"] == {"bytes": NBYTES} and m["pause"]["held"] == 2, m["pause"]
+        assert "copier-ready" in m["timings"], m["timings"]
+        with AgentClient(sock) as a:
+            st = a.status()
+        assert (st["state"], st["gate"], st["intact"]) == ("running", "open", True)
+
+        podman.rm(name)
+        events.unlink()
+        restored_intact(podman, daemon, name, archive, events)   # from the copier's files
+    finally:
+        podman.rm(name)
+
+
+def test_a_container_copy_that_fails_fails_the_checkpoint_not_the_container(drained, gpu,
+                                                                           base, name):
+    daemon, podman = drained
+    events, sock = _start(podman, gpu, daemon, base, name, export=2)
+    images = podman.bundle(name) / "checkpoint"
+    (gpu.state_dir / "fail").mkdir(exist_ok=True)
+    (gpu.state_dir / "fail" / "torpor-copier").write_text("pinned host memory: CUresult 2\n")
+    try:
+        ck = subprocess.run([*podman.base, "container", "checkpoint", "--leave-running", name],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            timeout=120)
+        assert ck.returncode != 0, ck.stdout
+        assert "the copy of the GPU memory into the data files failed" in ck.stdout, ck.stdout
+        assert "pinned host memory" in ck.stdout and "the container runs on" in ck.stdout
+        assert podman.state(name) == "running"
+        with AgentClient(sock) as a:
+            st = a.status()
+        assert (st["state"], st["gate"], st["intact"]) == ("running", "open", True)
+        assert _staged(daemon) == set()
+        assert (images / "torpor-damaged.txt").exists() and \
+            not (images / "torpor.json").exists(), sorted(os.listdir(images))
+    finally:
+        (gpu.state_dir / "fail" / "torpor-copier").unlink(missing_ok=True)
         podman.rm(name)

@@ -462,3 +462,27 @@ def test_the_deadline_takes_back_memory_given_back_by_hold_n(gpu, probe, tmp_pat
     st = _frozen_for(p, 6)
     assert (st["state"], st["gate"]) == ("running", "open"), st
     _intact(p, prog["mem"])
+
+
+def test_a_stream_resume_of_a_deferred_save_is_taken_from_the_store(gpu, probe, tmp_path):
+    """A restored checkpoint's agent was dumped deferred; its packed checkpoint comes back
+    through the image store's stream, which only a pack of the filled files fed: `resume
+    stream` needs no `drained`. Here the stream ends at once: the load fails as a short stream
+    does, not as a refusal to read holes, and the held memory still comes back."""
+    from torpor.store import stream
+    p = probe(EXPORT)
+    prog = _program(p, "vmmfd")
+    files, r = deferred(gpu, p, tmp_path)
+    assert r["deferred"] is True, r
+    r, held = ctl_recv(p.sock, "detach hold")
+    ring = stream.Ring(4)
+    try:
+        ring.sock.shutdown(socket.SHUT_RDWR)   # no part: the stream ends short
+        out = ctl_fds(p.sock, "resume stream", ring.agent_fds())
+        ring.handed()
+    finally:
+        ring.close()
+    assert out["ok"] is False and "not in the files yet" not in out["error"], out
+    assert ctl_fds(p.sock, f"resume held={MOVABLE}", held)["held"] is True
+    close_all(held)
+    _intact(p, prog["mem"])

@@ -102,7 +102,7 @@ class _Say:
 
 class _Engine(agents.AgentMoves):
     def __init__(self):
-        self.cfg = types.SimpleNamespace(libcuda="/nonexistent/libcuda.so")
+        self.cfg = types.SimpleNamespace(libcuda="/nonexistent/libcuda.so", copier="")
         self.progress = _Say()
         self._ready, self._held, self._copiers, self._deferred, self._drains = {}, {}, {}, {}, {}
 

@@ -73,6 +73,8 @@ class AgentTarget:
                         # (store/stream.py), not from files
     copier: int = 0     # a deferred copy (copier.py): the copier's PID filling the files,
     copier_start: int = 0   # and its start time; nothing reads them before it is gone
+    sealed: bool = False    # its files are a checkpoint's (a restore): complete, whatever its
+                            # agent's save left to a copier (the restored agent says deferred)
 
     @property
     def in_process(self) -> bool:
@@ -89,13 +91,14 @@ class AgentTarget:
                 "files": self.files, **({"owner": self.owner} if self.owner else {}),
                 **({"packed": self.packed} if self.packed else {}),
                 **({"copier": self.copier, "copier_start": self.copier_start}
-                   if self.copier else {})}
+                   if self.copier else {}), **({"sealed": True} if self.sealed else {})}
 
     @classmethod
     def from_json(cls, pid: int | str, d: Mapping[str, Any]) -> "AgentTarget":
         return cls(int(pid), Path(d["socket"]), Path(d["data"]), int(d.get("name", pid)),
                    int(d["files"]), str(d.get("owner", "")), str(d.get("packed", "")),
-                   int(d.get("copier", 0)), int(d.get("copier_start", 0)))
+                   int(d.get("copier", 0)), int(d.get("copier_start", 0)),
+                   d.get("sealed") is True)
 
 
 def targets_of(agents: Mapping[str, Mapping[str, Any]]) -> dict[int, AgentTarget]:
@@ -127,7 +130,8 @@ def restore_targets(entries: Mapping[int, Mapping[str, Any]], data: Path,
                               "processes")
         out[pid] = AgentTarget(pid, agent.socket_path(nspid, agent_dir), data, old,
                                len(e["files"]),
-                               packed=str(packed) if packed and e["files"] else "")
+                               packed=str(packed) if packed and e["files"] else "",
+                               sealed=True)
     return out
 
 
@@ -222,7 +226,8 @@ class AgentMoves:
         try:
             try:
                 for pid, uuids in sorted(todo.items()):
-                    started[pid] = copier.prestart(self.cfg.libcuda, sorted(uuids))
+                    started[pid] = copier.prestart(self.cfg.libcuda, sorted(uuids),
+                                                   self.cfg.copier)
             except (OSError, TorporError) as e:
                 self.progress.say(f"warning: torpor-copier cannot start ({e}): GPU memory is "
                                   "copied before the dump")
@@ -568,7 +573,8 @@ class AgentMoves:
         ready = drain is None or drain.get("ok") is not False   # None: another torpor's, ended
         held = self._held.pop(t.pid, [])
         try:
-            reply = self._resume_one_with(t, fill, held, drained=drain is not None and ready)
+            reply = self._resume_one_with(t, fill, held,
+                                          drained=(drain is not None and ready) or t.sealed)
         except BaseException:
             if held and not ready:   # the files lack the data: the held memory is all there is
                 self._held[t.pid], held = held, []
