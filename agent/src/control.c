@@ -542,10 +542,16 @@ static void prepare_reply(struct client *c, const char *arg, char *out, size_t s
 
 		/* nothing released, or (releasing failed half-way) reloaded at once from the files,
 		 * which are complete but for skipped parts (their fingerprints then fail the reload:
-		 * torpor fills them from the store and resumes) */
-		if (mover_pending() && mover_load(c->fds, c->nfds, -1, -1, NULL, 0, 0, &back)) {
-			pr_err("%s; reloading failed too: %s; the gate stays closed", r.error,
-			       back.error);
+		 * torpor fills them from the store and resumes). A streamed save's files are holes:
+		 * its data is in the image store, and only torpor's `resume stream` brings it back */
+		if (mover_pending() &&
+		    (r.streamed || mover_load(c->fds, c->nfds, -1, -1, NULL, 0, 0, &back))) {
+			if (r.streamed)
+				pr_err("%s; the data is in the image store: the gate stays closed until "
+				       "a resume streams it back", r.error);
+			else
+				pr_err("%s; reloading failed too: %s; the gate stays closed", r.error,
+				       back.error);
 			ctl.state = PREPARED;
 			memcpy(ctl.held, c->fds, sizeof(int) * c->nfds);
 			ctl.nheld = c->nfds;

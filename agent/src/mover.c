@@ -359,6 +359,8 @@ int mover_save(const int *fds, int nfds, int known_fd, int index_fd, int ring_fd
 	const char *check = getenv("TORPOR_AGENT_FP_CHECK");
 	const char *zeros = getenv("TORPOR_AGENT_ZEROS"); /* "0": every part is copied */
 
+	failed = 0; /* an earlier run's: a save with nothing to move runs no worker to reset it */
+
 	memset(r, 0, sizeof(*r));
 	if (plan.pending) {
 		snprintf(r->error, sizeof(r->error), "already prepared");
@@ -598,6 +600,7 @@ int mover_load(const int *fds, int nfds, int ring_fd, int sock_fd, const int *he
 	long long t0 = now_ms();
 	int ret;
 
+	failed = 0; /* an earlier run's (see mover_save) */
 	memset(r, 0, sizeof(*r));
 	if (!plan.pending) {
 		snprintf(r->error, sizeof(r->error), "nothing to resume");

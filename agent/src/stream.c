@@ -294,7 +294,7 @@ void *load_stream_main(struct worker *w)
 int stream_commit(struct move_result *r)
 {
 	struct stream_rec end = { STREAM_END, 0, 0, 0, 0 };
-	char err[160];
+	char err[160] = "a mover thread failed";
 
 	if (stream_send(&end, sizeof(end), err, sizeof(err))) {
 		snprintf(r->error, sizeof(r->error), "%s", err);

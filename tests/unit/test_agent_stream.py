@@ -577,3 +577,42 @@ def test_the_feed_spreads_its_parts_over_the_programs_memory():
     assert chunk[:4] == [0, 8, 16, 24] and chunk[4:8] == [1, 9, 17, 25], chunk
     assert stream.spread(parts, 1) == sorted(parts, key=lambda p: (p.offset, p.file))
     assert stream.spread([], 16) == []
+
+
+def test_a_streamed_prepare_whose_release_fails_waits_for_its_stream_back(gpu, probe, tmp_path):
+    """The second cuMemRelease fails after a streamed save: its data files are holes (the
+    data is in the store), so no reload from them is tried; the agent stays prepared, its
+    gate closed, and a `resume stream` brings every byte back."""
+    from tests.unit.test_agent_mover import failing
+    p = probe()
+    mem = _program(p, (24, 10))
+    store = Store(tmp_path / "store", workers=2)
+    data = tmp_path / "data"
+    with failing(gpu, "cuMemRelease", f"2 {p.pid} after=1"):
+        reply, intake = _prepare_streamed(p, store, data, nfiles=1)
+    intake.finish()
+    assert "releasing GPU memory failed" in reply.get("error", ""), reply
+    assert "reloading failed too" not in p.stderr()
+    st = p.status()
+    assert (st["state"], st["gate"]) == ("prepared", "closed"), st
+    assert _resume_streamed(p, store, data, nfiles=1)["bytes"] > 0
+    assert _intact(p, mem)
+
+
+def test_a_streamed_prepare_with_nothing_to_move_after_a_failed_one(gpu, probe, tmp_path):
+    """A failed mover run left its workers' failure set; a later streamed save with nothing
+    to move runs no worker: it must not fail on that stale failure."""
+    from tests.unit.test_agent_mover import failing
+    p = probe()
+    mem = _program(p, (8,))
+    with failing(gpu, "cuMemcpyDtoHAsync_v2", f"2 {p.pid}"):
+        r = Files(tmp_path / "d0", 1).send(p.sock, "prepare", write=True)
+    assert r["ok"] is False, r
+    assert p.call(f"@free {mem[0][0]} dlsym")["rc"] == 0
+    assert p.status()["movable_bytes"] == 0
+    store = Store(tmp_path / "store", workers=2)
+    reply, intake = _prepare_streamed(p, store, tmp_path / "data", nfiles=1)
+    try:
+        assert "error" not in reply, reply
+    finally:
+        intake.abandon()
