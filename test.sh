@@ -13,6 +13,9 @@ has_criu() { [[ -x /usr/local/sbin/criu ]] || command -v criu >/dev/null; }
 if [[ ! -x "$PREFIX/bin/torpor" ]] || ! has_criu; then
     ./install.sh
 fi
+# the build compiles the protos with the newest grpcio-tools 1.85.x (pyproject.toml), whose code
+# needs a grpcio at least as new: a venv made before that release gets it too
+"$PREFIX/bin/python" -m pip install -q --upgrade "grpcio>=1.85,<1.86" >/dev/null
 "$PREFIX/bin/python" -m pip install -q --force-reinstall --no-deps . >/dev/null
 "$PREFIX/bin/python" -m pip install -q pytest hypothesis kubernetes-validate >/dev/null
 make -s -C tests/fakes >/dev/null

@@ -1242,3 +1242,48 @@ def test_a_finish_of_a_container_with_a_deferred_copy_waits_for_the_copier(
     drain_torpord.Finish(drain_torpord.pb.OperationRequest(op_id=ck.op_id), Ctx())
     assert world.agent.intact and world.agent.resumed_held is False
     assert drain_torpord.ops.open_ops() == [] and world.journal_entries() == []
+
+
+def test_an_end_that_cannot_make_an_engine_gives_unfilled_memory_back_to_the_agent(
+        world, drain_torpord, monkeypatch):
+    """The operation's end could make no engine (its state directory unusable): the held
+    memory of a copy not yet filled is not closed away (the copier, which may fail, would
+    hold the only copy): it goes back to the program's agent."""
+    monkeypatch.setenv("FAKE_COPIER_DELAY_S", "0.5")
+    monkeypatch.setenv("FAKE_COPIER_FAIL", "pinned host memory: CUresult 2")
+    ck, _ = _staged_checkpoint(drain_torpord)
+    o = drain_torpord.ops.take(ck.op_id)
+    assert o.held and o.copies
+    copiers = list(o.copies.copiers.values())
+
+    def no_engine():
+        raise TorporError("journal: the state directory is unusable")
+    with pytest.raises(TorporError):
+        with o.ending(no_engine):
+            pass
+    for c in copiers:   # the copier fails and exits: its descriptors go with it
+        c.proc.communicate()
+    assert world.agent.exported, "nobody holds the GPU memory"
+    o.op.release()
+    world.engine().recover()          # the entry's recovery takes the memory back
+    assert world.agent.intact and world.agent.resumed_held is True
+
+
+def test_a_restore_says_drained_only_for_a_deferred_checkpoint(world, fake_criu, monkeypatch):
+    """`drained` is for an agent dumped while its save was deferred: a plain checkpoint's
+    restore sends a plain resume, which an agent older than the word takes."""
+    images = world.tmp / "ckpt"
+    process.checkpoint(world.engine(), PID, images)
+    real = world.agent._do_resume
+
+    def old_resume(arg, fds):
+        if "drained" in arg.split():
+            for fd in fds:
+                os.close(fd)
+            return {"ok": False, "error": "unknown command"}
+        return real(arg, fds)
+    world.agent.__dict__["_do_resume"] = old_resume
+    killed = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: killed.append((pid, sig)))
+    process.restore(world.engine(), images)
+    assert world.agent.intact and killed == []

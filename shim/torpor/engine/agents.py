@@ -55,6 +55,49 @@ class Copies:
     def __bool__(self) -> bool:
         return bool(self.targets)
 
+    def filled(self, pid: int) -> bool:
+        """pid's copier said it filled the files with every byte its agent planned."""
+        return _filled(self.drains.get(pid), self.planned.get(pid))
+
+    def release(self, held: Mapping[int, list[int]]) -> None:
+        """Close held descriptors (pid -> fds); those of a deferred copy not filled are the
+        only copy of the data besides the copier's: given back to the program's agent first
+        (`hold N`), which keeps them for the next resume (a recovery's, or its deadline's).
+        Needs no engine: an operation whose end could not make one still lets go safely."""
+        for pid, fds in held.items():
+            if fds and pid in self.targets and not self.filled(pid):
+                give_back(self.targets[pid], fds)
+            _close_all(fds)
+
+
+def _filled(drain: Mapping[str, Any] | None, planned: int | None) -> bool:
+    """A copier's reply says the files have the data: ok, and (where known) the bytes its
+    agent planned."""
+    if not drain or drain.get("ok") is not True:
+        return False
+    return planned is None or int(drain.get("bytes", -1)) == planned
+
+
+def agent_client(t: "AgentTarget", timeout: float) -> AgentClient:
+    """A client of t's agent, which must answer as t's program (its uid, its PID)."""
+    try:
+        uid = procs.owner_uid(t.pid)
+    except FileNotFoundError:
+        raise NoAgentError(f"PID {t.pid} is gone") from None
+    return AgentClient(t.socket, uid, timeout, expect_pid=t.pid)
+
+
+def give_back(t: "AgentTarget", fds: list[int]) -> None:
+    """fds (held memory of a deferred copy not yet in the files) to t's agent to hold."""
+    try:
+        with agent_client(t, STATUS_TIMEOUT_S) as a:
+            a.call(f"hold {len(fds)}", fds)
+        log.warning("PID %d: its GPU memory, not yet in its checkpoint's files, given back "
+                    "to its agent to hold", t.pid)
+    except TorporError as e:
+        log.error("PID %d: its agent would not take back the GPU memory only it and this "
+                  "torpor held (%s): that memory goes with this torpor", t.pid, e)
+
 
 @dataclasses.dataclass(frozen=True)
 class AgentTarget:
@@ -73,8 +116,8 @@ class AgentTarget:
                         # (store/stream.py), not from files
     copier: int = 0     # a deferred copy (copier.py): the copier's PID filling the files,
     copier_start: int = 0   # and its start time; nothing reads them before it is gone
-    sealed: bool = False    # its files are a checkpoint's (a restore): complete, whatever its
-                            # agent's save left to a copier (the restored agent says deferred)
+    sealed: bool = False    # a restore of a checkpoint whose agent left its copy to a copier:
+                            # CRIU dumped it deferred, and its sealed files are complete
 
     @property
     def in_process(self) -> bool:
@@ -131,7 +174,7 @@ def restore_targets(entries: Mapping[int, Mapping[str, Any]], data: Path,
         out[pid] = AgentTarget(pid, agent.socket_path(nspid, agent_dir), data, old,
                                len(e["files"]),
                                packed=str(packed) if packed and e["files"] else "",
-                               sealed=True)
+                               sealed=e.get("deferred") is True)
     return out
 
 
@@ -178,11 +221,7 @@ class AgentMoves:
         return found
 
     def _client(self, t: AgentTarget, timeout: float) -> AgentClient:
-        try:
-            uid = procs.owner_uid(t.pid)
-        except FileNotFoundError:
-            raise NoAgentError(f"PID {t.pid} is gone") from None
-        return AgentClient(t.socket, uid, timeout, expect_pid=t.pid)
+        return agent_client(t, timeout)
 
     def _probe(self, sockets: Mapping[int, Path]) -> dict[int, Path]:
         """The sockets whose agent answers, can move memory and holds none out. A socket nobody
@@ -491,7 +530,7 @@ class AgentMoves:
         for p, d in drains.items():
             if d.get("ok") is not True:
                 bad[p] = str(d.get("error") or "its copier ended and said nothing")
-            elif int(d.get("bytes", -1)) != self._planned.get(p, -2):
+            elif not _filled(d, self._planned.get(p, -2)):
                 bad[p] = (f"it copied {d.get('bytes')} bytes where its agent planned "
                           f"{self._planned.get(p)}")
         return ({"programs": len(drains),
@@ -523,22 +562,9 @@ class AgentMoves:
         freed unless its program mapped it back. Those of a deferred copy whose copier did not
         say it filled the files are the only copy of the data: given back to its agent first
         (`hold N`), which keeps them for the next resume (a recovery's, or its deadline's)."""
-        for pid in list(self._held) if pids is None else list(pids):
-            fds = self._held.pop(pid, [])
-            if fds and pid in self._deferred and \
-                    (self._drains.get(pid) or {}).get("ok") is not True:
-                self._give_back(self._deferred[pid], fds)
-            _close_all(fds)
-
-    def _give_back(self, t: AgentTarget, fds: list[int]) -> None:
-        try:
-            with self._client(t, STATUS_TIMEOUT_S) as a:
-                a.call(f"hold {len(fds)}", fds)
-            log.warning("PID %d: its GPU memory, not yet in its checkpoint's files, given back "
-                        "to its agent to hold", t.pid)
-        except TorporError as e:
-            log.error("PID %d: its agent would not take back the GPU memory only it and this "
-                      "torpor held (%s): that memory goes with this torpor", t.pid, e)
+        pids = list(self._held) if pids is None else list(pids)
+        Copies(self._copiers, self._deferred, self._planned, self._drains).release(
+            {p: self._held.pop(p, []) for p in pids})
 
     def _host_shares(self, sockets: Mapping[int, Path], budget: int | None
                      ) -> dict[int, int | None]:
@@ -570,7 +596,9 @@ class AgentMoves:
         # first: the program must not write the memory a copier still reads, and the files
         # are the way back only once it is done
         drain = self._wait_copier(t)
-        ready = drain is None or drain.get("ok") is not False   # None: another torpor's, ended
+        # None: another torpor's, ended (the agent checks every part it reads)
+        ready = drain is None or drain.get("ok") is None or \
+            _filled(drain, self._planned.get(t.pid))
         held = self._held.pop(t.pid, [])
         try:
             reply = self._resume_one_with(t, fill, held,

@@ -68,6 +68,8 @@ class AgentMove:
     skipped: int = 0
     skipped_bytes: int = 0
     zero_bytes: int = 0            # found all zero on the GPU: never moved (issue 20)
+    deferred: bool = False         # its copy was left to a copier (the deferred copy): a
+                                   # restored agent was dumped so and needs `resume drained`
 
     @classmethod
     def of(cls, pid: int, r: Mapping[str, Any]) -> "AgentMove":
@@ -79,7 +81,7 @@ class AgentMove:
                    allocations=int(r.get("allocations", 0)),
                    cache_released=int(r.get("cache_released", 0)),
                    seconds=float(r.get("seconds", 0.0)),
-                   zero_bytes=int(r.get("zero_bytes", 0)),
+                   zero_bytes=int(r.get("zero_bytes", 0)), deferred=r.get("deferred") is True,
                    **{mine: int(fp.get(theirs, 0)) for theirs, mine in _FINGERPRINTS})
 
     from_moved = of
@@ -90,6 +92,8 @@ class AgentMove:
         out["files"] = list(self.files)
         if self.zero_bytes:
             out["zero_bytes"] = self.zero_bytes
+        if self.deferred:
+            out["deferred"] = True
         if self.fingerprinted:
             out["fingerprints"] = {theirs: getattr(self, mine) for theirs, mine in _FINGERPRINTS}
         return out
@@ -144,6 +148,7 @@ class AgentEntry:
     pid: int
     nspid: int
     files: tuple[int, ...]         # size of each data file
+    deferred: bool = False         # AgentMove.deferred
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,8 +374,8 @@ def restore(engine: Engine, pids: Sequence[int], *, gpu_map: Mapping[str, str],
     op = engine.begin("restore", pids)
     try:
         plan = plan_restore(engine.cuda_states(pids))
-        targets = restore_targets({a.pid: {"nspid": a.nspid, "files": list(a.files)}
-                                   for a in agents}, data or Path(), agent_dir, host_pids=pids,
+        targets = restore_targets({a.pid: {"nspid": a.nspid, "files": list(a.files),
+                                           "deferred": a.deferred} for a in agents}, data or Path(), agent_dir, host_pids=pids,
                                   packed=packed)
         back = policy.restore_or_roll_back(engine, op, list(plan.checkpointed), gpu_map,
                                            targets, locked=plan.locked)

@@ -108,7 +108,8 @@ def _run(cfg: Config, runtime: Runtime, inv: Invocation, held: contextlib.ExitSt
               "checkpoint could not finish it): image files not verified", file=sys.stderr)
     _respec(cfg, bundle, inv, bool((m.get("container") or {}).get("agent")))
     cuda = [p for p in m["processes"] if p["cuda"]]
-    moved = [AgentData(pid=p, nspid=e["nspid"], files=tuple(e["files"]))   # checked there
+    moved = [AgentData(pid=p, nspid=e["nspid"], files=tuple(e["files"]),   # checked there
+                       deferred=e.get("deferred") is True)
              for p, e in manifest.agents(m).items()]
     placed = container.NOT_PLACED
     if cuda:

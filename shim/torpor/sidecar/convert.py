@@ -191,7 +191,8 @@ def _repeated(field: Any) -> bool:
 
 def restore_entries(msgs: Iterable[Any]) -> tuple[container.AgentEntry, ...]:
     """RestoreAndUnlockRequest.agents as the engine's restore takes them."""
-    return tuple(container.AgentEntry(int(a.pid), int(a.nspid), tuple(a.files)) for a in msgs)
+    return tuple(container.AgentEntry(int(a.pid), int(a.nspid), tuple(a.files),
+                                      bool(a.deferred)) for a in msgs)
 
 
 def check_to_pb(pb: Any, c: Check) -> Any:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import threading
 import time
 from typing import Callable, Iterator
@@ -51,14 +50,10 @@ class OpenOp:
     copies: Copies = dataclasses.field(default_factory=Copies)
 
     def release_held(self) -> None:
-        """Close what is held (the programs get their memory from the staged files)."""
+        """Let go of what is held (the programs get their memory from the staged files); the
+        memory of a deferred copy not filled goes back to its agent (Copies.release)."""
         held, self.held = self.held, {}
-        for fds in held.values():
-            for fd in fds:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+        self.copies.release(held)
 
     @contextlib.contextmanager
     def ending(self, engine_of: Callable[[], Engine], keep: bool = True) -> Iterator[Engine]:
