@@ -1177,12 +1177,25 @@ def drain_torpord(world, monkeypatch):
     world.agent.stop()
 
 
-def _staged_checkpoint(torpord) -> tuple[Any, Path]:
+def _staged_checkpoint(torpord, drain: bool = True) -> tuple[Any, Path]:
     stage = torpord.cfg.suspend_dir / "stage-1"
     ck = torpord.LockAndCheckpoint(torpord.pb.LockAndCheckpointRequest(
         pids=[PID], no_descendants=True, gpu_data_dir=str(stage), agent_container_id="ctr1",
-        staged=True), Ctx())
+        staged=True, drain=drain), Ctx())
     return ck, stage
+
+
+def test_a_caller_that_does_not_read_drain_errors_gets_no_deferred_copy(world, drain_torpord):
+    """An older torpor-runtime (no `drain` in its request) would write out and seal a staging
+    a failed copier left empty: torpord copies in the agents for it, as without copiers."""
+    ck, stage = _staged_checkpoint(drain_torpord, drain=False)
+    assert "agent prepare-defer" not in world.log()
+    r = drain_torpord.RestoreAndUnlock(drain_torpord.pb.RestoreAndUnlockRequest(
+        op_id=ck.op_id), Ctx())
+    assert r.drained == 0 and r.drain_error == "", r
+    assert world.agent.intact
+    files = sorted((stage / str(PID)).iterdir())
+    assert [f.read_bytes() for f in files] == _layout(world.agent.original, 3)
 
 
 def _layout(original: bytes, n: int) -> list[bytes]:

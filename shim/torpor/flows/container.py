@@ -191,7 +191,7 @@ def lock_and_checkpoint(engine: Engine, pids: Sequence[int], *, data: Path | Non
                         agent_dir: Path | None, owner_container: str,
                         mode: policy.FingerprintMode, opened: Callable[[Operation, list[int]],
                                                                        None],
-                        staged: bool = False) -> Checkpointed:
+                        staged: bool = False, drain: bool = False) -> Checkpointed:
     """RUNNING -> CHECKPOINTED for the CUDA processes among pids (their agents' data into
     data, their sockets in agent_dir), fingerprints as mode says for owner_container's
     snapshots (policy.fingerprint_plan; owner_container: the container's name at torpor,
@@ -206,7 +206,8 @@ def lock_and_checkpoint(engine: Engine, pids: Sequence[int], *, data: Path | Non
     config leave_running_drain (and no fingerprints for the store) their copy into the
     staging is left to copiers beside the dump (agent/PROTOCOL.md "The deferred copy"),
     ready before the pause and handed over with the held descriptors (Engine.take_copies);
-    restore_open says how they went (Restored.drained, drain_error)."""
+    restore_open says how they went (Restored.drained, drain_error); only where drain says
+    the caller reads that (an older torpor-runtime would seal a staging left empty)."""
     pids = list(pids)
     where = staged_data(engine.cfg, data) if staged else \
         (agent_data.DataDir(data) if data else None)
@@ -227,7 +228,7 @@ def lock_and_checkpoint(engine: Engine, pids: Sequence[int], *, data: Path | Non
             else policy.NO_FINGERPRINTS
         # a staging's copy left to copiers beside the dump (as a bare checkpoint's), each
         # ready before the pause; not into the store (its fingerprints are checked on the host)
-        drain = staged and engine.cfg.leave_running_drain and plan.skip is None
+        drain = drain and staged and engine.cfg.leave_running_drain and plan.skip is None
         if drain:
             with engine.progress.phase("copier-ready", "torpor-copier ready to copy"):
                 engine.ready_copiers(gpus_of(sorted(engine.agent_sockets(cuda_pids,

@@ -159,7 +159,8 @@ def _checkpoint(cfg: Config, runtime: Runtime, cid: str, name: str, spec: dict[s
                 ck = c.lock_and_checkpoint(pids=[pid], owner_pid=os.getpid(),
                                            gpu_data_dir=(stage or data).root,
                                            agent_container_id=name, fingerprints=fps,
-                                           staged=stage is not None)
+                                           staged=stage is not None,
+                                           drain=stage is not None)   # pause.after reads it
         finally:
             if stage is not None and _stage_done(cfg, stage, sys.exc_info()[0] is not None
                                                  or not ck.agents):

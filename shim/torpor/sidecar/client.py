@@ -120,7 +120,8 @@ class Client:
                             lock_timeout_s: float | None = None, descendants: bool = True,
                             owner_pid: int = 0, gpu_data_dir: str | os.PathLike = "",
                             agent_container_id: str = "", fingerprints: str = "",
-                            staged: bool = False, timeout: float | None = None) -> Checkpointed:
+                            staged: bool = False, drain: bool = False,
+                            timeout: float | None = None) -> Checkpointed:
         """Lock and checkpoint the CUDA processes among pids (and their descendants) or the
         container's; the operation stays open: end it with finish/rollback/restore_and_unlock.
         owner_pid: torpord rolls the operation back should that process die before ending it.
@@ -129,14 +130,15 @@ class Client:
         agents skip what torpord's image store holds; hold its lock until the pack) or "index"
         (fingerprinted only: the program is left running), "" none. staged: gpu_data_dir is a
         staging directory in host memory under torpord's suspend_dir (flows/writeout.py).
-        Returns the open operation: op_id, pids, cuda_processes, timings, deadline,
+        drain (with staged): this caller reads restore_and_unlock's drain_error, so torpord
+        may leave the copy to copiers beside the dump (config leave_running_drain). Returns the open operation: op_id, pids, cuda_processes, timings, deadline,
         container_id and what each agent moved (agents)."""
         req = self.pb.LockAndCheckpointRequest(pids=list(pids), container_id=container_id,
                                                no_descendants=not descendants, owner_pid=owner_pid,
                                                gpu_data_dir=str(gpu_data_dir),
                                                agent_container_id=agent_container_id,
                                                fingerprints=FINGERPRINTS[fingerprints],
-                                               staged=staged)
+                                               staged=staged, drain=drain)
         if lock_timeout_s is not None:
             req.lock_timeout_s = lock_timeout_s
         return from_pb(Checkpointed, self._call("LockAndCheckpoint", req, timeout))

@@ -143,7 +143,7 @@ class Service:
                 # (runtime/checkpoint.py): one id under two roots shares none
                 owner_container=name,
                 mode=_fingerprint_mode(request.fingerprints), opened=opened,
-                staged=request.staged)
+                staged=request.staged, drain=request.staged and request.drain)
         finally:
             engine.release_held()   # what no operation took (none, unless it failed)
         return to_pb(self.pb, convert.Checkpointed.of(ck, deadline, request.container_id))
