@@ -1234,6 +1234,24 @@ def test_a_container_copy_that_fails_says_so_and_the_program_runs_on(world, drai
     assert drain_torpord.ops.open_ops() == [] and world.journal_entries() == []
 
 
+def test_a_restore_in_place_is_the_only_one_of_a_container_with_a_deferred_copy(
+        world, drain_torpord, monkeypatch):
+    """The copier copies the memory on the GPU it is on: a RestoreAndUnlock that would move
+    that GPU is refused, and the operation stays open for the restore in place."""
+    monkeypatch.setenv("FAKE_COPIER_DELAY_S", "0.3")
+    ck, stage = _staged_checkpoint(drain_torpord)
+    with pytest.raises(Aborted, match="cannot move them .GPU-aaaa -> GPU-bbbb"):
+        drain_torpord.RestoreAndUnlock(drain_torpord.pb.RestoreAndUnlockRequest(
+            op_id=ck.op_id, gpu_map={"GPU-aaaa": "GPU-bbbb"}), Ctx())
+    assert [o.id for o in drain_torpord.ops.open_ops()] == [ck.op_id]
+    r = drain_torpord.RestoreAndUnlock(drain_torpord.pb.RestoreAndUnlockRequest(
+        op_id=ck.op_id, gpu_map={"GPU-aaaa": "GPU-aaaa"}), Ctx())
+    assert r.drain_error == "" and r.drained == len(world.agent.original), r
+    assert world.agent.intact and world.agent.resumed_held is True
+    files = sorted((stage / str(PID)).iterdir())
+    assert [f.read_bytes() for f in files] == _layout(world.agent.original, 3)
+
+
 def test_a_failed_dump_of_a_container_with_a_deferred_copy_rolls_back_through_the_memory(
         world, drain_torpord, monkeypatch):
     """runc's dump failed (Rollback) while the copier still copies: the rollback waits for it,

@@ -15,7 +15,7 @@ import functools
 import logging
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import grpc
 
@@ -166,6 +166,7 @@ class Service:
         if request.op_id:     # --leave-running: the dump is done and the processes still live
             if request.pids or request.container_id:
                 raise UsageError("give an operation id or PIDs/container, not both")
+            _refuse_moving_deferred(self.ops.get(request.op_id), gpu_map)
             o = self.ops.take(request.op_id)
             with o.ending(self.engine) as engine:   # held memory mapped back, not copied
                 return to_pb(self.pb, container.restore_open(engine, o.op, o.cuda_pids,
@@ -238,6 +239,17 @@ class Service:
         checks = run_checks(self.cfg)
         return self.pb.DoctorResponse(checks=[convert.check_to_pb(self.pb, c) for c in checks])
 
+
+
+def _refuse_moving_deferred(o: OpenOp | None, gpu_map: Mapping[str, str]) -> None:
+    """A --leave-running restore that moves a GPU (gpu_map) of an operation whose copiers still
+    copy its programs' memory on the GPUs it is on: refused (UsageError) before the operation
+    is taken, so it stays open for a restore in place, a Rollback or its timeout."""
+    moves = sorted(f"{a} -> {b}" for a, b in gpu_map.items() if a != b)
+    if o is not None and moves and o.copies:
+        raise UsageError(f"operation {o.id}: its programs' GPU memory is being copied beside "
+                         f"the dump on the GPUs it is on; a --leave-running restore cannot "
+                         f"move them ({', '.join(moves)}): restore it in place (no gpu_map)")
 
 
 def servicer(service: Service) -> Any:
