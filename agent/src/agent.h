@@ -277,10 +277,11 @@ struct move_result {
 	 * copied) and the seconds the imports took */
 	int held, held_back;
 	int hold_fds[HOLD_MAX];
+	char hold_error[160]; /* a save that asked to hold and held nothing: why */
 	double hold_seconds, import_seconds;
 	/* a save with a plan file: its copy left to torpor's copier (defer.c), or why not */
 	int deferred;
-	char defer_error[160];
+	char defer_error[224];
 	char error[256];
 };
 /* Copies every movable allocation into the files (striped, one thread a file; nfds 0: into

@@ -578,12 +578,13 @@ static void prepare_reply(struct client *c, const char *arg, char *out, size_t s
 		     "\"release\":%.6f},\"fingerprints\":{\"parts\":%ld,\"skipped\":%ld,"
 		     "\"skipped_bytes\":%llu,\"seconds\":%.6f,\"error\":\"%s\"},\"zero\":{\"parts\":%ld,"
 		     "\"bytes\":%llu,\"error\":\"%s\"},\"streamed\":%s,\"held\":%d,"
-		     "\"hold_seconds\":%.6f,\"deferred\":%s,\"defer_error\":\"%s\",\"files\":[",
+		     "\"hold_seconds\":%.6f,\"hold_error\":\"%s\",\"deferred\":%s,"
+		     "\"defer_error\":\"%s\",\"files\":[",
 		     r.bytes, r.chunks, r.allocations, released, r.seconds,
 		     r.in_memory ? "true" : "false", r.host_alloc_seconds, r.staging_seconds,
 		     r.copy_seconds, r.vmm_seconds, r.fp_parts, r.fp_skipped, r.fp_skipped_bytes,
 		     r.fp_seconds, r.fp_error, r.zero_parts, r.zero_bytes, r.zero_error,
-		     r.streamed ? "true" : "false", r.held, r.hold_seconds,
+		     r.streamed ? "true" : "false", r.held, r.hold_seconds, r.hold_error,
 		     r.deferred ? "true" : "false", r.defer_error);
 	used = n > 0 && (size_t)n < size ? (size_t)n : size - 1;
 	for (int k = 0; k < r.nfiles && used < size; k++) {

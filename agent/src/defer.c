@@ -180,7 +180,7 @@ static int write_all(int fd, const char *buf, size_t len)
 int defer_save(int plan_fd, int in_memory, int index_fd, int ring_fd, struct move_result *r)
 {
 	struct text t = { 0 };
-	char why[160] = "";
+	char why[sizeof(r->defer_error)] = "";
 
 	if (in_memory || index_fd >= 0 || ring_fd >= 0)
 		snprintf(why, sizeof(why), "only a save into data files without the image store "
@@ -200,8 +200,8 @@ int defer_save(int plan_fd, int in_memory, int index_fd, int ring_fd, struct mov
 	if (!why[0] && plan.nchunks) {
 		hold_export(r);
 		if (r->held != (int)plan.nmv || plan.nhold != (int)plan.nmv)
-			snprintf(why, sizeof(why), "its memory cannot be held (the program's log says "
-				 "why)");
+			snprintf(why, sizeof(why), "its memory cannot be held: %s",
+				 r->hold_error[0] ? r->hold_error : "the program's log says why");
 	}
 	if (!why[0] && !plan.nchunks)
 		snprintf(why, sizeof(why), "nothing to copy");

@@ -423,6 +423,38 @@ int fingerprints_verify(const int *fds, struct move_result *r)
 	return ret;
 }
 
+int fingerprints_match(char *err, size_t errsize)
+{
+	size_t bad = 0, checked = 0;
+	uint64_t *lanes;
+
+	if (!plan.fingerprinted) {
+		snprintf(err, errsize, "the parts have no fingerprints");
+		return -1;
+	}
+	lanes = lanes_all(err, errsize);
+	if (!lanes)
+		return -1;
+	for (size_t j = 0; j < plan.nchunks; j++) {
+		const struct chunk *c = &plan.chunks[j];
+
+		for (int q = 0; q < PARTS; q++) {
+			if (!c->part[q].fingerprinted)
+				continue;
+			checked++;
+			bad += !XXH128_isEqual(part_fp(c, q, lanes + c->part[q].seg * FP_LANES * 2),
+					       c->part[q].fp);
+		}
+	}
+	free(lanes);
+	if (bad) {
+		snprintf(err, errsize, "%zu of %zu parts do not match their fingerprints", bad,
+			 checked);
+		return -1;
+	}
+	return 0;
+}
+
 /* The index torpor reads (agent/PROTOCOL.md): one line a fingerprinted part, its last field
  * 0 (copied), 1 (skipped: the store has it) or z (zero: neither copied nor stored). */
 int index_write(int fd, char *err, size_t errsize)

@@ -275,6 +275,10 @@ void hold_export(struct move_result *r)
 		return;
 	if (plan.nmv > HOLD_MAX)
 		snprintf(why, sizeof(why), "%zu allocations, more than %d", plan.nmv, HOLD_MAX);
+	else if (!plan.fingerprinted)
+		snprintf(why, sizeof(why), "the parts have no GPU fingerprints to check the memory "
+			 "by when it is taken back (TORPOR_AGENT_MOVER_CHECK=host, or no fingerprint "
+			 "kernel)");
 	for (size_t m = 0; !why[0] && m < plan.nmv; m++)
 		if (!vmm_exportable(plan.mv[m].phys))
 			snprintf(why, sizeof(why), "an allocation of %zu bytes at 0x%llx is not "
@@ -296,19 +300,15 @@ void hold_export(struct move_result *r)
 				 strerror(errno));
 			break;
 		}
-		/* a load tells the descriptors apart by their files: a driver whose descriptors
-		 * were one file could not be checked, and the wrong memory mapped is worse than
-		 * a copy */
-		for (int k = 0; k < plan.nhold; k++)
-			if (plan.hold[k].dev == st.st_dev && plan.hold[k].ino == st.st_ino) {
-				snprintf(why, sizeof(why), "the driver's descriptors of two allocations "
-					 "are one file: they cannot be told apart");
-				break;
-			}
+		/* the driver's descriptors are all one file (/dev/nvidiactl, opened anew for each
+		 * export): the file says what kind of descriptor comes back, and only the memory
+		 * itself, its fingerprints checked on import (hold_import), that it is this
+		 * allocation's */
 		plan.hold[plan.nhold++] = (struct held_id){ m, st.st_dev, st.st_ino };
 	}
 	if (why[0]) {
 		hold_close(r);
+		snprintf(r->hold_error, sizeof(r->hold_error), "%s", why);
 		pr_info("nothing held through the checkpoint: %s", why);
 	}
 	r->hold_seconds = seconds_since(t0);
@@ -509,8 +509,9 @@ unsigned long long mover_host_bytes(void)
 
 static int mover_load_from(const int *fds, int nfds, struct move_result *r);
 
-/* Are held the descriptors the save exported, one an allocation, in its order (their files'
- * identities)? 0, or -1 with why in err. */
+/* Are held the descriptors the save exported, one an allocation, in its order, as far as their
+ * files tell (the real driver's are all one file: the fingerprints tell the rest, on import)?
+ * 0, or -1 with why in err. */
 int hold_matches(const int *held, int nheld, char *err, size_t errsize)
 {
 	if (!plan.pending || nheld != plan.nhold) {
@@ -531,12 +532,30 @@ int hold_matches(const int *held, int nheld, char *err, size_t errsize)
 	return 0;
 }
 
+/* The first n held allocations imported by a refused hold_import: a deferred save's let go
+ * again (its memory lives on in the descriptors, the files being no way back), for a retry
+ * from the start; otherwise left mapped, for the copy from the files to write over. */
+static void hold_undo(int n)
+{
+	while (plan.deferred && n-- > 0) {
+		const struct movable *m = &plan.mv[plan.hold[n].mv];
+		CUcontext ctx = track_context_of(m->dev);
+
+		if (ctx)
+			real.cuCtxSetCurrent(ctx);
+		if (vmm_drop(m->phys) != CUDA_SUCCESS)
+			pr_err("letting 0x%llx go again after a refused import failed: it stays "
+			       "mapped", m->src);
+	}
+}
+
 /* Takes the held memory back (nothing copied): 0, or -1 with why in err. Every descriptor is
  * checked before anything is imported; what was imported before a refused import or map stays
  * mapped, and the copy from the files writes the same bytes over it (a deferred save: let go
  * again, the files being no way back). */
 static int hold_import(const int *held, int nheld, char *err, size_t errsize)
 {
+	char why[112];
 	int k;
 
 	if (nheld != plan.nhold) {
@@ -562,20 +581,16 @@ static int hold_import(const int *held, int nheld, char *err, size_t errsize)
 		if (rc != CUDA_SUCCESS) {
 			snprintf(err, errsize, "taking back %zu bytes at 0x%llx: CUresult %d", mv->size,
 				 mv->src, rc);
-			/* deferred: the files are no way back; what was imported is let go again
-			 * (its memory lives on in the descriptors), for a retry from the start */
-			while (plan.deferred && k-- > 0) {
-				const struct movable *m = &plan.mv[plan.hold[k].mv];
-
-				ctx = track_context_of(m->dev);
-				if (ctx)
-					real.cuCtxSetCurrent(ctx);
-				if (vmm_drop(m->phys) != CUDA_SUCCESS)
-					pr_err("letting 0x%llx go again after a refused import failed: "
-					       "it stays mapped", m->src);
-			}
+			hold_undo(k);
 			return -1;
 		}
+	}
+	/* nothing else says each descriptor came back to its own allocation, nor that the
+	 * memory is what was saved: every fingerprinted part read on the GPU */
+	if (fingerprints_match(why, sizeof(why))) {
+		snprintf(err, errsize, "the memory taken back is not what was saved: %s", why);
+		hold_undo(nheld);
+		return -1;
 	}
 	return 0;
 }

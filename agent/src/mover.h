@@ -113,8 +113,9 @@ struct mover_plan {
 	int gpu_check;     /* tune.gpu_check took: the fingerprinted parts have no host sums */
 	int deferred;      /* defer.c: the files have no data until torpor's copier has run */
 	/* held memory: the descriptor the save exported for each movable allocation (mv, in the
-	 * order they were given out), known by its file's identity: a load takes back only that
-	 * file for that allocation */
+	 * order they were given out) and its file's identity, which the real driver's share (all
+	 * /dev/nvidiactl): a load takes back only such a file, in that order, and keeps the
+	 * memory only where every fingerprinted part matches (fingerprints_match) */
 	struct held_id {
 		size_t mv;
 		dev_t dev;
@@ -297,6 +298,9 @@ int zeros_fill(struct move_result *r);
 XXH128_hash_t part_fp_host(const struct chunk *c, int q, const unsigned char *buf);
 /* After a reload: every fingerprint checked again; 0, or -1 with r->error. */
 int fingerprints_verify(const int *fds, struct move_result *r);
+/* Held memory taken back (hold_import): every fingerprinted part read on the GPU matches the
+ * save's fingerprint. 0, or -1 with err (no kernel now, or a mismatch). */
+int fingerprints_match(char *err, size_t errsize);
 /* The index torpor reads: one line a fingerprinted part; 0, or -1 with err. */
 int index_write(int fd, char *err, size_t errsize);
 

@@ -382,6 +382,9 @@ class AgentClient:
         held = reply.get("held", 0)   # descriptors detach_hold() can take (0: an older agent)
         out["held"] = held if isinstance(held, int) and not isinstance(held, bool) and \
             0 <= held <= HOLD_MAX and files else 0
+        why = str(reply.get("hold_error", "") or "")[:200]   # asked to hold, held nothing
+        if why and not out["held"]:
+            out["hold_error"] = why
         if plan is not None:
             # deferred: nothing is in the files until the copier has run, and the held memory
             # is the only copy of the data: a reply that says so without any is not believed

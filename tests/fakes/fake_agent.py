@@ -94,6 +94,7 @@ class FakeAgent:
         # held GPU memory (agent/PROTOCOL.md, TORPOR_AGENT_VMM_EXPORT=1): export=N cuts the
         # memory into N "allocations", each a memfd the prepare keeps and `detach hold` sends
         self.export = 0
+        self.hold_error = ""   # with export 0: why a prepare held nothing (the C agent's reply)
         self.exported: list[int] = []          # the memfds, while the agent has them
         self.exported_ids: list[tuple[int, int]] = []   # (st_dev, st_ino) of each, as sent
         self.deferred = False                  # the last prepare left its copy to a copier
@@ -389,6 +390,8 @@ class FakeAgent:
         return {"ok": True, "bytes": len(self.original), "chunks": len(self.sums),
                 "allocations": 1, "cache_released": 0, "seconds": time.monotonic() - t,
                 "in_memory": not fds, "files": list(self.sizes), "held": held,
+                **({"hold_error": self.hold_error} if fds and not held and self.hold_error
+                   else {}),
                 **({"fingerprints": fingerprints} if fingerprints else {}),
                 **({"streamed": True} if stream else {})}
 

@@ -922,6 +922,17 @@ def test_leave_running_holds_the_memory_through_the_dump_and_maps_it_back(world,
     assert _open_fds(world.agent) == before
 
 
+def test_leave_running_says_why_the_memory_is_not_held(world, fake_criu):
+    """An agent asked to hold that held nothing says why; the operator is told, the copy back
+    is as without held memory, and the manifest keeps no word of it."""
+    world.agent.hold_error = "an allocation of 4096 bytes at 0x7f00 is not exportable"
+    m = process.checkpoint(world.engine(), PID, world.tmp / "ckpt", leave_running=True)
+    assert f"PID {PID}: its GPU memory is copied back after the dump, not held on the GPU " \
+        "(an allocation of 4096 bytes at 0x7f00 is not exportable)" in world.out.getvalue()
+    assert world.agent.intact and world.agent.resumed_held is False
+    assert "hold_error" not in m["agent"][str(PID)]
+
+
 def test_a_checkpoint_that_ends_the_program_holds_nothing(world, fake_criu):
     world.agent.export = 2
     before = _open_fds(world.agent)

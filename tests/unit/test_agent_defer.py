@@ -252,6 +252,31 @@ def test_a_refused_import_changes_nothing_and_the_next_try_takes_it_back(gpu, pr
     _intact(p, prog["mem"])
 
 
+def test_held_memory_that_does_not_match_is_let_go_again_and_changes_nothing(gpu, probe,
+                                                                             tmp_path):
+    """Until the copier has filled the files the held memory is the only copy: an import whose
+    memory does not match its fingerprints (the driver's descriptors are all one file: a
+    descriptor given back for the wrong allocation; here the memory written while held) is
+    let go again and nothing changes; the next try with the right memory takes it back."""
+    p = probe(EXPORT)
+    prog = _program(p, "vmmfd")
+    files, r = deferred(gpu, p, tmp_path)
+    assert r["deferred"] is True, r
+    r, held = ctl_recv(p.sock, "detach hold")
+    assert ctl_fds(p.sock, "detach release")["ok"]
+    saved = os.pread(held[0], 4096, 4096)
+    os.pwrite(held[0], b"\xab" * 4096, 4096)
+    r = resume_with(p, files, f"resume held={MOVABLE}", held)
+    assert not r["ok"] and "nothing changed" in r["error"], r
+    assert "not what was saved: 1 of " in r["error"], r
+    assert p.status()["gate"] != "open"
+    os.pwrite(held[0], saved, 4096)
+    r = resume_with(p, files, f"resume held={MOVABLE}", held)
+    close_all(held)
+    assert r["ok"] and r["held"] is True, r
+    _intact(p, prog["mem"])
+
+
 def test_a_torpor_gone_before_the_release_leaves_the_memory_with_the_agent(gpu, probe,
                                                                            tmp_path):
     """torpor dies between `detach hold` and `detach release` (its duplicates close with

@@ -57,6 +57,15 @@ def fds_back(p: Probe, before: int) -> None:
 KEPT = MOVABLE   # after a held resume: the duplicates kept, one an allocation (vmm.c)
 
 
+def nothing_copied(gpu, p: Probe, before: dict) -> None:
+    """No data crossed "PCIe" since before: only the fingerprint kernel's table and lanes (a
+    few hundred bytes a part), which check the memory taken back (mover.c, hold_import)."""
+    after = gpu.copies(p.pid)
+    assert after["memset"] == before["memset"], (before, after)
+    for way in ("htod", "dtoh"):
+        assert after[way] - before[way] < MIB, (way, before, after)
+
+
 def prepared(gpu, p: Probe, tmp_path: Path, own: str = "vmmfd", n: int = 2):
     prog = _program(p, own)
     files = Files(tmp_path / "data", n)
@@ -113,7 +122,7 @@ def test_held_memory_comes_back_without_a_copy(gpu, probe, tmp_path):
     close_all(held)
     assert r["ok"] and r["held"] is True and r["bytes"] == 0, r
     assert set(r["phases"]) == {"import", "recreate", "staging", "copy"}, r
-    assert gpu.copies(p.pid) == copies
+    nothing_copied(gpu, p, copies)
     assert "nothing copied" in p.stderr()
     st = p.status()
     assert (st["state"], st["gate"], st["movable_allocations"]) == ("running", "open", MOVABLE)
@@ -133,7 +142,7 @@ def test_held_memory_comes_back_without_a_copy(gpu, probe, tmp_path):
     r = resume_with(p, files2, f"resume held={MOVABLE}", held)
     close_all(held)
     assert r["ok"] and r["held"] is True, r
-    assert gpu.copies(p.pid) == copies
+    nothing_copied(gpu, p, copies)
     _intact(p, prog["mem"])
     fds_back(p, before + KEPT)
 
@@ -225,6 +234,27 @@ def test_wrong_descriptors_are_refused_and_the_files_used(gpu, probe, tmp_path, 
     fds_back(p, before)
 
 
+def test_memory_changed_while_held_is_not_kept_and_the_files_give_it_back(gpu, probe, tmp_path):
+    """The real driver's exported descriptors are all one file (/dev/nvidiactl, opened anew
+    for each export; measured on the H100, 2026-12-06): only the memory itself can say that
+    each descriptor came back to its own allocation. Every fingerprinted part is read on the
+    GPU after the import: memory that no longer matches (here: written while held) is not
+    kept as it is, and the files give every byte back."""
+    p = probe(EXPORT)
+    prog, files, before, r = prepared(gpu, p, tmp_path)
+    r, held = ctl_recv(p.sock, "detach hold")
+    assert r["held"] == MOVABLE
+    os.pwrite(held[0], b"\xab" * 4096, 4096)
+    copies = gpu.copies(p.pid)
+    r = resume_with(p, files, f"resume held={MOVABLE}", held)
+    close_all(held)
+    assert r["ok"] and r["held"] is False, r
+    assert gpu.copies(p.pid)["htod"] - copies["htod"] > MIB
+    assert "held memory not taken back (the memory taken back is not what was saved: 1 of " \
+        in p.stderr(), p.stderr()[-2000:]
+    _intact(p, prog["mem"])
+
+
 @pytest.mark.parametrize("call, how", [
     ("cuMemImportFromShareableHandle", "1 {pid} after=1"),   # the second import
     ("cuMemMap", "2 {pid} after=1 times=1")])                # the second one's mapping
@@ -258,7 +288,7 @@ def test_abort_and_a_resume_while_prepared_take_the_agents_own_held_memory(gpu, 
     copies = gpu.copies(p.pid)
     r = p.ctl("abort")
     assert r["ok"] and r["held"] is True, r
-    assert gpu.copies(p.pid) == copies
+    nothing_copied(gpu, p, copies)
     _intact(p, prog["mem"])
     fds_back(p, before + KEPT)
     # prepared again from the imported handles: held again through the kept descriptors
@@ -346,7 +376,7 @@ def test_a_resume_with_the_files_while_prepared_takes_the_held_memory(gpu, probe
     copies = gpu.copies(p.pid)
     r = files.send(p.sock, "resume", write=False)
     assert r["ok"] and r["held"] is True, r
-    assert gpu.copies(p.pid) == copies
+    nothing_copied(gpu, p, copies)
     _intact(p, prog["mem"])
     fds_back(p, before + KEPT)
 
@@ -357,7 +387,7 @@ def test_the_prepare_deadline_takes_the_held_memory_back(gpu, probe, tmp_path):
     assert r["held"] == MOVABLE
     copies = gpu.copies(p.pid)
     wait_for(lambda: p.status()["state"] == "running", timeout=15, what="the deadline resume")
-    assert gpu.copies(p.pid) == copies
+    nothing_copied(gpu, p, copies)
     assert "nothing copied" in p.stderr()
     _intact(p, prog["mem"])
     fds_back(p, before + KEPT)
@@ -366,7 +396,7 @@ def test_the_prepare_deadline_takes_the_held_memory_back(gpu, probe, tmp_path):
 def test_without_the_knob_nothing_is_held(gpu, probe, tmp_path):
     p = probe()
     prog, files, before, r = prepared(gpu, p, tmp_path)
-    assert r["held"] == 0, r
+    assert r["held"] == 0 and r["hold_error"] == "", r
     assert "nothing held" not in p.stderr()
     r, held = ctl_recv(p.sock, "detach hold")
     assert r == {"ok": True, "held": 0} and held == [], r
@@ -383,6 +413,7 @@ def test_a_program_allocation_not_exportable_holds_nothing(gpu, probe, tmp_path)
     prog, files, before, r = prepared(gpu, p, tmp_path, own="vmm")
     assert r["held"] == 0, r
     assert "is not exportable (the program's own" in p.stderr()
+    assert "is not exportable (the program's own" in r["hold_error"], r   # torpor's log too
     assert p.ctl("detach") == {"ok": True}
     r = resume_with(p, files, "resume")
     assert r["ok"] and r["held"] is False, r

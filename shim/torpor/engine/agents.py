@@ -404,6 +404,10 @@ class AgentMoves:
             op.phase("agent-detach")
             for pid in sorted(targets):
                 held = moved[pid].pop("held", 0)   # not the checkpoint's: this operation's
+                why = moved[pid].pop("hold_error", "")
+                if hold and why:
+                    self.progress.say(f"  PID {pid}: its GPU memory is copied back after the "
+                                      f"dump, not held on the GPU ({why})")
                 try:
                     with self._client(targets[pid], STATUS_TIMEOUT_S) as a:
                         if hold and held:
