@@ -428,13 +428,17 @@ int fingerprints_match(char *err, size_t errsize)
 	size_t bad = 0, checked = 0;
 	uint64_t *lanes;
 
+	char why[96];
+
 	if (!plan.fingerprinted) {
-		snprintf(err, errsize, "the parts have no fingerprints");
+		snprintf(err, errsize, "cannot be checked: the parts have no fingerprints");
 		return -1;
 	}
-	lanes = lanes_all(err, errsize);
-	if (!lanes)
+	lanes = lanes_all(why, sizeof(why));
+	if (!lanes) {
+		snprintf(err, errsize, "cannot be checked on the GPU (%s)", why);
 		return -1;
+	}
 	for (size_t j = 0; j < plan.nchunks; j++) {
 		const struct chunk *c = &plan.chunks[j];
 
@@ -448,8 +452,8 @@ int fingerprints_match(char *err, size_t errsize)
 	}
 	free(lanes);
 	if (bad) {
-		snprintf(err, errsize, "%zu of %zu parts do not match their fingerprints", bad,
-			 checked);
+		snprintf(err, errsize, "is not what was saved (%zu of %zu parts do not match their "
+			 "fingerprints)", bad, checked);
 		return -1;
 	}
 	return 0;

@@ -271,14 +271,15 @@ void hold_export(struct move_result *r)
 	char why[160] = "";
 
 	plan.nhold = r->held = 0;
+	r->hold_error[0] = 0;
 	if (!vmm_hold_enabled() || !plan.nmv)
 		return;
 	if (plan.nmv > HOLD_MAX)
 		snprintf(why, sizeof(why), "%zu allocations, more than %d", plan.nmv, HOLD_MAX);
 	else if (!plan.fingerprinted)
 		snprintf(why, sizeof(why), "the parts have no GPU fingerprints to check the memory "
-			 "by when it is taken back (TORPOR_AGENT_MOVER_CHECK=host, or no fingerprint "
-			 "kernel)");
+			 "by when it is taken back (%.70s)", r->fp_error[0] ? r->fp_error :
+			 "TORPOR_AGENT_MOVER_CHECK=host");
 	for (size_t m = 0; !why[0] && m < plan.nmv; m++)
 		if (!vmm_exportable(plan.mv[m].phys))
 			snprintf(why, sizeof(why), "an allocation of %zu bytes at 0x%llx is not "
@@ -512,14 +513,44 @@ static int mover_load_from(const int *fds, int nfds, struct move_result *r);
 /* Are held the descriptors the save exported, one an allocation, in its order, as far as their
  * files tell (the real driver's are all one file: the fingerprints tell the rest, on import)?
  * 0, or -1 with why in err. */
+/* Do two of fds share one open file description (one a dup of the other)? Its status flags are
+ * the description's: O_NONBLOCK flipped on one shows on the other. 0: none; k + 1 of one that
+ * shares with an earlier one; -(k + 1) of one whose flags cannot be read or set. */
+static int shared_description(const int *fds, int n)
+{
+	int flags[HOLD_MAX];
+
+	for (int k = 0; k < n && k < HOLD_MAX; k++)
+		if ((flags[k] = fcntl(fds[k], F_GETFL)) < 0)
+			return -(k + 1);
+	for (int i = 0; i < n && i < HOLD_MAX; i++) {
+		int found = 0;
+
+		if (fcntl(fds[i], F_SETFL, flags[i] ^ O_NONBLOCK) < 0)
+			return -(i + 1);
+		for (int j = i + 1; j < n && j < HOLD_MAX && !found; j++) {
+			int now = fds[j] == fds[i] ? flags[j] ^ O_NONBLOCK : fcntl(fds[j], F_GETFL);
+
+			if (now >= 0 && ((now ^ flags[j]) & O_NONBLOCK))
+				found = j + 1;
+		}
+		fcntl(fds[i], F_SETFL, flags[i]);
+		if (found)
+			return found;
+	}
+	return 0;
+}
+
 int hold_matches(const int *held, int nheld, char *err, size_t errsize)
 {
+	int k;
+
 	if (!plan.pending || nheld != plan.nhold) {
 		snprintf(err, errsize, "%d descriptors given, %d held", nheld,
 			 plan.pending ? plan.nhold : 0);
 		return -1;
 	}
-	for (int k = 0; k < nheld; k++) {
+	for (k = 0; k < nheld; k++) {
 		struct stat st;
 
 		if (fstat(held[k], &st) < 0 || st.st_dev != plan.hold[k].dev ||
@@ -529,15 +560,26 @@ int hold_matches(const int *held, int nheld, char *err, size_t errsize)
 			return -1;
 		}
 	}
+	/* one file is no proof (the driver's are all one device node), but one description
+	 * given for two allocations would map one memory at both: the fingerprints cannot
+	 * tell two allocations of the same bytes (zeros) apart */
+	k = shared_description(held, nheld);
+	if (k) {
+		snprintf(err, errsize, k > 0 ? "descriptor %d is a duplicate of another" :
+			 "descriptor %d: cannot read its status flags", (k > 0 ? k : -k) - 1);
+		return -1;
+	}
 	return 0;
 }
 
-/* The first n held allocations imported by a refused hold_import: a deferred save's let go
- * again (its memory lives on in the descriptors, the files being no way back), for a retry
- * from the start; otherwise left mapped, for the copy from the files to write over. */
+/* The first n held allocations imported by a refused hold_import let go again: a deferred
+ * save's memory lives on in the descriptors (the files being no way back), for a retry from
+ * the start; any other's load re-creates fresh memory of each allocation's size for the copy
+ * from the files (an import refused may have been another allocation's memory, of another
+ * size, or another program's). */
 static void hold_undo(int n)
 {
-	while (plan.deferred && n-- > 0) {
+	while (n-- > 0) {
 		const struct movable *m = &plan.mv[plan.hold[n].mv];
 		CUcontext ctx = track_context_of(m->dev);
 
@@ -588,7 +630,7 @@ static int hold_import(const int *held, int nheld, char *err, size_t errsize)
 	/* nothing else says each descriptor came back to its own allocation, nor that the
 	 * memory is what was saved: every fingerprinted part read on the GPU */
 	if (fingerprints_match(why, sizeof(why))) {
-		snprintf(err, errsize, "the memory taken back is not what was saved: %s", why);
+		snprintf(err, errsize, "the memory taken back %s", why);
 		hold_undo(nheld);
 		return -1;
 	}

@@ -268,7 +268,7 @@ def test_held_memory_that_does_not_match_is_let_go_again_and_changes_nothing(gpu
     os.pwrite(held[0], b"\xab" * 4096, 4096)
     r = resume_with(p, files, f"resume held={MOVABLE}", held)
     assert not r["ok"] and "nothing changed" in r["error"], r
-    assert "not what was saved: 1 of " in r["error"], r
+    assert "is not what was saved (1 of " in r["error"], r
     assert p.status()["gate"] != "open"
     os.pwrite(held[0], saved, 4096)
     r = resume_with(p, files, f"resume held={MOVABLE}", held)

@@ -250,7 +250,7 @@ def test_memory_changed_while_held_is_not_kept_and_the_files_give_it_back(gpu, p
     close_all(held)
     assert r["ok"] and r["held"] is False, r
     assert gpu.copies(p.pid)["htod"] - copies["htod"] > MIB
-    assert "held memory not taken back (the memory taken back is not what was saved: 1 of " \
+    assert "held memory not taken back (the memory taken back is not what was saved (1 of " \
         in p.stderr(), p.stderr()[-2000:]
     _intact(p, prog["mem"])
 
@@ -259,8 +259,8 @@ def test_memory_changed_while_held_is_not_kept_and_the_files_give_it_back(gpu, p
     ("cuMemImportFromShareableHandle", "1 {pid} after=1"),   # the second import
     ("cuMemMap", "2 {pid} after=1 times=1")])                # the second one's mapping
 def test_a_refused_import_or_map_falls_back_to_the_files(gpu, probe, tmp_path, call, how):
-    """What was imported stays mapped and the copy writes the same bytes over it; an import
-    that could not be mapped is released again (the GPU's count says so)."""
+    """What was imported is let go again and the copy re-creates the memory; an import that
+    could not be mapped is released again (the GPU's count says so)."""
     p = probe(EXPORT)
     prog = _program(p, "vmmfd")
     mem = _gpu_mem(gpu, p)
@@ -276,9 +276,10 @@ def test_a_refused_import_or_map_falls_back_to_the_files(gpu, probe, tmp_path, c
     _intact(p, prog["mem"])
     st = p.status()
     assert (st["movable_allocations"], st["moved_allocations"]) == (MOVABLE, 0)
-    # every handle counted once, as before the prepare: no import left unreleased
+    # every handle counted once, as before the prepare: what was imported was let go again,
+    # and the copy re-created the memory
     assert _gpu_mem(gpu, p) == mem
-    fds_back(p, before + 1)   # the first, imported and mapped, keeps its descriptor
+    fds_back(p, before)
 
 
 def test_abort_and_a_resume_while_prepared_take_the_agents_own_held_memory(gpu, probe,
@@ -510,3 +511,123 @@ def test_the_memory_a_prepare_exports_is_never_inherited(gpu, probe, tmp_path):
         flags = next(int(line.split()[1], 8) for line in
                      open(f"/proc/{p.pid}/fdinfo/{fd}") if line.startswith("flags:"))
         assert flags & os.O_CLOEXEC, (fd, oct(flags))
+
+
+# -- the real driver's descriptors: all one file -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def one_file_agent(tmp_path_factory) -> Path:
+    """The agent built so that the fake's exported memfds stat as the real driver's descriptors
+    do, every one the same device node (/dev/nvidiactl, opened anew for each export:
+    TORPOR_TEST_DRIVER_ONE_FILE in glibc_compat.h, a test build only)."""
+    import subprocess
+    from tests.unit.test_agent import AGENT_DIR
+    build = tmp_path_factory.mktemp("one-file")
+    r = subprocess.run(["make", "-s", "-C", str(AGENT_DIR), f"BUILD={build}", "lib",
+                        "EXTRA_CFLAGS=-DTORPOR_TEST_DRIVER_ONE_FILE"], capture_output=True,
+                       text=True)
+    if r.returncode:
+        pytest.skip(f"the one-file test build failed: {r.stderr[-500:]}")
+    return build / "libtorpor-agent.so"
+
+
+def one_file(lib: Path) -> dict:
+    return {**EXPORT, "LD_PRELOAD": str(lib)}
+
+
+def test_with_the_driver_s_one_file_the_memory_is_held_and_comes_back(gpu, probe, tmp_path,
+                                                                        one_file_agent):
+    """Told apart by their files, the driver's descriptors held nothing (the H100 run of
+    2026-12-06); taken back in their order and checked by their memory, they hold."""
+    p = probe(one_file(one_file_agent))
+    prog, files, before, r = prepared(gpu, p, tmp_path)
+    assert r["held"] == MOVABLE and r["hold_error"] == "", r
+    r, held = ctl_recv(p.sock, "detach hold")
+    copies = gpu.copies(p.pid)
+    r = resume_with(p, files, f"resume held={MOVABLE}", held)
+    close_all(held)
+    assert r["ok"] and r["held"] is True, r
+    nothing_copied(gpu, p, copies)
+    _intact(p, prog["mem"])
+
+
+def _sizes(held: list[int]) -> list[int]:
+    return [os.fstat(fd).st_size for fd in held]
+
+
+@pytest.mark.parametrize("wrong", ["duplicate", "swapped"])
+def test_with_the_driver_s_one_file_wrong_descriptors_are_not_kept(gpu, probe, tmp_path,
+                                                                    one_file_agent, wrong):
+    """One file tells nothing: a descriptor given twice is refused by its open file
+    description (one memory would be mapped at two allocations), descriptors out of order by
+    the memory's fingerprints; either way the files give every byte back, and once the held
+    descriptors are closed the GPU holds what it held before the prepare."""
+    p = probe(one_file(one_file_agent))
+    prog = _program(p, "vmmfd")
+    mem = _gpu_mem(gpu, p)
+    files = Files(tmp_path / "data", 2)
+    assert files.send(p.sock, "prepare 5000", write=True)["held"] == MOVABLE
+    r, held = ctl_recv(p.sock, "detach hold")
+    sizes = _sizes(held)
+    big = sizes.index(max(sizes))
+    other = (big + 1) % MOVABLE
+    given = list(held)
+    if wrong == "duplicate":
+        given[other] = held[big]
+    else:
+        given[other], given[big] = held[big], held[other]
+    r = resume_with(p, files, f"resume held={MOVABLE}", given)
+    close_all(held)
+    assert r["ok"] and r["held"] is False, r
+    # out of order, a smaller memory does not map where a bigger one was (or its bytes differ)
+    why = ("is a duplicate of another",) if wrong == "duplicate" else \
+        ("is not what was saved", "held memory not taken back (taking back")
+    assert any(w in p.stderr() for w in why), p.stderr()[-2000:]
+    _intact(p, prog["mem"])
+    assert _gpu_mem(gpu, p) == mem
+    st = p.status()
+    assert (st["state"], st["gate"], st["moved_allocations"]) == ("running", "open", 0), st
+
+
+def test_a_descriptor_given_twice_for_two_zero_allocations_is_refused(gpu, probe, tmp_path,
+                                                                      one_file_agent):
+    """Two allocations of the same bytes (zeros: fresh pools, a JAX arena) have the same
+    fingerprints: only the descriptors' open file descriptions tell one memory given twice
+    from two; mapped at both, a write to one would show in the other."""
+    p = probe(one_file(one_file_agent))
+    assert p.call("init dlsym")["rc"] == 0
+    a = p.call(f"@alloc {4 * MIB} dlsym")["ptr"]
+    b = p.call(f"@alloc {4 * MIB} dlsym")["ptr"]
+    files = Files(tmp_path / "data", 1)
+    r = files.send(p.sock, "prepare 5000", write=True)
+    assert r["ok"] and r["held"] == 2, r
+    r, held = ctl_recv(p.sock, "detach hold")
+    r = resume_with(p, files, "resume held=2", [held[0], held[0]])
+    close_all(held)
+    assert r["ok"] and r["held"] is False, r
+    assert "descriptor 1 is a duplicate of another" in p.stderr(), p.stderr()[-2000:]
+    assert p.call(f"@fill {a} {4 * MIB} 1")["rc"] == 0
+    assert p.call(f"@fill {b} {4 * MIB} 2")["rc"] == 0
+    assert p.call(f"@check {a} {4 * MIB} 1")["ok"], "a's bytes are b's: one memory at both"
+
+
+def test_two_allocations_of_one_size_given_back_swapped_are_told_by_their_memory(
+        gpu, probe, tmp_path, one_file_agent):
+    """Same size, same file: each maps where the other was; only the fingerprints read on
+    the GPU tell, and the files give each its own bytes back."""
+    p = probe(one_file(one_file_agent))
+    assert p.call("init dlsym")["rc"] == 0
+    a = p.call(f"@alloc {4 * MIB} dlsym")["ptr"]
+    b = p.call(f"@alloc {4 * MIB} dlsym")["ptr"]
+    assert p.call(f"@fill {a} {4 * MIB} 1")["rc"] == 0
+    assert p.call(f"@fill {b} {4 * MIB} 2")["rc"] == 0
+    files = Files(tmp_path / "data", 1)
+    r = files.send(p.sock, "prepare 5000", write=True)
+    assert r["ok"] and r["held"] == 2, r
+    r, held = ctl_recv(p.sock, "detach hold")
+    r = resume_with(p, files, "resume held=2", held[::-1])
+    close_all(held)
+    assert r["ok"] and r["held"] is False, r
+    assert "the memory taken back is not what was saved (2 of 2 parts" in p.stderr(), \
+        p.stderr()[-2000:]
+    assert p.call(f"@check {a} {4 * MIB} 1")["ok"] and p.call(f"@check {b} {4 * MIB} 2")["ok"]
