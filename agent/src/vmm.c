@@ -157,18 +157,33 @@ static struct kept_fd {
 	int fd1; /* the descriptor + 1; 0: a free slot */
 	dev_t dev;
 	ino_t ino;
+	int marked; /* a device node or an anonymous inode: its description carries O_APPEND */
 } kept[HOLD_MAX];
+
+/* Does fd (of the file recorded in k) still look like the one kept? A device node or an
+ * anonymous inode is the same file for every descriptor of it (the driver's are all
+ * /dev/nvidiactl): the O_APPEND that kept_add set on the kept one's description, which no
+ * driver descriptor of the program carries, tells it from one the program opened later under
+ * that number. */
+static int kept_is(const struct kept_fd *k, int fd)
+{
+	struct stat st;
+	int fl;
+
+	if (fstat(fd, &st) != 0 || st.st_dev != k->dev || st.st_ino != k->ino)
+		return 0;
+	return !k->marked || ((fl = fcntl(fd, F_GETFL)) >= 0 && (fl & O_APPEND));
+}
 
 /* Under vm.lock: the kept descriptor, if it is still the file it was (else forgotten, not
  * closed); -1 if none. */
 static int kept_get(struct phys *ph)
 {
 	struct kept_fd *k = ph->kept ? &kept[ph->kept - 1] : NULL;
-	struct stat st;
 
 	if (!k)
 		return -1;
-	if (fstat(k->fd1 - 1, &st) == 0 && st.st_dev == k->dev && st.st_ino == k->ino)
+	if (kept_is(k, k->fd1 - 1))
 		return k->fd1 - 1;
 	pr_warn("the descriptor 0x%llx was taken back from is another file now: not kept",
 		ph->id);
@@ -212,25 +227,33 @@ static int kept_floor(void)
 	return top >= 4 * HOLD_MAX ? (int)(top - 2 * HOLD_MAX) : 3;
 }
 
-/* Under vm.lock: a duplicate of fd kept for ph. Only a descriptor that is a file of its own
- * (not a device node, not an anonymous inode all such descriptors share) is kept: its
- * identity is what tells it from whatever the program opens under that number later. None
- * kept (no slot, no descriptor, not such a file): the next prepare asks the driver, which may
- * refuse an imported handle, and that checkpoint copies. */
+/* Under vm.lock: a duplicate of fd kept for ph. Its identity is what tells it from whatever
+ * the program opens under that number later: its file, and for a device node or an anonymous
+ * inode (one file for every descriptor of it: the driver's are all /dev/nvidiactl) O_APPEND
+ * set on its description (kept_is). None kept (no slot, no descriptor, a mark that does not
+ * hold): the next prepare asks the driver, which may refuse an imported handle, and that
+ * checkpoint copies. */
 static void kept_add(struct phys *ph, int fd)
 {
 	static int warned;
 	char path[40], link[64] = "";
 	struct stat st;
-	int i, dup = -1;
+	int i, dup = -1, shared, fl;
 
 	kept_close(kept_take(ph)); /* none: adopted from a dropped handle */
 	snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
-	if (fstat(fd, &st) < 0 || S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode) ||
-	    (readlink(path, link, sizeof(link) - 1) > 0 && !strncmp(link, "anon_inode:", 11))) {
+	if (fstat(fd, &st) < 0)
+		return;
+	shared = S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode) ||
+		 (readlink(path, link, sizeof(link) - 1) > 0 && !strncmp(link, "anon_inode:", 11));
+	/* the description is the client's too (and the copier's): O_APPEND means nothing to a
+	 * device node or to an import */
+	if (shared && ((fl = fcntl(fd, F_GETFL)) < 0 ||
+		       (!(fl & O_APPEND) && fcntl(fd, F_SETFL, fl | O_APPEND) < 0) ||
+		       !(fcntl(fd, F_GETFL) & O_APPEND))) {
 		if (!warned++)
-			pr_info("held memory: the driver's descriptors are not files of their own: "
-				"none kept (a periodic checkpoint holds every other time)");
+			pr_info("held memory: the driver's descriptors cannot be marked (%s): none "
+				"kept (a periodic checkpoint holds every other time)", strerror(errno));
 		return;
 	}
 	for (i = 0; i < HOLD_MAX && kept[i].fd1; i++)
@@ -246,7 +269,8 @@ static void kept_add(struct phys *ph, int fd)
 				"may copy it", ph->id, i < HOLD_MAX ? strerror(errno) : "no slot");
 		return;
 	}
-	kept[i] = (struct kept_fd){ .fd1 = dup + 1, .dev = st.st_dev, .ino = st.st_ino };
+	kept[i] = (struct kept_fd){ .fd1 = dup + 1, .dev = st.st_dev, .ino = st.st_ino,
+				    .marked = shared };
 	ph->kept = i + 1;
 }
 
@@ -895,10 +919,7 @@ void vmm_status(struct vmm_status *st)
 void vmm_after_fork(void)
 {
 	for (int i = 0; i < HOLD_MAX; i++) { /* the parent's memory: not the child's to keep */
-		struct stat st;
-
-		if (kept[i].fd1 && fstat(kept[i].fd1 - 1, &st) == 0 && st.st_dev == kept[i].dev &&
-		    st.st_ino == kept[i].ino)
+		if (kept[i].fd1 && kept_is(&kept[i], kept[i].fd1 - 1))
 			close(kept[i].fd1 - 1);
 		kept[i].fd1 = 0;
 	}

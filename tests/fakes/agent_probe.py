@@ -29,6 +29,8 @@ CUDA runtime does in every thread it runs in; untimed):
                                 file dladdr() says it lies in (rc 0, or -1 when not found)
   cached PTR HANDLE BYTES       no call: a fake sys.modules["torch"] whose cuda.empty_cache()
                                 gives back that VMM mapping (vmmfree), once
+  dup2 FD NUMBER                no call: the program puts a descriptor of its own at NUMBER
+                                (closing what was there), close-on-exec
   quit                          exits 0 (after answering)
 Memory commands: numbers (decimal or 0x...), then an optional DOOR (default dlsym). One that
 makes several calls stops at the first failing one: rc is its CUresult, "failed" its base name.
@@ -313,6 +315,9 @@ class Probe:
                 doc["child_fds"] = json.loads(f.read())
             os.waitpid(pid, 0)
             doc["fds"] = sorted(os.listdir("/proc/self/fd"), key=int)
+            rc = 0
+        elif cmd == "dup2":
+            os.dup2(int(args[0]), int(args[1]), inheritable=False)
             rc = 0
         elif cmd == "quit":
             rc = 0

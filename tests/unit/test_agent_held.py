@@ -631,3 +631,49 @@ def test_two_allocations_of_one_size_given_back_swapped_are_told_by_their_memory
     assert "the memory taken back is not what was saved (2 of 2 parts" in p.stderr(), \
         p.stderr()[-2000:]
     assert p.call(f"@check {a} {4 * MIB} 1")["ok"] and p.call(f"@check {b} {4 * MIB} 2")["ok"]
+
+
+def test_with_the_driver_s_one_file_periodic_checkpoints_hold_every_time(gpu, probe, tmp_path,
+                                                                          one_file_agent):
+    """Memory taken back is an imported handle, which the driver does not export again (nor
+    does the fake): the agent keeps a duplicate of each descriptor it took memory back from
+    and hands that out at the next prepare. The driver's are all one device node: a mark on
+    the kept one's description (O_APPEND) is what tells it, so each checkpoint holds."""
+    p = probe(one_file(one_file_agent))
+    prog, files, before = taken_back(gpu, p, tmp_path)
+    assert len(_kept(p)) == KEPT
+    for n in range(2):
+        again = Files(tmp_path / f"again{n}", 2)
+        r = again.send(p.sock, "prepare 5000", write=True)
+        assert r["ok"] and r["held"] == MOVABLE, r
+        r, held = ctl_recv(p.sock, "detach hold")
+        copies = gpu.copies(p.pid)
+        r = resume_with(p, again, f"resume held={MOVABLE}", held)
+        close_all(held)
+        assert r["ok"] and r["held"] is True, r
+        nothing_copied(gpu, p, copies)
+        _intact(p, prog["mem"])
+        assert len(_kept(p)) == KEPT
+
+
+def test_with_the_driver_s_one_file_a_kept_number_the_program_reuses_is_not_handed_out(
+        gpu, probe, tmp_path, one_file_agent):
+    """The program puts a descriptor of its own, the same device node, at a kept one's number:
+    without the mark it would pass for the kept one, and the next prepare would hand out that
+    other memory as this allocation's (for a deferred copy: the only copy, freed). It is not
+    kept any more: nothing is held (all or nothing), and the files have every byte."""
+    p = probe(one_file(one_file_agent))
+    prog, files, before = taken_back(gpu, p, tmp_path)
+    kept = _kept(p)
+    assert len(kept) == KEPT
+    other = p.call(f"@vmmfd {4 * MIB}")                 # the program's own, never held
+    fd = p.call(f"@export {other['handle']}")["fd"]
+    assert p.call(f"dup2 {fd} {kept[0]}")["rc"] == 0
+    again = Files(tmp_path / "again", 2)
+    r = again.send(p.sock, "prepare 5000", write=True)
+    assert r["ok"] and r["held"] == 0, r
+    assert "is another file now: not kept" in p.stderr(), p.stderr()[-2000:]
+    assert ctl_recv(p.sock, "detach hold")[0]["held"] == 0
+    r = again.send(p.sock, "resume", write=False)
+    assert r["ok"] and r["held"] is False, r
+    _intact(p, prog["mem"])
