@@ -229,6 +229,10 @@ void vmm_reloaded(void *phys);
 int vmm_hold_enabled(void);
 int vmm_exportable(void *phys);
 CUresult vmm_export_fd(void *phys, int *fd);
+/* Are descriptors a and b one open file description (a duplicate of the other)? 1, 0, or -1
+ * when that cannot be told. kcmp(KCMP_FILE), else O_NONBLOCK flipped on a and looked for on b
+ * (then set back). */
+int fd_same_description(int a, int b);
 int vmm_dropped(void *phys);
 CUresult vmm_adopt(void *phys, int fd);
 /* Every descriptor memory was taken back from (vmm.c, "kept") closed: after a prepare's drop. */

@@ -513,31 +513,14 @@ static int mover_load_from(const int *fds, int nfds, struct move_result *r);
 /* Are held the descriptors the save exported, one an allocation, in its order, as far as their
  * files tell (the real driver's are all one file: the fingerprints tell the rest, on import)?
  * 0, or -1 with why in err. */
-/* Do two of fds share one open file description (one a dup of the other)? Its status flags are
- * the description's: O_NONBLOCK flipped on one shows on the other. 0: none; k + 1 of one that
- * shares with an earlier one; -(k + 1) of one whose flags cannot be read or set. */
+/* Do two of fds share one open file description (one a duplicate of the other)? 0: none;
+ * k + 1 of one that shares with an earlier one (or of one for which that cannot be told). */
 static int shared_description(const int *fds, int n)
 {
-	int flags[HOLD_MAX];
-
-	for (int k = 0; k < n && k < HOLD_MAX; k++)
-		if ((flags[k] = fcntl(fds[k], F_GETFL)) < 0)
-			return -(k + 1);
-	for (int i = 0; i < n && i < HOLD_MAX; i++) {
-		int found = 0;
-
-		if (fcntl(fds[i], F_SETFL, flags[i] ^ O_NONBLOCK) < 0)
-			return -(i + 1);
-		for (int j = i + 1; j < n && j < HOLD_MAX && !found; j++) {
-			int now = fds[j] == fds[i] ? flags[j] ^ O_NONBLOCK : fcntl(fds[j], F_GETFL);
-
-			if (now >= 0 && ((now ^ flags[j]) & O_NONBLOCK))
-				found = j + 1;
-		}
-		fcntl(fds[i], F_SETFL, flags[i]);
-		if (found)
-			return found;
-	}
+	for (int j = 1; j < n; j++)
+		for (int i = 0; i < j; i++)
+			if (fd_same_description(fds[i], fds[j]))
+				return j + 1;
 	return 0;
 }
 
@@ -565,8 +548,8 @@ int hold_matches(const int *held, int nheld, char *err, size_t errsize)
 	 * tell two allocations of the same bytes (zeros) apart */
 	k = shared_description(held, nheld);
 	if (k) {
-		snprintf(err, errsize, k > 0 ? "descriptor %d is a duplicate of another" :
-			 "descriptor %d: cannot read its status flags", (k > 0 ? k : -k) - 1);
+		snprintf(err, errsize, "descriptor %d is a duplicate of another (or cannot be told "
+			 "from one)", k - 1);
 		return -1;
 	}
 	return 0;

@@ -46,6 +46,7 @@
 #include <stdlib.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #define MAX_ACCESS 8  /* access descriptors kept per mapping (devices that may access it) */
@@ -160,6 +161,26 @@ static struct kept_fd {
 	int marked; /* a device node or an anonymous inode: its description carries O_APPEND */
 } kept[HOLD_MAX];
 
+int fd_same_description(int a, int b)
+{
+	int fa, fb, now;
+	long rc;
+
+	if (a == b)
+		return 1;
+	rc = syscall(SYS_kcmp, getpid(), getpid(), 0 /* KCMP_FILE */, a, b);
+	if (rc >= 0)
+		return rc == 0;
+	/* no kcmp here (a kernel without it, a seccomp profile that refuses it): the status
+	 * flags are the description's, O_NONBLOCK flipped on a shows on b */
+	if ((fa = fcntl(a, F_GETFL)) < 0 || (fb = fcntl(b, F_GETFL)) < 0 ||
+	    fcntl(a, F_SETFL, fa ^ O_NONBLOCK) < 0)
+		return -1;
+	now = fcntl(b, F_GETFL);
+	fcntl(a, F_SETFL, fa);
+	return now < 0 ? -1 : ((now ^ fb) & O_NONBLOCK) != 0;
+}
+
 /* Does fd (of the file recorded in k) still look like the one kept? A device node or an
  * anonymous inode is the same file for every descriptor of it (the driver's are all
  * /dev/nvidiactl): the O_APPEND that kept_add set on the kept one's description, which no
@@ -190,6 +211,18 @@ static int kept_get(struct phys *ph)
 	k->fd1 = 0;
 	ph->kept = 0;
 	return -1;
+}
+
+/* Under vm.lock: does ph's kept descriptor k, marked, share its description with another kept
+ * one (or cannot that be told)? The mark is the description's, and the program's own export of
+ * memory taken back gets a duplicate of it: put at another allocation's kept number, it would
+ * pass for that one's, and a prepare would hand out this memory as that allocation's. */
+static int kept_shared(const struct phys *ph, int k)
+{
+	for (int i = 0; i < HOLD_MAX; i++)
+		if (kept[i].fd1 && i != ph->kept - 1 && fd_same_description(k, kept[i].fd1 - 1))
+			return 1;
+	return 0;
 }
 
 /* Under vm.lock: the kept descriptor out of the table, to be closed (kept_close) once the
@@ -827,6 +860,12 @@ CUresult vmm_export_fd(void *p, int *fd)
 
 	pthread_mutex_lock(&vm.lock);
 	k = kept_get(ph); /* taken back from a descriptor: a duplicate of it */
+	if (k >= 0 && kept[ph->kept - 1].marked && kept_shared(ph, k)) {
+		pthread_mutex_unlock(&vm.lock);
+		pr_warn("the descriptor kept for 0x%llx is another kept one's too (the program put "
+			"one of its own there): not handed out", ph->id);
+		return CUDA_ERROR_INVALID_VALUE;
+	}
 	*fd = k >= 0 ? fcntl(k, F_DUPFD_CLOEXEC, 3) : -1;
 	pthread_mutex_unlock(&vm.lock);
 	if (k >= 0)

@@ -677,3 +677,38 @@ def test_with_the_driver_s_one_file_a_kept_number_the_program_reuses_is_not_hand
     r = again.send(p.sock, "resume", write=False)
     assert r["ok"] and r["held"] is False, r
     _intact(p, prog["mem"])
+
+
+def test_with_the_driver_s_one_file_another_kept_description_at_a_kept_number_is_not_handed_out(
+        gpu, probe, tmp_path, one_file_agent):
+    """The program's own export of memory taken back (NCCL's, PyTorch's IPC) gets a duplicate
+    of its kept description, mark and all; put at another allocation's kept number it would
+    pass for that one's, and the next prepare would hand out b's memory as a's (both zeros,
+    one size: one fingerprint; for a deferred copy, a's only copy freed). A kept description
+    that is another kept one's too is not handed out: nothing held, the files have it all."""
+    p = probe(one_file(one_file_agent))
+    assert p.call("init dlsym")["rc"] == 0
+    a = p.call(f"@vmmfd {4 * MIB}")
+    b = p.call(f"@vmmfd {4 * MIB}")
+    files = Files(tmp_path / "data", 1)
+    r = files.send(p.sock, "prepare 5000", write=True)
+    assert r["ok"] and r["held"] == 2, r
+    r, held = ctl_recv(p.sock, "detach hold")
+    r = resume_with(p, files, "resume held=2", held)
+    close_all(held)
+    assert r["ok"] and r["held"] is True, r
+    kept = _kept(p)
+    assert len(kept) == 2, kept
+    fd = p.call(f"@export {b['handle']}")["fd"]   # b is the program's shared memory now
+    for k in kept:                                # a's number gets b's description (b's own
+        assert p.call(f"dup2 {fd} {k}")["rc"] == 0   # number: the same, as it was)
+    again = Files(tmp_path / "again", 1)
+    r = again.send(p.sock, "prepare 5000", write=True)
+    assert r["ok"] and r["held"] == 0, r
+    assert "is another kept one's too" in p.stderr(), p.stderr()[-2000:]
+    assert ctl_recv(p.sock, "detach hold")[0]["held"] == 0
+    r = again.send(p.sock, "resume", write=False)
+    assert r["ok"] and r["held"] is False, r
+    assert p.call(f"@fill {a['ptr']} {4 * MIB} 1")["rc"] == 0
+    assert p.call(f"@fill {b['ptr']} {4 * MIB} 2")["rc"] == 0
+    assert p.call(f"@check {a['ptr']} {4 * MIB} 1")["ok"], "a's bytes are b's"

@@ -242,9 +242,10 @@ class Service:
 
 
 def _refuse_moving_deferred(o: OpenOp | None, gpu_map: Mapping[str, str]) -> None:
-    """A --leave-running restore that moves a GPU (gpu_map) of an operation whose copiers still
-    copy its programs' memory on the GPUs it is on: refused (UsageError) before the operation
-    is taken, so it stays open for a restore in place, a Rollback or its timeout."""
+    """A --leave-running restore that moves a GPU (gpu_map) of an operation that left its copy
+    to copiers (running, or done: its programs' memory is held on the GPUs it is on until the
+    restore maps it back): refused (UsageError) before the operation is taken, so it stays
+    open for a restore in place, a Rollback or its timeout."""
     moves = sorted(f"{a} -> {b}" for a, b in gpu_map.items() if a != b)
     if o is not None and moves and o.copies:
         raise UsageError(f"operation {o.id}: its programs' GPU memory is being copied beside "
