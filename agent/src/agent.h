@@ -305,9 +305,10 @@ int mover_save(const int *fds, int nfds, int known_fd, int index_fd, int ring_fd
 /* Re-creates and reloads what mover_save saved from the same files (none: from the agent's
  * memory), verifying checksums. 0, or -1 with r->error (what was re-created stays; a retry
  * goes on from there). nheld > 0: held, the descriptors a save exported (r->hold_fds, in
- * that order), are taken back first: each one checked to be the file exported for its
- * allocation, imported and mapped where it was, nothing copied (r->held_back); any of that
- * refused (one log line says why), the load goes on from the files as without them. The
+ * that order), are taken back first: each one checked to be of the file exported for its
+ * allocation and no duplicate, imported and mapped where it was, then every fingerprinted part
+ * checked on the GPU, nothing copied (r->held_back); any of that refused (one log line says
+ * why), what was imported is let go and the load goes on from the files as without them. The
  * descriptors stay the caller's to close. After a deferred save (mover_deferred) the files
  * hold nothing until torpor's copier has run: without drained the load only takes the held
  * memory back, and a refused import undoes what it imported and changes nothing. */
@@ -322,8 +323,9 @@ void mover_stream_timeout(long long ms);
 int mover_pending(void);
 /* Is the saved memory's copy deferred (defer.c: the files empty until the copier ran)? */
 int mover_deferred(void);
-/* Are held the descriptors the pending save exported, one an allocation, in its order? 0, or
- * -1 with why in err. */
+/* Are held the descriptors the pending save exported, one an allocation, in its order, as far
+ * as their files and descriptions tell (the fingerprints tell the rest, on import)? 0, or -1
+ * with why in err. */
 int hold_matches(const int *held, int nheld, char *err, size_t errsize);
 int mover_in_memory(void);
 /* Bytes of the agent's own memory holding saved GPU data. */

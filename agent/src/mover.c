@@ -510,9 +510,6 @@ unsigned long long mover_host_bytes(void)
 
 static int mover_load_from(const int *fds, int nfds, struct move_result *r);
 
-/* Are held the descriptors the save exported, one an allocation, in its order, as far as their
- * files tell (the real driver's are all one file: the fingerprints tell the rest, on import)?
- * 0, or -1 with why in err. */
 /* Do two of fds share one open file description (one a duplicate of the other)? 0: none;
  * k + 1 of one that shares with an earlier one (or of one for which that cannot be told). */
 static int shared_description(const int *fds, int n)
@@ -524,6 +521,9 @@ static int shared_description(const int *fds, int n)
 	return 0;
 }
 
+/* Are held the descriptors the save exported, one an allocation, in its order, as far as their
+ * files tell (the real driver's are all one file: the fingerprints tell the rest, on import),
+ * and no description given twice? 0, or -1 with why in err. */
 int hold_matches(const int *held, int nheld, char *err, size_t errsize)
 {
 	int k;
@@ -575,9 +575,8 @@ static void hold_undo(int n)
 }
 
 /* Takes the held memory back (nothing copied): 0, or -1 with why in err. Every descriptor is
- * checked before anything is imported; what was imported before a refused import or map stays
- * mapped, and the copy from the files writes the same bytes over it (a deferred save: let go
- * again, the files being no way back). */
+ * checked before anything is imported, and every fingerprinted part after; whatever a refused
+ * take-back imported is let go again (hold_undo). */
 static int hold_import(const int *held, int nheld, char *err, size_t errsize)
 {
 	char why[112];
