@@ -589,19 +589,29 @@ def test_with_the_driver_s_one_file_wrong_descriptors_are_not_kept(gpu, probe, t
     assert (st["state"], st["gate"], st["moved_allocations"]) == ("running", "open", 0), st
 
 
+def _two_held(p: Probe, tmp_path: Path, cmd: str = "@alloc", seeds=()) -> tuple:
+    """Two 4 MiB allocations (cmd: "@alloc", served by the agent, or "@vmmfd", the program's
+    own, exportable), filled with seeds if given, prepared and held: their pointers (or the
+    probe's replies for @vmmfd), the data files, and the held descriptors in their order."""
+    assert p.call("init dlsym")["rc"] == 0
+    made = [p.call(f"{cmd} {4 * MIB}" + (" dlsym" if cmd == "@alloc" else "")) for _ in "ab"]
+    a, b = (m["ptr"] for m in made) if cmd == "@alloc" else made
+    for ptr, seed in zip((a, b) if cmd == "@alloc" else (), seeds):
+        assert p.call(f"@fill {ptr} {4 * MIB} {seed}")["rc"] == 0
+    files = Files(tmp_path / "data", 1)
+    r = files.send(p.sock, "prepare 5000", write=True)
+    assert r["ok"] and r["held"] == 2, r
+    r, held = ctl_recv(p.sock, "detach hold")
+    return a, b, files, held
+
+
 def test_a_descriptor_given_twice_for_two_zero_allocations_is_refused(gpu, probe, tmp_path,
                                                                       one_file_agent):
     """Two allocations of the same bytes (zeros: fresh pools, a JAX arena) have the same
     fingerprints: only the descriptors' open file descriptions tell one memory given twice
     from two; mapped at both, a write to one would show in the other."""
     p = probe(one_file(one_file_agent))
-    assert p.call("init dlsym")["rc"] == 0
-    a = p.call(f"@alloc {4 * MIB} dlsym")["ptr"]
-    b = p.call(f"@alloc {4 * MIB} dlsym")["ptr"]
-    files = Files(tmp_path / "data", 1)
-    r = files.send(p.sock, "prepare 5000", write=True)
-    assert r["ok"] and r["held"] == 2, r
-    r, held = ctl_recv(p.sock, "detach hold")
+    a, b, files, held = _two_held(p, tmp_path)
     r = resume_with(p, files, "resume held=2", [held[0], held[0]])
     close_all(held)
     assert r["ok"] and r["held"] is False, r
@@ -616,15 +626,7 @@ def test_two_allocations_of_one_size_given_back_swapped_are_told_by_their_memory
     """Same size, same file: each maps where the other was; only the fingerprints read on
     the GPU tell, and the files give each its own bytes back."""
     p = probe(one_file(one_file_agent))
-    assert p.call("init dlsym")["rc"] == 0
-    a = p.call(f"@alloc {4 * MIB} dlsym")["ptr"]
-    b = p.call(f"@alloc {4 * MIB} dlsym")["ptr"]
-    assert p.call(f"@fill {a} {4 * MIB} 1")["rc"] == 0
-    assert p.call(f"@fill {b} {4 * MIB} 2")["rc"] == 0
-    files = Files(tmp_path / "data", 1)
-    r = files.send(p.sock, "prepare 5000", write=True)
-    assert r["ok"] and r["held"] == 2, r
-    r, held = ctl_recv(p.sock, "detach hold")
+    a, b, files, held = _two_held(p, tmp_path, seeds=(1, 2))
     r = resume_with(p, files, "resume held=2", held[::-1])
     close_all(held)
     assert r["ok"] and r["held"] is False, r
@@ -687,13 +689,7 @@ def test_with_the_driver_s_one_file_another_kept_description_at_a_kept_number_is
     one size: one fingerprint; for a deferred copy, a's only copy freed). A kept description
     that is another kept one's too is not handed out: nothing held, the files have it all."""
     p = probe(one_file(one_file_agent))
-    assert p.call("init dlsym")["rc"] == 0
-    a = p.call(f"@vmmfd {4 * MIB}")
-    b = p.call(f"@vmmfd {4 * MIB}")
-    files = Files(tmp_path / "data", 1)
-    r = files.send(p.sock, "prepare 5000", write=True)
-    assert r["ok"] and r["held"] == 2, r
-    r, held = ctl_recv(p.sock, "detach hold")
+    a, b, files, held = _two_held(p, tmp_path, "@vmmfd")
     r = resume_with(p, files, "resume held=2", held)
     close_all(held)
     assert r["ok"] and r["held"] is True, r
