@@ -535,13 +535,9 @@ def one_file(lib: Path) -> dict:
     return {**EXPORT, "LD_PRELOAD": str(lib)}
 
 
-def test_with_the_driver_s_one_file_the_memory_is_held_and_comes_back(gpu, probe, tmp_path,
-                                                                        one_file_agent):
-    """Told apart by their files, the driver's descriptors held nothing (the H100 run of
-    2026-12-06); taken back in their order and checked by their memory, they hold."""
-    p = probe(one_file(one_file_agent))
-    prog, files, before, r = prepared(gpu, p, tmp_path)
-    assert r["held"] == MOVABLE and r["hold_error"] == "", r
+def _held_round(gpu, p: Probe, files: Files, prog: dict) -> None:
+    """After a prepare that held: `detach hold`, and the resume that maps it all back with no
+    copy, every byte intact."""
     r, held = ctl_recv(p.sock, "detach hold")
     copies = gpu.copies(p.pid)
     r = resume_with(p, files, f"resume held={MOVABLE}", held)
@@ -549,6 +545,27 @@ def test_with_the_driver_s_one_file_the_memory_is_held_and_comes_back(gpu, probe
     assert r["ok"] and r["held"] is True, r
     nothing_copied(gpu, p, copies)
     _intact(p, prog["mem"])
+
+
+def _holds_nothing(p: Probe, files: Files, why: str) -> None:
+    """A prepare that holds nothing (the agent's log says why), and its program back from the
+    files."""
+    r = files.send(p.sock, "prepare 5000", write=True)
+    assert r["ok"] and r["held"] == 0, r
+    assert why in p.stderr(), p.stderr()[-2000:]
+    assert ctl_recv(p.sock, "detach hold")[0]["held"] == 0
+    r = files.send(p.sock, "resume", write=False)
+    assert r["ok"] and r["held"] is False, r
+
+
+def test_with_the_driver_s_one_file_the_memory_is_held_and_comes_back(gpu, probe, tmp_path,
+                                                                        one_file_agent):
+    """Told apart by their files, the driver's descriptors held nothing (the H100 run of
+    2026-12-06); taken back in their order and checked by their memory, they hold."""
+    p = probe(one_file(one_file_agent))
+    prog, files, before, r = prepared(gpu, p, tmp_path)
+    assert r["held"] == MOVABLE and r["hold_error"] == "", r
+    _held_round(gpu, p, files, prog)
 
 
 def _sizes(held: list[int]) -> list[int]:
@@ -648,13 +665,7 @@ def test_with_the_driver_s_one_file_periodic_checkpoints_hold_every_time(gpu, pr
         again = Files(tmp_path / f"again{n}", 2)
         r = again.send(p.sock, "prepare 5000", write=True)
         assert r["ok"] and r["held"] == MOVABLE, r
-        r, held = ctl_recv(p.sock, "detach hold")
-        copies = gpu.copies(p.pid)
-        r = resume_with(p, again, f"resume held={MOVABLE}", held)
-        close_all(held)
-        assert r["ok"] and r["held"] is True, r
-        nothing_copied(gpu, p, copies)
-        _intact(p, prog["mem"])
+        _held_round(gpu, p, again, prog)
         assert len(_kept(p)) == KEPT
 
 
@@ -671,13 +682,7 @@ def test_with_the_driver_s_one_file_a_kept_number_the_program_reuses_is_not_hand
     other = p.call(f"@vmmfd {4 * MIB}")                 # the program's own, never held
     fd = p.call(f"@export {other['handle']}")["fd"]
     assert p.call(f"dup2 {fd} {kept[0]}")["rc"] == 0
-    again = Files(tmp_path / "again", 2)
-    r = again.send(p.sock, "prepare 5000", write=True)
-    assert r["ok"] and r["held"] == 0, r
-    assert "is another file now: not kept" in p.stderr(), p.stderr()[-2000:]
-    assert ctl_recv(p.sock, "detach hold")[0]["held"] == 0
-    r = again.send(p.sock, "resume", write=False)
-    assert r["ok"] and r["held"] is False, r
+    _holds_nothing(p, Files(tmp_path / "again", 2), "is another file now: not kept")
     _intact(p, prog["mem"])
 
 
@@ -698,13 +703,7 @@ def test_with_the_driver_s_one_file_another_kept_description_at_a_kept_number_is
     fd = p.call(f"@export {b['handle']}")["fd"]   # b is the program's shared memory now
     for k in kept:                                # a's number gets b's description (b's own
         assert p.call(f"dup2 {fd} {k}")["rc"] == 0   # number: the same, as it was)
-    again = Files(tmp_path / "again", 1)
-    r = again.send(p.sock, "prepare 5000", write=True)
-    assert r["ok"] and r["held"] == 0, r
-    assert "is another kept one's too" in p.stderr(), p.stderr()[-2000:]
-    assert ctl_recv(p.sock, "detach hold")[0]["held"] == 0
-    r = again.send(p.sock, "resume", write=False)
-    assert r["ok"] and r["held"] is False, r
+    _holds_nothing(p, Files(tmp_path / "again", 1), "is another kept one's too")
     assert p.call(f"@fill {a['ptr']} {4 * MIB} 1")["rc"] == 0
     assert p.call(f"@fill {b['ptr']} {4 * MIB} 2")["rc"] == 0
     assert p.call(f"@check {a['ptr']} {4 * MIB} 1")["ok"], "a's bytes are b's"
