@@ -55,11 +55,15 @@ VARIANTS: dict[str, dict] = {
     "default": {},
     # staging a part (4 MiB) at a time is the default since the sweep of 2026-12-05 (resume
     # 47-49 GB/s against 31-34 with chunks at 16 GiB); a chunk (32 MiB) at a time was before
+    # neither held nor drained: the copy out and back inside a --leave-running pause (the
+    # default until 2026-12-06)
+    "plain": {"TORPOR_AGENT_VMM_EXPORT": "0", "cfg:leave_running_drain": False},
     # held memory: a --leave-running checkpoint maps the memory back instead of copying it
     # (agent/PROTOCOL.md "Held memory"); suspends and resumes as default's
-    "hold": {"TORPOR_AGENT_VMM_EXPORT": "1"},
+    "hold": {"TORPOR_AGENT_VMM_EXPORT": "1", "cfg:leave_running_drain": False},
     # held, and the copy out left to torpor-copier beside the driver's checkpoint and the dump
-    # (agent/PROTOCOL.md "The deferred copy"; config leave_running_drain)
+    # (agent/PROTOCOL.md "The deferred copy"; config leave_running_drain): with hold, the
+    # default since 2026-12-06
     "drain": {"TORPOR_AGENT_VMM_EXPORT": "1", "cfg:leave_running_drain": True},
     # each saved part in one pwrite is the default since 2026-12-05 (whole huge pages of the
     # tmpfs: the kernel zeroes what a 1 MiB write leaves of a new 2 MiB page); 1 MiB writes were

@@ -221,7 +221,7 @@ CUresult vmm_drop(void *phys);
 CUresult vmm_recreate(void *phys);
 /* Its data is back: an ordinary allocation again. */
 void vmm_reloaded(void *phys);
-/* Held memory (mover.c): was TORPOR_AGENT_VMM_EXPORT=1 set? Is this movable's memory
+/* Held memory (mover.c): was TORPOR_AGENT_VMM_EXPORT left on (not 0)? Is this movable's memory
  * exportable as a POSIX file descriptor (created asking for it)? Its descriptor (the driver's
  * call, not the hooked one: the handle stays movable); 0 or a CUresult. Is it dropped (no
  * handle now)? vmm_adopt: imports fd as its handle and maps it where it was, access as it
@@ -294,7 +294,7 @@ struct move_result {
  * fingerprints are in known_fd (-1: none), and writes the index to index_fd. 0, or -1 with
  * r->error (nothing dropped). host_budget (0: none): refused, before anything is copied,
  * when the parts to copy (zero and skipped parts left out) need more host memory than this.
- * With TORPOR_AGENT_VMM_EXPORT=1 and every movable allocation exportable (at most HOLD_MAX),
+ * With TORPOR_AGENT_VMM_EXPORT on (the default) and every movable allocation exportable (at most HOLD_MAX),
  * each one's memory is exported to a descriptor before it is released (r->held of them in
  * r->hold_fds, the caller's): the memory stays on the GPU while one of them is open.
  * plan_fd >= 0 (a regular file): the copy is deferred where it can be (defer.c): the memory

@@ -2,7 +2,7 @@
  * leaves the copy to another process, so that it runs beside the driver's checkpoint and
  * CRIU's dump instead of before them.
  *
- * With held memory (mover.c, TORPOR_AGENT_VMM_EXPORT=1) the memory never leaves the GPU
+ * With held memory (mover.c, TORPOR_AGENT_VMM_EXPORT, on by default) the memory never leaves the GPU
  * through a leave-running checkpoint, but the data files must still have every byte before the
  * program runs again, and the copy out was the last PCIe copy inside the pause: 0.37 s at
  * 16 GiB at this host's bound, more than the driver's checkpoint of what is left. A process of
@@ -189,7 +189,7 @@ int defer_save(int plan_fd, int in_memory, int index_fd, int ring_fd, struct mov
 		snprintf(why, sizeof(why), "the parts are not checked by their GPU fingerprints "
 			 "(TORPOR_AGENT_MOVER_CHECK=host, or no fingerprint kernel)");
 	else if (!vmm_hold_enabled())
-		snprintf(why, sizeof(why), "no held memory (TORPOR_AGENT_VMM_EXPORT=1)");
+		snprintf(why, sizeof(why), "no held memory (TORPOR_AGENT_VMM_EXPORT=0)");
 	for (size_t j = 0; !why[0] && j < plan.nchunks; j++)
 		for (int q = 0; !why[0] && q < PARTS; q++) {
 			const struct part *pt = &plan.chunks[j].part[q];

@@ -23,7 +23,7 @@
  * memset on the GPU (zeros_fill), then each worker brings its sink's chunks back, checking
  * each checksum.
  *
- * Held memory (TORPOR_AGENT_VMM_EXPORT=1, vmm.c): a save whose every movable allocation is
+ * Held memory (TORPOR_AGENT_VMM_EXPORT, on unless 0; vmm.c): a save whose every movable allocation is
  * exportable also exports each one to a POSIX file descriptor once every byte is out, before
  * the drop. The driver frees released memory only once no descriptor of it is open (measured
  * on the H200: bench/probe_held_memory.c), and its checkpoint then leaves that memory alone

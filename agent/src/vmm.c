@@ -7,8 +7,8 @@
  * the program's own use of the API (PyTorch expandable_segments, vLLM): the handles and where
  * they are mapped, with the access set on each mapping.
  *
- * TORPOR_AGENT_VMM_EXPORT=1 in the program's environment (read once, with
- * TORPOR_AGENT_VMM_MIN; off by default until measured on a GPU): the physical memory of every
+ * TORPOR_AGENT_VMM_EXPORT (read once, with TORPOR_AGENT_VMM_MIN; on unless it is 0, since
+ * held memory was measured on the H100 on 2026-12-06): the physical memory of every
  * cuMemAlloc the agent serves is created exportable as a POSIX file descriptor
  * (requestedHandleTypes), so that a leave-running checkpoint can hold it on the GPU through
  * the driver's checkpoint instead of copying it back (mover.c, "held"). A driver that refuses
@@ -87,9 +87,9 @@ static struct {
 	size_t min_size;             /* cuMemAlloc at least this: served from VMM (0: never) */
 	size_t granularity[MAX_DEVICES];
 	int disabled;                /* the driver refused; cuMemAlloc goes to the driver */
-	int exportable;              /* TORPOR_AGENT_VMM_EXPORT=1: asked for, and on; 0 once the
+	int exportable;              /* TORPOR_AGENT_VMM_EXPORT not 0: asked for, and on; 0 once the
 				      * driver refused it */
-	int export_asked;            /* TORPOR_AGENT_VMM_EXPORT=1 was set (vmm_hold_enabled) */
+	int export_asked;            /* TORPOR_AGENT_VMM_EXPORT not 0 (vmm_hold_enabled) */
 } vm = { .lock = PTHREAD_MUTEX_INITIALIZER };
 
 static pthread_once_t min_once = PTHREAD_ONCE_INIT;
@@ -118,8 +118,8 @@ static void read_knobs(void)
 
 	read_min();
 	if (v && *v && strcmp(v, "0") && strcmp(v, "1"))
-		pr_warn("TORPOR_AGENT_VMM_EXPORT=%s is neither 0 nor 1: off", v);
-	vm.export_asked = vm.exportable = v && !strcmp(v, "1");
+		pr_warn("TORPOR_AGENT_VMM_EXPORT=%s is neither 0 nor 1: on", v);
+	vm.export_asked = vm.exportable = !(v && !strcmp(v, "0"));
 	if (vm.exportable)
 		pr_info("VMM allocations created exportable (POSIX file descriptors): held through "
 			"a leave-running checkpoint");

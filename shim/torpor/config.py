@@ -53,7 +53,7 @@ class Config:
     tcp_established: bool = False               # bare checkpoints keep established TCP connections
     leave_running_staging: bool = True          # --leave-running: agents' data staged in suspend_dir
     writeout_rate_mbps: float = 0.0             # ... and written out at most this fast (0: no limit)
-    leave_running_drain: bool = False           # --leave-running: held memory copied beside the dump
+    leave_running_drain: bool = True            # --leave-running: held memory copied beside the dump
 
     # torpor-runtime fetching a checkpoint image's chunks at restore (registry/chunks.py)
     registry_auth_file: str = ""                # read first: the node's registry credentials

@@ -286,7 +286,7 @@ class FakeAgent:
         plain prepare and why not."""
         if not self.export:
             return {**self._prepare(arg, fds), "deferred": False,
-                    "defer_error": "no held memory (TORPOR_AGENT_VMM_EXPORT=1)"}
+                    "defer_error": "no held memory (TORPOR_AGENT_VMM_EXPORT=0)"}
         self.log.add(f"agent prepare-defer {self.pid}")
         reply = self._prepare(arg, fds, write=False)
         assert self.original is not None

@@ -379,10 +379,11 @@ PINNED_GBPS = 50.0                          # the H200 host's pinned copy rate, 
 
 # the ways a --leave-running checkpoint keeps its pause short: the copy out and back (plain),
 # the memory held on the GPU through the pause (held: no copy back), and held with the copy out
-# left to torpor-copier beside the driver's checkpoint and the dump (drain)
-PAUSE_WAYS = {"plain": ({}, {}),
-              "held": ({"TORPOR_AGENT_VMM_EXPORT": "1"}, {}),
-              "drain": ({"TORPOR_AGENT_VMM_EXPORT": "1"}, {"TORPOR_LEAVE_RUNNING_DRAIN": "1"})}
+# left to torpor-copier beside the driver's checkpoint and the dump (drain: the defaults, no
+# setting at all, since 2026-12-06)
+PAUSE_WAYS = {"plain": ({"TORPOR_AGENT_VMM_EXPORT": "0"}, {"TORPOR_LEAVE_RUNNING_DRAIN": "0"}),
+              "held": ({}, {"TORPOR_LEAVE_RUNNING_DRAIN": "0"}),
+              "drain": ({}, {})}
 
 
 @pytest.mark.parametrize("way", list(PAUSE_WAYS))

@@ -394,8 +394,17 @@ def test_the_prepare_deadline_takes_the_held_memory_back(gpu, probe, tmp_path):
     fds_back(p, before + KEPT)
 
 
-def test_without_the_knob_nothing_is_held(gpu, probe, tmp_path):
+def test_held_is_the_default(gpu, probe, tmp_path):
+    """No TORPOR_AGENT_VMM_EXPORT at all: the memory is exportable and held (the default since
+    the H100 held it on 2026-12-06)."""
     p = probe()
+    prog, _, _ = taken_back(gpu, p, tmp_path)
+    assert "VMM allocations created exportable" in p.stderr()
+    _intact(p, prog["mem"])
+
+
+def test_with_the_knob_at_0_nothing_is_held(gpu, probe, tmp_path):
+    p = probe({"TORPOR_AGENT_VMM_EXPORT": "0"})
     prog, files, before, r = prepared(gpu, p, tmp_path)
     assert r["held"] == 0 and r["hold_error"] == "", r
     assert "nothing held" not in p.stderr()
