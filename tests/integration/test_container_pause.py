@@ -35,12 +35,15 @@ RATE_MBPS = 16          # the write-out takes about 3 s
 
 
 CONFIG = f"writeout_rate_mbps = {RATE_MBPS}\nsuspend_tmpfs = false\n"
+# the staged and the held ways; the deferred copy (the default) has its own fixture below, whose
+# copier is the fake GPU's
+STAGED = CONFIG + "leave_running_drain = false\n"
 
 
 @pytest.fixture
 def daemon(base, gpu):
     """torpord and torpor-runtime (the same config) staging in this test's own suspend_dir."""
-    d = Daemon(base, gpu, CONFIG + f'suspend_dir = "{base / "shm"}"\n').start()
+    d = Daemon(base, gpu, STAGED + f'suspend_dir = "{base / "shm"}"\n').start()
     yield d
     d.stop()
 
@@ -432,4 +435,38 @@ def test_a_container_copy_that_fails_fails_the_checkpoint_not_the_container(drai
             not (images / "torpor.json").exists(), sorted(os.listdir(images))
     finally:
         (gpu.state_dir / "fail" / "torpor-copier").unlink(missing_ok=True)
+        podman.rm(name)
+
+
+def test_torpord_killed_during_the_dump_of_a_drained_checkpoint(drained, gpu, base, name):
+    """The default way (held memory, the copy left to a copier): SIGKILL of torpord while runc
+    dumps. Its descriptors close with it, but the copier, in its own session, keeps its own
+    and finishes the files; the new torpord's recovery waits for it and gives the agent its
+    memory back from them (checked chunk by chunk by the fake agent). The container runs on,
+    intact, and no checkpoint is left."""
+    from torpor.engine import Engine
+    daemon, podman = drained
+    events, sock = _start(podman, gpu, daemon, base, name, export=2)
+    images = podman.bundle(name) / "checkpoint"
+    try:
+        ck = _leave_running(podman, name, images, ".torpor-writing")
+        assert not (images / "torpor-gpu").exists()    # still dumping
+        _kill_torpord(daemon)
+        out, _ = ck.communicate(timeout=120)
+        assert ck.returncode != 0, out
+
+        def recovered() -> bool:
+            with AgentClient(sock) as a:
+                st = a.status()
+            return _staged(daemon) == set() and st["state"] == "running"
+        wait_for(recovered, 60, "the new torpord's recovery")
+        assert "agent prepare-defer" in _events(events)
+        assert podman.state(name) == "running"
+        Engine(daemon.cfg).recover()
+        assert not (images / "torpor.json").exists(), sorted(os.listdir(images))
+        with AgentClient(sock) as a:
+            st = a.status()
+        assert (st["state"], st["gate"], st["intact"]) == ("running", "open", True), st
+        assert not list((daemon.cfg.state_dir / "journal").glob("*.json"))
+    finally:
         podman.rm(name)
