@@ -30,6 +30,13 @@
  * Then one JSON line on stdout: {"ok":true,"bytes","parts","allocations","seconds",
  * "setup_seconds","copy_seconds"}, exit 0; or {"ok":false,"error"}, exit 1 (2: bad usage).
  * Nothing else is written, to the files or anywhere, on a refusal before the copy.
+ *
+ * Once it has the held descriptors it may hold the only copy of the program's GPU memory:
+ * from then on it ignores SIGTERM, SIGINT and SIGHUP (a unit's stop, a system shutdown's
+ * first round, a terminal's hang-up) and ends when the files are full; torpor's own timeout
+ * kills it with SIGKILL. torpor starts it in a systemd scope of its own where systemd runs
+ * (shim/torpor/copier.py), so that the cgroup of the torpor or torpord that started it can be
+ * killed whole without it.
  */
 #define _GNU_SOURCE
 #include "../src/cuda_checkpoint_types.h" /* CUuuid */
@@ -675,6 +682,14 @@ static int result(double t0, double setup, double copy_s, unsigned long long byt
 	return 0;
 }
 
+/* From the go on: the memory may be held by this process alone (see the top). */
+static void keep_going(void)
+{
+	signal(SIGTERM, SIG_IGN);
+	signal(SIGINT, SIG_IGN);
+	signal(SIGHUP, SIG_IGN);
+}
+
 int main(int argc, char **argv)
 {
 	const char *libcuda = NULL;
@@ -721,10 +736,13 @@ int main(int argc, char **argv)
 		fflush(stdout);
 		if (receive(ctl_fd, &plan_fd, held))
 			return result(t0, 0, 0, 0, 0);
+		keep_going();
 		close(ctl_fd);
 		t0 = now();
 	} else if (!libcuda || plan_fd < 0 || !files_given || !nfiles || !nheld || devices_arg) {
 		usage("every option is needed");
+	} else {
+		keep_going();
 	}
 	for (int k = 0; k < nfiles; k++) {
 		struct stat st;

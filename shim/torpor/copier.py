@@ -6,7 +6,8 @@ copy"; config leave_running_drain) has its data files sized but empty once the a
 prepare returns: the agent wrote the plan of the copy into a memfd and released the memory,
 which the descriptors `detach hold` gave torpor keep alive. The copier was started before
 the pause (prestart, in a session of its own: as CRIU, a torpor killed during the pause does
-not take it along) and made its GPU contexts while the program ran; ready() says it got there,
+not take it along; where systemd runs, in a scope of its own too, scoped(): a unit's stop or
+restart kills its whole cgroup, and torpord runs as one) and made its GPU contexts while the program ran; ready() says it got there,
 and only then does the prepare defer its copy (a copier that cannot, on a GPU without room for
 another context, leaves the copy to the agent as without one). hand() gives it the plan, the
 data files and those descriptors; it finishes the files before it lets the memory go. wait()
@@ -19,9 +20,11 @@ program from the files, which the agent checks part by part by their GPU fingerp
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import select
+import shutil
 import socket
 import subprocess
 import time
@@ -35,6 +38,8 @@ BINARY = Path(__file__).resolve().parent / "_agent" / "torpor-copier"
 REPLY_MAX = 64 << 10
 READY_TIMEOUT_S = 30.0  # how long a copier may take to load the driver and make its contexts
 FOREIGN_WAIT_S = 60.0   # how long a recovery waits for another torpor's copier, each time
+SYSTEMD_DIR = Path("/run/systemd/system")   # present where systemd is the init (sd_booted)
+_scopes = itertools.count()
 
 
 class StillCopying(TorporError):
@@ -69,11 +74,28 @@ class Copier:
         return {"copier": self.pid, "copier_start": self.start or 0}
 
 
+def scoped(command: list[str]) -> list[str]:
+    """command, run in a transient systemd scope of its own where systemd is the init and
+    this is root: `systemd-run --scope` moves itself into the new scope and then execs command
+    (same PID, parent and descriptors). Without it a torpord stopped or restarted by systemd
+    (its unit's cgroup killed whole), or a torpor in a login session that is closed, would
+    take the copier along while it holds the only copy of a program's GPU memory. Elsewhere
+    (no systemd, not root) command as it is: its own session still keeps it from torpor's
+    signals."""
+    run = shutil.which("systemd-run")
+    if os.geteuid() != 0 or not run or not SYSTEMD_DIR.is_dir():
+        return command
+    unit = f"torpor-copier-{os.getpid()}-{next(_scopes)}"
+    return [run, "--scope", "--quiet", "--collect", f"--unit={unit}",
+            "--description=torpor-copier: a checkpoint's GPU memory into its data files",
+            "--", *command]
+
+
 def _spawn(args: list[str], fds: Sequence[int], exe: str = "") -> subprocess.Popen[bytes]:
     # every GPU visible, whatever this torpor's shell hides: the program's may be any of them
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     return subprocess.Popen(
-        [str(binary(exe)), *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        scoped([str(binary(exe)), *args]), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL, pass_fds=fds, start_new_session=True, env=env)
 
 

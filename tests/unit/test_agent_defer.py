@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 from torpor import copier
-from tests.unit.test_agent import AGENT_DIR, Probe, build_agent, gpu, probe  # noqa: F401
+from tests.unit.test_agent import AGENT_DIR, Probe, build_agent, delay, gpu, probe  # noqa: F401
 from tests.unit.test_agent_held import EXPORT, MOVABLE, close_all, fds_back, nfds, resume_with
 from tests.unit.test_agent_mover import (MIB, Files, _intact, _program, ctl_fds, ctl_recv,
                                          failing)
@@ -104,6 +106,45 @@ def test_a_deferred_copy_fills_the_files_a_plain_prepare_would(gpu, probe, tmp_p
     assert r["ok"] and r["held"] is False and r["bytes"] > 0, r
     _intact(p, prog["mem"])
     fds_back(p, before)      # the kept descriptors went with the deferred prepare's drop
+    os.close(plan)
+
+
+def test_a_copier_that_has_the_memory_finishes_through_sigterm_sigint_and_sighup(
+        gpu, probe, tmp_path):
+    """Once it has the held descriptors the copier may hold the only copy of the memory: a
+    unit's stop, a shutdown's first round or a hang-up (SIGTERM, SIGINT, SIGHUP) does not end
+    it; the files come out whole and the program gets every byte back from them."""
+    p = probe(EXPORT)
+    prog = _program(p, "vmmfd")
+    files = Files(tmp_path / "d", 2)
+    plan = new_plan()
+    r = prepare_deferred(p, files, plan)
+    assert r["ok"] and r["deferred"] is True, r
+    r, held = ctl_recv(p.sock, "detach hold")
+    rw = [os.open(f, os.O_RDWR | os.O_CLOEXEC) for f in files.paths]
+    delay(gpu, "cuMemcpyDtoHAsync_v2", 100)   # a copy long enough to be signalled
+    build_agent()
+    c = subprocess.Popen([str(COPIER), "--libcuda", gpu.libcuda, "--plan", str(plan),
+                          "--files", ",".join(map(str, rw)), "--held", ",".join(map(str, held))],
+                         pass_fds=[plan, *rw, *held], stdout=subprocess.PIPE,
+                         env={**os.environ, **gpu.env()}, start_new_session=True)
+    try:
+        time.sleep(0.3)
+        assert c.poll() is None, "the copier ended before it was signalled"
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            c.send_signal(sig)
+        out, _ = c.communicate(timeout=60)
+    finally:
+        close_all(rw)
+        (gpu.state_dir / "delay" / "cuMemcpyDtoHAsync_v2").unlink(missing_ok=True)
+    assert c.returncode == 0 and json.loads(out)["ok"] is True, out
+    assert ctl_fds(p.sock, "detach release") == {"ok": True}
+    close_all(held)
+    data = files.open(write=False)
+    r = ctl_fds(p.sock, "resume drained", data)
+    close_all(data)
+    assert r["ok"] and r["bytes"] > 0, r
+    _intact(p, prog["mem"])
     os.close(plan)
 
 

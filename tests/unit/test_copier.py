@@ -185,3 +185,45 @@ def test_a_ready_copier_whose_files_cannot_be_opened_is_let_go(stand_in):
         copier.discard(c)
         os.close(r)
         os.close(w)
+
+
+# -- a systemd scope of its own ------------------------------------------------------------------
+
+SYSTEMD_RUN = r'''#!/bin/sh
+# the stand-in for systemd-run --scope: notes its arguments, then execs what follows "--"
+printf '%s\n' "$@" > "$FAKE_SYSTEMD_RUN_ARGS"
+while [ "$1" != "--" ]; do shift; done
+shift
+exec "$@"
+'''
+
+
+def test_where_systemd_runs_the_copier_gets_a_scope_of_its_own(stand_in, tmp_path, monkeypatch):
+    """torpord runs as a systemd unit whose stop or restart kills its cgroup whole: the copier,
+    which may hold the only copy of a program's memory, is started in a transient scope of its
+    own (systemd-run --scope execs it: the same PID, its reply pipe and socket kept)."""
+    if os.geteuid() != 0:
+        pytest.skip("scopes are for root's copiers")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "systemd-run").write_text(SYSTEMD_RUN)
+    (bin_dir / "systemd-run").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SYSTEMD_RUN_ARGS", str(tmp_path / "args"))
+    monkeypatch.setattr(copier, "SYSTEMD_DIR", tmp_path)     # "systemd is the init"
+    e = _Engine()
+    e.ready_copiers({101: []})
+    try:
+        c = e._ready[101]
+        assert c is not None, e.progress.lines
+        args = (tmp_path / "args").read_text().split("\n")
+        assert args[0] == "--scope" and f"--unit=torpor-copier-{os.getpid()}-" in "\n".join(args)
+        assert args[args.index("--") + 1] == str(copier.BINARY), args
+        assert stand_in.read_text().split() == [str(c.pid)]   # exec'd: the PID torpor keeps
+    finally:
+        e.drop_copiers()
+
+
+def test_without_systemd_the_copier_runs_as_it_is(tmp_path, monkeypatch):
+    monkeypatch.setattr(copier, "SYSTEMD_DIR", tmp_path / "none")
+    assert copier.scoped(["/x/torpor-copier", "--ctl", "3"]) == ["/x/torpor-copier", "--ctl", "3"]
