@@ -466,8 +466,14 @@ def test_leave_running_pauses_for_the_copy_not_the_write(torpor, progs, agent_di
     prog.wait_step(at + 10)
     bit_exact(ref, prog)
     if r["paused_s"] > limit:
-        pytest.xfail(f"paused {r['paused_s']:.2f} s, issue 20's target {limit:.2f} s: the "
-                     f"agent's copies are short of the pinned limit (issue 20 item 4)")
+        # what of the pause no copy can shorten: the driver's checkpoint and restore, CRIU's
+        # dump (the reference program runs on the same GPU meanwhile)
+        t = r["manifest"]["timings"]
+        floor = sum(t.get(k, 0) for k in ("checkpoint", "dump", "gpu-restore"))
+        pytest.xfail(f"paused {r['paused_s']:.2f} s, issue 20's target {limit:.2f} s; the "
+                     f"driver's checkpoint and restore and CRIU's dump took {floor:.2f} s of "
+                     f"it, the agent's prepare and resume "
+                     f"{t.get('agent-prepare', 0) + t.get('agent-resume', 0):.2f} s")
 
 
 # -- CUDA C (runtime API, streams and events) ------------------------------------------------
