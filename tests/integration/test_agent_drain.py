@@ -49,6 +49,8 @@ def test_the_copier_fills_the_files_beside_the_dump(drained, gpu, tmp_path, reap
     assert m["agent"][str(proc.pid)]["deferred"] is True
     drain = m["pause"]["drained"]
     assert drain["programs"] == 1 and drain["bytes"] == 64 << 20, m["pause"]
+    # the copier's own account: its setup (imports, buffers) and its copy
+    assert 0 <= drain["setup_seconds"] and 0 <= drain["copy_seconds"] <= drain["seconds"], drain
     assert torpor.json("inspect", str(images), "--verify")["verified"]
     ticks_on(proc.pid, status, agents)
     assert _digest(proc.pid, status) == before

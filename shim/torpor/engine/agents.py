@@ -520,7 +520,8 @@ class AgentMoves:
                      ) -> tuple[dict[str, Any], dict[int, str]]:
         """How the deferred copies went, once their programs resumed (back: the resumes'
         replies, whose "drain" is the copier's): {"programs", "bytes", "seconds"} (the
-        slowest), {} when there were none; and pid -> why, for each that failed or copied
+        slowest, with its "setup_seconds" (the driver's imports and its buffers) and
+        "copy_seconds" where it said them), {} when there were none; and pid -> why, for each that failed or copied
         other than the bytes its agent planned (its files lack the GPU data). One no resume
         waited for (the resume failed and its retry brought the program back, or the
         program ended) is waited for here."""
@@ -537,10 +538,14 @@ class AgentMoves:
             elif not _filled(d, self._planned.get(p, -2)):
                 bad[p] = (f"it copied {d.get('bytes')} bytes where its agent planned "
                           f"{self._planned.get(p)}")
-        return ({"programs": len(drains),
-                 "bytes": sum(int(d.get("bytes", 0)) for d in drains.values()),
-                 "seconds": round(max(float(d.get("seconds", 0)) for d in drains.values()),
-                                  4)}, bad)
+        slowest = max(drains.values(), key=lambda d: float(d.get("seconds", 0)))
+        summary = {"programs": len(drains),
+                   "bytes": sum(int(d.get("bytes", 0)) for d in drains.values()),
+                   "seconds": round(float(slowest.get("seconds", 0)), 4)}
+        for k in ("setup_seconds", "copy_seconds"):   # where the slowest one's time went
+            if isinstance(slowest.get(k), (int, float)):
+                summary[k] = round(float(slowest[k]), 4)
+        return summary, bad
 
     def held_counts(self) -> dict[int, int]:
         """pid -> the allocations of its GPU memory held now (taken at detach, not yet resumed)."""
