@@ -242,6 +242,8 @@ struct vmm_status {
 	unsigned long long movable_bytes;
 	long dropped;
 	unsigned long long program_bytes; /* the program's own cuMemCreate handles (not moved) */
+	long unexportable; /* movable, but not created exportable: nothing can be held */
+	int hold_asked;    /* TORPOR_AGENT_VMM_EXPORT left on */
 };
 void vmm_status(struct vmm_status *st);
 void vmm_after_fork(void);

@@ -3,7 +3,7 @@
  * object a reply line:
  *
  *   status              {"pid","gate":"open"|"closed","in_flight","waiting","allocations",
- *                        "bytes","contexts"}
+ *                        "bytes","contexts",...,"holdable"} (agent/PROTOCOL.md)
  *   close [timeout_ms]  {"ok":true} once no call is in flight and every context is
  *                       synchronized; {"ok":false,"error":"timeout"} (gate open again) when calls
  *                       stay in flight past timeout_ms (default 10000)
@@ -394,10 +394,14 @@ static void status_reply(char *out, size_t size)
 		 "{\"pid\":%d,\"state\":\"%s\",\"gate\":\"%s\",\"in_flight\":%ld,"
 		 "\"waiting\":%ld,\"allocations\":%ld,\"bytes\":%llu,"
 		 "\"movable_allocations\":%ld,\"movable_bytes\":%llu,\"moved_allocations\":%ld,"
-		 "\"contexts\":%d,\"in_memory\":%s,\"host_bytes\":%llu}\n",
+		 "\"contexts\":%d,\"in_memory\":%s,\"host_bytes\":%llu,\"holdable\":%s}\n",
 		 (int)getpid(), STATE_NAMES[ctl.state], g.closed ? "closed" : "open", g.in_flight,
 		 g.waiting, t.allocations, t.bytes, v.movable, v.movable_bytes, v.dropped,
-		 t.contexts, mover_in_memory() ? "true" : "false", mover_host_bytes());
+		 t.contexts, mover_in_memory() ? "true" : "false", mover_host_bytes(),
+		 /* what a leave-running prepare needs to hold (mover.c): every movable allocation
+		  * exportable, at most HOLD_MAX; torpor starts a copier only for those */
+		 v.hold_asked && v.movable > 0 && !v.unexportable && v.movable <= HOLD_MAX ?
+		 "true" : "false");
 }
 
 static int parse_timeout(const char *arg, long *timeout_ms)

@@ -948,9 +948,11 @@ void vmm_status(struct vmm_status *st)
 		} else if (!ph->shared && ph->real) {
 			st->movable++;
 			st->movable_bytes += ph->size;
+			st->unexportable += !vmm_exportable(ph);
 		}
 	}
 	pthread_mutex_unlock(&vm.lock);
+	st->hold_asked = vmm_hold_enabled();
 }
 
 /* The child of fork() has no GPU memory (CUDA does not survive fork): forget it all (leaked:

@@ -91,8 +91,9 @@ class FakeAgent:
         self.before_host_budget = False        # an agent preloaded before host=N existed
         self.sums: list[str] = []
         self.sizes: list[int] = []             # the data files' sizes at the prepare
-        # held GPU memory (agent/PROTOCOL.md, TORPOR_AGENT_VMM_EXPORT=1): export=N cuts the
-        # memory into N "allocations", each a memfd the prepare keeps and `detach hold` sends
+        # held GPU memory (agent/PROTOCOL.md "Held memory", the real agent's default): export=N
+        # cuts the memory into N "allocations", each a memfd the prepare keeps and `detach
+        # hold` sends; 0 (the fake's default): an agent that cannot hold (status "holdable")
         self.export = 0
         self.hold_error = ""   # with export 0: why a prepare held nothing (the C agent's reply)
         self.exported: list[int] = []          # the memfds, while the agent has them
@@ -260,6 +261,7 @@ class FakeAgent:
         return {"pid": self.pid, "state": self.state, "gate": self.gate, "in_flight": 0,
                 "waiting": 0, "allocations": 1, "bytes": len(self.original),
                 "movable_allocations": 1, "movable_bytes": len(self.original), "contexts": 1,
+                "holdable": self.export > 0,
                 "intact": self.intact}   # the fake's own: every byte back
 
     def _do_close(self, arg: str, fds: list[int]) -> dict[str, Any]:

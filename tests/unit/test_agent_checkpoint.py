@@ -569,11 +569,27 @@ def test_checkpoint_and_restore_carry_the_memory_in_the_images(world, fake_criu)
     assert world.journal_entries() == []
 
 
+def test_no_copier_for_an_agent_that_cannot_hold(world, fake_criu):
+    """The deferred copy is the default, but only an agent whose status says "holdable" can
+    leave its copy to a copier: for the others (TORPOR_AGENT_VMM_EXPORT=0, memory not
+    exportable) no copier is started, no GPU context made beside the program, nothing said."""
+    assert world.cfg.leave_running_drain is True            # the default
+    out: list[str] = []
+    eng = world.engine()
+    eng.progress.say = out.append
+    m = process.checkpoint(eng, PID, world.tmp / "ck", leave_running=True)
+    assert "copier-ready" not in m["timings"], m["timings"]
+    assert not [line for line in out if "torpor-copier" in line or "copiers" in line]
+    assert world.agent.intact and m["pause"]["held"] == 0
+
+
 def test_leave_running_gives_the_memory_back_after_the_dump(world, fake_criu):
     images = world.tmp / "ckpt"
     m = process.checkpoint(world.engine(), PID, images, leave_running=True)
-    # the first status: what staging its data in host memory takes (flows/writeout.py)
-    assert world.log() == ["agent status", "agent status", "agent prepare", "agent detach",
+    # the first status: what staging its data in host memory takes (flows/writeout.py); the
+    # second: whether it can hold its memory (a copier for it, engine.holding: it cannot)
+    assert world.log() == ["agent status", "agent status", "agent status", "agent prepare",
+                           "agent detach",
                            "driver lock", "driver checkpoint", "criu dump", "driver restore",
                            "driver unlock", "agent status", "agent resume"]
     assert world.agent.intact

@@ -403,6 +403,21 @@ def test_held_is_the_default(gpu, probe, tmp_path):
     _intact(p, prog["mem"])
 
 
+@pytest.mark.parametrize("env,own,holdable", [
+    ({}, "vmmfd", True),                                # the default: all exportable
+    ({"TORPOR_AGENT_VMM_EXPORT": "0"}, "vmmfd", False),  # turned off
+    ({}, "vmm", False),                                 # the program's own, not exportable
+])
+def test_status_says_whether_a_prepare_could_hold(gpu, probe, env, own, holdable):
+    """status's "holdable" (torpor starts a copier only where it is not false): what a
+    leave-running prepare would hold, asked before the pause."""
+    p = probe(env)
+    assert p.call("init dlsym")["rc"] == 0
+    assert p.ctl("status")["holdable"] is False            # nothing movable yet
+    _program(p, own)
+    assert p.ctl("status")["holdable"] is holdable
+
+
 def test_with_the_knob_at_0_nothing_is_held(gpu, probe, tmp_path):
     p = probe({"TORPOR_AGENT_VMM_EXPORT": "0"})
     prog, files, before, r = prepared(gpu, p, tmp_path)

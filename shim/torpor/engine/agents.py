@@ -253,6 +253,27 @@ class AgentMoves:
             live[pid] = path
         return live
 
+    def holding(self, sockets: Mapping[int, Path]) -> dict[int, Path]:
+        """The sockets whose agent may hold its memory through a leave-running pause (its
+        status's "holdable" not false; older agents do not say), the only programs a copier
+        can serve: no copier, no GPU context on a nearly full GPU, for the others
+        (TORPOR_AGENT_VMM_EXPORT=0, a driver that refused exportable memory, the program's
+        own allocations not exportable, more than 200). An agent that does not answer is
+        kept: the prepare's own probe says what is wrong with it."""
+        out = {}
+        for pid, path in sorted(sockets.items()):
+            try:
+                with self._client(AgentTarget(pid, path, Path(), pid, 1), STATUS_TIMEOUT_S) as a:
+                    holdable = a.status().get("holdable")
+            except TorporError:
+                holdable = None
+            if holdable is False:
+                log.info("PID %d: its agent cannot hold its memory now: no copier", pid)
+                self._ready.setdefault(pid, None)   # asked: no copier (nor in the pause)
+                continue
+            out[pid] = path
+        return out
+
     def ready_copiers(self, devices: Mapping[int, Collection[str]]) -> None:
         """A copier ready for each pid's deferred copy (copier.prestart: the driver loaded, a
         context on each of its GPUs, NVML's UUIDs in devices[pid]), made before the pause,

@@ -126,11 +126,11 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
         stage = writeout.staging(engine, cuda_pids, sum(inv.memory_of(p) for p in cuda_pids)
                                  if inv else 0) if leave_running else None
         drain = leave_running and cfg.leave_running_drain and store is None
-        if drain and cuda_pids:   # the copiers' contexts made while the program still runs
+        serve = engine.holding(engine.agent_sockets(cuda_pids)) if drain and cuda_pids else {}
+        if serve:   # the copiers' contexts made while the program still runs
             stack.callback(engine.drop_copiers)
             with progress.phase("copier-ready", "torpor-copier ready to copy"):
-                engine.ready_copiers({p: inv.gpus_of(p) if inv else []
-                                      for p in engine.agent_sockets(cuda_pids)})
+                engine.ready_copiers({p: inv.gpus_of(p) if inv else [] for p in serve})
         paused = time.monotonic()
         stack.callback(engine.release_held)   # held GPU memory no resume took, on any path
         try:

@@ -229,10 +229,10 @@ def lock_and_checkpoint(engine: Engine, pids: Sequence[int], *, data: Path | Non
         # a staging's copy left to copiers beside the dump (as a bare checkpoint's), each
         # ready before the pause; not into the store (its fingerprints are checked on the host)
         drain = drain and staged and engine.cfg.leave_running_drain and plan.skip is None
-        if drain:
+        serve = engine.holding(engine.agent_sockets(cuda_pids, agent_dir)) if drain else {}
+        if serve:
             with engine.progress.phase("copier-ready", "torpor-copier ready to copy"):
-                engine.ready_copiers(gpus_of(sorted(engine.agent_sockets(cuda_pids,
-                                                                         agent_dir))))
+                engine.ready_copiers(gpus_of(sorted(serve)))
         try:
             moved = engine.lock_and_checkpoint(  # rolls back and closes op on failure
                 op, cuda_pids, where, agent_dir, scratch=staged, known_fingerprints=plan.skip,
