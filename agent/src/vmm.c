@@ -44,6 +44,7 @@
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <strings.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -117,9 +118,16 @@ static void read_knobs(void)
 	const char *v = getenv("TORPOR_AGENT_VMM_EXPORT");
 
 	read_min();
-	if (v && *v && strcmp(v, "0") && strcmp(v, "1"))
-		pr_warn("TORPOR_AGENT_VMM_EXPORT=%s is neither 0 nor 1: on", v);
-	vm.export_asked = vm.exportable = !(v && !strcmp(v, "0"));
+	/* on unless turned off: 0, off, false or no (any case) turn it off; unset, empty, 1, on,
+	 * true or yes leave it on; anything else leaves it on with a warning */
+	vm.export_asked = 1;
+	if (v && (!strcmp(v, "0") || !strcasecmp(v, "off") || !strcasecmp(v, "false") ||
+		  !strcasecmp(v, "no")))
+		vm.export_asked = 0;
+	else if (v && *v && strcmp(v, "1") && strcasecmp(v, "on") && strcasecmp(v, "true") &&
+		 strcasecmp(v, "yes"))
+		pr_warn("TORPOR_AGENT_VMM_EXPORT=%s is not 0/off/false/no or 1/on/true/yes: on", v);
+	vm.exportable = vm.export_asked;
 	if (vm.exportable)
 		pr_info("VMM allocations created exportable (POSIX file descriptors): held through "
 			"a leave-running checkpoint");

@@ -406,6 +406,11 @@ def test_held_is_the_default(gpu, probe, tmp_path):
 @pytest.mark.parametrize("env,own,holdable", [
     ({}, "vmmfd", True),                                # the default: all exportable
     ({"TORPOR_AGENT_VMM_EXPORT": "0"}, "vmmfd", False),  # turned off
+    ({"TORPOR_AGENT_VMM_EXPORT": "off"}, "vmmfd", False),
+    ({"TORPOR_AGENT_VMM_EXPORT": "FALSE"}, "vmmfd", False),
+    ({"TORPOR_AGENT_VMM_EXPORT": "no"}, "vmmfd", False),
+    ({"TORPOR_AGENT_VMM_EXPORT": ""}, "vmmfd", True),   # empty: as unset
+    ({"TORPOR_AGENT_VMM_EXPORT": "yes"}, "vmmfd", True),
     ({}, "vmm", False),                                 # the program's own, not exportable
 ])
 def test_status_says_whether_a_prepare_could_hold(gpu, probe, env, own, holdable):
