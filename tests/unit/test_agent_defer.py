@@ -110,12 +110,15 @@ def test_a_deferred_copy_fills_the_files_a_plain_prepare_would(gpu, probe, tmp_p
 
 
 def test_a_copier_that_has_the_memory_finishes_through_sigterm_sigint_and_sighup(
-        gpu, probe, tmp_path):
+        gpu, probe, tmp_path, ready_copier):
     """Once it has the held descriptors the copier may hold the only copy of the memory: a
     unit's stop, a shutdown's first round or a hang-up (SIGTERM, SIGINT, SIGHUP) does not end
-    it; the files come out whole and the program gets every byte back from them."""
+    it; the files come out whole and the program gets every byte back from them. torpor's
+    way: ready before the pause (--ctl), then handed its work."""
     p = probe(EXPORT)
     prog = _program(p, "vmmfd")
+    c = ready_copier()
+    assert copier.ready(c, 30) is None
     files = Files(tmp_path / "d", 2)
     plan = new_plan()
     r = prepare_deferred(p, files, plan)
@@ -123,21 +126,17 @@ def test_a_copier_that_has_the_memory_finishes_through_sigterm_sigint_and_sighup
     r, held = ctl_recv(p.sock, "detach hold")
     rw = [os.open(f, os.O_RDWR | os.O_CLOEXEC) for f in files.paths]
     delay(gpu, "cuMemcpyDtoHAsync_v2", 100)   # a copy long enough to be signalled
-    build_agent()
-    c = subprocess.Popen([str(COPIER), "--libcuda", gpu.libcuda, "--plan", str(plan),
-                          "--files", ",".join(map(str, rw)), "--held", ",".join(map(str, held))],
-                         pass_fds=[plan, *rw, *held], stdout=subprocess.PIPE,
-                         env={**os.environ, **gpu.env()}, start_new_session=True)
     try:
+        copier.hand(c, plan, rw, held)
         time.sleep(0.3)
-        assert c.poll() is None, "the copier ended before it was signalled"
+        assert c.proc.poll() is None, "the copier ended before it was signalled"
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            c.send_signal(sig)
-        out, _ = c.communicate(timeout=60)
+            c.proc.send_signal(sig)
+        out = copier.wait(c, 60)
     finally:
-        close_all(rw)
+        close_all(rw + [plan])
         (gpu.state_dir / "delay" / "cuMemcpyDtoHAsync_v2").unlink(missing_ok=True)
-    assert c.returncode == 0 and json.loads(out)["ok"] is True, out
+    assert out.get("ok") is True, out
     assert ctl_fds(p.sock, "detach release") == {"ok": True}
     close_all(held)
     data = files.open(write=False)
@@ -145,7 +144,6 @@ def test_a_copier_that_has_the_memory_finishes_through_sigterm_sigint_and_sighup
     close_all(data)
     assert r["ok"] and r["bytes"] > 0, r
     _intact(p, prog["mem"])
-    os.close(plan)
 
 
 def test_a_prepare_that_cannot_defer_copies_and_says_why(gpu, probe, tmp_path):
