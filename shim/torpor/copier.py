@@ -39,7 +39,15 @@ REPLY_MAX = 64 << 10
 READY_TIMEOUT_S = 30.0  # how long a copier may take to load the driver and make its contexts
 FOREIGN_WAIT_S = 60.0   # how long a recovery waits for another torpor's copier, each time
 SYSTEMD_DIR = Path("/run/systemd/system")   # present where systemd is the init (sd_booted)
+SCOPE_FAILED = "systemd-run could not start it in a scope of its own"
 _scopes = itertools.count()
+_scope_broken = ""   # why systemd-run failed in this process: not asked again (scope_broken)
+
+
+def scope_broken() -> str:
+    """Why systemd-run could not give a copier its scope in this process ("" if it did, or
+    was never asked): the copiers since run in torpor's own cgroup."""
+    return _scope_broken
 
 
 class StillCopying(TorporError):
@@ -69,6 +77,7 @@ class Copier:
     proc: subprocess.Popen[bytes] | None = None   # this torpor's child: its reply on stdout
     ctl: socket.socket | None = None         # ready(): where its go goes (hand)
     early: bytes = b""                       # what it wrote after its ready line
+    scoped: bool = False                     # started by systemd-run --scope (scoped())
 
     def to_json(self) -> dict[str, int]:
         return {"copier": self.pid, "copier_start": self.start or 0}
@@ -83,7 +92,7 @@ def scoped(command: list[str]) -> list[str]:
     (no systemd, not root) command as it is: its own session still keeps it from torpor's
     signals."""
     run = shutil.which("systemd-run")
-    if os.geteuid() != 0 or not run or not SYSTEMD_DIR.is_dir():
+    if os.geteuid() != 0 or not run or not SYSTEMD_DIR.is_dir() or _scope_broken:
         return command
     unit = f"torpor-copier-{os.getpid()}-{next(_scopes)}"
     return [run, "--scope", "--quiet", "--collect", f"--unit={unit}",
@@ -115,7 +124,8 @@ def prestart(libcuda: str, devices: Sequence[str], exe: str = "") -> Copier:
         raise
     finally:
         theirs.close()
-    return Copier(proc.pid, procs.start_time(proc.pid), proc, ours)
+    return Copier(proc.pid, procs.start_time(proc.pid), proc, ours,
+                  scoped=proc.args[0] != str(binary(exe)))
 
 
 def ready(c: Copier, timeout: float = READY_TIMEOUT_S) -> str | None:
@@ -134,6 +144,8 @@ def ready(c: Copier, timeout: float = READY_TIMEOUT_S) -> str | None:
         chunk = os.read(fd, 4096)
         if not chunk:
             why = "it ended with no reply"
+            if c.scoped and not buf:   # systemd-run's own failure (its error is not kept)
+                why = _scope_failed(c)
             break
         buf += chunk
     line, nl, c.early = buf.partition(b"\n")
@@ -148,6 +160,22 @@ def ready(c: Copier, timeout: float = READY_TIMEOUT_S) -> str | None:
             "it said something else"
     discard(c)
     return why
+
+
+def _scope_failed(c: Copier) -> str:
+    """A scoped copier that ended before a word: systemd-run failed (no D-Bus, a systemd
+    without transient scopes, a container that sees the host's /run): said, and this process
+    starts its copiers without a scope from now on."""
+    global _scope_broken
+    assert c.proc is not None
+    try:
+        rc = c.proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        return "it ended its output with no reply"
+    if rc <= 0:    # a signal, or 0: the copier's own end, not systemd-run's
+        return f"it ended with status {rc} and no reply"
+    _scope_broken = f"systemd-run --scope ended with status {rc}"
+    return f"{SCOPE_FAILED} ({_scope_broken})"
 
 
 def hand(c: Copier, plan: int, files: Sequence[int], held: Sequence[int]) -> None:

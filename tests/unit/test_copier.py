@@ -211,6 +211,7 @@ def test_where_systemd_runs_the_copier_gets_a_scope_of_its_own(stand_in, tmp_pat
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     monkeypatch.setenv("FAKE_SYSTEMD_RUN_ARGS", str(tmp_path / "args"))
     monkeypatch.setattr(copier, "SYSTEMD_DIR", tmp_path)     # "systemd is the init"
+    monkeypatch.setattr(copier, "_scope_broken", "")
     e = _Engine()
     e.ready_copiers({101: []})
     try:
@@ -227,3 +228,39 @@ def test_where_systemd_runs_the_copier_gets_a_scope_of_its_own(stand_in, tmp_pat
 def test_without_systemd_the_copier_runs_as_it_is(tmp_path, monkeypatch):
     monkeypatch.setattr(copier, "SYSTEMD_DIR", tmp_path / "none")
     assert copier.scoped(["/x/torpor-copier", "--ctl", "3"]) == ["/x/torpor-copier", "--ctl", "3"]
+
+
+FAILING_SYSTEMD_RUN = r"""#!/bin/sh
+echo "Failed to connect to bus: No such file or directory" >&2
+echo called >> "$FAKE_SYSTEMD_RUN_ARGS"
+exit 1
+"""
+
+
+def test_a_systemd_run_that_fails_leaves_the_copier_unscoped_and_says_so(stand_in, tmp_path,
+                                                                        monkeypatch):
+    """systemd-run refused (no D-Bus, a container that sees the host's /run): the copier is
+    started again without a scope, the operator told once, and this process asks no more."""
+    if os.geteuid() != 0:
+        pytest.skip("scopes are for root's copiers")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "systemd-run").write_text(FAILING_SYSTEMD_RUN)
+    (bin_dir / "systemd-run").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SYSTEMD_RUN_ARGS", str(tmp_path / "args"))
+    monkeypatch.setattr(copier, "SYSTEMD_DIR", tmp_path)
+    monkeypatch.setattr(copier, "_scope_broken", "")
+    e = _Engine()
+    try:
+        e.ready_copiers({101: [], 102: []})
+        assert e._ready[101] is not None and e._ready[102] is not None, e.progress.lines
+        said = [line for line in e.progress.lines if "systemd-run" in line]
+        assert len(said) == 1 and "status 1" in said[0] and "cgroup" in said[0], said
+        assert not any("not ready" in line for line in e.progress.lines), e.progress.lines
+        assert copier.scope_broken() == "systemd-run --scope ended with status 1"
+        asked = (tmp_path / "args").read_text().split()
+        assert len(asked) <= 2           # the first batch only; none once it is known broken
+        assert copier.scoped(["/x/torpor-copier"]) == ["/x/torpor-copier"]
+    finally:
+        e.drop_copiers()

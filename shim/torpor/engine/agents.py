@@ -292,6 +292,7 @@ class AgentMoves:
                 self.progress.say(f"warning: torpor-copier cannot start ({e}): GPU memory is "
                                   "copied before the dump")
             deadline = time.monotonic() + copier.READY_TIMEOUT_S   # one wait for them all
+            said_scope = False
             for pid, c in list(started.items()):
                 try:
                     why = copier.ready(c, max(0.0, deadline - time.monotonic()))
@@ -299,6 +300,13 @@ class AgentMoves:
                     copier.discard(c)
                     why = str(e)
                 del started[pid]
+                if why is not None and why.startswith(copier.SCOPE_FAILED):
+                    if not said_scope:
+                        self.progress.say(f"warning: {why}: torpor-copier runs in this "
+                                          "process's cgroup, which a stop of its unit would "
+                                          "kill with it")
+                        said_scope = True
+                    c, why = self._ready_unscoped(pid, todo[pid], deadline)
                 if why is None:
                     self._ready[pid] = c
                 else:
@@ -307,6 +315,20 @@ class AgentMoves:
         finally:   # an interrupt: none is left running (they hold nothing yet)
             for c in started.values():
                 copier.discard(c)
+
+    def _ready_unscoped(self, pid: int, uuids: Collection[str], deadline: float
+                        ) -> tuple[copier.Copier, str | None]:
+        """pid's copier again, without the systemd scope that failed (copier.scope_broken)."""
+        try:
+            c = copier.prestart(self.cfg.libcuda, sorted(uuids), self.cfg.copier)
+        except (OSError, TorporError) as e:
+            return copier.Copier(0, None), str(e)
+        try:
+            why = copier.ready(c, max(0.0, deadline - time.monotonic()))
+        except BaseException:
+            copier.discard(c)
+            raise
+        return c, why
 
     def drop_copiers(self) -> None:
         """Let go of the ready copiers never handed a copy (they hold nothing)."""
