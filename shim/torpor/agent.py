@@ -26,6 +26,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import resource
 import socket
 import stat
 import struct
@@ -451,9 +452,11 @@ class AgentClient:
                     os.set_inheritable(fd, False)
                 if not data:
                     raise AgentError(f"the agent at {self.path} hung up on 'detach hold'")
-                if flags & socket.MSG_CTRUNC:
-                    raise AgentError(f"the agent at {self.path} sent more descriptors than "
-                                     f"{HOLD_MAX}")
+                if flags & socket.MSG_CTRUNC:   # more than asked for, or past our fd limit
+                    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+                    raise AgentError(f"the descriptors of the GPU memory the agent at "
+                                     f"{self.path} holds were cut short: more than {HOLD_MAX}, "
+                                     f"or past this process's limit on open files ({limit})")
                 if len(fds) > HOLD_MAX:   # over several messages: an agent in a container
                     too_many = True       # is not trusted with this process's fd table
                     for fd in fds:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import time
 from pathlib import Path
 
@@ -258,3 +259,20 @@ def nspid(pid: int) -> int | None:
     except (FileNotFoundError, ProcessLookupError, ValueError, IndexError):
         return None
     return pid  # a kernel without NSpid (< 4.1) has no pid namespaces to speak of
+
+
+def raise_fd_limit() -> str | None:
+    """The soft limit on descriptors up to the hard one, for this process alone (its children
+    inherit it; the programs torpor starts with `torpor run` are not its children then). torpord
+    splices two a connection; a --leave-running checkpoint holds up to 200 a program of its
+    GPU memory through the dump (held memory, the default), more than a shell's 1024 for a
+    job of several ranks. None, or why it could not."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= soft:
+        return None
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE,
+                           (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
+    except (ValueError, OSError) as e:
+        return f"cannot raise the descriptor limit from {soft}: {e}"
+    return None

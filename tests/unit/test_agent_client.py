@@ -425,3 +425,47 @@ def test_an_agent_that_floods_detach_hold_with_descriptors_gets_none_kept(fake, 
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert _open_fds(fake) == before
+
+
+def test_held_descriptors_past_the_fd_limit_are_said_so(tmp_path):
+    """A torpor whose limit on open files is too low for every program's held descriptors:
+    the kernel cuts the message (MSG_CTRUNC); the error names the limit, not only "more than
+    200" (a review's demonstration, scaled down: limit 96, 60 held)."""
+    import resource
+    import threading
+    path = tmp_path / "agent.sock"
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(path))
+    srv.listen(1)
+    held = [os.open("/dev/null", os.O_RDONLY) for _ in range(60)]
+
+    def agent_side():
+        c, _ = srv.accept()
+        c.recv(64)
+        socket.send_fds(c, [b'{"ok":true,"held":60}\n'], held)
+        time.sleep(1)
+        c.close()
+    threading.Thread(target=agent_side, daemon=True).start()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        with AgentClient(path) as a:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (96, hard))
+            with pytest.raises(AgentError, match=r"past this process's limit on open files \(96\)"):
+                a.detach_hold(5)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        for fd in held:
+            os.close(fd)
+        srv.close()
+
+
+def test_raise_fd_limit_lifts_the_soft_limit_to_the_hard_one():
+    """torpor checkpoint --leave-running (and torpord) raise their own soft limit first."""
+    code = ("import resource; h = resource.getrlimit(resource.RLIMIT_NOFILE)[1]; "
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (64, h)); "
+            "from torpor import procs; assert procs.raise_fd_limit() is None; "
+            "s, h2 = resource.getrlimit(resource.RLIMIT_NOFILE); "
+            "print(s == (h if h != resource.RLIM_INFINITY else 1 << 20), s > 64)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert r.stdout.split() == ["True", "True"], r.stderr

@@ -33,7 +33,6 @@ import faulthandler
 import logging
 import math
 import os
-import resource
 import signal
 import sys
 import threading
@@ -41,7 +40,7 @@ from pathlib import Path
 
 import grpc
 
-from .. import __version__, config, logs
+from .. import __version__, config, logs, procs
 from ..engine import Engine
 from ..errors import ExitCode, SidecarError, TorporError, UsageError
 from ..files import private_dir
@@ -73,18 +72,6 @@ def _setup_logging(cfg: config.Config, level: str, foreground: bool) -> None:
     logs.setup(cfg.state_dir, None if foreground else "torpord.log", stderr=foreground,
                level=getattr(logging, level.upper(), logging.INFO), stderr_formatted=True,
                fmt="%(asctime)s torpord[%(process)d] %(levelname)s %(message)s", must=True)
-
-
-def _raise_fd_limit() -> None:
-    """The soft limit on descriptors up to the hard one: each connection torpord splices
-    holds two, and running out must not be the first thing a flood of them does."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or hard > soft:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE,
-                               (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
-        except (ValueError, OSError) as e:
-            log.warning("cannot raise the descriptor limit from %d: %s", soft, e)
 
 
 def _run_dir(cfg: config.Config) -> Path:
@@ -194,7 +181,9 @@ def _serve(cfg: config.Config, args: argparse.Namespace, public: Path, private: 
     except Exception:   # torpord must come up: the reaper retries every RECOVERY_PERIOD_S
         log.exception("recovery at start failed")
 
-    _raise_fd_limit()
+    why = procs.raise_fd_limit()   # each connection torpord splices holds two
+    if why:
+        log.warning("%s", why)
     service = Service(cfg, args.op_timeout)
     # Two gRPC servers over one service: root's calls have workers of their own, so that no
     # flood of the socket owner's calls queues in front of them (the proxy routes by uid);
