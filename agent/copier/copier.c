@@ -3,7 +3,7 @@
  * (agent/src/defer.c says why; agent/PROTOCOL.md "The deferred copy").
  *
  *   torpor-copier --libcuda PATH --plan FD --files FD[,FD...] --held FD[,FD...]
- *   torpor-copier --libcuda PATH --ctl FD [--devices UUID[,UUID...]]
+ *   torpor-copier --libcuda PATH --ctl FD [--devices UUID[,UUID...]] [--deadline SECONDS]
  *
  * plan: the plan the program's agent wrote (defer.c: what is in it); files: the data files, in
  * the agent's order, open for writing and sized already; held: the descriptors of the program's
@@ -34,7 +34,9 @@
  * Once it has the held descriptors it may hold the only copy of the program's GPU memory:
  * from then on it ignores SIGTERM, SIGINT and SIGHUP (a unit's stop, a system shutdown's
  * first round, a terminal's hang-up) and ends when the files are full; torpor's own timeout
- * kills it with SIGKILL. torpor starts it in a systemd scope of its own where systemd runs
+ * kills it with SIGKILL. --deadline: still copying that many seconds after the go (torpor gone,
+ * the copy stuck), it ends by itself with {"ok":false,"error"}: a recovery that waits for it
+ * is not kept waiting for ever. torpor starts it in a systemd scope of its own where systemd runs
  * (shim/torpor/copier.py), so that the cgroup of the torpor or torpord that started it can be
  * killed whole without it.
  */
@@ -151,7 +153,8 @@ static void fail(const char *fmt, ...)
 static void usage(const char *why)
 {
 	fprintf(stderr, "usage: torpor-copier --libcuda PATH --plan FD --files FD[,FD...] --held "
-		"FD[,FD...], or --libcuda PATH --ctl FD [--devices UUID[,UUID...]] (%s)\n", why);
+		"FD[,FD...], or --libcuda PATH --ctl FD [--devices UUID[,UUID...]] "
+		"[--deadline SECONDS] (%s)\n", why);
 	exit(2);
 }
 
@@ -682,6 +685,19 @@ static int result(double t0, double setup, double copy_s, unsigned long long byt
 	return 0;
 }
 
+/* --deadline passed (SIGALRM): one line and out; the descriptors close with the process. */
+static void deadline_passed(int sig)
+{
+	static const char msg[] = "{\"ok\":false,\"error\":\"still copying at its deadline: "
+				  "ended\"}\n";
+	ssize_t r;
+
+	(void)sig;
+	r = write(STDOUT_FILENO, msg, sizeof(msg) - 1);
+	(void)r;
+	_exit(1);
+}
+
 /* From the go on: the memory may be held by this process alone (see the top). */
 static void keep_going(void)
 {
@@ -695,6 +711,7 @@ int main(int argc, char **argv)
 	const char *libcuda = NULL;
 	char *devices_arg = NULL;
 	int plan_fd = -1, ctl_fd = -1, held[MAX_HELD], files_given = 0;
+	long deadline = 0;
 	double t0 = now(), t1, t2;
 	struct worker workers[MAX_FILES];
 	unsigned long long bytes = 0;
@@ -718,6 +735,13 @@ int main(int argc, char **argv)
 			ctl_fd = fd_arg(argv[i + 1]);
 		else if (!strcmp(argv[i], "--devices"))
 			devices_arg = argv[i + 1];
+		else if (!strcmp(argv[i], "--deadline")) {
+			char *end;
+
+			deadline = strtol(argv[i + 1], &end, 10);
+			if (end == argv[i + 1] || *end || deadline <= 0 || deadline > 7 * 86400)
+				usage("a deadline that is not a number of seconds");
+		}
 		else
 			usage("an unknown option");
 	}
@@ -725,7 +749,7 @@ int main(int argc, char **argv)
 		/* ready first: the driver loaded and each GPU's context made while the program runs;
 		 * then the plan and the descriptors, from torpor over the socket */
 		if (plan_fd >= 0 || files_given || nheld || !libcuda)
-			usage("--ctl takes --libcuda and --devices only");
+			usage("--ctl takes --libcuda, --devices and --deadline only");
 		if (load(libcuda) || cuda_init() || (devices_arg && devices_ready(devices_arg)))
 			return result(t0, 0, 0, 0, 0);
 		if (!ndevices) { /* NVML named none (or a MIG instance's parent): nothing proven */
@@ -737,6 +761,10 @@ int main(int argc, char **argv)
 		if (receive(ctl_fd, &plan_fd, held))
 			return result(t0, 0, 0, 0, 0);
 		keep_going();
+		if (deadline) {
+			signal(SIGALRM, deadline_passed);
+			alarm((unsigned)deadline);
+		}
 		close(ctl_fd);
 		t0 = now();
 	} else if (!libcuda || plan_fd < 0 || !files_given || !nfiles || !nheld || devices_arg) {

@@ -108,7 +108,8 @@ def _spawn(args: list[str], fds: Sequence[int], exe: str = "") -> subprocess.Pop
         stderr=subprocess.DEVNULL, pass_fds=fds, start_new_session=True, env=env)
 
 
-def prestart(libcuda: str, devices: Sequence[str], exe: str = "") -> Copier:
+def prestart(libcuda: str, devices: Sequence[str], exe: str = "", deadline_s: float = 0
+             ) -> Copier:
     """A copier started before the pause, with nothing to copy yet: it loads the driver and
     makes a context on each of devices (NVML's UUIDs of the program's GPUs) while the program
     runs, then waits for hand(). ready() says whether it got there; discard() one that is not
@@ -118,6 +119,8 @@ def prestart(libcuda: str, devices: Sequence[str], exe: str = "") -> Copier:
         args = ["--libcuda", libcuda, "--ctl", str(theirs.fileno())]
         if devices:
             args += ["--devices", ",".join(devices)]
+        if deadline_s > 0:   # still copying that long after its go: it ends by itself
+            args += ["--deadline", str(max(1, int(deadline_s)))]
         proc = _spawn(args, [theirs.fileno()], exe)
     except BaseException:
         ours.close()

@@ -146,6 +146,31 @@ def test_a_copier_that_has_the_memory_finishes_through_sigterm_sigint_and_sighup
     _intact(p, prog["mem"])
 
 
+def test_a_copier_still_copying_at_its_deadline_ends_and_says_so(gpu, probe, tmp_path,
+                                                                  ready_copier):
+    """No torpor left to kill a stuck copier (a recovery only waits for another's): past its
+    --deadline it ends by itself, with one line, and lets the memory go."""
+    p = probe(EXPORT)
+    _program(p, "vmmfd")
+    c = ready_copier(deadline_s=1)
+    assert copier.ready(c, 30) is None
+    files, plan = Files(tmp_path / "d", 2), new_plan()
+    r = prepare_deferred(p, files, plan)
+    assert r["ok"] and r["deferred"] is True, r
+    r, held = ctl_recv(p.sock, "detach hold")
+    rw = [os.open(f, os.O_RDWR | os.O_CLOEXEC) for f in files.paths]
+    delay(gpu, "cuMemcpyDtoHAsync_v2", 800)   # every part slow: far past a second
+    try:
+        copier.hand(c, plan, rw, held)
+        t = time.monotonic()
+        out = copier.wait(c, 60)
+    finally:
+        close_all(rw + [plan] + held)
+        (gpu.state_dir / "delay" / "cuMemcpyDtoHAsync_v2").unlink(missing_ok=True)
+    assert out == {"ok": False, "error": "still copying at its deadline: ended"}, out
+    assert time.monotonic() - t < 10
+
+
 def test_a_prepare_that_cannot_defer_copies_and_says_why(gpu, probe, tmp_path):
     """Without held memory (TORPOR_AGENT_VMM_EXPORT=0) nothing can be left to a copier: the
     prepare copies as always, the files are whole, and its reply says why."""
@@ -397,9 +422,9 @@ def ready_copier(gpu, monkeypatch):
         monkeypatch.setenv(k, v)
     started: list[copier.Copier] = []
 
-    def start(devices=None) -> copier.Copier:
+    def start(devices=None, deadline_s: float = 0) -> copier.Copier:
         started.append(copier.prestart(gpu.libcuda, [gpu.uuid(0)] if devices is None
-                                       else devices))
+                                       else devices, deadline_s=deadline_s))
         return started[-1]
     yield start
     for c in started:

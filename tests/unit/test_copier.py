@@ -102,7 +102,8 @@ class _Say:
 
 class _Engine(agents.AgentMoves):
     def __init__(self):
-        self.cfg = types.SimpleNamespace(libcuda="/nonexistent/libcuda.so", copier="")
+        self.cfg = types.SimpleNamespace(libcuda="/nonexistent/libcuda.so", copier="",
+                                         agent_timeout_s=600.0)
         self.progress = _Say()
         self._ready, self._held, self._copiers, self._deferred, self._drains = {}, {}, {}, {}, {}
 

@@ -287,7 +287,7 @@ class AgentMoves:
             try:
                 for pid, uuids in sorted(todo.items()):
                     started[pid] = copier.prestart(self.cfg.libcuda, sorted(uuids),
-                                                   self.cfg.copier)
+                                                   self.cfg.copier, self._copier_deadline())
             except (OSError, TorporError) as e:
                 self.progress.say(f"warning: torpor-copier cannot start ({e}): GPU memory is "
                                   "copied before the dump")
@@ -316,11 +316,18 @@ class AgentMoves:
             for c in started.values():
                 copier.discard(c)
 
+    def _copier_deadline(self) -> float:
+        """When a copier ends by itself (copier.c --deadline): twice the wait this torpor
+        gives it (agent_timeout_s), after which this torpor kills it; the deadline is for
+        when no torpor is left to (a recovery only waits for another's copier)."""
+        return 2 * self.cfg.agent_timeout_s
+
     def _ready_unscoped(self, pid: int, uuids: Collection[str], deadline: float
                         ) -> tuple[copier.Copier, str | None]:
         """pid's copier again, without the systemd scope that failed (copier.scope_broken)."""
         try:
-            c = copier.prestart(self.cfg.libcuda, sorted(uuids), self.cfg.copier)
+            c = copier.prestart(self.cfg.libcuda, sorted(uuids), self.cfg.copier,
+                                self._copier_deadline())
         except (OSError, TorporError) as e:
             return copier.Copier(0, None), str(e)
         try:
