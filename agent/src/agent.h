@@ -242,7 +242,8 @@ struct vmm_status {
 	unsigned long long movable_bytes;
 	long dropped;
 	unsigned long long program_bytes; /* the program's own cuMemCreate handles (not moved) */
-	long unexportable; /* movable, but not created exportable: nothing can be held */
+	long whole;        /* movable as a prepare moves them: mapped whole, the GPU may read */
+	long unexportable; /* of those, not created exportable: nothing can be held */
 	int hold_asked;    /* TORPOR_AGENT_VMM_EXPORT left on */
 };
 void vmm_status(struct vmm_status *st);
@@ -335,6 +336,9 @@ unsigned long long mover_host_bytes(void);
 void mover_after_fork(void);
 /* The mover's tuning from the environment (mover.h, struct mover_tune): read once, at start. */
 void mover_tune_read(void);
+/* Are the moved parts checked by GPU fingerprints (TORPOR_AGENT_MOVER_CHECK=gpu, the
+ * default)? Held memory needs them. */
+int mover_gpu_checked(void);
 
 /* -- GPU fingerprints (fingerprint.c, fingerprint.h) ------------------------------------------ */
 

@@ -398,10 +398,11 @@ static void status_reply(char *out, size_t size)
 		 (int)getpid(), STATE_NAMES[ctl.state], g.closed ? "closed" : "open", g.in_flight,
 		 g.waiting, t.allocations, t.bytes, v.movable, v.movable_bytes, v.dropped,
 		 t.contexts, mover_in_memory() ? "true" : "false", mover_host_bytes(),
-		 /* what a leave-running prepare needs to hold (mover.c): every movable allocation
-		  * exportable, at most HOLD_MAX; torpor starts a copier only for those */
-		 v.hold_asked && v.movable > 0 && !v.unexportable && v.movable <= HOLD_MAX ?
-		 "true" : "false");
+		 /* what a leave-running prepare needs to hold (mover.c hold_export): parts checked
+		  * by GPU fingerprints, every allocation it moves exportable, at most HOLD_MAX;
+		  * torpor starts a copier only for those */
+		 v.hold_asked && mover_gpu_checked() && v.whole > 0 && !v.unexportable &&
+		 v.whole <= HOLD_MAX ? "true" : "false");
 }
 
 static int parse_timeout(const char *arg, long *timeout_ms)

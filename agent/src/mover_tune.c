@@ -125,3 +125,8 @@ void mover_tune_read(void)
 			t.presize ? "first" : "last", stages[t.stage_part], writes[t.write_part]);
 	tune = t;
 }
+
+int mover_gpu_checked(void)
+{
+	return tune.gpu_check;
+}

@@ -747,6 +747,16 @@ int vmm_free(CUdeviceptr dptr, CUresult *rc)
 	return 1;
 }
 
+/* A mapping of the whole handle that the GPU can read: what a prepare copies through (under
+ * vm.lock). */
+static struct vmap *whole_map(const struct phys *ph)
+{
+	for (struct vmap *m = vm.maps; m; m = m->next)
+		if (m->ph == ph && m->offset == 0 && m->size == ph->size && m->naccess)
+			return m;
+	return NULL;
+}
+
 /* -- for the mover (the gate closed) ---------------------------------------------------------- */
 
 struct movable *vmm_movables(size_t *n, unsigned long long *bytes)
@@ -757,14 +767,11 @@ struct movable *vmm_movables(size_t *n, unsigned long long *bytes)
 	*bytes = 0;
 	pthread_mutex_lock(&vm.lock);
 	for (struct phys *ph = vm.phys; ph; ph = ph->next) {
-		struct vmap *whole = NULL;
+		struct vmap *whole;
 
 		if (ph->shared || !ph->real || ph->moved)
 			continue;
-		/* copied through a mapping of the whole handle that the GPU can read */
-		for (struct vmap *m = vm.maps; m && !whole; m = m->next)
-			if (m->ph == ph && m->offset == 0 && m->size == ph->size && m->naccess)
-				whole = m;
+		whole = whole_map(ph);
 		if (!whole)
 			continue;
 		if (count == cap) {
@@ -956,7 +963,10 @@ void vmm_status(struct vmm_status *st)
 		} else if (!ph->shared && ph->real) {
 			st->movable++;
 			st->movable_bytes += ph->size;
-			st->unexportable += !vmm_exportable(ph);
+			if (whole_map(ph)) { /* what vmm_movables gives a prepare */
+				st->whole++;
+				st->unexportable += !vmm_exportable(ph);
+			}
 		}
 	}
 	pthread_mutex_unlock(&vm.lock);

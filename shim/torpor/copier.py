@@ -175,8 +175,8 @@ def _scope_failed(c: Copier) -> str:
         rc = c.proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
         return "it ended its output with no reply"
-    if rc <= 0:    # a signal, or 0: the copier's own end, not systemd-run's
-        return f"it ended with status {rc} and no reply"
+    if rc != 1:    # systemd-run's failure is 1; the copier says its own failures (a JSON
+        return f"it ended with status {rc} and no reply"   # line), 2 is its usage, 127 exec
     _scope_broken = f"systemd-run --scope ended with status {rc}"
     return f"{SCOPE_FAILED} ({_scope_broken})"
 

@@ -423,6 +423,40 @@ def test_status_says_whether_a_prepare_could_hold(gpu, probe, env, own, holdable
     assert p.ctl("status")["holdable"] is holdable
 
 
+@pytest.mark.parametrize("env,unmapped", [
+    (EXPORT, True),                                        # its own handle, never mapped
+    ({**EXPORT, "TORPOR_AGENT_MOVER_CHECK": "host"}, False),   # no GPU fingerprints
+    (EXPORT, False),
+])
+def test_holdable_is_what_the_prepare_then_holds(gpu, probe, tmp_path, env, unmapped):
+    """status's "holdable" agrees with the prepare that follows: a handle of the program's own
+    that is not exportable but not mapped either is not moved, so it does not count; parts
+    without GPU fingerprints (TORPOR_AGENT_MOVER_CHECK=host) cannot be held. (A review's
+    demonstrations.)"""
+    p = probe(env)
+    _program(p, "vmmfd")
+    if unmapped:
+        assert p.call(f"@create {2 * MIB}")["rc"] == 0   # requestedHandleTypes 0, unmapped
+    holdable = p.ctl("status")["holdable"]
+    files = Files(tmp_path / "data", 2)
+    r = files.send(p.sock, "prepare 5000", write=True)
+    assert r["ok"], r
+    p.ctl("abort")
+    assert (r["held"] > 0) == holdable, (holdable, r["held"], r["hold_error"])
+
+
+def test_holdable_stays_true_after_a_held_take_back(gpu, probe, tmp_path):
+    """The periodic case: memory taken back from held descriptors is still holdable, and the
+    next prepare holds it again."""
+    p = probe(EXPORT)
+    taken_back(gpu, p, tmp_path)
+    assert p.ctl("status")["holdable"] is True
+    files = Files(tmp_path / "data2", 2)
+    r = files.send(p.sock, "prepare 5000", write=True)
+    assert r["ok"] and r["held"] == MOVABLE, r
+    p.ctl("abort")
+
+
 def test_with_the_knob_at_0_nothing_is_held(gpu, probe, tmp_path):
     p = probe({"TORPOR_AGENT_VMM_EXPORT": "0"})
     prog, files, before, r = prepared(gpu, p, tmp_path)

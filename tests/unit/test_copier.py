@@ -5,6 +5,7 @@ hold the only copy of a program's GPU data, and the recovery leaves the entry fo
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -265,3 +266,57 @@ def test_a_systemd_run_that_fails_leaves_the_copier_unscoped_and_says_so(stand_i
         assert copier.scoped(["/x/torpor-copier"]) == ["/x/torpor-copier"]
     finally:
         e.drop_copiers()
+
+
+EXITS_2 = r"""#!{py}
+import sys
+sys.exit(2)   # as copier.c's usage(): an older binary, a bad --devices
+"""
+
+
+def test_a_copier_usage_error_is_not_taken_for_systemd_run_s(stand_in, tmp_path, monkeypatch):
+    """Only systemd-run's own failure (status 1, not a word) turns scopes off for the process;
+    the copier's usage error (2) is the copier's, said as it is. (A review's demonstration.)"""
+    if os.geteuid() != 0:
+        pytest.skip("scopes are for root's copiers")
+    copier.BINARY.write_text(EXITS_2.format(py=sys.executable))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "systemd-run").write_text(SYSTEMD_RUN)    # works: execs the copier
+    (bin_dir / "systemd-run").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SYSTEMD_RUN_ARGS", str(tmp_path / "args"))
+    monkeypatch.setattr(copier, "SYSTEMD_DIR", tmp_path)
+    monkeypatch.setattr(copier, "_scope_broken", "")
+    e = _Engine()
+    try:
+        e.ready_copiers({101: []})
+    finally:
+        e.drop_copiers()
+    assert copier.scope_broken() == "", e.progress.lines
+    assert any("status 2" in line for line in e.progress.lines), e.progress.lines
+
+
+def test_torpord_logs_that_scopes_are_broken(stand_in, tmp_path, monkeypatch, caplog):
+    """torpord's engine says nothing to a terminal (Progress(None)): the scope's failure goes
+    to its log."""
+    from torpor.progress import Progress
+    if os.geteuid() != 0:
+        pytest.skip("scopes are for root's copiers")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "systemd-run").write_text(FAILING_SYSTEMD_RUN)
+    (bin_dir / "systemd-run").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SYSTEMD_RUN_ARGS", str(tmp_path / "args"))
+    monkeypatch.setattr(copier, "SYSTEMD_DIR", tmp_path)
+    monkeypatch.setattr(copier, "_scope_broken", "")
+    e = _Engine()
+    e.progress = Progress(None)
+    caplog.set_level(logging.INFO)
+    try:
+        e.ready_copiers({101: []})
+    finally:
+        e.drop_copiers()
+    assert copier.scope_broken()
+    assert any("systemd-run" in r.getMessage() for r in caplog.records), caplog.records

@@ -301,7 +301,8 @@ class AgentMoves:
                     why = str(e)
                 del started[pid]
                 if why is not None and why.startswith(copier.SCOPE_FAILED):
-                    if not said_scope:
+                    if not said_scope:   # torpord's progress goes nowhere: its log too
+                        log.warning("%s: torpor-copier runs in this process's cgroup", why)
                         self.progress.say(f"warning: {why}: torpor-copier runs in this "
                                           "process's cgroup, which a stop of its unit would "
                                           "kill with it")
@@ -310,6 +311,7 @@ class AgentMoves:
                 if why is None:
                     self._ready[pid] = c
                 else:
+                    log.warning("PID %d: torpor-copier is not ready (%s)", pid, why)
                     self.progress.say(f"warning: PID {pid}: torpor-copier is not ready ({why}): "
                                       "its GPU memory is copied before the dump, not beside it")
         finally:   # an interrupt: none is left running (they hold nothing yet)
@@ -317,9 +319,12 @@ class AgentMoves:
                 copier.discard(c)
 
     def _copier_deadline(self) -> float:
-        """When a copier ends by itself (copier.c --deadline): twice the wait this torpor
-        gives it (agent_timeout_s), after which this torpor kills it; the deadline is for
-        when no torpor is left to (a recovery only waits for another's copier)."""
+        """When a copier ends by itself (copier.c --deadline), counted from its go, before the
+        driver's checkpoint and the dump: twice agent_timeout_s (20 minutes by default), far
+        past any healthy copy (seconds to a few minutes). It is for a copier stuck with no
+        torpor left to kill it (a recovery only waits for another's). Were the dump and a
+        torpord's gap between its calls to take longer than that, the copier ends first and
+        the checkpoint fails, the program resumed from the memory torpor still holds."""
         return 2 * self.cfg.agent_timeout_s
 
     def _ready_unscoped(self, pid: int, uuids: Collection[str], deadline: float
