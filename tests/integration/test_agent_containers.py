@@ -145,9 +145,11 @@ def test_containerd_checkpoint_restore_through_the_agent(containerd, gpu, daemon
                  "the program under its agent")
         old_pid = containerd.pid(name)
         containerd.checkpoint(name, ref, leave_running=True)
-        # the leave-running staging's status (runtime/pause.py), then the prepare's
-        assert _events(events) == ["agent status", "agent status", "agent prepare",
-                                   "agent detach", "agent status", "agent resume"]
+        # the leave-running staging's status (runtime/pause.py), whether it could hold its
+        # memory (a copier for it: engine.holding), then the prepare's
+        assert _events(events) == ["agent status", "agent status", "agent status",
+                                   "agent prepare", "agent detach", "agent status",
+                                   "agent resume"]
         with AgentClient(sock) as a:
             st = a.status()
         assert (st["state"], st["gate"], st["intact"]) == ("running", "open", True)
