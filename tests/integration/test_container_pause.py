@@ -312,6 +312,19 @@ def _kill_torpord(daemon) -> None:
         pass
 
 
+def _runs_on_with_no_checkpoint(podman, daemon, name: str, images: Path, sock: Path) -> None:
+    """After torpord's death mid-checkpoint and its successor's recovery: the container runs,
+    its agent open and intact, no checkpoint left, no journal entry."""
+    from torpor.engine import Engine
+    assert podman.state(name) == "running"
+    Engine(daemon.cfg).recover()
+    assert not (images / "torpor.json").exists(), sorted(os.listdir(images))
+    with AgentClient(sock) as a:
+        st = a.status()
+    assert (st["state"], st["gate"], st["intact"]) == ("running", "open", True), st
+    assert not list((daemon.cfg.state_dir / "journal").glob("*.json"))
+
+
 @pytest.mark.parametrize("export", [0, 2])
 def test_torpord_killed_during_the_dump_of_a_staged_checkpoint(mine, gpu, daemon, base, name,
                                                                export):
@@ -320,7 +333,6 @@ def test_torpord_killed_during_the_dump_of_a_staged_checkpoint(mine, gpu, daemon
     torpord's recovery gives the agents their data back from the staging and removes it;
     torpor-runtime, its operation lost, says the container runs on and leaves no
     checkpoint."""
-    from torpor.engine import Engine
     podman = mine
     events, sock = _start(podman, gpu, daemon, base, name, export=export)
     images = podman.bundle(name) / "checkpoint"
@@ -337,13 +349,7 @@ def test_torpord_killed_during_the_dump_of_a_staged_checkpoint(mine, gpu, daemon
         wait_for(lambda: _staged(daemon) == set() and _events(events)[-1] == "agent resume", 60,
                  "the new torpord's recovery")
         assert "agent resume-held" not in _events(events)   # the held memory went with it
-        assert podman.state(name) == "running"
-        Engine(daemon.cfg).recover()
-        assert not (images / "torpor.json").exists(), sorted(os.listdir(images))
-        with AgentClient(sock) as a:
-            st = a.status()
-        assert (st["state"], st["gate"], st["intact"]) == ("running", "open", True), st
-        assert not list((daemon.cfg.state_dir / "journal").glob("*.json"))
+        _runs_on_with_no_checkpoint(podman, daemon, name, images, sock)
     finally:
         podman.rm(name)
 
@@ -444,7 +450,6 @@ def test_torpord_killed_during_the_dump_of_a_drained_checkpoint(drained, gpu, ba
     and finishes the files; the new torpord's recovery waits for it and gives the agent its
     memory back from them (checked chunk by chunk by the fake agent). The container runs on,
     intact, and no checkpoint is left."""
-    from torpor.engine import Engine
     daemon, podman = drained
     events, sock = _start(podman, gpu, daemon, base, name, export=2)
     images = podman.bundle(name) / "checkpoint"
@@ -461,12 +466,6 @@ def test_torpord_killed_during_the_dump_of_a_drained_checkpoint(drained, gpu, ba
             return _staged(daemon) == set() and st["state"] == "running"
         wait_for(recovered, 60, "the new torpord's recovery")
         assert "agent prepare-defer" in _events(events)
-        assert podman.state(name) == "running"
-        Engine(daemon.cfg).recover()
-        assert not (images / "torpor.json").exists(), sorted(os.listdir(images))
-        with AgentClient(sock) as a:
-            st = a.status()
-        assert (st["state"], st["gate"], st["intact"]) == ("running", "open", True), st
-        assert not list((daemon.cfg.state_dir / "journal").glob("*.json"))
+        _runs_on_with_no_checkpoint(podman, daemon, name, images, sock)
     finally:
         podman.rm(name)

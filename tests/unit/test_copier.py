@@ -200,20 +200,30 @@ exec "$@"
 '''
 
 
-def test_where_systemd_runs_the_copier_gets_a_scope_of_its_own(stand_in, tmp_path, monkeypatch):
+@pytest.fixture
+def systemd(tmp_path, monkeypatch):
+    """systemd(script): "systemd is the init" (copier.SYSTEMD_DIR), script its systemd-run on
+    PATH (its arguments noted in tmp_path/args), no scope failure known yet; root only."""
+    if os.geteuid() != 0:
+        pytest.skip("scopes are for root's copiers")
+    monkeypatch.setattr(copier, "SYSTEMD_DIR", tmp_path)
+    monkeypatch.setattr(copier, "_scope_broken", "")
+    monkeypatch.setenv("FAKE_SYSTEMD_RUN_ARGS", str(tmp_path / "args"))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+
+    def install(script: str) -> None:
+        (bin_dir / "systemd-run").write_text(script)
+        (bin_dir / "systemd-run").chmod(0o755)
+    return install
+
+
+def test_where_systemd_runs_the_copier_gets_a_scope_of_its_own(stand_in, systemd, tmp_path):
     """torpord runs as a systemd unit whose stop or restart kills its cgroup whole: the copier,
     which may hold the only copy of a program's memory, is started in a transient scope of its
     own (systemd-run --scope execs it: the same PID, its reply pipe and socket kept)."""
-    if os.geteuid() != 0:
-        pytest.skip("scopes are for root's copiers")
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "systemd-run").write_text(SYSTEMD_RUN)
-    (bin_dir / "systemd-run").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    monkeypatch.setenv("FAKE_SYSTEMD_RUN_ARGS", str(tmp_path / "args"))
-    monkeypatch.setattr(copier, "SYSTEMD_DIR", tmp_path)     # "systemd is the init"
-    monkeypatch.setattr(copier, "_scope_broken", "")
+    systemd(SYSTEMD_RUN)
     e = _Engine()
     e.ready_copiers({101: []})
     try:
@@ -239,20 +249,11 @@ exit 1
 """
 
 
-def test_a_systemd_run_that_fails_leaves_the_copier_unscoped_and_says_so(stand_in, tmp_path,
-                                                                        monkeypatch):
+def test_a_systemd_run_that_fails_leaves_the_copier_unscoped_and_says_so(stand_in, systemd,
+                                                                        tmp_path):
     """systemd-run refused (no D-Bus, a container that sees the host's /run): the copier is
     started again without a scope, the operator told once, and this process asks no more."""
-    if os.geteuid() != 0:
-        pytest.skip("scopes are for root's copiers")
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "systemd-run").write_text(FAILING_SYSTEMD_RUN)
-    (bin_dir / "systemd-run").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    monkeypatch.setenv("FAKE_SYSTEMD_RUN_ARGS", str(tmp_path / "args"))
-    monkeypatch.setattr(copier, "SYSTEMD_DIR", tmp_path)
-    monkeypatch.setattr(copier, "_scope_broken", "")
+    systemd(FAILING_SYSTEMD_RUN)
     e = _Engine()
     try:
         e.ready_copiers({101: [], 102: []})
@@ -274,20 +275,11 @@ sys.exit(2)   # as copier.c's usage(): an older binary, a bad --devices
 """
 
 
-def test_a_copier_usage_error_is_not_taken_for_systemd_run_s(stand_in, tmp_path, monkeypatch):
+def test_a_copier_usage_error_is_not_taken_for_systemd_run_s(stand_in, systemd):
     """Only systemd-run's own failure (status 1, not a word) turns scopes off for the process;
     the copier's usage error (2) is the copier's, said as it is. (A review's demonstration.)"""
-    if os.geteuid() != 0:
-        pytest.skip("scopes are for root's copiers")
     copier.BINARY.write_text(EXITS_2.format(py=sys.executable))
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "systemd-run").write_text(SYSTEMD_RUN)    # works: execs the copier
-    (bin_dir / "systemd-run").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    monkeypatch.setenv("FAKE_SYSTEMD_RUN_ARGS", str(tmp_path / "args"))
-    monkeypatch.setattr(copier, "SYSTEMD_DIR", tmp_path)
-    monkeypatch.setattr(copier, "_scope_broken", "")
+    systemd(SYSTEMD_RUN)    # works: execs the copier
     e = _Engine()
     try:
         e.ready_copiers({101: []})
@@ -297,20 +289,11 @@ def test_a_copier_usage_error_is_not_taken_for_systemd_run_s(stand_in, tmp_path,
     assert any("status 2" in line for line in e.progress.lines), e.progress.lines
 
 
-def test_torpord_logs_that_scopes_are_broken(stand_in, tmp_path, monkeypatch, caplog):
+def test_torpord_logs_that_scopes_are_broken(stand_in, systemd, caplog):
     """torpord's engine says nothing to a terminal (Progress(None)): the scope's failure goes
     to its log."""
     from torpor.progress import Progress
-    if os.geteuid() != 0:
-        pytest.skip("scopes are for root's copiers")
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "systemd-run").write_text(FAILING_SYSTEMD_RUN)
-    (bin_dir / "systemd-run").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    monkeypatch.setenv("FAKE_SYSTEMD_RUN_ARGS", str(tmp_path / "args"))
-    monkeypatch.setattr(copier, "SYSTEMD_DIR", tmp_path)
-    monkeypatch.setattr(copier, "_scope_broken", "")
+    systemd(FAILING_SYSTEMD_RUN)
     e = _Engine()
     e.progress = Progress(None)
     caplog.set_level(logging.INFO)
