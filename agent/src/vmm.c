@@ -91,8 +91,6 @@ static struct {
 	int exportable;              /* TORPOR_AGENT_VMM_EXPORT not 0: asked for, and on; 0 once the
 				      * driver refused it */
 	int export_asked;            /* TORPOR_AGENT_VMM_EXPORT not 0 (vmm_hold_enabled) */
-	int export_own;              /* TORPOR_AGENT_VMM_EXPORT_OWN=1: the program's own
-				      * cuMemCreate asked exportable too; 0 once the driver refused */
 } vm = { .lock = PTHREAD_MUTEX_INITIALIZER };
 
 static pthread_once_t min_once = PTHREAD_ONCE_INIT;
@@ -130,11 +128,6 @@ static void read_knobs(void)
 		 strcasecmp(v, "yes"))
 		pr_warn("TORPOR_AGENT_VMM_EXPORT=%s is not 0/off/false/no or 1/on/true/yes: on", v);
 	vm.exportable = vm.export_asked;
-	v = getenv("TORPOR_AGENT_VMM_EXPORT_OWN");
-	vm.export_own = vm.export_asked && v && !strcmp(v, "1");
-	if (vm.export_own)
-		pr_info("the program's own VMM memory created exportable too (POSIX file "
-			"descriptors): held through a leave-running checkpoint");
 	if (vm.exportable)
 		pr_info("VMM allocations created exportable (POSIX file descriptors): held through "
 			"a leave-running checkpoint");
@@ -422,53 +415,13 @@ static CUmemGenericAllocationHandle translate(CUmemGenericAllocationHandle id, s
 
 /* -- the program's calls ----------------------------------------------------------------------- */
 
-/* TORPOR_AGENT_VMM_EXPORT_OWN=1: the program's device memory asked exportable as a POSIX
- * descriptor too (PyTorch's expandable segments, vLLM), so that a prepare can hold it (off
- * by default until measured on a GPU: it changes every allocation of such a program); the
- * program's properties where the driver refuses (one warning, not asked again). *used: the
- * properties the memory was created with. */
-static CUresult create_own(CUmemGenericAllocationHandle *handle, size_t size,
-			   const CUmemAllocationProp *prop, unsigned long long flags,
-			   CUmemAllocationProp *used)
-{
-	CUresult rc;
-
-	*used = *prop;
-	pthread_once(&min_once, read_knobs);
-	if (vm.export_own && prop->type == CU_MEM_ALLOCATION_TYPE_PINNED &&
-	    prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE && !prop->requestedHandleTypes) {
-		/* only memory asked for no export at all: a program that asks for a kind of its
-		 * own (NCCL's fabric handles) exports it itself, and is not movable then anyway */
-		used->requestedHandleTypes |= CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-		rc = real.cuMemCreate(handle, size, used, flags);
-		if (rc == CUDA_SUCCESS)
-			return rc;
-		if (vm.export_own) /* two threads may both get here: both warn */
-			pr_warn("the driver refuses the program's own VMM memory exportable "
-				"(CUresult %d): created as the program asked, not held", rc);
-		vm.export_own = 0;
-		*used = *prop;
-	}
-	return real.cuMemCreate(handle, size, prop, flags);
-}
-
 void vmm_create_pre(struct track *t, CUmemGenericAllocationHandle *handle, size_t size,
 		    const CUmemAllocationProp *prop, unsigned long long flags)
 {
-	CUmemAllocationProp used;
-
 	t->handled = 1;
-	if (!real.cuMemCreate) {
-		t->rc = CUDA_ERROR_NOT_SUPPORTED;
-		return;
-	}
-	if (!prop) {
-		t->rc = real.cuMemCreate(handle, size, prop, flags);
-		return;
-	}
-	t->rc = create_own(handle, size, prop, flags, &used);
-	prop = &used;
-	if (t->rc != CUDA_SUCCESS || !handle)
+	t->rc = real.cuMemCreate ? real.cuMemCreate(handle, size, prop, flags)
+				 : CUDA_ERROR_NOT_SUPPORTED;
+	if (t->rc != CUDA_SUCCESS || !handle || !prop)
 		return;
 	pthread_mutex_lock(&vm.lock);
 	/* A value the driver gives again may equal an id the program still holds from before

@@ -381,13 +381,9 @@ PINNED_GBPS = 50.0                          # the H200 host's pinned copy rate, 
 # the memory held on the GPU through the pause (held: no copy back), and held with the copy out
 # left to torpor-copier beside the driver's checkpoint and the dump (drain: the defaults, no
 # setting at all, since 2026-12-06)
-# expandable: the defaults for PyTorch's expandable segments (its own cuMemCreate), whose
-# memory only TORPOR_AGENT_VMM_EXPORT_OWN=1 makes holdable (off by default until this passes)
 PAUSE_WAYS = {"plain": ({"TORPOR_AGENT_VMM_EXPORT": "0"}, {"TORPOR_LEAVE_RUNNING_DRAIN": "0"}),
               "held": ({}, {"TORPOR_LEAVE_RUNNING_DRAIN": "0"}),
-              "drain": ({}, {}),
-              "expandable": ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
-                              "TORPOR_AGENT_VMM_EXPORT_OWN": "1"}, {})}
+              "drain": ({}, {})}
 
 
 @pytest.mark.parametrize("way", list(PAUSE_WAYS))
@@ -404,8 +400,7 @@ def test_leave_running_pauses_for_the_copy_not_the_write(torpor, progs, agent_di
     filled the files), and restore bit-exact like the plain one."""
     program_env, torpor_env = PAUSE_WAYS[way]
     torpor.env.update(torpor_env)
-    ref = progs("torch", "ref", PAUSE_GIB, env={k: v for k, v in program_env.items()
-                                                 if k.startswith("PYTORCH")})
+    ref = progs("torch", "ref", PAUSE_GIB)
     prog = progs("torch", "prog", PAUSE_GIB, agent=True, env=program_env)
     prog.wait_ready(600)
     prog.wait_step(5)
@@ -431,7 +426,7 @@ def test_leave_running_pauses_for_the_copy_not_the_write(torpor, progs, agent_di
                    "criu": pause.get("criu"), "timings": r["manifest"]["timings"]})
     if way != "plain":   # why not: the agent's info line in the program's log
         assert pause.get("held"), (way, pause, prog.tail(6000))
-    if way in ("drain", "expandable"):
+    if way == "drain":
         assert (pause.get("drained") or {}).get("bytes", 0) >= PAUSE_GIB * GiB * 0.9, pause
     assert r["staged"] is True, err
     assert gpu_bytes >= PAUSE_GIB * GiB * 0.9, rec
@@ -459,7 +454,7 @@ def test_leave_running_pauses_for_the_copy_not_the_write(torpor, progs, agent_di
         show("second pause", {"paused_s": again["paused_s"], "held": pause2.get("held"),
                               "drained": pause2.get("drained")})
         assert pause2.get("held"), (way, pause2, prog.tail(6000))
-        if way in ("drain", "expandable"):
+        if way == "drain":
             assert (pause2.get("drained") or {}).get("bytes", 0) >= PAUSE_GIB * GiB * 0.9
         prog.wait_step(prog.step() + 5)
         assert torpor.json("inspect", str(images), "--verify")["verified"]

@@ -18,8 +18,8 @@ import pytest
 
 from tests.integration.conftest import wait_for
 from tests.unit.test_agent import Probe, gpu, probe  # noqa: F401  (fixtures)
-from tests.unit.test_agent_mover import (MIB, Files, _gpu_mem, _intact, _program, ctl_fds,
-                                         ctl_recv, failing)
+from tests.unit.test_agent_mover import (MIB, Files, _gpu_mem, _intact, _program, ctl_recv,
+                                         failing)
 
 EXPORT = {"TORPOR_AGENT_VMM_EXPORT": "1"}
 MOVABLE = 3            # _program's big, odd and own allocations (small stays with the driver)
@@ -455,40 +455,6 @@ def test_holdable_stays_true_after_a_held_take_back(gpu, probe, tmp_path):
     r = files.send(p.sock, "prepare 5000", write=True)
     assert r["ok"] and r["held"] == MOVABLE, r
     p.ctl("abort")
-
-
-OWN = {"TORPOR_AGENT_VMM_EXPORT_OWN": "1"}
-
-
-def test_the_program_s_own_vmm_memory_is_held_with_export_own(gpu, probe, tmp_path):
-    """TORPOR_AGENT_VMM_EXPORT_OWN=1: the program's own cuMemCreate (PyTorch's expandable
-    segments), asked for no export, is created exportable too, so everything is held and taken
-    back; without it the same program holds nothing (the next test's case)."""
-    p = probe(OWN)
-    prog, files, before, r = prepared(gpu, p, tmp_path, own="vmm")
-    assert r["held"] == MOVABLE and r["hold_error"] == "", r
-    assert "the program's own VMM memory created exportable too" in p.stderr()
-    r, held = ctl_recv(p.sock, "detach hold")
-    r = resume_with(p, files, f"resume held={MOVABLE}", held)
-    close_all(held)
-    assert r["ok"] and r["held"] is True, r
-    _intact(p, prog["mem"])
-
-
-def test_a_driver_refusing_the_program_s_memory_exportable_gets_it_as_asked(gpu, probe,
-                                                                              tmp_path):
-    """The driver refuses the exportable create once: the program's allocation is made as it
-    asked (not held, one warning), and the agent does not ask again."""
-    p = probe(OWN)
-    # the agent's own two creates (big, odd) go through; the program's exportable one fails
-    with failing(gpu, "cuMemCreate", "801 after=2 times=1"):   # CUDA_ERROR_NOT_SUPPORTED
-        prog, files, before, r = prepared(gpu, p, tmp_path, own="vmm")
-    assert r["held"] == 0 and "is not exportable (the program's own" in r["hold_error"], r
-    assert "refuses the program's own VMM memory exportable (CUresult 801)" in p.stderr()
-    assert ctl_fds(p.sock, "detach") == {"ok": True}
-    r = resume_with(p, files, "resume")
-    assert r["ok"] and r["held"] is False, r
-    _intact(p, prog["mem"])
 
 
 def test_with_the_knob_at_0_nothing_is_held(gpu, probe, tmp_path):
