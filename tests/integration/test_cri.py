@@ -367,8 +367,9 @@ def _agent_round_trip(node: Node, handler: Handler, gpu: FakeGpu, daemon: Daemon
     node.cri.checkpoint(cid, archive)
     assert node.cri.state(cid) == "CONTAINER_RUNNING"
     ev = _agent_events(events)
-    # the leave-running staging's status (asked once containerd's pause is lifted), the prepare's
-    assert ev[:2] == ["agent status"] * 2 and ev[2].startswith("agent prepare") and \
+    # the leave-running staging's status (asked once containerd's pause is lifted), whether it
+    # can hold its memory (a copier for it: engine.holding), the prepare's
+    assert ev[:3] == ["agent status"] * 3 and ev[3].startswith("agent prepare") and \
         "agent detach" in ev, ev
     assert ev[-2:] == ["agent status", "agent resume"], ev   # left running: resumed from the files
     with AgentClient(sock) as a:

@@ -102,7 +102,7 @@ def test_every_part_gets_a_fingerprint_and_unchanged_parts_are_not_moved_again(p
 
 
 def test_filled_with_other_data_the_resume_is_refused(probe, tmp_path):
-    p = probe()
+    p = probe({"TORPOR_AGENT_VMM_EXPORT": "0"})   # copied back, not held: the files are what is checked
     _program(p, 8)
     one = Files(tmp_path / "one", 1)
     assert _prepare_fp(p.sock, one, [], tmp_path / "one.fp")["ok"]

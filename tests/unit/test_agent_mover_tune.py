@@ -109,7 +109,7 @@ def test_every_variant_moves_out_and_back_bit_exact(gpu, probe, tmp_path, varian
 def test_two_gpus_every_variant(gpu, probe, tmp_path, variant):
     """Each worker's chunks change GPU on the way (mover_workers.c worker_chunk): a slot is
     reused only once the copy that used it, on its own device's stream, is over."""
-    p = probe(env=VARIANTS[variant])
+    p = probe(env={**VARIANTS[variant], **{"TORPOR_AGENT_VMM_EXPORT": "0"}})   # copied back, not held
     assert p.call("init dlsym")["rc"] == 0
     mem = {0: p.call(f"@alloc {96 * MIB} dlsym")["ptr"]}
     assert p.call("ctx 1 dlsym")["rc"] == 0

@@ -18,7 +18,7 @@ import mover_sweep  # noqa: E402
 
 GOOD_RATE = {"default": 20.0, "no-presize": 15.0, "buffers4": 22.0, "hostcheck": 30.0, "gpucheck-buffers4": 31.0,
              "direct": 10.0, "direct-gpucheck": 41.0, "direct-whole-gpucheck": 5.0,
-             "hold": 19.0, "drain": 19.5, "stage-chunk": 18.0, "stage-part": 25.0, "stage-part-buffers4": 24.0,
+             "plain": 19.8, "hold": 19.0, "drain": 19.5, "stage-chunk": 18.0, "stage-part": 25.0, "stage-part-buffers4": 24.0,
              "write-block": 21.0}
 
 
