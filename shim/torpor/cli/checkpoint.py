@@ -30,10 +30,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
     pid = procs.parse_pid(args.pid)
-    if args.leave_running:   # the held descriptors of every program's GPU memory, kept
-        why = procs.raise_fd_limit()
-        if why:
-            ctx.progress.say(f"warning: {why}")
     kw = {"leave_running": args.leave_running, "shell_job": args.shell_job}
     start = time.monotonic()
     if args.store is not None:   # "" too: a bad name (as 'torpor rm ""'), never no store

@@ -126,6 +126,10 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
         stage = writeout.staging(engine, cuda_pids, sum(inv.memory_of(p) for p in cuda_pids)
                                  if inv else 0) if leave_running else None
         drain = leave_running and cfg.leave_running_drain and store is None
+        if leave_running and cuda_pids:   # every program's held descriptors, kept to the end
+            why = procs.raise_fd_limit()
+            if why:
+                progress.say(f"warning: {why}")
         serve = engine.holding(engine.agent_sockets(cuda_pids)) if drain and cuda_pids else {}
         if serve:   # the copiers' contexts made while the program still runs
             stack.callback(engine.drop_copiers)
