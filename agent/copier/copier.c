@@ -24,8 +24,8 @@
  * {"ready":true,"devices","seconds"}. A copier that cannot get there (a GPU without room for
  * another context, in exclusive-process mode) says why instead, and torpor copies in the program
  * as without a copier. The go is one message on the socket: "go F H" with the plan, the F files
- * and the H held descriptors, in that order, as SCM_RIGHTS. The socket closed without it:
- * nothing to do.
+ * and the H held descriptors, in that order, as SCM_RIGHTS; past 200 held descriptors, one bag
+ * of them (agent/src/fdbag.h) in their place. The socket closed without it: nothing to do.
  *
  * Then one JSON line on stdout: {"ok":true,"bytes","parts","allocations","seconds",
  * "setup_seconds","copy_seconds"}, exit 0; or {"ok":false,"error"}, exit 1 (2: bad usage).
@@ -43,6 +43,7 @@
 #define _GNU_SOURCE
 #include "../src/cuda_checkpoint_types.h" /* CUuuid */
 #include "../src/cuda_types.h"
+#include "../src/fdbag.h"
 
 #include <dlfcn.h>
 #include <errno.h>
@@ -54,6 +55,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -62,7 +64,8 @@
 #define PART (4UL << 20)          /* the image store's chunk: a part at most */
 #define PLAN_MAX (64UL << 20)     /* bytes of plan read at most */
 #define MAX_FILES 16
-#define MAX_HELD 200              /* agent.h's HOLD_MAX */
+#define MAX_HELD 8192             /* agent.h's HOLD_MAX */
+#define HELD_DIRECT 200           /* agent.h's HOLD_DIRECT: more come in one bag (fdbag.h) */
 #define MAX_DEVICES 64
 #define POSIX_FD 1                /* CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR */
 #define HOSTALLOC_PORTABLE 1      /* CU_MEMHOSTALLOC_PORTABLE */
@@ -457,7 +460,7 @@ static int devices_ready(char *list)
  * is gone): nothing to do. */
 static int receive(int sock, int *plan, int *held)
 {
-	enum { MAX = 1 + MAX_FILES + MAX_HELD };
+	enum { MAX = 1 + MAX_FILES + HELD_DIRECT };
 	char text[64];
 	union {
 		struct cmsghdr h;
@@ -499,15 +502,30 @@ static int receive(int sock, int *plan, int *held)
 	}
 	if ((m.msg_flags & (MSG_CTRUNC | MSG_TRUNC)) ||
 	    sscanf(text, "go %d %d%n", &f, &h, &end) != 2 || text[end] || f < 1 || f > MAX_FILES ||
-	    h < 1 || h > MAX_HELD || nfds != 1 + f + h) {
+	    h < 1 || h > MAX_HELD || nfds != 1 + f + (h > HELD_DIRECT ? 1 : h)) {
 		for (int i = 0; i < nfds; i++)
 			close(fds[i]);
 		fail("torpor's go is malformed");
 		return -1;
 	}
+	if (h > HELD_DIRECT) { /* one bag of them, last */
+		char why[200];
+		int bag = fds[nfds - 1];
+
+		nfds--;
+		if (fdbag_unpack(bag, held, h, why, sizeof(why))) {
+			close(bag);
+			for (int i = 0; i < nfds; i++)
+				close(fds[i]);
+			fail("torpor's go: %s", why);
+			return -1;
+		}
+		close(bag);
+	} else {
+		memcpy(held, fds + 1 + f, sizeof(int) * (size_t)h);
+	}
 	*plan = fds[0];
 	memcpy(file_fd, fds + 1, sizeof(int) * (size_t)f);
-	memcpy(held, fds + 1 + f, sizeof(int) * (size_t)h);
 	nfiles = f;
 	nheld = h;
 	return 0;
@@ -719,7 +737,14 @@ int main(int argc, char **argv)
 	char *text;
 	size_t len;
 
+	struct rlimit rl;
+
 	signal(SIGPIPE, SIG_IGN); /* a torpor gone: the files are finished all the same */
+	/* room for every held descriptor (thousands of PyTorch's expandable segments) */
+	if (!getrlimit(RLIMIT_NOFILE, &rl) && rl.rlim_cur < rl.rlim_max) {
+		rl.rlim_cur = rl.rlim_max;
+		setrlimit(RLIMIT_NOFILE, &rl);
+	}
 	for (int i = 1; i < argc; i += 2) {
 		if (i + 1 >= argc)
 			usage("an option without its value");

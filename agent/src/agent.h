@@ -233,10 +233,16 @@ CUresult vmm_export_fd(void *phys, int *fd);
  * when that cannot be told. kcmp(KCMP_FILE), else O_NONBLOCK flipped on a and looked for on b
  * (then set back). */
 int fd_same_description(int a, int b);
+/* Which of fds[0..n) share an open file description with another of them (shared[i] set, for
+ * every one when that cannot be told); the number set. */
+int fd_shared_descriptions(const int *fds, int n, unsigned char *shared);
 int vmm_dropped(void *phys);
 CUresult vmm_adopt(void *phys, int fd);
 /* Every descriptor memory was taken back from (vmm.c, "kept") closed: after a prepare's drop. */
 void vmm_kept_close_all(void);
+/* Before a prepare exports: marks the kept descriptors that are another kept one's description
+ * too, which vmm_export_fd then refuses to hand out. */
+void vmm_kept_audit(void);
 struct vmm_status {
 	long movable;
 	unsigned long long movable_bytes;
@@ -251,10 +257,13 @@ void vmm_after_fork(void);
 
 /* -- moving memory (mover.c; mover.h names the files it is split into) ------------------------ */
 
-/* Held memory (mover.c): at most this many allocations are held through a leave-running
- * checkpoint, their descriptors sent in one message with the data files (control.c; the
- * kernel's SCM_MAX_FD is 253); a program with more is copied back as before. */
-#define HOLD_MAX 200
+/* Held memory (mover.c): at most HOLD_MAX allocations are held through a leave-running
+ * checkpoint (PyTorch's expandable segments are one allocation every 20 MiB: 8192 is 160 GiB
+ * of them); a program with more is copied back as before. Up to HOLD_DIRECT descriptors go in
+ * the message itself, with the data files (control.c; the kernel's SCM_MAX_FD is 253), as
+ * before 2026-12-07; more go in one bag (fdbag.h). */
+#define HOLD_MAX 8192
+#define HOLD_DIRECT 200
 
 struct move_result {
 	unsigned long long bytes;
@@ -283,7 +292,7 @@ struct move_result {
 	 * close) and the seconds the exports took; a load's: taken back (held_back, nothing
 	 * copied) and the seconds the imports took */
 	int held, held_back;
-	int hold_fds[HOLD_MAX];
+	int *hold_fds; /* held of them: mover.c's (one save at a time), set by hold_export */
 	char hold_error[160]; /* a save that asked to hold and held nothing: why */
 	double hold_seconds, import_seconds;
 	/* a save with a plan file: its copy left to torpor's copier (defer.c), or why not */

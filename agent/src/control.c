@@ -26,6 +26,7 @@
  */
 #define LOG_PREFIX "control: "
 #include "agent.h" /* first: _GNU_SOURCE */
+#include "fdbag.h"
 
 #include <ctype.h>
 #include <fcntl.h>
@@ -46,9 +47,10 @@
 #define MAX_CLIENTS 16
 #define LINE_MAX_LEN 256
 /* fds a command may carry: 16 data files and prepare's fp pair and a stream's pair, or a
- * resume's 16 data files and HOLD_MAX held descriptors; a message is received whole up to the
- * kernel's own limit (SCM_MAX_FD, not exported to user space), the rest closed */
-#define MAX_FDS (16 + HOLD_MAX)
+ * resume's 16 data files and HOLD_DIRECT held descriptors (more come in one bag: fdbag.h); a
+ * message is received whole up to the kernel's own limit (SCM_MAX_FD, not exported to user
+ * space), the rest closed */
+#define MAX_FDS (16 + HOLD_DIRECT)
 #define SCM_MAX_FD 253
 #define REPLY_MAX 2560
 
@@ -58,7 +60,7 @@ struct client {
 	char buf[LINE_MAX_LEN];
 	int fds[MAX_FDS]; /* received with the pending line (SCM_RIGHTS) */
 	int nfds;
-	int out_fds[HOLD_MAX]; /* sent with the reply (detach hold), then closed */
+	int out_fds[HOLD_DIRECT]; /* sent with the reply (detach hold: or one bag), then closed */
 	int nout;
 };
 
@@ -83,6 +85,8 @@ static struct {
 	int held[MAX_FDS], nheld;  /* the data files of the prepare, while prepared */
 	int hold[HOLD_MAX], nhold; /* the descriptors holding the GPU memory (mover.c), while
 				    * prepared: until detach gives them away or closes them */
+	int bag[HOLD_MAX], nbag;   /* held descriptors a command brought in a bag (fdbag.h):
+				    * closed after it, as its own fds, unless it keeps them */
 	long long elapsed_ms, last_ms; /* since the prepare, counted in capped steps (gate.c) */
 } ctl = { .lock = PTHREAD_MUTEX_INITIALIZER, .listen_fd = -1 };
 
@@ -319,7 +323,7 @@ static int holds_deferred(void)
 static ssize_t send_with_fds(struct client *c, const char *text, size_t len)
 {
 	union {
-		char buf[CMSG_SPACE(sizeof(int) * HOLD_MAX)];
+		char buf[CMSG_SPACE(sizeof(int) * HOLD_DIRECT)];
 		struct cmsghdr align;
 	} u;
 	struct iovec iov = { (void *)text, len };
@@ -638,6 +642,38 @@ static int do_resume(int *fds, int nfds, int ring_fd, int sock_fd, const int *ho
 	return 0;
 }
 
+/* The n held descriptors a command carries after its data files: its last n fds, or, past
+ * HOLD_DIRECT, the one bag it carries last, unpacked into ctl.bag (closed after the command as
+ * its fds are, unless it keeps them). *files: how many of its fds come first. 0, or -1 with
+ * the error reply written (usage: what the command takes). */
+static int held_given(struct client *c, int n, const char *usage, const int **hold, int *files,
+		      char *out, size_t size)
+{
+	char why[200];
+
+	if (n <= HOLD_DIRECT) {
+		if (n > c->nfds) {
+			error_reply(out, size, usage);
+			return -1;
+		}
+		*hold = c->fds + c->nfds - n;
+		*files = c->nfds - n;
+		return 0;
+	}
+	if (c->nfds < 1) {
+		error_reply(out, size, usage);
+		return -1;
+	}
+	if (fdbag_unpack(c->fds[c->nfds - 1], ctl.bag, n, why, sizeof(why))) {
+		error_reply(out, size, why);
+		return -1;
+	}
+	ctl.nbag = n;
+	*hold = ctl.bag;
+	*files = c->nfds - 1;
+	return 0;
+}
+
 /* "resume" (the client's files, or the kept ones), "resume held=N" (the client's files, then
  * the N descriptors detach hold gave), "resume stream" (the ring and the socket: from the
  * image store), "abort" (the kept ones). Without held=N, the agent's own held descriptors
@@ -657,13 +693,13 @@ static void resume_reply(struct client *c, int abort, int streamed, int nheld, i
 		do_resume(NULL, 0, c->fds[0], c->fds[1], NULL, 0, drained, out, size);
 		return;
 	}
-	if (nheld > c->nfds) {
-		error_reply(out, size, "resume held=N takes the data files, then N descriptors");
-		return;
-	}
 	if (nheld) { /* the client's fds are closed after */
-		do_resume(c->fds, c->nfds - nheld, -1, -1, c->fds + c->nfds - nheld, nheld, drained,
-			  out, size);
+		const int *hold;
+		int files;
+
+		if (!held_given(c, nheld, "resume held=N takes the data files, then N descriptors "
+				"(past 200, one bag of them)", &hold, &files, out, size))
+			do_resume(c->fds, files, -1, -1, hold, nheld, drained, out, size);
 		return;
 	}
 	if (abort || !c->nfds) {
@@ -675,6 +711,38 @@ static void resume_reply(struct client *c, int abort, int streamed, int nheld, i
 		return;
 	}
 	do_resume(c->fds, c->nfds, -1, -1, ctl.hold, ctl.nhold, drained, out, size);
+}
+
+/* detach hold of more than HOLD_DIRECT: the held descriptors go in one bag (fdbag.h), the one
+ * descriptor the reply carries, which says "bag":true. A deferred save's bag holds duplicates
+ * (the agent keeps its own until `detach release`: a bag that cannot be made leaves it
+ * prepared); any other's holds the agent's own, given away (a bag that cannot be made: they
+ * are closed, nothing is held, and the reply says held 0, as one that cannot be sent). */
+static void detach_bag(struct client *c, char *out, size_t size)
+{
+	int n = ctl.nhold, bag = fdbag_pack(ctl.hold, ctl.nhold), err = errno;
+	int deferred = mover_deferred();
+
+	if (bag < 0 && deferred) {
+		char why[160];
+
+		ctl.state = PREPARED;
+		snprintf(why, sizeof(why), "a bag of %d held descriptors: %s: still prepared", n,
+			 strerror(err));
+		error_reply(out, size, why);
+		return;
+	}
+	if (!deferred)
+		close_fds(ctl.hold, &ctl.nhold); /* given away: in the bag, or nothing held */
+	if (bag < 0) {
+		pr_warn("a bag of %d held descriptors: %s: nothing held", n, strerror(err));
+		snprintf(out, size, "{\"ok\":true,\"held\":0}\n");
+		return;
+	}
+	c->out_fds[0] = bag;
+	c->nout = 1;
+	snprintf(out, size, "{\"ok\":true,\"held\":%d%s,\"bag\":true}\n", n,
+		 deferred ? ",\"release\":true" : "");
 }
 
 /* "detach" closes everything the agent kept; "detach hold" gives the held descriptors to the
@@ -690,6 +758,10 @@ static void detach_reply(struct client *c, int hold, char *out, size_t size)
 	if (!hold) {
 		close_fds(ctl.hold, &ctl.nhold);
 		snprintf(out, size, "{\"ok\":true}\n");
+		return;
+	}
+	if (ctl.nhold > HOLD_DIRECT) {
+		detach_bag(c, out, size);
 		return;
 	}
 	if (mover_deferred()) {
@@ -722,19 +794,30 @@ static void detach_reply(struct client *c, int hold, char *out, size_t size)
 static void hold_reply(struct client *c, int n, char *out, size_t size)
 {
 	char why[160];
+	const int *hold;
+	int files;
 
 	if (ctl.state == RUNNING || !mover_deferred() || ctl.nhold) {
 		error_reply(out, size, "nothing to hold (a deferred save whose descriptors the agent "
 			    "gave away)");
 		return;
 	}
-	if (n != c->nfds || hold_matches(c->fds, c->nfds, why, sizeof(why))) {
-		error_reply(out, size, n != c->nfds ? "hold N takes N descriptors" : why);
+	if (c->nfds != (n > HOLD_DIRECT ? 1 : n)) {
+		error_reply(out, size, "hold N takes N descriptors (past 200, one bag of them)");
 		return;
 	}
-	memcpy(ctl.hold, c->fds, sizeof(int) * c->nfds);
-	ctl.nhold = c->nfds;
-	c->nfds = 0;   /* kept */
+	if (held_given(c, n, "hold N takes N descriptors", &hold, &files, out, size))
+		return;
+	if (hold_matches(hold, n, why, sizeof(why))) {
+		error_reply(out, size, why);
+		return;
+	}
+	memcpy(ctl.hold, hold, sizeof(int) * n);
+	ctl.nhold = n;
+	if (hold == ctl.bag) /* kept */
+		ctl.nbag = 0;
+	else
+		c->nfds = 0;
 	ctl.elapsed_ms = 0;
 	ctl.last_ms = now_ms();
 	snprintf(out, size, "{\"ok\":true,\"held\":%d}\n", ctl.nhold);
@@ -752,7 +835,7 @@ static void release_reply(char *out, size_t size)
 	snprintf(out, size, "{\"ok\":true}\n");
 }
 
-/* "N" (0 < N <= HOLD_MAX): N, or -1. */
+/* "N" (0 < N <= HOLD_MAX; past HOLD_DIRECT the descriptors come in a bag): N, or -1. */
 static int parse_count(const char *arg)
 {
 	char *end;
@@ -921,6 +1004,7 @@ static void serve(struct client *c)
 		*nl = 0;
 		handle_line(c, c->buf, out, sizeof(out));
 		close_fds(c->fds, &c->nfds); /* those the command did not keep */
+		close_fds(ctl.bag, &ctl.nbag);
 		memmove(c->buf, c->buf + used, c->len - used);
 		c->len -= used;
 		c->buf[c->len] = 0;
@@ -1079,6 +1163,7 @@ void control_after_fork(void)
 	ctl.path[0] = 0;
 	close_fds(ctl.held, &ctl.nheld); /* the child's copies */
 	close_fds(ctl.hold, &ctl.nhold);
+	close_fds(ctl.bag, &ctl.nbag);
 	ctl.state = RUNNING;
 	atomic_store(&ctl.started, 0);
 }

@@ -107,7 +107,7 @@ static long mv_of(CUdevice dev, CUdeviceptr ptr)
 static int plan_text(struct text *t, char *why, size_t whysize)
 {
 	CUresult (*uuid)(CUuuid *, CUdevice) = driver_symbol("cuDeviceGetUuid_v2");
-	long k_of[HOLD_MAX];
+	static long k_of[HOLD_MAX]; /* the control thread's: a save's */
 
 	if (!uuid)
 		uuid = driver_symbol("cuDeviceGetUuid");

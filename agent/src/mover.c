@@ -267,13 +267,16 @@ void hold_close(struct move_result *r)
  * remembered (plan.hold), or none: the memory is held only if all of it can be. */
 void hold_export(struct move_result *r)
 {
+	static int fds[HOLD_MAX]; /* one save at a time (the control thread's) */
 	long long t0 = now_ms();
 	char why[160] = "";
 
 	plan.nhold = r->held = 0;
+	r->hold_fds = fds;
 	r->hold_error[0] = 0;
 	if (!vmm_hold_enabled() || !plan.nmv)
 		return;
+	vmm_kept_audit();
 	if (plan.nmv > HOLD_MAX)
 		snprintf(why, sizeof(why), "%zu allocations, more than %d", plan.nmv, HOLD_MAX);
 	else if (!plan.fingerprinted)
@@ -514,10 +517,15 @@ static int mover_load_from(const int *fds, int nfds, struct move_result *r);
  * k + 1 of one that shares with an earlier one (or of one for which that cannot be told). */
 static int shared_description(const int *fds, int n)
 {
-	for (int j = 1; j < n; j++)
-		for (int i = 0; i < j; i++)
-			if (fd_same_description(fds[i], fds[j]))
-				return j + 1;
+	static unsigned char shared[HOLD_MAX]; /* the control thread's: a load's */
+
+	if (n > HOLD_MAX)
+		return 1;
+	if (!fd_shared_descriptions(fds, n, shared))
+		return 0;
+	for (int k = n - 1; k >= 0; k--) /* the later one of the first pair, as it was given */
+		if (shared[k])
+			return k + 1;
 	return 0;
 }
 

@@ -167,6 +167,7 @@ static struct kept_fd {
 	dev_t dev;
 	ino_t ino;
 	int marked; /* a device node or an anonymous inode: its description carries O_APPEND */
+	int shared; /* marked, and another kept one's description too (vmm_kept_audit) */
 } kept[HOLD_MAX];
 
 int fd_same_description(int a, int b)
@@ -187,6 +188,74 @@ int fd_same_description(int a, int b)
 	now = fcntl(b, F_GETFL);
 	fcntl(a, F_SETFL, fa);
 	return now < 0 ? -1 : ((now ^ fb) & O_NONBLOCK) != 0;
+}
+
+struct kcmp_order {
+	pid_t pid;
+	const int *fds;
+	int failed;
+};
+
+/* qsort_r's order of indices into o->fds by their open file descriptions, kcmp's own (an
+ * order of the kernel's objects, the same for the same description); a failure is noted. */
+static int kcmp_compare(const void *a, const void *b, void *arg)
+{
+	struct kcmp_order *o = arg;
+	int i = *(const int *)a, j = *(const int *)b;
+	long rc;
+
+	if (o->failed)
+		return 0;
+	rc = syscall(SYS_kcmp, o->pid, o->pid, 0 /* KCMP_FILE */, o->fds[i], o->fds[j]);
+	if (rc < 0 || rc > 2) {
+		o->failed = 1;
+		return 0;
+	}
+	return rc == 0 ? 0 : rc == 1 ? -1 : 1;
+}
+
+/* Which of fds[0..n) share an open file description with another of them: shared[i] set for
+ * each such one (for each of them when that cannot be told); the number set. Sorted by kcmp's
+ * order (n log n calls: a program holds thousands of allocations' descriptors); without kcmp,
+ * or for a few, pairwise (fd_same_description). */
+int fd_shared_descriptions(const int *fds, int n, unsigned char *shared)
+{
+	struct kcmp_order o = { getpid(), fds, 0 };
+	int *idx, count = 0;
+
+	memset(shared, 0, (size_t)n);
+	if (n < 2)
+		return 0;
+	idx = n > 16 ? malloc(sizeof(int) * (size_t)n) : NULL;
+	if (idx) {
+		for (int i = 0; i < n; i++)
+			idx[i] = i;
+		qsort_r(idx, (size_t)n, sizeof(int), kcmp_compare, &o);
+		for (int i = 1; !o.failed && i < n; i++) {
+			long rc = syscall(SYS_kcmp, o.pid, o.pid, 0, fds[idx[i - 1]], fds[idx[i]]);
+
+			if (rc < 0)
+				o.failed = 1;
+			else if (rc == 0)
+				shared[idx[i - 1]] = shared[idx[i]] = 1;
+		}
+		free(idx);
+		if (!o.failed)
+			goto counted;
+		memset(shared, 0, (size_t)n);
+		if (n > HOLD_DIRECT) { /* pairwise: n * n system calls, too many to make */
+			memset(shared, 1, (size_t)n);
+			return n;
+		}
+	}
+	for (int j = 1; j < n; j++)
+		for (int i = 0; i < j; i++)
+			if (fd_same_description(fds[i], fds[j]))
+				shared[i] = shared[j] = 1;
+counted:
+	for (int i = 0; i < n; i++)
+		count += shared[i];
+	return count;
 }
 
 /* Does fd (of the file recorded in k) still look like the one kept? A device node or an
@@ -221,16 +290,30 @@ static int kept_get(struct phys *ph)
 	return -1;
 }
 
-/* Under vm.lock: does ph's kept descriptor k, marked, share its description with another kept
- * one (or cannot that be told)? The mark is the description's, and the program's own export of
- * memory taken back gets a duplicate of it: put at another allocation's kept number, it would
- * pass for that one's, and a prepare would hand out this memory as that allocation's. */
-static int kept_shared(const struct phys *ph, int k)
+/* Before a prepare hands out kept descriptors (mover.c, hold_export): which marked ones share
+ * their description with another kept one (or cannot be told from one)? The mark is the
+ * description's, and the program's own export of memory taken back gets a duplicate of it:
+ * put at another allocation's kept number, it would pass for that one's, and a prepare would
+ * hand out this memory as that allocation's. Such a one is not handed out (vmm_export_fd). */
+void vmm_kept_audit(void)
 {
-	for (int i = 0; i < HOLD_MAX; i++)
-		if (kept[i].fd1 && i != ph->kept - 1 && fd_same_description(k, kept[i].fd1 - 1))
-			return 1;
-	return 0;
+	static int fds[HOLD_MAX], slot[HOLD_MAX];
+	static unsigned char shared[HOLD_MAX];
+	int n = 0, marked = 0;
+
+	pthread_mutex_lock(&vm.lock);
+	for (int i = 0; i < HOLD_MAX; i++) {
+		kept[i].shared = 0;
+		if (kept[i].fd1) {
+			marked |= kept[i].marked;
+			slot[n] = i;
+			fds[n++] = kept[i].fd1 - 1;
+		}
+	}
+	if (marked && fd_shared_descriptions(fds, n, shared))
+		for (int k = 0; k < n; k++)
+			kept[slot[k]].shared = shared[k] && kept[slot[k]].marked;
+	pthread_mutex_unlock(&vm.lock);
 }
 
 /* Under vm.lock: the kept descriptor out of the table, to be closed (kept_close) once the
@@ -265,7 +348,7 @@ static int kept_floor(void)
 	if (getrlimit(RLIMIT_NOFILE, &rl) < 0)
 		return 3;
 	top = rl.rlim_cur == RLIM_INFINITY || rl.rlim_cur > 4096 ? 4096 : rl.rlim_cur;
-	return top >= 4 * HOLD_MAX ? (int)(top - 2 * HOLD_MAX) : 3;
+	return top >= 4 * HOLD_DIRECT ? (int)(top - 2 * HOLD_DIRECT) : 3;
 }
 
 /* Under vm.lock: a duplicate of fd kept for ph. Its identity is what tells it from whatever
@@ -321,7 +404,8 @@ static void kept_add(struct phys *ph, int fd)
  * its own until here). */
 void vmm_kept_close_all(void)
 {
-	int fds[HOLD_MAX], n = 0;
+	static int fds[HOLD_MAX]; /* the control thread's: a prepare's */
+	int n = 0;
 
 	pthread_mutex_lock(&vm.lock);
 	for (struct phys *ph = vm.phys; ph; ph = ph->next) {
@@ -875,7 +959,7 @@ CUresult vmm_export_fd(void *p, int *fd)
 
 	pthread_mutex_lock(&vm.lock);
 	k = kept_get(ph); /* taken back from a descriptor: a duplicate of it */
-	if (k >= 0 && kept[ph->kept - 1].marked && kept_shared(ph, k)) {
+	if (k >= 0 && kept[ph->kept - 1].shared) {
 		pthread_mutex_unlock(&vm.lock);
 		pr_warn("the descriptor kept for 0x%llx is another kept one's too (the program put "
 			"one of its own there): not handed out", ph->id);

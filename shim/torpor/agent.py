@@ -23,6 +23,7 @@ another pid namespace may share its nspid).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -31,9 +32,11 @@ import socket
 import stat
 import struct
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
+from . import fdbag
 from .errors import NotFoundError, TorporError
+from .fdbag import HOLD_DIRECT
 from .files import loads_json
 
 log = logging.getLogger(__name__)
@@ -41,7 +44,8 @@ log = logging.getLogger(__name__)
 DEFAULT_DIR = Path("/run/torpor/agents")
 REPLY_MAX = 1 << 20
 MAX_FILES = 16                       # what one `prepare` accepts
-HOLD_MAX = 200                       # held descriptors one `detach hold` may send (PROTOCOL.md)
+HOLD_MAX = 8192                      # held descriptors at most (PROTOCOL.md): past HOLD_DIRECT,
+                                     # in one bag (fdbag.py)
 STATES = ("running", "prepared", "detached")
 LIBRARY = Path(__file__).resolve().parent / "_agent" / "libtorpor-agent.so"
 # How an agent older than `prepare ... host=N` (PROTOCOL.md) refuses it: its parser takes
@@ -56,6 +60,23 @@ class AgentError(TorporError):
     def __init__(self, message: str, *, refusal: str = "", **kw: Any):
         super().__init__(message, **kw)
         self.refusal = refusal
+
+
+@contextlib.contextmanager
+def held_fds(held: Sequence[int]) -> Iterator[list[int]]:
+    """The descriptors that carry held memory in a message: held itself, or past HOLD_DIRECT
+    one bag of them (fdbag.py; closed after). AgentError when none can be made."""
+    if len(held) <= HOLD_DIRECT:
+        yield list(held)
+        return
+    try:
+        bag = fdbag.pack(held)
+    except fdbag.BagError as e:
+        raise AgentError(str(e)) from e
+    try:
+        yield [bag]
+    finally:
+        os.close(bag)
 
 
 class _Unheld(Exception):
@@ -435,7 +456,8 @@ class AgentClient:
         came are closed: the resume then copies from the files, as after detach()).
         After a deferred prepare these are duplicates: the agent keeps its own until
         detach_release() (self.release_owed says so), so that its memory is never held by
-        this process alone."""
+        this process alone. Past HOLD_DIRECT they come in one bag (fdbag.py), which the reply
+        says ("bag": true) and this unpacks."""
         self.release_owed = False
         if self._buf:
             raise AgentError(f"the agent at {self.path} sent more than it was asked")
@@ -446,7 +468,7 @@ class AgentClient:
         try:
             self.sock.sendall(b"detach hold\n")
             while b"\n" not in self._buf:
-                data, got, flags, _ = socket.recv_fds(self.sock, 65536, HOLD_MAX + 1)
+                data, got, flags, _ = socket.recv_fds(self.sock, 65536, HOLD_DIRECT + 1)
                 fds.extend(got)
                 for fd in got:   # SCM_RIGHTS gives inheritable ones: no child may keep them
                     os.set_inheritable(fd, False)
@@ -455,9 +477,10 @@ class AgentClient:
                 if flags & socket.MSG_CTRUNC:   # more than asked for, or past our fd limit
                     limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
                     raise AgentError(f"the descriptors of the GPU memory the agent at "
-                                     f"{self.path} holds were cut short: more than {HOLD_MAX}, "
+                                     f"{self.path} holds were cut short: more than "
+                                     f"{HOLD_DIRECT}, "
                                      f"or past this process's limit on open files ({limit})")
-                if len(fds) > HOLD_MAX:   # over several messages: an agent in a container
+                if len(fds) > HOLD_DIRECT:   # over several messages: an agent in a container
                     too_many = True       # is not trusted with this process's fd table
                     for fd in fds:
                         os.close(fd)
@@ -475,6 +498,18 @@ class AgentClient:
                 error = reply.get("error") if isinstance(reply, dict) else reply
                 raise AgentError(f"agent 'detach hold': {error}", refusal=str(error))
             held = reply.get("held", 0)
+            if reply.get("bag") is True and len(fds) == 1 and not too_many and \
+                    isinstance(held, int) and not isinstance(held, bool) and \
+                    HOLD_DIRECT < held <= HOLD_MAX:
+                bag, fds = fds[0], []
+                try:
+                    fds = fdbag.unpack(bag, held)
+                except fdbag.BagError as e:
+                    log.warning("the agent at %s said it held %d descriptors: %s", self.path,
+                                held, e)
+                    raise _Unheld from e
+                finally:
+                    os.close(bag)
             if not isinstance(held, int) or isinstance(held, bool) or held != len(fds) \
                     or held > HOLD_MAX or too_many:   # more than a resume takes
                 log.warning("the agent at %s said it held %r descriptors and sent %d (at most "
@@ -523,7 +558,8 @@ class AgentClient:
             raise ValueError(f"resume takes at most {HOLD_MAX} held descriptors, after the files")
         line = (f"resume held={len(held)}" if held else "resume") + (" drained" if drained
                                                                        else "")
-        reply = self.call(line, [*fds, *held], timeout)
+        with held_fds(held) as sent:
+            reply = self.call(line, [*fds, *sent], timeout)
         return _with_phases({"bytes": _int(reply, "bytes", "resume"),
                              "seconds": _number(reply, "seconds", "resume"),
                              "held": reply.get("held") is True,

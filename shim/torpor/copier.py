@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from . import procs
+from . import fdbag, procs
 from .errors import NotFoundError, TorporError
 
 BINARY = Path(__file__).resolve().parent / "_agent" / "torpor-copier"
@@ -184,11 +184,20 @@ def _scope_failed(c: Copier) -> str:
 def hand(c: Copier, plan: int, files: Sequence[int], held: Sequence[int]) -> None:
     """Give a ready copier its work: plan (new_plan(), written by the agent), files (the data
     files, read-write, sized by the agent), held (detach_hold's descriptors, in their order).
-    OSError when it is gone. Every fd stays the caller's (the copier has its own copies)."""
+    OSError when it is gone (or past HOLD_DIRECT held, no bag of them can be made: fdbag.py).
+    Every fd stays the caller's (the copier has its own copies)."""
     assert c.ctl is not None
     try:
-        socket.send_fds(c.ctl, [f"go {len(files)} {len(held)}".encode()],
-                        [plan, *files, *held])
+        if len(held) > fdbag.HOLD_DIRECT:
+            bag = fdbag.pack(held)
+            try:
+                socket.send_fds(c.ctl, [f"go {len(files)} {len(held)}".encode()],
+                                [plan, *files, bag])
+            finally:
+                os.close(bag)
+        else:
+            socket.send_fds(c.ctl, [f"go {len(files)} {len(held)}".encode()],
+                            [plan, *files, *held])
     finally:
         c.ctl.close()
         c.ctl = None

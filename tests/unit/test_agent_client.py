@@ -373,18 +373,54 @@ def test_held_descriptors_are_not_inherited_by_what_torpor_runs(fake, tmp_path):
                 os.close(fd)
 
 
-def test_more_held_descriptors_than_a_resume_takes_are_none_kept(fake, tmp_path):
-    """An agent that sends (and says) more than HOLD_MAX: resume(held=...) would refuse
-    them with a ValueError (no TorporError: the rollback would not catch it); none are kept,
-    and the resume copies from the files."""
+def test_more_held_descriptors_than_a_message_takes_are_none_kept(fake, tmp_path):
+    """An agent that sends (and says) more than HOLD_DIRECT in its reply itself, not in a bag:
+    none are kept (never more than one message's worth open), and the resume copies from the
+    files."""
     real = fake._do_detach
 
-    def detach(arg, fds):   # says and sends HOLD_MAX + 1
+    def detach(arg, fds):   # says and sends HOLD_DIRECT + 1
         reply = real(arg, fds)
         for fd in fake._out_fds:
             os.close(fd)
-        fake._out_fds = [os.memfd_create("extra") for _ in range(agent.HOLD_MAX + 1)]
+        fake._out_fds = [os.memfd_create("extra") for _ in range(agent.HOLD_DIRECT + 1)]
         return {**reply, "held": len(fake._out_fds)}
+
+    fake._do_detach = detach
+    before = _open_fds(fake)
+    with AgentClient(fake.path) as a:
+        _prepared_to_hold(fake, tmp_path, a, 1)
+        assert a.detach_hold() == []
+    assert _open_fds(fake) == before
+
+
+@pytest.mark.parametrize("bag", ["two fds", "not a bag", "one more", "past HOLD_MAX"])
+def test_an_agent_whose_bag_is_not_what_it_says_gets_none_kept(fake, tmp_path, bag):
+    """Past HOLD_DIRECT the descriptors come in one bag (fdbag.py), which an agent in a
+    container makes: a reply that says "bag" with anything but one bag of exactly "held"
+    descriptors (at most HOLD_MAX) keeps none open, and the resume copies from the files."""
+    from torpor import fdbag
+    real = fake._do_detach
+    held = agent.HOLD_DIRECT + 50
+
+    def detach(arg, fds):
+        reply = real(arg, fds)
+        for fd in fake._out_fds:
+            os.close(fd)
+        said = agent.HOLD_MAX + 1 if bag == "past HOLD_MAX" else held
+        inside = [os.memfd_create("held") for _ in range(held + (bag == "one more"))]
+        try:
+            fake._out_fds = (inside[:2] if bag == "two fds" else
+                             [os.open("/dev/null", os.O_RDONLY)] if bag == "not a bag" else
+                             [fdbag.pack(inside)])
+        finally:
+            if bag != "two fds":
+                for fd in inside:
+                    os.close(fd)
+            else:
+                for fd in inside[2:]:
+                    os.close(fd)
+        return {**reply, "held": said, "bag": True}
 
     fake._do_detach = detach
     before = _open_fds(fake)

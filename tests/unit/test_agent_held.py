@@ -301,7 +301,7 @@ def test_abort_and_a_resume_while_prepared_take_the_agents_own_held_memory(gpu, 
 
 
 def _kept(p: Probe) -> list[int]:
-    """The program's kept descriptors: the agent puts them high, 2 x HOLD_MAX under its soft
+    """The program's kept descriptors: the agent puts them high, 2 x HOLD_DIRECT under its soft
     limit of open files or 4096, whichever is lower (vmm.c's kept_floor), away from what the
     program opens."""
     soft = next(int(line.split()[3]) for line in open(f"/proc/{p.pid}/limits")
@@ -519,7 +519,7 @@ def test_a_client_gone_before_detach_hold_answers_holds_nothing(gpu, probe, tmp_
 def test_held_is_refused_when_malformed(gpu, probe, tmp_path):
     p = probe(EXPORT)
     prog, files, before, r = prepared(gpu, p, tmp_path)
-    for line in ("resume held=0", "resume held=x", "resume held=201", "detach keep"):
+    for line in ("resume held=0", "resume held=x", "resume held=8193", "detach keep"):
         assert p.ctl(line)["error"] == "unknown command", line
     r = resume_with(p, files, "resume held=9")           # 2 files, no held descriptors
     assert r["ok"] is False and "held=N takes" in r["error"], r

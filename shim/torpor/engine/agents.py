@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Collection, Iterable, Mapping, TypeVar
 
 from .. import agent, agent_data, copier, gpus, procs
-from ..agent import AgentClient, AgentError, NoAgentError
+from ..agent import AgentClient, AgentError, NoAgentError, held_fds
 from ..errors import CorruptCheckpointError, NoDriverError, TorporError
 from ..files import tree_size
 from ..journal import Operation
@@ -91,7 +91,8 @@ def give_back(t: "AgentTarget", fds: list[int]) -> None:
     """fds (held memory of a deferred copy not yet in the files) to t's agent to hold."""
     try:
         with agent_client(t, STATUS_TIMEOUT_S) as a:
-            a.call(f"hold {len(fds)}", fds)
+            with held_fds(fds) as sent:
+                a.call(f"hold {len(fds)}", sent)
         log.warning("PID %d: its GPU memory, not yet in its checkpoint's files, given back "
                     "to its agent to hold", t.pid)
     except TorporError as e:
