@@ -34,9 +34,10 @@
  * Once it has the held descriptors it may hold the only copy of the program's GPU memory:
  * from then on it ignores SIGTERM, SIGINT and SIGHUP (a unit's stop, a system shutdown's
  * first round, a terminal's hang-up) and ends when the files are full; torpor's own timeout
- * kills it with SIGKILL. --deadline: still copying that many seconds after the go (torpor gone,
- * the copy stuck), it ends by itself with {"ok":false,"error"}: a recovery that waits for it
- * is not kept waiting for ever. torpor starts it in a systemd scope of its own where systemd runs
+ * kills it with SIGKILL. --deadline: no part written for that many seconds (from the go, then
+ * from each part written: torpor gone and the copy stuck), it ends by itself with
+ * {"ok":false,"error"}: a recovery that waits for it is not kept waiting for ever, and a copy
+ * that is slow but moving (a data file on a slow disk) is not cut short. torpor starts it in a systemd scope of its own where systemd runs
  * (shim/torpor/copier.py), so that the cgroup of the torpor or torpord that started it can be
  * killed whole without it.
  */
@@ -124,6 +125,8 @@ static struct {
 	unsigned char uuid[16];
 } devices[MAX_DEVICES];
 static int ndevices;
+
+static unsigned deadline_s; /* --deadline: 0, none */
 
 static pthread_mutex_t error_lock = PTHREAD_MUTEX_INITIALIZER;
 static char error[300];
@@ -604,6 +607,8 @@ static int write_part(int fd, const unsigned char *buf, const struct part *p)
 		}
 		done += (size_t)n;
 	}
+	if (deadline_s) /* a part written: the copy moves (alarm is the process's, any thread's) */
+		alarm(deadline_s);
 	return 0;
 }
 
@@ -688,6 +693,7 @@ static void *worker_main(void *arg)
 
 static int result(double t0, double setup, double copy_s, unsigned long long bytes, size_t nparts_done)
 {
+	alarm(0); /* its one line is this one (a failure after the go, the driver's teardown) */
 	if (failed) {
 		for (char *c = error; *c; c++)
 			if (*c == '"' || *c == '\\' || (unsigned char)*c < 0x20)
@@ -706,7 +712,7 @@ static int result(double t0, double setup, double copy_s, unsigned long long byt
 /* --deadline passed (SIGALRM): one line and out; the descriptors close with the process. */
 static void deadline_passed(int sig)
 {
-	static const char msg[] = "{\"ok\":false,\"error\":\"still copying at its deadline: "
+	static const char msg[] = "{\"ok\":false,\"error\":\"no part written for its deadline: "
 				  "ended\"}\n";
 	ssize_t r;
 
@@ -787,8 +793,9 @@ int main(int argc, char **argv)
 			return result(t0, 0, 0, 0, 0);
 		keep_going();
 		if (deadline) {
+			deadline_s = (unsigned)deadline;
 			signal(SIGALRM, deadline_passed);
-			alarm((unsigned)deadline);
+			alarm(deadline_s);
 		}
 		close(ctl_fd);
 		t0 = now();
