@@ -380,10 +380,16 @@ PINNED_GBPS = 50.0                          # the H200 host's pinned copy rate, 
 # the ways a --leave-running checkpoint keeps its pause short: the copy out and back (plain),
 # the memory held on the GPU through the pause (held: no copy back), and held with the copy out
 # left to torpor-copier beside the driver's checkpoint and the dump (drain: the defaults, no
-# setting at all, since 2026-12-06)
+# setting at all, since 2026-12-06); expandable: the defaults for PyTorch's expandable segments
+# (its own cuMemCreate, POSIX descriptors asked for: one allocation every 20 MiB, 400 and more
+# at 8 GiB, past the 200 one message carries: their descriptors travel in a bag since
+# 2026-12-07, agent/src/fdbag.h)
+EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 PAUSE_WAYS = {"plain": ({"TORPOR_AGENT_VMM_EXPORT": "0"}, {"TORPOR_LEAVE_RUNNING_DRAIN": "0"}),
               "held": ({}, {"TORPOR_LEAVE_RUNNING_DRAIN": "0"}),
-              "drain": ({}, {})}
+              "drain": ({}, {}),
+              "expandable": (EXPANDABLE, {})}
+DRAINED = ("drain", "expandable")
 
 
 @pytest.mark.parametrize("way", list(PAUSE_WAYS))
@@ -400,7 +406,7 @@ def test_leave_running_pauses_for_the_copy_not_the_write(torpor, progs, agent_di
     filled the files), and restore bit-exact like the plain one."""
     program_env, torpor_env = PAUSE_WAYS[way]
     torpor.env.update(torpor_env)
-    ref = progs("torch", "ref", PAUSE_GIB)
+    ref = progs("torch", "ref", PAUSE_GIB, env=EXPANDABLE if way == "expandable" else None)
     prog = progs("torch", "prog", PAUSE_GIB, agent=True, env=program_env)
     prog.wait_ready(600)
     prog.wait_step(5)
@@ -426,7 +432,9 @@ def test_leave_running_pauses_for_the_copy_not_the_write(torpor, progs, agent_di
                    "criu": pause.get("criu"), "timings": r["manifest"]["timings"]})
     if way != "plain":   # why not: the agent's info line in the program's log
         assert pause.get("held"), (way, pause, prog.tail(6000))
-    if way == "drain":
+    if way == "expandable":   # one allocation every 20 MiB: past one message's 200
+        assert pause["held"] > 200, pause
+    if way in DRAINED:
         assert (pause.get("drained") or {}).get("bytes", 0) >= PAUSE_GIB * GiB * 0.9, pause
     assert r["staged"] is True, err
     assert gpu_bytes >= PAUSE_GIB * GiB * 0.9, rec
@@ -454,7 +462,7 @@ def test_leave_running_pauses_for_the_copy_not_the_write(torpor, progs, agent_di
         show("second pause", {"paused_s": again["paused_s"], "held": pause2.get("held"),
                               "drained": pause2.get("drained")})
         assert pause2.get("held"), (way, pause2, prog.tail(6000))
-        if way == "drain":
+        if way in DRAINED:
             assert (pause2.get("drained") or {}).get("bytes", 0) >= PAUSE_GIB * GiB * 0.9
         prog.wait_step(prog.step() + 5)
         assert torpor.json("inspect", str(images), "--verify")["verified"]
