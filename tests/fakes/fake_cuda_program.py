@@ -1,7 +1,7 @@
 """A CUDA "workload" for tests, against the fake libcuda (tests/fakes/fake_libcuda.c).
 
     python fake_cuda_program.py --gpu N --mem BYTES --status FILE [--lib PATH] [--max-ticks N]
-                                [--fill OFFSET:LENGTH ...]
+                                [--fill OFFSET:LENGTH ...] [--pieces K]
 
 cuInit, cuCtxCreate_v2 on device N (which registers this pid as a CUDA process), cuMemAlloc_v2
 of BYTES (never written: zeros), each --fill stretch of it written with random bytes
@@ -9,7 +9,9 @@ of BYTES (never written: zeros), each --fill stretch of it written with random b
 tick += 1, rewrite FILE atomically with JSON {"pid", "tick"} every ~50 ms.
 The first status (tick 0) is written once the context and the memory exist; it also holds
 "ptr", the allocation's device address (the fake's device memory is this process's memory: a
-test reads it through /proc/PID/mem).
+test reads it through /proc/PID/mem). --pieces K: K allocations of BYTES / K instead of one,
+each --fill stretch written in each of them, "ptrs" their addresses ("ptr" the first's): many
+allocations, as PyTorch's expandable segments make (one every 20 MiB).
 
 The library is --lib, else $TORPOR_LIBCUDA, else libcuda.so.1. On a CUDA error it writes
 {"pid", "tick", "error": "<CUresult name>"} and exits 3.
@@ -48,6 +50,7 @@ def main() -> int:
     ap.add_argument("--max-ticks", type=int, default=0, help="exit after this many (0: never)")
     ap.add_argument("--fill", action="append", default=[], metavar="OFFSET:LENGTH",
                     help="write random bytes there (the rest stays zeros)")
+    ap.add_argument("--pieces", type=int, default=1, help="allocations of --mem / K each")
     args = ap.parse_args()
 
     lib = ctypes.CDLL(args.lib)
@@ -74,15 +77,22 @@ def main() -> int:
     check(lib.cuDeviceGet(ctypes.byref(dev), args.gpu), "cuDeviceGet")
     ctx = ctypes.c_void_p()
     check(lib.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev), "cuCtxCreate_v2")
-    ptr = ctypes.c_ulonglong(0)
-    check(lib.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(args.mem)), "cuMemAlloc_v2")
+    ptrs = []
+    for _ in range(max(1, args.pieces)):
+        ptr = ctypes.c_ulonglong(0)
+        check(lib.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(args.mem // max(1, args.pieces))),
+              "cuMemAlloc_v2")
+        ptrs.append(ptr.value)
     lib.cuMemcpyHtoD_v2.argtypes = [ctypes.c_ulonglong, ctypes.c_char_p, ctypes.c_size_t]
-    for spec in args.fill:
-        off, length = (int(x) for x in spec.split(":"))
-        data = os.urandom(length)
-        check(lib.cuMemcpyHtoD_v2(ptr.value + off, data, length), "cuMemcpyHtoD_v2")
+    for at in ptrs:
+        for spec in args.fill:
+            off, length = (int(x) for x in spec.split(":"))
+            data = os.urandom(length)
+            check(lib.cuMemcpyHtoD_v2(at + off, data, length), "cuMemcpyHtoD_v2")
 
-    doc = {"pid": pid, "tick": tick, "ptr": ptr.value}
+    doc = {"pid": pid, "tick": tick, "ptr": ptrs[0]}
+    if args.pieces > 1:
+        doc["ptrs"] = ptrs
     write_status(args.status, doc)
     while True:
         check(lib.cuCtxSynchronize(), "cuCtxSynchronize")

@@ -197,20 +197,22 @@ def test_a_suspend_dir_a_user_made_first_does_not_stop_suspends(env, program, tm
             subprocess.run(["umount", str(shm / "torpor")], check=True)
 
 
-def _under_the_agent(torpor, gpu, tmp_path: Path, reaper, env: dict | None = None
-                     ) -> tuple[subprocess.Popen, Path, Path]:
+def _under_the_agent(torpor, gpu, tmp_path: Path, reaper, env: dict | None = None,
+                     pieces: int = 1) -> tuple[subprocess.Popen, Path, Path]:
     """The fake CUDA program with 64 MiB of data under `torpor run` (the C agent preloaded),
     its agent answering: (the process, its status file, its agents directory). Skips with an
-    agent library that predates prepare, or a fake driver without the VMM API."""
+    agent library that predates prepare, or a fake driver without the VMM API. pieces: that
+    many allocations of 2 MiB instead, 4 KiB of data at the start of each."""
     from tests.fakes.fakegpu import PROGRAM
     agents = tmp_path / "agents"
     status = tmp_path / "status.json"
     torpor.env["TORPOR_AGENT_DIR"] = str(agents)
     log = open(tmp_path / "program.log", "wb")
+    size = [str(64 << 20), "--fill", f"0:{64 << 20}"] if pieces == 1 else \
+        [str(pieces * (2 << 20)), "--pieces", str(pieces), "--fill", "0:4096"]
     proc = subprocess.Popen([sys.executable, "-m", "torpor.cli.main", "run", "--",
-                             sys.executable, str(PROGRAM), "--mem", str(64 << 20),
-                             "--status", str(status), "--lib", gpu.libcuda,
-                             "--fill", f"0:{64 << 20}"],   # data: zeros would not move
+                             sys.executable, str(PROGRAM), "--mem", *size,   # data: zeros
+                             "--status", str(status), "--lib", gpu.libcuda],  # would not move
                             env={**torpor.env, **(env or {})}, stdin=subprocess.DEVNULL,
                             stdout=log, stderr=log, start_new_session=True)
     log.close()
