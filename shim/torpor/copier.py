@@ -6,13 +6,14 @@ copy"; config leave_running_drain) has its data files sized but empty once the a
 prepare returns: the agent wrote the plan of the copy into a memfd and released the memory,
 which the descriptors `detach hold` gave torpor keep alive. The copier was started before
 the pause (prestart, in a session of its own: as CRIU, a torpor killed during the pause does
-not take it along; where systemd runs, in a scope of its own too, scoped(): a unit's stop or
-restart kills its whole cgroup, and torpord runs as one) and made its GPU contexts while the program ran; ready() says it got there,
-and only then does the prepare defer its copy (a copier that cannot, on a GPU without room for
-another context, leaves the copy to the agent as without one). hand() gives it the plan, the
-data files and those descriptors; it finishes the files before it lets the memory go. wait()
-is the last step before the program's resume, which must not run while the copier
-reads the memory the program would write. A recovery in another torpor only has the copier's
+not take it along; where systemd is the init and torpor runs as root, in a scope of its own
+too, scoped(): a unit's stop or restart kills its whole cgroup, and torpord runs as one) and
+made its GPU contexts while the program ran; ready() says it got there, and only then does
+the prepare defer its copy (a copier that cannot, on a GPU without room for another context,
+leaves the copy to the agent as without one). hand() gives it the plan, the data files and
+those descriptors; it finishes the files before it lets the memory go. wait() is the last
+step before the program's resume, which must not run while the copier reads the memory the
+program would write. A recovery in another torpor only has the copier's
 PID and start time from the journal: it waits for that process to be gone, then resumes the
 program from the files, which the agent checks part by part by their GPU fingerprints.
 """
@@ -40,14 +41,30 @@ READY_TIMEOUT_S = 30.0  # how long a copier may take to load the driver and make
 FOREIGN_WAIT_S = 60.0   # how long a recovery waits for another torpor's copier, each time
 SYSTEMD_DIR = Path("/run/systemd/system")   # present where systemd is the init (sd_booted)
 SCOPE_FAILED = "systemd-run could not start it in a scope of its own"
+SCOPE_RETRY_S = 600.0   # how long a systemd-run failure is remembered: then a scope is tried again
 _scopes = itertools.count()
+# a unit name of this process's own: a PID reused after a torpord restart (a PID namespace)
+# could otherwise meet a scope that outlived the last one, still running its copier
+_RUN = os.urandom(3).hex()
 _scope_broken = ""   # why systemd-run failed in this process: not asked again (scope_broken)
+_scope_broken_at = 0.0   # when (time.monotonic()): forgotten SCOPE_RETRY_S later
 
 
 def scope_broken() -> str:
-    """Why systemd-run could not give a copier its scope in this process ("" if it did, or
-    was never asked): the copiers since run in torpor's own cgroup."""
+    """Why systemd-run could not give a copier its scope in this process in the last
+    SCOPE_RETRY_S ("" if it did, or was never asked, or that was longer ago): the copiers
+    since run in torpor's own cgroup. Forgotten after that, so that one passing failure (a
+    D-Bus restart) does not turn scopes off for the months a torpord runs."""
+    global _scope_broken
+    if _scope_broken and time.monotonic() - _scope_broken_at >= SCOPE_RETRY_S:
+        _scope_broken = ""
     return _scope_broken
+
+
+def _remember_scope_failure(why: str) -> str:
+    global _scope_broken, _scope_broken_at
+    _scope_broken, _scope_broken_at = why, time.monotonic()
+    return f"{SCOPE_FAILED} ({why})"
 
 
 class StillCopying(TorporError):
@@ -92,19 +109,19 @@ def scoped(command: list[str]) -> list[str]:
     (no systemd, not root) command as it is: its own session still keeps it from torpor's
     signals."""
     run = shutil.which("systemd-run")
-    if os.geteuid() != 0 or not run or not SYSTEMD_DIR.is_dir() or _scope_broken:
+    if os.geteuid() != 0 or not run or not SYSTEMD_DIR.is_dir() or scope_broken():
         return command
-    unit = f"torpor-copier-{os.getpid()}-{next(_scopes)}"
+    unit = f"torpor-copier-{os.getpid()}-{_RUN}-{next(_scopes)}"
     return [run, "--scope", "--quiet", "--collect", f"--unit={unit}",
             "--description=torpor-copier: a checkpoint's GPU memory into its data files",
             "--", *command]
 
 
-def _spawn(args: list[str], fds: Sequence[int], exe: str = "") -> subprocess.Popen[bytes]:
+def _spawn(command: list[str], fds: Sequence[int]) -> subprocess.Popen[bytes]:
     # every GPU visible, whatever this torpor's shell hides: the program's may be any of them
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     return subprocess.Popen(
-        scoped([str(binary(exe)), *args]), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL, pass_fds=fds, start_new_session=True, env=env)
 
 
@@ -121,19 +138,24 @@ def prestart(libcuda: str, devices: Sequence[str], exe: str = "", deadline_s: fl
             args += ["--devices", ",".join(devices)]
         if deadline_s > 0:   # still copying that long after its go: it ends by itself
             args += ["--deadline", str(max(1, int(deadline_s)))]
-        proc = _spawn(args, [theirs.fileno()], exe)
+        plain = [str(binary(exe)), *args]
+        command = scoped(plain)
+        proc = _spawn(command, [theirs.fileno()])
     except BaseException:
         ours.close()
         raise
     finally:
         theirs.close()
-    return Copier(proc.pid, procs.start_time(proc.pid), proc, ours,
-                  scoped=proc.args[0] != str(binary(exe)))
+    # scoped from the command, not binary() again: the binary may be gone by now, and an
+    # error here would leave the copier started and its socket open
+    return Copier(proc.pid, procs.start_time(proc.pid), proc, ours, scoped=command != plain)
 
 
 def ready(c: Copier, timeout: float = READY_TIMEOUT_S) -> str | None:
     """None once c (prestart) says it is ready to copy; else why it is not (its own error, or
-    nothing said in time), and c is discarded."""
+    nothing said in time), and c is discarded. Where systemd-run failed (ended with status 1,
+    or still runs at the timeout), the reason starts with SCOPE_FAILED, and the copiers of the
+    next SCOPE_RETRY_S start without a scope."""
     assert c.proc is not None and c.proc.stdout is not None
     fd, buf = c.proc.stdout.fileno(), b""
     deadline = time.monotonic() + timeout
@@ -143,6 +165,11 @@ def ready(c: Copier, timeout: float = READY_TIMEOUT_S) -> str | None:
     while b"\n" not in buf and len(buf) < REPLY_MAX:
         left = deadline - time.monotonic()
         if left <= 0 or not poller.poll(max(1, int(left * 1000))):
+            if c.scoped and not buf and _comm(c.pid) == "systemd-run":
+                # still systemd-run, not yet the copier it execs: it hangs (a D-Bus that does
+                # not answer), as every scoped copier after it would: taken for its failure
+                why = _remember_scope_failure("systemd-run --scope still running at the "
+                                              "copier's ready timeout: it hangs")
             break
         chunk = os.read(fd, 4096)
         if not chunk:
@@ -168,8 +195,7 @@ def ready(c: Copier, timeout: float = READY_TIMEOUT_S) -> str | None:
 def _scope_failed(c: Copier) -> str:
     """A scoped copier that ended before a word: systemd-run failed (no D-Bus, a systemd
     without transient scopes, a container that sees the host's /run): said, and this process
-    starts its copiers without a scope from now on."""
-    global _scope_broken
+    starts its copiers without a scope for SCOPE_RETRY_S (scope_broken)."""
     assert c.proc is not None
     try:
         rc = c.proc.wait(timeout=5)
@@ -177,8 +203,15 @@ def _scope_failed(c: Copier) -> str:
         return "it ended its output with no reply"
     if rc != 1:    # systemd-run's failure is 1; the copier says its own failures (a JSON
         return f"it ended with status {rc} and no reply"   # line), 2 is its usage, 127 exec
-    _scope_broken = f"systemd-run --scope ended with status {rc}"
-    return f"{SCOPE_FAILED} ({_scope_broken})"
+    return _remember_scope_failure(f"systemd-run --scope ended with status {rc}")
+
+
+def _comm(pid: int) -> str:
+    """pid's command name (/proc/<pid>/comm), "" where it cannot be read."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def hand(c: Copier, plan: int, files: Sequence[int], held: Sequence[int]) -> None:

@@ -208,6 +208,7 @@ def systemd(tmp_path, monkeypatch):
         pytest.skip("scopes are for root's copiers")
     monkeypatch.setattr(copier, "SYSTEMD_DIR", tmp_path)
     monkeypatch.setattr(copier, "_scope_broken", "")
+    monkeypatch.setattr(copier, "_scope_broken_at", 0.0, raising=False)
     monkeypatch.setenv("FAKE_SYSTEMD_RUN_ARGS", str(tmp_path / "args"))
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -303,3 +304,111 @@ def test_torpord_logs_that_scopes_are_broken(stand_in, systemd, caplog):
         e.drop_copiers()
     assert copier.scope_broken()
     assert any("systemd-run" in r.getMessage() for r in caplog.records), caplog.records
+
+
+def test_a_scope_failure_is_forgotten_after_its_cool_down(stand_in, systemd, tmp_path):
+    """torpord runs for months: one passing systemd-run failure (a D-Bus restart) turns scopes
+    off for copier.SCOPE_RETRY_S only; after that the next copier gets its scope again."""
+    systemd(FAILING_SYSTEMD_RUN)
+    e = _Engine()
+    try:
+        e.ready_copiers({101: []})
+    finally:
+        e.drop_copiers()
+    assert copier.scope_broken()
+    assert copier.scoped(["/x/torpor-copier"]) == ["/x/torpor-copier"]   # within the cool-down
+    copier._scope_broken_at -= copier.SCOPE_RETRY_S    # as if that long ago
+    assert copier.scope_broken() == ""
+    systemd(SYSTEMD_RUN)                               # systemd-run works again
+    e = _Engine()
+    try:
+        e.ready_copiers({101: []})
+        assert e._ready[101] is not None and e._ready[101].scoped, e.progress.lines
+        assert (tmp_path / "args").read_text().split("\n")[0] == "--scope"
+    finally:
+        e.drop_copiers()
+
+
+UNIT_OF_A_REUSED_PID = r'''
+import os, sys
+from pathlib import Path
+from torpor import copier
+os.geteuid = lambda: 0
+os.getpid = lambda: 4242           # a torpord restarted in a PID namespace: the same PID
+copier.SYSTEMD_DIR = Path(sys.argv[1])
+print([a for a in copier.scoped(["/x/torpor-copier"]) if a.startswith("--unit=")][0])
+'''
+
+
+def test_a_reused_pid_gets_another_unit_name(tmp_path):
+    """A torpord restarted under the PID the last one had must not name its copier's scope as
+    one that outlived the last torpord (still copying): the name has a part of its own."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "systemd-run").write_text(SYSTEMD_RUN)
+    (bin_dir / "systemd-run").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
+           "PYTHONPATH": str(Path(copier.__file__).parent.parent)}
+    units = [subprocess.run([sys.executable, "-c", UNIT_OF_A_REUSED_PID, str(tmp_path)],
+                            env=env, capture_output=True, text=True, check=True).stdout.strip()
+             for _ in range(2)]
+    assert all(u.startswith("--unit=torpor-copier-4242-") for u in units), units
+    assert units[0] != units[1], units
+
+
+HANGING_SYSTEMD_RUN = r'''#!{py}
+import os, time
+open(os.environ["FAKE_SYSTEMD_RUN_ARGS"], "a").write("called\n")
+time.sleep(60)   # a D-Bus that never answers: it never execs the copier
+'''
+
+
+def test_a_systemd_run_that_hangs_is_taken_for_a_scope_failure(stand_in, systemd, tmp_path,
+                                                                monkeypatch):
+    """systemd-run still running (/proc/<pid>/comm) at the copier's ready timeout: said as
+    systemd-run's failure and remembered as one, so the next copiers start without a scope
+    (not one more ready timeout each); no retry past the timeout, and nothing left running."""
+    systemd(HANGING_SYSTEMD_RUN.format(py=sys.executable))
+    monkeypatch.setattr(copier, "READY_TIMEOUT_S", 1.0)
+    e = _Engine()
+    real_prestart, started = copier.prestart, []
+
+    def prestart(*a):
+        started.append(real_prestart(*a))
+        return started[-1]
+    monkeypatch.setattr(copier, "prestart", prestart)
+    t0 = time.monotonic()
+    try:
+        e.ready_copiers({101: [], 102: []})
+        assert e._ready == {101: None, 102: None}, e.progress.lines
+    finally:
+        e.drop_copiers()
+    assert time.monotonic() - t0 < 5
+    assert len(started) == 2 and all(c.scoped for c in started)   # no unscoped retry past it
+    assert not any(_running(c.pid) for c in started)
+    said = [line for line in e.progress.lines if line.startswith("warning: " + copier.SCOPE_FAILED)]
+    assert len(said) == 1 and "hangs" in said[0], e.progress.lines
+    assert "hangs" in copier.scope_broken()
+    monkeypatch.setattr(copier, "prestart", real_prestart)
+    e = _Engine()
+    try:
+        e.ready_copiers({101: []})                       # the next one: no scope, ready
+        assert e._ready[101] is not None and not e._ready[101].scoped, e.progress.lines
+    finally:
+        e.drop_copiers()
+    assert (tmp_path / "args").read_text().split() == ["called", "called"]
+
+
+def test_a_copier_binary_removed_after_its_start_is_not_leaked(stand_in, monkeypatch):
+    """prestart decides whether the copier is scoped from its command, before the start: a
+    binary gone right after (an upgrade) raises nothing that would leave it running."""
+    real_spawn = copier._spawn
+
+    def spawn(*a, **k):
+        proc = real_spawn(*a, **k)
+        copier.BINARY.unlink()                      # started already
+        return proc
+    monkeypatch.setattr(copier, "_spawn", spawn)
+    c = copier.prestart("/nonexistent/libcuda.so", [])   # returned: the caller can discard it
+    copier.discard(c)
+    assert not c.scoped and c.ctl is None and c.proc.returncode is not None

@@ -308,7 +308,8 @@ class AgentMoves:
                                           "process's cgroup, which a stop of its unit would "
                                           "kill with it")
                         said_scope = True
-                    c, why = self._ready_unscoped(pid, todo[pid], deadline)
+                    if deadline > time.monotonic():   # not after a systemd-run that hung
+                        c, why = self._ready_unscoped(pid, todo[pid], deadline)
                 if why is None:
                     self._ready[pid] = c
                 else:
