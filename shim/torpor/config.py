@@ -4,9 +4,11 @@ The TOML file is optional; where there is one it must be a regular file of at mo
 MAX_CONFIG bytes. Every key is documented in packaging/config.toml, which is also
 what ./install.sh puts in /etc/torpor/. Environment variables exist for tests and one-off
 runs: TORPOR_STATE_DIR, TORPOR_RUN_DIR, TORPOR_LIBCUDA, TORPOR_CRIU, TORPOR_LOCK_TIMEOUT,
-TORPOR_OCI_RUNTIME, TORPOR_DEVICE_MAP, TORPOR_SUSPEND_DIR, TORPOR_SUSPEND_TMPFS (true/false),
-TORPOR_STORE_DIR, TORPOR_STORE_STREAM, TORPOR_TCP_ESTABLISHED, TORPOR_REGISTRY_AUTH_FILE,
-TORPOR_REGISTRY_HOSTS_DIR, TORPOR_RESTORE_FETCH_TIMEOUT.
+TORPOR_OCI_RUNTIME, TORPOR_DEVICE_MAP, TORPOR_SUSPEND_DIR, TORPOR_SUSPEND_TMPFS,
+TORPOR_STORE_DIR, TORPOR_STORE_STREAM, TORPOR_TCP_ESTABLISHED, TORPOR_LEAVE_RUNNING_DRAIN,
+TORPOR_REGISTRY_AUTH_FILE, TORPOR_REGISTRY_HOSTS_DIR, TORPOR_RESTORE_FETCH_TIMEOUT. The
+on/off ones take true/false, on/off, yes/no or 1/0, in any case (as the agent's own
+TORPOR_AGENT_VMM_EXPORT); anything else is a UsageError.
 """
 
 from __future__ import annotations
@@ -91,7 +93,11 @@ _ENV = {
     "TORPOR_REGISTRY_HOSTS_DIR": ("registry_hosts_dir", Path),
     "TORPOR_RESTORE_FETCH_TIMEOUT": ("restore_fetch_timeout_s", float),
 }
-_BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+# an environment variable's on and off, in any case: the words the agent takes for its own
+# (TORPOR_AGENT_VMM_EXPORT); the file's are TOML's true and false
+_BOOL_WORDS = {"true": True, "on": True, "yes": True, "1": True,
+               "false": False, "off": False, "no": False, "0": False}
+BOOL_WORDS_SAID = "true or false (also on/off, yes/no, 1/0)"
 
 
 def _read(path: Path) -> bytes:
@@ -152,8 +158,11 @@ def load(path: Path | None = None, env: dict[str, str] | None = None) -> Config:
             values[key] = value
     for var, (key, conv) in _ENV.items():
         if var in env and env[var] != "":
-            values[key] = _BOOL_WORDS.get(env[var].lower(), env[var]) if conv is bool \
-                else env[var]
+            if conv is bool and env[var].lower() not in _BOOL_WORDS:
+                shown = repr(env[var])
+                shown = shown if len(shown) <= 80 else shown[:77] + "..."
+                raise UsageError(f"bad setting {var}={shown}: expected {BOOL_WORDS_SAID}")
+            values[key] = _BOOL_WORDS[env[var].lower()] if conv is bool else env[var]
     for key, value in list(values.items()):
         try:
             values[key] = _convert(type(getattr(Config, key)), value)

@@ -133,3 +133,25 @@ def test_a_relative_directory_or_no_uid_is_refused(tmp_path, text, match):
         config.load(f, env={})
     with pytest.raises(UsageError, match="expected an absolute path"):
         config.load(env={"TORPOR_CONFIG": str(tmp_path / "none"), "TORPOR_STATE_DIR": "rel"})
+
+
+@pytest.mark.parametrize("word,value", [
+    ("on", True), ("OFF", False), ("Yes", True), ("no", False), ("1", True), ("0", False),
+    ("TRUE", True), ("false", False),
+])
+def test_an_on_off_variable_takes_the_agents_words(tmp_path, word, value):
+    """TORPOR_LEAVE_RUNNING_DRAIN=off as TORPOR_AGENT_VMM_EXPORT=off: the same words for both,
+    in any case."""
+    env = {"TORPOR_CONFIG": str(tmp_path / "absent.toml")}
+    for var, key in [("TORPOR_LEAVE_RUNNING_DRAIN", "leave_running_drain"),
+                     ("TORPOR_TCP_ESTABLISHED", "tcp_established")]:
+        assert getattr(config.load(env={**env, var: word}), key) is value
+
+
+@pytest.mark.parametrize("word", ["maybe", "enabled", "2", " on"])
+def test_an_on_off_variable_with_another_word_is_one_clear_error(tmp_path, word):
+    env = {"TORPOR_CONFIG": str(tmp_path / "absent.toml"), "TORPOR_LEAVE_RUNNING_DRAIN": word}
+    with pytest.raises(UsageError) as e:
+        config.load(env=env)
+    assert str(e.value) == (f"bad setting TORPOR_LEAVE_RUNNING_DRAIN={word!r}: expected true "
+                            "or false (also on/off, yes/no, 1/0)")
