@@ -136,7 +136,7 @@ def prestart(libcuda: str, devices: Sequence[str], exe: str = "", deadline_s: fl
         args = ["--libcuda", libcuda, "--ctl", str(theirs.fileno())]
         if devices:
             args += ["--devices", ",".join(devices)]
-        if deadline_s > 0:   # still copying that long after its go: it ends by itself
+        if deadline_s > 0:   # no part written for that long after its go: it ends by itself
             args += ["--deadline", str(max(1, int(deadline_s)))]
         plain = [str(binary(exe)), *args]
         command = scoped(plain)

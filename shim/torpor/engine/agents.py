@@ -321,12 +321,14 @@ class AgentMoves:
                 copier.discard(c)
 
     def _copier_deadline(self) -> float:
-        """When a copier ends by itself (copier.c --deadline), counted from its go, before the
-        driver's checkpoint and the dump: twice agent_timeout_s (20 minutes by default), far
-        past any healthy copy (seconds to a few minutes). It is for a copier stuck with no
-        torpor left to kill it (a recovery only waits for another's). Were the dump and a
-        torpord's gap between its calls to take longer than that, the copier ends first and
-        the checkpoint fails, the program resumed from the memory torpor still holds."""
+        """The copier's --deadline (copier.c): a no-progress watchdog, twice agent_timeout_s
+        (20 minutes by default). The copier ends by itself only when no part has been written
+        for that many seconds, far past any healthy part (a 4 MiB part takes milliseconds):
+        it is for a copier stuck with no torpor left to kill it (a recovery only waits for
+        another's). It does not wait for torpor: it exits as soon as its files are full,
+        however long the dump or a torpord's gap between its calls, so neither makes it end
+        first; only a copy that itself stalls that long is ended (the checkpoint then fails,
+        the program resumed from the memory torpor still holds)."""
         return 2 * self.cfg.agent_timeout_s
 
     def _ready_unscoped(self, pid: int, uuids: Collection[str], deadline: float
