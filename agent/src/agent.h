@@ -335,6 +335,8 @@ void mover_stream_timeout(long long ms);
 int mover_pending(void);
 /* Is the saved memory's copy deferred (defer.c: the files empty until the copier ran)? */
 int mover_deferred(void);
+/* The most allocations the next save holds (HOLD_DIRECT, or HOLD_MAX for `prepare ... bag`). */
+void mover_hold_max(int n);
 /* Are held the descriptors the pending save exported, one an allocation, in its order, as far
  * as their files and descriptions tell (the fingerprints tell the rest, on import)? 0, or -1
  * with why in err. */

@@ -391,22 +391,27 @@ static void status_reply(char *out, size_t size)
 	struct track_status t;
 	struct vmm_status v;
 
+	int holdable;
+
 	gate_status(&g);
 	track_status(&t);
 	vmm_status(&v);
+	holdable = v.hold_asked && mover_gpu_checked() && v.whole > 0 && !v.unexportable;
 	snprintf(out, size,
 		 "{\"pid\":%d,\"state\":\"%s\",\"gate\":\"%s\",\"in_flight\":%ld,"
 		 "\"waiting\":%ld,\"allocations\":%ld,\"bytes\":%llu,"
 		 "\"movable_allocations\":%ld,\"movable_bytes\":%llu,\"moved_allocations\":%ld,"
-		 "\"contexts\":%d,\"in_memory\":%s,\"host_bytes\":%llu,\"holdable\":%s}\n",
+		 "\"contexts\":%d,\"in_memory\":%s,\"host_bytes\":%llu,\"holdable\":%s,"
+		 "\"holdable_bag\":%s,\"hold_max\":%d}\n",
 		 (int)getpid(), STATE_NAMES[ctl.state], g.closed ? "closed" : "open", g.in_flight,
 		 g.waiting, t.allocations, t.bytes, v.movable, v.movable_bytes, v.dropped,
 		 t.contexts, mover_in_memory() ? "true" : "false", mover_host_bytes(),
 		 /* what a leave-running prepare needs to hold (mover.c hold_export): parts checked
-		  * by GPU fingerprints, every allocation it moves exportable, at most HOLD_MAX;
-		  * torpor starts a copier only for those */
-		 v.hold_asked && mover_gpu_checked() && v.whole > 0 && !v.unexportable &&
-		 v.whole <= HOLD_MAX ? "true" : "false");
+		  * by GPU fingerprints, every allocation it moves exportable, at most HOLD_DIRECT
+		  * (a torpor before bags: it starts a copier only for those), or HOLD_MAX for a
+		  * prepare that says `bag` */
+		 holdable && v.whole <= HOLD_DIRECT ? "true" : "false",
+		 holdable && v.whole <= HOLD_MAX ? "true" : "false", HOLD_MAX);
 }
 
 static int parse_timeout(const char *arg, long *timeout_ms)
@@ -462,9 +467,11 @@ static void prepare_reply(struct client *c, const char *arg, char *out, size_t s
 		error_reply(out, size, "already prepared: resume or abort first");
 		return;
 	}
-	/* "prepare [timeout_ms] [host=N] [fp [stream] | defer]": with fp, the last two fds are
-	 * the known fingerprints and the index to write; with stream, two more after them: the
-	 * image store's ring and socket; with defer, the last fd is the plan file (PROTOCOL.md) */
+	/* "prepare [timeout_ms] [host=N] [fp [stream] | defer] [bag]": with fp, the last two fds
+	 * are the known fingerprints and the index to write; with stream, two more after them:
+	 * the image store's ring and socket; with defer, the last fd is the plan file; bag: the
+	 * client takes more than HOLD_DIRECT held descriptors in a bag (PROTOCOL.md) */
+	mover_hold_max(word_at_end(arg, &alen, "bag") ? HOLD_MAX : HOLD_DIRECT);
 	if (word_at_end(arg, &alen, "defer")) {
 		struct stat st;
 

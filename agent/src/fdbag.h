@@ -17,6 +17,8 @@
 #include <unistd.h>
 
 #define FDBAG_BATCH 240
+#define FDBAG_SO_PASSPIDFD 76 /* <asm-generic/socket.h>, Linux 6.5: not in older headers */
+#define FDBAG_SCM_PIDFD 0x04
 
 /* A bag holding duplicates of fds[0..n) (the caller keeps and closes its own); -1 with errno
  * (EMSGSIZE: the bag's queue is full; ETOOMANYREFS: this user's descriptors in flight are
@@ -68,13 +70,16 @@ static inline int fdbag_pack(const int *fds, int n)
  * open reads to what is queued. */
 static inline int fdbag_unpack(int bag, int *out, int want, char *why, size_t whysize)
 {
-	int got = 0, type = 0, messages = 0;
+	int got = 0, type = 0, messages = 0, off = 0;
 	socklen_t tl = sizeof(type);
 
 	if (getsockopt(bag, SOL_SOCKET, SO_TYPE, &type, &tl) < 0 || type != SOCK_SEQPACKET) {
 		snprintf(why, whysize, "the bag of held descriptors is not a SOCK_SEQPACKET socket");
 		return -1;
 	}
+	/* its maker may have asked the kernel for a pidfd with every message (SO_PASSPIDFD,
+	 * Linux 6.5): not on our reads (and any that comes anyway is closed below) */
+	setsockopt(bag, SOL_SOCKET, FDBAG_SO_PASSPIDFD, &off, sizeof(off));
 	for (;;) {
 		union {
 			char buf[CMSG_SPACE(sizeof(int) * 253)];
@@ -100,9 +105,20 @@ static inline int fdbag_unpack(int bag, int *out, int want, char *why, size_t wh
 		for (struct cmsghdr *cm = CMSG_FIRSTHDR(&m); cm; cm = CMSG_NXTHDR(&m, cm)) {
 			size_t k;
 
-			if (cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS)
+			if (cm->cmsg_level != SOL_SOCKET)
 				continue;
 			k = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+			if (cm->cmsg_type == FDBAG_SCM_PIDFD) { /* a descriptor all the same: closed */
+				for (size_t i = 0; i < k; i++) {
+					int fd;
+
+					memcpy(&fd, CMSG_DATA(cm) + i * sizeof(int), sizeof(int));
+					close(fd);
+				}
+				continue;
+			}
+			if (cm->cmsg_type != SCM_RIGHTS)
+				continue;
 			for (size_t i = 0; i < k; i++) {
 				int fd;
 

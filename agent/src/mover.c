@@ -58,12 +58,14 @@
 #define LOG_PREFIX "mover: "
 #include "agent.h" /* first: _GNU_SOURCE */
 
+#include <dirent.h>
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -265,6 +267,40 @@ void hold_close(struct move_result *r)
 
 /* Every movable allocation's memory exported to a descriptor (r->hold_fds), each one's file
  * remembered (plan.hold), or none: the memory is held only if all of it can be. */
+/* Room in the program's descriptor table for holding n allocations: one exported descriptor
+ * each now, and at the held resume the descriptors given back beside one kept for each
+ * (vmm.c): 2n more than it has open, and a margin for the program. Nothing in why, or why
+ * not (then nothing is held: a program that meets its limit half-way through would see its
+ * own opens fail). */
+static void hold_room(size_t n, char *why, size_t whysize)
+{
+	struct rlimit rl;
+	struct dirent *e;
+	long open_now = 0;
+	DIR *d;
+
+	if (getrlimit(RLIMIT_NOFILE, &rl) || rl.rlim_cur == RLIM_INFINITY)
+		return;
+	if (!(d = opendir("/proc/self/fd")))
+		return;
+	while ((e = readdir(d)))
+		open_now += e->d_name[0] != '.';
+	closedir(d);
+	if ((unsigned long long)open_now + 2ULL * n + 64 > (unsigned long long)rl.rlim_cur)
+		snprintf(why, whysize, "the program's limit on open files (%llu) leaves no room for "
+			 "2 x %zu descriptors beside its %ld open", (unsigned long long)rl.rlim_cur, n,
+			 open_now);
+}
+
+/* What the next save may hold: HOLD_DIRECT, or HOLD_MAX for a client that takes a bag
+ * (`prepare ... bag`): a torpor before bags could not take more (control.c). */
+static int hold_max = HOLD_DIRECT;
+
+void mover_hold_max(int n)
+{
+	hold_max = n < HOLD_MAX ? n : HOLD_MAX;
+}
+
 void hold_export(struct move_result *r)
 {
 	static int fds[HOLD_MAX]; /* one save at a time (the control thread's) */
@@ -276,13 +312,17 @@ void hold_export(struct move_result *r)
 	r->hold_error[0] = 0;
 	if (!vmm_hold_enabled() || !plan.nmv)
 		return;
-	vmm_kept_audit();
-	if (plan.nmv > HOLD_MAX)
-		snprintf(why, sizeof(why), "%zu allocations, more than %d", plan.nmv, HOLD_MAX);
+	if (plan.nmv > (size_t)hold_max)
+		snprintf(why, sizeof(why), "%zu allocations, more than %d%s", plan.nmv, hold_max,
+			 hold_max < HOLD_MAX ? " (a client that takes no bag of them)" : "");
 	else if (!plan.fingerprinted)
 		snprintf(why, sizeof(why), "the parts have no GPU fingerprints to check the memory "
 			 "by when it is taken back (%.70s)", r->fp_error[0] ? r->fp_error :
 			 "TORPOR_AGENT_MOVER_CHECK=host");
+	if (!why[0])
+		hold_room(plan.nmv, why, sizeof(why));
+	if (!why[0])
+		vmm_kept_audit(); /* which kept descriptors vmm_export_fd may hand out */
 	for (size_t m = 0; !why[0] && m < plan.nmv; m++)
 		if (!vmm_exportable(plan.mv[m].phys))
 			snprintf(why, sizeof(why), "an allocation of %zu bytes at 0x%llx is not "

@@ -170,6 +170,21 @@ static struct kept_fd {
 	int shared; /* marked, and another kept one's description too (vmm_kept_audit) */
 } kept[HOLD_MAX];
 
+/* kcmp(KCMP_FILE) of two of this process's descriptors: 0 one description, 1 or 2 their
+ * order, -1 with errno. */
+static long kcmp_file(pid_t pid, int a, int b)
+{
+#ifdef TORPOR_TEST_NO_KCMP
+	/* a test build only (tests/unit/test_agent_held_bag.py): as under a seccomp profile that
+	 * refuses kcmp (Docker's and Podman's defaults without CAP_SYS_PTRACE) */
+	(void)pid, (void)a, (void)b;
+	errno = EPERM;
+	return -1;
+#else
+	return syscall(SYS_kcmp, pid, pid, 0 /* KCMP_FILE */, a, b);
+#endif
+}
+
 int fd_same_description(int a, int b)
 {
 	int fa, fb, now;
@@ -177,7 +192,7 @@ int fd_same_description(int a, int b)
 
 	if (a == b)
 		return 1;
-	rc = syscall(SYS_kcmp, getpid(), getpid(), 0 /* KCMP_FILE */, a, b);
+	rc = kcmp_file(getpid(), a, b);
 	if (rc >= 0)
 		return rc == 0;
 	/* no kcmp here (a kernel without it, a seccomp profile that refuses it): the status
@@ -206,7 +221,7 @@ static int kcmp_compare(const void *a, const void *b, void *arg)
 
 	if (o->failed)
 		return 0;
-	rc = syscall(SYS_kcmp, o->pid, o->pid, 0 /* KCMP_FILE */, o->fds[i], o->fds[j]);
+	rc = kcmp_file(o->pid, o->fds[i], o->fds[j]);
 	if (rc < 0 || rc > 2) {
 		o->failed = 1;
 		return 0;
@@ -214,10 +229,48 @@ static int kcmp_compare(const void *a, const void *b, void *arg)
 	return rc == 0 ? 0 : rc == 1 ? -1 : 1;
 }
 
+/* Without kcmp (a seccomp profile that refuses it: Docker's and Podman's defaults without
+ * CAP_SYS_PTRACE): O_NONBLOCK set on each one to one bit of its index, on all of them in
+ * order, then read back. A description two share carries the later one's bit, which the
+ * earlier one reads back where their indices differ, and over every bit of the index each
+ * pair differs once: the earlier one of each pair is marked. 2 n log n calls; each one's
+ * status flags set back after. -1: no memory for it. */
+static int shared_by_flags(const int *fds, int n, unsigned char *shared)
+{
+	int *fl = malloc(sizeof(int) * (size_t)n);
+
+	if (!fl)
+		return -1;
+	for (int i = 0; i < n; i++)
+		if ((fl[i] = fcntl(fds[i], F_GETFL)) < 0)
+			shared[i] = 1; /* cannot be told */
+	for (int bit = 0; (1L << bit) < n; bit++) {
+		for (int i = 0; i < n; i++)
+			if (fl[i] >= 0)
+				fcntl(fds[i], F_SETFL, (fl[i] & ~O_NONBLOCK) |
+					  ((i >> bit) & 1 ? O_NONBLOCK : 0));
+		for (int i = 0; i < n; i++) {
+			int now;
+
+			if (fl[i] < 0)
+				continue;
+			now = fcntl(fds[i], F_GETFL);
+			if (now < 0 || !!(now & O_NONBLOCK) != ((i >> bit) & 1))
+				shared[i] = 1;
+		}
+	}
+	for (int i = 0; i < n; i++)
+		if (fl[i] >= 0)
+			fcntl(fds[i], F_SETFL, fl[i]);
+	free(fl);
+	return 0;
+}
+
 /* Which of fds[0..n) share an open file description with another of them: shared[i] set for
- * each such one (for each of them when that cannot be told); the number set. Sorted by kcmp's
- * order (n log n calls: a program holds thousands of allocations' descriptors); without kcmp,
- * or for a few, pairwise (fd_same_description). */
+ * one of each such pair at least (for each of them when that cannot be told); the number
+ * set. Sorted by kcmp's order (n log n calls: a program holds thousands of allocations'
+ * descriptors); without kcmp, by their status flags (shared_by_flags); for a few, pairwise
+ * (fd_same_description). */
 int fd_shared_descriptions(const int *fds, int n, unsigned char *shared)
 {
 	struct kcmp_order o = { getpid(), fds, 0 };
@@ -232,7 +285,7 @@ int fd_shared_descriptions(const int *fds, int n, unsigned char *shared)
 			idx[i] = i;
 		qsort_r(idx, (size_t)n, sizeof(int), kcmp_compare, &o);
 		for (int i = 1; !o.failed && i < n; i++) {
-			long rc = syscall(SYS_kcmp, o.pid, o.pid, 0, fds[idx[i - 1]], fds[idx[i]]);
+			long rc = kcmp_file(o.pid, fds[idx[i - 1]], fds[idx[i]]);
 
 			if (rc < 0)
 				o.failed = 1;
@@ -243,10 +296,9 @@ int fd_shared_descriptions(const int *fds, int n, unsigned char *shared)
 		if (!o.failed)
 			goto counted;
 		memset(shared, 0, (size_t)n);
-		if (n > HOLD_DIRECT) { /* pairwise: n * n system calls, too many to make */
-			memset(shared, 1, (size_t)n);
-			return n;
-		}
+		if (!shared_by_flags(fds, n, shared))
+			goto counted;
+		memset(shared, 0, (size_t)n);
 	}
 	for (int j = 1; j < n; j++)
 		for (int i = 0; i < j; i++)
@@ -304,7 +356,9 @@ void vmm_kept_audit(void)
 	pthread_mutex_lock(&vm.lock);
 	for (int i = 0; i < HOLD_MAX; i++) {
 		kept[i].shared = 0;
-		if (kept[i].fd1) {
+		/* one the program closed, or put something else at (kept_get forgets it when its
+		 * allocation is exported): not in the comparison, which it would make fail */
+		if (kept[i].fd1 && kept_is(&kept[i], kept[i].fd1 - 1)) {
 			marked |= kept[i].marked;
 			slot[n] = i;
 			fds[n++] = kept[i].fd1 - 1;

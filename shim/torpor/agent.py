@@ -79,6 +79,14 @@ def held_fds(held: Sequence[int]) -> Iterator[list[int]]:
         os.close(bag)
 
 
+def takes_bags(status: dict[str, Any]) -> bool:
+    """Does an agent with this status hold past HOLD_DIRECT allocations when asked
+    (`prepare ... bag`; its hold_max, absent before 2026-12-07)?"""
+    hold_max = status.get("hold_max")
+    return isinstance(hold_max, int) and not isinstance(hold_max, bool) and \
+        hold_max > HOLD_DIRECT
+
+
 class _Unheld(Exception):
     """detach_hold: the agent's descriptors did not come as it said."""
 
@@ -325,7 +333,7 @@ class AgentClient:
     def prepare(self, files: Sequence[int], timeout_ms: int, timeout: float | None = None,
                 fingerprints: tuple[int, int] | None = None,
                 stream: Sequence[int] = (), host_budget: int | None = None,
-                plan: int | None = None) -> dict[str, Any]:
+                plan: int | None = None, bag: bool = False) -> dict[str, Any]:
         """Movable GPU memory into files (fds of empty regular files, read-write), or with no
         files into the program's own host memory; the gate is closed after. Returns the
         agent's reply: {"bytes" (moved), "zero_bytes" (found zero: stayed), "chunks",
@@ -348,6 +356,9 @@ class AgentClient:
         there, nothing copied, "deferred": true; a copier (copier.py) must fill the files
         before anything reads them. Where it cannot, it copies as always, and "defer_error"
         says why. An agent older than the deferred copy is asked again without it.
+        bag: take more than HOLD_DIRECT held descriptors (in one bag, fdbag.py): only for an
+        agent whose status said so (takes_bags); without it the agent holds at most
+        HOLD_DIRECT, as much as a torpor before bags could take.
         On failure (AgentError) the agent released nothing and opened its gate again."""
         if not 0 <= len(files) <= MAX_FILES:
             raise ValueError(f"prepare takes 0 to {MAX_FILES} files, not {len(files)}")
@@ -362,12 +373,14 @@ class AgentClient:
             raise ValueError("a deferred copy is for a prepare into files, without the store "
                              "or a host budget")
         budget = f" host={int(host_budget)}" if host_budget is not None else ""
-        words = f"{' fp' if fp else ''}{' stream' if stream else ''}"
+        tail = " bag" if bag else ""   # only to an agent that said it takes the word
+        words = f"{' fp' if fp else ''}{' stream' if stream else ''}{tail}"
         fds = [*files, *(fingerprints or ()), *stream]
         try:
             if plan is not None:
                 try:
-                    reply = self.call(f"prepare {int(timeout_ms)} defer", [*fds, plan], timeout)
+                    reply = self.call(f"prepare {int(timeout_ms)} defer{tail}", [*fds, plan],
+                                      timeout)
                 except AgentError as e:
                     if e.refusal != BEFORE_HOST_BUDGET:   # its parser's words for "defer" too
                         raise

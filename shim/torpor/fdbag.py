@@ -14,6 +14,8 @@ import socket
 from collections.abc import Sequence
 
 BATCH = 240
+SO_PASSPIDFD = 76     # Linux 6.5 (<asm-generic/socket.h>): a pidfd with every message read
+SCM_PIDFD = 0x04
 HOLD_DIRECT = 200     # held descriptors that go in the message itself (agent.h's HOLD_DIRECT)
 
 
@@ -47,10 +49,19 @@ def pack(fds: Sequence[int]) -> int:
 
 
 def _fds(anc: list[tuple[int, int, bytes]]) -> list[int]:
+    """The SCM_RIGHTS descriptors of one message; any other descriptor the kernel put in it
+    (SCM_PIDFD: its maker asked for one with every message) closed."""
     out = array.array("i")
     for level, kind, data in anc:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            out.frombytes(data[:len(data) - len(data) % out.itemsize])
+        if level != socket.SOL_SOCKET or kind not in (socket.SCM_RIGHTS, SCM_PIDFD):
+            continue
+        got = array.array("i")
+        got.frombytes(data[:len(data) - len(data) % got.itemsize])
+        if kind == SCM_PIDFD:
+            for fd in got:
+                os.close(fd)
+        else:
+            out.extend(got)
     return list(out)
 
 
@@ -69,6 +80,10 @@ def unpack(bag: int, want: int) -> list[int]:
         with s:
             if s.family != socket.AF_UNIX or s.type != socket.SOCK_SEQPACKET:
                 raise BagError("the bag of held descriptors is not a SOCK_SEQPACKET socket")
+            try:   # its maker may have asked for a pidfd with every message read
+                s.setsockopt(socket.SOL_SOCKET, SO_PASSPIDFD, 0)
+            except OSError:
+                pass   # a kernel before 6.5: there is no such thing
             for _ in range(want + 1):   # one descriptor a message at least: not for ever
                 try:   # (socket.recv_fds drops its flags before Python 3.12)
                     data, anc, flags, _ = s.recvmsg(1, socket.CMSG_SPACE(253 * 4),

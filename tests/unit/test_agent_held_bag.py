@@ -12,14 +12,16 @@ import os
 import resource
 import shutil
 import socket
+import subprocess
+from pathlib import Path
 
 import pytest
 
 from torpor import copier, fdbag
 from torpor.agent import AgentClient, held_fds
-from tests.unit.test_agent import Probe, gpu  # noqa: F401  (fixtures)
+from tests.unit.test_agent import AGENT_DIR, Probe, gpu  # noqa: F401  (fixtures)
 from tests.unit.test_agent_defer import COPIER, new_plan, ready_copier  # noqa: F401
-from tests.unit.test_agent_held import (EXPORT, _holds_nothing, _kept, close_all, one_file,
+from tests.unit.test_agent_held import (EXPORT, _kept, close_all, one_file,
                                         one_file_agent)  # noqa: F401  (a fixture)
 from tests.unit.test_agent_mover import MIB, Files, ctl_fds, ctl_recv
 
@@ -55,7 +57,7 @@ def many(gpu, tmp_path):
         ptrs = [p.call(f"@alloc {2 * MIB} dlsym")["ptr"] for _ in range(N)]
         for k in FILLED:
             assert p.call(f"@fill {ptrs[k]} {2 * MIB} {k + 1}")["rc"] == 0
-        assert p.status()["holdable"] is True
+        assert p.status()["holdable_bag"] is True
         return p, ptrs
     yield start
     for p in started:
@@ -127,7 +129,7 @@ def test_more_than_200_held_allocations_come_back_without_a_copy(gpu, many, tmp_
     p, ptrs = many()
     for round in range(2):
         files = Files(tmp_path / f"data{round}", 2)
-        r = files.send(p.sock, "prepare 5000", write=True)
+        r = files.send(p.sock, "prepare 5000 bag", write=True)
         assert r["ok"] and r["held"] == N, r
         with AgentClient(p.sock) as a:
             held = a.detach_hold()
@@ -153,7 +155,7 @@ def test_more_than_200_held_allocations_come_back_without_a_copy(gpu, many, tmp_
 def test_the_reply_of_detach_hold_carries_one_bag(gpu, many, tmp_path):
     p, _ = many()
     files = Files(tmp_path / "d", 1)
-    assert files.send(p.sock, "prepare 5000", write=True)["held"] == N
+    assert files.send(p.sock, "prepare 5000 bag", write=True)["held"] == N
     r, got = ctl_recv(p.sock, "detach hold")
     assert r == {"ok": True, "held": N, "bag": True} and len(got) == 1, r
     held = fdbag.unpack(got[0], N)
@@ -184,7 +186,7 @@ def test_a_deferred_copy_of_more_than_200_allocations(gpu, many, tmp_path, ready
     files, plan = Files(tmp_path / "d", 2), new_plan()
     data = files.open(write=True)
     try:
-        r = ctl_fds(p.sock, "prepare 5000 defer", data + [plan])
+        r = ctl_fds(p.sock, "prepare 5000 defer bag", data + [plan])
     finally:
         close_all(data)
     assert r["ok"] and r["deferred"] is True and r["held"] == N, r
@@ -211,7 +213,7 @@ def test_a_deferred_copy_of_more_than_200_allocations(gpu, many, tmp_path, ready
 
 
 def held_round(p: Probe, files: Files) -> None:
-    r = files.send(p.sock, "prepare 5000", write=True)
+    r = files.send(p.sock, "prepare 5000 bag", write=True)
     assert r["ok"] and r["held"] == N, r
     with AgentClient(p.sock) as a:
         held = a.detach_hold()
@@ -223,18 +225,98 @@ def held_round(p: Probe, files: Files) -> None:
         close_all(data + held)
 
 
-def test_with_the_driver_s_one_file_many_kept_descriptors_are_told_apart(gpu, many, tmp_path,
-                                                                         one_file_agent):
+@pytest.fixture(scope="module")
+def no_kcmp_agent(tmp_path_factory) -> Path:
+    """The one-file test build (one_file_agent) that also finds kcmp refused, as under Docker's
+    and Podman's default seccomp profiles (TORPOR_TEST_NO_KCMP in vmm.c, a test build only)."""
+    build = tmp_path_factory.mktemp("no-kcmp")
+    r = subprocess.run(["make", "-s", "-C", str(AGENT_DIR), f"BUILD={build}", "lib",
+                        "EXTRA_CFLAGS=-DTORPOR_TEST_DRIVER_ONE_FILE -DTORPOR_TEST_NO_KCMP"],
+                       capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"the no-kcmp test build failed: {r.stderr[-500:]}")
+    return build / "libtorpor-agent.so"
+
+
+@pytest.mark.parametrize("kcmp", [True, False], ids=["kcmp", "no kcmp"])
+def test_with_the_driver_s_one_file_many_kept_descriptors_are_told_apart(
+        gpu, many, tmp_path, one_file_agent, no_kcmp_agent, kcmp):
     """The real driver's descriptors are all one device node: what tells the kept ones apart is
     their open file descriptions, checked sorted by kcmp's order (thousands of allocations:
-    not each against every other). N of them hold again; one description put at another kept
-    number (the program's doing) is found, and that prepare holds nothing."""
-    p, ptrs = many(one_file(one_file_agent))
+    not each against every other), and where a seccomp profile refuses kcmp, by their status
+    flags, a bit of each one's index at a time. N of them hold again; one description put at
+    another kept number (the program's doing) is found, and that prepare holds nothing."""
+    p, ptrs = many(one_file(one_file_agent if kcmp else no_kcmp_agent))
     held_round(p, Files(tmp_path / "a", 1))
     held_round(p, Files(tmp_path / "b", 1))          # the kept ones, handed out: all distinct
     intact(p, ptrs)
     kept = _kept(p)
     assert len(kept) == N, len(kept)
     assert p.call(f"dup2 {kept[0]} {kept[N // 2]}")["rc"] == 0
-    _holds_nothing(p, Files(tmp_path / "c", 1), "is another kept one's too")
+    files = Files(tmp_path / "c", 1)
+    r = files.send(p.sock, "prepare 5000 bag", write=True)
+    assert r["ok"] and r["held"] == 0, r
+    assert "is another kept one's too" in p.stderr(), p.stderr()[-2000:]
+    assert ctl_recv(p.sock, "detach hold")[0]["held"] == 0
+    assert files.send(p.sock, "resume", write=False)["ok"]
     intact(p, ptrs)
+
+
+def test_a_bag_that_asks_for_a_pidfd_with_every_message_leaves_none_open():
+    """Its maker (an agent in a container) may set SO_PASSPIDFD on the bag: the kernel would
+    install a pidfd in the reader for each message read (Linux 6.5). The reader turns that off
+    and closes any that came: nothing of it stays open in torpor."""
+    if not hasattr(socket, "SO_PASSCRED"):
+        pytest.skip("no unix credentials")
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        b.setsockopt(socket.SOL_SOCKET, fdbag.SO_PASSPIDFD, 1)
+    except OSError:
+        pytest.skip("a kernel before SO_PASSPIDFD")
+    fds = [os.open("/dev/null", os.O_RDONLY) for _ in range(50)]
+    for fd in fds:
+        socket.send_fds(a, [b"h"], [fd])
+    close_all(fds)
+    a.close()
+    before = len(os.listdir("/proc/self/fd"))
+    got = fdbag.unpack(b.fileno(), 50)
+    close_all(got)
+    assert len(os.listdir("/proc/self/fd")) == before
+    b.close()
+
+
+def test_a_client_that_takes_no_bag_gets_at_most_200_held(gpu, many, tmp_path):
+    """A torpor before bags drops a reply that says more than 200 held (a deferred one then
+    fails its checkpoint): the agent holds past 200 only for a prepare that says `bag`, and
+    its status says both ways (holdable, holdable_bag) and how many it could (hold_max)."""
+    p, ptrs = many()
+    st = p.status()
+    assert (st["holdable"], st["holdable_bag"], st["hold_max"]) == (False, True, 8192), st
+    files = Files(tmp_path / "d", 1)
+    r = files.send(p.sock, "prepare 5000", write=True)
+    assert r["ok"] and r["held"] == 0 and "takes no bag" in r["hold_error"], r
+    assert ctl_recv(p.sock, "detach hold")[0] == {"ok": True, "held": 0}
+    assert files.send(p.sock, "resume", write=False)["ok"]
+    intact(p, ptrs)
+
+
+def test_a_program_without_room_for_the_descriptors_holds_nothing(gpu, tmp_path):
+    """Holding N allocations takes N descriptors in the program at the export and 2 N at the
+    held resume (those given back and one kept for each): a program whose limit on open files
+    leaves no room for that holds nothing and says why, rather than meet its limit half-way
+    (its own opens failing)."""
+    if os.geteuid() != 0 or not shutil.which("prlimit"):
+        pytest.skip("prlimit as root")
+    p = Probe(gpu, tmp_path, EXPORT, ["prlimit", "--nofile=700:700", "--"])
+    try:
+        assert p.call("init dlsym")["rc"] == 0
+        ptrs = [p.call(f"@alloc {2 * MIB} dlsym")["ptr"] for _ in range(N)]
+        for k in FILLED:
+            assert p.call(f"@fill {ptrs[k]} {2 * MIB} {k + 1}")["rc"] == 0
+        files = Files(tmp_path / "d", 1)
+        r = files.send(p.sock, "prepare 5000 bag", write=True)
+        assert r["ok"] and r["held"] == 0 and "limit on open files (700)" in r["hold_error"], r
+        assert files.send(p.sock, "resume", write=False)["ok"]
+        intact(p, ptrs)
+    finally:
+        p.close()

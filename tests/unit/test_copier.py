@@ -107,6 +107,7 @@ class _Engine(agents.AgentMoves):
                                          agent_timeout_s=600.0)
         self.progress = _Say()
         self._ready, self._held, self._copiers, self._deferred, self._drains = {}, {}, {}, {}, {}
+        self._bags = set()
 
 
 @pytest.fixture

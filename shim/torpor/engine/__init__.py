@@ -97,6 +97,9 @@ class Engine(AgentMoves, Recovery):
         self._deferred: dict[int, AgentTarget] = {}
         self._drains: dict[int, dict[str, Any]] = {}
         self._planned: dict[int, int] = {}
+        # pids whose agent holds past 200 allocations for a prepare that takes a bag of their
+        # descriptors (status hold_max; holding() asks)
+        self._bags: set[int] = set()
 
     # -- the driver -------------------------------------------------------------------------
     @property

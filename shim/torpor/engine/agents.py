@@ -209,6 +209,7 @@ class AgentMoves:
     _deferred: dict[int, AgentTarget]     # ... their programs' targets
     _drains: dict[int, dict[str, Any]]    # ... and their copiers' replies, once waited for
     _planned: dict[int, int]              # ... and the bytes their agents planned
+    _bags: set[int]                       # ... agents that take a bag of held descriptors
 
     def agent_sockets(self, pids: Iterable[int], agent_dir: Path | None = None) -> dict[int, Path]:
         """pid -> its agent's socket, for the pids whose program runs under the agent."""
@@ -259,13 +260,19 @@ class AgentMoves:
         status's "holdable" not false; older agents do not say), the only programs a copier
         can serve: no copier, no GPU context on a nearly full GPU, for the others
         (TORPOR_AGENT_VMM_EXPORT=0, a driver that refused exportable memory, the program's
-        own allocations not exportable, more than 200). An agent that does not answer is
-        kept: the prepare's own probe says what is wrong with it."""
+        own allocations not exportable, more than 8192, or 200 for an agent before bags). An
+        agent that does not answer is kept: the prepare's own probe says what is wrong with
+        it. One that takes a bag of held descriptors is asked for one (self._bags)."""
         out = {}
         for pid, path in sorted(sockets.items()):
             try:
                 with self._client(AgentTarget(pid, path, Path(), pid, 1), STATUS_TIMEOUT_S) as a:
-                    holdable = a.status().get("holdable")
+                    st = a.status()
+                    # past HOLD_DIRECT allocations an agent holds for a prepare that takes a
+                    # bag (AgentClient.prepare asks for it where the agent says hold_max)
+                    holdable = st.get("holdable_bag", st.get("holdable"))
+                    if agent.takes_bags(st):
+                        self._bags.add(pid)
             except TorporError:
                 holdable = None
             if holdable is False:
@@ -414,7 +421,7 @@ class AgentMoves:
                     reply = a.prepare(fds[:count], timeout_ms, fingerprints=fp,
                                       stream=intake.agent_fds() if intake else (),
                                       host_budget=(budgets or {}).get(pid),
-                                      plan=plans.get(pid))
+                                      plan=plans.get(pid), bag=pid in self._bags)
                 if intake is not None:   # answered ok: the store committed every part
                     reply["streamed"] = intake.finish().to_json()
                     intake = None
