@@ -571,7 +571,7 @@ def test_protocol_answers(probe):
     st = p.status()
     assert set(st) == {"pid", "state", "gate", "in_flight", "waiting", "allocations", "bytes",
                        "movable_allocations", "movable_bytes", "moved_allocations", "contexts",
-                       "in_memory", "host_bytes", "holdable"}
+                       "in_memory", "host_bytes", "holdable", "holdable_bag", "hold_max"}
     assert st["state"] == "running"
     for line in ("detach", "resume", "abort"):
         assert p.ctl(line) == {"ok": False, "error": "not prepared"}, line
