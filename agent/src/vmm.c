@@ -231,10 +231,11 @@ static int kcmp_compare(const void *a, const void *b, void *arg)
 
 /* Without kcmp (a seccomp profile that refuses it: Docker's and Podman's defaults without
  * CAP_SYS_PTRACE): O_NONBLOCK set on each one to one bit of its index, on all of them in
- * order, then read back. A description two share carries the later one's bit, which the
- * earlier one reads back where their indices differ, and over every bit of the index each
- * pair differs once: the earlier one of each pair is marked. 2 n log n calls; each one's
- * status flags set back after. -1: no memory for it. */
+ * order, then read back. A description two share carries the bit of the one set last, which
+ * the other reads back where their indices differ, and over every bit of the index each pair
+ * differs once; set first upward, then downward, both of each pair are marked (what
+ * vmm_kept_audit needs: the one it must not hand out may be either). 4 n log n calls; each
+ * one's status flags set back after. -1: no memory for it. */
 static int shared_by_flags(const int *fds, int n, unsigned char *shared)
 {
 	int *fl = malloc(sizeof(int) * (size_t)n);
@@ -244,11 +245,16 @@ static int shared_by_flags(const int *fds, int n, unsigned char *shared)
 	for (int i = 0; i < n; i++)
 		if ((fl[i] = fcntl(fds[i], F_GETFL)) < 0)
 			shared[i] = 1; /* cannot be told */
-	for (int bit = 0; (1L << bit) < n; bit++) {
-		for (int i = 0; i < n; i++)
+	for (int pass = 0; pass < 2 * 32 && (1L << pass / 2) < n; pass++) {
+		int bit = pass / 2;
+
+		for (int k = 0; k < n; k++) {
+			int i = pass % 2 ? n - 1 - k : k;
+
 			if (fl[i] >= 0)
 				fcntl(fds[i], F_SETFL, (fl[i] & ~O_NONBLOCK) |
 					  ((i >> bit) & 1 ? O_NONBLOCK : 0));
+		}
 		for (int i = 0; i < n; i++) {
 			int now;
 
@@ -267,8 +273,7 @@ static int shared_by_flags(const int *fds, int n, unsigned char *shared)
 }
 
 /* Which of fds[0..n) share an open file description with another of them: shared[i] set for
- * one of each such pair at least (for each of them when that cannot be told); the number
- * set. Sorted by kcmp's order (n log n calls: a program holds thousands of allocations'
+ * each of them (also when that cannot be told); the number set. Sorted by kcmp's order (n log n calls: a program holds thousands of allocations'
  * descriptors); without kcmp, by their status flags (shared_by_flags); for a few, pairwise
  * (fd_same_description). */
 int fd_shared_descriptions(const int *fds, int n, unsigned char *shared)

@@ -249,3 +249,22 @@ def test_more_than_200_allocations_are_held_and_drained_and_restore(drained, gpu
     torpor.json("restore", "-D", str(images))
     ticks_on(proc.pid, status, agents)
     assert _digest_pieces(proc.pid, status) == before
+
+
+def test_more_than_200_allocations_are_held_without_a_copier_too(torpor, gpu, tmp_path,
+                                                                 reaper):
+    """leave_running_drain = false (and a checkpoint into the store, or a container with
+    fingerprints): no copier, but the memory is held through the pause all the same, past 200
+    allocations too (torpor asks its agent for a bag of them wherever the agent says it can)."""
+    torpor.env["TORPOR_SUSPEND_DIR"] = str(tmp_path / "shm")
+    torpor.env["TORPOR_LEAVE_RUNNING_DRAIN"] = "0"
+    n = 220
+    proc, status, agents = _under_the_agent(torpor, gpu, tmp_path, reaper, HELD, pieces=n)
+    before = _digest_pieces(proc.pid, status)
+    images = tmp_path / "ck"
+    r = torpor.run("checkpoint", str(proc.pid), "-D", str(images), "--leave-running")
+    assert r.returncode == 0, r.stderr
+    pause = json.loads((images / "torpor.json").read_text())["pause"]
+    assert pause["held"] == n and not pause.get("drained"), pause
+    ticks_on(proc.pid, status, agents)
+    assert _digest_pieces(proc.pid, status) == before

@@ -47,14 +47,17 @@ def many(gpu, tmp_path):
     handles is a memfd, and each export another)."""
     started: list[Probe] = []
 
-    def start(env: dict[str, str] = EXPORT) -> tuple[Probe, list[int]]:
+    def start(env: dict[str, str] = EXPORT, own: bool = False) -> tuple[Probe, list[int]]:
         prefix = []
         if os.geteuid() == 0 and shutil.which("prlimit"):
             prefix = ["prlimit", "--nofile=16384:16384", "--"]
         p = Probe(gpu, tmp_path, env, prefix)
         started.append(p)
         assert p.call("init dlsym")["rc"] == 0
-        ptrs = [p.call(f"@alloc {2 * MIB} dlsym")["ptr"] for _ in range(N)]
+        made = [p.call(f"@vmmfd {2 * MIB}") if own else p.call(f"@alloc {2 * MIB} dlsym")
+                for _ in range(N)]
+        ptrs = [m["ptr"] for m in made]
+        p.handles = [m.get("handle") for m in made]
         for k in FILLED:
             assert p.call(f"@fill {ptrs[k]} {2 * MIB} {k + 1}")["rc"] == 0
         assert p.status()["holdable_bag"] is True
@@ -320,3 +323,29 @@ def test_a_program_without_room_for_the_descriptors_holds_nothing(gpu, tmp_path)
         intact(p, ptrs)
     finally:
         p.close()
+
+
+@pytest.mark.parametrize("kcmp", [True, False], ids=["kcmp", "no kcmp"])
+def test_with_the_driver_s_one_file_one_impostor_above_its_original_is_not_handed_out(
+        gpu, many, tmp_path, one_file_agent, no_kcmp_agent, kcmp):
+    """The program's own export of memory taken back (b's: b is shared now, never moved again)
+    is a duplicate of b's kept description; put at the next kept number up, another
+    allocation's, it would pass for that one's. The check must mark the impostor, not only
+    b's own (which the prepare never hands out): with kcmp, and by the status flags."""
+    p, ptrs = many(one_file(one_file_agent if kcmp else no_kcmp_agent), own=True)
+    held_round(p, Files(tmp_path / "a", 1))
+    kept = sorted(_kept(p))
+    assert len(kept) == N, len(kept)
+    b = 100
+    fd = p.call(f"@export {p.handles[b]}")["fd"]
+    ino = os.stat(f"/proc/{p.pid}/fd/{fd}").st_ino    # the fake's memory: one memfd each
+    mine = [k for k in kept if os.stat(f"/proc/{p.pid}/fd/{k}").st_ino == ino]
+    assert len(mine) == 1, (ino, mine)
+    above = kept[kept.index(mine[0]) + 1]
+    assert p.call(f"dup2 {fd} {above}")["rc"] == 0
+    files = Files(tmp_path / "c", 1)
+    r = files.send(p.sock, "prepare 5000 bag", write=True)
+    assert r["ok"] and r["held"] == 0, r
+    assert "is another kept one's too" in p.stderr(), p.stderr()[-2000:]
+    assert files.send(p.sock, "resume", write=False)["ok"]
+    intact(p, ptrs)

@@ -252,6 +252,8 @@ class AgentMoves:
                 raise AgentError(f"PID {pid}: its agent is {state}, holding GPU memory out of "
                                  "an operation that did not finish",
                                  hint=f"'torpor resume {pid}' or 'torpor ps'")
+            if agent.takes_bags(status):   # its prepare may hold past 200 (a bag of them)
+                self._bags.add(pid)
             live[pid] = path
         return live
 
@@ -262,7 +264,7 @@ class AgentMoves:
         (TORPOR_AGENT_VMM_EXPORT=0, a driver that refused exportable memory, the program's
         own allocations not exportable, more than 8192, or 200 for an agent before bags). An
         agent that does not answer is kept: the prepare's own probe says what is wrong with
-        it. One that takes a bag of held descriptors is asked for one (self._bags)."""
+        it."""
         out = {}
         for pid, path in sorted(sockets.items()):
             try:
@@ -271,8 +273,6 @@ class AgentMoves:
                     # past HOLD_DIRECT allocations an agent holds for a prepare that takes a
                     # bag (AgentClient.prepare asks for it where the agent says hold_max)
                     holdable = st.get("holdable_bag", st.get("holdable"))
-                    if agent.takes_bags(st):
-                        self._bags.add(pid)
             except TorporError:
                 holdable = None
             if holdable is False:
