@@ -421,7 +421,10 @@ class AgentMoves:
                     reply = a.prepare(fds[:count], timeout_ms, fingerprints=fp,
                                       stream=intake.agent_fds() if intake else (),
                                       host_budget=(budgets or {}).get(pid),
-                                      plan=plans.get(pid), bag=pid in self._bags)
+                                      plan=plans.get(pid),
+                                      # held past 200 only where it is kept: a leave-running
+                                      # pause (a suspend would export them for nothing)
+                                      bag=hold and pid in self._bags)
                 if intake is not None:   # answered ok: the store committed every part
                     reply["streamed"] = intake.finish().to_json()
                     intake = None
