@@ -390,7 +390,6 @@ static void status_reply(char *out, size_t size)
 	struct gate_status g;
 	struct track_status t;
 	struct vmm_status v;
-
 	int holdable;
 
 	gate_status(&g);

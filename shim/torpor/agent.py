@@ -64,19 +64,12 @@ class AgentError(TorporError):
 
 @contextlib.contextmanager
 def held_fds(held: Sequence[int]) -> Iterator[list[int]]:
-    """The descriptors that carry held memory in a message: held itself, or past HOLD_DIRECT
-    one bag of them (fdbag.py; closed after). AgentError when none can be made."""
-    if len(held) <= HOLD_DIRECT:
-        yield list(held)
-        return
+    """fdbag.carried for a command to an agent: AgentError when no bag can be made."""
     try:
-        bag = fdbag.pack(held)
+        with fdbag.carried(held) as sent:
+            yield sent
     except fdbag.BagError as e:
         raise AgentError(str(e)) from e
-    try:
-        yield [bag]
-    finally:
-        os.close(bag)
 
 
 def takes_bags(status: dict[str, Any]) -> bool:

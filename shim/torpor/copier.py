@@ -221,16 +221,9 @@ def hand(c: Copier, plan: int, files: Sequence[int], held: Sequence[int]) -> Non
     Every fd stays the caller's (the copier has its own copies)."""
     assert c.ctl is not None
     try:
-        if len(held) > fdbag.HOLD_DIRECT:
-            bag = fdbag.pack(held)
-            try:
-                socket.send_fds(c.ctl, [f"go {len(files)} {len(held)}".encode()],
-                                [plan, *files, bag])
-            finally:
-                os.close(bag)
-        else:
+        with fdbag.carried(held) as sent:
             socket.send_fds(c.ctl, [f"go {len(files)} {len(held)}".encode()],
-                            [plan, *files, *held])
+                            [plan, *files, *sent])
     finally:
         c.ctl.close()
         c.ctl = None

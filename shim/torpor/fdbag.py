@@ -9,9 +9,10 @@ travels this way (agent/PROTOCOL.md, "Held memory"): `detach hold`'s reply, `res
 from __future__ import annotations
 
 import array
+import contextlib
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 BATCH = 240
 SO_PASSPIDFD = 76     # Linux 6.5 (<asm-generic/socket.h>): a pidfd with every message read
@@ -111,3 +112,17 @@ def unpack(bag: int, want: int) -> list[int]:
             os.close(fd)
         raise
     return fds
+
+
+@contextlib.contextmanager
+def carried(held: Sequence[int]) -> Iterator[list[int]]:
+    """The descriptors that carry held memory in a message: held itself, or past HOLD_DIRECT
+    one bag of them (closed after the block). BagError when none can be made."""
+    if len(held) <= HOLD_DIRECT:
+        yield list(held)
+        return
+    bag = pack(held)
+    try:
+        yield [bag]
+    finally:
+        os.close(bag)

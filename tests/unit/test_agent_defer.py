@@ -146,29 +146,40 @@ def test_a_copier_that_has_the_memory_finishes_through_sigterm_sigint_and_sighup
     _intact(p, prog["mem"])
 
 
+def _copy_with_deadline(gpu, p: Probe, tmp_path: Path, ready_copier, nfiles: int,
+                        part_ms: int) -> tuple[dict, float, Files, list[int]]:
+    """A deferred save handed to a copier with a 1 s --deadline, each copy to the host
+    delayed part_ms: its reply, the seconds it took, the data files and the held descriptors
+    (the caller's to close)."""
+    c = ready_copier(deadline_s=1)
+    assert copier.ready(c, 30) is None
+    files, plan = Files(tmp_path / "d", nfiles), new_plan()
+    r = prepare_deferred(p, files, plan)
+    assert r["ok"] and r["deferred"] is True, r
+    r, held = ctl_recv(p.sock, "detach hold")
+    rw = [os.open(f, os.O_RDWR | os.O_CLOEXEC) for f in files.paths]
+    delay(gpu, "cuMemcpyDtoHAsync_v2", part_ms)
+    try:
+        copier.hand(c, plan, rw, held)
+        t = time.monotonic()
+        out = copier.wait(c, 60)
+    finally:
+        close_all(rw + [plan])
+        (gpu.state_dir / "delay" / "cuMemcpyDtoHAsync_v2").unlink(missing_ok=True)
+    return out, time.monotonic() - t, files, held
+
+
 def test_a_copier_stuck_past_its_deadline_ends_and_says_so(gpu, probe, tmp_path,
                                                             ready_copier):
     """No torpor left to kill a stuck copier (a recovery only waits for another's): no part
     written for its --deadline, it ends by itself, with one line, and lets the memory go."""
     p = probe(EXPORT)
     _program(p, "vmmfd")
-    c = ready_copier(deadline_s=1)
-    assert copier.ready(c, 30) is None
-    files, plan = Files(tmp_path / "d", 2), new_plan()
-    r = prepare_deferred(p, files, plan)
-    assert r["ok"] and r["deferred"] is True, r
-    r, held = ctl_recv(p.sock, "detach hold")
-    rw = [os.open(f, os.O_RDWR | os.O_CLOEXEC) for f in files.paths]
-    delay(gpu, "cuMemcpyDtoHAsync_v2", 2500)   # every part far slower than a second
-    try:
-        copier.hand(c, plan, rw, held)
-        t = time.monotonic()
-        out = copier.wait(c, 60)
-    finally:
-        close_all(rw + [plan] + held)
-        (gpu.state_dir / "delay" / "cuMemcpyDtoHAsync_v2").unlink(missing_ok=True)
+    # every part far slower than a second
+    out, took, _, held = _copy_with_deadline(gpu, p, tmp_path, ready_copier, 2, 2500)
+    close_all(held)
     assert out == {"ok": False, "error": "no part written for its deadline: ended"}, out
-    assert time.monotonic() - t < 10
+    assert took < 10
 
 
 def test_a_copier_slow_but_moving_is_not_cut_short_by_its_deadline(gpu, probe, tmp_path,
@@ -178,22 +189,9 @@ def test_a_copier_slow_but_moving_is_not_cut_short_by_its_deadline(gpu, probe, t
     finishes, and the files give the program back."""
     p = probe(EXPORT)
     prog = _program(p, "vmmfd")
-    c = ready_copier(deadline_s=1)
-    assert copier.ready(c, 30) is None
-    files, plan = Files(tmp_path / "d", 1), new_plan()
-    r = prepare_deferred(p, files, plan)
-    assert r["ok"] and r["deferred"] is True, r
-    r, held = ctl_recv(p.sock, "detach hold")
-    rw = [os.open(f, os.O_RDWR | os.O_CLOEXEC) for f in files.paths]
-    delay(gpu, "cuMemcpyDtoHAsync_v2", 300)   # a part every 0.3 s, one worker: seconds in all
-    try:
-        copier.hand(c, plan, rw, held)
-        t = time.monotonic()
-        out = copier.wait(c, 60)
-    finally:
-        close_all(rw + [plan])
-        (gpu.state_dir / "delay" / "cuMemcpyDtoHAsync_v2").unlink(missing_ok=True)
-    assert out["ok"] is True and time.monotonic() - t > 2, (out, time.monotonic() - t)
+    # a part every 0.3 s, one worker: seconds in all
+    out, took, files, held = _copy_with_deadline(gpu, p, tmp_path, ready_copier, 1, 300)
+    assert out["ok"] is True and took > 2, (out, took)
     assert ctl_fds(p.sock, "detach release") == {"ok": True}
     close_all(held)
     data = files.open(write=False)
