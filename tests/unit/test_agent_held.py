@@ -10,6 +10,7 @@ are the handles' memfds: the memory lives while one is open.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
 from pathlib import Path
@@ -710,8 +711,11 @@ def test_two_allocations_of_one_size_given_back_swapped_are_told_by_their_memory
     r = resume_with(p, files, "resume held=2", held[::-1])
     close_all(held)
     assert r["ok"] and r["held"] is False, r
-    assert "the memory taken back is not what was saved (2 of 2 parts" in p.stderr(), \
-        p.stderr()[-2000:]
+    # every part is wrong; how many parts two 4 MiB allocations touch (2 or 3) depends on
+    # where the driver placed them in the 32 MiB windows, as on a GPU
+    bad = re.search(r"the memory taken back is not what was saved \((\d+) of (\d+) parts",
+                    p.stderr())
+    assert bad and bad[1] == bad[2] and int(bad[1]) >= 2, p.stderr()[-2000:]
     assert p.call(f"@check {a} {4 * MIB} 1")["ok"] and p.call(f"@check {b} {4 * MIB} 2")["ok"]
 
 

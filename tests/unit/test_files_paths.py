@@ -370,7 +370,8 @@ def test_a_user_who_keeps_taking_the_name_is_named_in_one_line(sticky, monkeypat
     _squat(sticky, "directory", sticky)
     monkeypatch.setattr(files, "_move_aside", lambda *a: None)    # they win every race
     with pytest.raises(UsageError, match=rf"suspend_dir {sticky}/torpor: uid {NOBODY} put its "
-                                         r"own entry there again each of the 20 times") as e:
+                                         r"own entry there again each of the "
+                                         rf"{files._MAX_SQUATS} times") as e:
         agent_data.claim_suspend_dir(sticky / "torpor")
     assert "\n" not in e.value.line() and "TORPOR_SUSPEND_DIR" in e.value.line()
 
