@@ -30,7 +30,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from . import fdbag, procs
 from .errors import NotFoundError, TorporError
@@ -38,6 +38,11 @@ from .errors import NotFoundError, TorporError
 BINARY = Path(__file__).resolve().parent / "_agent" / "torpor-copier"
 REPLY_MAX = 64 << 10
 READY_TIMEOUT_S = 30.0  # how long a copier may take to load the driver and make its contexts
+# Free GPU memory a copier's context needs beside the running program: a context takes a few
+# hundred MiB (its own, never the program's), made while the program runs and may still
+# allocate; below this much free, a program near its GPU's end could meet an out-of-memory
+# error torpor caused, so no copier is started there (the agent copies as without one).
+CONTEXT_ROOM = 1 << 30
 FOREIGN_WAIT_S = 60.0   # how long a recovery waits for another torpor's copier, each time
 SYSTEMD_DIR = Path("/run/systemd/system")   # present where systemd is the init (sd_booted)
 SCOPE_FAILED = "systemd-run could not start it in a scope of its own"
@@ -123,6 +128,17 @@ def _spawn(command: list[str], fds: Sequence[int]) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL, pass_fds=fds, start_new_session=True, env=env)
+
+
+def short_of_room(uuids: Sequence[str], free: Mapping[str, int]) -> str | None:
+    """Why a copier must not make a context on uuids (a program's GPUs), given NVML's free
+    bytes of each GPU (those NVML does not show are left to the copier's own context
+    creation); None when each has CONTEXT_ROOM."""
+    for u in uuids:
+        if u in free and free[u] < CONTEXT_ROOM:
+            return (f"{u} has {free[u] >> 20} MiB free, less than the {CONTEXT_ROOM >> 20} MiB "
+                    "a copier's context may take beside the program")
+    return None
 
 
 def prestart(libcuda: str, devices: Sequence[str], exe: str = "", deadline_s: float = 0

@@ -185,6 +185,33 @@ def test_a_copier_without_room_for_its_context_leaves_the_copy_to_the_agent(
     assert list((tmp_path / "state" / "journal").glob("*.json")) == []
 
 
+def test_no_copier_is_started_on_a_gpu_short_of_room_for_its_context(
+        drained, gpu, tmp_path, reaper):
+    """A GPU with less free memory than a context may take (copier.CONTEXT_ROOM): the
+    copier's context, made while the program runs, could leave the program's next
+    allocation without room. None is started (the fake driver would have made one: only
+    NVML's free memory says no); the operator is told, the agent copies before the dump,
+    and the program runs on intact."""
+    torpor = drained
+    proc, status, agents = _under_the_agent(torpor, gpu, tmp_path, reaper, HELD)
+    before = _digest(proc.pid, status)
+    (uuid, name, _), *others = gpu.gpus
+    gpu.set_gpus([(uuid, name, (64 << 20) + (512 << 20)), *others])   # 512 MiB free or less
+    images = tmp_path / "ck"
+    r = torpor.run("checkpoint", str(proc.pid), "-D", str(images), "--leave-running")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout + r.stderr
+    assert f"warning: PID {proc.pid}: no torpor-copier: {uuid} has " in out, out
+    assert "MiB free, less than the 1024 MiB a copier's context may take" in out, out
+    assert "copying it into the data files meanwhile" not in out, out
+    assert "torpor-copier is not ready" not in out, out   # none started, none failed
+    m = json.loads((images / "torpor.json").read_text())
+    assert "deferred" not in m["agent"][str(proc.pid)] and "drained" not in m["pause"], m
+    assert torpor.json("inspect", str(images), "--verify")["verified"]
+    ticks_on(proc.pid, status, agents)
+    assert _digest(proc.pid, status) == before
+
+
 def test_a_drained_checkpoint_restores(drained, gpu, tmp_path, reaper):
     """The program is gone; its checkpoint, whose copy a copier made, brings it back. CRIU
     dumped the agent while its save was deferred, so the restore tells it the files are

@@ -194,6 +194,15 @@ def gpus_of(pids: list[int]) -> dict[int, list[str]]:
     return {p: inv.gpus_of(p) for p in pids}
 
 
+def _free_gpu_memory() -> dict[str, int]:
+    """NVML's free bytes of each GPU by UUID ({} where NVML cannot tell)."""
+    try:
+        inv = gpus.discover()
+    except NoDriverError:
+        return {}
+    return {g.uuid: g.memory_free for g in inv.gpus}
+
+
 def _rate(nbytes: int, seconds: float) -> str:
     return f"{human_bytes(nbytes)} in {seconds:.2f} s ({human_rate(nbytes, seconds)})"
 
@@ -287,10 +296,20 @@ class AgentMoves:
         context on each of its GPUs, NVML's UUIDs in devices[pid]), made before the pause,
         while the programs run. A pid whose copier cannot get there (no room on its GPU for
         another context, a GPU in exclusive-process mode) is said and copies in its program
-        before the dump, as without one; drop_copiers lets go of those never used."""
+        before the dump, as without one; drop_copiers lets go of those never used. Nor is
+        one started on a GPU with less free memory than its context may take
+        (copier.CONTEXT_ROOM): the program, still running, could run out because of it."""
         started: dict[int, copier.Copier] = {}
         todo = {p: d for p, d in devices.items() if p not in self._ready}
         self._ready.update((p, None) for p in todo)   # asked once: not ready until it says so
+        free = _free_gpu_memory() if todo else {}
+        for pid, uuids in sorted(todo.items()):
+            why = copier.short_of_room(sorted(uuids), free)
+            if why is not None:
+                del todo[pid]
+                log.warning("PID %d: no torpor-copier (%s)", pid, why)
+                self.progress.say(f"warning: PID {pid}: no torpor-copier: {why}; its GPU "
+                                  "memory is copied before the dump, not beside it")
         try:
             try:
                 for pid, uuids in sorted(todo.items()):
