@@ -42,6 +42,10 @@ class Inventory:
     def memory_of(self, pid: int) -> int:
         return sum(p.used_memory for p in self.processes if p.pid == pid)
 
+    def free_memory(self) -> dict[str, int]:
+        """Each GPU's free bytes, by UUID."""
+        return {g.uuid: g.memory_free for g in self.gpus}
+
     def memory_by_gpu(self, pid: int) -> dict[str, int]:
         """What pid holds on each of its GPUs (a program on several rarely holds the same)."""
         out: dict[str, int] = {}

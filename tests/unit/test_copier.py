@@ -137,11 +137,38 @@ def test_a_copier_whose_reply_pipe_is_past_fd_1024_is_ready(stand_in):
     try:
         while not fillers or fillers[-1] < 1100:
             fillers.append(os.open("/dev/null", os.O_RDONLY))
-        e.ready_copiers({101: []})
+        e.ready_copiers([101], None)
         assert e._ready[101] is not None, e.progress.lines
     finally:
         for fd in fillers:
             os.close(fd)
+        e.drop_copiers()
+
+
+def test_no_copier_on_a_gpu_with_less_free_than_a_context_may_take(stand_in):
+    """NVML's free memory decides before anything starts: a program on a GPU short of
+    copier.CONTEXT_ROOM gets none (its context would be made while the program runs) and
+    is told so; one on a GPU with room, and one NVML does not show, get theirs."""
+    from torpor.gpus import Gpu, GpuProcess, Inventory
+    tight, roomy = "GPU-11111111-2222-3333-4444-555555555555", \
+        "GPU-66666666-7777-8888-9999-aaaaaaaaaaaa"
+    inv = Inventory("999", [Gpu(0, tight, "H200", 80 << 30, copier.CONTEXT_ROOM - 1),
+                            Gpu(1, roomy, "H200", 80 << 30, copier.CONTEXT_ROOM)],
+                    [GpuProcess(101, tight, 1 << 30), GpuProcess(102, roomy, 1 << 30),
+                     GpuProcess(103, roomy, 1 << 30), GpuProcess(103, tight, 1 << 30)])
+    e = _Engine()
+    try:
+        e.ready_copiers([101, 102, 103, 104], inv)
+        assert e._ready[101] is None and e._ready[103] is None        # 103: one of its two
+        assert e._ready[102] is not None and e._ready[104] is not None
+        said = "\n".join(e.progress.lines)
+        for pid in (101, 103):
+            assert (f"warning: PID {pid}: no torpor-copier: {tight} has 1023 MiB free, less "
+                    "than the 1024 MiB a copier's context may take beside the program; its "
+                    "GPU memory is copied before the dump") in said, said
+        assert "PID 102" not in said and "PID 104" not in said, said
+        assert len(stand_in.read_text().split()) == 2                   # two started
+    finally:
         e.drop_copiers()
 
 
@@ -159,7 +186,7 @@ def test_an_interrupt_while_copiers_get_ready_leaves_none_running(stand_in, monk
     monkeypatch.setattr(copier, "prestart", prestart)
     monkeypatch.setattr(copier, "ready", ready)
     with pytest.raises(KeyboardInterrupt):
-        e.ready_copiers({101: [], 102: []})
+        e.ready_copiers([101, 102], None)
     e.drop_copiers()                                  # the flow's stack callback
     assert len(started) == 2
     assert all(c.proc.returncode is not None for c in started)   # gone and reaped
@@ -168,7 +195,7 @@ def test_an_interrupt_while_copiers_get_ready_leaves_none_running(stand_in, monk
 
 def test_a_ready_copier_whose_files_cannot_be_opened_is_let_go(stand_in):
     e = _Engine()
-    e.ready_copiers({101: []})
+    e.ready_copiers([101], None)
     c = e._ready[101]
     assert c is not None
     r, w = os.pipe()
@@ -227,7 +254,7 @@ def test_where_systemd_runs_the_copier_gets_a_scope_of_its_own(stand_in, systemd
     own (systemd-run --scope execs it: the same PID, its reply pipe and socket kept)."""
     systemd(SYSTEMD_RUN)
     e = _Engine()
-    e.ready_copiers({101: []})
+    e.ready_copiers([101], None)
     try:
         c = e._ready[101]
         assert c is not None, e.progress.lines
@@ -258,7 +285,7 @@ def test_a_systemd_run_that_fails_leaves_the_copier_unscoped_and_says_so(stand_i
     systemd(FAILING_SYSTEMD_RUN)
     e = _Engine()
     try:
-        e.ready_copiers({101: [], 102: []})
+        e.ready_copiers([101, 102], None)
         assert e._ready[101] is not None and e._ready[102] is not None, e.progress.lines
         said = [line for line in e.progress.lines if "systemd-run" in line]
         assert len(said) == 1 and "status 1" in said[0] and "cgroup" in said[0], said
@@ -284,7 +311,7 @@ def test_a_copier_usage_error_is_not_taken_for_systemd_run_s(stand_in, systemd):
     systemd(SYSTEMD_RUN)    # works: execs the copier
     e = _Engine()
     try:
-        e.ready_copiers({101: []})
+        e.ready_copiers([101], None)
     finally:
         e.drop_copiers()
     assert copier.scope_broken() == "", e.progress.lines
@@ -300,7 +327,7 @@ def test_torpord_logs_that_scopes_are_broken(stand_in, systemd, caplog):
     e.progress = Progress(None)
     caplog.set_level(logging.INFO)
     try:
-        e.ready_copiers({101: []})
+        e.ready_copiers([101], None)
     finally:
         e.drop_copiers()
     assert copier.scope_broken()
@@ -313,7 +340,7 @@ def test_a_scope_failure_is_forgotten_after_its_cool_down(stand_in, systemd, tmp
     systemd(FAILING_SYSTEMD_RUN)
     e = _Engine()
     try:
-        e.ready_copiers({101: []})
+        e.ready_copiers([101], None)
     finally:
         e.drop_copiers()
     assert copier.scope_broken()
@@ -323,7 +350,7 @@ def test_a_scope_failure_is_forgotten_after_its_cool_down(stand_in, systemd, tmp
     systemd(SYSTEMD_RUN)                               # systemd-run works again
     e = _Engine()
     try:
-        e.ready_copiers({101: []})
+        e.ready_copiers([101], None)
         assert e._ready[101] is not None and e._ready[101].scoped, e.progress.lines
         assert (tmp_path / "args").read_text().split("\n")[0] == "--scope"
     finally:
@@ -380,7 +407,7 @@ def test_a_systemd_run_that_hangs_is_taken_for_a_scope_failure(stand_in, systemd
     monkeypatch.setattr(copier, "prestart", prestart)
     t0 = time.monotonic()
     try:
-        e.ready_copiers({101: [], 102: []})
+        e.ready_copiers([101, 102], None)
         assert e._ready == {101: None, 102: None}, e.progress.lines
     finally:
         e.drop_copiers()
@@ -393,7 +420,7 @@ def test_a_systemd_run_that_hangs_is_taken_for_a_scope_failure(stand_in, systemd
     monkeypatch.setattr(copier, "prestart", real_prestart)
     e = _Engine()
     try:
-        e.ready_copiers({101: []})                       # the next one: no scope, ready
+        e.ready_copiers([101], None)                       # the next one: no scope, ready
         assert e._ready[101] is not None and not e._ready[101].scoped, e.progress.lines
     finally:
         e.drop_copiers()

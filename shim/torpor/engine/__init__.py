@@ -40,7 +40,7 @@ from ..journal import Journal, Operation
 from ..progress import Progress, human_bytes
 from ..store.store import Store
 from .agents import (STATUS_TIMEOUT_S, AgentMoves, AgentTarget, Copies,  # noqa: F401
-                     _parallel, gpus_of, restore_targets, targets_of)
+                     _parallel, inventory, restore_targets, targets_of)
 from .recovery import Recovery
 
 log = logging.getLogger("torpor.engine")

@@ -185,22 +185,12 @@ def _close_all(fds: list[int]) -> None:
         os.close(fds.pop())
 
 
-def gpus_of(pids: list[int]) -> dict[int, list[str]]:
-    """pid -> the UUIDs of the GPUs NVML says it uses (none where NVML cannot tell)."""
+def inventory() -> gpus.Inventory | None:
+    """NVML's GPUs and compute processes now; None where NVML cannot tell."""
     try:
-        inv = gpus.discover()
+        return gpus.discover()
     except NoDriverError:
-        return {p: [] for p in pids}
-    return {p: inv.gpus_of(p) for p in pids}
-
-
-def _free_gpu_memory() -> dict[str, int]:
-    """NVML's free bytes of each GPU by UUID ({} where NVML cannot tell)."""
-    try:
-        inv = gpus.discover()
-    except NoDriverError:
-        return {}
-    return {g.uuid: g.memory_free for g in inv.gpus}
+        return None
 
 
 def _rate(nbytes: int, seconds: float) -> str:
@@ -291,18 +281,18 @@ class AgentMoves:
             out[pid] = path
         return out
 
-    def ready_copiers(self, devices: Mapping[int, Collection[str]]) -> None:
+    def ready_copiers(self, pids: Collection[int], inv: gpus.Inventory | None) -> None:
         """A copier ready for each pid's deferred copy (copier.prestart: the driver loaded, a
-        context on each of its GPUs, NVML's UUIDs in devices[pid]), made before the pause,
+        context on each of its GPUs, their UUIDs from inv, NVML's), made before the pause,
         while the programs run. A pid whose copier cannot get there (no room on its GPU for
         another context, a GPU in exclusive-process mode) is said and copies in its program
         before the dump, as without one; drop_copiers lets go of those never used. Nor is
         one started on a GPU with less free memory than its context may take
         (copier.CONTEXT_ROOM): the program, still running, could run out because of it."""
         started: dict[int, copier.Copier] = {}
-        todo = {p: d for p, d in devices.items() if p not in self._ready}
+        todo = {p: inv.gpus_of(p) if inv else [] for p in pids if p not in self._ready}
         self._ready.update((p, None) for p in todo)   # asked once: not ready until it says so
-        free = _free_gpu_memory() if todo else {}
+        free = inv.free_memory() if inv else {}
         for pid, uuids in sorted(todo.items()):
             why = copier.short_of_room(sorted(uuids), free)
             if why is not None:
@@ -413,7 +403,7 @@ class AgentMoves:
         if drain and hold and not in_process and known is None:
             # only a copier ready now takes a copy over (ready_copiers, best before the pause)
             if any(p not in self._ready for p in targets):
-                self.ready_copiers(gpus_of([p for p in targets if p not in self._ready]))
+                self.ready_copiers([p for p in targets if p not in self._ready], inventory())
             defer = {p for p in targets if self._ready.get(p) is not None}
         plans: dict[int, int] = {}    # the deferred copies' plans, until their copier starts
 

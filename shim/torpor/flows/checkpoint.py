@@ -134,7 +134,7 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
         if serve:   # the copiers' contexts made while the program still runs
             stack.callback(engine.drop_copiers)
             with progress.phase("copier-ready", "torpor-copier ready to copy"):
-                engine.ready_copiers({p: inv.gpus_of(p) if inv else [] for p in serve})
+                engine.ready_copiers(sorted(serve), inv)
         paused = time.monotonic()
         stack.callback(engine.release_held)   # held GPU memory no resume took, on any path
         try:

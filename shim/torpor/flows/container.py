@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from .. import agent_data, gpus, oci, placement, procs
 from ..config import Config
 from ..driver import ProcessState
-from ..engine import Engine, gpus_of, restore_targets, targets_of
+from ..engine import Engine, inventory, restore_targets, targets_of
 from ..errors import NoDriverError, PreflightError, TorporError, UsageError
 from ..journal import Operation
 from ..store import fingerprints
@@ -232,7 +232,7 @@ def lock_and_checkpoint(engine: Engine, pids: Sequence[int], *, data: Path | Non
         serve = engine.holding(engine.agent_sockets(cuda_pids, agent_dir)) if drain else {}
         if serve:
             with engine.progress.phase("copier-ready", "torpor-copier ready to copy"):
-                engine.ready_copiers(gpus_of(sorted(serve)))
+                engine.ready_copiers(sorted(serve), inventory())
         try:
             moved = engine.lock_and_checkpoint(  # rolls back and closes op on failure
                 op, cuda_pids, where, agent_dir, scratch=staged, known_fingerprints=plan.skip,
