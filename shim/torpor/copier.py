@@ -43,6 +43,7 @@ READY_TIMEOUT_S = 30.0  # how long a copier may take to load the driver and make
 # allocate; below this much free, a program near its GPU's end could meet an out-of-memory
 # error torpor caused, so no copier is started there (the agent copies as without one).
 CONTEXT_ROOM = 1 << 30
+CONTEXT_SIZE = 512 << 20   # what one copier's context is taken to use, for the next one's check
 FOREIGN_WAIT_S = 60.0   # how long a recovery waits for another torpor's copier, each time
 SYSTEMD_DIR = Path("/run/systemd/system")   # present where systemd is the init (sd_booted)
 SCOPE_FAILED = "systemd-run could not start it in a scope of its own"
@@ -130,14 +131,22 @@ def _spawn(command: list[str], fds: Sequence[int]) -> subprocess.Popen[bytes]:
         stderr=subprocess.DEVNULL, pass_fds=fds, start_new_session=True, env=env)
 
 
-def short_of_room(uuids: Sequence[str], free: Mapping[str, int]) -> str | None:
+def take_room(uuids: Sequence[str], free: Mapping[str, int], taken: dict[str, int]
+              ) -> str | None:
     """Why a copier must not make a context on uuids (a program's GPUs), given NVML's free
-    bytes of each GPU (those NVML does not show are left to the copier's own context
-    creation); None when each has CONTEXT_ROOM."""
+    bytes of each GPU and what the copiers already let through take of it (GPUs NVML does not
+    show are left to the copier's own context creation); None when each has CONTEXT_ROOM
+    left, and then CONTEXT_SIZE is added to each one's taken: several programs on one GPU
+    start one copier each."""
     for u in uuids:
-        if u in free and free[u] < CONTEXT_ROOM:
-            return (f"{u} has {free[u] >> 20} MiB free, less than the {CONTEXT_ROOM >> 20} MiB "
-                    "a copier's context may take beside the program")
+        if u in free and free[u] - taken.get(u, 0) < CONTEXT_ROOM:
+            others = (f" (about {taken[u] >> 20} MiB of it for other programs' copiers)"
+                      if taken.get(u) else "")
+            return (f"{u} has {free[u] >> 20} MiB free{others}, less than the "
+                    f"{CONTEXT_ROOM >> 20} MiB a copier's context may take beside the program")
+    for u in uuids:
+        if u in free:
+            taken[u] = taken.get(u, 0) + CONTEXT_SIZE
     return None
 
 

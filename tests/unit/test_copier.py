@@ -148,26 +148,31 @@ def test_a_copier_whose_reply_pipe_is_past_fd_1024_is_ready(stand_in):
 def test_no_copier_on_a_gpu_with_less_free_than_a_context_may_take(stand_in):
     """NVML's free memory decides before anything starts: a program on a GPU short of
     copier.CONTEXT_ROOM gets none (its context would be made while the program runs) and
-    is told so; one on a GPU with room, and one NVML does not show, get theirs."""
+    is told so; one on a GPU with room, and one NVML does not show, get theirs. Two programs
+    on one GPU with room for one context: the first gets its copier, the second is told
+    why not (the first's context counted)."""
     from torpor.gpus import Gpu, GpuProcess, Inventory
-    tight, roomy = "GPU-11111111-2222-3333-4444-555555555555", \
-        "GPU-66666666-7777-8888-9999-aaaaaaaaaaaa"
+    tight, roomy, shared = (f"GPU-{d * 8}-{d * 4}-{d * 4}-{d * 4}-{d * 12}" for d in "123")
     inv = Inventory("999", [Gpu(0, tight, "H200", 80 << 30, copier.CONTEXT_ROOM - 1),
-                            Gpu(1, roomy, "H200", 80 << 30, copier.CONTEXT_ROOM)],
+                            Gpu(1, roomy, "H200", 80 << 30, copier.CONTEXT_ROOM),
+                            Gpu(2, shared, "H200", 80 << 30,
+                                copier.CONTEXT_ROOM + copier.CONTEXT_SIZE - (1 << 20))],
                     [GpuProcess(101, tight, 1 << 30), GpuProcess(102, roomy, 1 << 30),
-                     GpuProcess(103, roomy, 1 << 30), GpuProcess(103, tight, 1 << 30)])
+                     GpuProcess(103, roomy, 1 << 30), GpuProcess(103, tight, 1 << 30),
+                     GpuProcess(105, shared, 1 << 30), GpuProcess(106, shared, 1 << 30)])
     e = _Engine()
     try:
-        e.ready_copiers([101, 102, 103, 104], inv)
-        assert e._ready[101] is None and e._ready[103] is None        # 103: one of its two
-        assert e._ready[102] is not None and e._ready[104] is not None
+        e.ready_copiers([101, 102, 103, 104, 105, 106], inv)
+        assert {p for p, c in e._ready.items() if c is not None} == {102, 104, 105}, e._ready
         said = "\n".join(e.progress.lines)
         for pid in (101, 103):
             assert (f"warning: PID {pid}: no torpor-copier: {tight} has 1023 MiB free, less "
                     "than the 1024 MiB a copier's context may take beside the program; its "
                     "GPU memory is copied before the dump") in said, said
-        assert "PID 102" not in said and "PID 104" not in said, said
-        assert len(stand_in.read_text().split()) == 2                   # two started
+        assert (f"warning: PID 106: no torpor-copier: {shared} has 1535 MiB free (about 512 "
+                "MiB of it for other programs' copiers), less than the 1024 MiB") in said, said
+        assert not any(f"PID {p}" in said for p in (102, 104, 105)), said
+        assert len(stand_in.read_text().split()) == 3                   # three started
     finally:
         e.drop_copiers()
 

@@ -292,9 +292,9 @@ class AgentMoves:
         started: dict[int, copier.Copier] = {}
         todo = {p: inv.gpus_of(p) if inv else [] for p in pids if p not in self._ready}
         self._ready.update((p, None) for p in todo)   # asked once: not ready until it says so
-        free = inv.free_memory() if inv else {}
+        free, taken = (inv.free_memory() if inv else {}), {}
         for pid, uuids in sorted(todo.items()):
-            why = copier.short_of_room(sorted(uuids), free)
+            why = copier.take_room(sorted(uuids), free, taken)
             if why is not None:
                 del todo[pid]
                 log.warning("PID %d: no torpor-copier (%s)", pid, why)

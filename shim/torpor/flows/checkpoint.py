@@ -27,7 +27,7 @@ from typing import Any
 from .. import (__version__, agent_data, criu, gpus, interrupts, manifest, procs, store_packing,
                workloads)
 from ..driver import ProcessState
-from ..engine import Engine, targets_of
+from ..engine import Engine, inventory, targets_of
 from ..errors import (BusyError, NoDriverError, RolledBackError, TorporError, UsageError,
                       describe)
 from ..files import open_trusted_dir, remove_lone_file, tree_size
@@ -134,7 +134,7 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
         if serve:   # the copiers' contexts made while the program still runs
             stack.callback(engine.drop_copiers)
             with progress.phase("copier-ready", "torpor-copier ready to copy"):
-                engine.ready_copiers(sorted(serve), inv)
+                engine.ready_copiers(sorted(serve), inventory())   # free memory now
         paused = time.monotonic()
         stack.callback(engine.release_held)   # held GPU memory no resume took, on any path
         try:
