@@ -90,11 +90,13 @@ def test_a_program_killed_during_the_lock_is_not_reported_rolled_back(torpor, gp
     import threading
     import time
     with gpu.spawn() as prog:
-        gpu.delay("lock", 2000, prog.pid)
-        threading.Timer(0.6, prog.kill).start()
+        # torpor's start takes about 0.5 s on a loaded 2-core machine: the kill at 2 s comes
+        # well after it and well before the lock's end
+        gpu.delay("lock", 6000, prog.pid)
+        threading.Timer(2.0, prog.kill).start()
         t0 = time.monotonic()
         proc = _torpor(torpor, "checkpoint", str(prog.pid), "-D", str(tmp_path / "ck"))
-        assert time.monotonic() - t0 > 1.0      # the kill came during the lock
+        assert time.monotonic() - t0 > 2.0      # the kill came during the lock
         assert proc.returncode == 3, proc.stderr
         last = proc.stderr.splitlines()[-1]
         assert last.startswith("torpor: error: lock failed: ") and last.endswith(
