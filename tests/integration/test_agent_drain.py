@@ -104,6 +104,44 @@ def test_a_torpor_killed_while_its_copier_runs_is_recovered_from_the_files(
     assert time.monotonic() - start < 60
 
 
+def test_a_checkpoint_whose_recovery_waited_for_a_copier_waits_for_its_own(
+        drained, gpu, tmp_path, reaper):
+    """torpor SIGKILLed while its copier copies; the next command is a checkpoint of the same
+    program: its recovery waits for the old copier and gives the memory back, and then its own
+    checkpoint waits for its own copier too (the old copier's reply, heard in the same engine,
+    once answered for the new copy: the program was resumed unfilled, the checkpoint failed)."""
+    torpor = drained
+    proc, status, agents = _under_the_agent(torpor, gpu, tmp_path, reaper, HELD)
+    before = _digest(proc.pid, status)
+    gpu.delay("checkpoint", 20000, pid=proc.pid)
+    (gpu.state_dir / "delay" / "cuMemHostAlloc").write_text("3000\n")   # the copier's alone
+    t = torpor.start("checkpoint", str(proc.pid), "-D", str(tmp_path / "ck"), "--leave-running")
+    try:
+        wait_for(lambda: (gpu.state(proc.pid) or {}).get("state") == 1 and _held_by(t.pid)
+                 and time.sleep(0.3) is None, 30, "torpor in the driver's checkpoint, holding")
+    finally:
+        t.kill()
+        t.communicate()
+    gpu.clear_faults()
+    (gpu.state_dir / "delay" / "cuMemHostAlloc").unlink(missing_ok=True)
+    images = tmp_path / "ck2"
+    r = torpor.run("checkpoint", str(proc.pid), "-D", str(images), "--leave-running")
+    assert r.returncode == 0, r.stderr
+    assert "recovered" in r.stderr and "agent-drain done" in r.stderr, r.stderr
+    assert r.stderr.count("agent-drain done") == 2, r.stderr   # the old copier's, then its own
+    assert json.loads((images / "torpor.json").read_text())["agent"][str(proc.pid)]["deferred"]
+    assert torpor.run("inspect", str(images), "--verify").returncode == 0
+    ticks_on(proc.pid, status, agents)
+    assert _digest(proc.pid, status) == before
+    plain = tmp_path / "plain"
+    torpor.env["TORPOR_LEAVE_RUNNING_DRAIN"] = "0"
+    assert torpor.run("checkpoint", str(proc.pid), "-D", str(plain),
+                      "--leave-running").returncode == 0
+    assert _data(images, proc.pid) == _data(plain, proc.pid)
+    assert list((tmp_path / "shm").iterdir()) == []
+    assert list((tmp_path / "state" / "journal").glob("*.json")) == []
+
+
 def test_a_copier_that_fails_fails_the_checkpoint_not_the_program(drained, gpu, tmp_path,
                                                                    reaper):
     torpor = drained

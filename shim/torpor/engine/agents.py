@@ -543,6 +543,9 @@ class AgentMoves:
             for fd in files:
                 os.close(fd)
         self._copiers[pid] = c
+        # a reply heard from an earlier copier of this program (a recovery's, in the same
+        # engine) answers for that copy alone: this one's resume waits for this copier
+        self._drains.pop(pid, None)
         t = dataclasses.replace(t, copier=c.pid, copier_start=c.start or 0)
         targets[pid] = self._deferred[pid] = t
         op.phase("agent-detach", agents={p: x.to_json() for p, x in targets.items()})
