@@ -295,6 +295,12 @@ class Journal:
         """Claim pids outside an operation (recovery); BusyError if a live one holds any."""
         return self._claim(pids)
 
+    def keep(self, entry: Entry, fd: int) -> None:
+        """An orphan's entry written again as recovery left it (its phase moved on) and let go:
+        the next recovery takes it up from there."""
+        self._save(entry)
+        os.close(fd)
+
     def forget(self, entry: Entry, fd: int) -> None:
         self._entry_path(entry.id).unlink(missing_ok=True)
         self._entry_path(entry.id, ".lock").unlink(missing_ok=True)

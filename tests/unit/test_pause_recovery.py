@@ -1,7 +1,8 @@
 """A container's staged --leave-running checkpoint (runtime/pause.py) whose torpor-runtime
 dies after torpord gave the agents their data back but before its write-out named the
 staging: the next recovery removes the staging (GPU data in host memory, possibly GiBs of
-it), but never while another entry, torpord's operation, still names it."""
+it), but never while another entry, torpord's operation, still names it: then a recovery after
+that operation has ended does."""
 
 from __future__ import annotations
 
@@ -63,5 +64,15 @@ def test_the_staging_stays_while_torpords_operation_names_it(cfg, tmp_path):
         Engine(cfg).recover()
         assert (stage.root / "gpu-memory-0.bin").read_bytes() == b"\x5a" * 4096
         assert (images / "torpor-damaged.txt").exists()
+        Engine(cfg).recover()                        # still named: still there
+        assert stage.root.exists()
     finally:
         torpord.close()
+    # torpord's operation ended: the next recovery (torpord's own every few seconds, or the
+    # next command's) removes the staging, and the entry that kept it goes with it (it stayed
+    # behind, removed by nothing, and held GiBs of host memory)
+    said = Engine(cfg).recover()
+    assert not stage.root.exists(), said
+    assert any("removed the staged GPU data" in m for m in said), said
+    assert list(Journal(cfg).orphans()) == []
+    assert Engine(cfg).recover() == []

@@ -27,6 +27,11 @@ log = logging.getLogger("torpor.engine")
 CRIU_WAIT_S = 10.0   # how long recovery waits for a CRIU an interrupted operation left running
 
 
+# a container's staged checkpoint whose recovery is done but for its staging, which another
+# operation (torpord's) still names: the entry stays until that one has ended
+STAGING_LEFT = "staging-left"
+
+
 class Recovery:
     """Engine's recovery of dead operations."""
 
@@ -49,6 +54,8 @@ class Recovery:
         """Roll back one dead operation's processes, finish its images, then forget it. On
         any failure the entry stays for the next try."""
         said: list[str] = []
+        if entry.phase == STAGING_LEFT:
+            return self._staging_left(entry, fd)
         if entry.kind == "restore" and entry.phase == "container-restore":
             keep, said = self._interrupted_container_restore(entry)
             if keep:
@@ -103,14 +110,18 @@ class Recovery:
                             f"their agent had moved "
                             + (f"to {entry.data_root}" if entry.data_root
                                else "into the program's host memory"))
+        keep = False
         if entry.scratch and entry.data_root:
             agent_data.DataDir(Path(entry.data_root)).remove()
-        elif entry.phase == "stage" and entry.data_root \
-                and not self.journal.names_data(entry.data_root, but=entry.id):
+        elif entry.phase == "stage" and entry.data_root:
             # a container's staged checkpoint (runtime/pause.py) whose torpor-runtime died
-            # before its write-out: torpord's operation, which gives the agents their data
-            # back from the staging, has ended, so nothing else will remove it
-            agent_data.DataDir(Path(entry.data_root)).remove()
+            # before its write-out: nothing but this entry removes the staging. While
+            # torpord's operation still names it (its agents' data may come back from there)
+            # it stays, and so does this entry, its work but that done (_staging_left)
+            if self.journal.names_data(entry.data_root, but=entry.id):
+                entry.phase, keep = STAGING_LEFT, True
+            else:
+                agent_data.DataDir(Path(entry.data_root)).remove()
         if entry.kind == "resume":
             messages += self._finish_resume(live)
         if entry.kind == "pack":
@@ -118,8 +129,22 @@ class Recovery:
         elif entry.images_dir:
             messages += self._finish_images(Path(entry.images_dir), program_alive=bool(live))
             messages += self._fill_images(Path(entry.images_dir), entry)
-        self.journal.forget(entry, fd)
+        if keep:
+            self.journal.keep(entry, fd)
+        else:
+            self.journal.forget(entry, fd)
         return messages
+
+    def _staging_left(self, entry: Entry, fd: int) -> list[str]:
+        """A staged checkpoint's entry recovered but for its staging, which another
+        operation still named: removed once none does, and the entry with it."""
+        if entry.data_root and self.journal.names_data(entry.data_root, but=entry.id):
+            os.close(fd)
+            return []
+        if entry.data_root:
+            agent_data.DataDir(Path(entry.data_root)).remove()
+        self.journal.forget(entry, fd)
+        return [f"removed the staged GPU data of interrupted {entry.kind} {entry.id}"]
 
     def _finish_resume(self, pids: list[int]) -> list[str]:
         """A resume whose torpor died: its processes run again (the rollback above), so they
