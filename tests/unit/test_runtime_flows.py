@@ -435,6 +435,32 @@ def test_restore_refuses_a_hostile_flat_name_before_runc(world, monkeypatch, cap
     assert (images / "torpor-gpu+4242+gpu-memory-0.bin").exists()   # nothing moved
 
 
+@pytest.mark.parametrize("how", ["removed", "dangling link", "link"])
+def test_a_torpor_checkpoint_without_its_manifest_is_refused_not_handed_to_runc(
+        world, monkeypatch, capsys, tmp_path, how):
+    """torpor.json gone, or a link (pointing nowhere or elsewhere) in its place: runc alone
+    would restore the program with its GPU state never given back (frozen for good), or fail
+    with a message about torpor's agent directory. Refused before anything runs (exit 9)."""
+    write_spec(world["bundle"], gpu=True)
+    images = world["images"]
+    _agent_files(world["client"], 4242)
+    assert rt_main.main(checkpoint_argv(images)) == 0
+    capsys.readouterr()
+    (images / "torpor.json").unlink()
+    if how == "dangling link":
+        (images / "torpor.json").symlink_to("/nonexistent/torpor.json")
+    elif how == "link":
+        (tmp_path / "elsewhere.json").write_text("{}")
+        (images / "torpor.json").symlink_to(tmp_path / "elsewhere.json")
+    world["runc"].root.joinpath("calls.jsonl").unlink()
+    argv = ["restore", "--image-path", str(images), "--bundle", str(world["bundle"]), CID]
+    assert rt_main.main(argv) == ExitCode.CORRUPT
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "torpor-runtime: error:" in err, err
+    assert ("no torpor.json" if how == "removed" else "link") in err, err
+    assert world["runc"].calls() == []                      # nothing restored
+
+
 def test_a_checkpoint_that_cannot_be_flattened_is_kept_whole_with_a_warning(world, capsys):
     """flat.py refuses (here a link among the agents' files): the checkpoint is done, kept with
     its subdirectories (podman and ctr take it), and the user is told containerd's CRI

@@ -32,9 +32,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import agent, agent_data, flat, manifest, oci
+from .. import agent, agent_data, flat, layout, manifest, oci
 from ..config import Config
-from ..errors import TorporError
+from ..errors import CorruptCheckpointError, TorporError
 from ..files import read_untrusted
 from ..flows import container, policy
 from ..engine import Engine
@@ -56,10 +56,24 @@ PID_WAIT_S = 600.0
 def read_manifest(images: Path) -> tuple[dict[str, Any], bool]:
     """torpor.json, or the draft a checkpoint left when it could not seal (no file table:
     nothing to verify). Returns (manifest, sealed)."""
-    if (images / manifest.MANIFEST).exists():
+    if os.path.lexists(images / manifest.MANIFEST):   # a link there is refused, not skipped
         return manifest.read(images), True
     data = read_untrusted(images, manifest.DRAFT, MAX_MANIFEST)
     return manifest.parse(data, str(images / manifest.DRAFT)), False
+
+
+def torpors_own(images: Path) -> str:
+    """The first name in images that only torpor writes (its agents' data, flat or not, its
+    packed snapshot, its damage and write-out marks), or "" when there is none."""
+    own = (agent_data.DATA_DIR, layout.DAMAGED, layout.WRITING, layout.PACKED, layout.CHUNKS)
+    try:
+        names = sorted(os.listdir(images))
+    except OSError:
+        return ""   # no directory: runc says so
+    for n in names:
+        if n in own or n.startswith(agent_data.DATA_DIR + flat.SEP):
+            return n
+    return ""
 
 
 def run(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
@@ -71,7 +85,12 @@ def _run(cfg: Config, runtime: Runtime, inv: Invocation, held: contextlib.ExitSt
     """run(); held keeps the store's lock of a packed checkpoint's restore until it ends."""
     cid = inv.container_id
     images = Path(inv.opt("image-path") or "checkpoint").absolute()
-    if not any((images / n).exists() for n in (manifest.MANIFEST, manifest.DRAFT)):
+    if not any(os.path.lexists(images / n) for n in (manifest.MANIFEST, manifest.DRAFT)):
+        left = torpors_own(images)
+        if left:   # torpor's checkpoint without its manifest: runc alone would leave it frozen
+            raise CorruptCheckpointError(
+                f"checkpoint {images} holds torpor's {left} but no {manifest.MANIFEST}: "
+                "damaged (its manifest removed), refused")
         runtime.exec()   # not a torpor checkpoint: exactly what plain runc does
     moved_back = flat.unflatten(images)   # checked name by name (flat.py): refused, nothing ran
     if moved_back:
