@@ -6,6 +6,7 @@ podman, no GPU."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -264,6 +265,26 @@ def test_gpu_checkpoint_lock_failure_never_dumps(world):
     assert world["client"].names() == ["ensure", "lock_and_checkpoint"]
     assert world["runc"].commands() == ["state"]   # the container was never dumped
     assert not (world["images"] / manifest.DRAFT).exists()
+
+
+def test_an_image_directory_without_room_for_the_draft_rolls_back_in_one_line(world, monkeypatch,
+                                                                              capsys):
+    """A full (or read-only) image directory: the draft cannot be written after the lock. The
+    GPU state is rolled back, nothing is dumped, and the engine gets one line (exit 8), not an
+    internal error."""
+    write_spec(world["bundle"], gpu=True)
+    draft = world["images"] / manifest.DRAFT
+
+    def full(images, d):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(draft))
+    monkeypatch.setattr(rt_checkpoint.manifest, "write_draft", full)
+    assert rt_main.main(checkpoint_argv(world["images"])) == ExitCode.ROLLED_BACK
+    assert world["client"].names() == ["ensure", "lock_and_checkpoint", "rollback"]
+    assert world["runc"].commands() == ["state"]   # never dumped
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "internal error" not in err, err
+    assert f"writing {draft} before the dump: No space left on device" in err, err
+    assert "rolled back, it keeps running" in err, err
 
 
 def test_paused_gpu_container_is_thawed_for_the_gpu_steps_only(world):

@@ -36,7 +36,8 @@ from .. import (__version__, agent_data, flat, gpus, interrupts, manifest, oci, 
                store_packing, workloads)
 from .. import manifest_types as mt
 from ..config import Config
-from ..errors import NoDriverError, NotFoundError, SidecarError, TorporError, UsageError
+from ..errors import (NoDriverError, NotFoundError, RolledBackError, SidecarError, TorporError,
+                      UsageError)
 from ..files import private_dir
 from ..flows import policy
 from ..layout import WRITING
@@ -180,12 +181,16 @@ def _checkpoint(cfg: Config, runtime: Runtime, cid: str, name: str, spec: dict[s
             manifest.write_draft(images, draft)
             if staged is not None:   # no checkpoint until written out (a recovery: damaged)
                 ours = pause.begin(cfg, images, staged)
-        except BaseException:
+        except BaseException as e:
             with thawed:
                 c.rollback(op_id)
             data.remove()
             if stage is not None:
                 stage.remove()
+            if isinstance(e, OSError):   # a full or read-only image directory: the operator's
+                raise RolledBackError(f"writing {e.filename or images} before the dump: "
+                                      f"{e.strerror or e}; the container's GPU state was "
+                                      "rolled back, it keeps running") from e
             raise
         t = time.monotonic()
         try:
