@@ -43,3 +43,22 @@ def test_other_failures_after_the_dump_still_fail(world):
         raise TorporError("CUDA_ERROR_UNKNOWN")
     client.restore_and_unlock = broken
     assert rt_main.main(checkpoint_argv(world["images"], "--leave-running")) != 0
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_a_torpord_lost_before_a_staged_write_out_is_not_called_complete(monkeypatch, capsys,
+                                                                         torpor_env, staged):
+    """Lost after the dump with the GPU data staged in host memory: the write-out, not this
+    warning, says what the checkpoint is (pause.after: no checkpoint, marked damaged). The
+    warning called it complete, and the next line said the opposite."""
+    from torpor import config
+    from torpor.runtime import checkpoint as rt_checkpoint
+
+    class Lost:
+        def restore_and_unlock(self, **kw):
+            raise SidecarError("torpord: connection refused")
+    monkeypatch.setattr(rt_checkpoint, "ensure_running", lambda cfg: None)
+    assert rt_checkpoint._end(config.load(), Lost(), "c1", "op-1", True, staged=staged) is None
+    err = capsys.readouterr().err
+    assert "torpord lost the operation op-1 after the dump" in err, err
+    assert ("the checkpoint is complete" in err) is not staged, err

@@ -217,7 +217,7 @@ def _checkpoint(cfg: Config, runtime: Runtime, cid: str, name: str, spec: dict[s
             return rc
         t = time.monotonic()
         with thawed:
-            out = _end(cfg, c, cid, op_id, leave_running)
+            out = _end(cfg, c, cid, op_id, leave_running, staged=staged is not None)
         timings.update(out.timings if out else {})
         timings["finish"] = time.monotonic() - t
         if leave_running:
@@ -262,18 +262,21 @@ def pack_owner(answered: str, name: str) -> str:
     return fingerprints.owner_of(oci.split_name(name)[0])
 
 
-def _end(cfg: Config, c: Client, cid: str, op_id: str, leave_running: bool) -> Any:
+def _end(cfg: Config, c: Client, cid: str, op_id: str, leave_running: bool,
+         staged: bool = False) -> Any:
     """Finish the operation after a dump that succeeded (--leave-running: RestoreAndUnlock).
     A torpord that died meanwhile took the operation with it (the next one does not know it,
     or none answers): its recovery at start, which the journal entry is left to, gives live
     processes their GPU state back, and started here if need be. The checkpoint is complete
-    either way: not a failure to report. None then."""
+    then, unless its GPU data was staged (pause.py says what became of it): not a failure to
+    report here. None then."""
     try:
         return c.restore_and_unlock(op_id=op_id) if leave_running else c.finish(op_id)
     except (NotFoundError, SidecarError) as e:
-        note = f"torpord lost the operation {op_id} after the dump ({e.line()}); the " \
-               "checkpoint is complete" + ("; torpord's recovery gives the container its GPU "
-                                           "state back" if leave_running else "")
+        note = f"torpord lost the operation {op_id} after the dump ({e.line()})" + \
+               ("" if staged else "; the checkpoint is complete") + \
+               ("; torpord's recovery gives the container its GPU state back"
+                if leave_running else "")
         log.warning("checkpoint %s: %s", cid, note)
         print(f"torpor-runtime: warning: {note}", file=sys.stderr)
         try:
