@@ -447,6 +447,7 @@ class FakeAgent:
         assert self.memory is not None
         n = self.export
         step = -(-len(self.memory) // n)
+        self.exported_ids = []   # this save's, as the C agent checks them (not an earlier one's)
         for k in range(n):
             fd = os.memfd_create(f"fake-held-{k}", os.MFD_CLOEXEC)
             os.pwrite(fd, self.memory[k * step:(k + 1) * step], 0)

@@ -936,6 +936,12 @@ def test_leave_running_holds_the_memory_through_the_dump_and_maps_it_back(world,
     assert "held" not in m["agent"][str(PID)]     # this operation's, not the checkpoint's
     manifest.verify(world.tmp / "ckpt", manifest.read(world.tmp / "ckpt"))
     assert _open_fds(world.agent) == before
+    # the next checkpoint (periodic ones) holds its own memory and maps that back, not
+    # refused as the earlier one's
+    world.agent.resumed_held = None
+    process.checkpoint(world.engine(), PID, world.tmp / "ckpt2", leave_running=True)
+    assert world.agent.intact and world.agent.resumed_held is True
+    assert _open_fds(world.agent) == before
 
 
 def test_leave_running_says_why_the_memory_is_not_held(world, fake_criu):
