@@ -696,6 +696,25 @@ def test_recovery_gives_the_memory_back(world, monkeypatch, where):
     assert world.engine().recover() == []
 
 
+def test_a_recovery_after_the_resume_does_not_say_it_gave_memory_back(world):
+    """A torpor killed after its program had its memory back (a leave-running checkpoint's
+    write-out or seal): the recovery finds the agent running, reloads nothing, and does not
+    say it gave the memory back."""
+    e = world.engine()
+    op = e.begin("suspend", [PID])
+    data = agent_data.DataDir.scratch(world.cfg, PID)
+    e.lock_and_checkpoint(op, [PID], data=data, scratch=True)
+    e.restore_and_unlock(op, [PID], agents=targets_of(op.entry.agents))
+    op.release()                   # its locks go, as with a SIGKILL
+    world.log()
+    messages = world.engine().recover()
+    assert world.log() == ["agent status"]        # asked, nothing reloaded
+    assert world.agent.intact
+    assert not any("back the GPU memory" in m for m in messages), messages
+    assert any("running again" in m for m in messages), messages
+    assert world.journal_entries() == []
+
+
 @pytest.mark.parametrize("in_proc", [False, True], ids=["files", "in-process"])
 def test_recovery_after_a_torpor_killed_mid_checkpoint(world, tmp_path, in_proc):
     """A real death: another torpor process (its own FakeDriver, the same agent) is SIGKILLed

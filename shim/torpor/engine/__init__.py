@@ -250,9 +250,12 @@ class Engine(AgentMoves, Recovery):
         return self._resume_agents(dict(agents))
 
     def rollback(self, pids: Iterable[int], gpu_map: Mapping[str, str] | None = None,
-                 agents: Mapping[int, AgentTarget] | None = None) -> list[str]:
+                 agents: Mapping[int, AgentTarget] | None = None,
+                 given_back: set[int] | None = None) -> list[str]:
         """Bring every live pid back to RUNNING: driver restore + unlock, then the memory its
-        agent moved (agents) back through the agent. Returns what could not be done."""
+        agent moved (agents) back through the agent. Returns what could not be done.
+        given_back: filled with the pids whose agent took memory back here (not those whose
+        program ran with its memory already)."""
         problems = []
         stuck = []   # still locked or checkpointed: their agent would block, no resume for them
         drv = self.driver_or_none()
@@ -270,7 +273,7 @@ class Engine(AgentMoves, Recovery):
                 problems.append(f"PID {pid}: {e}")
                 stuck.append(pid)
         if agents:
-            problems += self.rollback_agents(agents, skip=stuck)
+            problems += self.rollback_agents(agents, skip=stuck, given_back=given_back)
         return problems
 
     def fail(self, op: Operation, pids: list[int], error: BaseException, during: str) -> None:

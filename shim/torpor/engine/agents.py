@@ -26,6 +26,7 @@ from ..store.store import Store
 log = logging.getLogger("torpor.engine")
 T = TypeVar("T")
 STATUS_TIMEOUT_S = 30.0   # an agent answers at once, unless a prepare or resume is running
+ALREADY_RUNNING = "already_running"   # a resume's reply: its program had its memory already
 
 
 def _parallel(fn: Callable[[int], T], pids: list[int]) -> dict[int, T]:
@@ -705,7 +706,7 @@ class AgentMoves:
                          drained: bool = False) -> dict[str, Any]:
         with self._client(t, STATUS_TIMEOUT_S) as a:
             if a.state() == "running":
-                return {"bytes": 0, "seconds": 0.0}
+                return {"bytes": 0, "seconds": 0.0, ALREADY_RUNNING: True}
             if not t.files or t.packed:
                 _close_all(held)   # before a resume that copies: never the memory twice
             if t.in_process:
@@ -826,15 +827,19 @@ class AgentMoves:
         return back
 
     def rollback_agents(self, targets: Mapping[int, AgentTarget],
-                        skip: Iterable[int] = ()) -> list[str]:
+                        skip: Iterable[int] = (), given_back: set[int] | None = None
+                        ) -> list[str]:
         """Every live program in targets (but skip) gets the memory its agent moved back;
-        returns what failed."""
+        returns what failed. given_back: filled with the pids that took memory back (not
+        those already running with it)."""
         skipped = set(skip)
         problems: list[str] = []
 
         def resume(pid: int) -> None:
             try:
-                self._resume_one(targets[pid], fill=True)
+                if not self._resume_one(targets[pid], fill=True).get(ALREADY_RUNNING) and \
+                        given_back is not None:
+                    given_back.add(pid)
             except (TorporError, OSError) as e:
                 problems.append(f"PID {pid}: agent resume failed ({e}); its GPU memory stays "
                                 f"{targets[pid].where()}")

@@ -89,9 +89,11 @@ class Recovery:
                 for t in targets_of(r.get("agents", {})).values():
                     if p in live and t.pid == p:
                         agents.setdefault(p, t)
+        given_back: set[int] = set()   # the agents that took memory back here
         try:
             with interrupts.deferred():
-                problems = self.rollback(live, entry.gpu_map or None, agents) if live else []
+                problems = self.rollback(live, entry.gpu_map or None, agents,
+                                         given_back=given_back) if live else []
         finally:
             for c in claims:
                 os.close(c)
@@ -105,8 +107,8 @@ class Recovery:
         if live:
             messages.append(f"recovered {', '.join(map(str, live))} left by an interrupted "
                             f"{entry.kind} (phase {entry.phase}): running again")
-        if agents:
-            messages.append(f"gave {', '.join(map(str, sorted(agents)))} back the GPU memory "
+        if given_back:
+            messages.append(f"gave {', '.join(map(str, sorted(given_back)))} back the GPU memory "
                             f"their agent had moved "
                             + (f"to {entry.data_root}" if entry.data_root
                                else "into the program's host memory"))
