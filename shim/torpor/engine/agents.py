@@ -389,6 +389,8 @@ class AgentMoves:
             raise ValueError("fingerprints need their owner")
         targets = {p: AgentTarget(p, s, root, p, count, owner if known is not None else "")
                    for p, s in sockets.items()}
+        for p in targets:   # a reply heard from an earlier copier of one of these programs (a
+            self._drains.pop(p, None)   # recovery's, in this engine) answers for that copy alone
         if in_process:
             op.phase("agent-prepare", agents={p: t.to_json() for p, t in targets.items()})
         else:
@@ -544,9 +546,6 @@ class AgentMoves:
             for fd in files:
                 os.close(fd)
         self._copiers[pid] = c
-        # a reply heard from an earlier copier of this program (a recovery's, in the same
-        # engine) answers for that copy alone: this one's resume waits for this copier
-        self._drains.pop(pid, None)
         t = dataclasses.replace(t, copier=c.pid, copier_start=c.start or 0)
         targets[pid] = self._deferred[pid] = t
         op.phase("agent-detach", agents={p: x.to_json() for p, x in targets.items()})
