@@ -76,3 +76,22 @@ def test_the_staging_stays_while_torpords_operation_names_it(cfg, tmp_path):
     assert any("removed the staged GPU data" in m for m in said), said
     assert list(Journal(cfg).orphans()) == []
     assert Engine(cfg).recover() == []
+
+
+def test_torpord_and_the_runtime_both_dead_leave_nothing_after_one_recovery(cfg, tmp_path,
+                                                                           monkeypatch):
+    """Both died: torpord's entry (its staging its scratch) and the runtime's. Whichever the
+    journal lists first, one recovery gives back, removes the staging, and forgets both."""
+    stage, images = _staged(cfg), _images(tmp_path)
+    torpord = Journal(cfg).begin("checkpoint", [])
+    torpord.phase("agent-detach", data_root=str(stage.root), scratch=True)
+    pause.begin(cfg, images, stage).release()
+    torpord.release()
+    listed = Journal.orphans
+
+    def runtime_first(self):
+        return iter(sorted(listed(self), key=lambda o: o[0].phase != "stage"))
+    monkeypatch.setattr(Journal, "orphans", runtime_first)
+    Engine(cfg).recover()
+    assert not stage.root.exists()
+    assert list(cfg.journal_dir.glob("*.json")) == []

@@ -39,7 +39,11 @@ class Recovery:
     def recover(self) -> list[str]:
         """Roll back what dead torpor processes left locked or checkpointed."""
         messages = []
-        for entry, fd in self.journal.orphans():
+        # a staged checkpoint's entry last: the operation of torpord that names its staging,
+        # if dead too, is recovered first, and then the staging goes in this same pass
+        found = sorted(self.journal.orphans(),
+                       key=lambda o: o[0].phase in ("stage", STAGING_LEFT))
+        for entry, fd in found:
             try:
                 messages += self._recover_one(entry, fd)
             except Exception as e:  # one bad entry must not stop the others, nor the caller
@@ -143,10 +147,12 @@ class Recovery:
         if entry.data_root and self.journal.names_data(entry.data_root, but=entry.id):
             os.close(fd)
             return []
-        if entry.data_root:
+        there = bool(entry.data_root) and os.path.lexists(entry.data_root)
+        if there:
             agent_data.DataDir(Path(entry.data_root)).remove()
         self.journal.forget(entry, fd)
-        return [f"removed the staged GPU data of interrupted {entry.kind} {entry.id}"]
+        return [f"removed the staged GPU data of interrupted {entry.kind} {entry.id}"] \
+            if there else []
 
     def _finish_resume(self, pids: list[int]) -> list[str]:
         """A resume whose torpor died: its processes run again (the rollback above), so they
