@@ -275,10 +275,12 @@ def test_an_image_directory_without_room_for_the_draft_rolls_back_in_one_line(wo
     write_spec(world["bundle"], gpu=True)
     draft = world["images"] / manifest.DRAFT
 
-    def full(images, d):
+    def full(images, d):   # written, then its fsync found no room: nothing of it may stay
+        draft.write_text("{}")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(draft))
     monkeypatch.setattr(rt_checkpoint.manifest, "write_draft", full)
     assert rt_main.main(checkpoint_argv(world["images"])) == ExitCode.ROLLED_BACK
+    assert not draft.exists()
     assert world["client"].names() == ["ensure", "lock_and_checkpoint", "rollback"]
     assert world["runc"].commands() == ["state"]   # never dumped
     err = capsys.readouterr().err

@@ -184,6 +184,8 @@ def _checkpoint(cfg: Config, runtime: Runtime, cid: str, name: str, spec: dict[s
         except BaseException as e:
             with thawed:
                 c.rollback(op_id)
+            (images / manifest.DRAFT).unlink(missing_ok=True)   # no checkpoint: none of it
+            (images / WRITING).unlink(missing_ok=True)
             data.remove()
             if stage is not None:
                 stage.remove()
