@@ -66,14 +66,10 @@ def test_the_copier_fills_the_files_beside_the_dump(drained, gpu, tmp_path, reap
     assert _data(images, proc.pid) == _data(plain, proc.pid)
 
 
-def test_a_torpor_killed_while_its_copier_runs_is_recovered_from_the_files(
-        drained, gpu, tmp_path, reaper):
-    """torpor SIGKILLed in the driver's checkpoint while its copier is still copying (held up
-    in its pinned buffers): the copier, in a session of its own, finishes the files, and the
-    next torpor (`torpor ps`) waits for it, then gives the program its memory back from them;
-    every byte as it was, nothing left staged nor journalled."""
-    from tests.fakes.fakegpu import RUNNING
-    torpor = drained
+def _killed_while_its_copier_runs(torpor, gpu, tmp_path: Path, reaper):
+    """A program under the agent whose leave-running checkpoint's torpor was SIGKILLed in the
+    driver's checkpoint while its copier still copies (held up in its pinned buffers), the
+    faults cleared: (proc, status, agents, its digest before)."""
     proc, status, agents = _under_the_agent(torpor, gpu, tmp_path, reaper, HELD)
     before = _digest(proc.pid, status)
     gpu.delay("checkpoint", 20000, pid=proc.pid)
@@ -88,6 +84,18 @@ def test_a_torpor_killed_while_its_copier_runs_is_recovered_from_the_files(
     assert t.returncode == -9
     gpu.clear_faults()
     (gpu.state_dir / "delay" / "cuMemHostAlloc").unlink(missing_ok=True)
+    return proc, status, agents, before
+
+
+def test_a_torpor_killed_while_its_copier_runs_is_recovered_from_the_files(
+        drained, gpu, tmp_path, reaper):
+    """torpor SIGKILLed in the driver's checkpoint while its copier is still copying (held up
+    in its pinned buffers): the copier, in a session of its own, finishes the files, and the
+    next torpor (`torpor ps`) waits for it, then gives the program its memory back from them;
+    every byte as it was, nothing left staged nor journalled."""
+    from tests.fakes.fakegpu import RUNNING
+    torpor = drained
+    proc, status, agents, before = _killed_while_its_copier_runs(torpor, gpu, tmp_path, reaper)
     start = time.monotonic()
     ps = torpor.run("ps")
     assert ps.returncode == 0, ps.stderr
@@ -111,19 +119,7 @@ def test_a_checkpoint_whose_recovery_waited_for_a_copier_waits_for_its_own(
     checkpoint waits for its own copier too (the old copier's reply, heard in the same engine,
     once answered for the new copy: the program was resumed unfilled, the checkpoint failed)."""
     torpor = drained
-    proc, status, agents = _under_the_agent(torpor, gpu, tmp_path, reaper, HELD)
-    before = _digest(proc.pid, status)
-    gpu.delay("checkpoint", 20000, pid=proc.pid)
-    (gpu.state_dir / "delay" / "cuMemHostAlloc").write_text("3000\n")   # the copier's alone
-    t = torpor.start("checkpoint", str(proc.pid), "-D", str(tmp_path / "ck"), "--leave-running")
-    try:
-        wait_for(lambda: (gpu.state(proc.pid) or {}).get("state") == 1 and _held_by(t.pid)
-                 and time.sleep(0.3) is None, 30, "torpor in the driver's checkpoint, holding")
-    finally:
-        t.kill()
-        t.communicate()
-    gpu.clear_faults()
-    (gpu.state_dir / "delay" / "cuMemHostAlloc").unlink(missing_ok=True)
+    proc, status, agents, before = _killed_while_its_copier_runs(torpor, gpu, tmp_path, reaper)
     images = tmp_path / "ck2"
     r = torpor.run("checkpoint", str(proc.pid), "-D", str(images), "--leave-running")
     assert r.returncode == 0, r.stderr
