@@ -298,6 +298,9 @@ struct move_result {
 	/* a save with a plan file: its copy left to torpor's copier (defer.c), or why not */
 	int deferred;
 	char defer_error[224];
+	/* a load's error: its data files are not what was saved to them (short, a checksum or a
+	 * fingerprint that does not match): the reply says "damaged" (PROTOCOL.md) */
+	int damaged;
 	char error[256];
 };
 /* Copies every movable allocation into the files (striped, one thread a file; nfds 0: into

@@ -424,7 +424,8 @@ static int parse_timeout(const char *arg, long *timeout_ms)
 	return end == arg || *end || *timeout_ms < 0 ? -1 : 0;
 }
 
-static void error_reply(char *out, size_t size, const char *error)
+/* {"ok":false,"error":...} with more (",\"key\":value" pairs, or "") after the error */
+static void error_reply_with(char *out, size_t size, const char *error, const char *more)
 {
 	char clean[300];
 	size_t j = 0;
@@ -434,7 +435,12 @@ static void error_reply(char *out, size_t size, const char *error)
 		clean[j++] = (error[i] == '"' || error[i] == '\\' || (unsigned char)error[i] < 0x20)
 				     ? ' ' : error[i];
 	clean[j] = 0;
-	snprintf(out, size, "{\"ok\":false,\"error\":\"%s\"}\n", clean);
+	snprintf(out, size, "{\"ok\":false,\"error\":\"%s\"%s}\n", clean, more);
+}
+
+static void error_reply(char *out, size_t size, const char *error)
+{
+	error_reply_with(out, size, error, "");
 }
 
 /* Does arg (its first *alen characters) end in the word w? If so, *alen drops it and the
@@ -630,7 +636,7 @@ static int do_resume(int *fds, int nfds, int ring_fd, int sock_fd, const int *ho
 		close_fds(ctl.hold, &ctl.nhold);
 	if (ret) {
 		if (out)
-			error_reply(out, size, r.error);
+			error_reply_with(out, size, r.error, r.damaged ? ",\"damaged\":true" : "");
 		else
 			pr_err("resume: %s", r.error);
 		return -1;

@@ -414,10 +414,17 @@ int fingerprints_verify(const int *fds, struct move_result *r)
 	free(lanes);
 	free(buf);
 	if (!ret && bad) {
-		snprintf(r->error, sizeof(r->error), "%zu reloaded chunk(s) do not match their "
-			 "fingerprints (%zu of them supplied by the image store: %s)", bad, bad_skipped,
-			 bad_skipped ? "the data files' holes were not filled from the store, or with "
-				       "other data" : "none");
+		r->damaged = fds != NULL;
+		if (bad_skipped)
+			snprintf(r->error, sizeof(r->error), "%zu reloaded chunk(s) do not match "
+				 "their fingerprints (%zu of them supplied by the image store: the data "
+				 "files' holes were not filled from the store, or with other data)", bad,
+				 bad_skipped);
+		else
+			snprintf(r->error, sizeof(r->error), "%zu reloaded chunk(s) do not match "
+				 "their fingerprints: %s", bad, fds ? "the data files are damaged or not "
+				 "this program's" : stream_active() ? "the image store's parts are not "
+				 "this program's" : "the program overwrote its saved GPU data");
 		ret = -1;
 	}
 	return ret;

@@ -780,6 +780,7 @@ static int mover_load_from(const int *fds, int nfds, struct move_result *r)
 
 		if (fstat(fds[k], &st) < 0 || !S_ISREG(st.st_mode) ||
 		    (unsigned long long)st.st_size < plan.file_size[k]) {
+			r->damaged = 1;
 			snprintf(r->error, sizeof(r->error), "data file %d is missing or shorter than "
 				 "the %llu bytes saved to it", k, plan.file_size[k]);
 			return -1;

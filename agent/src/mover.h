@@ -220,6 +220,7 @@ struct worker {
 	CUstream stream[MAX_DEVICES][MAX_BUFFERS];
 	CUcontext current;
 	unsigned long long bytes;
+	int damaged; /* error: a data file read back is not what was saved to it */
 	char error[200];
 };
 

@@ -289,6 +289,7 @@ static int file_all(struct worker *w, unsigned char *p, size_t n, unsigned long 
 			return -1;
 		}
 		if (r == 0) {
+			w->damaged = !w->saving;
 			fail(w, "data file %d ends at %llu: it is not the file this data was saved to",
 			     w->k, off + done);
 			return -1;
@@ -464,6 +465,7 @@ static void *save_main(struct worker *w)
 /* A part read back from w's sink is not what was saved (chunk j, part q of c). */
 static void sum_mismatch(struct worker *w, size_t j, const struct chunk *c, int q)
 {
+	w->damaged = !w->region;
 	fail(w, "chunk %zu (%s %d, offset %llu, %zu bytes): checksum mismatch: %s", j,
 	     w->region ? "memory region" : "file", c->file,
 	     c->file_off + (unsigned long long)q * FILE_ALIGN, part_len(c, q),
@@ -748,6 +750,7 @@ int run_workers(const int *fds, int nfds, int saving, struct move_result *r)
 			r->staging_seconds = w[k].staging_ms / 1000.0;
 		if (w[k].error[0] && !ret) {
 			snprintf(r->error, sizeof(r->error), "%s", w[k].error);
+			r->damaged = w[k].damaged;
 			ret = -1;
 		}
 	}

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from . import fdbag
-from .errors import NotFoundError, TorporError
+from .errors import ExitCode, NotFoundError, TorporError
 from .fdbag import HOLD_DIRECT
 from .files import loads_json
 
@@ -297,8 +297,10 @@ class AgentClient:
             raise AgentError(f"the agent at {self.path} sent {reply!r}")
         if reply.get("ok") is False:
             error = " ".join(str(reply.get("error") or "failed").split())[:500]
+            # damaged: a resume's data files are not what was saved to them (PROTOCOL.md)
             raise AgentError(f"agent '{line.split()[0] if line else line}': {error}",
-                             refusal=error)
+                             refusal=error, exit_code=ExitCode.CORRUPT
+                             if reply.get("damaged") is True else None)
         return reply
 
     def status(self) -> dict[str, Any]:

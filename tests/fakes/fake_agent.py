@@ -46,6 +46,11 @@ def pattern(nbytes: int, seed: int) -> bytes:
     return (block * (nbytes // len(block) + 1))[:nbytes]
 
 
+class Damaged(AssertionError):
+    """A resume's data file is not what was saved to it: the reply says "damaged", as the
+    C agent's does (agent/PROTOCOL.md)."""
+
+
 class Events:
     """An ordered event log shared by the fake agent(s) and the fake driver: a list, mirrored
     in a file (appends are atomic) when one is given, so that a program can add to it."""
@@ -236,6 +241,8 @@ class FakeAgent:
             return self._reply(ok=False, error="unknown command")
         try:
             return self._reply(**handler(arg, fds))
+        except Damaged as e:
+            return self._reply(ok=False, error=str(e), damaged=True)
         except (AssertionError, OSError) as e:
             return self._reply(ok=False, error=str(e))
 
@@ -553,7 +560,11 @@ class FakeAgent:
                     chunk = bytes(streamed[n % len(streamed)][at:at + size])
                 else:
                     chunk = os.pread(files[n % len(files)], size, (n // len(files)) * CHUNK)
-                assert hashlib.sha256(chunk).hexdigest() == want, f"chunk {n}: checksum mismatch"
+                if hashlib.sha256(chunk).hexdigest() != want:
+                    message = f"chunk {n}: checksum mismatch"
+                    if self.held is None and streamed is None:
+                        raise Damaged(message + ": the file is damaged or not this program's")
+                    raise AssertionError(message)
                 out += chunk
         finally:
             for fd in fds:

@@ -258,6 +258,30 @@ def test_the_real_agent_through_checkpoint_and_restore(torpor, gpu, tmp_path, re
     assert gpu.state(proc.pid)["state"] == 0
 
 
+def test_a_damaged_gpu_data_file_fails_the_restore_as_damaged(torpor, gpu, tmp_path, reaper):
+    """A byte of the C agent's data file changed after the checkpoint: the restore fails in
+    agent-resume (the agent's checksums; --verify checks these files by size) with exit 9,
+    damaged, in one line; the restored program is stopped and the checkpoint left as it was,
+    so that the byte put back restores it."""
+    proc, status, agents = _under_the_agent(torpor, gpu, tmp_path, reaper)
+    images = tmp_path / "ck"
+    torpor.json("checkpoint", str(proc.pid), "-D", str(images))
+    proc.wait(timeout=10)
+    victim = max(images.glob("torpor-gpu/**/gpu-memory-*.bin"), key=lambda p: p.stat().st_size)
+    good = victim.read_bytes()
+    at = next(i for i in range(len(good) // 2, len(good)) if good[i])   # data, not a hole
+    victim.write_bytes(good[:at] + bytes([good[at] ^ 1]) + good[at + 1:])
+    r = torpor.run("restore", "-D", str(images))
+    assert r.returncode == 9, r.stderr
+    errors = [line for line in r.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and "agent-resume" in errors[0], r.stderr
+    assert "damaged" in errors[0] and "unchanged" in errors[0], r.stderr
+    assert not alive(proc.pid)
+    victim.write_bytes(good)   # as it was: the restore goes through
+    torpor.json("restore", "-D", str(images))
+    ticks_on(proc.pid, status, agents)
+
+
 def test_the_real_agent_holds_its_memory_through_a_leave_running_checkpoint(torpor, gpu,
                                                                              tmp_path, reaper):
     """A program started with TORPOR_AGENT_VMM_EXPORT=1: `torpor checkpoint --leave-running`

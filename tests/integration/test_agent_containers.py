@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
-from integration.containers import Containerd
+from integration.containers import Containerd, ContainerError
 from tests.integration.conftest import agent_dir, wait_for
 from tests.integration.test_containers_gpu import (  # noqa: F401  (fixtures)
     GIB, containerd, fake_nodes, name, needs_criu, podman, shim)
@@ -83,6 +85,18 @@ def test_podman_export_import_through_the_agent(podman, gpu, daemon, name, base)
             assert m["files"][rel]["size"] == size and m["files"][rel]["sha256"] is None
         podman.rm(name)
 
+        # a byte of its GPU data changed: refused as damaged by the agent's resume, the
+        # restored container stopped, the archive as it was
+        bad = _one_byte_flipped(archive, f"checkpoint/torpor-gpu+{old_pid}+gpu-memory-0.bin",
+                                base / "bad.tar")
+        with pytest.raises(ContainerError) as err:
+            podman.restore(import_=bad)
+        out = err.value.stderr + err.value.stdout
+        assert "damaged" in out and "unchanged" in out, out
+        assert "agent resume" in _events(events)
+        podman.rm(name)
+        events.unlink()
+
         podman.restore(import_=archive)
         new_cid = podman.inspect(name, "{{.Id}}")
         assert podman.pid(name) != old_pid
@@ -100,6 +114,20 @@ def test_podman_export_import_through_the_agent(podman, gpu, daemon, name, base)
         restored_intact(podman, daemon, name, old, events)
     finally:
         podman.rm(name)
+
+
+def _one_byte_flipped(archive: Path, member: str, out: Path) -> Path:
+    """archive with one byte of member, halfway, changed."""
+    import io
+    with tarfile.open(archive) as src, tarfile.open(out, "w") as dst:
+        for m in src.getmembers():
+            data = src.extractfile(m) if m.isfile() else None
+            if m.name == member:
+                raw = bytearray(data.read())
+                raw[len(raw) // 2] ^= 1
+                data = io.BytesIO(bytes(raw))
+            dst.addfile(m, data)
+    return out
 
 
 def _with_subdirectories(archive: Path, out: Path) -> Path:

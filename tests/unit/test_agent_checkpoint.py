@@ -628,8 +628,10 @@ def test_damaged_agent_data_is_caught_by_the_agent_and_the_restore_stopped(world
     f.write_bytes(damaged)
     killed = []
     monkeypatch.setattr(os, "kill", lambda pid, sig: killed.append((pid, sig)))
-    with pytest.raises(TorporError, match="restore failed in agent-resume: .*checksum mismatch"):
+    with pytest.raises(TorporError, match="restore failed in agent-resume: .*checksum mismatch"
+                       ) as err:
         process.restore(world.engine(), images)
+    assert err.value.exit_code == 9   # damaged, as the agent's reply says
     assert killed == [(PID, signal.SIGKILL)]
     assert f.read_bytes() == damaged
 

@@ -240,10 +240,11 @@ def test_a_damaged_file_is_refused_and_a_good_one_then_resumes(gpu, probe, tmp_p
     # refused by the GPU check (the default) or the host sums (TORPOR_AGENT_MOVER_CHECK=host)
     assert r["ok"] is False and re.search("checksum mismatch|do not match their fingerprints",
                                           r["error"]), r
+    assert r.get("damaged") is True and "damaged" in r["error"], r   # torpor: exit 9
     assert (p.status()["state"], p.status()["gate"]) == ("detached", "closed")
     target.write_bytes(good[: len(good) // 2])       # a short file is refused up front
     r = files.send(p.sock, "resume", write=False)
-    assert r["ok"] is False and "shorter" in r["error"], r
+    assert r["ok"] is False and "shorter" in r["error"] and r.get("damaged") is True, r
     target.write_bytes(good)
     assert files.send(p.sock, "resume", write=False)["ok"]
     _intact(p, prog["mem"])

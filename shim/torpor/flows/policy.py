@@ -23,7 +23,7 @@ from typing import Any, Collection, Iterable, Mapping
 
 from ..config import Config
 from ..engine import AgentTarget, Engine
-from ..errors import TorporError
+from ..errors import ExitCode, TorporError
 from ..journal import Operation
 from ..store import Store, fingerprints
 
@@ -137,7 +137,8 @@ def restore_or_roll_back(engine: Engine, op: Operation, checkpointed: list[int],
             engine.release_held()   # before recovery may claim the entry and copy from files
             op.release()
             raise TorporError(f"{phase} failed: {e}; retry failed too: " + "; ".join(problems),
-                              hint=RETRY_HINT) from e
+                              hint=RETRY_HINT, exit_code=ExitCode.CORRUPT   # its data, damaged
+                              if e.exit_code == ExitCode.CORRUPT else None) from e
         log.warning("%s: %s failed (%s) but the retry worked", op.entry.id, phase, e)
         return {}
 

@@ -116,8 +116,8 @@ def restore(engine: Engine, images_dir: Path, *, device_map: dict[str, str] | No
             op.close()
             raise TorporError(f"restore failed in {op.entry.phase}: {e}; the restored processes "
                               f"were stopped, the checkpoint in {images_dir} is unchanged",
-                              exit_code=ExitCode.CORRUPT
-                              if isinstance(e, CorruptCheckpointError) else None) from e
+                              exit_code=ExitCode.CORRUPT if isinstance(e, TorporError) and
+                              e.exit_code == ExitCode.CORRUPT else None) from e
     shutil.rmtree(work_dir, ignore_errors=True)
     return {"root_pid": root, "pids": pids, "cuda_pids": cuda_pids, "gpu_map": gpu_map or {},
             "agent": {str(p): r for p, r in back.items()}, "timings": policy.timings(engine)}

@@ -34,7 +34,7 @@ from typing import Any
 
 from .. import agent, agent_data, flat, layout, manifest, oci
 from ..config import Config
-from ..errors import CorruptCheckpointError, TorporError
+from ..errors import CorruptCheckpointError, ExitCode, TorporError
 from ..files import read_untrusted
 from ..flows import container, policy
 from ..engine import Engine
@@ -204,7 +204,9 @@ def _restore(cfg: Config, runtime: Runtime, inv: Invocation, op: Operation, imag
     except TorporError as e:
         runtime.kill(cid)
         raise TorporError(f"GPU restore of container {cid} failed: {e.line()}; the restored "
-                          f"container was stopped, the checkpoint in {images} is unchanged") from e
+                          f"container was stopped, the checkpoint in {images} is unchanged",
+                          exit_code=ExitCode.CORRUPT if e.exit_code == ExitCode.CORRUPT
+                          else None) from e
     log.info("restore %s: host PID %d, CUDA PIDs %s restored and unlocked in %.2f s", cid, pid,
              list(out.pids), time.monotonic() - t)
     op.close()   # restored: a runtime that dies from now on leaves nothing to recover
