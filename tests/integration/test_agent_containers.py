@@ -69,6 +69,15 @@ def test_podman_export_import_through_the_agent(podman, gpu, daemon, name, base)
                  "the program under its agent")
         old_pid = podman.pid(name)
 
+        # torpor checkpoint of the container's process: refused before anything is locked,
+        # pointing to the engine (CRIU here could not dump its mounts)
+        cli = subprocess.run([sys.executable, "-m", "torpor.cli.main", "checkpoint",
+                              str(old_pid), "-D", str(base / "cli-ck")], env=daemon.env,
+                             capture_output=True, text=True, timeout=60)
+        assert cli.returncode == 2 and f"runs in container {cid}" in cli.stderr, cli.stderr
+        assert "podman container checkpoint" in cli.stderr and not (base / "cli-ck").exists()
+        assert not events.exists() and podman.state(name) == "running"
+
         archive = base / "ck.tar"
         podman.checkpoint(name, export=archive, compress="none")
         assert [e.rsplit(" ", 1)[0] for e in events.read_text().splitlines()] == \

@@ -228,3 +228,39 @@ def test_marking_a_root_again_moves_its_unnormalized_marker_to_the_normal_name(c
     assert not old.exists()
     assert names(cfg) == [markers.path(cfg, CID, "/r").name]
     assert markers.present(cfg, inv("/r/", "delete"))
+
+
+# -- the process of a marked container (torpor checkpoint refuses it) ---------------------------
+
+PODMAN_ID = "3f" * 32
+
+
+@pytest.mark.parametrize("cgroup", [
+    f"0::/machine.slice/libpod-{PODMAN_ID}.scope/container\n",          # podman, systemd, v2
+    f"4:pids:/libpod_parent/libpod-{PODMAN_ID}\n1:name=systemd:/\n",    # podman, cgroupfs, v1
+    f"0::/k8s.io/{PODMAN_ID}\n",                                         # containerd (ctr)
+    f"0::/kubepods.slice/kubepods-pod1.slice/cri-containerd-{PODMAN_ID}.scope\n",   # the CRI
+])
+def test_a_process_in_a_marked_container_is_found_by_its_cgroup(cfg, tmp_path, cgroup):
+    assert markers.write(cfg, inv("/run/containerd/runc/k8s.io", cid=PODMAN_ID))
+    proc = tmp_path / "proc"
+    for pid, text in ((7, "0::/user.slice/user-0.slice/session-1.scope\n"), (8, cgroup)):
+        (proc / str(pid)).mkdir(parents=True)
+        (proc / str(pid) / "cgroup").write_text(text)
+    assert markers.container_of(cfg, [6, 7, 8], proc) == (8, PODMAN_ID)   # 6: gone
+    assert markers.container_of(cfg, [6, 7], proc) is None
+
+
+def test_an_unmarked_container_or_a_near_name_is_not_one_of_ours(cfg, tmp_path):
+    assert markers.write(cfg, inv(None, cid="1"))    # a ctr id that a session's cgroup holds
+    proc = tmp_path / "proc"
+    (proc / "7").mkdir(parents=True)
+    (proc / "7" / "cgroup").write_text(f"0::/user.slice/user-0.slice/session-1.scope\n"
+                                       f"1:pids:/libpod_parent/libpod-{PODMAN_ID}\n")
+    assert markers.container_of(cfg, [7], proc) is None
+    assert markers.marked_ids(cfg) == {"1"}
+
+
+def test_no_marker_directory_finds_no_container(cfg, tmp_path):
+    assert markers.marked_ids(cfg) == set()
+    assert markers.container_of(cfg, [os.getpid()]) is None

@@ -26,12 +26,14 @@ from typing import Any
 
 from .. import (__version__, agent_data, criu, gpus, interrupts, manifest, procs, store_packing,
                workloads)
+from ..config import Config
 from ..driver import ProcessState
 from ..engine import Engine, inventory, targets_of
 from ..errors import (BusyError, NoDriverError, RolledBackError, TorporError, UsageError,
                       describe)
 from ..files import open_trusted_dir, remove_lone_file, tree_size
 from ..progress import human_bytes
+from ..runtime import markers
 from ..store import Store, fingerprints
 from ..store.backend import check_snapshot_name
 from .. import manifest_types as mt
@@ -83,6 +85,18 @@ def gpu_view(engine: Engine, tree: list[int]
     return states, inv
 
 
+def _refuse_containers(cfg: Config, tree: list[int]) -> None:
+    """A process in a container torpor-runtime runs is its engine's to checkpoint: CRIU here
+    cannot dump the container's mounts, and its GPU state goes through torpord."""
+    found = markers.container_of(cfg, tree)
+    if found:
+        pid, cid = found
+        raise UsageError(f"PID {pid} runs in container {cid}, which torpor-runtime runs: "
+                         "checkpoint the container with its engine (podman container "
+                         "checkpoint, ctr tasks checkpoint, the kubelet's checkpoint API); "
+                         "'torpor checkpoint' is for programs outside containers")
+
+
 def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: bool = False,
                shell_job: bool | None = None, store: Store | None = None,
                owner: str = "", known: fingerprints.Known | None = None) -> dict[str, Any]:
@@ -94,6 +108,7 @@ def checkpoint(engine: Engine, pid: int, images_dir: Path, *, leave_running: boo
     procs.require(pid)
     tool = criu.find(cfg)                       # before anything touches the program
     tree = procs.tree(pid)
+    _refuse_containers(cfg, tree)
     comms = {p: procs.comm(p) for p in tree}  # the dump ends them; ask now
     with contextlib.ExitStack() as stack, \
             engine.begin("checkpoint", tree) as op:  # BusyError while another op holds them

@@ -303,3 +303,56 @@ def other_roots(cfg: Config, inv: Invocation) -> list[str]:
             others += [r for r in roots_of(marker_dir(cfg) / name) or []
                        if r == UNREADABLE or normalize_root(r) != root]
     return others
+
+
+def marked_ids(cfg: Config) -> set[str]:
+    """The ids of the containers torpor-runtime took over here (a marker under any root);
+    none where the marker directory is missing or unreadable."""
+    try:
+        names = os.listdir(marker_dir(cfg))
+    except OSError:
+        return set()
+    ids = set()
+    for n in names:
+        try:
+            ids.add(oci.split_name(n)[0])
+        except TorporError:   # no marker's name: nothing of ours
+            continue
+    return ids
+
+
+# how engines name a container's cgroup: <prefix><id>[.scope] (systemd) or <id> (cgroupfs:
+# containerd's /<namespace>/<id>, podman's /libpod_parent/libpod-<id>)
+_CGROUP_PREFIXES = ("libpod-", "cri-containerd-", "crio-", "docker-")
+
+
+def cgroup_names(text: str) -> set[str]:
+    """What may be a container id in a /proc/PID/cgroup: every component of every path,
+    without ".scope", and without an engine's prefix where it has one (_CGROUP_PREFIXES)."""
+    out: set[str] = set()
+    for line in text.splitlines():
+        for part in line.split(":", 2)[-1].split("/"):
+            part = part.removesuffix(".scope")
+            out.add(part)
+            out.update(part[len(p):] for p in _CGROUP_PREFIXES if part.startswith(p))
+    out.discard("")
+    return out
+
+
+def container_of(cfg: Config, pids: list[int], proc: Path = Path("/proc")
+                 ) -> tuple[int, str] | None:
+    """(pid, container id) of the first of pids that runs in a container torpor-runtime took
+    over here (its cgroup names a marked id): the engine checkpoints that container, its GPU
+    state through torpord. None where none does (or nothing can be read)."""
+    ids = marked_ids(cfg)
+    if not ids:
+        return None
+    for pid in pids:
+        try:
+            text = (proc / str(pid) / "cgroup").read_text(errors="replace")
+        except OSError:
+            continue
+        hit = sorted(ids & cgroup_names(text))
+        if hit:
+            return pid, hit[0]
+    return None
