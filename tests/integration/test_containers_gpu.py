@@ -472,6 +472,26 @@ def test_podman_corrupt_archive_refused(podman, gpu, daemon, name, base, running
     assert not [c for c in gpu.calls() if c.call == "restore"]
 
 
+def test_podman_archive_without_its_manifest_still_gets_its_gpu_state_back(
+        podman, gpu, daemon, name, base, running):
+    """torpor.json removed from a driver-path export: nothing else of torpor's is in it, so it
+    reads as another tool's checkpoint and runc restores it; torpor-runtime then has torpord
+    give its process, still CHECKPOINTED in the driver, its GPU state back on the same GPU
+    (runc alone left it frozen for good), and says so."""
+    archive, tick = _export_and_remove(podman, name, running, base)
+    bare = base / "bare.tar"
+    with tarfile.open(archive) as src, tarfile.open(bare, "w") as dst:
+        for member in src.getmembers():
+            if member.name != "checkpoint/torpor.json":
+                dst.addfile(member, src.extractfile(member) if member.isfile() else None)
+    podman.restore(import_=bare)
+    assert podman.state(name) == "running"
+    _assert_running_on(running, gpu.uuid(0))
+    assert running.tick() > tick
+    log = (daemon.cfg.state_dir / "runtime.log").read_text()
+    assert "no manifest; GPU state of PIDs" in log, log[-2000:]
+
+
 # -- containerd ----------------------------------------------------------------------------------
 
 @pytest.fixture

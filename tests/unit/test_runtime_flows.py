@@ -6,6 +6,7 @@ podman, no GPU."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -19,7 +20,7 @@ import pytest
 
 from torpor import agent_data, config, manifest, oci
 from torpor.engine import Engine
-from torpor.errors import CorruptCheckpointError, ExitCode
+from torpor.errors import CorruptCheckpointError, ExitCode, SidecarError
 from torpor.flows import container
 from torpor.journal import Journal
 from torpor.runtime import checkpoint as rt_checkpoint
@@ -376,6 +377,74 @@ def test_gpu_restore_failure_stops_the_restored_container(world, monkeypatch, tm
 
 
 def test_restore_of_a_plain_checkpoint_execs_runc(world, tmp_path):
+    images = tmp_path / "plain"
+    images.mkdir()
+    argv = ["restore", "--image-path", str(images), "--bundle", str(world["bundle"]), CID]
+    with pytest.raises(Exec) as e:
+        rt_main.main(argv)
+    assert e.value.argv == [str(world["runc"].path), *argv]
+    assert world["client"].calls == []
+
+
+@pytest.mark.parametrize("held", [True, False], ids=["frozen-in-the-driver", "running"])
+def test_a_foreign_checkpoint_of_a_gpu_container_gets_its_frozen_gpu_state_back(
+        world, tmp_path, capsys, held):
+    """No torpor.json (another tool's checkpoint, or torpor's driver-path one with its manifest
+    removed, which holds nothing else of torpor's): runc restores it, then torpord gives any
+    process the driver still holds checkpointed its GPU state back (runc alone would leave it
+    frozen for good), with a warning; none held: nothing said."""
+    write_spec(world["bundle"], gpu=True)
+    images = tmp_path / "plain"
+    images.mkdir()
+    (world["runc"].root / "restore.pid").write_text(str(world["pid"]))
+    client = world["client"]
+    if not held:
+        answer = client.restore_and_unlock
+        client.restore_and_unlock = lambda **kw: dataclasses.replace(answer(**kw), pids=())
+    argv = ["restore", "--image-path", str(images), "--bundle", str(world["bundle"]),
+            "--pid-file", str(tmp_path / "pid"), "--detach", CID]
+    assert rt_main.main(argv) == 0
+    assert world["runc"].commands()[-1] == "restore"
+    assert client.calls[-1] == ("restore_and_unlock", {"pids": [world["pid"]], "gpu_map": {}})
+    err = capsys.readouterr().err
+    assert ("no torpor.json" in err and f"PID(s) {world['pid']} checkpointed" in err) is held, err
+    assert held or err == ""
+
+
+def test_a_foreign_gpu_checkpoint_whose_gpu_state_cannot_be_given_back_is_stopped(
+        world, tmp_path, capsys):
+    write_spec(world["bundle"], gpu=True)
+    images = tmp_path / "plain"
+    images.mkdir()
+    (world["runc"].root / "restore.pid").write_text(str(world["pid"]))
+    world["client"].fail = "restore_and_unlock"
+    argv = ["restore", "--image-path", str(images), "--bundle", str(world["bundle"]),
+            "--pid-file", str(tmp_path / "pid"), "--detach", CID]
+    assert rt_main.main(argv) == ExitCode.ERROR
+    assert world["runc"].calls()[-1][-3:] == ["kill", CID, "KILL"]
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "container was stopped" in err, err
+
+
+def test_a_foreign_gpu_checkpoint_without_torpord_is_left_as_runc_restored_it(
+        world, tmp_path, capsys, monkeypatch):
+    write_spec(world["bundle"], gpu=True)
+    images = tmp_path / "plain"
+    images.mkdir()
+    (world["runc"].root / "restore.pid").write_text(str(world["pid"]))
+
+    def down(cfg: Any) -> None:
+        raise SidecarError("torpord is not running")
+    monkeypatch.setattr(rt_restore, "ensure_running", down)
+    argv = ["restore", "--image-path", str(images), "--bundle", str(world["bundle"]),
+            "--pid-file", str(tmp_path / "pid"), "--detach", CID]
+    assert rt_main.main(argv) == 0
+    assert world["runc"].commands()[-1] == "restore" and world["client"].calls == []
+    assert "GPU state was not checked (torpord is not running)" in capsys.readouterr().err
+
+
+def test_a_foreign_checkpoint_of_a_cpu_container_execs_runc(world, tmp_path):
+    write_spec(world["bundle"], gpu=False)
     images = tmp_path / "plain"
     images.mkdir()
     argv = ["restore", "--image-path", str(images), "--bundle", str(world["bundle"]), CID]

@@ -91,7 +91,9 @@ def _run(cfg: Config, runtime: Runtime, inv: Invocation, held: contextlib.ExitSt
             raise CorruptCheckpointError(
                 f"checkpoint {images} holds torpor's {left} but no {manifest.MANIFEST}: "
                 "damaged (its manifest removed), refused")
-        runtime.exec()   # not a torpor checkpoint: exactly what plain runc does
+        if not _names_gpus(Path(inv.opt("bundle", "b") or ".").absolute()):
+            runtime.exec()   # not a torpor checkpoint: exactly what plain runc does
+        return _foreign_gpu(cfg, runtime, inv, images)
     moved_back = flat.unflatten(images)   # checked name by name (flat.py): refused, nothing ran
     if moved_back:
         log.info("restore %s: %d flat file(s) back in their subdirectories", cid, moved_back)
@@ -154,6 +156,61 @@ def _run(cfg: Config, runtime: Runtime, inv: Invocation, held: contextlib.ExitSt
         raise
     op.close()
     return rc
+
+
+def _names_gpus(bundle: Path) -> bool:
+    """Does the bundle's spec name a GPU (oci.detect)? False for one that cannot be read:
+    the real runtime says what is wrong with it."""
+    try:
+        return bool(oci.detect(oci.load(bundle)))
+    except (TorporError, OSError, ValueError):
+        return False
+
+
+def _foreign_gpu(cfg: Config, runtime: Runtime, inv: Invocation, images: Path) -> int:
+    """A GPU container's checkpoint without torpor's manifest: another tool's (CRIU's own cuda
+    plugin gives the GPU state back during the restore), or torpor's driver-path checkpoint
+    whose torpor.json was removed, which holds nothing else of torpor's. The real runtime
+    restores it; then torpord gives any of its processes the driver still holds CHECKPOINTED
+    or LOCKED their GPU state back on the GPUs they were on (the spec's), where runc alone
+    would leave them frozen for good. torpord out of reach: a warning, the container as runc
+    left it; torpord failing to restore them: the container is stopped, the checkpoint kept."""
+    cid = inv.container_id
+    proc = runtime.run()
+    detached = inv.flag("detach", "d")
+    if detached:
+        rc = proc.wait()
+        if rc != 0:
+            return rc
+    pid = _wait_for_pid(runtime, inv, proc)
+    if pid is None:
+        return proc.wait()
+    try:
+        ensure_running(cfg)
+    except TorporError as e:
+        print(f"torpor-runtime: warning: checkpoint {images} has no {manifest.MANIFEST}; its "
+              f"processes' GPU state was not checked ({e.line()})", file=sys.stderr)
+        return 0 if detached else proc.wait()
+    try:
+        with Client(cfg, timeout=work_timeout(cfg)) as c:
+            out = c.restore_and_unlock(pids=[pid], gpu_map={})
+    except TorporError as e:
+        runtime.kill(cid)
+        raise TorporError(f"container {cid} restored from {images}, which has no "
+                          f"{manifest.MANIFEST}, holds processes whose GPU state could not be "
+                          f"given back ({e.line()}): the restored container was stopped, the "
+                          "checkpoint is unchanged", exit_code=ExitCode.CORRUPT
+                          if e.exit_code == ExitCode.CORRUPT else None) from e
+    restored = sorted(int(p) for p in out.pids)
+    log.info("restore %s: no manifest (%s); runc restored host PID %d; the driver held %s of "
+             "its processes", cid, images, pid, restored or "none")
+    if restored:
+        print(f"torpor-runtime: warning: checkpoint {images} has no {manifest.MANIFEST} (its "
+              f"files were not verified), yet the driver held PID(s) "
+              f"{', '.join(map(str, restored))} checkpointed: their GPU state was given back "
+              "on the GPUs they were on", file=sys.stderr)
+        log.warning("restore %s: no manifest; GPU state of PIDs %s given back", cid, restored)
+    return 0 if detached else proc.wait()
 
 
 def _journalled(cfg: Config, runtime: Runtime, inv: Invocation) -> Operation:
