@@ -176,13 +176,7 @@ def _foreign_gpu(cfg: Config, runtime: Runtime, inv: Invocation, images: Path) -
     would leave them frozen for good. torpord out of reach: a warning, the container as runc
     left it; torpord failing to restore them: the container is stopped, the checkpoint kept."""
     cid = inv.container_id
-    proc = runtime.run()
-    detached = inv.flag("detach", "d")
-    if detached:
-        rc = proc.wait()
-        if rc != 0:
-            return rc
-    pid = _wait_for_pid(runtime, inv, proc)
+    proc, pid = _runtime_restored(runtime, inv)
     if pid is None:
         return proc.wait()
     try:
@@ -190,7 +184,7 @@ def _foreign_gpu(cfg: Config, runtime: Runtime, inv: Invocation, images: Path) -
     except TorporError as e:
         print(f"torpor-runtime: warning: checkpoint {images} has no {manifest.MANIFEST}; its "
               f"processes' GPU state was not checked ({e.line()})", file=sys.stderr)
-        return 0 if detached else proc.wait()
+        return proc.wait()   # --detach: its 0, already read
     try:
         with Client(cfg, timeout=work_timeout(cfg)) as c:
             out = c.restore_and_unlock(pids=[pid], gpu_map={})
@@ -210,7 +204,7 @@ def _foreign_gpu(cfg: Config, runtime: Runtime, inv: Invocation, images: Path) -
               f"{', '.join(map(str, restored))} checkpointed: their GPU state was given back "
               "on the GPUs they were on", file=sys.stderr)
         log.warning("restore %s: no manifest; GPU state of PIDs %s given back", cid, restored)
-    return 0 if detached else proc.wait()
+    return proc.wait()   # --detach: its 0, already read
 
 
 def _journalled(cfg: Config, runtime: Runtime, inv: Invocation) -> Operation:
@@ -239,13 +233,7 @@ def _restore(cfg: Config, runtime: Runtime, inv: Invocation, op: Operation, imag
     latter, or a reply naming fewer than cuda restored (_require_all), stops the
     container."""
     cid = inv.container_id
-    proc = runtime.run()
-    detached = inv.flag("detach", "d")
-    if detached:
-        rc = proc.wait()
-        if rc != 0:
-            return rc
-    pid = _wait_for_pid(runtime, inv, proc)
+    proc, pid = _runtime_restored(runtime, inv)
     if pid is None:
         return proc.wait()
     t = time.monotonic()
@@ -268,7 +256,7 @@ def _restore(cfg: Config, runtime: Runtime, inv: Invocation, op: Operation, imag
              list(out.pids), time.monotonic() - t)
     op.close()   # restored: a runtime that dies from now on leaves nothing to recover
     held.close()   # and the GPU data is streamed: the store's lock goes before a foreground wait
-    return 0 if detached else proc.wait()
+    return proc.wait()   # --detach: its 0, already read
 
 
 def _require_all(restored: Any, cuda: int) -> None:
@@ -309,6 +297,16 @@ def _read_pid(path: Path) -> int | None:
     except OSError:
         return None
     return int(text) if text.isdigit() and int(text) > 1 else None
+
+
+def _runtime_restored(runtime: Runtime, inv: Invocation) -> tuple[Any, int | None]:
+    """The real runtime's restore, started: (its process, the restored container's host PID).
+    None for the PID when it failed (proc.wait() is its exit status). With --detach the
+    runtime has exited, with 0, by then; without, it runs the container in the foreground."""
+    proc = runtime.run()
+    if inv.flag("detach", "d") and proc.wait() != 0:
+        return proc, None
+    return proc, _wait_for_pid(runtime, inv, proc)
 
 
 def _wait_for_pid(runtime: Runtime, inv: Invocation, proc: Any) -> int | None:
