@@ -277,6 +277,42 @@ def test_torch_cuda_graphs_checkpoint_restore(torpor, progs, agent_dir, tmp_path
     bit_exact(ref, prog, more=20)
 
 
+def test_a_damaged_gpu_data_file_fails_the_restore_as_damaged(torpor, progs, agent_dir,
+                                                              tmp_path):
+    """One byte of the agent's data file changed after the checkpoint: the agent's check (its
+    GPU fingerprints) fails the restore in agent-resume with exit 9, the restored program is
+    stopped, the checkpoint unchanged; the byte put back, the restore continues bit-exact."""
+    ref = progs("torch", "ref", GIB)
+    prog = progs("torch", "prog", GIB, agent=True)
+    prog.wait_ready()
+    prog.wait_step(5)
+    under_agent(prog, agent_dir, GIB * GiB)
+    images = tmp_path / "ck"
+    torpor.json("checkpoint", str(prog.pid), "-D", str(images), timeout=600)
+    prog.reap()
+    victim = max(images.glob("torpor-gpu/**/gpu-memory-*.bin"), key=lambda f: f.stat().st_size)
+    with open(victim, "r+b") as f:
+        f.seek(victim.stat().st_size // 2)
+        at = f.tell()
+        block = f.read(64 << 20)
+        at += next(i for i, b in enumerate(block) if b)   # data, not a zero part's hole
+        f.seek(at)
+        good = f.read(1)
+        f.seek(at)
+        f.write(bytes([good[0] ^ 1]))
+    r = torpor.run("restore", "-D", str(images), timeout=600)
+    show("damaged restore", {"rc": r.returncode, "stderr": r.stderr[-2000:]})
+    assert r.returncode == 9 and "damaged" in r.stderr and "unchanged" in r.stderr, r.stderr
+    wait_for(lambda: not programs.alive(prog.pid), 30, "the restored program stopped")
+    with open(victim, "r+b") as f:
+        f.seek(at)
+        f.write(good)
+    step = prog.step()
+    torpor.json("restore", "-D", str(images), timeout=600)
+    prog.wait_step(step + 10)
+    bit_exact(ref, prog)
+
+
 @pytest.mark.parametrize("allocator", sorted(ALLOCATORS))
 def test_prepare_releases_allocator_cache(torpor, progs, agent_dir, allocator):
     """A program whose PyTorch cache holds as much as it uses: the agent releases the cache
