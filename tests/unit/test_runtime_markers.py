@@ -264,3 +264,23 @@ def test_an_unmarked_container_or_a_near_name_is_not_one_of_ours(cfg, tmp_path):
 def test_no_marker_directory_finds_no_container(cfg, tmp_path):
     assert markers.marked_ids(cfg) == set()
     assert markers.container_of(cfg, [os.getpid()]) is None
+
+
+@pytest.mark.parametrize("cgroup", ["0::/system.slice/train.scope\n",                 # a unit
+                                    "0::/slurmstepd.scope/job_1/step_0/train/task_0\n"])
+@pytest.mark.parametrize("bare", [True, False], ids=["our-pid-namespace", "its-own"])
+def test_a_short_id_in_a_bare_programs_cgroup_is_no_container(cfg, tmp_path, cgroup, bare):
+    """ctr id "train" marked; a process whose cgroup names "train" is that container's only
+    in a PID namespace of its own: in ours it is a bare program (a systemd unit, a batch
+    step), and torpor checkpoint takes it."""
+    assert markers.write(cfg, inv(None, cid="train"))
+    proc = tmp_path / "proc"
+    (proc / "7" / "ns").mkdir(parents=True)
+    (proc / "self" / "ns").mkdir(parents=True)
+    (proc / "self" / "ns" / "pid").symlink_to("/proc/self/ns/pid")
+    if bare:
+        (proc / "7" / "ns" / "pid").symlink_to("/proc/self/ns/pid")
+    else:
+        (proc / "7" / "ns" / "pid").write_text("")   # another inode: another namespace
+    (proc / "7" / "cgroup").write_text(cgroup)
+    assert markers.container_of(cfg, [7], proc) == (None if bare else (7, "train"))

@@ -343,11 +343,17 @@ def container_of(cfg: Config, pids: list[int], proc: Path = Path("/proc")
                  ) -> tuple[int, str] | None:
     """(pid, container id) of the first of pids that runs in a container torpor-runtime took
     over here (its cgroup names a marked id): the engine checkpoints that container, its GPU
-    state through torpord. None where none does (or nothing can be read)."""
+    state through torpord. None where none does (or nothing can be read). A process in our own
+    PID namespace is in no container (a container has its own; one run with the host's is
+    not told apart): a systemd unit or a batch step whose cgroup happens to name a short
+    container id (a ctr id "train", "user") is never taken for one."""
     ids = marked_ids(cfg)
     if not ids:
         return None
+    ours = _pid_namespace(proc / "self")
     for pid in pids:
+        if ours is not None and _pid_namespace(proc / str(pid)) == ours:
+            continue
         try:
             text = (proc / str(pid) / "cgroup").read_text(errors="replace")
         except OSError:
@@ -356,3 +362,13 @@ def container_of(cfg: Config, pids: list[int], proc: Path = Path("/proc")
         if hit:
             return pid, hit[0]
     return None
+
+
+def _pid_namespace(proc_pid: Path) -> tuple[int, int] | None:
+    """The PID namespace of the process at /proc/<pid> (its nsfs device and inode), or None
+    where it cannot be read (gone, or not ours to look at)."""
+    try:
+        st = os.stat(proc_pid / "ns" / "pid")
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
