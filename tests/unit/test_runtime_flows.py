@@ -20,15 +20,17 @@ import pytest
 
 from torpor import agent_data, config, manifest, oci
 from torpor.engine import Engine
-from torpor.errors import CorruptCheckpointError, ExitCode, SidecarError
+from torpor.errors import CorruptCheckpointError, ExitCode, SidecarError, TorporError
 from torpor.flows import container
 from torpor.journal import Journal
+from torpor.runtime import argv as rt_argv
 from torpor.runtime import checkpoint as rt_checkpoint
 from torpor.runtime import main as rt_main
 from torpor.runtime import markers
 from torpor.runtime import restore as rt_restore
 from torpor.sidecar.client import work_timeout
-from torpor.sidecar.convert import Checkpointed, CudaProcess, OperationResult, Restored
+from torpor.sidecar.convert import (Checkpointed, CudaProcess, OperationResult, ProcessStatus,
+                                   Restored, Status)
 from torpor.store import images as store_images
 
 CID = "c0ffee0123456789"
@@ -120,6 +122,7 @@ class FakeClient:
         self.pid, self.fail, self.calls = pid, fail, []
         self.timeouts: list[Any] = []   # each channel's deadline for its calls
         self.answers_owner = True       # False: a torpord from before store_owner
+        self.states: dict[int, str] = {}   # status(): PID -> driver state
 
     def __call__(self, cfg: Any, timeout: Any = None) -> "FakeClient":
         self.timeouts.append(timeout)
@@ -163,6 +166,12 @@ class FakeClient:
     def rollback(self, op_id: str) -> OperationResult:
         self._record("rollback", op_id=op_id)
         return self._result(op_id, "rolled-back")
+
+    def status(self, **kw: Any) -> Status:
+        """Each PID asked about: CUDA, in self.states' driver state (RUNNING by default)."""
+        self._record("status", **kw)
+        return Status(tuple(ProcessStatus(p, True, True, self.states.get(p, "RUNNING"))
+                            for p in kw.get("pids") or ()))
 
     def restore_and_unlock(self, **kw: Any) -> Restored:
         self._record("restore_and_unlock", **kw)
@@ -359,7 +368,11 @@ def test_gpu_restore_gives_torpord_the_restored_pid(world, monkeypatch, tmp_path
         new.wait()
 
 
-def test_gpu_restore_failure_stops_the_restored_container(world, monkeypatch, tmp_path, capsys):
+@pytest.mark.parametrize("damaged", [False, True], ids=["failed", "damaged"])
+def test_gpu_restore_failure_stops_the_restored_container(world, monkeypatch, tmp_path, capsys,
+                                                          damaged):
+    """torpord's restore fails: the container is stopped, the checkpoint kept; exit 9 where
+    the GPU data was found damaged (its agent's check, through torpord), else 1."""
     write_spec(world["bundle"], gpu=True)
     assert rt_main.main(checkpoint_argv(world["images"])) == 0
     before = sorted(p.name for p in world["images"].iterdir())
@@ -368,9 +381,13 @@ def test_gpu_restore_failure_stops_the_restored_container(world, monkeypatch, tm
                         lambda cfg, m, b: container.Placement({GPU: GPU}))
     client = world["client"]
     client.fail = "restore_and_unlock"
+    if damaged:
+        def fails(**kw: Any) -> None:
+            raise CorruptCheckpointError("agent 'resume': the data files are damaged")
+        client.restore_and_unlock = fails
     argv = ["restore", "--image-path", str(world["images"]), "--bundle", str(world["bundle"]),
             "--pid-file", str(tmp_path / "pid"), "--detach", CID]
-    assert rt_main.main(argv) != 0
+    assert rt_main.main(argv) == (ExitCode.CORRUPT if damaged else ExitCode.ERROR)
     assert world["runc"].calls()[-1][-3:] == ["kill", CID, "KILL"]
     assert "container was stopped" in capsys.readouterr().err
     assert sorted(p.name for p in world["images"].iterdir()) == before   # checkpoint kept
@@ -402,46 +419,81 @@ def _foreign_gpu_restore(world: dict, tmp_path: Path) -> list[str]:
             "--pid-file", str(tmp_path / "pid"), "--detach", CID]
 
 
-@pytest.mark.parametrize("held", [True, False], ids=["frozen-in-the-driver", "running"])
+@pytest.mark.parametrize("state", ["CHECKPOINTED", "LOCKED", "RUNNING"])
 def test_a_foreign_checkpoint_of_a_gpu_container_gets_its_frozen_gpu_state_back(
-        world, tmp_path, capsys, held):
+        world, tmp_path, capsys, state):
     """No torpor.json (another tool's checkpoint, or torpor's driver-path one with its manifest
     removed, which holds nothing else of torpor's): runc restores it, then torpord gives any
-    process the driver still holds checkpointed its GPU state back (runc alone would leave it
-    frozen for good), with a warning; none held: nothing said."""
+    process the driver still holds checkpointed or locked its GPU state back (runc alone would
+    leave it frozen for good), with a warning; all running (CRIU's cuda plugin gave it back):
+    nothing asked, nothing said. The container is marked (its delete comes back to torpor)."""
     argv = _foreign_gpu_restore(world, tmp_path)
     client = world["client"]
-    if not held:
-        answer = client.restore_and_unlock
-        client.restore_and_unlock = lambda **kw: dataclasses.replace(answer(**kw), pids=())
+    client.states[world["pid"]] = state
     assert rt_main.main(argv) == 0
     assert world["runc"].commands()[-1] == "restore"
-    assert client.calls[-1] == ("restore_and_unlock", {"pids": [world["pid"]], "gpu_map": {}})
+    frozen = state != "RUNNING"
+    assert client.names() == ["ensure", "status"] + ["restore_and_unlock"] * frozen
+    assert client.calls[1][1]["pids"][0] == world["pid"]   # its tree, from the root
+    if frozen:
+        assert client.calls[2] == ("restore_and_unlock", {"pids": [world["pid"]], "gpu_map": {}})
     err = capsys.readouterr().err
-    assert ("no torpor.json" in err and f"PID(s) {world['pid']} checkpointed" in err) is held, err
-    assert held or err == ""
+    assert ("no torpor.json" in err and f"PID(s) {world['pid']} checkpointed" in err) is frozen
+    assert frozen or err == ""
+    assert markers.present(config.load(), rt_argv.parse(["delete", CID]))
+    assert not list(Journal(config.load()).orphans())   # settled: nothing to recover
 
 
+@pytest.mark.parametrize("exc", [TorporError, CorruptCheckpointError])
 def test_a_foreign_gpu_checkpoint_whose_gpu_state_cannot_be_given_back_is_stopped(
-        world, tmp_path, capsys):
+        world, tmp_path, capsys, exc):
     argv = _foreign_gpu_restore(world, tmp_path)
-    world["client"].fail = "restore_and_unlock"
-    assert rt_main.main(argv) == ExitCode.ERROR
+    world["client"].states[world["pid"]] = "CHECKPOINTED"
+
+    def fails(**kw: Any) -> None:
+        raise exc("the driver refused")
+    world["client"].restore_and_unlock = fails
+    assert rt_main.main(argv) == (ExitCode.CORRUPT if exc is CorruptCheckpointError
+                                  else ExitCode.ERROR)
     assert world["runc"].calls()[-1][-3:] == ["kill", CID, "KILL"]
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "container was stopped" in err, err
+    assert "the driver refused" in err
 
 
+@pytest.mark.parametrize("down", ["not started", "not answering"])
 def test_a_foreign_gpu_checkpoint_without_torpord_is_left_as_runc_restored_it(
-        world, tmp_path, capsys, monkeypatch):
+        world, tmp_path, capsys, monkeypatch, down):
+    """torpord cannot be started, or does not answer the question: nothing is known of the
+    processes' GPU state, and the container stays as the runtime restored it, with a
+    warning (a CRIU-cuda-plugin checkpoint is whole; torpor's own would stay frozen)."""
+    argv = _foreign_gpu_restore(world, tmp_path)
+    if down == "not started":
+        def not_started(cfg: Any) -> None:
+            raise SidecarError("torpord is not running")
+        monkeypatch.setattr(rt_restore, "ensure_running", not_started)
+    else:
+        world["client"].fail = "status"
+    assert rt_main.main(argv) == 0
+    assert world["runc"].commands()[-1] == "restore"
+    assert "restore_and_unlock" not in world["client"].names()
+    assert "GPU state was not checked" in capsys.readouterr().err
+    assert not list(Journal(config.load()).orphans())
+
+
+def test_a_runtime_killed_in_a_foreign_gpu_restore_leaves_it_to_recovery(world, tmp_path):
+    """torpor-runtime dies (the engine's timeout, the OOM killer) after runc restored and
+    before the GPU state is settled: its journal entry makes recovery stop the container,
+    whose frozen processes nobody else would give their GPU state back."""
     argv = _foreign_gpu_restore(world, tmp_path)
 
-    def down(cfg: Any) -> None:
-        raise SidecarError("torpord is not running")
-    monkeypatch.setattr(rt_restore, "ensure_running", down)
-    assert rt_main.main(argv) == 0
-    assert world["runc"].commands()[-1] == "restore" and world["client"].calls == []
-    assert "GPU state was not checked (torpord is not running)" in capsys.readouterr().err
+    def killed(**kw: Any) -> None:
+        raise KeyboardInterrupt   # any end but a TorporError: as a SIGKILL leaves it
+    world["client"].status = killed
+    assert rt_main.main(argv) == ExitCode.INTERRUPTED
+    entries = [e for e, fd in Journal(config.load()).orphans() if not os.close(fd)]
+    assert [e.kind for e in entries] == ["restore"]
+    assert entries[0].container["id"] == CID
 
 
 def test_bundle_without_readable_spec_passes_through(world):

@@ -30,10 +30,11 @@ import stat
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from .. import agent, agent_data, flat, layout, manifest, oci
+from .. import agent, agent_data, flat, layout, manifest, oci, procs
 from ..config import Config
+from ..driver import ProcessState
 from ..errors import CorruptCheckpointError, ExitCode, TorporError
 from ..files import read_untrusted
 from ..flows import container, policy
@@ -51,6 +52,8 @@ from .runc import Runtime
 
 log = logging.getLogger("torpor.runtime")
 PID_WAIT_S = 600.0
+# a restored process in these driver states has GPU state no one gave back yet
+FROZEN = frozenset({ProcessState.CHECKPOINTED.name, ProcessState.LOCKED.name})
 
 
 def read_manifest(images: Path) -> tuple[dict[str, Any], bool]:
@@ -93,7 +96,9 @@ def _run(cfg: Config, runtime: Runtime, inv: Invocation, held: contextlib.ExitSt
                 "damaged (its manifest removed), refused")
         if not _names_gpus(Path(inv.opt("bundle", "b") or ".").absolute()):
             runtime.exec()   # not a torpor checkpoint: exactly what plain runc does
-        return _foreign_gpu(cfg, runtime, inv, images)
+        markers.write(cfg, inv)   # a GPU container: its delete and checkpoint come back here
+        return _in_journal(cfg, runtime, inv,
+                           lambda op: _foreign_gpu(cfg, runtime, inv, op, images))
     moved_back = flat.unflatten(images)   # checked name by name (flat.py): refused, nothing ran
     if moved_back:
         log.info("restore %s: %d flat file(s) back in their subdirectories", cid, moved_back)
@@ -145,14 +150,24 @@ def _run(cfg: Config, runtime: Runtime, inv: Invocation, held: contextlib.ExitSt
             _wait_for_pid(runtime, inv, proc)
         held.close()   # restored: the store's chunks are read (gc may go on for its whole life)
         return proc.wait()
+    return _in_journal(cfg, runtime, inv, lambda op: _restore(
+        cfg, runtime, inv, op, images, placed, moved, in_store, len(cuda), held))
+
+
+def _in_journal(cfg: Config, runtime: Runtime, inv: Invocation,
+                restore: Callable[[Operation], int]) -> int:
+    """restore(op) under a journal entry (_journalled) that it closes once the container's
+    GPU state is back (before a foreground runtime's wait). A TorporError has stopped the
+    restored container: nothing left to recover; any other end (a signal, a bug) leaves the
+    entry to recovery, which stops what the runtime restored (engine/recovery.py)."""
     op = _journalled(cfg, runtime, inv)
     try:
-        rc = _restore(cfg, runtime, inv, op, images, placed, moved, in_store, len(cuda), held)
+        rc = restore(op)
     except TorporError:
-        op.close()   # the restored container, if any, was stopped: nothing left to recover
+        op.close()
         raise
     except BaseException:
-        op.release()   # recovery stops what the runtime restored (engine/recovery.py)
+        op.release()
         raise
     op.close()
     return rc
@@ -167,43 +182,50 @@ def _names_gpus(bundle: Path) -> bool:
         return False
 
 
-def _foreign_gpu(cfg: Config, runtime: Runtime, inv: Invocation, images: Path) -> int:
+def _foreign_gpu(cfg: Config, runtime: Runtime, inv: Invocation, op: Operation,
+                 images: Path) -> int:
     """A GPU container's checkpoint without torpor's manifest: another tool's (CRIU's own cuda
     plugin gives the GPU state back during the restore), or torpor's driver-path checkpoint
     whose torpor.json was removed, which holds nothing else of torpor's. The real runtime
-    restores it; then torpord gives any of its processes the driver still holds CHECKPOINTED
-    or LOCKED their GPU state back on the GPUs they were on (the spec's), where runc alone
-    would leave them frozen for good. torpord out of reach: a warning, the container as runc
-    left it; torpord failing to restore them: the container is stopped, the checkpoint kept."""
+    restores it; then, where torpord finds any of its processes CHECKPOINTED or LOCKED in the
+    driver (runc alone would leave them frozen for good), it gives them their GPU state back
+    on the GPUs they were on, with a warning; a failure there stops the container (the
+    checkpoint unchanged). torpord not started or not answering the question: a warning, the
+    container as the runtime left it. op (_in_journal) is closed once that is settled."""
     cid = inv.container_id
     proc, pid = _runtime_restored(runtime, inv)
     if pid is None:
         return proc.wait()
     try:
         ensure_running(cfg)
+        with Client(cfg) as c:
+            states = c.status(pids=procs.tree(pid)).processes
     except TorporError as e:
         print(f"torpor-runtime: warning: checkpoint {images} has no {manifest.MANIFEST}; its "
               f"processes' GPU state was not checked ({e.line()})", file=sys.stderr)
+        op.close()
         return proc.wait()   # --detach: its 0, already read
-    try:
-        with Client(cfg, timeout=work_timeout(cfg)) as c:
-            out = c.restore_and_unlock(pids=[pid], gpu_map={})
-    except TorporError as e:
-        runtime.kill(cid)
-        raise TorporError(f"container {cid} restored from {images}, which has no "
-                          f"{manifest.MANIFEST}, holds processes whose GPU state could not be "
-                          f"given back ({e.line()}): the restored container was stopped, the "
-                          "checkpoint is unchanged", exit_code=ExitCode.CORRUPT
-                          if e.exit_code == ExitCode.CORRUPT else None) from e
-    restored = sorted(int(p) for p in out.pids)
-    log.info("restore %s: no manifest (%s); runc restored host PID %d; the driver held %s of "
-             "its processes", cid, images, pid, restored or "none")
-    if restored:
+    frozen = sorted(s.pid for s in states if s.state in FROZEN)
+    log.info("restore %s: no manifest (%s); runc restored host PID %d; frozen in the driver: "
+             "%s", cid, images, pid, frozen or "none")
+    if frozen:
+        try:
+            with Client(cfg, timeout=work_timeout(cfg)) as c:
+                c.restore_and_unlock(pids=[pid], gpu_map={})
+        except TorporError as e:
+            runtime.kill(cid)
+            raise TorporError(f"container {cid} restored from {images}, which has no "
+                              f"{manifest.MANIFEST}, holds PID(s) {', '.join(map(str, frozen))} "
+                              f"checkpointed in the driver whose GPU state could not be given "
+                              f"back ({e.line()}): the restored container was stopped, the "
+                              "checkpoint is unchanged", exit_code=ExitCode.CORRUPT
+                              if e.exit_code == ExitCode.CORRUPT else None) from e
         print(f"torpor-runtime: warning: checkpoint {images} has no {manifest.MANIFEST} (its "
               f"files were not verified), yet the driver held PID(s) "
-              f"{', '.join(map(str, restored))} checkpointed: their GPU state was given back "
-              "on the GPUs they were on", file=sys.stderr)
-        log.warning("restore %s: no manifest; GPU state of PIDs %s given back", cid, restored)
+              f"{', '.join(map(str, frozen))} checkpointed: their GPU state was given back on "
+              "the GPUs they were on", file=sys.stderr)
+        log.warning("restore %s: no manifest; GPU state of PIDs %s given back", cid, frozen)
+    op.close()   # settled: a runtime that dies from now on leaves nothing to recover
     return proc.wait()   # --detach: its 0, already read
 
 
