@@ -25,7 +25,7 @@ import pytest
 
 from tests.fakes.fake_agent import Events, FakeAgent, FakeDriver
 from torpor import agent_data, criu, engine as engine_mod, gpus, manifest, procs
-from torpor.flows import process
+from torpor.flows import policy, process
 from torpor.engine import Engine, targets_of
 from torpor.errors import CriuError, RolledBackError, TorporError, UsageError
 from torpor.progress import Progress
@@ -538,8 +538,9 @@ def test_a_failed_agent_resume_is_reported_and_can_be_retried(world):
     good = victim.read_bytes()
     victim.write_bytes(b"\0" * len(good))
     with pytest.raises(TorporError, match="agent resume failed .*checksum mismatch.*its GPU "
-                                          f"memory stays in {root}"):
+                                          f"memory stays in {root}") as err:
         process.resume(world.engine(), PID)
+    assert err.value.exit_code == 9 and err.value.hint == policy.DAMAGED_HINT   # its data
     assert world.driver.unlocked(PID) and world.agent.state == "detached"
     assert root.exists() and PID in world.engine().journal.suspended()
     victim.write_bytes(good)

@@ -102,6 +102,8 @@ def fingerprint_plan(cfg: Config, store: Store | None, owner: str, mode: Fingerp
 # -- restore, then roll back once more ---------------------------------------------------------
 
 RETRY_HINT = "the journal keeps it: the next torpor, or a torpord restart, retries it"
+DAMAGED_HINT = ("its saved GPU data is damaged: the journal keeps it, but a retry goes "
+                "through only once that data is whole again")
 
 
 def restore_or_roll_back(engine: Engine, op: Operation, checkpointed: list[int],
@@ -136,9 +138,12 @@ def restore_or_roll_back(engine: Engine, op: Operation, checkpointed: list[int],
         if problems:
             engine.release_held()   # before recovery may claim the entry and copy from files
             op.release()
+            if e.exit_code == ExitCode.CORRUPT:   # its saved GPU data, changed: exit 9
+                raise TorporError(f"{phase} failed: {e}; retry failed too: "
+                                  + "; ".join(problems), hint=DAMAGED_HINT,
+                                  exit_code=ExitCode.CORRUPT) from e
             raise TorporError(f"{phase} failed: {e}; retry failed too: " + "; ".join(problems),
-                              hint=RETRY_HINT, exit_code=ExitCode.CORRUPT   # its data, damaged
-                              if e.exit_code == ExitCode.CORRUPT else None) from e
+                              hint=RETRY_HINT) from e
         log.warning("%s: %s failed (%s) but the retry worked", op.entry.id, phase, e)
         return {}
 
