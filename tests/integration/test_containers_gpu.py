@@ -564,3 +564,42 @@ def test_containerd_checkpoint_restore_through_the_image_store(containerd, gpu, 
     finally:
         containerd.rm(name)
         containerd.rm_image(ref)
+
+
+def test_containerd_runtime_killed_while_the_task_is_thawed_leaves_it_usable(
+        containerd, gpu, daemon, name):
+    """ctr pauses the task around its checkpoint; torpor-runtime thaws it for the GPU step.
+    SIGKILLed then (torpord checkpointing the GPU state), it leaves the task running: ctr's
+    resume after the failed checkpoint succeeds (lifecycle.resume), not "container not
+    paused", which left containerd's shim calling the task paused while runc would neither
+    pause nor resume it. torpord rolls the GPU state back; the task pauses and resumes."""
+    w, _ = _containerd_workload(containerd, gpu, name, "ctrk")
+    try:
+        w.wait_ticking()
+        gpu.delay("checkpoint", 3000)
+        ck = subprocess.Popen([containerd.ctr, "--address", str(containerd.address),
+                               "--namespace", containerd.namespace, "containers", "checkpoint",
+                               "--task", "--rw", name, f"localhost/torpor-test-ck:{name}"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            wait_for(lambda: any(c.call == "lock" for c in gpu.calls()), 20, "the lock")
+            shim_pid = _pgrep(f"torpor-runtime(-py)? .*checkpoint .*{name}")
+            assert shim_pid, "torpor-runtime checkpoint"
+            os.kill(shim_pid, signal.SIGKILL)
+            out, err = ck.communicate(timeout=60)
+        finally:
+            if ck.poll() is None:
+                ck.kill()
+        assert ck.returncode != 0 and "error resuming task" not in out + err, out + err
+        assert containerd.state(name) == "running"
+        gpu.clear_faults()
+        wait_for(lambda: w_state(w) == RUNNING and not daemon.client().list().operations, 20,
+                 "torpord rolling the operation back")
+        w.wait_ticking(w.tick())
+        containerd._c("tasks", "pause", name)
+        assert containerd.state(name) == "paused"
+        containerd._c("tasks", "resume", name)
+        assert containerd.state(name) == "running"
+        w.wait_ticking(w.tick())
+    finally:
+        containerd.rm(name)

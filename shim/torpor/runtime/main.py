@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
 # run is create and start in one: the front hands a GPU container's run here as it does its
 # create, and the spec needs the same hooks, agent and marker
 FLOWS: dict[str, Any] = {"create": lifecycle.create, "run": lifecycle.create,
-                         "delete": lifecycle.delete, "checkpoint": checkpoint.run,
+                         "delete": lifecycle.delete, "resume": lifecycle.resume,
+                         "checkpoint": checkpoint.run,
                          "restore": restore.run}
 
 
