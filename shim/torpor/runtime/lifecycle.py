@@ -226,4 +226,3 @@ def resume(cfg: Config, runtime: Runtime, inv: Invocation) -> int:
     log.warning("resume %s: not paused (a checkpoint interrupted while it had it thawed?); "
                 "it runs, as asked", inv.container_id)
     return 0
-
